@@ -1,0 +1,48 @@
+# Everything runs from a project virtualenv that `make` creates on first use.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PROTOC   = $(BIN)/python -m grpc_tools.protoc
+PROTOS  := proto/controller/v1/controller.proto
+STAMP   := $(VENV)/.installed
+
+.PHONY: venv demo test test-unit lint typecheck proto proto-check clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,sim]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/controllerctl demo
+
+test: $(STAMP) proto-check lint typecheck
+	$(BIN)/python -m pytest -q
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration"
+
+lint: $(STAMP)
+	$(BIN)/ruff check controller policies sim tests benchmarks
+	$(BIN)/ruff format --check controller policies sim tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy controller policies sim
+
+# Stubs are generated into controller/v1 and committed.
+proto: $(STAMP)
+	$(PROTOC) -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+proto-check: $(STAMP)
+	@tmp=$$(mktemp -d); \
+	$(PROTOC) -Iproto --python_out=$$tmp --pyi_out=$$tmp --grpc_python_out=$$tmp $(PROTOS) && \
+	for f in controller_pb2.py controller_pb2.pyi controller_pb2_grpc.py; do \
+	  if ! cmp -s $$tmp/controller/v1/$$f controller/v1/$$f; then \
+	    echo "proto-check: controller/v1/$$f is out of date with proto/ (run 'make proto')"; rm -rf $$tmp; exit 1; fi; \
+	done; rm -rf $$tmp; echo "proto-check: generated stubs match proto/"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,143 @@
+"""Conversions between the wire messages (controller.v1) and the pure values in ``policies``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from controller.v1 import controller_pb2 as pb
+from policies.arms import METHOD_CODES, Arm, Method
+from policies.directive import Directive, KRange, PlanEntry, RequestRule
+from policies.engine import EngineInfo, Granularity
+from policies.observation import NOT_SCORED, StepObservation
+
+
+def arm_to_pb(arm: Arm) -> pb.Arm:
+    return pb.Arm(method=arm.method.value, k=arm.k)
+
+
+def arm_from_pb(msg: pb.Arm) -> Arm:
+    """Raises ValueError for an unknown method or an impossible K."""
+    return Arm(Method(msg.method), int(msg.k))
+
+
+def engine_info_from_hello(h: pb.Hello) -> EngineInfo:
+    """Raises ValueError when the Hello is unusable (the caller answers INVALID_ARGUMENT)."""
+    return EngineInfo(
+        engine_id=h.engine_id,
+        model=h.model,
+        max_k=int(h.max_k),
+        arms=tuple(arm_from_pb(a) for a in h.arms),
+        granularity=Granularity(h.granularity) if h.granularity else Granularity.BATCH_STEP,
+        max_batch_size=int(h.max_batch_size) or 256,
+        counterfactual_methods=tuple(Method(m) for m in h.counterfactual_methods),
+        p_eagle_partial_k_safe=bool(h.p_eagle_partial_k_safe),
+    )
+
+
+def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "") -> pb.Hello:
+    return pb.Hello(
+        engine_id=e.engine_id,
+        model=e.model,
+        max_k=e.max_k,
+        arms=[arm_to_pb(a) for a in e.arms],
+        granularity=int(e.granularity),
+        max_batch_size=e.max_batch_size,
+        engine_version=engine_version,
+        counterfactual_methods=[m.value for m in e.counterfactual_methods],
+        p_eagle_partial_k_safe=e.p_eagle_partial_k_safe,
+        protocol_version=1,
+    )
+
+
+def observation_from_pb(step: pb.StepReport) -> StepObservation:
+    """Columns from a (validated) StepReport."""
+    reqs = step.requests
+    n = len(reqs)
+    cf_methods = {m for r in reqs for m in r.counterfactual_accepted}
+    cf: dict[Method, np.ndarray] = {}
+    for m in cf_methods:
+        cf[Method(m)] = np.fromiter(
+            (r.counterfactual_accepted.get(m, NOT_SCORED) for r in reqs), dtype=np.int32, count=n
+        )
+    return StepObservation(
+        time_s=step.time_s,
+        duration_s=step.duration_s,
+        batch_size=int(step.batch_size) or n,
+        queue_length=int(step.queue_length),
+        queue_wait_s=step.queue_wait_s,
+        traffic_class=tuple(r.traffic_class or "default" for r in reqs),
+        method=np.fromiter((METHOD_CODES[Method(r.method)] for r in reqs), dtype=np.int8, count=n),
+        k=np.fromiter((r.k for r in reqs), dtype=np.int32, count=n),
+        drafted=np.fromiter((r.drafted for r in reqs), dtype=np.int32, count=n),
+        accepted=np.fromiter((r.accepted for r in reqs), dtype=np.int32, count=n),
+        counterfactual=cf,
+        request_id=tuple(r.request_id for r in reqs),
+        finished=np.fromiter((r.finished for r in reqs), dtype=bool, count=n),
+    )
+
+
+def directive_to_pb(d: Directive) -> pb.Directive:
+    return pb.Directive(
+        version=d.version,
+        policy=d.policy,
+        reason=d.reason,
+        ttl_s=d.ttl_s,
+        issued_at_s=d.issued_at_s,
+        k_table=[pb.KRange(bs_min=r.bs_min, bs_max=r.bs_max, k=r.k) for r in d.k_table],
+        method=d.method.value,
+        plan=[
+            pb.PlanEntry(traffic_class=e.traffic_class, bs_min=e.bs_min, bs_max=e.bs_max, arm=arm_to_pb(e.arm))
+            for e in d.plan
+        ],
+        rule=pb.RequestRule(kind=d.rule.kind, params=dict(d.rule.params)),
+    )
+
+
+def directive_from_pb(m: pb.Directive) -> Directive:
+    return Directive(
+        version=int(m.version),
+        policy=m.policy,
+        reason=m.reason,
+        ttl_s=m.ttl_s,
+        issued_at_s=m.issued_at_s,
+        k_table=tuple(KRange(int(r.bs_min), int(r.bs_max), int(r.k)) for r in m.k_table),
+        method=Method(m.method) if m.method else Method.OFF,
+        plan=tuple(
+            PlanEntry(e.traffic_class, int(e.bs_min), int(e.bs_max), arm_from_pb(e.arm)) for e in m.plan
+        ),
+        rule=RequestRule(m.rule.kind or "none", dict(m.rule.params)),
+    )
+
+
+def request_steps(
+    *,
+    request_ids: Iterable[str],
+    classes: Iterable[str],
+    methods: Iterable[str],
+    ks: Iterable[int],
+    drafted: Iterable[int],
+    accepted: Iterable[int],
+    counterfactual: dict[str, Iterable[int]] | None = None,
+    finished: Iterable[bool] | None = None,
+) -> list[pb.RequestStep]:
+    """RequestStep messages from columns (engines build reports with this)."""
+    cf_cols = {m: list(v) for m, v in (counterfactual or {}).items()}
+    fin = list(finished) if finished is not None else None
+    out = []
+    for j, (rid, c, m, k, d, a) in enumerate(zip(request_ids, classes, methods, ks, drafted, accepted, strict=True)):
+        cf = {mm: int(col[j]) for mm, col in cf_cols.items() if int(col[j]) != NOT_SCORED}
+        out.append(
+            pb.RequestStep(
+                request_id=rid,
+                traffic_class=c,
+                method=m,
+                k=int(k),
+                drafted=int(d),
+                accepted=int(a),
+                counterfactual_accepted=cf,
+                finished=bool(fin[j]) if fin is not None else False,
+            )
+        )
+    return out

@@ -1,0 +1,105 @@
+"""The slow loop's learner interface: one bandit problem per context, one round per decision."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from policies.arms import Arm
+from policies.params import Param
+
+
+class ArmTable:
+    """Per-context sufficient statistics (weight, sum, sum of squares) over a fixed arm list."""
+
+    __slots__ = ("n", "q", "s")
+
+    def __init__(self, n_arms: int) -> None:
+        self.n = np.zeros(n_arms)
+        self.s = np.zeros(n_arms)
+        self.q = np.zeros(n_arms)
+
+    def add(self, i: int, reward: float, weight: float) -> None:
+        self.n[i] += weight
+        self.s[i] += weight * reward
+        self.q[i] += weight * reward * reward
+
+    def decay(self, gamma: float) -> None:
+        self.n *= gamma
+        self.s *= gamma
+        self.q *= gamma
+
+    def means(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.n > 0, self.s / np.where(self.n > 0, self.n, 1.0), np.nan)
+
+    def to_json(self) -> dict[str, list[float]]:
+        return {"n": self.n.tolist(), "s": self.s.tolist(), "q": self.q.tolist()}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Sequence[float]], n_arms: int) -> ArmTable:
+        t = cls(n_arms)
+        for name in ("n", "s", "q"):
+            v = np.asarray(d[name], dtype=np.float64)
+            if v.shape != (n_arms,):
+                raise ValueError(f"arm table {name}: expected {n_arms} values, got {v.shape}")
+            setattr(t, name, v)
+        return t
+
+
+class Learner(ABC):
+    """A bandit over ``arms``, kept separately per context key.
+
+    Rewards are goodput in tokens per second. ``update`` takes one round's mean reward per arm
+    observed in that round; ``select`` picks the arm for the next round among ``allowed`` indices.
+    """
+
+    NAME: ClassVar[str]
+    PARAMS: ClassVar[Mapping[str, Param]] = {}
+
+    def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
+        self.arms = tuple(arms)
+        self.params = dict(params)
+        self.rng = rng
+        self.tables: dict[str, ArmTable] = {}
+
+    def table(self, ctx: str) -> ArmTable:
+        t = self.tables.get(ctx)
+        if t is None:
+            t = self.tables[ctx] = ArmTable(len(self.arms))
+        return t
+
+    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+        """One round in ``ctx``: ``rewards`` maps arm index to its mean goodput in the round."""
+        t = self.table(ctx)
+        self._before_round(t)
+        for i, r in rewards.items():
+            t.add(i, r, 1.0)
+
+    def _before_round(self, t: ArmTable) -> None:  # noqa: B027 - optional hook
+        """Hook for discounting."""
+
+    @abstractmethod
+    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+        """Index of the arm to play next in ``ctx``."""
+
+    def estimates(self, ctx: str) -> np.ndarray:
+        """Current goodput estimate per arm (NaN where unobserved)."""
+        return self.table(ctx).means()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tables": {c: t.to_json() for c, t in self.tables.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.tables = {c: ArmTable.from_json(t, len(self.arms)) for c, t in state["tables"].items()}
+
+
+def greedy(means: np.ndarray, allowed: Sequence[int]) -> int:
+    """The allowed arm with the best mean; unobserved arms first, in order, so each gets tried once."""
+    for i in allowed:
+        if np.isnan(means[i]):
+            return i
+    return max(allowed, key=lambda i: means[i])

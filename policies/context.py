@@ -1,0 +1,65 @@
+"""Contexts: what a choice may depend on (batch-size bucket x traffic class)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Upper bounds of the default buckets 1, 2-4, 5-8, 9-16, 17-32 and 33+.
+DEFAULT_BUCKET_BOUNDS: tuple[int, ...] = (1, 4, 8, 16, 32)
+#: The class used for requests that carry none, and for engines that cannot choose per request.
+DEFAULT_CLASS = "default"
+ANY_CLASS = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchBuckets:
+    """Batch sizes grouped into buckets by their inclusive upper bounds; the last bucket is open."""
+
+    bounds: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS
+
+    def __post_init__(self) -> None:
+        b = tuple(self.bounds)
+        if not b:
+            raise ValueError("batch buckets: need at least one bound")
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b):
+            raise ValueError(f"batch buckets: bounds must be positive integers, got {list(b)}")
+        if any(x >= y for x, y in zip(b, b[1:], strict=False)):
+            raise ValueError(f"batch buckets: bounds must be strictly increasing, got {list(b)}")
+        object.__setattr__(self, "bounds", b)
+
+    def __len__(self) -> int:
+        return len(self.bounds) + 1
+
+    def index(self, batch_size: int) -> int:
+        return bisect_left(self.bounds, max(1, batch_size))
+
+    def indices(self, batch_sizes: np.ndarray) -> np.ndarray:
+        return np.searchsorted(np.asarray(self.bounds), np.maximum(batch_sizes, 1), side="left")
+
+    def range(self, i: int) -> tuple[int, int]:
+        """Inclusive batch-size range of bucket i; the upper end is 0 for the open bucket."""
+        lo = 1 if i == 0 else self.bounds[i - 1] + 1
+        hi = self.bounds[i] if i < len(self.bounds) else 0
+        return lo, hi
+
+    def label(self, i: int) -> str:
+        lo, hi = self.range(i)
+        if hi == 0:
+            return f"{lo}+"
+        return str(lo) if lo == hi else f"{lo}-{hi}"
+
+    def labels(self) -> list[str]:
+        return [self.label(i) for i in range(len(self))]
+
+    @classmethod
+    def of(cls, bounds: Sequence[int]) -> BatchBuckets:
+        return cls(tuple(bounds))
+
+
+def context_key(bucket_label: str, traffic_class: str) -> str:
+    """The string form used in metrics, status and snapshots, e.g. ``"2-4/code"``."""
+    return f"{bucket_label}/{traffic_class}"

@@ -1,0 +1,281 @@
+"""The ControlLoop: observe step reports, decide Directives. Pure and clock-injected.
+
+The sidecar wraps it with gRPC and asyncio; the simulator drives it directly with a virtual clock.
+Each decision is one bandit round per context: the goodput each arm achieved in the context since the
+last decision becomes that arm's reward, then the learner picks the arm for the next round.
+
+Contexts: for each batch bucket a pooled context ``<bucket>/*`` over all requests (what a
+batch-granular engine can act on, and the fallback for classes not seen yet), plus ``<bucket>/<class>``
+per traffic class when the engine can choose per request and the policy learns per class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from policies.algorithms import REGISTRY, Learner
+from policies.arms import METHODS_BY_CODE, OFF, Arm, Method
+from policies.context import ANY_CLASS, context_key
+from policies.directive import Directive, KRange, PlanEntry
+from policies.engine import EngineInfo
+from policies.observation import StepObservation
+from policies.spec import PolicySpec
+
+STATE_VERSION = 1
+
+
+@dataclass(slots=True)
+class Totals:
+    """Lifetime counters of what the engine reported (for status and snapshots)."""
+
+    steps: int = 0
+    request_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    busy_s: float = 0.0
+    ignored_rows: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def goodput(self) -> float:
+        return self.emitted / self.busy_s if self.busy_s > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One context's arm change at a decision."""
+
+    context: str
+    before: Arm | None
+    after: Arm
+    estimate: float
+
+
+@dataclass(slots=True)
+class _Acc:
+    """Tokens emitted and engine time used, per arm, in one context since the last decision."""
+
+    tokens: np.ndarray
+    time_s: np.ndarray
+
+
+@dataclass(slots=True)
+class _Ctx:
+    arm: int
+    since: float
+    rounds: int = 0
+    acc: _Acc | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ControlLoop:
+    def __init__(self, *, spec: PolicySpec, engine: EngineInfo, seed: int | None = None) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.arms: tuple[Arm, ...] = engine.playable(spec.arms) or engine.playable(())
+        if not self.arms:
+            raise ValueError(f"engine {engine.engine_id!r} offers no arm the policy {spec.name!r} can use")
+        self._index = {a: i for i, a in enumerate(self.arms)}
+        self.rng = np.random.default_rng(spec.seed if seed is None else seed)
+        self.learner: Learner = REGISTRY[spec.algorithm](arms=self.arms, params=spec.params, rng=self.rng)
+        self.totals = Totals()
+        self.rounds = 0
+        self.version = 0
+        self._ctx: dict[str, _Ctx] = {}
+        self._last_decision: float | None = None
+        self._directive: Directive | None = None
+        self.last_changes: tuple[Change, ...] = ()
+        self._learn_classes = spec.per_class and engine.per_request
+        # Row (method code, k) -> arm index; -1 for arms outside the policy's set.
+        self._arm_lut = np.full((len(METHODS_BY_CODE), engine.max_k + 1), -1, dtype=np.int64)
+        for i, a in enumerate(self.arms):
+            self._arm_lut[list(METHODS_BY_CODE).index(a.method), a.k] = i
+
+    # -- observe ---------------------------------------------------------------------------------
+
+    def observe(self, obs: StepObservation) -> None:
+        n = obs.n
+        t = self.totals
+        t.steps += 1
+        t.busy_s += max(obs.duration_s, 0.0)
+        if n == 0 or obs.duration_s <= 0:
+            return
+        t.request_steps += n
+        t.drafted += int(obs.drafted.sum())
+        t.accepted += int(obs.accepted.sum())
+        t.emitted += obs.emitted
+        k = np.minimum(obs.k, self.engine.max_k)
+        k = np.where(obs.method == list(METHODS_BY_CODE).index(Method.OFF), 0, k)
+        arm = self._arm_lut[obs.method.astype(np.int64), k]
+        known = arm >= 0
+        t.ignored_rows += int(n - known.sum())
+        if not known.any():
+            return
+        tokens = obs.accepted.astype(np.float64) + 1.0
+        share = obs.duration_s / n  # each request's share of the step's engine time
+        bucket = self.spec.buckets.label(self.spec.buckets.index(obs.batch_size))
+        self._accumulate(context_key(bucket, ANY_CLASS), arm[known], tokens[known], share)
+        if self._learn_classes:
+            classes = np.asarray(obs.traffic_class)
+            for c in set(obs.traffic_class):
+                rows = known & (classes == c)
+                if rows.any():
+                    self._accumulate(context_key(bucket, c), arm[rows], tokens[rows], share)
+
+    def _accumulate(self, ctx: str, arm: np.ndarray, tokens: np.ndarray, share: float) -> None:
+        c = self._context(ctx)
+        if c.acc is None:
+            c.acc = _Acc(np.zeros(len(self.arms)), np.zeros(len(self.arms)))
+        c.acc.tokens += np.bincount(arm, weights=tokens, minlength=len(self.arms))
+        c.acc.time_s += np.bincount(arm, minlength=len(self.arms)) * share
+
+    def _context(self, ctx: str) -> _Ctx:
+        c = self._ctx.get(ctx)
+        if c is None:
+            c = self._ctx[ctx] = _Ctx(arm=-1, since=-np.inf)
+        return c
+
+    # -- decide ----------------------------------------------------------------------------------
+
+    def due(self, now: float) -> bool:
+        return self._last_decision is None or now - self._last_decision >= self.spec.decision_interval_s
+
+    def decide(self, now: float) -> Directive:
+        """The Directive in force; runs a bandit round first when the decision interval has passed."""
+        if self._directive is not None and not self.due(now):
+            return self._directive
+        self._last_decision = now
+        self.rounds += 1
+        changes: list[Change] = []
+        for b in range(len(self.spec.buckets)):
+            self._context(context_key(self.spec.buckets.label(b), ANY_CLASS))
+        for key, c in sorted(self._ctx.items()):
+            if c.acc is not None:
+                seen = c.acc.time_s > 0
+                rewards = {int(i): float(c.acc.tokens[i] / c.acc.time_s[i]) for i in np.flatnonzero(seen)}
+                self.learner.update(key, rewards)
+                c.acc = None
+                c.rounds += 1
+            if c.arm >= 0 and now - c.since < self.spec.min_dwell_s:
+                continue
+            choice = self.learner.select(key, range(len(self.arms)))  # type: ignore[arg-type]
+            if choice != c.arm:
+                est = self.learner.estimates(key)[choice]
+                before = self.arms[c.arm] if c.arm >= 0 else None
+                changes.append(Change(key, before, self.arms[choice], float(est)))
+                c.arm, c.since = choice, now
+        self.last_changes = tuple(changes)
+        new = self._build(now, changes)
+        if not new.same_decision(self._directive):
+            self.version += 1
+            new = _with_version(new, self.version)
+            self._directive = new
+        return self._directive if self._directive is not None else new
+
+    def _build(self, now: float, changes: list[Change]) -> Directive:
+        spec, eng = self.spec, self.engine
+        k_table: list[KRange] = []
+        plan: list[PlanEntry] = []
+        for b in range(len(spec.buckets)):
+            lo, hi = spec.buckets.range(b)
+            label = spec.buckets.label(b)
+            pooled = self.arms[self._ctx[context_key(label, ANY_CLASS)].arm]
+            bucket_k = pooled.k
+            if eng.per_request:
+                plan.append(PlanEntry(ANY_CLASS, lo, hi, pooled))
+                prefix = f"{label}/"
+                for key, c in sorted(self._ctx.items()):
+                    cls = key[len(prefix):]
+                    if key.startswith(prefix) and cls != ANY_CLASS and c.arm >= 0:
+                        arm = self.arms[c.arm]
+                        plan.append(PlanEntry(cls, lo, hi, arm))
+                        bucket_k = max(bucket_k, arm.k)
+            k_table.append(KRange(lo, hi, bucket_k))
+        reason = "; ".join(f"{c.context} {c.before or '-'}→{c.after}" for c in changes[:8]) or "no change"
+        if len(changes) > 8:
+            reason += f"; +{len(changes) - 8} more"
+        return Directive(
+            version=self.version,
+            policy=spec.name,
+            reason=f"round {self.rounds}: {reason}",
+            ttl_s=spec.directive_ttl_s,
+            issued_at_s=now,
+            k_table=_merge(k_table),
+            method=eng.primary_method,
+            plan=tuple(plan),
+            rule=spec.rule,
+        )
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def directive(self) -> Directive | None:
+        return self._directive
+
+    def current_arms(self) -> dict[str, Arm]:
+        return {k: self.arms[c.arm] for k, c in sorted(self._ctx.items()) if c.arm >= 0}
+
+    def estimates(self) -> dict[str, dict[Arm, float]]:
+        out: dict[str, dict[Arm, float]] = {}
+        for key in sorted(self._ctx):
+            m = self.learner.estimates(key)
+            out[key] = {a: float(m[i]) for i, a in enumerate(self.arms) if not np.isnan(m[i])}
+        return out
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state; ``load_state_dict`` on a loop of the same policy restores it."""
+        return {
+            "state_version": STATE_VERSION,
+            "policy": self.spec.name,
+            "arms": [str(a) for a in self.arms],
+            "rounds": self.rounds,
+            "version": self.version,
+            "totals": {f: getattr(self.totals, f) for f in Totals.__dataclass_fields__},
+            "contexts": {k: {"arm": c.arm, "rounds": c.rounds} for k, c in self._ctx.items()},
+            "learner": self.learner.state_dict(),
+            "rng": self.rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("state_version") != STATE_VERSION:
+            raise ValueError(f"loop state version {state.get('state_version')!r} is not {STATE_VERSION}")
+        if [str(a) for a in self.arms] != list(state["arms"]):
+            raise ValueError("loop state was saved for a different arm set")
+        self.learner.load_state_dict(state["learner"])
+        self.rounds = int(state["rounds"])
+        self.version = int(state["version"])
+        self.totals = Totals(**state["totals"])
+        self._ctx = {k: _Ctx(arm=int(v["arm"]), since=-np.inf, rounds=int(v["rounds"])) for k, v in state["contexts"].items()}
+        self.rng.bit_generator.state = state["rng"]
+        self._directive = None
+        self._last_decision = None
+
+
+def _merge(table: list[KRange]) -> tuple[KRange, ...]:
+    """Adjacent ranges with the same K become one (the form vLLM's schedule takes)."""
+    out: list[KRange] = []
+    for r in table:
+        if out and out[-1].k == r.k and out[-1].bs_max != 0 and out[-1].bs_max + 1 == r.bs_min:
+            out[-1] = KRange(out[-1].bs_min, r.bs_max, r.k)
+        else:
+            out.append(r)
+    return tuple(out)
+
+
+def _with_version(d: Directive, version: int) -> Directive:
+    from dataclasses import replace
+
+    return replace(d, version=version)
+
+
+__all__ = ["Change", "ControlLoop", "Totals", "OFF"]

@@ -1,0 +1,83 @@
+"""What the engine reports for one step, as numpy columns (one row per request in the batch)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from policies.arms import METHOD_CODES, Method
+
+#: Marks a counterfactual count the engine did not score.
+NOT_SCORED = -1
+
+
+@dataclass(frozen=True, slots=True)
+class StepObservation:
+    """One engine step.
+
+    The per-request columns are parallel arrays of equal length. ``counterfactual`` maps a method to
+    its would-be accepted counts on the same rows, ``NOT_SCORED`` where the engine did not score it.
+    """
+
+    time_s: float
+    duration_s: float
+    batch_size: int
+    queue_length: int
+    queue_wait_s: float
+    traffic_class: tuple[str, ...]
+    method: np.ndarray  # int8 method codes (policies.arms.METHOD_CODES)
+    k: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    counterfactual: Mapping[Method, np.ndarray] = field(default_factory=dict)
+    request_id: tuple[str, ...] = ()
+    finished: np.ndarray | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.traffic_class)
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the step emitted: accepted drafts plus the one token every request gets."""
+        return int(self.accepted.sum()) + self.n
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        time_s: float,
+        duration_s: float,
+        traffic_class: list[str] | tuple[str, ...],
+        method: list[Method] | np.ndarray,
+        k: list[int] | np.ndarray,
+        drafted: list[int] | np.ndarray,
+        accepted: list[int] | np.ndarray,
+        batch_size: int | None = None,
+        queue_length: int = 0,
+        queue_wait_s: float = 0.0,
+        counterfactual: Mapping[Method, list[int] | np.ndarray] | None = None,
+        request_id: list[str] | tuple[str, ...] = (),
+    ) -> StepObservation:
+        """Convenience constructor from lists (tests, adapters)."""
+        if isinstance(method, np.ndarray):
+            codes = method.astype(np.int8)
+        else:
+            codes = np.array([METHOD_CODES[Method(m)] for m in method], dtype=np.int8)
+        cf = {Method(m): np.asarray(v, dtype=np.int32) for m, v in (counterfactual or {}).items()}
+        return cls(
+            time_s=time_s,
+            duration_s=duration_s,
+            batch_size=len(traffic_class) if batch_size is None else batch_size,
+            queue_length=queue_length,
+            queue_wait_s=queue_wait_s,
+            traffic_class=tuple(traffic_class),
+            method=codes,
+            k=np.asarray(k, dtype=np.int32),
+            drafted=np.asarray(drafted, dtype=np.int32),
+            accepted=np.asarray(accepted, dtype=np.int32),
+            counterfactual=cf,
+            request_id=tuple(request_id),
+        )

@@ -1,0 +1,52 @@
+"""Typed, range-checked parameters for algorithms and rules (validated at the edge)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One tunable parameter: its type, default, inclusive bounds and what it means."""
+
+    default: float | int | str
+    doc: str
+    lo: float | None = None
+    hi: float | None = None
+
+    def check(self, name: str, value: Any) -> float | int | str:
+        """Return the value coerced to the parameter's type, or raise ValueError naming ``name``."""
+        if isinstance(self.default, str):
+            if not isinstance(value, str):
+                raise ValueError(f"{name}: expected a string, got {type(value).__name__}")
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+        if isinstance(self.default, int) and not isinstance(self.default, bool):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(f"{name}: expected an integer, got {value!r}")
+            value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{name}: must be finite, got {value!r}")
+        if self.lo is not None and value < self.lo:
+            raise ValueError(f"{name}: must be >= {self.lo}, got {value!r}")
+        if self.hi is not None and value > self.hi:
+            raise ValueError(f"{name}: must be <= {self.hi}, got {value!r}")
+        return value
+
+
+def resolve(schema: Mapping[str, Param], given: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Defaults overlaid with ``given``; unknown names and bad values raise ValueError."""
+    unknown = sorted(set(given) - set(schema))
+    if unknown:
+        known = ", ".join(sorted(schema)) or "none"
+        raise ValueError(f"{where}.{unknown[0]}: unknown parameter (known: {known})")
+    out: dict[str, Any] = {k: p.default for k, p in schema.items()}
+    for k, v in given.items():
+        out[k] = schema[k].check(f"{where}.{k}", v)
+    return out

@@ -1,0 +1,136 @@
+"""The fast loop: a per-request rule evaluated by the engine every step, vectorised over the batch.
+
+The slow loop plans an arm per (traffic class, batch bucket); the rule may override the method for a
+request from that request's own recent feedback. ``ngram_margin``: switch a request to n-gram while
+its recent n-gram acceptance (verified or counterfactual) beats the planned method's by ``margin``
+tokens per step, and back when it stops doing so. The K stays the planned one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
+from policies.directive import Directive, RequestRule
+from policies.observation import NOT_SCORED
+from policies.params import Param, resolve
+
+RULES: dict[str, Mapping[str, Param]] = {
+    "none": {},
+    "ngram_margin": {
+        "margin": Param(0.5, "Accepted tokens per step by which n-gram must lead to take over.", 0.0, 64.0),
+        "alpha": Param(0.3, "Weight of the newest step in the per-request moving averages.", 0.01, 1.0),
+        "warmup_steps": Param(2, "Steps of feedback a request needs before the rule may switch it.", 0, 1000),
+    },
+}
+
+_NGRAM = METHOD_CODES[Method.NGRAM]
+_OFF = METHOD_CODES[Method.OFF]
+
+
+def validate_rule(kind: str, params: Mapping[str, Any], where: str = "rule") -> RequestRule:
+    if kind not in RULES:
+        raise ValueError(f"{where}.kind: unknown rule {kind!r} (known: {', '.join(sorted(RULES))})")
+    return RequestRule(kind, resolve(RULES[kind], params, f"{where}.params"))
+
+
+class FastLoop:
+    """Per-request state and the rule, as the engine runs them each step.
+
+    Rows are addressed by request id; state lives in numpy arrays indexed by a slot per live request.
+    """
+
+    def __init__(self, *, capacity: int = 1024) -> None:
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+        self._ewma = np.zeros((capacity, len(Method)))  # accepted tokens per step, per method
+        self._steps = np.zeros(capacity, dtype=np.int64)
+
+    def slots(self, request_ids: Sequence[str]) -> np.ndarray:
+        out = np.empty(len(request_ids), dtype=np.int64)
+        for j, rid in enumerate(request_ids):
+            s = self._slot.get(rid)
+            if s is None:
+                s = self._free.pop() if self._free else len(self._slot)
+                if s >= len(self._steps):
+                    self._grow()
+                self._slot[rid] = s
+                self._ewma[s] = np.nan
+                self._steps[s] = 0
+            out[j] = s
+        return out
+
+    def _grow(self) -> None:
+        n = len(self._steps)
+        self._ewma = np.vstack([self._ewma, np.zeros((n, len(Method)))])
+        self._steps = np.concatenate([self._steps, np.zeros(n, dtype=np.int64)])
+
+    def release(self, request_id: str) -> None:
+        s = self._slot.pop(request_id, None)
+        if s is not None:
+            self._free.append(s)
+
+    def plan(
+        self,
+        directive: Directive,
+        request_ids: Sequence[str],
+        traffic_classes: Sequence[str],
+        batch_size: int,
+        max_k: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Method codes and K for each request of the next step."""
+        n = len(request_ids)
+        methods = np.empty(n, dtype=np.int8)
+        ks = np.empty(n, dtype=np.int32)
+        by_class: dict[str, tuple[int, int]] = {}
+        for j, c in enumerate(traffic_classes):
+            mk = by_class.get(c)
+            if mk is None:
+                arm = directive.arm_for(c, batch_size)
+                mk = by_class[c] = (METHOD_CODES[arm.method], min(arm.k, max_k))
+            methods[j], ks[j] = mk
+        rule = directive.rule
+        if rule.kind == "ngram_margin" and n:
+            s = self.slots(request_ids)
+            ng = self._ewma[s, _NGRAM]
+            planned = self._ewma[s, methods.astype(np.int64)]
+            ready = self._steps[s] >= int(rule.params["warmup_steps"])
+            lead = np.nan_to_num(ng, nan=-np.inf) >= np.nan_to_num(planned, nan=0.0) + rule.params["margin"]
+            switch = ready & lead & (methods != _OFF) & (ks > 0)
+            methods[switch] = _NGRAM
+        return methods, ks
+
+    def feedback(
+        self,
+        request_ids: Sequence[str],
+        methods: np.ndarray,
+        accepted: np.ndarray,
+        counterfactual: Mapping[Method, np.ndarray],
+        alpha: float = 0.3,
+    ) -> None:
+        """Fold one step's verified and counterfactual accepted counts into the moving averages."""
+        if not len(request_ids):
+            return
+        s = self.slots(request_ids)
+        self._steps[s] += 1
+        verified = methods != _OFF
+        self._mix(s[verified], methods[verified].astype(np.int64), accepted[verified], alpha)
+        for m, cf in counterfactual.items():
+            ok = cf != NOT_SCORED
+            col = np.full(int(ok.sum()), METHOD_CODES[m], dtype=np.int64)
+            self._mix(s[ok], col, cf[ok], alpha)
+
+    def _mix(self, s: np.ndarray, col: np.ndarray, x: np.ndarray, alpha: float) -> None:
+        old = self._ewma[s, col]
+        self._ewma[s, col] = np.where(np.isnan(old), x, (1 - alpha) * old + alpha * x)
+
+    def estimate(self, request_id: str, method: Method) -> float:
+        s = self._slot.get(request_id)
+        return float("nan") if s is None else float(self._ewma[s, METHOD_CODES[method]])
+
+
+def method_names(codes: np.ndarray) -> list[str]:
+    return [METHODS_BY_CODE[int(c)].value for c in codes]

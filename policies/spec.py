@@ -1,0 +1,275 @@
+"""The policy document (``apiVersion: speccontrol/v1``, ``kind: Policy``) as an immutable value.
+
+Parsing never executes anything (safe YAML only), caps the document size and nesting, and reports
+errors as ``FILE:LINE: FIELD: what is wrong``.
+
+    apiVersion: speccontrol/v1
+    kind: Policy
+    metadata: {name: default, description: ...}
+    spec:
+      algorithm: {name: discounted_thompson, params: {discount: 0.9}}
+      arms: [eagle3:2, eagle3:4, ngram:4, off]    # optional: default every arm the engine offers
+      contexts: {batch_buckets: [1, 4, 8, 16, 32], per_class: true}
+      decision_interval_s: 1.0
+      directive_ttl_s: 10.0
+      min_dwell_s: 2.0
+      rule: {kind: ngram_margin, params: {margin: 0.5}}
+      seed: 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from policies.algorithms import REGISTRY
+from policies.arms import Arm
+from policies.context import DEFAULT_BUCKET_BOUNDS, BatchBuckets
+from policies.directive import RequestRule
+from policies.params import Param, resolve
+from policies.rules import validate_rule
+
+API_VERSION = "speccontrol/v1"
+KIND = "Policy"
+MAX_DOCUMENT_BYTES = 64 * 1024
+MAX_DEPTH = 12
+MAX_ARMS = 64
+
+
+class PolicyError(ValueError):
+    """A policy document is invalid; ``str()`` reads ``source:line: field: message``."""
+
+    def __init__(self, message: str, *, source: str = "<policy>", line: int | None = None, field: str = "") -> None:
+        self.message, self.source, self.line, self.field = message, source, line, field
+        where = source if line is None else f"{source}:{line}"
+        super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    name: str
+    algorithm: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+    #: Arms the policy may choose from; empty means every arm the engine advertises.
+    arms: tuple[Arm, ...] = ()
+    buckets: BatchBuckets = field(default_factory=BatchBuckets)
+    #: Learn per traffic class where the engine can choose per request.
+    per_class: bool = True
+    decision_interval_s: float = 1.0
+    directive_ttl_s: float = 10.0
+    #: A context keeps its arm at least this long after a switch (stops flip-flopping at boundaries).
+    min_dwell_s: float = 2.0
+    rule: RequestRule = field(default_factory=RequestRule)
+    seed: int = 0
+    #: The document it was parsed from, kept for ``policy get`` and snapshots.
+    source_yaml: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+
+_SPEC_FIELDS: dict[str, Param] = {
+    "decision_interval_s": Param(1.0, "Seconds between slow-loop decisions.", 0.01, 3600.0),
+    "directive_ttl_s": Param(10.0, "Engines fall back to their safe default after this.", 0.1, 86400.0),
+    "min_dwell_s": Param(2.0, "Minimum time between two switches of one context.", 0.0, 3600.0),
+    "seed": Param(0, "Seed of the policy's random generator.", 0, 2**32 - 1),
+}
+
+
+class _Lines:
+    """Line numbers of every node in a composed YAML document, by field path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.by_path: dict[str, int] = {}
+
+    def walk(self, node: yaml.Node, path: str, depth: int = 0) -> None:
+        if depth > MAX_DEPTH:
+            raise PolicyError(f"nested deeper than {MAX_DEPTH} levels", source=self.source,
+                              line=node.start_mark.line + 1, field=path or "<root>")
+        self.by_path[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                self.by_path.setdefault(f"{path}.{key}" if path else key, k.start_mark.line + 1)
+                self.walk(v, f"{path}.{key}" if path else key, depth + 1)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                self.walk(v, f"{path}[{i}]", depth + 1)
+
+    def line(self, path: str) -> int | None:
+        while path:
+            if path in self.by_path:
+                return self.by_path[path]
+            path = path.rpartition(".")[0] if "." in path else ""
+        return self.by_path.get("")
+
+    def error(self, path: str, message: str) -> PolicyError:
+        return PolicyError(message, source=self.source, line=self.line(path), field=path)
+
+
+def _load(text: str, source: str) -> tuple[Any, _Lines]:
+    if len(text.encode("utf-8", "replace")) > MAX_DOCUMENT_BYTES:
+        raise PolicyError(f"document larger than {MAX_DOCUMENT_BYTES} bytes", source=source)
+    lines = _Lines(source)
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                raise PolicyError("empty document", source=source, line=1)
+            lines.walk(node, "")
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark is not None else None
+        raise PolicyError(f"invalid YAML: {e.problem or e.context}", source=source, line=line) from None
+    except yaml.YAMLError as e:
+        raise PolicyError(f"invalid YAML: {e}", source=source) from None
+    except RecursionError:
+        raise PolicyError("document nested too deeply", source=source) from None
+    return data, lines
+
+
+def _mapping(lines: _Lines, value: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise lines.error(path, f"expected a mapping, got {type(value).__name__}")
+    for k in value:
+        if not isinstance(k, str):
+            raise lines.error(path, f"keys must be strings, got {k!r}")
+    return value
+
+
+def _unknown(lines: _Lines, m: Mapping[str, Any], path: str, known: set[str]) -> None:
+    for k in m:
+        if k not in known:
+            p = f"{path}.{k}" if path else k
+            raise lines.error(p, f"unknown field (known: {', '.join(sorted(known))})")
+
+
+def _checked(lines: _Lines, path: str, fn: Callable[[], Any]) -> Any:
+    """Run a validator; turn its ValueError into a PolicyError at the failing field's line."""
+    try:
+        return fn()
+    except PolicyError:
+        raise
+    except ValueError as e:
+        msg = str(e)
+        # Validators name the field first ("spec.x.y: ..."): point at that field's line.
+        head, sep, rest = msg.partition(": ")
+        if sep and (head == path or head.startswith(path + ".") or head.startswith(path + "[")):
+            raise lines.error(head, rest) from None
+        raise lines.error(path, msg) from None
+
+
+def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
+    """Parse and validate a policy document. Raises PolicyError naming file, line and field."""
+    data, lines = _load(text, source)
+    root = _mapping(lines, data, "")
+    _unknown(lines, root, "", {"apiVersion", "kind", "metadata", "spec"})
+    if root.get("apiVersion") != API_VERSION:
+        raise lines.error("apiVersion", f"must be {API_VERSION!r}, got {root.get('apiVersion')!r}")
+    if root.get("kind") != KIND:
+        raise lines.error("kind", f"must be {KIND!r}, got {root.get('kind')!r}")
+    meta = _mapping(lines, root.get("metadata", {}), "metadata")
+    _unknown(lines, meta, "metadata", {"name", "description", "labels"})
+    name = meta.get("name")
+    if not isinstance(name, str) or not name or len(name) > 128 or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise lines.error("metadata.name", "required: 1-128 letters, digits, '-', '_' or '.'")
+    description = meta.get("description", "")
+    if not isinstance(description, str):
+        raise lines.error("metadata.description", "expected a string")
+
+    spec = _mapping(lines, root.get("spec"), "spec")
+    _unknown(lines, spec, "spec", {"algorithm", "arms", "contexts", "rule", *_SPEC_FIELDS})
+
+    algo = _mapping(lines, spec.get("algorithm"), "spec.algorithm")
+    _unknown(lines, algo, "spec.algorithm", {"name", "params"})
+    algo_name = algo.get("name")
+    if algo_name not in REGISTRY:
+        raise lines.error("spec.algorithm.name", f"unknown algorithm {algo_name!r} (known: {', '.join(sorted(REGISTRY))})")
+    learner = REGISTRY[algo_name]
+    given = _mapping(lines, algo.get("params") or {}, "spec.algorithm.params")
+    params = _checked(lines, "spec.algorithm.params", lambda: resolve(learner.PARAMS, given, "spec.algorithm.params"))
+    if algo_name == "static":
+        _checked(lines, "spec.algorithm.params.arm", lambda: Arm.parse(params["arm"]))
+
+    arms_raw = spec.get("arms", [])
+    if not isinstance(arms_raw, list):
+        raise lines.error("spec.arms", "expected a list of arms such as [eagle3:3, ngram:4, off]")
+    if len(arms_raw) > MAX_ARMS:
+        raise lines.error("spec.arms", f"at most {MAX_ARMS} arms")
+    arms: list[Arm] = []
+    for i, a in enumerate(arms_raw):
+        p = f"spec.arms[{i}]"
+        if not isinstance(a, str):
+            raise lines.error(p, f"expected a string such as 'eagle3:3', got {a!r}")
+        arm = _checked(lines, p, lambda a=a: Arm.parse(a))
+        if arm in arms:
+            raise lines.error(p, f"duplicate arm {arm}")
+        arms.append(arm)
+
+    ctx = _mapping(lines, spec.get("contexts", {}), "spec.contexts")
+    _unknown(lines, ctx, "spec.contexts", {"batch_buckets", "per_class"})
+    bounds = ctx.get("batch_buckets", list(DEFAULT_BUCKET_BOUNDS))
+    if not isinstance(bounds, list) or len(bounds) > 32:
+        raise lines.error("spec.contexts.batch_buckets", "expected a list of at most 32 increasing upper bounds")
+    buckets = _checked(lines, "spec.contexts.batch_buckets", lambda: BatchBuckets(tuple(bounds)))
+    per_class = ctx.get("per_class", True)
+    if not isinstance(per_class, bool):
+        raise lines.error("spec.contexts.per_class", "expected true or false")
+
+    rule_raw = _mapping(lines, spec.get("rule", {"kind": "none"}), "spec.rule")
+    _unknown(lines, rule_raw, "spec.rule", {"kind", "params"})
+    rule_params = _mapping(lines, rule_raw.get("params") or {}, "spec.rule.params")
+    rule = _checked(lines, "spec.rule", lambda: validate_rule(str(rule_raw.get("kind", "none")), rule_params, "spec.rule"))
+
+    scalars = _checked(
+        lines, "spec", lambda: resolve(_SPEC_FIELDS, {k: spec[k] for k in _SPEC_FIELDS if k in spec}, "spec")
+    )
+    return PolicySpec(
+        name=name,
+        description=description,
+        algorithm=algo_name,
+        params=params,
+        arms=tuple(arms),
+        buckets=buckets,
+        per_class=per_class,
+        rule=rule,
+        source_yaml=text,
+        **scalars,
+    )
+
+
+def render_policy(spec: PolicySpec) -> str:
+    """A canonical YAML document for ``spec`` (used when a policy was built in code)."""
+    doc: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": spec.name, **({"description": spec.description} if spec.description else {})},
+        "spec": {
+            "algorithm": {"name": spec.algorithm, "params": dict(spec.params)},
+            **({"arms": [str(a) for a in spec.arms]} if spec.arms else {}),
+            "contexts": {"batch_buckets": list(spec.buckets.bounds), "per_class": spec.per_class},
+            "decision_interval_s": spec.decision_interval_s,
+            "directive_ttl_s": spec.directive_ttl_s,
+            "min_dwell_s": spec.min_dwell_s,
+            "rule": {"kind": spec.rule.kind, "params": dict(spec.rule.params)},
+            "seed": spec.seed,
+        },
+    }
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def static_policy(arm: Arm | str, **overrides: Any) -> PolicySpec:
+    """A static policy for one arm (baselines in the demo and the simulator)."""
+    a = Arm.parse(arm) if isinstance(arm, str) else arm
+    base = PolicySpec(name=f"static-{str(a).replace(':', '-')}", algorithm="static", params={"arm": str(a)}, **overrides)
+    return parse_policy(render_policy(base), source=f"<static {a}>")
