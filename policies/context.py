@@ -5,6 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class BatchBuckets:
             raise ValueError("batch buckets: need at least one bound")
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b):
             raise ValueError(f"batch buckets: bounds must be positive integers, got {list(b)}")
-        if any(x >= y for x, y in zip(b, b[1:], strict=False)):
+        if any(x >= y for x, y in pairwise(b)):
             raise ValueError(f"batch buckets: bounds must be strictly increasing, got {list(b)}")
         object.__setattr__(self, "bounds", b)
 
@@ -38,7 +39,8 @@ class BatchBuckets:
         return bisect_left(self.bounds, max(1, batch_size))
 
     def indices(self, batch_sizes: np.ndarray) -> np.ndarray:
-        return np.searchsorted(np.asarray(self.bounds), np.maximum(batch_sizes, 1), side="left")
+        out: np.ndarray = np.searchsorted(np.asarray(self.bounds), np.maximum(batch_sizes, 1), side="left")
+        return out
 
     def range(self, i: int) -> tuple[int, int]:
         """Inclusive batch-size range of bucket i; the upper end is 0 for the open bucket."""

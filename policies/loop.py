@@ -193,7 +193,7 @@ class ControlLoop:
                 plan.append(PlanEntry(ANY_CLASS, lo, hi, pooled))
                 prefix = f"{label}/"
                 for key, c in sorted(self._ctx.items()):
-                    cls = key[len(prefix):]
+                    cls = key[len(prefix) :]
                     if key.startswith(prefix) and cls != ANY_CLASS and c.arm >= 0:
                         arm = self.arms[c.arm]
                         plan.append(PlanEntry(cls, lo, hi, arm))
@@ -255,7 +255,10 @@ class ControlLoop:
         self.rounds = int(state["rounds"])
         self.version = int(state["version"])
         self.totals = Totals(**state["totals"])
-        self._ctx = {k: _Ctx(arm=int(v["arm"]), since=-np.inf, rounds=int(v["rounds"])) for k, v in state["contexts"].items()}
+        self._ctx = {
+            k: _Ctx(arm=int(v["arm"]), since=-np.inf, rounds=int(v["rounds"]))
+            for k, v in state["contexts"].items()
+        }
         self.rng.bit_generator.state = state["rng"]
         self._directive = None
         self._last_decision = None
@@ -278,4 +281,4 @@ def _with_version(d: Directive, version: int) -> Directive:
     return replace(d, version=version)
 
 
-__all__ = ["Change", "ControlLoop", "Totals", "OFF"]
+__all__ = ["OFF", "Change", "ControlLoop", "Totals"]

@@ -22,7 +22,7 @@ class Param:
         if isinstance(self.default, str):
             if not isinstance(value, str):
                 raise ValueError(f"{name}: expected a string, got {type(value).__name__}")
-            return value
+            return str(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
         if isinstance(self.default, int) and not isinstance(self.default, bool):
@@ -37,7 +37,7 @@ class Param:
             raise ValueError(f"{name}: must be >= {self.lo}, got {value!r}")
         if self.hi is not None and value > self.hi:
             raise ValueError(f"{name}: must be <= {self.hi}, got {value!r}")
-        return value
+        return int(value) if isinstance(value, int) else float(value)
 
 
 def resolve(schema: Mapping[str, Param], given: Mapping[str, Any], where: str) -> dict[str, Any]:

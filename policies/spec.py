@@ -43,7 +43,9 @@ MAX_ARMS = 64
 class PolicyError(ValueError):
     """A policy document is invalid; ``str()`` reads ``source:line: field: message``."""
 
-    def __init__(self, message: str, *, source: str = "<policy>", line: int | None = None, field: str = "") -> None:
+    def __init__(
+        self, message: str, *, source: str = "<policy>", line: int | None = None, field: str = ""
+    ) -> None:
         self.message, self.source, self.line, self.field = message, source, line, field
         where = source if line is None else f"{source}:{line}"
         super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
@@ -90,8 +92,12 @@ class _Lines:
 
     def walk(self, node: yaml.Node, path: str, depth: int = 0) -> None:
         if depth > MAX_DEPTH:
-            raise PolicyError(f"nested deeper than {MAX_DEPTH} levels", source=self.source,
-                              line=node.start_mark.line + 1, field=path or "<root>")
+            raise PolicyError(
+                f"nested deeper than {MAX_DEPTH} levels",
+                source=self.source,
+                line=node.start_mark.line + 1,
+                field=path or "<root>",
+            )
         self.by_path[path] = node.start_mark.line + 1
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
@@ -169,6 +175,11 @@ def _checked(lines: _Lines, path: str, fn: Callable[[], Any]) -> Any:
         raise lines.error(path, msg) from None
 
 
+def _yaml11_off(value: Any) -> Any:
+    # YAML 1.1 reads a bare `off` as false; in an arm position it can only mean the arm "off".
+    return "off" if value is False else value
+
+
 def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     """Parse and validate a policy document. Raises PolicyError naming file, line and field."""
     data, lines = _load(text, source)
@@ -181,7 +192,12 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     meta = _mapping(lines, root.get("metadata", {}), "metadata")
     _unknown(lines, meta, "metadata", {"name", "description", "labels"})
     name = meta.get("name")
-    if not isinstance(name, str) or not name or len(name) > 128 or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 128
+        or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+    ):
         raise lines.error("metadata.name", "required: 1-128 letters, digits, '-', '_' or '.'")
     description = meta.get("description", "")
     if not isinstance(description, str):
@@ -194,12 +210,19 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     _unknown(lines, algo, "spec.algorithm", {"name", "params"})
     algo_name = algo.get("name")
     if algo_name not in REGISTRY:
-        raise lines.error("spec.algorithm.name", f"unknown algorithm {algo_name!r} (known: {', '.join(sorted(REGISTRY))})")
+        raise lines.error(
+            "spec.algorithm.name", f"unknown algorithm {algo_name!r} (known: {', '.join(sorted(REGISTRY))})"
+        )
     learner = REGISTRY[algo_name]
-    given = _mapping(lines, algo.get("params") or {}, "spec.algorithm.params")
-    params = _checked(lines, "spec.algorithm.params", lambda: resolve(learner.PARAMS, given, "spec.algorithm.params"))
+    given = dict(_mapping(lines, algo.get("params") or {}, "spec.algorithm.params"))
+    if "arm" in given:
+        given["arm"] = _yaml11_off(given["arm"])
+    params = _checked(
+        lines, "spec.algorithm.params", lambda: resolve(learner.PARAMS, given, "spec.algorithm.params")
+    )
     if algo_name == "static":
-        _checked(lines, "spec.algorithm.params.arm", lambda: Arm.parse(params["arm"]))
+        arm_text = str(params["arm"])
+        _checked(lines, "spec.algorithm.params.arm", lambda: Arm.parse(arm_text))
 
     arms_raw = spec.get("arms", [])
     if not isinstance(arms_raw, list):
@@ -209,9 +232,11 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     arms: list[Arm] = []
     for i, a in enumerate(arms_raw):
         p = f"spec.arms[{i}]"
+        a = _yaml11_off(a)
         if not isinstance(a, str):
             raise lines.error(p, f"expected a string such as 'eagle3:3', got {a!r}")
-        arm = _checked(lines, p, lambda a=a: Arm.parse(a))
+        text: str = a
+        arm: Arm = _checked(lines, p, lambda: Arm.parse(text))
         if arm in arms:
             raise lines.error(p, f"duplicate arm {arm}")
         arms.append(arm)
@@ -220,7 +245,9 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     _unknown(lines, ctx, "spec.contexts", {"batch_buckets", "per_class"})
     bounds = ctx.get("batch_buckets", list(DEFAULT_BUCKET_BOUNDS))
     if not isinstance(bounds, list) or len(bounds) > 32:
-        raise lines.error("spec.contexts.batch_buckets", "expected a list of at most 32 increasing upper bounds")
+        raise lines.error(
+            "spec.contexts.batch_buckets", "expected a list of at most 32 increasing upper bounds"
+        )
     buckets = _checked(lines, "spec.contexts.batch_buckets", lambda: BatchBuckets(tuple(bounds)))
     per_class = ctx.get("per_class", True)
     if not isinstance(per_class, bool):
@@ -229,7 +256,9 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     rule_raw = _mapping(lines, spec.get("rule", {"kind": "none"}), "spec.rule")
     _unknown(lines, rule_raw, "spec.rule", {"kind", "params"})
     rule_params = _mapping(lines, rule_raw.get("params") or {}, "spec.rule.params")
-    rule = _checked(lines, "spec.rule", lambda: validate_rule(str(rule_raw.get("kind", "none")), rule_params, "spec.rule"))
+    rule = _checked(
+        lines, "spec.rule", lambda: validate_rule(str(rule_raw.get("kind", "none")), rule_params, "spec.rule")
+    )
 
     scalars = _checked(
         lines, "spec", lambda: resolve(_SPEC_FIELDS, {k: spec[k] for k in _SPEC_FIELDS if k in spec}, "spec")
@@ -271,5 +300,7 @@ def render_policy(spec: PolicySpec) -> str:
 def static_policy(arm: Arm | str, **overrides: Any) -> PolicySpec:
     """A static policy for one arm (baselines in the demo and the simulator)."""
     a = Arm.parse(arm) if isinstance(arm, str) else arm
-    base = PolicySpec(name=f"static-{str(a).replace(':', '-')}", algorithm="static", params={"arm": str(a)}, **overrides)
+    base = PolicySpec(
+        name=f"static-{str(a).replace(':', '-')}", algorithm="static", params={"arm": str(a)}, **overrides
+    )
     return parse_policy(render_policy(base), source=f"<static {a}>")

@@ -1,0 +1,88 @@
+"""Invalid policy documents: every error names the file, the line and the field."""
+
+import pytest
+
+from policies.spec import MAX_DOCUMENT_BYTES, PolicyError, parse_policy
+
+GOOD = """\
+apiVersion: speccontrol/v1
+kind: Policy
+metadata:
+  name: p
+spec:
+  algorithm:
+    name: discounted_thompson
+    params:
+      discount: 0.9
+  arms: [eagle3:3, ngram:4, off]
+  min_dwell_s: 2
+  rule:
+    kind: ngram_margin
+    params: {margin: 0.5}
+"""
+
+
+def broken(old: str, new: str) -> str:
+    assert old in GOOD
+    return GOOD.replace(old, new)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "field", "needle"),
+    [
+        (broken("discount: 0.9", "discount: 1.5"), 9, "spec.algorithm.params.discount", "<= 1.0"),
+        (broken("discount: 0.9", "discount: fast"), 9, "spec.algorithm.params.discount", "expected a number"),
+        (broken("discount: 0.9", "dicsount: 0.9"), 9, "spec.algorithm.params.dicsount", "unknown parameter"),
+        (broken("name: discounted_thompson", "name: magic"), 7, "spec.algorithm.name", "unknown algorithm"),
+        (broken("ngram:4, off", "ngram:4, medusa:2"), 10, "spec.arms[2]", "unknown method"),
+        (broken("ngram:4, off", "ngram:4, ngram:4"), 10, "spec.arms[2]", "duplicate"),
+        (broken("min_dwell_s: 2", "min_dwell_s: -1"), 11, "spec.min_dwell_s", ">= 0.0"),
+        (broken("min_dwell_s: 2", "min_dwel_s: 2"), 11, "spec.min_dwel_s", "unknown field"),
+        (broken("kind: ngram_margin", "kind: sometimes"), 13, "spec.rule.kind", "unknown rule"),
+        (broken("margin: 0.5", "margin: -3"), 14, "spec.rule.params.margin", ">= 0.0"),
+        (broken("kind: Policy", "kind: Poliyc"), 2, "kind", "must be 'Policy'"),
+        (broken("speccontrol/v1", "speccontrol/v2"), 1, "apiVersion", "must be"),
+        (broken("name: p", "name: 'bad name!'"), 4, "metadata.name", "required"),
+    ],
+)
+def test_error_names_line_and_field(text: str, line: int, field: str, needle: str) -> None:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, source="p.yaml")
+    assert (e.value.source, e.value.line, e.value.field) == ("p.yaml", line, field)
+    assert needle in e.value.message
+    assert str(e.value).startswith(f"p.yaml:{line}: {field}: ")
+
+
+def test_yaml_syntax_error_has_a_line() -> None:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(
+            broken("  arms: [eagle3:3, ngram:4, off]", "  arms: [eagle3:3, ngram:4"), source="p.yaml"
+        )
+    assert e.value.line is not None and "invalid YAML" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "empty document"),
+        ("- 1\n- 2\n", "expected a mapping"),
+        ("apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: x}\n", "spec: expected a mapping"),
+        ("a: " + "[" * 40 + "]" * 40, "nested deeper"),
+        ("x: " + "y" * (MAX_DOCUMENT_BYTES + 1), "larger than"),
+        ("!!python/object:os.system {}", "invalid YAML"),
+        ("a: &x [1]\nb: *x\n", "unknown field"),
+    ],
+)
+def test_malformed_documents(text: str, needle: str) -> None:
+    with pytest.raises(PolicyError, match=needle):
+        parse_policy(text, source="p.yaml")
+
+
+def test_static_needs_a_valid_arm() -> None:
+    text = broken(
+        "name: discounted_thompson\n    params:\n      discount: 0.9",
+        "name: static\n    params:\n      arm: eagle3",
+    )
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, source="p.yaml")
+    assert e.value.field == "spec.algorithm.params.arm" and e.value.line == 9
