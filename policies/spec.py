@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -235,8 +236,7 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
         a = _yaml11_off(a)
         if not isinstance(a, str):
             raise lines.error(p, f"expected a string such as 'eagle3:3', got {a!r}")
-        text: str = a
-        arm: Arm = _checked(lines, p, lambda: Arm.parse(text))
+        arm: Arm = _checked(lines, p, partial(Arm.parse, a))
         if arm in arms:
             raise lines.error(p, f"duplicate arm {arm}")
         arms.append(arm)
