@@ -1,0 +1,80 @@
+"""AdminService: what ``controllerctl`` calls. A thin adapter over ``Sidecar``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from controller.policy_store import NoPreviousPolicy, PolicyRecord
+from controller.presets import preset_names, preset_text
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.validation import MAX_ENGINE_ID
+from policies.spec import PolicyError, parse_policy
+
+if TYPE_CHECKING:
+    from controller.sidecar import Sidecar
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+class AdminService(pb_grpc.AdminServiceServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    async def _check_engine_id(self, engine_id: str, context: Ctx) -> None:
+        if len(engine_id) > MAX_ENGINE_ID:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"engine_id: longer than {MAX_ENGINE_ID} characters"
+            )
+
+    async def SetPolicy(self, request: pb.SetPolicyRequest, context: Ctx) -> pb.PolicyInfo:
+        await self._check_engine_id(request.engine_id, context)
+        try:
+            rec = self.sidecar.set_policy(request.yaml, source=request.source, engine_id=request.engine_id)
+        except PolicyError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0])
+        return self.sidecar.policy_info(rec)
+
+    async def GetPolicy(self, request: pb.GetPolicyRequest, context: Ctx) -> pb.PolicyInfo:
+        await self._check_engine_id(request.engine_id, context)
+        return self.sidecar.policy_info(self.sidecar.policy_store.get(request.engine_id))
+
+    async def ListPolicies(self, request: pb.ListPoliciesRequest, context: Ctx) -> pb.ListPoliciesResponse:
+        store = self.sidecar.policy_store
+        presets = []
+        for name in preset_names():
+            spec = parse_policy(preset_text(name), source=f"preset:{name}")
+            presets.append(self.sidecar.policy_info(PolicyRecord(spec, 0, f"preset:{name}", 0.0)))
+        active = [store.default, *store.overrides().values()]
+        return pb.ListPoliciesResponse(
+            presets=presets,
+            active=[self.sidecar.policy_info(r) for r in active],
+            history=[self.sidecar.policy_info(r) for r in store.history()],
+        )
+
+    async def RollbackPolicy(self, request: pb.RollbackPolicyRequest, context: Ctx) -> pb.PolicyInfo:
+        await self._check_engine_id(request.engine_id, context)
+        try:
+            rec = self.sidecar.rollback_policy(request.engine_id)
+        except NoPreviousPolicy as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return self.sidecar.policy_info(rec)
+
+    async def GetStatus(self, request: pb.StatusRequest, context: Ctx) -> pb.Status:
+        return self.sidecar.status()
+
+    async def ListEngines(self, request: pb.ListEnginesRequest, context: Ctx) -> pb.ListEnginesResponse:
+        return pb.ListEnginesResponse(engines=self.sidecar.status().engines)
+
+    async def WatchDecisions(
+        self, request: pb.WatchDecisionsRequest, context: Ctx
+    ) -> AsyncIterator[pb.Decision]:
+        q = self.sidecar.watch(request.engine_id)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self.sidecar.unwatch(q)

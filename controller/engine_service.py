@@ -1,0 +1,98 @@
+"""EngineService.Attach: one bidirectional stream per engine, Hello first, then report batches.
+
+A reader task ingests reports as they come; the handler itself only writes what the sidecar queues
+for the stream (directives, then the end), so the engine's sends never wait on decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from controller.convert import directive_to_pb
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.validation import TelemetryError, validate_hello
+
+if TYPE_CHECKING:
+    from controller.sidecar import Session, Sidecar
+
+log = logging.getLogger(__name__)
+
+
+class EngineService(pb_grpc.EngineServiceServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    async def Attach(
+        self,
+        request_iterator: AsyncIterator[pb.EngineMessage],
+        context: grpc.aio.ServicerContext[pb.EngineMessage, pb.Directive],
+    ) -> None:
+        from controller.sidecar import StreamEnd
+
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("body") != "hello":
+            err = TelemetryError("hello_missing", "the first message of a stream must be a Hello")
+            self.sidecar.reject(None, err)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.reason}: {err}")
+        try:
+            info = validate_hello(first.hello)
+        except TelemetryError as e:
+            self.sidecar.reject(None, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
+        session = self.sidecar.attach(info)
+        reader = asyncio.create_task(self._read(it, session), name=f"attach-{info.engine_id}")
+        try:
+            while True:
+                item = await session.queue.get()
+                if isinstance(item, StreamEnd):
+                    if item.error is not None:
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"{item.error.reason}: {item.error}"
+                        )
+                    return
+                await context.write(directive_to_pb(item))
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self.sidecar.detach(session)
+
+    async def _read(self, it: AsyncIterator[pb.EngineMessage], session: Session) -> None:
+        from controller.sidecar import StreamEnd, _put_latest
+
+        end = StreamEnd()
+        try:
+            async for msg in it:
+                body = msg.WhichOneof("body")
+                if body == "reports":
+                    self.sidecar.ingest(session, msg.reports)
+                else:
+                    e = TelemetryError(
+                        "hello_repeated", f"expected reports after the Hello, got {body or 'nothing'}"
+                    )
+                    self.sidecar.reject(session.engine, e)
+                    raise e
+        except TelemetryError as e:
+            end = StreamEnd(e)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError:
+            pass  # the engine went away
+        except Exception:
+            log.exception(
+                "engine %s: report handling failed; closing the stream", session.engine.info.engine_id
+            )
+            end = StreamEnd(TelemetryError("internal", "the sidecar failed to process a report"))
+        # The end must reach the writer even if directives are queued: drop them, they are stale.
+        _put_latest(session.queue, end)

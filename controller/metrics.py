@@ -1,0 +1,231 @@
+"""The sidecar's Prometheus metrics, on an injected registry, and the ``/metrics`` HTTP endpoint.
+
+Token counters and everything derived from them (acceptance rate, mean accepted per step, recent
+goodput, queue wait, current arms, directive age) come from one custom collector that keeps the raw
+sums and computes ratios at scrape time, so a ratio can never disagree with its counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from policies.arms import METHODS_BY_CODE, Arm
+from policies.observation import StepObservation
+
+PREFIX = "speccontrol"
+#: Steps kept per engine for the recent goodput and queue-wait figures.
+RECENT_STEPS = 256
+
+
+@dataclass(slots=True)
+class _Engine:
+    #: (method, k) -> [drafted, accepted, emitted, request_steps]
+    by_arm: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    steps: int = 0
+    recent: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    queue_length: int = 0
+    connected: bool = False
+    arms: dict[str, Arm] = field(default_factory=dict)
+    directive_version: int = 0
+    directive_issued_at: float | None = None
+
+
+class _TelemetryCollector(Collector):
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.engines: dict[str, _Engine] = {}
+
+    def engine(self, engine_id: str) -> _Engine:
+        e = self.engines.get(engine_id)
+        if e is None:
+            e = self.engines[engine_id] = _Engine()
+        return e
+
+    def collect(self) -> Iterable[Metric]:
+        p = PREFIX
+        labels = ["engine", "method", "k"]
+        drafted = CounterMetricFamily(f"{p}_drafted_tokens", "Draft tokens verified.", labels=labels)
+        accepted = CounterMetricFamily(f"{p}_accepted_tokens", "Draft tokens accepted.", labels=labels)
+        emitted = CounterMetricFamily(
+            f"{p}_emitted_tokens", "Tokens emitted (accepted + 1 per request-step).", labels=labels
+        )
+        rsteps = CounterMetricFamily(f"{p}_request_steps", "Request-steps reported.", labels=labels)
+        rate = GaugeMetricFamily(
+            f"{p}_acceptance_rate", "Accepted / drafted tokens, lifetime.", labels=labels
+        )
+        mean = GaugeMetricFamily(
+            f"{p}_mean_accepted_per_step", "Accepted tokens per request-step, lifetime.", labels=labels
+        )
+        steps = CounterMetricFamily(f"{p}_engine_steps", "Engine steps reported.", labels=["engine"])
+        goodput = GaugeMetricFamily(
+            f"{p}_goodput_tokens_per_second",
+            f"Emitted tokens per second of engine time over the last {RECENT_STEPS} steps.",
+            labels=["engine"],
+        )
+        qwait = GaugeMetricFamily(
+            f"{p}_queue_wait_seconds",
+            f"Mean queue wait reported over the last {RECENT_STEPS} steps.",
+            labels=["engine"],
+        )
+        qlen = GaugeMetricFamily(
+            f"{p}_queue_length", "Waiting requests after the last step.", labels=["engine"]
+        )
+        arm = GaugeMetricFamily(
+            f"{p}_current_arm",
+            "1 for the arm each context currently plays.",
+            labels=["engine", "context", "method", "k"],
+        )
+        cur_k = GaugeMetricFamily(
+            f"{p}_current_k", "Draft length each context currently plays.", labels=["engine", "context"]
+        )
+        version = GaugeMetricFamily(
+            f"{p}_directive_version", "Version of the engine's current directive.", labels=["engine"]
+        )
+        age = GaugeMetricFamily(
+            f"{p}_directive_age_seconds",
+            "Seconds since the engine's current directive was issued.",
+            labels=["engine"],
+        )
+        connected = GaugeMetricFamily(f"{p}_engines_connected", "Engines with an open stream.")
+        now = self.clock()
+        n_connected = 0
+        with self.lock:
+            for eid, e in sorted(self.engines.items()):
+                for (m, k), (d, a, em, n) in sorted(e.by_arm.items()):
+                    lv = [eid, m, str(k)]
+                    drafted.add_metric(lv, d)
+                    accepted.add_metric(lv, a)
+                    emitted.add_metric(lv, em)
+                    rsteps.add_metric(lv, n)
+                    if d:
+                        rate.add_metric(lv, a / d)
+                    if n:
+                        mean.add_metric(lv, a / n)
+                steps.add_metric([eid], e.steps)
+                if e.recent:
+                    busy = sum(r[1] for r in e.recent)
+                    goodput.add_metric([eid], sum(r[0] for r in e.recent) / busy if busy > 0 else 0.0)
+                    qwait.add_metric([eid], sum(r[2] for r in e.recent) / len(e.recent))
+                qlen.add_metric([eid], e.queue_length)
+                for ctx, a_ in sorted(e.arms.items()):
+                    arm.add_metric([eid, ctx, a_.method.value, str(a_.k)], 1.0)
+                    cur_k.add_metric([eid, ctx], a_.k)
+                if e.directive_issued_at is not None:
+                    version.add_metric([eid], e.directive_version)
+                    age.add_metric([eid], max(0.0, now - e.directive_issued_at))
+                n_connected += e.connected
+        connected.add_metric([], n_connected)
+        yield from (drafted, accepted, emitted, rsteps, rate, mean, steps, goodput, qwait, qlen)
+        yield from (arm, cur_k, version, age, connected)
+
+
+class SidecarMetrics:
+    """Everything the sidecar exports. Thread-safe: scrapes run on the HTTP server's thread."""
+
+    def __init__(self, *, registry: CollectorRegistry, clock: Callable[[], float]) -> None:
+        self.registry = registry
+        self._t = _TelemetryCollector(clock)
+        registry.register(self._t)
+        p = PREFIX
+        self.decisions = Counter(f"{p}_decisions", "Decision rounds run.", ["engine"], registry=registry)
+        self.switches = Counter(f"{p}_switches", "Context arm changes.", ["engine"], registry=registry)
+        self.rejected = Counter(
+            f"{p}_rejected_telemetry", "Engine messages rejected, by reason.", ["reason"], registry=registry
+        )
+        self.duplicates = Counter(
+            f"{p}_duplicate_reports",
+            "Report batches dropped as duplicates (sequence not increasing).",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_dropped = Counter(
+            f"{p}_engine_dropped_steps",
+            "Steps the engine dropped locally (its queue was full).",
+            ["engine"],
+            registry=registry,
+        )
+        self.snapshot_failures = Counter(
+            f"{p}_snapshot_failures", "Snapshot writes that failed.", registry=registry
+        )
+        self.last_snapshot = Gauge(
+            f"{p}_last_snapshot_timestamp_seconds",
+            "Unix time of the last successful snapshot.",
+            registry=registry,
+        )
+
+    def observe_step(self, engine_id: str, obs: StepObservation) -> None:
+        n = obs.n
+        with self._t.lock:
+            e = self._t.engine(engine_id)
+            e.steps += 1
+            e.queue_length = obs.queue_length
+            e.recent.append((obs.emitted, max(obs.duration_s, 0.0), obs.queue_wait_s))
+            if n == 0:
+                return
+            # One row per (method, k) present in the step, summed with numpy.
+            key = obs.method.astype(np.int64) * 1024 + obs.k.astype(np.int64)
+            uniq, inv = np.unique(key, return_inverse=True)
+            d = np.bincount(inv, weights=obs.drafted, minlength=len(uniq))
+            a = np.bincount(inv, weights=obs.accepted, minlength=len(uniq))
+            c = np.bincount(inv, minlength=len(uniq))
+            for i, u in enumerate(uniq.tolist()):
+                row = e.by_arm.setdefault((METHODS_BY_CODE[u // 1024].value, u % 1024), [0, 0, 0, 0])
+                row[0] += int(d[i])
+                row[1] += int(a[i])
+                row[2] += int(a[i]) + int(c[i])
+                row[3] += int(c[i])
+
+    def set_connected(self, engine_id: str, connected: bool) -> None:
+        with self._t.lock:
+            self._t.engine(engine_id).connected = connected
+
+    def set_directive(self, engine_id: str, *, version: int, issued_at: float, arms: dict[str, Arm]) -> None:
+        with self._t.lock:
+            e = self._t.engine(engine_id)
+            e.directive_version, e.directive_issued_at, e.arms = version, issued_at, dict(arms)
+
+    def recent_goodput(self, engine_id: str) -> float:
+        with self._t.lock:
+            e = self._t.engines.get(engine_id)
+            if e is None or not e.recent:
+                return 0.0
+            busy = sum(r[1] for r in e.recent)
+            return sum(r[0] for r in e.recent) / busy if busy > 0 else 0.0
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP for one registry, on a background thread of prometheus_client's."""
+
+    def __init__(self, *, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.registry, self.host, self.port = registry, host, port
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        """Bind and serve; returns the URL of the metrics page (with the bound port)."""
+        server, thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        self._server, self._thread = server, thread
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{server.server_port}/metrics"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,557 @@
+"""The sidecar: engines attach over gRPC, their telemetry feeds one ControlLoop each, directives go back.
+
+``Sidecar`` owns the state (policies, engines, the directive version counter), the two gRPC servers
+(engine and admin), the metrics endpoint and one supervised background task that runs the decision
+tick and the periodic snapshot. The gRPC services are thin adapters over its methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+import controller
+from controller.config import SidecarConfig, parse_address
+from controller.convert import arm_to_pb, directive_to_pb
+from controller.metrics import MetricsServer, SidecarMetrics
+from controller.policy_store import PolicyRecord, PolicyStore
+from controller.presets import resolve_policy_text
+from controller.snapshot import SnapshotStore
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.validation import Limits, TelemetryError, validate_batch
+from policies.arms import Arm, Method
+from policies.directive import Directive
+from policies.engine import EngineInfo, Granularity
+from policies.loop import ControlLoop, Totals
+from policies.spec import PolicyError, PolicySpec, parse_policy
+
+log = logging.getLogger(__name__)
+
+#: A clean shutdown saves the exact version counter; after a crash the last periodic snapshot may be
+#: behind what was sent, so the counter skips ahead by this much to stay strictly increasing.
+CRASH_VERSION_GAP = 1_000_000
+STREAM_QUEUE = 16
+WATCH_QUEUE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """Ends an Attach stream: the engine closed it (``error`` None) or sent something invalid."""
+
+    error: TelemetryError | None = None
+
+
+StreamItem = Directive | StreamEnd
+
+
+@dataclass(eq=False, slots=True)
+class EngineState:
+    info: EngineInfo
+    loop: ControlLoop
+    streams: list[asyncio.Queue[StreamItem]] = field(default_factory=list)
+    #: The sidecar-stamped directive last sent (None until the engine first attaches).
+    directive: Directive | None = None
+    loop_version: int = -1
+    sent_at: float = 0.0
+    rejected: int = 0
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.streams)
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """One Attach stream."""
+
+    engine: EngineState
+    queue: asyncio.Queue[StreamItem]
+    last_sequence: int = 0
+
+
+def info_to_json(e: EngineInfo) -> dict[str, Any]:
+    return {
+        "engine_id": e.engine_id,
+        "model": e.model,
+        "max_k": e.max_k,
+        "arms": [str(a) for a in e.arms],
+        "granularity": int(e.granularity),
+        "max_batch_size": e.max_batch_size,
+        "counterfactual_methods": [m.value for m in e.counterfactual_methods],
+        "p_eagle_partial_k_safe": e.p_eagle_partial_k_safe,
+    }
+
+
+def info_from_json(d: Mapping[str, Any]) -> EngineInfo:
+    return EngineInfo(
+        engine_id=str(d["engine_id"]),
+        model=str(d["model"]),
+        max_k=int(d["max_k"]),
+        arms=tuple(Arm.parse(a) for a in d["arms"]),
+        granularity=Granularity(int(d["granularity"])),
+        max_batch_size=int(d["max_batch_size"]),
+        counterfactual_methods=tuple(Method(m) for m in d["counterfactual_methods"]),
+        p_eagle_partial_k_safe=bool(d["p_eagle_partial_k_safe"]),
+    )
+
+
+def _put_latest(q: asyncio.Queue[Any], item: Any) -> None:
+    """Enqueue without waiting; when full, the oldest item goes (only the newest directive matters)."""
+    while True:
+        try:
+            q.put_nowait(item)
+            return
+        except asyncio.QueueFull:
+            with contextlib.suppress(asyncio.QueueEmpty):
+                q.get_nowait()
+
+
+def _client_target(listen: str, port: int) -> str:
+    addr = parse_address(listen, field="listen")
+    if isinstance(addr, str):
+        return f"unix://{addr}"
+    host = addr[0] if addr[0] not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Sidecar:
+    def __init__(
+        self,
+        *,
+        config: SidecarConfig,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = SidecarMetrics(registry=self.registry, clock=clock)
+        self.limits = Limits(config.max_steps_per_batch, config.max_requests_per_step)
+        self.snapshots = SnapshotStore(path=config.snapshot_path, clock=clock)
+        self._store: PolicyStore | None = None
+        self._engines: dict[str, EngineState] = {}
+        self._version = 0
+        self._watchers: list[tuple[str, asyncio.Queue[pb.Decision]]] = []
+        self._engine_server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._engine_target = ""
+        self._admin_target = ""
+        self._metrics_url = ""
+        self._started_at = 0.0
+        self._last_snapshot_attempt = 0.0
+
+    # -- public surface --------------------------------------------------------------------------
+
+    @property
+    def engine_target(self) -> str:
+        return self._engine_target
+
+    @property
+    def admin_target(self) -> str:
+        return self._admin_target
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://host:port/metrics``, or ``""`` when metrics are disabled."""
+        return self._metrics_url
+
+    @property
+    def policy_store(self) -> PolicyStore:
+        if self._store is None:
+            raise RuntimeError("the sidecar is not started")
+        return self._store
+
+    def engines(self) -> dict[str, EngineState]:
+        return dict(self._engines)
+
+    @property
+    def directive_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        """Restore the snapshot, bind the servers and start the background task."""
+        from controller.admin_service import AdminService
+        from controller.engine_service import EngineService
+
+        self._started_at = self.clock()
+        self._restore()
+        opts = [
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.max_send_message_length", self.config.max_message_bytes),
+        ]
+        engine_name = pb.DESCRIPTOR.services_by_name["EngineService"].full_name
+        admin_name = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+        self._engine_server = grpc.aio.server(options=opts)
+        pb_grpc.add_EngineServiceServicer_to_server(EngineService(self), self._engine_server)  # type: ignore[no-untyped-call]
+        self._admin_server = grpc.aio.server(options=opts)
+        pb_grpc.add_AdminServiceServicer_to_server(AdminService(self), self._admin_server)  # type: ignore[no-untyped-call]
+        for server, name in ((self._engine_server, engine_name), (self._admin_server, admin_name)):
+            hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
+            await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+            await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+            reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            self._engine_target = self._bind(self._engine_server, self.config.engine_listen)
+            self._admin_target = self._bind(self._admin_server, self.config.admin_listen)
+            await self._engine_server.start()
+            await self._admin_server.start()
+            if self.config.metrics_listen:
+                addr = parse_address(self.config.metrics_listen, field="metrics_listen")
+                assert not isinstance(addr, str)  # SidecarConfig rejects unix addresses for metrics
+                self._metrics_server = MetricsServer(registry=self.registry, host=addr[0], port=addr[1])
+                self._metrics_url = self._metrics_server.start()
+        except BaseException:
+            await self._close_servers()
+            raise
+        self._task = asyncio.create_task(self._run(), name="sidecar-tick")
+        self._task.add_done_callback(self._task_done)
+
+    async def stop(self, *, snapshot: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for st in self._engines.values():
+            for q in st.streams:
+                _put_latest(q, StreamEnd())
+        await self._close_servers()
+        if snapshot and self._store is not None:
+            self.save_snapshot(clean=True)
+
+    # -- engines (called by EngineService) -------------------------------------------------------
+
+    def attach(self, info: EngineInfo) -> Session:
+        st = self._engines.get(info.engine_id)
+        if st is None:
+            st = self._engines[info.engine_id] = EngineState(info, self._new_loop(info))
+        elif st.info != info:
+            log.info("engine %s reattached with a different description: new control loop", info.engine_id)
+            old = st.loop.totals
+            st.info, st.loop, st.loop_version = info, self._new_loop(info), -1
+            st.loop.totals = old
+        q: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=STREAM_QUEUE)
+        st.streams.append(q)
+        self.metrics.set_connected(info.engine_id, True)
+        before = st.directive
+        self._decide(st, self.clock())
+        if st.directive is not None and st.directive is before:
+            _put_latest(q, st.directive)  # nothing new for the others: this stream still needs one
+        log.info("engine %s attached (%s, max_k %d)", info.engine_id, info.model, info.max_k)
+        return Session(st, q)
+
+    def detach(self, session: Session) -> None:
+        st = session.engine
+        with contextlib.suppress(ValueError):
+            st.streams.remove(session.queue)
+        self.metrics.set_connected(st.info.engine_id, st.connected)
+        log.info("engine %s detached", st.info.engine_id)
+
+    def ingest(self, session: Session, batch: pb.StepReportBatch) -> None:
+        """Validate a report batch, then feed it to the engine's loop. Raises TelemetryError."""
+        from controller.convert import observation_from_pb
+
+        st = session.engine
+        eid = st.info.engine_id
+        if batch.sequence and batch.sequence <= session.last_sequence:
+            self.metrics.duplicates.labels(eid).inc()
+            return
+        try:
+            validate_batch(batch, st.info, self.limits)
+        except TelemetryError as e:
+            self.reject(st, e)
+            raise
+        if batch.sequence:
+            session.last_sequence = batch.sequence
+        if batch.dropped_steps:
+            self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
+        for step in batch.steps:
+            obs = observation_from_pb(step)
+            st.loop.observe(obs)
+            self.metrics.observe_step(eid, obs)
+
+    def reject(self, st: EngineState | None, e: TelemetryError) -> None:
+        self.metrics.rejected.labels(e.reason).inc()
+        if st is not None:
+            st.rejected += 1
+        log.warning("rejected telemetry%s: %s: %s", f" from {st.info.engine_id}" if st else "", e.reason, e)
+
+    # -- policies (called by AdminService) -------------------------------------------------------
+
+    def set_policy(self, yaml_text: str, *, source: str, engine_id: str = "") -> PolicyRecord:
+        """Parse, check every affected engine can run it, then switch. Raises PolicyError."""
+        spec = parse_policy(yaml_text, source=source or "<policy>")
+        affected = self._affected(engine_id)
+        loops = {eid: self._loop_for(self._engines[eid].info, spec) for eid in affected}
+        rec = self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id)
+        self._swap(loops)
+        log.info("policy %s (revision %d) set for %s", spec.name, rec.revision, engine_id or "all engines")
+        return rec
+
+    def rollback_policy(self, engine_id: str = "") -> PolicyRecord:
+        """Raises NoPreviousPolicy."""
+        affected = self._affected(engine_id)
+        rec = self.policy_store.rollback(engine_id)
+        self._swap({eid: self._new_loop(self._engines[eid].info) for eid in affected})
+        log.info(
+            "policy rolled back to %s (revision %d) for %s", rec.spec.name, rec.revision, engine_id or "all"
+        )
+        return rec
+
+    def _affected(self, engine_id: str) -> list[str]:
+        if engine_id:
+            return [engine_id] if engine_id in self._engines else []
+        overridden = self.policy_store.overrides()
+        return [e for e in self._engines if e not in overridden]
+
+    def _loop_for(self, info: EngineInfo, spec: PolicySpec) -> ControlLoop:
+        try:
+            return ControlLoop(spec=spec, engine=info)
+        except ValueError as e:
+            raise PolicyError(f"engine {info.engine_id!r}: {e}", source=spec.name) from None
+
+    def _new_loop(self, info: EngineInfo) -> ControlLoop:
+        return ControlLoop(spec=self.policy_store.effective(info.engine_id).spec, engine=info)
+
+    def _swap(self, loops: Mapping[str, ControlLoop]) -> None:
+        now = self.clock()
+        for eid, loop in loops.items():
+            st = self._engines[eid]
+            loop.totals = st.loop.totals
+            st.loop, st.loop_version = loop, -1
+            if st.connected:
+                self._decide(st, now)
+
+    # -- decisions -------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One decision tick: run every connected engine's loop and push what changed."""
+        now = self.clock()
+        for st in list(self._engines.values()):
+            if st.connected:
+                try:
+                    self._decide(st, now)
+                except Exception:
+                    log.exception("engine %s: decision failed; keeping its last directive", st.info.engine_id)
+
+    def _decide(self, st: EngineState, now: float) -> None:
+        loop = st.loop
+        rounds = loop.rounds
+        d = loop.decide(now)
+        eid = st.info.engine_id
+        if loop.rounds != rounds:
+            self.metrics.decisions.labels(eid).inc()
+            switches = sum(1 for c in loop.last_changes if c.before is not None)
+            if switches:
+                self.metrics.switches.labels(eid).inc(switches)
+        if st.directive is None or loop.version != st.loop_version:
+            self._version += 1
+            st.loop_version = loop.version
+            st.directive = replace(d, version=self._version)
+            st.sent_at = now
+            arms = loop.current_arms()
+            self.metrics.set_directive(eid, version=self._version, issued_at=d.issued_at_s, arms=arms)
+            for q in st.streams:
+                _put_latest(q, st.directive)
+            self._notify(st)
+        elif now - st.sent_at >= st.directive.ttl_s / 3:
+            st.sent_at = now
+            for q in st.streams:
+                _put_latest(q, st.directive)
+
+    def watch(self, engine_id: str = "") -> asyncio.Queue[pb.Decision]:
+        q: asyncio.Queue[pb.Decision] = asyncio.Queue(maxsize=WATCH_QUEUE)
+        self._watchers.append((engine_id, q))
+        return q
+
+    def unwatch(self, q: asyncio.Queue[pb.Decision]) -> None:
+        self._watchers = [(e, w) for e, w in self._watchers if w is not q]
+
+    def _notify(self, st: EngineState) -> None:
+        if not self._watchers or st.directive is None:
+            return
+        msg = pb.Decision(
+            engine_id=st.info.engine_id, directive=directive_to_pb(st.directive), arms=self._arm_choices(st)
+        )
+        for eid, q in self._watchers:
+            if not eid or eid == st.info.engine_id:
+                _put_latest(q, msg)
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def _arm_choices(self, st: EngineState) -> list[pb.ArmChoice]:
+        est = st.loop.estimates()
+        return [
+            pb.ArmChoice(context=ctx, arm=arm_to_pb(a), goodput_tok_s=est.get(ctx, {}).get(a, 0.0))
+            for ctx, a in st.loop.current_arms().items()
+        ]
+
+    def engine_status(self, st: EngineState) -> pb.EngineStatus:
+        t = st.loop.totals
+        d = st.directive
+        return pb.EngineStatus(
+            engine_id=st.info.engine_id,
+            model=st.info.model,
+            connected=st.connected,
+            directive_version=d.version if d else 0,
+            directive_age_s=max(0.0, self.clock() - d.issued_at_s) if d else 0.0,
+            steps=t.steps,
+            rejected=st.rejected,
+            acceptance_rate=t.acceptance_rate,
+            goodput_tok_s=self.metrics.recent_goodput(st.info.engine_id),
+            arms=self._arm_choices(st),
+            policy=st.loop.spec.name,
+            granularity=int(st.info.granularity),  # type: ignore[arg-type]
+            available_arms=[arm_to_pb(a) for a in st.info.arms],
+            max_k=st.info.max_k,
+        )
+
+    def policy_info(self, rec: PolicyRecord) -> pb.PolicyInfo:
+        return pb.PolicyInfo(
+            name=rec.spec.name,
+            algorithm=rec.spec.algorithm,
+            yaml=rec.yaml,
+            revision=rec.revision,
+            source=rec.source,
+            set_at_s=rec.set_at_s,
+            engine_id=rec.engine_id,
+        )
+
+    def status(self) -> pb.Status:
+        return pb.Status(
+            version=controller.__version__,
+            uptime_s=max(0.0, self.clock() - self._started_at),
+            policy=self.policy_info(self.policy_store.default),
+            engines=[self.engine_status(st) for _, st in sorted(self._engines.items())],
+            snapshot_path=str(self.snapshots.path),
+            last_snapshot_s=self.snapshots.last_saved_s,
+        )
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    def state(self, *, clean: bool = False) -> dict[str, Any]:
+        return {
+            "directive_version": self._version,
+            "clean": clean,
+            "policies": self.policy_store.to_json(),
+            "engines": {
+                eid: {"info": info_to_json(st.info), "loop": st.loop.state_dict(), "rejected": st.rejected}
+                for eid, st in self._engines.items()
+            },
+        }
+
+    def save_snapshot(self, *, clean: bool = False) -> bool:
+        try:
+            state = self.state(clean=clean)
+        except Exception:
+            log.exception("snapshot: could not collect the state")
+            ok = False
+        else:
+            ok = self.snapshots.save(state)
+        if ok:
+            self.metrics.last_snapshot.set(self.snapshots.last_saved_s)
+        else:
+            self.metrics.snapshot_failures.inc()
+        return ok
+
+    def _restore(self) -> None:
+        state = self.snapshots.load()
+        if state is not None:
+            try:
+                self._restore_from(state)
+                return
+            except (PolicyError, KeyError, ValueError, TypeError) as e:
+                self.snapshots.quarantine(f"cannot be restored: {e}")
+                self._engines.clear()
+                self._version = 0
+        text, source = resolve_policy_text(self.config.default_policy)
+        self._store = PolicyStore(default=parse_policy(text, source=source), source=source, clock=self.clock)
+
+    def _restore_from(self, state: Mapping[str, Any]) -> None:
+        self._store = PolicyStore.from_json(state["policies"], clock=self.clock)
+        saved = int(state["directive_version"])
+        self._version = saved if state.get("clean") else saved + CRASH_VERSION_GAP
+        for eid, e in state["engines"].items():
+            info = info_from_json(e["info"])
+            loop = self._new_loop(info)
+            ls = e["loop"]
+            if ls.get("policy") == loop.spec.name:
+                try:
+                    loop.load_state_dict(ls)
+                except (ValueError, KeyError) as err:
+                    log.warning("engine %s: statistics not restored (%s); totals kept", eid, err)
+                    loop.totals = Totals(**ls["totals"])
+            else:
+                loop.totals = Totals(**ls["totals"])
+            self._engines[str(eid)] = EngineState(info, loop, rejected=int(e.get("rejected", 0)))
+        log.info(
+            "restored snapshot %s: policy %s revision %d, %d engines, directive version %d",
+            self.snapshots.path,
+            self._store.default.spec.name,
+            self._store.default.revision,
+            len(self._engines),
+            self._version,
+        )
+
+    # -- background ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        self._last_snapshot_attempt = self.clock()
+        while True:
+            await asyncio.sleep(self.config.decision_tick_s)
+            try:
+                self.tick()
+                now = self.clock()
+                if now - self._last_snapshot_attempt >= self.config.snapshot_interval_s:
+                    self._last_snapshot_attempt = now
+                    state = self.state()
+                    ok = await asyncio.to_thread(self.snapshots.save, state)
+                    if ok:
+                        self.metrics.last_snapshot.set(self.snapshots.last_saved_s)
+                    else:
+                        self.metrics.snapshot_failures.inc()
+            except Exception:
+                log.exception("sidecar tick failed; continuing")
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sidecar background task died", exc_info=task.exception())
+
+    def _bind(self, server: grpc.aio.Server, listen: str) -> str:
+        addr = parse_address(listen, field="listen")
+        if isinstance(addr, str):
+            Path(addr).parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                Path(addr).unlink()  # a stale socket from a previous run would block the bind
+            target = f"unix://{addr}"
+            server.add_insecure_port(target)
+            return target
+        host, port = addr
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {listen}")
+        return _client_target(listen, bound)
+
+    async def _close_servers(self) -> None:
+        for server in (self._engine_server, self._admin_server):
+            if server is not None:
+                await server.stop(grace=0.5)
+        self._engine_server = self._admin_server = None
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None

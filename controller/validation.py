@@ -1,0 +1,175 @@
+"""Validation of what engines send, against their own Hello and the sidecar's limits. Pure.
+
+Every failure carries a machine-readable ``reason`` (a metric label) and a one-line message naming
+the step and request index and the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.convert import engine_info_from_hello
+from controller.v1 import controller_pb2 as pb
+from policies.arms import Method
+from policies.engine import EngineInfo
+
+MAX_ENGINE_ID = 128
+MAX_K = 64
+MAX_TRAFFIC_CLASS = 64
+MAX_REQUEST_ID = 256
+PROTOCOL_VERSIONS = (0, 1)
+_METHODS = frozenset(m.value for m in Method)
+
+
+class TelemetryError(ValueError):
+    """Invalid engine input: ``reason`` is a stable label, ``str()`` a one-line message."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_steps_per_batch: int = 1024
+    max_requests_per_step: int = 4096
+
+
+def validate_hello(h: pb.Hello) -> EngineInfo:
+    """The engine's description, or TelemetryError."""
+    if not h.engine_id:
+        raise TelemetryError("engine_id_missing", "hello.engine_id: required")
+    if len(h.engine_id) > MAX_ENGINE_ID:
+        raise TelemetryError("engine_id_too_long", f"hello.engine_id: longer than {MAX_ENGINE_ID} characters")
+    if h.protocol_version not in PROTOCOL_VERSIONS:
+        raise TelemetryError(
+            "protocol_version",
+            f"hello.protocol_version: {h.protocol_version} is not supported (supported: 0, 1)",
+        )
+    if not 1 <= h.max_k <= MAX_K:
+        raise TelemetryError("max_k_out_of_range", f"hello.max_k: must be 1..{MAX_K}, got {h.max_k}")
+    if not h.arms:
+        raise TelemetryError("no_arms", "hello.arms: the engine must offer at least one arm")
+    for i, a in enumerate(h.arms):
+        if a.method not in _METHODS:
+            raise TelemetryError("arm_invalid", f"hello.arms[{i}].method: unknown method {a.method!r}")
+        if a.k > h.max_k:
+            raise TelemetryError("k_gt_max", f"hello.arms[{i}].k: {a.k} exceeds max_k {h.max_k}")
+    if h.granularity not in (0, 1, 2, 3):
+        raise TelemetryError("granularity_invalid", f"hello.granularity: unknown value {h.granularity}")
+    for i, m in enumerate(h.counterfactual_methods):
+        if m not in _METHODS:
+            raise TelemetryError("method_unknown", f"hello.counterfactual_methods[{i}]: unknown method {m!r}")
+    try:
+        info = engine_info_from_hello(h)
+    except ValueError as e:
+        raise TelemetryError("arm_invalid", f"hello.arms: {e}") from None
+    if not info.playable(()):
+        raise TelemetryError(
+            "no_arms", "hello.arms: no arm the engine can apply live (p_eagle needs k = max_k)"
+        )
+    return info
+
+
+def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits) -> None:
+    """Check a whole report batch before any of it is used (a bad batch changes nothing)."""
+    if len(batch.steps) > limits.max_steps_per_batch:
+        raise TelemetryError(
+            "too_many_steps",
+            f"reports.steps: {len(batch.steps)} steps exceed the limit {limits.max_steps_per_batch}",
+        )
+    methods = {a.method.value for a in engine.arms} | {Method.OFF.value}
+    for i, step in enumerate(batch.steps):
+        validate_step(step, engine, limits, index=i, methods=methods)
+
+
+def validate_step(
+    step: pb.StepReport,
+    engine: EngineInfo,
+    limits: Limits,
+    *,
+    index: int = 0,
+    methods: set[str] | None = None,
+) -> None:
+    where = f"steps[{index}]"
+    for name in ("time_s", "duration_s", "queue_wait_s"):
+        v = getattr(step, name)
+        if not math.isfinite(v) or v < 0:
+            raise TelemetryError(
+                f"{name.removesuffix('_s')}_invalid", f"{where}.{name}: must be finite and >= 0, got {v}"
+            )
+    reqs = step.requests
+    n = len(reqs)
+    if n > limits.max_requests_per_step:
+        raise TelemetryError(
+            "too_many_requests",
+            f"{where}.requests: {n} requests exceed the limit {limits.max_requests_per_step}",
+        )
+    if step.batch_size > max(limits.max_requests_per_step, engine.max_batch_size):
+        raise TelemetryError(
+            "batch_size_invalid", f"{where}.batch_size: {step.batch_size} is beyond any sane batch"
+        )
+    if step.batch_size and step.batch_size < n:
+        raise TelemetryError(
+            "batch_size_invalid",
+            f"{where}.batch_size: {step.batch_size} is smaller than the {n} requests reported",
+        )
+    if n == 0:
+        return
+    k = np.fromiter((r.k for r in reqs), dtype=np.int64, count=n)
+    drafted = np.fromiter((r.drafted for r in reqs), dtype=np.int64, count=n)
+    accepted = np.fromiter((r.accepted for r in reqs), dtype=np.int64, count=n)
+    _first(
+        k > engine.max_k,
+        "k_gt_max",
+        where,
+        "k",
+        lambda j: f"{k[j]} exceeds the engine's max_k {engine.max_k}",
+    )
+    _first(drafted > k, "drafted_gt_k", where, "drafted", lambda j: f"{drafted[j]} exceeds k {k[j]}")
+    _first(
+        accepted > drafted,
+        "accepted_gt_drafted",
+        where,
+        "accepted",
+        lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
+    )
+    allowed = methods if methods is not None else {a.method.value for a in engine.arms} | {Method.OFF.value}
+    for j, r in enumerate(reqs):
+        if r.method not in allowed:
+            reason = "method_unknown" if r.method not in _METHODS else "method_not_offered"
+            raise TelemetryError(
+                reason,
+                f"{where}.requests[{j}].method: {r.method!r} is not one of the engine's ({', '.join(sorted(allowed))})",
+            )
+        if len(r.traffic_class) > MAX_TRAFFIC_CLASS:
+            raise TelemetryError(
+                "traffic_class_too_long",
+                f"{where}.requests[{j}].traffic_class: longer than {MAX_TRAFFIC_CLASS} characters",
+            )
+        if len(r.request_id) > MAX_REQUEST_ID:
+            raise TelemetryError(
+                "request_id_too_long",
+                f"{where}.requests[{j}].request_id: longer than {MAX_REQUEST_ID} characters",
+            )
+        for m, v in r.counterfactual_accepted.items():
+            if m not in _METHODS or m == Method.OFF.value:
+                raise TelemetryError(
+                    "counterfactual_method_unknown",
+                    f"{where}.requests[{j}].counterfactual_accepted: unknown method {m!r}",
+                )
+            if v > engine.max_k:
+                raise TelemetryError(
+                    "counterfactual_gt_max",
+                    f"{where}.requests[{j}].counterfactual_accepted[{m}]: {v} exceeds max_k {engine.max_k}",
+                )
+
+
+def _first(bad: np.ndarray, reason: str, where: str, field: str, describe: Callable[[int], str]) -> None:
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise TelemetryError(reason, f"{where}.requests[{j}].{field}: {describe(j)}")
