@@ -99,7 +99,7 @@ async def test_restart_keeps_policy_and_statistics(config: tuple[Path, Path]) ->
     try:
         eng = TestEngine(first.engine, pb.EngineMessage(hello=hello("e1")))
         async with grpc.aio.insecure_channel(first.admin) as ch:
-            admin = pb_grpc.AdminServiceStub(ch)
+            admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
             d0 = await eng.directive()
             await admin.SetPolicy(pb.SetPolicyRequest(yaml=STATIC_EAGLE3_2, source="static.yaml"))
             d1 = await eng.directive(lambda d: d.policy == "static-eagle3-2")
@@ -108,7 +108,7 @@ async def test_restart_keeps_policy_and_statistics(config: tuple[Path, Path]) ->
 
             async def learned() -> pb.ListEnginesResponse:
                 while True:
-                    resp = await admin.ListEngines(pb.ListEnginesRequest())
+                    resp: pb.ListEnginesResponse = await admin.ListEngines(pb.ListEnginesRequest())
                     e = resp.engines[0]
                     if e.steps == 5 and any(a.goodput_tok_s > 0 for a in e.arms):
                         return resp
@@ -119,7 +119,7 @@ async def test_restart_keeps_policy_and_statistics(config: tuple[Path, Path]) ->
 
             async def detached() -> pb.ListEnginesResponse:
                 while True:
-                    resp = await admin.ListEngines(pb.ListEnginesRequest())
+                    resp: pb.ListEnginesResponse = await admin.ListEngines(pb.ListEnginesRequest())
                     if not resp.engines[0].connected:
                         return resp
                     await asyncio.sleep(0.02)
@@ -138,7 +138,7 @@ async def test_restart_keeps_policy_and_statistics(config: tuple[Path, Path]) ->
     second = Served(cfg, state)
     try:
         async with grpc.aio.insecure_channel(second.admin) as ch:
-            admin = pb_grpc.AdminServiceStub(ch)
+            admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
             policy_after = await admin.GetPolicy(pb.GetPolicyRequest())
             assert (policy_after.name, policy_after.revision, policy_after.source) == (
                 "static-eagle3-2",

@@ -100,7 +100,7 @@ class TestEngine:
         self.channel = grpc.aio.insecure_channel(target)
         self.out: asyncio.Queue[pb.EngineMessage | None] = asyncio.Queue()
         self.out.put_nowait(first)
-        self.call = pb_grpc.EngineServiceStub(self.channel).Attach(self._messages())
+        self.call = pb_grpc.EngineServiceStub(self.channel).Attach(self._messages())  # type: ignore[no-untyped-call]
         self.seq = 0
 
     async def _messages(self) -> AsyncIterator[pb.EngineMessage]:
@@ -115,7 +115,8 @@ class TestEngine:
         async def read() -> pb.Directive:
             while True:
                 d = await self.call.read()
-                assert d is not grpc.aio.EOF, "stream ended"
+                assert d is not grpc.aio.EOF, "stream ended"  # type: ignore[attr-defined]
+                assert isinstance(d, pb.Directive)
                 if pred(d):
                     return d
 
@@ -123,7 +124,7 @@ class TestEngine:
 
     async def close(self) -> None:
         self.out.put_nowait(None)
-        await self.channel.close()
+        await self.channel.close(None)
 
 
 def _config(tmp_path: Path) -> SidecarConfig:
@@ -149,7 +150,7 @@ async def sidecar(tmp_path: Path) -> AsyncIterator[Sidecar]:
 @pytest.fixture
 async def admin(sidecar: Sidecar) -> AsyncIterator[pb_grpc.AdminServiceStub]:
     async with grpc.aio.insecure_channel(sidecar.admin_target) as ch:
-        yield pb_grpc.AdminServiceStub(ch)
+        yield pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
 
 
 async def until(cond: Callable[[], object]) -> None:
@@ -284,7 +285,8 @@ async def test_metrics_endpoint_over_http(sidecar: Sidecar) -> None:
 
         def fetch() -> str:
             with urllib.request.urlopen(sidecar.metrics_url, timeout=WAIT_S) as r:
-                return r.read().decode()
+                body: bytes = r.read()
+                return body.decode()
 
         text = await asyncio.to_thread(fetch)
         assert 'speccontrol_drafted_tokens_total{engine="scraped",k="2",method="eagle3"} 2.0' in text

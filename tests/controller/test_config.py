@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller.config import ConfigError, SidecarConfig, load_config, parse_address, parse_config
+
+
+def test_defaults_need_no_file() -> None:
+    c = load_config(None)
+    assert c == SidecarConfig()
+    assert (c.engine_listen, c.admin_listen, c.metrics_listen) == (
+        "127.0.0.1:50061",
+        "127.0.0.1:50062",
+        "127.0.0.1:9464",
+    )
+    assert c.snapshot_path == Path(".state") / "sidecar-state.json"
+    assert (c.snapshot_interval_s, c.decision_tick_s, c.max_message_bytes) == (30.0, 0.1, 4 * 1024 * 1024)
+
+
+def test_file_values_are_typed(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        "engine_listen: unix:///run/sc.sock\nmetrics_listen: ''\nsnapshot_interval_s: 5\nlog_level: debug\n"
+    )
+    c = load_config(str(p))
+    assert c.engine_listen == "unix:///run/sc.sock"
+    assert c.metrics_listen == ""
+    assert c.snapshot_interval_s == 5.0 and isinstance(c.snapshot_interval_s, float)
+    assert c.log_level == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "fleet: a\nsnapshot_interval_s: -1\n",
+            "c.yaml:2: snapshot_interval_s: must be between 0.1 and 86400.0, got -1",
+        ),
+        (
+            "\n\nengine_listen: nowhere\n",
+            "c.yaml:3: engine_listen: expected 'host:port' or 'unix:///path', got 'nowhere'",
+        ),
+        (
+            "admin_listen: 127.0.0.1:70000\n",
+            "c.yaml:1: admin_listen: port must be 0..65535 (0: any free port), got 70000",
+        ),
+        ("max_steps_per_batch: 1.5\n", "c.yaml:1: max_steps_per_batch: expected an integer, got float 1.5"),
+        (
+            "metrics_listen: unix:///x\n",
+            "c.yaml:1: metrics_listen: metrics are served over TCP: expected 'host:port' or ''",
+        ),
+        (
+            "log_level: LOUD\n",
+            "c.yaml:1: log_level: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'LOUD'",
+        ),
+        ("decision_tick_s: true\n", "c.yaml:1: decision_tick_s: expected a number, got bool True"),
+    ],
+)
+def test_errors_name_file_line_and_field(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(text, source="c.yaml")
+    assert str(e.value) == expected
+
+
+def test_unknown_field_and_bad_yaml() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^c.yaml:2: engine_lisen: unknown setting \(known: engine_listen, "
+    ):
+        parse_config("fleet: x\nengine_lisen: 1\n", source="c.yaml")
+    with pytest.raises(ConfigError, match=r"^c.yaml:2: invalid YAML"):
+        parse_config("fleet: x\n  - : [\n", source="c.yaml")
+    with pytest.raises(ConfigError, match=r"^c.yaml:1: expected a mapping of settings, got list"):
+        parse_config("- 1\n", source="c.yaml")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope.yaml: cannot read"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_empty_file_gives_defaults() -> None:
+    assert parse_config("", source="c.yaml") == SidecarConfig()
+
+
+def test_parse_address() -> None:
+    assert parse_address("0.0.0.0:0", field="x") == ("0.0.0.0", 0)
+    assert parse_address("[::1]:50061", field="x") == ("::1", 50061)
+    assert parse_address("unix:///tmp/s.sock", field="x") == "/tmp/s.sock"
+    assert parse_address("unix:/tmp/s.sock", field="x") == "/tmp/s.sock"
+    with pytest.raises(ConfigError, match="absolute path"):
+        parse_address("unix:rel.sock", field="x")

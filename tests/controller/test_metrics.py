@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client import CollectorRegistry
+
+from controller.metrics import MetricsServer, SidecarMetrics
+from policies.arms import Arm, Method
+from policies.observation import StepObservation
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def obs(**kw: object) -> StepObservation:
+    base: dict[str, object] = dict(
+        time_s=1.0,
+        duration_s=0.05,
+        traffic_class=["a", "a", "b"],
+        method=[Method.EAGLE3, Method.EAGLE3, Method.NGRAM],
+        k=[2, 2, 4],
+        drafted=[2, 2, 4],
+        accepted=[2, 0, 3],
+        queue_length=7,
+        queue_wait_s=0.3,
+    )
+    base.update(kw)
+    return StepObservation.build(**base)  # type: ignore[arg-type]
+
+
+def test_token_counters_and_ratios_are_exact() -> None:
+    reg = CollectorRegistry()
+    m = SidecarMetrics(registry=reg, clock=Clock())
+    m.observe_step("e1", obs())
+    m.observe_step("e1", obs(accepted=[1, 1, 4], queue_wait_s=0.1, queue_length=2))
+    e3 = {"engine": "e1", "method": "eagle3", "k": "2"}
+    ng = {"engine": "e1", "method": "ngram", "k": "4"}
+    assert reg.get_sample_value("speccontrol_drafted_tokens_total", e3) == 8
+    assert reg.get_sample_value("speccontrol_accepted_tokens_total", e3) == 4
+    assert reg.get_sample_value("speccontrol_emitted_tokens_total", e3) == 8
+    assert reg.get_sample_value("speccontrol_request_steps_total", e3) == 4
+    assert reg.get_sample_value("speccontrol_acceptance_rate", e3) == 0.5
+    assert reg.get_sample_value("speccontrol_mean_accepted_per_step", e3) == 1.0
+    assert reg.get_sample_value("speccontrol_acceptance_rate", ng) == 7 / 8
+    assert reg.get_sample_value("speccontrol_mean_accepted_per_step", ng) == 3.5
+    assert reg.get_sample_value("speccontrol_engine_steps_total", {"engine": "e1"}) == 2
+    # goodput: (5 + 3) + (6 + 3) tokens over 0.1 s of engine time
+    assert reg.get_sample_value("speccontrol_goodput_tokens_per_second", {"engine": "e1"}) == 17 / 0.1
+    assert reg.get_sample_value("speccontrol_queue_wait_seconds", {"engine": "e1"}) == (0.3 + 0.1) / 2
+    assert reg.get_sample_value("speccontrol_queue_length", {"engine": "e1"}) == 2
+    assert m.recent_goodput("e1") == 17 / 0.1
+
+
+def test_arm_directive_age_and_connection_gauges() -> None:
+    reg = CollectorRegistry()
+    clock = Clock()
+    m = SidecarMetrics(registry=reg, clock=clock)
+    m.set_connected("e1", True)
+    m.set_directive(
+        "e1", version=7, issued_at=990.0, arms={"1/*": Arm(Method.EAGLE3, 3), "2-4/*": Arm(Method.OFF, 0)}
+    )
+    assert reg.get_sample_value("speccontrol_engines_connected") == 1
+    assert reg.get_sample_value("speccontrol_directive_version", {"engine": "e1"}) == 7
+    assert reg.get_sample_value("speccontrol_directive_age_seconds", {"engine": "e1"}) == 10.0
+    clock.t = 1002.5
+    assert reg.get_sample_value("speccontrol_directive_age_seconds", {"engine": "e1"}) == 12.5
+    cur = {"engine": "e1", "context": "1/*", "method": "eagle3", "k": "3"}
+    assert reg.get_sample_value("speccontrol_current_arm", cur) == 1
+    assert reg.get_sample_value("speccontrol_current_k", {"engine": "e1", "context": "2-4/*"}) == 0
+    # A new decision replaces the arm series instead of leaving the old one behind.
+    m.set_directive("e1", version=8, issued_at=1002.0, arms={"1/*": Arm(Method.NGRAM, 4)})
+    assert reg.get_sample_value("speccontrol_current_arm", cur) is None
+    assert reg.get_sample_value("speccontrol_current_k", {"engine": "e1", "context": "2-4/*"}) is None
+    m.set_connected("e1", False)
+    assert reg.get_sample_value("speccontrol_engines_connected") == 0
+
+
+def test_plain_counters() -> None:
+    reg = CollectorRegistry()
+    m = SidecarMetrics(registry=reg, clock=Clock())
+    m.rejected.labels("accepted_gt_drafted").inc()
+    m.decisions.labels("e1").inc(3)
+    m.switches.labels("e1").inc()
+    m.snapshot_failures.inc()
+    m.last_snapshot.set(123.0)
+    assert (
+        reg.get_sample_value("speccontrol_rejected_telemetry_total", {"reason": "accepted_gt_drafted"}) == 1
+    )
+    assert reg.get_sample_value("speccontrol_decisions_total", {"engine": "e1"}) == 3
+    assert reg.get_sample_value("speccontrol_switches_total", {"engine": "e1"}) == 1
+    assert reg.get_sample_value("speccontrol_snapshot_failures_total") == 1
+    assert reg.get_sample_value("speccontrol_last_snapshot_timestamp_seconds") == 123.0
+
+
+def test_registries_are_independent() -> None:
+    a, b = CollectorRegistry(), CollectorRegistry()
+    SidecarMetrics(registry=a, clock=Clock()).observe_step("e1", obs())
+    SidecarMetrics(registry=b, clock=Clock())
+    assert a.get_sample_value("speccontrol_engine_steps_total", {"engine": "e1"}) == 1
+    assert b.get_sample_value("speccontrol_engine_steps_total", {"engine": "e1"}) is None
+
+
+def test_http_server_on_ephemeral_port() -> None:
+    reg = CollectorRegistry()
+    SidecarMetrics(registry=reg, clock=Clock()).observe_step("e1", obs())
+    srv = MetricsServer(registry=reg, host="127.0.0.1", port=0)
+    url = srv.start()
+    try:
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        assert not url.startswith("http://127.0.0.1:0/")
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        assert 'speccontrol_engine_steps_total{engine="e1"} 1.0' in text
+    finally:
+        srv.stop()

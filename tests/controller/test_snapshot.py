@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from controller.snapshot import SnapshotStore, write_json_atomic
+
+
+def store(tmp_path: Path) -> SnapshotStore:
+    return SnapshotStore(path=tmp_path / "state" / "sidecar-state.json", clock=lambda: 1700000000.0)
+
+
+def test_absent_is_none(tmp_path: Path) -> None:
+    assert store(tmp_path).load() is None
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    assert s.save({"a": [1, 2.5, "x"], "big": 2**70})
+    assert s.last_saved_s == 1700000000.0
+    assert store(tmp_path).load() == {"a": [1, 2.5, "x"], "big": 2**70}
+    # No temporary files are left next to it.
+    assert sorted(p.name for p in s.path.parent.iterdir()) == ["sidecar-state.json"]
+
+
+@pytest.mark.parametrize(
+    "content", ['{"format": 1, "state": {"a": ', "not json", '{"format": 99, "state": {}}', "[]"]
+)
+def test_corrupt_snapshot_moved_aside(tmp_path: Path, content: str, caplog: pytest.LogCaptureFixture) -> None:
+    s = store(tmp_path)
+    s.path.parent.mkdir(parents=True)
+    s.path.write_text(content)
+    assert s.load() is None
+    aside = s.path.with_name("sidecar-state.json.corrupt-1700000000")
+    assert aside.read_text() == content
+    assert not s.path.exists()
+    assert "moved to" in caplog.text
+
+
+def test_failed_write_keeps_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = store(tmp_path)
+    assert s.save({"v": 1})
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    assert not s.save({"v": 2})
+    monkeypatch.undo()
+    assert json.loads(s.path.read_text())["state"] == {"v": 1}
+    assert sorted(p.name for p in s.path.parent.iterdir()) == ["sidecar-state.json"]
+
+
+def test_unserialisable_state_is_a_failed_write(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    assert s.save({"v": 1})
+    assert not s.save({"v": float("nan")})
+    assert store(tmp_path).load() == {"v": 1}
+
+
+def test_write_json_atomic_creates_directory(tmp_path: Path) -> None:
+    p = tmp_path / "a" / "b" / "x.json"
+    write_json_atomic(p, {"k": 1})
+    assert json.loads(p.read_text()) == {"k": 1}
