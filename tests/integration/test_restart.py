@@ -158,3 +158,18 @@ async def test_restart_keeps_policy_and_statistics(config: tuple[Path, Path]) ->
         assert rc == 0, out
     finally:
         second.kill()
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("fleet: x\ndecision_tick_s: 0\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "controller.serve", "--config", str(cfg)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S * 3,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: {cfg}:2: decision_tick_s: must be between 0.005 and 60.0, got 0\n"

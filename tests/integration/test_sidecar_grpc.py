@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -294,3 +297,93 @@ async def test_metrics_endpoint_over_http(sidecar: Sidecar) -> None:
         assert "speccontrol_engines_connected 1.0" in text
     finally:
         await eng.close()
+
+
+async def test_reconnect_and_set_policy_keep_statistics(
+    sidecar: Sidecar, admin: pb_grpc.AdminServiceStub
+) -> None:
+    eng = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello()))
+    await eng.directive()
+    eng.report(step(t=1.0, accepted=[1, 2]), step(t=1.1, accepted=[0, 2]))
+    await until(lambda: sidecar.engines()["e1"].loop.totals.steps == 2)
+    loop = sidecar.engines()["e1"].loop
+    await eng.close()
+    await until(lambda: not sidecar.engines()["e1"].connected)
+
+    again = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello()))
+    try:
+        d = await again.directive()
+        assert sidecar.engines()["e1"].loop is loop  # same engine id, same description: same loop
+        # Sequence numbers are per stream: the new stream's batch 1 is not a duplicate.
+        again.report(step(t=2.0, accepted=[1, 1]))
+        await until(lambda: loop.totals.steps == 3)
+        await admin.SetPolicy(pb.SetPolicyRequest(yaml=STATIC_EAGLE3_2, source="s.yaml", engine_id="e1"))
+        d2 = await again.directive(lambda x: x.policy == "static-eagle3-2")
+        assert d2.version > d.version
+        st = sidecar.engines()["e1"]
+        assert st.loop is not loop
+        assert (st.loop.totals.steps, st.loop.totals.accepted) == (3, 7)
+        assert (await admin.GetPolicy(pb.GetPolicyRequest(engine_id="e1"))).name == "static-eagle3-2"
+        assert (await admin.GetPolicy(pb.GetPolicyRequest())).name == "default"
+    finally:
+        await again.close()
+
+
+async def test_directive_is_refreshed_before_its_ttl_lapses(
+    sidecar: Sidecar, admin: pb_grpc.AdminServiceStub
+) -> None:
+    short = STATIC_EAGLE3_2.replace("directive_ttl_s: 10.0", "directive_ttl_s: 0.3")
+    await admin.SetPolicy(pb.SetPolicyRequest(yaml=short, source="short.yaml"))
+    eng = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello()))
+    try:
+        first = await eng.directive()
+        assert first.ttl_s == 0.3
+        again = await eng.directive()
+        assert again.version == first.version
+        assert again == first
+    finally:
+        await eng.close()
+
+
+async def test_unix_socket_listener(tmp_path: Path) -> None:
+    sock_dir = Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
+    try:
+        cfg = replace(_config(tmp_path), engine_listen=f"unix://{sock_dir}/engine.sock", metrics_listen="")
+        sc = Sidecar(config=cfg, registry=CollectorRegistry())
+        await sc.start()
+        try:
+            assert sc.engine_target == f"unix://{sock_dir}/engine.sock"
+            assert sc.metrics_url == ""
+            eng = TestEngine(sc.engine_target, pb.EngineMessage(hello=hello("uds")))
+            try:
+                assert (await eng.directive()).policy == "default"
+            finally:
+                await eng.close()
+        finally:
+            await sc.stop()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+async def test_versions_skip_ahead_after_an_unclean_stop(tmp_path: Path) -> None:
+    from controller.sidecar import CRASH_VERSION_GAP
+
+    a = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+    await a.start()
+    eng = TestEngine(a.engine_target, pb.EngineMessage(hello=hello()))
+    d = await eng.directive()
+    await eng.close()
+    assert a.save_snapshot()  # a periodic snapshot, then a crash: no final one
+    await a.stop(snapshot=False)
+    b = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+    await b.start()
+    try:
+        assert b.directive_version == d.version + CRASH_VERSION_GAP
+    finally:
+        await b.stop()
+    c = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+    await c.start()
+    try:
+        assert c.directive_version == d.version + CRASH_VERSION_GAP  # b stopped cleanly: exact counter
+    finally:
+        await c.stop()
