@@ -1,0 +1,193 @@
+"""The only module that imports aiomqtt: broker settings and a small connection over aiomqtt 2.x.
+
+aiomqtt 3 changes the client API; everything else in the project goes through ``MqttConnection`` so
+that a port touches this file alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+from urllib.parse import unquote, urlsplit
+
+import aiomqtt
+
+DEFAULT_PORT = 1883
+DEFAULT_TLS_PORT = 8883
+
+
+class ConnectionLost(Exception):
+    """The broker could not be reached, refused us, or went away."""
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerSettings:
+    """Where and how to reach the MQTT broker. Validated on construction; reads no files until used."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    username: str | None = None
+    password: str | None = None
+    #: TLS on the connection; ``ca_file`` None uses the system's trust store.
+    tls: bool = False
+    ca_file: str | None = None
+    #: Client certificate and key for mutual TLS.
+    cert_file: str | None = None
+    key_file: str | None = None
+    #: Skip the server hostname check (test brokers with self-signed certificates only).
+    tls_insecure: bool = False
+    keepalive_s: int = 30
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.host or any(c.isspace() for c in self.host):
+            raise ValueError(f"broker host: expected a host name or address, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise ValueError(f"broker port: must be 1..65535, got {self.port!r}")
+        if self.password is not None and self.username is None:
+            raise ValueError("broker password: given without a username")
+        if (self.ca_file or self.cert_file or self.key_file or self.tls_insecure) and not self.tls:
+            raise ValueError("broker TLS options (ca_file, cert_file, key_file, tls_insecure) need tls: true")
+        if self.key_file and not self.cert_file:
+            raise ValueError("broker key_file: given without cert_file")
+        if not 5 <= self.keepalive_s <= 3600:
+            raise ValueError(f"broker keepalive_s: must be 5..3600, got {self.keepalive_s!r}")
+        if not 0.1 <= self.connect_timeout_s <= 300:
+            raise ValueError(f"broker connect_timeout_s: must be 0.1..300, got {self.connect_timeout_s!r}")
+
+    @classmethod
+    def from_url(cls, url: str, **options: object) -> BrokerSettings:
+        """``mqtt://[user[:password]@]host[:port]`` or ``mqtts://...`` (TLS, default port 8883).
+
+        ``options`` fill the remaining fields (``ca_file``, ``keepalive_s``, ...). Raises ValueError.
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            raise ValueError(f"broker URL: expected mqtt://host[:port] or mqtts://host[:port], got {url!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"broker URL: unexpected path or query in {url!r}")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"broker URL: invalid port in {url!r}") from None
+        tls = parts.scheme == "mqtts"
+        kw: dict[str, object] = {
+            "host": parts.hostname,
+            "port": port or (DEFAULT_TLS_PORT if tls else DEFAULT_PORT),
+            "tls": tls,
+        }
+        if parts.username is not None:
+            kw["username"] = unquote(parts.username)
+        if parts.password is not None:
+            kw["password"] = unquote(parts.password)
+        kw.update(options)
+        return cls(**kw)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        """For logs: never includes the password."""
+        user = f"{self.username}@" if self.username else ""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{user}{self.host}:{self.port}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        if self.tls_insecure:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    topic: str
+    payload: bytes
+    retain: bool
+
+
+class MqttConnection:
+    """One broker session: ``async with MqttConnection(...) as c``; raises ConnectionLost on any failure."""
+
+    def __init__(self, *, settings: BrokerSettings, client_id: str, op_timeout_s: float = 10.0) -> None:
+        self.settings = settings
+        self.client_id = client_id
+        self.op_timeout_s = op_timeout_s
+        self._client: aiomqtt.Client | None = None
+
+    async def __aenter__(self) -> Self:
+        s = self.settings
+        try:
+            tls = s.ssl_context()
+        except (OSError, ssl.SSLError) as e:
+            raise ConnectionLost(f"TLS setup failed: {e}") from None
+        client = aiomqtt.Client(
+            s.host,
+            s.port,
+            username=s.username,
+            password=s.password,
+            identifier=self.client_id,
+            keepalive=s.keepalive_s,
+            timeout=self.op_timeout_s,
+            tls_context=tls,
+            clean_session=True,
+        )
+        try:
+            async with asyncio.timeout(s.connect_timeout_s):
+                await client.__aenter__()
+        except (aiomqtt.MqttError, TimeoutError, OSError) as e:
+            raise ConnectionLost(f"cannot connect to {s.describe()}: {e or type(e).__name__}") from None
+        self._client = client
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            # A hung broker must not hold up shutdown.
+            async with asyncio.timeout(self.op_timeout_s):
+                await client.__aexit__(exc_type, exc, tb)
+        except (aiomqtt.MqttError, TimeoutError, OSError):
+            pass
+
+    def _live(self) -> aiomqtt.Client:
+        if self._client is None:
+            raise ConnectionLost("not connected")
+        return self._client
+
+    async def subscribe(self, topics: Sequence[str], *, qos: int = 1) -> None:
+        client = self._live()
+        try:
+            await client.subscribe([(t, qos) for t in topics])
+        except aiomqtt.MqttError as e:
+            raise ConnectionLost(f"subscribe failed: {e}") from None
+
+    async def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        client = self._live()
+        try:
+            await client.publish(topic, payload, qos=qos, retain=retain)
+        except aiomqtt.MqttError as e:
+            raise ConnectionLost(f"publish to {topic} failed: {e}") from None
+
+    async def messages(self) -> AsyncIterator[Received]:
+        """Every message on the subscribed topics, until the connection ends (then ConnectionLost)."""
+        client = self._live()
+        try:
+            async for m in client.messages:
+                payload = m.payload
+                if isinstance(payload, str):
+                    payload = payload.encode()
+                elif not isinstance(payload, bytes | bytearray):
+                    payload = b"" if payload is None else str(payload).encode()
+                yield Received(topic=m.topic.value, payload=bytes(payload), retain=bool(m.retain))
+        except aiomqtt.MqttError as e:
+            raise ConnectionLost(f"connection lost: {e}") from None
+        raise ConnectionLost("connection closed by the broker")
