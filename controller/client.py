@@ -1,0 +1,84 @@
+"""A small typed async client for the sidecar's AdminService (what ``controllerctl`` uses).
+
+    async with AdminClient(target="127.0.0.1:50062") as admin:
+        info = await admin.set_policy(text, source="my.yaml", engine_id="engine-0")
+
+Errors are the gRPC ones (``grpc.aio.AioRpcError``); callers decide how to show them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+import grpc
+
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+
+
+class AdminClient:
+    def __init__(self, *, target: str, timeout: float = 5.0) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.AdminServiceStub | None = None
+
+    async def __aenter__(self) -> AdminClient:
+        self._channel = grpc.aio.insecure_channel(self.target)
+        self._stub = pb_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = None
+
+    @property
+    def stub(self) -> pb_grpc.AdminServiceStub:
+        if self._stub is None:
+            raise RuntimeError("AdminClient is used outside 'async with'")
+        return self._stub
+
+    async def set_policy(self, yaml_text: str, *, source: str = "", engine_id: str = "") -> pb.PolicyInfo:
+        req = pb.SetPolicyRequest(yaml=yaml_text, source=source, engine_id=engine_id)
+        out: pb.PolicyInfo = await self.stub.SetPolicy(req, timeout=self.timeout)
+        return out
+
+    async def get_policy(self, engine_id: str = "") -> pb.PolicyInfo:
+        out: pb.PolicyInfo = await self.stub.GetPolicy(
+            pb.GetPolicyRequest(engine_id=engine_id), timeout=self.timeout
+        )
+        return out
+
+    async def list_policies(self) -> pb.ListPoliciesResponse:
+        out: pb.ListPoliciesResponse = await self.stub.ListPolicies(
+            pb.ListPoliciesRequest(), timeout=self.timeout
+        )
+        return out
+
+    async def rollback_policy(self, engine_id: str = "") -> pb.PolicyInfo:
+        req = pb.RollbackPolicyRequest(engine_id=engine_id)
+        out: pb.PolicyInfo = await self.stub.RollbackPolicy(req, timeout=self.timeout)
+        return out
+
+    async def status(self) -> pb.Status:
+        out: pb.Status = await self.stub.GetStatus(pb.StatusRequest(), timeout=self.timeout)
+        return out
+
+    async def engines(self) -> list[pb.EngineStatus]:
+        out: pb.ListEnginesResponse = await self.stub.ListEngines(
+            pb.ListEnginesRequest(), timeout=self.timeout
+        )
+        return list(out.engines)
+
+    async def watch_decisions(self, engine_id: str = "") -> AsyncIterator[pb.Decision]:
+        """Every decision change (all engines, or one); runs until the caller stops iterating."""
+        call = self.stub.WatchDecisions(pb.WatchDecisionsRequest(engine_id=engine_id))
+        try:
+            async for d in call:
+                yield d
+        finally:
+            call.cancel()

@@ -1,0 +1,203 @@
+"""The embedded simulated engine on the wire: the same EngineService.Attach stream a vLLM plugin uses.
+
+Two concurrent parts under one supervised task: the step loop (``EngineCore.step`` paced in virtual
+time) and the link (Hello, then batched reports with increasing ``sequence``; directives read as
+they come). The step loop never waits on the link: reports go to a bounded queue and are dropped,
+and counted, when it is full. When the sidecar goes away the link reconnects with backoff while the
+engine keeps serving on its last directive, then on its safe default once that expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from controller.convert import directive_from_pb, hello_from_engine_info
+from controller.embedded.core import ENGINE_VERSION, EngineCore, EngineSettings, EngineTotals
+from controller.embedded.cost import StepCost
+from controller.embedded.traffic import Traffic
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSettings:
+    #: Wall seconds per virtual second (1: real time; 0: as fast as possible).
+    time_scale: float = 1.0
+    #: Reports are sent at most this often (wall seconds); steps in between go in one batch.
+    flush_interval_s: float = 0.05
+    max_steps_per_batch: int = 256
+    #: Steps the send queue holds while the link is slow or down; more are dropped and counted.
+    send_queue_steps: int = 4096
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+        if self.flush_interval_s < 0 or self.max_steps_per_batch < 1 or self.send_queue_steps < 1:
+            raise ValueError(
+                "link settings: flush_interval_s >= 0, max_steps_per_batch and send_queue_steps >= 1"
+            )
+
+
+@dataclass(slots=True)
+class LinkStats:
+    connects: int = 0
+    disconnects: int = 0
+    sent_steps: int = 0
+    dropped_steps: int = 0
+    bad_directives: int = 0
+
+
+class EmbeddedEngine:
+    """A simulated engine attached to a sidecar at ``target``; ``start()``/``stop()`` or ``run()``."""
+
+    def __init__(
+        self,
+        *,
+        target: str,
+        settings: EngineSettings,
+        traffic: Traffic,
+        link: LinkSettings | None = None,
+        cost: StepCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target = target
+        self.settings = settings
+        self.link = link or LinkSettings()
+        self.core = EngineCore(settings=settings, traffic=traffic, cost=cost, clock=clock)
+        self.stats = LinkStats()
+        self._queue: asyncio.Queue[pb.StepReport] | None = None
+        self._dropped_unreported = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def totals(self) -> EngineTotals:
+        return self.core.totals
+
+    @property
+    def done(self) -> bool:
+        return self.core.done
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name=f"engine-{self.settings.engine_id}")
+
+    async def wait(self) -> None:
+        """Until the traffic schedule has run out (or the engine was stopped)."""
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def run(self) -> None:
+        """Step through the whole schedule while keeping a link to the sidecar; returns when done."""
+        self._queue = asyncio.Queue(maxsize=self.link.send_queue_steps)
+        link = asyncio.create_task(self._link_loop(), name=f"engine-link-{self.settings.engine_id}")
+        try:
+            await self._step_loop()
+            await self._drain(timeout=1.0)
+        finally:
+            link.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        assert self._queue is not None
+        scale = self.link.time_scale
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not self.core.done:
+            report = self.core.step()
+            try:
+                self._queue.put_nowait(report)
+            except asyncio.QueueFull:
+                self._dropped_unreported += 1
+                self.stats.dropped_steps += 1
+            if scale > 0:
+                # Pace against the virtual clock, so time spent computing is not added on top.
+                delay = start + self.core.totals.virtual_s * scale - loop.time()
+                await asyncio.sleep(max(delay, 0.0))
+            elif self.core.totals.steps % 16 == 0:
+                await asyncio.sleep(0)
+
+    async def _drain(self, *, timeout: float) -> None:
+        """Give the link a moment to send the last reports."""
+        assert self._queue is not None
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self._queue.empty() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
+    # -- link ----------------------------------------------------------------------------------------
+
+    async def _link_loop(self) -> None:
+        backoff = self.link.backoff_initial_s
+        while True:
+            ok = False
+            try:
+                ok = await self._attach_once()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                log.info("engine %s: link lost: %s", self.settings.engine_id, e.code().name)
+            except Exception:
+                log.exception("engine %s: link failed", self.settings.engine_id)
+            self.stats.disconnects += 1
+            backoff = self.link.backoff_initial_s if ok else min(backoff * 2, self.link.backoff_max_s)
+            await asyncio.sleep(backoff)
+
+    async def _attach_once(self) -> bool:
+        """One stream; True when it got as far as a directive (resets the backoff)."""
+        got_directive = False
+        async with grpc.aio.insecure_channel(self.target) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
+            call = stub.Attach(self._messages())
+            self.stats.connects += 1
+            async for msg in call:
+                try:
+                    d = directive_from_pb(msg)
+                except ValueError as e:
+                    self.stats.bad_directives += 1
+                    log.warning("engine %s: ignoring a bad directive: %s", self.settings.engine_id, e)
+                    continue
+                self.core.receive(d)
+                got_directive = True
+        return got_directive
+
+    async def _messages(self) -> AsyncIterator[pb.EngineMessage]:
+        assert self._queue is not None
+        hello = hello_from_engine_info(self.settings.info(), engine_version=ENGINE_VERSION)
+        yield pb.EngineMessage(hello=hello)
+        seq = 0
+        q = self._queue
+        while True:
+            steps = [await q.get()]
+            if self.link.flush_interval_s > 0:
+                await asyncio.sleep(self.link.flush_interval_s)
+            while len(steps) < self.link.max_steps_per_batch and not q.empty():
+                steps.append(q.get_nowait())
+            seq += 1
+            dropped, self._dropped_unreported = self._dropped_unreported, 0
+            self.stats.sent_steps += len(steps)
+            yield pb.EngineMessage(
+                reports=pb.StepReportBatch(sequence=seq, steps=steps, dropped_steps=dropped)
+            )
