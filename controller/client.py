@@ -33,7 +33,7 @@ class AdminClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
         self._channel = self._stub = None
 
     @property

@@ -1,0 +1,339 @@
+"""``controllerctl``: the sidecar, the demo, and live policy administration over the admin API.
+
+User errors are one line on stderr, never a traceback: exit 1 when the sidecar cannot be reached,
+exit 2 for bad input (a policy that does not validate, an unknown engine, a server-side refusal).
+Policies are parsed locally before anything is sent, so a broken file never reaches the sidecar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from controller.client import AdminClient
+from controller.v1 import controller_pb2 as pb
+from policies.spec import PolicyError, PolicySpec, parse_policy
+
+DEFAULT_ADMIN = "127.0.0.1:50062"
+ADMIN_ENV = "SPECCONTROL_ADMIN"
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_GRANULARITY = {0: "-", 1: "batch", 2: "request-k", 3: "request-method"}
+
+T = TypeVar("T")
+
+
+class UserError(Exception):
+    """A one-line error for the user, with the exit code to use."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def _arm(a: pb.Arm) -> str:
+    return "off" if a.method == "off" or not a.method else f"{a.method}:{a.k}"
+
+
+def _dump(msg: Any) -> dict[str, Any]:
+    out: dict[str, Any] = MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return out
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=False))
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(x) for x in head], *[[str(x) for x in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def read_policy(name_or_path: str) -> tuple[str, str, PolicySpec]:
+    """``(yaml, source, spec)`` for a file path or a preset name; raises UserError (exit 2)."""
+    from controller.presets import resolve_policy_text
+
+    try:
+        text, source = resolve_policy_text(name_or_path)
+        return text, source, parse_policy(text, source=source)
+    except PolicyError as e:
+        raise UserError(str(e).splitlines()[0]) from None
+
+
+def _admin_call(args: argparse.Namespace, fn: Callable[[AdminClient], Awaitable[T]]) -> T:
+    async def go() -> T:
+        async with AdminClient(target=args.admin, timeout=args.timeout) as admin:
+            return await fn(admin)
+
+    try:
+        return asyncio.run(go())
+    except grpc.aio.AioRpcError as e:
+        details = (e.details() or e.code().name).splitlines()[0]
+        if e.code() in _UNREACHABLE:
+            raise UserError(f"cannot reach the sidecar at {args.admin}: {details}", 1) from None
+        raise UserError(f"{e.code().name.lower()}: {details}", 2) from None
+
+
+# -- commands --------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from controller.serve import main as serve_main
+
+    return serve_main(["--config", args.config] if args.config else [])
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from controller.demo import main as demo_main
+
+    if args.seconds <= 0:
+        raise UserError(f"--seconds must be > 0, got {args.seconds:g}")
+    return demo_main(seconds=args.seconds, as_json=args.json, seed=args.seed)
+
+
+def _policy_line(p: pb.PolicyInfo) -> str:
+    scope = f"engine {p.engine_id}" if p.engine_id else "default"
+    return f"{p.name} ({p.algorithm}) revision {p.revision} for {scope}, from {p.source or '-'}"
+
+
+def cmd_policy_validate(args: argparse.Namespace) -> int:
+    _, source, spec = read_policy(args.file)
+    arms = ", ".join(str(a) for a in spec.arms) or "all the engine offers"
+    print(
+        f"OK {source}: policy {spec.name!r}, algorithm {spec.algorithm}, arms: {arms}, "
+        f"rule {spec.rule.kind}, decisions every {spec.decision_interval_s:g} s"
+    )
+    return 0
+
+
+def cmd_policy_set(args: argparse.Namespace) -> int:
+    text, source, _ = read_policy(args.policy)
+    if args.fleet:
+        raise UserError(
+            "--fleet: the fleet link (MQTT) is not configured for controllerctl; use --engine or neither"
+        )
+    info = _admin_call(args, lambda a: a.set_policy(text, source=source, engine_id=args.engine or ""))
+    print(f"set {_policy_line(info)}")
+    return 0
+
+
+def cmd_policy_get(args: argparse.Namespace) -> int:
+    info = _admin_call(args, lambda a: a.get_policy(args.engine or ""))
+    if args.json:
+        _print_json(_dump(info))
+    else:
+        print(f"# {_policy_line(info)}")
+        print(info.yaml.rstrip())
+    return 0
+
+
+def cmd_policy_rollback(args: argparse.Namespace) -> int:
+    info = _admin_call(args, lambda a: a.rollback_policy(args.engine or ""))
+    print(f"rolled back to {_policy_line(info)}")
+    return 0
+
+
+def cmd_policy_list(args: argparse.Namespace) -> int:
+    from controller.presets import preset_names, preset_text
+
+    presets: list[dict[str, Any]] = []
+    for name in preset_names():
+        spec = parse_policy(preset_text(name), source=f"preset:{name}")
+        presets.append({"name": name, "algorithm": spec.algorithm, "description": spec.description})
+    active: list[pb.PolicyInfo] = []
+    reach_error = ""
+    try:
+        active = list(_admin_call(args, lambda a: a.list_policies()).active)
+    except UserError as e:
+        if e.code != 1:
+            raise
+        reach_error = str(e)
+    if args.json:
+        _print_json(
+            {"presets": presets, "active": [_dump(p) for p in active], "sidecar": reach_error or "reachable"}
+        )
+        return 0
+    print("presets (policies/library):")
+    print(
+        _table(
+            ["name", "algorithm", "description"],
+            [[p["name"], p["algorithm"], p["description"]] for p in presets],
+        )
+    )
+    print()
+    if reach_error:
+        print(f"active: unknown ({reach_error})")
+    else:
+        print("active:")
+        rows = [[p.engine_id or "(default)", p.name, p.algorithm, p.revision, p.source] for p in active]
+        print(_table(["scope", "name", "algorithm", "revision", "source"], rows))
+    return 0
+
+
+def _engine_rows(engines: Sequence[pb.EngineStatus]) -> str:
+    rows = []
+    for e in engines:
+        arms = ", ".join(f"{c.context}={_arm(c.arm)}" for c in e.arms if c.goodput_tok_s > 0)
+        rows.append(
+            [
+                e.engine_id,
+                "yes" if e.connected else "no",
+                e.policy,
+                e.directive_version,
+                f"{e.directive_age_s:.1f}s",
+                e.steps,
+                f"{e.acceptance_rate:.2f}",
+                f"{e.goodput_tok_s:.0f}",
+                _GRANULARITY.get(int(e.granularity), "?"),
+                arms or "-",
+            ]
+        )
+    head = [
+        "engine",
+        "connected",
+        "policy",
+        "directive",
+        "age",
+        "steps",
+        "accept",
+        "goodput",
+        "granularity",
+        "arms",
+    ]
+    return _table(head, rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = _admin_call(args, lambda a: a.status())
+    if args.json:
+        _print_json(_dump(st))
+        return 0
+    snap = "never" if not st.last_snapshot_s else f"at {st.last_snapshot_s:.0f}"
+    print(f"sidecar {st.version} at {args.admin}, up {st.uptime_s:.0f} s")
+    print(f"default policy: {_policy_line(st.policy)}")
+    print(f"snapshot: {st.snapshot_path} (last {snap})")
+    print(f"engines: {len(st.engines)}")
+    if st.engines:
+        print(_engine_rows(st.engines))
+    return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    engines = _admin_call(args, lambda a: a.engines())
+    if args.json:
+        _print_json({"engines": [_dump(e) for e in engines]})
+    elif not engines:
+        print("no engines have attached")
+    else:
+        print(_engine_rows(engines))
+    return 0
+
+
+# -- parser ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
+    p.add_argument(
+        "--admin",
+        default=os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN,
+        metavar="ADDR",
+        help=f"sidecar admin address (default: ${ADMIN_ENV} or {DEFAULT_ADMIN})",
+    )
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="admin call timeout in seconds")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser("serve", help="run the sidecar")
+    s.add_argument("--config", metavar="FILE", help="sidecar YAML config")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("demo", help="sidecar + simulated engines: adaptive vs static, live")
+    s.add_argument("--seconds", type=float, default=20.0, metavar="N", help="seconds of traffic (default 20)")
+    s.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
+    s.add_argument("--json", action="store_true", help="print the result as JSON only")
+    s.set_defaults(func=cmd_demo)
+
+    pol = sub.add_parser("policy", help="set, get, list, validate or roll back policies")
+    psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
+    psub.required = True
+    s = psub.add_parser("set", help="validate locally, then set a policy (file or preset name)")
+    s.add_argument("policy", metavar="FILE|NAME")
+    scope = s.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--engine", metavar="ID", help="only this engine (default: the sidecar's default policy)"
+    )
+    scope.add_argument("--fleet", action="store_true", help="every sidecar of the fleet (over MQTT)")
+    s.set_defaults(func=cmd_policy_set)
+    s = psub.add_parser("get", help="the policy in force")
+    s.add_argument("--engine", metavar="ID")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_policy_get)
+    s = psub.add_parser("list", help="presets, and the active policies when a sidecar is reachable")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_policy_list)
+    s = psub.add_parser("validate", help="check a policy file locally (no sidecar)")
+    s.add_argument("file", metavar="FILE")
+    s.set_defaults(func=cmd_policy_validate)
+    s = psub.add_parser("rollback", help="back to the previous policy")
+    s.add_argument("--engine", metavar="ID")
+    s.set_defaults(func=cmd_policy_rollback)
+
+    s = sub.add_parser("status", help="the sidecar, its policy and engines")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+    s = sub.add_parser("engines", help="attached engines")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_engines)
+
+    _register_plugins(sub)
+    return p
+
+
+def _register_plugins(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``sim`` and ``trace`` come from the simulator package when it is installed."""
+    try:
+        register = importlib.import_module("sim.cli").register
+    except (ImportError, AttributeError):
+        return
+    register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return func(args)
+    except UserError as e:
+        _err(str(e))
+        return e.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
