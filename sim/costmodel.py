@@ -1,0 +1,260 @@
+"""Step-time cost model: profiles loaded from ``sim/profiles/*.yaml``.
+
+A step's time is composed as in the simulator published with arXiv 2601.11580:
+
+    step = T_target(kv tokens, batched tokens) [+ MoE expert reads] + drafting + overhead
+
+* ``T_target`` is linear in the tokens held in the KV cache by the step's requests and in the tokens
+  the step processes (sum of K + 1 over decoding requests, plus the prompts of requests prefilled in
+  the step).
+* EAGLE-3 drafts sequentially: one draft forward per draft position, for the longest K in the batch.
+  The published draft fit was measured at k = 3 (``fit_k``), so one forward costs ``T_draft / fit_k``.
+* P-EAGLE drafts all K positions in one pass, costing ``pass_forwards`` EAGLE forwards.
+* n-gram drafting costs a fixed fraction of the verify time.
+* MoE targets read more expert weights the more tokens a step verifies: the expected fraction of
+  experts touched by ``n`` tokens is ``1 - (1 - top_k / experts) ** n``.
+
+All functions take numpy arrays (one entry per step) so whole runs are priced at once.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from policies.arms import Method
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    kv_s_per_token: float
+    batched_s_per_token: float
+    const_s: float
+
+    def __call__(self, kv: np.ndarray, batched: np.ndarray) -> np.ndarray:
+        return self.kv_s_per_token * kv + self.batched_s_per_token * batched + self.const_s
+
+
+@dataclass(frozen=True, slots=True)
+class MoE:
+    expert_bytes_per_gpu: float
+    num_experts: int
+    experts_per_token: int
+    bandwidth_bytes_per_s: float
+    efficiency: float
+
+    def __call__(self, batched: np.ndarray) -> np.ndarray:
+        touched = 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** np.asarray(batched, np.float64)
+        return touched * self.expert_bytes_per_gpu / (self.bandwidth_bytes_per_s * self.efficiency)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    gpu: str
+    gpu_memory_gb: float
+    num_gpus: int
+    weights_gb: float
+    draft_weights_gb: float
+    kv_bytes_per_token: float
+    reserve_gb: float
+    gpu_memory_utilization: float
+
+    def kv_capacity_tokens(self) -> int:
+        room = self.kv_room_gb()
+        return max(0, int(room * 1e9 / self.kv_bytes_per_token))
+
+    def kv_room_gb(self) -> float:
+        usable = self.gpu_memory_gb * self.num_gpus * self.gpu_memory_utilization
+        return usable - self.weights_gb - self.draft_weights_gb - self.reserve_gb * self.num_gpus
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    description: str
+    model: str
+    hardware: str
+    derivation: str
+    target: Linear
+    eagle3_draft: Linear  # kv tokens, spec tokens -> time of one full draft at ``fit_k`` positions
+    fit_k: int
+    p_eagle_pass_forwards: float
+    ngram_verify_fraction: float
+    overhead_s: float
+    memory: Memory
+    gpu_price_key: str
+    api_price_key: str
+    moe: MoE | None = None
+    sources: tuple[str, ...] = field(default_factory=tuple)
+
+    # -- step pricing (vectorised over steps) ----------------------------------------------------
+
+    def verify_time(self, kv: np.ndarray, batched: np.ndarray) -> np.ndarray:
+        t = self.target(kv, batched)
+        if self.moe is not None:
+            t = t + self.moe(batched)
+        return t
+
+    def draft_forward_time(self, kv: np.ndarray, spec_tokens: np.ndarray) -> np.ndarray:
+        """One sequential EAGLE draft forward over the batch."""
+        return self.eagle3_draft(kv, spec_tokens) / self.fit_k
+
+    def step_time(
+        self,
+        *,
+        kv: np.ndarray,
+        batched: np.ndarray,
+        eagle_forwards: np.ndarray,
+        eagle_spec: np.ndarray,
+        p_eagle_passes: np.ndarray,
+        p_eagle_spec: np.ndarray,
+        ngram_rows: np.ndarray,
+    ) -> np.ndarray:
+        """Seconds per step. ``eagle_forwards``: sequential EAGLE forwards (longest EAGLE K, or 1 when
+        the head runs without being verified); ``p_eagle_passes``: 1 where P-EAGLE drafted; ``ngram_rows``:
+        1 where any request drafted with n-gram."""
+        verify = self.verify_time(kv, batched)
+        t = verify + self.overhead_s
+        fwd = self.draft_forward_time(kv, eagle_spec + p_eagle_spec)
+        t = t + eagle_forwards * fwd + p_eagle_passes * self.p_eagle_pass_forwards * fwd
+        out: np.ndarray = t + (ngram_rows > 0) * self.ngram_verify_fraction * verify
+        return out
+
+    def step_time_one(
+        self,
+        kv: float,
+        batched: float,
+        eagle_forwards: float,
+        eagle_spec: float,
+        p_eagle_passes: float,
+        p_eagle_spec: float,
+        ngram_rows: float,
+    ) -> float:
+        """``step_time`` for one step with plain floats (the stepwise engine's hot path); same arithmetic."""
+        tg = self.target
+        verify = tg.kv_s_per_token * kv + tg.batched_s_per_token * batched + tg.const_s
+        if self.moe is not None:
+            mo = self.moe
+            touched = 1.0 - (1.0 - mo.experts_per_token / mo.num_experts) ** batched
+            verify = verify + touched * mo.expert_bytes_per_gpu / (mo.bandwidth_bytes_per_s * mo.efficiency)
+        t = verify + self.overhead_s
+        d = self.eagle3_draft
+        fwd = (
+            d.kv_s_per_token * kv + d.batched_s_per_token * (eagle_spec + p_eagle_spec) + d.const_s
+        ) / self.fit_k
+        t = t + eagle_forwards * fwd + p_eagle_passes * self.p_eagle_pass_forwards * fwd
+        return t + (ngram_rows > 0) * self.ngram_verify_fraction * verify
+
+    def plain_step_time(self, batch: int, context: int) -> float:
+        """A decode step without speculation, ``batch`` requests of ``context`` tokens each."""
+        kv = np.array([batch * context], dtype=np.float64)
+        return float(self.verify_time(kv, np.array([batch], dtype=np.float64))[0] + self.overhead_s)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0) -> float:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < lo:
+        raise ProfileError(f"{where}.{key}: expected a number >= {lo}, got {v!r}")
+    return float(v)
+
+
+def _map(d: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ProfileError(f"{where}: expected a mapping")
+    return d
+
+
+def _linear(d: Mapping[str, Any], where: str, batched_key: str = "batched_s_per_token") -> Linear:
+    return Linear(_num(d, "kv_s_per_token", where), _num(d, batched_key, where), _num(d, "const_s", where))
+
+
+def parse_profile(data: Any, *, source: str) -> Profile:
+    d = _map(data, source)
+    try:
+        draft = _map(d.get("draft"), f"{source}: draft")
+        e3 = _map(draft.get(Method.EAGLE3.value), f"{source}: draft.eagle3")
+        pe = _map(draft.get(Method.P_EAGLE.value), f"{source}: draft.p_eagle")
+        ng = _map(draft.get(Method.NGRAM.value), f"{source}: draft.ngram")
+        mem = _map(d.get("memory"), f"{source}: memory")
+        moe_d = d.get("moe")
+        moe = None
+        if moe_d is not None:
+            m = _map(moe_d, f"{source}: moe")
+            moe = MoE(
+                _num(m, "expert_bytes_per_gpu", "moe"),
+                int(_num(m, "num_experts", "moe", lo=1)),
+                int(_num(m, "experts_per_token", "moe", lo=1)),
+                _num(m, "bandwidth_bytes_per_s", "moe", lo=1.0),
+                _num(m, "efficiency", "moe", lo=1e-3),
+            )
+        return Profile(
+            name=str(d["name"]),
+            description=str(d.get("description", "")),
+            model=str(d["model"]),
+            hardware=str(d["hardware"]),
+            derivation=str(d.get("derivation", "")),
+            target=_linear(_map(d.get("target"), f"{source}: target"), "target"),
+            eagle3_draft=_linear(e3, "draft.eagle3", "spec_s_per_token"),
+            fit_k=int(_num(e3, "fit_k", "draft.eagle3", lo=1)),
+            p_eagle_pass_forwards=_num(pe, "pass_forwards", "draft.p_eagle"),
+            ngram_verify_fraction=_num(ng, "verify_fraction", "draft.ngram"),
+            overhead_s=_num(d, "overhead_s", "profile"),
+            memory=Memory(
+                gpu=str(mem["gpu"]),
+                gpu_memory_gb=_num(mem, "gpu_memory_gb", "memory", lo=1.0),
+                num_gpus=int(_num(mem, "num_gpus", "memory", lo=1)),
+                weights_gb=_num(mem, "weights_gb", "memory"),
+                draft_weights_gb=_num(mem, "draft_weights_gb", "memory"),
+                kv_bytes_per_token=_num(mem, "kv_bytes_per_token", "memory", lo=1.0),
+                reserve_gb=_num(mem, "reserve_gb", "memory"),
+                gpu_memory_utilization=_num(mem, "gpu_memory_utilization", "memory", lo=0.01),
+            ),
+            gpu_price_key=str(d["gpu_price"]),
+            api_price_key=str(d.get("api_price", "")),
+            moe=moe,
+            sources=tuple(str(s) for s in d.get("sources", [])),
+        )
+    except KeyError as e:
+        raise ProfileError(f"{source}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ProfileError):
+            raise
+        raise ProfileError(f"{source}: {e}") from None
+
+
+def _profile_dir() -> Path:
+    return Path(str(importlib.resources.files("sim") / "profiles"))
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in _profile_dir().glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by name (``sim/profiles/NAME.yaml``) or by path to a YAML file."""
+    p = Path(name_or_path)
+    if not (p.suffix in (".yaml", ".yml") and p.exists()):
+        p = _profile_dir() / f"{name_or_path}.yaml"
+        if not p.exists():
+            raise ProfileError(f"unknown profile {name_or_path!r} (known: {', '.join(profile_names())})")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{p}: invalid YAML: {e}") from None
+    return parse_profile(data, source=str(p))
+
+
+DEFAULT_PROFILE = "llama-3.1-8b-h100"

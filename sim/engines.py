@@ -1,0 +1,114 @@
+"""Engine models: what an engine can apply and what feedback it returns.
+
+Every policy is scored under the constraints and the information a real engine has:
+
+* ``stock-vllm``: one EAGLE-3 drafter, one K per batch step (vLLM's batch-size -> K table); K = 0
+  still runs the head's first forward, and that first position is reported (it ran unverified).
+* ``stock-vllm-ngram``: vLLM's n-gram proposer, one K per batch step.
+* ``stock-vllm-p-eagle``: P-EAGLE, one K per step and only K = max (smaller K misassigns drafts in
+  vLLM 0.32); the head runs one pass even at K = 0.
+* ``composite``: the plugin's composite drafter, method and K per request (EAGLE-3 and n-gram in one
+  engine); n-gram is scored counterfactually on every request and step; EAGLE-3 always runs at least
+  its first forward (its hidden states must stay current), so its first position is reported when
+  a request used n-gram.
+* ``no-spec``: speculation not configured at all (the baseline for "speedup vs no spec").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from policies.arms import OFF, Arm, Method
+from policies.engine import EngineInfo, Granularity
+
+KS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModel:
+    name: str
+    description: str
+    granularity: Granularity
+    methods: tuple[Method, ...]  # drafters loaded (their arms can be played)
+    #: Drafters whose first forward runs every step whether or not they are verified.
+    always_runs: tuple[Method, ...] = ()
+    #: Methods scored counterfactually on every request and step (full K, capped at the request's K).
+    counterfactual: tuple[Method, ...] = ()
+    #: Report an always-running head's first position (0/1) on rows where it was not verified.
+    head_first_position: bool = False
+    p_eagle_partial_k_safe: bool = False
+
+    def arms(self, max_k: int) -> tuple[Arm, ...]:
+        out: list[Arm] = []
+        for m in self.methods:
+            ks = [max_k] if m is Method.P_EAGLE and not self.p_eagle_partial_k_safe else KS
+            out.extend(Arm(m, k) for k in ks if k <= max_k)
+        return (*out, OFF)
+
+    @property
+    def primary(self) -> Method:
+        return self.methods[0] if self.methods else Method.OFF
+
+    def info(self, max_k: int, *, model: str = "sim") -> EngineInfo:
+        return EngineInfo(
+            engine_id=f"sim-{self.name}",
+            model=model,
+            max_k=max_k,
+            arms=self.arms(max_k),
+            granularity=self.granularity,
+            counterfactual_methods=self.counterfactual,
+            p_eagle_partial_k_safe=self.p_eagle_partial_k_safe,
+        )
+
+    def can_play(self, arm: Arm, max_k: int) -> bool:
+        return arm in self.arms(max_k)
+
+
+ENGINES: Mapping[str, EngineModel] = {
+    e.name: e
+    for e in (
+        EngineModel(
+            "stock-vllm",
+            "stock vLLM, EAGLE-3, one K per batch step",
+            Granularity.BATCH_STEP,
+            (Method.EAGLE3,),
+            always_runs=(Method.EAGLE3,),
+            head_first_position=True,
+        ),
+        EngineModel(
+            "stock-vllm-ngram",
+            "stock vLLM, n-gram, one K per batch step",
+            Granularity.BATCH_STEP,
+            (Method.NGRAM,),
+        ),
+        EngineModel(
+            "stock-vllm-p-eagle",
+            "stock vLLM, P-EAGLE, K in {0, max} per batch step",
+            Granularity.BATCH_STEP,
+            (Method.P_EAGLE,),
+            always_runs=(Method.P_EAGLE,),
+            head_first_position=True,
+        ),
+        EngineModel(
+            "composite",
+            "the plugin's composite drafter: method and K per request",
+            Granularity.REQUEST_METHOD,
+            (Method.EAGLE3, Method.NGRAM),
+            always_runs=(Method.EAGLE3,),
+            counterfactual=(Method.NGRAM,),
+            head_first_position=True,
+        ),
+        EngineModel("no-spec", "speculation not configured", Granularity.BATCH_STEP, ()),
+    )
+}
+
+
+def engine_for_arm(arm: Arm) -> EngineModel:
+    """The stock engine a static arm runs on (how an operator would deploy that configuration)."""
+    return {
+        Method.EAGLE3: ENGINES["stock-vllm"],
+        Method.NGRAM: ENGINES["stock-vllm-ngram"],
+        Method.P_EAGLE: ENGINES["stock-vllm-p-eagle"],
+        Method.OFF: ENGINES["no-spec"],
+    }[arm.method]

@@ -1,0 +1,267 @@
+"""Hindsight oracles: what the best fixed or clairvoyant choices would have reached on a trace.
+
+* ``best static``: every single arm, each on the stock engine that hosts it; the best throughput.
+* ``per class`` / ``per phase``: one arm per traffic class (or per quarter of the trace), chosen by
+  coordinate ascent over the composite engine's arms (the engine that can apply per-request arms).
+  In a closed loop at fixed concurrency the batch bucket is fixed, so per class is per (class, bucket).
+* ``per step``: knowing every future acceptance, each request picks at every position the method
+  and K that minimise its share of engine time to the end (dynamic programming over positions, the
+  step cost priced at the run's concurrency), replayed on an engine that has every drafter and runs
+  only the ones used.
+
+The reported oracle is the best of all of them, so it is never below any static configuration;
+policies are reported as a ratio to each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from policies.arms import METHOD_CODES, OFF, Arm, Method
+from policies.engine import Granularity
+from sim.costmodel import Profile
+from sim.engines import ENGINES, EngineModel, engine_for_arm
+from sim.run import RunResult
+from sim.trace import Trace
+from sim.vectorised import Rows, replay_static, schedule_closed, static_plan, walk
+
+ORACLE_ENGINE = EngineModel(
+    "oracle",
+    "every drafter, per-request method and K, drafters run only when used",
+    Granularity.REQUEST_METHOD,
+    (Method.EAGLE3, Method.P_EAGLE, Method.NGRAM),
+)
+
+
+def static_arms(trace: Trace) -> list[Arm]:
+    """Every arm a stock engine can play on this trace's methods."""
+    out: list[Arm] = []
+    for m in trace.methods:
+        out.extend(a for a in engine_for_arm(Arm(m, 1)).arms(trace.max_k) if a.method is m)
+    return [*out, OFF]
+
+
+@dataclass(slots=True)
+class Oracles:
+    concurrency: int
+    static: dict[str, RunResult] = field(default_factory=dict)
+    per_class: RunResult | None = None
+    per_class_arms: dict[str, str] = field(default_factory=dict)
+    per_phase: RunResult | None = None
+    per_phase_arms: dict[str, str] = field(default_factory=dict)
+    per_step: RunResult | None = None
+
+    @property
+    def best_static(self) -> tuple[str, RunResult]:
+        label = max(self.static, key=lambda k: self.static[k].throughput)
+        return label, self.static[label]
+
+    def throughputs(self) -> dict[str, float]:
+        out = {"best_static": self.best_static[1].throughput}
+        for name in ("per_class", "per_phase", "per_step"):
+            r = getattr(self, name)
+            if r is not None:
+                out[name] = r.throughput
+        return out
+
+    @property
+    def throughput(self) -> float:
+        return max(self.throughputs().values())
+
+
+def _thr(r: RunResult | None) -> float:
+    return r.throughput if r is not None else 0.0
+
+
+def run_static_arms(trace: Trace, profile: Profile, concurrency: int) -> dict[str, RunResult]:
+    return {
+        str(a): replay_static(
+            trace,
+            method=a.method,
+            k=a.k,
+            concurrency=concurrency,
+            profile=profile,
+            engine=engine_for_arm(a),
+            label=f"static {a}",
+        )
+        for a in static_arms(trace)
+    }
+
+
+class _ArmRows:
+    """Walked rows of every candidate arm, combined per assignment without walking again."""
+
+    def __init__(self, trace: Trace, arms: list[Arm]) -> None:
+        self.arms = arms
+        self.rows: list[Rows] = []
+        for a in arms:
+            mf, kf = static_plan(trace, np.full(trace.n, METHOD_CODES[a.method]), np.full(trace.n, a.k))
+            self.rows.append(walk(trace, mf, kf))
+
+    def combine(self, arm_of_request: np.ndarray) -> Rows:
+        parts = []
+        for i, rw in enumerate(self.rows):
+            sel = arm_of_request[rw.req] == i
+            if sel.any():
+                parts.append((rw.req[sel], rw.done[sel], rw.method[sel], rw.k[sel], rw.emitted[sel]))
+        req = np.concatenate([p[0] for p in parts])
+        order = np.argsort(req, kind="stable")
+        cols = [np.concatenate([p[j] for p in parts])[order] for j in range(5)]
+        return Rows(*cols)
+
+
+def best_per_group(
+    trace: Trace,
+    profile: Profile,
+    concurrency: int,
+    group: np.ndarray,
+    names: list[str],
+    *,
+    engine: EngineModel,
+    candidates: list[Arm],
+    start: Arm,
+    label: str,
+) -> tuple[RunResult, dict[str, str]]:
+    """One arm per group by coordinate ascent (two passes), timed on ``engine``."""
+    pool = _ArmRows(trace, candidates)
+    choice = np.full(len(names), candidates.index(start))
+
+    def run(ch: np.ndarray) -> RunResult:
+        return schedule_closed(
+            trace,
+            pool.combine(ch[group]),
+            concurrency=concurrency,
+            profile=profile,
+            engine=engine,
+            label=label,
+        )
+
+    best = run(choice)
+    for _ in range(2):
+        improved = False
+        for gi in range(len(names)):
+            for ai in range(len(candidates)):
+                if ai == choice[gi]:
+                    continue
+                trial = choice.copy()
+                trial[gi] = ai
+                r = run(trial)
+                if r.throughput > best.throughput:
+                    best, choice, improved = r, trial, True
+        if not improved:
+            break
+    return best, {names[g]: str(candidates[choice[g]]) for g in range(len(names))}
+
+
+def per_step_oracle(trace: Trace, profile: Profile, concurrency: int) -> RunResult:
+    """The clairvoyant per-position (method, K) plan, by dynamic programming per request."""
+    n, L, max_k = trace.n, int(trace.output_tokens.max()), trace.max_k
+    B = float(concurrency)
+    ctx = float(np.mean(trace.prompt_tokens + trace.output_tokens / 2.0))
+    kv_total = B * ctx
+    tg = profile.target
+    fixed = tg.const_s + profile.overhead_s + tg.kv_s_per_token * kv_total
+    if profile.moe is not None:
+        fixed += float(profile.moe(np.array([B]))[0])
+    share = fixed / B
+    options: list[tuple[int, int, float]] = [(METHOD_CODES[Method.OFF], 0, share + tg.batched_s_per_token)]
+    for m in trace.methods:
+        for k in range(1, max_k + 1):
+            verify_row = share + tg.batched_s_per_token * (k + 1)
+            fwd = float(profile.draft_forward_time(np.array([kv_total]), np.array([B * k]))[0])
+            if m is Method.EAGLE3:
+                draft = k * fwd / B
+            elif m is Method.P_EAGLE:
+                draft = profile.p_eagle_pass_forwards * fwd / B
+            else:
+                draft = profile.ngram_verify_fraction * verify_row
+            options.append((METHOD_CODES[m], k, verify_row + draft))
+    out = trace.output_tokens
+    base = trace.offsets[:-1]
+    rows_of = np.repeat(np.arange(n), out)
+    cols_of = np.arange(trace.total_output_tokens) - np.repeat(base, out)
+    acc = {}
+    for m, a in trace.acc.items():
+        mat = np.zeros((n, L), dtype=np.int64)
+        mat[rows_of, cols_of] = a
+        acc[METHOD_CODES[m]] = mat
+    V = np.zeros((n, L + 2))
+    choice = np.zeros((n, L + 1), dtype=np.int64)
+    for s in range(L - 1, 0, -1):
+        act = np.flatnonzero(out > s)
+        if not act.size:
+            continue
+        remaining = out[act] - s
+        best = np.full(act.size, np.inf)
+        arg = np.zeros(act.size, dtype=np.int64)
+        for oi, (code, k, cost) in enumerate(options):
+            a = acc[code][act, s - 1] if k > 0 else np.zeros(act.size, dtype=np.int64)
+            e = np.minimum(np.minimum(a, k) + 1, remaining)
+            v = cost + V[act, s + e]
+            better = v < best
+            best = np.where(better, v, best)
+            arg = np.where(better, oi, arg)
+        V[act, s] = best
+        choice[act, s] = arg
+    codes = np.array([o[0] for o in options], dtype=np.int8)
+    ks = np.array([o[1] for o in options], dtype=np.int64)
+    # Position t of request r is decided in state done = t + 1.
+    pick = choice[rows_of, cols_of + 1]
+    rows = walk(trace, codes[pick], ks[pick])
+    return schedule_closed(
+        trace, rows, concurrency=concurrency, profile=profile, engine=ORACLE_ENGINE, label="oracle per step"
+    )
+
+
+def compute_oracles(
+    trace: Trace,
+    profile: Profile,
+    concurrency: int,
+    *,
+    groups: bool = True,
+    per_step: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> Oracles:
+    o = Oracles(concurrency=concurrency, static=run_static_arms(trace, profile, concurrency))
+    if groups:
+        comp = ENGINES["composite"]
+        cand = [a for a in comp.arms(trace.max_k) if a.method in trace.acc or a.method is Method.OFF]
+        singles = {a: o.static.get(str(a)) for a in cand}
+        ranked = sorted(cand, key=lambda a: -_thr(singles[a]))[:6]
+        cls_idx, names = trace.class_index()
+        if progress:
+            progress("oracle per class")
+        o.per_class, o.per_class_arms = best_per_group(
+            trace,
+            profile,
+            concurrency,
+            cls_idx,
+            names,
+            engine=comp,
+            candidates=ranked,
+            start=ranked[0],
+            label="oracle per class",
+        )
+        phases = np.minimum((np.arange(trace.n) * 4) // max(trace.n, 1), 3)
+        pnames = [f"phase {i + 1}/4" for i in range(4)]
+        if progress:
+            progress("oracle per phase")
+        o.per_phase, o.per_phase_arms = best_per_group(
+            trace,
+            profile,
+            concurrency,
+            phases,
+            pnames,
+            engine=comp,
+            candidates=ranked,
+            start=ranked[0],
+            label="oracle per phase",
+        )
+    if per_step:
+        if progress:
+            progress("oracle per step")
+        o.per_step = per_step_oracle(trace, profile, concurrency)
+    return o

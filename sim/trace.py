@@ -1,0 +1,407 @@
+"""The ``spectrace`` v1 trace format: JSON Lines (optionally gzip), a header line, one request per line.
+
+A trace is held in memory as flat numpy columns: per-request metadata, and per method one int32
+array of would-be accepted counts for every output position of every request (request ``r`` owns
+``acc[m][offsets[r]:offsets[r + 1]]``). Replay reads positions by index, never per-request objects.
+
+Methods given as ``{"alpha": [...]}`` (per-position conditional acceptance probabilities) are
+materialised into counts when the trace is read, with a seeded generator, so a replay is repeatable.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from policies.arms import Method
+
+FORMAT_VERSION = 1
+MAX_K_LIMIT = 64
+#: Methods a trace may carry (``off`` drafts nothing, so it has no array).
+TRACE_METHODS: tuple[Method, ...] = (Method.EAGLE3, Method.P_EAGLE, Method.NGRAM)
+MAX_ERRORS = 50
+
+
+class TraceError(ValueError):
+    """A trace is invalid; ``str()`` reads ``source:line: field: message``."""
+
+    def __init__(self, message: str, *, source: str, line: int | None = None, field: str = "") -> None:
+        self.message, self.source, self.line, self.field = message, source, line, field
+        where = source if line is None else f"{source}:{line}"
+        super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A validated trace as numpy columns (see the module docstring)."""
+
+    max_k: int
+    methods: tuple[Method, ...]
+    ids: tuple[str, ...]
+    classes: tuple[str, ...]
+    prompt_tokens: np.ndarray  # int64, per request
+    output_tokens: np.ndarray  # int64, per request, >= 1
+    arrival_s: np.ndarray  # float64, per request, NaN where absent
+    acc: Mapping[Method, np.ndarray]  # int32, flat over all output positions
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    name: str = "trace"
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.output_tokens)])
+
+    @property
+    def total_output_tokens(self) -> int:
+        return int(self.output_tokens.sum())
+
+    @property
+    def has_arrivals(self) -> bool:
+        return self.n > 0 and not bool(np.isnan(self.arrival_s).any())
+
+    def class_names(self) -> list[str]:
+        return sorted(set(self.classes))
+
+    def class_index(self) -> tuple[np.ndarray, list[str]]:
+        names = self.class_names()
+        pos = {c: i for i, c in enumerate(names)}
+        return np.array([pos[c] for c in self.classes], dtype=np.int64), names
+
+    def subset(self, index: Sequence[int] | np.ndarray, *, name: str | None = None) -> Trace:
+        """The requests at ``index`` (in that order), as a new trace."""
+        idx = np.asarray(index, dtype=np.int64)
+        off = self.offsets
+        flat = (
+            np.concatenate([np.arange(off[i], off[i + 1]) for i in idx])
+            if len(idx)
+            else np.zeros(0, np.int64)
+        )
+        return Trace(
+            max_k=self.max_k,
+            methods=self.methods,
+            ids=tuple(self.ids[i] for i in idx),
+            classes=tuple(self.classes[i] for i in idx),
+            prompt_tokens=self.prompt_tokens[idx],
+            output_tokens=self.output_tokens[idx],
+            arrival_s=self.arrival_s[idx],
+            acc={m: a[flat] for m, a in self.acc.items()},
+            meta=dict(self.meta),
+            name=name or self.name,
+        )
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def _open_text(path: Path) -> IO[str]:
+    raw = path.open("rb")
+    head = raw.read(2)
+    raw.seek(0)
+    if head == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8")
+    return io.TextIOWrapper(raw, encoding="utf-8")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(float(v))
+
+
+@dataclass(slots=True)
+class _Header:
+    max_k: int
+    methods: tuple[Method, ...]
+    meta: dict[str, Any]
+
+
+def _check_header(obj: Any, err: Any) -> _Header | None:
+    if not isinstance(obj, dict):
+        err("", "header must be a JSON object")
+        return None
+    if obj.get("spectrace") != FORMAT_VERSION:
+        err("spectrace", f"must be {FORMAT_VERSION}, got {obj.get('spectrace')!r}")
+        return None
+    max_k: Any = obj.get("max_k")
+    ok = True
+    if not _is_int(max_k) or not 1 <= max_k <= MAX_K_LIMIT:
+        err("max_k", f"must be an integer 1..{MAX_K_LIMIT}, got {max_k!r}")
+        ok = False
+    methods_raw = obj.get("methods")
+    methods: list[Method] = []
+    if not isinstance(methods_raw, list) or not methods_raw:
+        err("methods", "must be a non-empty list of method names")
+        ok = False
+    else:
+        known = ", ".join(m.value for m in TRACE_METHODS)
+        for i, m in enumerate(methods_raw):
+            if m not in {x.value for x in TRACE_METHODS}:
+                err(f"methods[{i}]", f"unknown method {m!r} (known: {known})")
+                ok = False
+            elif Method(m) in methods:
+                err(f"methods[{i}]", f"duplicate method {m!r}")
+                ok = False
+            else:
+                methods.append(Method(m))
+    meta = obj.get("meta", {})
+    if not isinstance(meta, dict):
+        err("meta", "must be a JSON object")
+        ok = False
+    return _Header(int(max_k), tuple(methods), dict(meta)) if ok else None
+
+
+@dataclass(slots=True)
+class _Request:
+    id: str
+    cls: str
+    prompt: int
+    output: int
+    arrival: float
+    acc: dict[Method, list[int] | list[float]]  # counts, or alphas (floats) when ``alpha`` is set
+    alpha: set[Method]
+
+
+def _check_request(obj: Any, hdr: _Header, err: Any) -> _Request | None:
+    if not isinstance(obj, dict):
+        err("", "request must be a JSON object")
+        return None
+    n_before = err.count
+    rid = obj.get("id")
+    if not isinstance(rid, str) or not rid:
+        err("id", "required: a non-empty string")
+    cls = obj.get("class", "default")
+    if not isinstance(cls, str) or not cls:
+        err("class", "must be a non-empty string")
+    prompt: Any = obj.get("prompt_tokens", 0)
+    if not _is_int(prompt) or prompt < 0:
+        err("prompt_tokens", f"must be an integer >= 0, got {prompt!r}")
+    out: Any = obj.get("output_tokens")
+    if not _is_int(out) or out < 1:
+        err("output_tokens", f"required: an integer >= 1, got {out!r}")
+        out = None
+    arrival: Any = obj.get("arrival_s")
+    if arrival is not None and (not _is_num(arrival) or arrival < 0):
+        err("arrival_s", f"must be a number >= 0, got {arrival!r}")
+    acc_raw = obj.get("acc")
+    acc: dict[Method, Any] = {}
+    alpha: set[Method] = set()
+    if not isinstance(acc_raw, dict):
+        err("acc", "required: an object with one entry per method of the header")
+    else:
+        for m in hdr.methods:
+            if m.value not in acc_raw:
+                err(f"acc.{m.value}", "missing (every method of the header needs an entry)")
+        for key, v in acc_raw.items():
+            f = f"acc.{key}"
+            if key not in {m.value for m in hdr.methods}:
+                err(
+                    f,
+                    f"method not declared in the header (header: {', '.join(m.value for m in hdr.methods)})",
+                )
+                continue
+            m = Method(key)
+            if isinstance(v, dict):
+                a = v.get("alpha")
+                extra = set(v) - {"alpha"}
+                if extra:
+                    err(f"{f}.{sorted(extra)[0]}", "unknown field (expected only 'alpha')")
+                elif not isinstance(a, list) or len(a) != hdr.max_k:
+                    err(f"{f}.alpha", f"must be a list of {hdr.max_k} probabilities (max_k)")
+                else:
+                    bad = [i for i, x in enumerate(a) if not _is_num(x) or not 0.0 <= float(x) <= 1.0]
+                    if bad:
+                        err(f"{f}.alpha[{bad[0]}]", f"must be a probability in [0, 1], got {a[bad[0]]!r}")
+                    else:
+                        acc[m] = [float(x) for x in a]
+                        alpha.add(m)
+            elif isinstance(v, list):
+                if out is not None and len(v) != out:
+                    err(f, f"length {len(v)} != output_tokens {out}")
+                else:
+                    bad = [i for i, x in enumerate(v) if not _is_int(x) or x < 0]
+                    if bad:
+                        err(f"{f}[{bad[0]}]", f"must be an integer >= 0, got {v[bad[0]]!r}")
+                    else:
+                        acc[m] = v
+            else:
+                err(f, 'must be a list of accepted counts or {"alpha": [...]}')
+    if err.count > n_before:
+        return None
+    assert isinstance(rid, str) and isinstance(out, int)
+    return _Request(
+        rid, str(cls), int(prompt), out, float("nan") if arrival is None else float(arrival), acc, alpha
+    )
+
+
+class _Errors:
+    """Collects errors; stops the read at the first one unless collecting for ``validate``."""
+
+    def __init__(self, source: str, *, collect: bool) -> None:
+        self.source = source
+        self.collect = collect
+        self.errors: list[TraceError] = []
+        self.line = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.errors)
+
+    def __call__(self, fld: str, message: str) -> None:
+        e = TraceError(message, source=self.source, line=self.line, field=fld)
+        if not self.collect:
+            raise e
+        self.errors.append(e)
+
+
+def _lines(path: Path, errs: _Errors) -> Iterator[tuple[int, Any]]:
+    try:
+        with _open_text(path) as f:
+            for lineno, text in enumerate(f, start=1):
+                errs.line = lineno
+                if not text.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(text)
+                except json.JSONDecodeError as e:
+                    errs("", f"invalid JSON: {e.msg} (column {e.colno})")
+    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
+        raise TraceError(f"cannot read: {e}", source=str(path)) from None
+
+
+def _parse(path: Path, *, collect: bool) -> tuple[_Header | None, list[_Request], list[TraceError]]:
+    errs = _Errors(str(path), collect=collect)
+    hdr: _Header | None = None
+    reqs: list[_Request] = []
+    seen: dict[str, int] = {}
+    first = True
+    for lineno, obj in _lines(path, errs):
+        if first:
+            first = False
+            hdr = _check_header(obj, errs)
+            if hdr is None:
+                break
+            continue
+        assert hdr is not None
+        r = _check_request(obj, hdr, errs)
+        if r is not None:
+            if r.id in seen:
+                errs("id", f"duplicate id {r.id!r} (first on line {seen[r.id]})")
+            else:
+                seen[r.id] = lineno
+                reqs.append(r)
+        if errs.count >= MAX_ERRORS:
+            break
+    if first:
+        errs.line = 1
+        errs("", "empty trace: expected a header line")
+    elif hdr is not None and not reqs and not errs.errors:
+        errs.line = 0
+        raise TraceError("no requests after the header", source=str(path))
+    if hdr is not None and reqs:
+        has = [not math.isnan(r.arrival) for r in reqs]
+        if any(has) and not all(has):
+            errs.line = next(i for i, r in enumerate(reqs) if math.isnan(r.arrival)) + 2
+            errs("arrival_s", "given on some requests but not on this one (all or none)")
+    return hdr, reqs, errs.errors
+
+
+def sample_counts(alpha: Sequence[float] | np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` accepted counts from conditional per-position acceptance probabilities (a chain draft).
+
+    Count j is reached when positions 1..j are all accepted, so P(count >= j) = alpha_1 * ... * alpha_j.
+    """
+    a = np.asarray(alpha, dtype=np.float64)
+    u = rng.random((n, len(a)))
+    ok = u < a[None, :]
+    # The count is the number of leading accepted positions.
+    counts: np.ndarray = np.argmin(np.concatenate([ok, np.zeros((n, 1), bool)], axis=1), axis=1)
+    return counts.astype(np.int32)
+
+
+def validate_trace(path: str | Path) -> list[TraceError]:
+    """Every problem found (up to ``MAX_ERRORS``), each with its line and field; empty when valid."""
+    p = Path(path)
+    try:
+        _, _, errors = _parse(p, collect=True)
+    except TraceError as e:
+        return [e]
+    return errors
+
+
+def read_trace(path: str | Path, *, seed: int = 0) -> Trace:
+    """Read and validate a trace; raises TraceError at the first problem."""
+    p = Path(path)
+    hdr, reqs, _ = _parse(p, collect=False)
+    assert hdr is not None
+    rng = np.random.default_rng(seed)
+    acc: dict[Method, np.ndarray] = {}
+    for m in hdr.methods:
+        parts = []
+        for r in reqs:
+            v = r.acc[m]
+            parts.append(sample_counts(v, r.output, rng) if m in r.alpha else np.asarray(v, dtype=np.int32))
+        acc[m] = np.concatenate(parts).astype(np.int32)
+    name = p.name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return Trace(
+        max_k=hdr.max_k,
+        methods=hdr.methods,
+        ids=tuple(r.id for r in reqs),
+        classes=tuple(r.cls for r in reqs),
+        prompt_tokens=np.array([r.prompt for r in reqs], dtype=np.int64),
+        output_tokens=np.array([r.output for r in reqs], dtype=np.int64),
+        arrival_s=np.array([r.arrival for r in reqs], dtype=np.float64),
+        acc=acc,
+        meta=hdr.meta,
+        name=name,
+    )
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def trace_lines(trace: Trace) -> Iterator[str]:
+    """The trace as spectrace v1 lines (without newlines)."""
+    yield json.dumps(
+        {
+            "spectrace": FORMAT_VERSION,
+            "max_k": trace.max_k,
+            "methods": [m.value for m in trace.methods],
+            "meta": dict(trace.meta),
+        },
+        separators=(",", ":"),
+    )
+    off = trace.offsets
+    for i in range(trace.n):
+        rec: dict[str, Any] = {"id": trace.ids[i], "class": trace.classes[i]}
+        if not math.isnan(float(trace.arrival_s[i])):
+            rec["arrival_s"] = round(float(trace.arrival_s[i]), 6)
+        rec["prompt_tokens"] = int(trace.prompt_tokens[i])
+        rec["output_tokens"] = int(trace.output_tokens[i])
+        rec["acc"] = {m.value: trace.acc[m][off[i] : off[i + 1]].tolist() for m in trace.methods}
+        yield json.dumps(rec, separators=(",", ":"))
+
+
+def write_trace(trace: Trace, path: str | Path) -> None:
+    """Write a trace; gzip-compressed when the name ends in ``.gz``."""
+    p = Path(path)
+    text = "".join(line + "\n" for line in trace_lines(trace)).encode("utf-8")
+    if p.suffix == ".gz":
+        text = gzip.compress(text, mtime=0)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_bytes(text)
+    tmp.replace(p)
