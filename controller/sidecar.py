@@ -22,8 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 import controller
+from controller.admin_service import AdminService
 from controller.config import SidecarConfig, parse_address
-from controller.convert import arm_to_pb, directive_to_pb
+from controller.convert import arm_to_pb, directive_to_pb, observation_from_pb
+from controller.engine_service import EngineService
 from controller.metrics import MetricsServer, SidecarMetrics
 from controller.policy_store import PolicyRecord, PolicyStore
 from controller.presets import resolve_policy_text
@@ -184,9 +186,6 @@ class Sidecar:
 
     async def start(self) -> None:
         """Restore the snapshot, bind the servers and start the background task."""
-        from controller.admin_service import AdminService
-        from controller.engine_service import EngineService
-
         self._started_at = self.clock()
         self._restore()
         opts = [
@@ -264,8 +263,6 @@ class Sidecar:
 
     def ingest(self, session: Session, batch: pb.StepReportBatch) -> None:
         """Validate a report batch, then feed it to the engine's loop. Raises TelemetryError."""
-        from controller.convert import observation_from_pb
-
         st = session.engine
         eid = st.info.engine_id
         if batch.sequence and batch.sequence <= session.last_sequence:
