@@ -146,7 +146,7 @@ async def run_demo(
     out: TextIO | None = sys.stdout,
     time_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """Run the demo; returns the result document (what ``--json`` prints)."""
+    """Run the demo; returns the result document (what ``--json`` prints). Live lines go to ``out``."""
     if seconds <= 0:
         raise ValueError(f"--seconds must be > 0, got {seconds}")
     say = _Printer(out)
@@ -173,7 +173,7 @@ async def run_demo(
                     spec = static_policy(arm)
                     await admin.set_policy(render_policy(spec), source=spec.name, engine_id=engine_name(arm))
                 names = [ADAPTIVE, *(engine_name(a) for a in STATIC_ARMS)]
-                link = LinkSettings(time_scale=time_scale)
+                link = LinkSettings(time_scale=time_scale, await_directive_s=5.0)
                 engines = {
                     n: EmbeddedEngine(
                         target=sidecar.engine_target,
@@ -298,12 +298,13 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(
-    *, seconds: float = DEFAULT_SECONDS, as_json: bool = False, seed: int = 0, out: TextIO = sys.stdout
+    *, seconds: float = DEFAULT_SECONDS, as_json: bool = False, seed: int = 0, out: TextIO | None = None
 ) -> int:
-    result = asyncio.run(run_demo(seconds=seconds, seed=seed, out=None if as_json else out))
+    stream = out if out is not None else sys.stdout
+    result = asyncio.run(run_demo(seconds=seconds, seed=seed, out=None if as_json else stream))
     if as_json:
-        print(json.dumps(result, indent=2), file=out)
+        print(json.dumps(result, indent=2), file=stream)
     else:
-        print("", file=out)
-        print(format_table(result), file=out)
+        print("", file=stream)
+        print(format_table(result), file=stream)
     return 0

@@ -39,6 +39,9 @@ class LinkSettings:
     send_queue_steps: int = 4096
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
+    #: Before its first step, wait up to this long (wall) for a first directive. A real engine serves
+    #: at once on its safe default; the demo waits so baselines run their own policy from step one.
+    await_directive_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.time_scale < 0:
@@ -79,6 +82,7 @@ class EmbeddedEngine:
         self._queue: asyncio.Queue[pb.StepReport] | None = None
         self._dropped_unreported = 0
         self._task: asyncio.Task[None] | None = None
+        self._first_directive: asyncio.Event | None = None
 
     @property
     def totals(self) -> EngineTotals:
@@ -110,8 +114,12 @@ class EmbeddedEngine:
     async def run(self) -> None:
         """Step through the whole schedule while keeping a link to the sidecar; returns when done."""
         self._queue = asyncio.Queue(maxsize=self.link.send_queue_steps)
+        self._first_directive = asyncio.Event()
         link = asyncio.create_task(self._link_loop(), name=f"engine-link-{self.settings.engine_id}")
         try:
+            if self.link.await_directive_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._first_directive.wait(), self.link.await_directive_s)
             await self._step_loop()
             await self._drain(timeout=1.0)
         finally:
@@ -181,6 +189,8 @@ class EmbeddedEngine:
                     continue
                 self.core.receive(d)
                 got_directive = True
+                if self._first_directive is not None:
+                    self._first_directive.set()
         return got_directive
 
     async def _messages(self) -> AsyncIterator[pb.EngineMessage]:

@@ -1,0 +1,133 @@
+from dataclasses import replace
+
+import pytest
+
+from controller.embedded.core import EngineCore, EngineSettings, safe_directive
+from controller.embedded.traffic import DEFAULT_CLASSES, Phase, Schedule, Traffic
+from policies.arms import Arm
+from policies.directive import Directive
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _core(
+    clock: FakeClock | None = None, concurrency: int = 4, mix: dict[str, float] | None = None
+) -> EngineCore:
+    traffic = Traffic(
+        classes=DEFAULT_CLASSES, schedule=Schedule((Phase(5.0, mix or {"code": 1.0}, concurrency),)), seed=1
+    )
+    return EngineCore(settings=EngineSettings(engine_id="e"), traffic=traffic, clock=clock or FakeClock())
+
+
+def _directive(arm: str, version: int, ttl_s: float = 10.0) -> Directive:
+    return replace(safe_directive(Arm.parse(arm)), version=version, policy="test", ttl_s=ttl_s)
+
+
+def _arms(report) -> set[str]:  # type: ignore[no-untyped-def]
+    return {"off" if r.method == "off" else f"{r.method}:{r.k}" for r in report.requests}
+
+
+def test_runs_on_its_safe_default_until_a_directive_arrives() -> None:
+    core = _core()
+    core.step()  # prefill only
+    rep = core.step()
+    assert rep.directive_version == 0
+    assert _arms(rep) == {"eagle3:3"}
+
+
+def test_a_directive_takes_effect_at_the_next_step() -> None:
+    core = _core()
+    core.step()
+    before = core.step()
+    core.receive(_directive("ngram:2", 5))
+    assert before.directive_version == 0  # the step already ran
+    after = core.step()
+    assert after.directive_version == 5
+    assert _arms(after) == {"ngram:2"}
+
+
+def test_k_is_clamped_to_max_k() -> None:
+    core = _core()
+    core.receive(_directive("eagle3:9", 1))
+    core.step()
+    rep = core.step()
+    assert {r.k for r in rep.requests} == {4}
+    assert all(r.accepted <= 4 for r in rep.requests)
+
+
+def test_ttl_expiry_falls_back_to_the_safe_default_and_a_refresh_prevents_it() -> None:
+    clock = FakeClock()
+    core = _core(clock)
+    core.receive(_directive("ngram:4", 3, ttl_s=1.0))
+    core.step()
+    clock.t += 0.8
+    core.receive(_directive("ngram:4", 3, ttl_s=1.0))  # refresh, same version
+    clock.t += 0.8
+    rep = core.step()
+    assert rep.directive_version == 3 and core.totals.fallbacks == 0
+    clock.t += 1.5
+    rep = core.step()
+    assert rep.directive_version == 0
+    assert _arms(rep) == {"eagle3:3"}
+    assert core.totals.fallbacks == 1
+    core.receive(_directive("ngram:4", 3, ttl_s=1.0))  # the sidecar is back: same decision again
+    assert core.step().directive_version == 3
+
+
+def test_stale_directives_are_ignored() -> None:
+    core = _core()
+    core.receive(_directive("ngram:4", 7))
+    core.receive(_directive("off", 6))
+    core.step()
+    assert core.step().directive_version == 7
+    assert core.totals.stale_directives == 1
+
+
+def test_counterfactual_ngram_on_every_row_not_verified_by_ngram() -> None:
+    core = _core()
+    core.step()
+    rep = core.step()
+    assert rep.requests and all("ngram" in r.counterfactual_accepted for r in rep.requests)
+    assert all(r.counterfactual_accepted["ngram"] <= 4 for r in rep.requests)
+    core.receive(_directive("ngram:3", 1))
+    rep = core.step()
+    assert all(not r.counterfactual_accepted for r in rep.requests)
+
+
+def test_closed_loop_keeps_concurrency_and_accounts_tokens() -> None:
+    core = _core(concurrency=3)
+    reports = [core.step() for _ in range(200)]
+    assert all(r.batch_size == 3 for r in reports[1:])
+    t = core.totals
+    emitted = sum(r.accepted + 1 for rep in reports for r in rep.requests)
+    assert t.tokens == emitted + t.requests_started
+    assert t.virtual_s == pytest.approx(sum(r.duration_s for r in reports))
+    assert reports[-1].time_s == pytest.approx(t.virtual_s)
+    assert t.requests_finished > 0
+
+
+def test_same_seed_same_policy_same_result() -> None:
+    a, b = _core(), _core()
+    for c in (a, b):
+        c.receive(_directive("eagle3:2", 1))
+        while not c.done:
+            c.step()
+    assert a.totals.tokens == b.totals.tokens and a.totals.virtual_s == b.totals.virtual_s
+
+
+def test_speculation_pays_at_batch_one_on_chat() -> None:
+    res = {}
+    for arm in ("off", "eagle3:3", "ngram:3"):
+        c = _core(concurrency=1, mix={"chat": 1.0})
+        c.receive(_directive(arm, 1))
+        while not c.done:
+            c.step()
+        res[arm] = c.totals.goodput
+    assert res["eagle3:3"] > 1.5 * res["off"]
+    assert res["eagle3:3"] > res["ngram:3"]

@@ -1,0 +1,98 @@
+import socket
+from pathlib import Path
+
+import pytest
+
+from controller.cli import build_parser, main
+
+BROKEN = """apiVersion: speccontrol/v1
+kind: Policy
+metadata:
+  name: broken
+spec:
+  algorithm:
+    name: discounted_thompson
+    params:
+      discount: 7
+"""
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_validate_ok_prints_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "validate", "policies/library/default.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK ") and out.count("\n") == 1 and "discounted_thompson" in out
+
+
+def test_validate_broken_names_file_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text(BROKEN)
+    assert main(["policy", "validate", str(f)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{f}:9: spec.algorithm.params.discount:"), err
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_validate_unparsable_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("apiVersion: [\n")
+    assert main(["policy", "validate", str(f)]) == 2
+    assert capsys.readouterr().err.startswith(f"{f}:")
+
+
+def test_set_of_a_broken_file_never_calls_the_sidecar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text(BROKEN)
+    # The admin address is unreachable: a call would exit 1, local validation exits 2 first.
+    assert main(["--admin", _closed_port(), "policy", "set", str(f)]) == 2
+    assert "spec.algorithm.params.discount" in capsys.readouterr().err
+
+
+def test_unknown_preset_is_an_input_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "validate", "no-such-preset"]) == 2
+    assert "unknown policy preset" in capsys.readouterr().err
+
+
+def test_fleet_is_not_configured(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "set", "default", "--fleet"]) == 2
+    err = capsys.readouterr().err
+    assert "MQTT" in err and err.count("\n") == 1
+
+
+def test_unreachable_sidecar_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    addr = _closed_port()
+    assert main(["--admin", addr, "--timeout", "2", "status"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"cannot reach the sidecar at {addr}: ") and err.count("\n") == 1
+
+
+def test_policy_list_works_without_a_sidecar(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--admin", _closed_port(), "--timeout", "2", "policy", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "default" in out and "static-off" in out and "active: unknown" in out
+
+
+def test_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECCONTROL_ADMIN", "10.0.0.1:1234")
+    p = build_parser()
+    a = p.parse_args(["policy", "set", "x.yaml", "--engine", "e1"])
+    assert (a.admin, a.policy, a.engine, a.fleet) == ("10.0.0.1:1234", "x.yaml", "e1", False)
+    assert p.parse_args(["--admin", "h:1", "demo", "--seconds", "3", "--json"]).seconds == 3.0
+    with pytest.raises(SystemExit):
+        p.parse_args(["policy", "set", "x.yaml", "--engine", "e1", "--fleet"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["policy"])
+
+
+def test_demo_rejects_non_positive_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--seconds", "0"]) == 2
+    assert "--seconds" in capsys.readouterr().err
