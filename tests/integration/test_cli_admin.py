@@ -116,7 +116,7 @@ def test_broken_policy_leaves_the_active_one(
     assert rc == 2 and f"{f}:5: spec.algorithm.name" in err
     rc, out, _ = _run(bg, capsys, "policy", "get", "--json")
     doc = json.loads(out)
-    assert doc["name"] == "default" and doc["revision"] == "1" or doc["revision"] == 1
+    assert doc["name"] == "default" and int(doc["revision"]) == 1
 
 
 def test_server_side_refusal_is_one_line_exit_2(bg: Background, capsys: pytest.CaptureFixture[str]) -> None:
