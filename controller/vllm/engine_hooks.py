@@ -1,0 +1,398 @@
+"""The plugin inside vLLM's engine-core process: patches on the V1 ``Scheduler`` (vLLM 0.32).
+
+Everything the plugin does happens in the engine-core process, between steps:
+
+* ``schedule`` (before): the directive in force (or the safe default once its TTL lapsed) becomes the
+  scheduler's ``dynamic_sd_lookup`` (batch size -> K, clamped to ``num_speculative_tokens``);
+  (after): queue length and the queue wait of requests that left the queue.
+* ``update_from_output`` (after): per request, the drafted and accepted counts of the draft verified
+  this step, with the method and K the plugin chose for it; n-gram's counterfactual acceptance from
+  the request's token history; the fast loop's feedback; one ``StepRecord`` offered to the link.
+* ``update_draft_token_ids`` (before; synchronous scheduling only, EngineCore.post_step): the
+  composite drafter. The worker ran the configured EAGLE-3 / P-EAGLE drafter as usual (so its draft KV
+  cache always sees the verified tokens, whatever was verified); here the fast loop plans each
+  request's next draft and the scheduler receives, per request, the EAGLE draft, the n-gram draft
+  (vLLM's n-gram matcher on the same tokens) or nothing, cut to that request's K.
+
+Because the choice is made where the scheduler holds the drafts, no per-request choice has to travel
+to the worker process. Any exception in a hook disables the plugin for the engine's lifetime (logged
+once) and leaves vLLM's behaviour as configured: a plugin bug must never stop serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import numpy as np
+
+from controller.convert import hello_from_engine_info
+from controller.vllm.control import Controls, engine_info
+from controller.vllm.link import SidecarLink
+from controller.vllm.ngram import Matcher, NgramScorer, match_ngram
+from controller.vllm.record import StepRecord
+from controller.vllm.settings import PluginSettings
+from policies.arms import METHOD_CODES, Arm, Method
+from policies.observation import NOT_SCORED
+
+log = logging.getLogger("speccontrol.vllm")
+
+_OFF = METHOD_CODES[Method.OFF]
+_NGRAM = METHOD_CODES[Method.NGRAM]
+
+
+def configured_method(spec: Any) -> Method | None:
+    """The controller's name for the engine's drafting method, None when the plugin cannot drive it."""
+    m = str(getattr(spec, "method", ""))
+    if m in ("eagle", "eagle3"):
+        return Method.P_EAGLE if getattr(spec, "parallel_drafting", False) else Method.EAGLE3
+    if m == "ngram":
+        return Method.NGRAM
+    return None
+
+
+def _vllm_matcher() -> Matcher:
+    try:
+        from vllm.v1.spec_decode import ngram_proposer  # type: ignore[import-not-found]
+
+        find = ngram_proposer._find_longest_matched_ngram_and_propose_tokens
+    except ImportError:  # pragma: no cover - depends on the vLLM build
+        return match_ngram
+
+    def m(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
+        return find(tokens, min_n, max_n, max_model_len, k)  # type: ignore[no-any-return]
+
+    m(np.arange(8, dtype=np.int32) % 3, 1, 3, 1 << 20, 4)  # compile now, not in the first step
+    return m
+
+
+class EngineHooks:
+    """The plugin's state for one scheduler."""
+
+    def __init__(
+        self,
+        *,
+        settings: PluginSettings,
+        controls: Controls,
+        link: SidecarLink,
+        scorer: NgramScorer | None,
+        method: Method,
+        trace: TextIO | None = None,
+        wall: Callable[[], float] = time.time,
+        perf: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.settings = settings
+        self.controls = controls
+        self.link = link
+        self.scorer = scorer
+        self.method = method
+        self.trace = trace
+        self.wall, self.perf = wall, perf
+        self.directive = controls.safe
+        self._classes: dict[str, str] = {}
+        self._verifying: dict[str, tuple[int, int]] = {}  # request -> (method code, K) of its pending draft
+        self._t0 = 0.0
+        self._queue_len = 0
+        self._queue_wait = 0.0
+        self._method_code = METHOD_CODES[method]
+        self.original_lookup: list[int] | None = None
+
+    @classmethod
+    def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
+        vc = scheduler.vllm_config
+        spec = vc.speculative_config
+        if spec is None:
+            log.warning("speccontrol: the engine has no speculative_config; plugin inactive")
+            return None
+        method = configured_method(spec)
+        if method is None:
+            log.warning("speccontrol: drafting method %r is not supported; plugin inactive", spec.method)
+            return None
+        sync = not bool(getattr(vc.scheduler_config, "async_scheduling", False))
+        greedy = str(getattr(spec, "draft_sample_method", "greedy")) == "greedy"
+        v1_runner = not bool(getattr(vc, "use_v2_model_runner", False))
+        composite = settings.composite and method is not Method.NGRAM and sync and greedy and v1_runner
+        if settings.composite and method is not Method.NGRAM and not composite:
+            log.warning(
+                "speccontrol: composite drafting off (needs synchronous scheduling %s, greedy draft "
+                "sampling %s, the V1 model runner %s); only the K table is controlled",
+                sync,
+                greedy,
+                v1_runner,
+            )
+        max_k = int(spec.num_speculative_tokens)
+        names = vc.model_config.served_model_name
+        model = str(names[0] if isinstance(names, list | tuple) else names or vc.model_config.model)
+        info = engine_info(
+            engine_id=settings.engine_id or f"{model}@{socket.gethostname()}",
+            model=model,
+            method=method,
+            max_k=max_k,
+            max_batch_size=int(vc.scheduler_config.max_num_seqs),
+            composite=composite,
+        )
+        import vllm  # type: ignore[import-not-found]
+
+        hello = hello_from_engine_info(info, engine_version=f"vllm {vllm.__version__}")
+        link = SidecarLink(
+            target=settings.sidecar,
+            hello=hello,
+            queue_size=settings.queue_size,
+            batch_max=settings.batch_max,
+            flush_s=settings.flush_s,
+        )
+        scorer = (
+            NgramScorer(
+                max_k=max_k,
+                min_n=settings.ngram_min,
+                max_n=settings.ngram_max,
+                max_model_len=int(vc.model_config.max_model_len),
+                matcher=_vllm_matcher(),
+            )
+            if composite
+            else None
+        )
+        controls = Controls(
+            engine=info,
+            method=method,
+            safe_default=settings.safe_default or Arm(method, max_k),
+            composite=composite,
+            capacity=int(vc.scheduler_config.max_num_seqs) * 2,
+        )
+        trace = open(settings.trace_path, "a", buffering=1) if settings.trace_path else None  # noqa: SIM115
+        hooks = cls(
+            settings=settings, controls=controls, link=link, scorer=scorer, method=method, trace=trace
+        )
+        hooks.original_lookup = scheduler.dynamic_sd_lookup
+        link.start()
+        log.info(
+            "speccontrol: engine %s attached to %s (%s, max K %d, %s)",
+            info.engine_id,
+            settings.sidecar,
+            method.value,
+            max_k,
+            info.granularity.name,
+        )
+        return hooks
+
+    # -- schedule ---------------------------------------------------------------------------------
+
+    def before_schedule(self, scheduler: Any) -> None:
+        self._t0 = self.perf()
+        self.directive = self.controls.in_force(self.link.fresh_directive())
+        scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
+
+    def after_schedule(self, scheduler: Any, out: Any) -> None:
+        self._queue_len = len(scheduler.waiting)
+        new = out.scheduled_new_reqs
+        if new:
+            now = self.wall()
+            waits = [
+                now - r.arrival_time
+                for r in (scheduler.requests.get(n.req_id) for n in new)
+                if r is not None and r.arrival_time
+            ]
+            self._queue_wait = max(0.0, sum(waits) / len(waits)) if waits else 0.0
+        else:
+            self._queue_wait = 0.0
+
+    # -- update_from_output -----------------------------------------------------------------------
+
+    def before_update(self, scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
+        """The Request objects of this step (the update frees finished ones)."""
+        reqs = scheduler.requests
+        return {rid: reqs.get(rid) for rid in scheduler_output.num_scheduled_tokens}
+
+    def after_update(self, scheduler: Any, scheduler_output: Any, mro: Any, requests: dict[str, Any]) -> None:
+        sampled = mro.sampled_token_ids
+        index = mro.req_id_to_index
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        ids: list[str] = []
+        classes: list[str] = []
+        rows: list[tuple[int, int, int, int, int, bool]] = []
+        live = scheduler.requests
+        for rid, req in requests.items():
+            if req is None or not sampled:
+                continue
+            i = index.get(rid)
+            gen = sampled[i] if i is not None and i < len(sampled) else []
+            if not gen:
+                continue  # a prefill chunk: nothing sampled
+            spec = spec_tokens.get(rid)
+            drafted = len(spec) if spec else 0
+            accepted = max(len(gen) - 1, 0) if drafted else 0
+            code, k = self._verifying.pop(rid, (self._method_code if drafted else _OFF, drafted))
+            if drafted == 0 and code != _NGRAM:
+                code, k = _OFF, 0
+            k = max(k, drafted)
+            finished = rid not in live or req.is_finished()
+            cf = NOT_SCORED
+            if self.scorer is not None:
+                if rid in self.scorer:
+                    cf = self.scorer.extend(rid, gen)
+                else:
+                    self.scorer.start(rid, req._all_token_ids)
+                if code == _NGRAM:
+                    cf = NOT_SCORED  # verified, not counterfactual
+                cf = min(cf, self.controls.engine.max_k)
+            cls = self._classes.get(rid)
+            if cls is None:
+                cls = self._classes[rid] = self._traffic_class(req)
+            ids.append(rid)
+            classes.append(cls)
+            rows.append((code, k, drafted, accepted, cf, finished))
+        now = self.wall()
+        duration = max(self.perf() - self._t0, 0.0)
+        cols = np.array(rows, dtype=np.int32).reshape(-1, 6)
+        methods = cols[:, 0].astype(np.int8)
+        finished_col = cols[:, 5].astype(bool)
+        rec = StepRecord(
+            time_s=now,
+            duration_s=duration,
+            batch_size=max(len(scheduler_output.num_scheduled_tokens), len(ids)),
+            queue_length=self._queue_len,
+            queue_wait_s=self._queue_wait,
+            scheduled_k=int(scheduler_output.num_spec_tokens_to_schedule or 0),
+            directive_version=self.directive.version,
+            request_id=tuple(ids),
+            traffic_class=tuple(classes),
+            method=methods,
+            k=cols[:, 1],
+            drafted=cols[:, 2],
+            accepted=cols[:, 3],
+            cf_ngram=cols[:, 4],
+            finished=finished_col,
+        )
+        if ids:
+            counterfactual = {Method.NGRAM: rec.cf_ngram} if self.scorer is not None else {}
+            alpha = float(self.directive.rule.params.get("alpha", 0.3))
+            self.controls.fast.feedback(list(ids), methods, rec.accepted, counterfactual, alpha=alpha)
+        for j, rid in enumerate(ids):
+            if finished_col[j]:
+                self._release(rid)
+            elif self.scorer is not None:
+                self.scorer.propose(rid)
+        for rid in scheduler_output.finished_req_ids:
+            self._release(rid)
+        if not ids and not scheduler_output.total_num_scheduled_tokens:
+            return  # an idle step: nothing ran
+        self.link.offer(rec)
+        if self.trace is not None:
+            self.trace.write(rec.to_json() + "\n")
+
+    def _traffic_class(self, req: Any) -> str:
+        sp = getattr(req, "sampling_params", None)
+        extra = getattr(sp, "extra_args", None) or {}
+        c = extra.get(self.settings.class_key)
+        return str(c)[:64] if c else "default"
+
+    def _release(self, rid: str) -> None:
+        self._classes.pop(rid, None)
+        self._verifying.pop(rid, None)
+        self.controls.fast.release(rid)
+        if self.scorer is not None:
+            self.scorer.release(rid)
+
+    # -- update_draft_token_ids (synchronous scheduling) -----------------------------------------
+
+    def choose_drafts(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        classes = [self._classes.get(r, "default") for r in req_ids]
+        plan = self.controls.plan(self.directive, req_ids, classes, len(req_ids))
+        ngram = [self.scorer.draft(r) for r in req_ids] if self.scorer is not None else [None] * len(req_ids)
+        chosen = self.controls.choose_drafts(plan, drafts, ngram)
+        for rid, m, k in zip(req_ids, plan.method.tolist(), plan.k.tolist(), strict=True):
+            self._verifying[rid] = (m, k)
+        return chosen
+
+    def close(self) -> None:
+        self.link.close()
+        if self.trace is not None:
+            self.trace.close()
+
+
+def install(settings: PluginSettings) -> None:
+    """Patch the V1 Scheduler (idempotent). Only the engine-core process builds a Scheduler."""
+    from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
+    from vllm.v1.outputs import DraftTokenIds  # type: ignore[import-not-found]
+
+    if getattr(Scheduler, "_speccontrol_patched", False):
+        return
+    orig_init = Scheduler.__init__
+    orig_schedule = Scheduler.schedule
+    orig_update = Scheduler.update_from_output
+    orig_drafts = Scheduler.update_draft_token_ids
+
+    def _disable(self: Any, where: str) -> None:
+        log.exception(
+            "speccontrol: %s failed; plugin disabled for this engine (vLLM runs as configured)", where
+        )
+        hooks = getattr(self, "_speccontrol", None)
+        self._speccontrol = None
+        if hooks is not None:
+            self.dynamic_sd_lookup = hooks.original_lookup
+            with contextlib.suppress(Exception):
+                hooks.close()
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        self._speccontrol = None
+        try:
+            self._speccontrol = EngineHooks.create(self, settings)
+        except Exception:
+            _disable(self, "start-up")
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        h = self._speccontrol
+        if h is not None:
+            try:
+                h.before_schedule(self)
+            except Exception:
+                _disable(self, "schedule")
+                h = None
+        out = orig_schedule(self, *args, **kwargs)
+        if h is not None:
+            try:
+                h.after_schedule(self, out)
+            except Exception:
+                _disable(self, "schedule")
+        return out
+
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        h = self._speccontrol
+        reqs = None
+        if h is not None:
+            try:
+                reqs = h.before_update(self, scheduler_output)
+            except Exception:
+                _disable(self, "update_from_output")
+                h = None
+        result = orig_update(self, scheduler_output, model_runner_output)
+        if h is not None and reqs is not None:
+            try:
+                h.after_update(self, scheduler_output, model_runner_output, reqs)
+            except Exception:
+                _disable(self, "update_from_output")
+        return result
+
+    def update_draft_token_ids(self: Any, draft_token_ids: Any) -> None:
+        h = self._speccontrol
+        if h is not None:
+            try:
+                ids = list(draft_token_ids.req_ids)
+                drafts = h.choose_drafts(ids, [list(d) for d in draft_token_ids.draft_token_ids])
+                draft_token_ids = DraftTokenIds(ids, drafts)
+            except Exception:
+                _disable(self, "update_draft_token_ids")
+        orig_drafts(self, draft_token_ids)
+
+    Scheduler.__init__ = __init__  # type: ignore[method-assign]
+    Scheduler.schedule = schedule  # type: ignore[method-assign]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+    Scheduler.update_draft_token_ids = update_draft_token_ids  # type: ignore[method-assign]
+    Scheduler._speccontrol_patched = True  # type: ignore[attr-defined]
+    log.info("speccontrol: scheduler hooks installed (pid %d)", os.getpid())

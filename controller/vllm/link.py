@@ -1,0 +1,198 @@
+"""The engine's link to the sidecar: telemetry out, directives in, over one gRPC ``Attach`` stream.
+
+The engine step calls ``offer`` (never blocks: a full queue drops the step and counts it) and
+``directive`` (a lock-free read of the latest directive and when it arrived). One background thread
+owns the stream: it sends the Hello, batches queued steps into ``StepReportBatch`` messages, stores
+every Directive it receives, and reconnects with backoff when the sidecar goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from controller.convert import directive_from_pb
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.vllm.record import StepRecord
+from policies.directive import Directive
+
+log = logging.getLogger("speccontrol.vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    directive: Directive
+    at: float  # the link's monotonic clock when it arrived
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStats:
+    connected: bool
+    attaches: int
+    sent_steps: int
+    dropped_steps: int
+    directives: int
+
+
+class SidecarLink:
+    def __init__(
+        self,
+        *,
+        target: str,
+        hello: pb.Hello,
+        queue_size: int = 8192,
+        batch_max: int = 256,
+        flush_s: float = 0.05,
+        backoff_s: tuple[float, float] = (0.2, 5.0),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target = target
+        self.hello = hello
+        self.batch_max = batch_max
+        self.flush_s = flush_s
+        self.backoff_s = backoff_s
+        self.clock = clock
+        self._queue: queue.Queue[StepRecord] = queue.Queue(maxsize=queue_size)
+        self._latest: Received | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._call: grpc.Future | None = None  # type: ignore[type-arg]
+        self._connected = False
+        self._attaches = 0
+        self._sent = 0
+        self._dropped = 0
+        self._dropped_reported = 0
+        self._directives = 0
+        self._sequence = 0
+
+    # -- engine side (called from the engine step; must stay cheap) -----------------------------
+
+    def offer(self, record: StepRecord) -> bool:
+        try:
+            self._queue.put_nowait(record)
+            return True
+        except queue.Full:
+            self._dropped += 1
+            return False
+
+    def directive(self) -> Received | None:
+        return self._latest
+
+    def fresh_directive(self, now: float | None = None) -> Directive | None:
+        """The latest directive unless its TTL has lapsed (TTL <= 0: it never lapses)."""
+        r = self._latest
+        if r is None:
+            return None
+        t = self.clock() if now is None else now
+        if r.directive.ttl_s > 0 and t - r.at > r.directive.ttl_s:
+            return None
+        return r.directive
+
+    def stats(self) -> LinkStats:
+        return LinkStats(self._connected, self._attaches, self._sent, self._dropped, self._directives)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="speccontrol-link", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- background thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self.backoff_s[0]
+        warned = False
+        while not self._stop.is_set():
+            done = threading.Event()
+            try:
+                with grpc.insecure_channel(self.target) as channel:
+                    stub = pb_grpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
+                    self._sequence = 0
+                    call = stub.Attach(self._messages(done))
+                    self._call = call
+                    for msg in call:
+                        self._receive(msg)
+                        if not self._connected:
+                            self._connected = True
+                            self._attaches += 1
+                            delay = self.backoff_s[0]
+                            if warned:
+                                log.warning("speccontrol: re-attached to the sidecar at %s", self.target)
+                            warned = False
+            except grpc.RpcError as e:
+                if not warned and not self._stop.is_set():
+                    log.warning(
+                        "speccontrol: sidecar at %s unavailable (%s); serving on, will retry",
+                        self.target,
+                        _describe(e),
+                    )
+                    warned = True
+            except Exception:
+                log.exception("speccontrol: link failed; retrying")
+                warned = True
+            finally:
+                done.set()
+                self._call = None
+                self._connected = False
+            if self._stop.wait(delay):
+                break
+            delay = min(delay * 2, self.backoff_s[1])
+
+    def _receive(self, msg: pb.Directive) -> None:
+        try:
+            d = directive_from_pb(msg)
+        except ValueError as e:
+            log.warning("speccontrol: ignoring an invalid directive: %s", e)
+            return
+        self._latest = Received(d, self.clock())
+        self._directives += 1
+
+    def _messages(self, done: threading.Event) -> Iterator[pb.EngineMessage]:
+        yield pb.EngineMessage(hello=self.hello)
+        while not done.is_set() and not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=self.flush_s)
+            except queue.Empty:
+                continue
+            steps = [first]
+            deadline = time.monotonic() + self.flush_s
+            while len(steps) < self.batch_max:
+                left = deadline - time.monotonic()
+                try:
+                    steps.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._sequence += 1
+            dropped = self._dropped - self._dropped_reported
+            self._dropped_reported += dropped
+            batch = pb.StepReportBatch(
+                sequence=self._sequence, steps=[s.to_pb() for s in steps], dropped_steps=dropped
+            )
+            self._sent += len(steps)
+            yield pb.EngineMessage(reports=batch)
+
+
+def _describe(e: grpc.RpcError) -> str:
+    code = getattr(e, "code", None)
+    details = getattr(e, "details", None)
+    c = code() if callable(code) else None
+    d = details() if callable(details) else None
+    return f"{c.name if c is not None else 'error'}: {d or ''}".strip()

@@ -1,0 +1,88 @@
+"""One engine step as the plugin records it: cheap to build in the step, converted to protobuf later.
+
+The engine step only fills numpy columns; the background sender turns them into a ``StepReport`` so
+protobuf work never lands on the engine's critical path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from controller.v1 import controller_pb2 as pb
+from policies.arms import METHODS_BY_CODE
+from policies.observation import NOT_SCORED
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    time_s: float
+    duration_s: float
+    batch_size: int
+    queue_length: int
+    queue_wait_s: float
+    scheduled_k: int
+    directive_version: int
+    request_id: tuple[str, ...]
+    traffic_class: tuple[str, ...]
+    method: np.ndarray  # int8 method codes of the verified draft
+    k: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    cf_ngram: np.ndarray  # n-gram's counterfactual accepted count, NOT_SCORED where not scored
+    finished: np.ndarray
+
+    def to_pb(self) -> pb.StepReport:
+        reqs = []
+        for j, rid in enumerate(self.request_id):
+            cf = int(self.cf_ngram[j])
+            reqs.append(
+                pb.RequestStep(
+                    request_id=rid,
+                    traffic_class=self.traffic_class[j],
+                    method=METHODS_BY_CODE[int(self.method[j])].value,
+                    k=int(self.k[j]),
+                    drafted=int(self.drafted[j]),
+                    accepted=int(self.accepted[j]),
+                    counterfactual_accepted={"ngram": cf} if cf != NOT_SCORED else {},
+                    finished=bool(self.finished[j]),
+                )
+            )
+        return pb.StepReport(
+            time_s=self.time_s,
+            duration_s=self.duration_s,
+            batch_size=self.batch_size,
+            queue_length=self.queue_length,
+            queue_wait_s=self.queue_wait_s,
+            scheduled_k=self.scheduled_k,
+            requests=reqs,
+            directive_version=self.directive_version,
+        )
+
+    def to_json(self) -> str:
+        d: dict[str, Any] = {
+            "t": round(self.time_s, 6),
+            "dur": round(self.duration_s, 6),
+            "bs": self.batch_size,
+            "queue": self.queue_length,
+            "wait": round(self.queue_wait_s, 6),
+            "k_step": self.scheduled_k,
+            "dv": self.directive_version,
+            "reqs": [
+                {
+                    "id": rid,
+                    "class": self.traffic_class[j],
+                    "method": METHODS_BY_CODE[int(self.method[j])].value,
+                    "k": int(self.k[j]),
+                    "drafted": int(self.drafted[j]),
+                    "accepted": int(self.accepted[j]),
+                    "cf_ngram": int(self.cf_ngram[j]),
+                    "finished": bool(self.finished[j]),
+                }
+                for j, rid in enumerate(self.request_id)
+            ],
+        }
+        return json.dumps(d, separators=(",", ":"))

@@ -1,0 +1,116 @@
+"""The plugin's settings, read from the engine's environment and validated before anything is patched.
+
+The plugin is opt-in: it stays inert unless ``SPECCONTROL_PLUGIN=1`` is set or ``VLLM_PLUGINS`` names
+``speccontrol``. When enabled it needs ``SPECCONTROL_SIDECAR`` (``unix:///path`` or ``host:port``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from controller.config import ConfigError, parse_address
+from policies.arms import Arm
+
+PLUGIN_NAME = "speccontrol"
+
+
+class SettingsError(ValueError):
+    """A bad plugin setting; ``str()`` names the variable."""
+
+
+def enabled(env: Mapping[str, str]) -> bool:
+    if env.get("SPECCONTROL_PLUGIN", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    listed = [p.strip() for p in env.get("VLLM_PLUGINS", "").split(",")]
+    return PLUGIN_NAME in listed
+
+
+@dataclass(frozen=True, slots=True)
+class PluginSettings:
+    #: gRPC target of the sidecar's EngineService (``unix:///path`` or ``host:port``).
+    sidecar: str
+    #: How this engine names itself to the sidecar; empty: ``<served model>@<hostname>``.
+    engine_id: str = ""
+    #: The arm the engine falls back to when the directive's TTL lapses; None: the engine as configured.
+    safe_default: Arm | None = None
+    #: Step records the background sender may hold; beyond that new steps are dropped (and counted).
+    queue_size: int = 8192
+    #: Most steps per StepReportBatch, and the longest a step waits in the sender before it is sent.
+    batch_max: int = 256
+    flush_s: float = 0.05
+    #: Replace the EAGLE draft by the n-gram one where the rule says so (REQUEST_METHOD granularity).
+    composite: bool = True
+    #: The ``vllm_xargs`` key that carries a request's traffic class.
+    class_key: str = "traffic_class"
+    #: Optional JSON Lines trace of every step the plugin reports (tests and debugging).
+    trace_path: str = ""
+    #: n-gram lookup window (vLLM's prompt_lookup_min / prompt_lookup_max).
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        try:
+            parse_address(self.sidecar, field="SPECCONTROL_SIDECAR")
+        except ConfigError as e:
+            raise SettingsError(str(e)) from None
+        if not 16 <= self.queue_size <= 1_000_000:
+            raise SettingsError(f"SPECCONTROL_QUEUE_SIZE: must be 16..1000000, got {self.queue_size}")
+        if not 1 <= self.batch_max <= 1024:
+            raise SettingsError(f"SPECCONTROL_BATCH_MAX: must be 1..1024, got {self.batch_max}")
+        if not 0.001 <= self.flush_s <= 10:
+            raise SettingsError(f"SPECCONTROL_FLUSH_S: must be 0.001..10, got {self.flush_s}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise SettingsError(
+                f"SPECCONTROL_NGRAM_MIN/MAX: need 1 <= min <= max <= 64, got {self.ngram_min}, {self.ngram_max}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PluginSettings:
+        """Raises SettingsError naming the variable."""
+        sidecar = env.get("SPECCONTROL_SIDECAR", "").strip()
+        if not sidecar:
+            raise SettingsError(
+                "SPECCONTROL_SIDECAR: required when the plugin is enabled (unix:///path or host:port)"
+            )
+        safe: Arm | None = None
+        raw_safe = env.get("SPECCONTROL_SAFE_DEFAULT", "").strip()
+        if raw_safe and raw_safe != "configured":
+            try:
+                safe = Arm.parse(raw_safe)
+            except ValueError as e:
+                raise SettingsError(f"SPECCONTROL_SAFE_DEFAULT: {e}") from None
+        return cls(
+            sidecar=sidecar,
+            engine_id=env.get("SPECCONTROL_ENGINE_ID", "").strip(),
+            safe_default=safe,
+            queue_size=_int(env, "SPECCONTROL_QUEUE_SIZE", 8192),
+            batch_max=_int(env, "SPECCONTROL_BATCH_MAX", 256),
+            flush_s=_float(env, "SPECCONTROL_FLUSH_S", 0.05),
+            composite=env.get("SPECCONTROL_COMPOSITE", "1").strip().lower()
+            not in ("0", "false", "no", "off"),
+            class_key=env.get("SPECCONTROL_CLASS_KEY", "traffic_class").strip() or "traffic_class",
+            trace_path=env.get("SPECCONTROL_TRACE", "").strip(),
+            ngram_min=_int(env, "SPECCONTROL_NGRAM_MIN", 1),
+            ngram_max=_int(env, "SPECCONTROL_NGRAM_MAX", 3),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}: expected a number, got {raw!r}") from None
