@@ -1,0 +1,330 @@
+"""deploy/: every overlay renders and validates offline; rules, dashboard and autoscalers use real metric names.
+
+Needs kubectl (kustomize v5), kubernetes-validate and promtool; each test skips with the reason when its
+tool is missing, unless SPECCONTROL_REQUIRE_DEPLOY_TOOLS (kubectl, kubernetes-validate) or
+SPECCONTROL_REQUIRE_SYSTEM_DEPS (promtool) is set: then it fails. scripts/ci_system_deps.sh installs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from controller.config import parse_address, parse_config
+from controller.fleet import FleetMetrics
+from controller.metrics import SidecarMetrics
+from controller.v1 import controller_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ["base", "overlays/keda", "overlays/hpa"]
+RULES = DEPLOY / "prometheus" / "speccontrol-rules.yaml"
+RULES_TEST = DEPLOY / "prometheus" / "speccontrol-rules.test.yaml"
+DASHBOARD = DEPLOY / "grafana" / "speccontrol-dashboard.json"
+KEDA_SCHEMA = DEPLOY / "schemas" / "keda-scaledobject-v1alpha1.json"
+#: The oldest Kubernetes with native sidecars on by default (SidecarContainers beta, 1.29).
+K8S_VERSION = "1.29.0"
+
+
+def _tool(name: str, env: str) -> str:
+    path = shutil.which(name) or next(
+        (
+            p
+            for p in (f"/usr/bin/{name}", f"/usr/local/bin/{name}", str(ROOT / ".venv/bin" / name))
+            if os.access(p, os.X_OK)
+        ),
+        None,
+    )
+    if path is None:
+        if os.environ.get(env):
+            pytest.fail(f"{name} not found but {env} is set")
+        pytest.skip(f"{name} not installed (scripts/ci_system_deps.sh provides it)")
+    return path
+
+
+def kubectl() -> str:
+    return _tool("kubectl", "SPECCONTROL_REQUIRE_DEPLOY_TOOLS")
+
+
+@cache
+def _render(overlay: str, binary: str) -> str:
+    out = subprocess.run(
+        [binary, "kustomize", str(DEPLOY / overlay)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, f"kubectl kustomize {overlay} failed: {out.stderr}"
+    return out.stdout
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(_render(overlay, kubectl())) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+# -- rendering and schema validation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_strictly(overlay: str, tmp_path: Path) -> None:
+    validator = _tool("kubernetes-validate", "SPECCONTROL_REQUIRE_DEPLOY_TOOLS")
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(_render(overlay, kubectl()))
+    out = subprocess.run(
+        [validator, "--strict", "-k", K8S_VERSION, str(rendered)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Core kinds are checked against Kubernetes' schemas; CRDs (PodMonitor, PrometheusRule,
+    # ScaledObject) have none there and are checked below.
+    for kind in ("deployment/vllm", "service/vllm"):
+        assert f"passed for resource {kind}" in out.stdout + out.stderr
+
+
+def test_strict_validation_catches_a_misspelt_field(tmp_path: Path) -> None:
+    validator = _tool("kubernetes-validate", "SPECCONTROL_REQUIRE_DEPLOY_TOOLS")
+    docs = render("base")
+    dep = one(docs, "Deployment")
+    dep["spec"]["template"]["spec"]["initContainers"][0]["restartPolicyy"] = "Always"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(dep))
+    out = subprocess.run(
+        [validator, "--strict", "-k", K8S_VERSION, str(bad)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode != 0 and "restartPolicyy" in out.stdout + out.stderr
+
+
+def _keda_validator() -> Any:
+    try:
+        import jsonschema
+    except ImportError:
+        if os.environ.get("SPECCONTROL_REQUIRE_DEPLOY_TOOLS"):
+            pytest.fail("jsonschema not installed but SPECCONTROL_REQUIRE_DEPLOY_TOOLS is set")
+        pytest.skip("jsonschema not installed (comes with kubernetes-validate)")
+    schema = json.loads(KEDA_SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_keda_scaled_object_matches_its_schema_and_targets_the_deployment() -> None:
+    docs = render("overlays/keda")
+    so = one(docs, "ScaledObject")
+    v = _keda_validator()
+    errors = [e.message for e in v.iter_errors(so)]
+    assert errors == []
+    dep = one(docs, "Deployment")
+    assert so["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": dep["metadata"]["name"],
+    }
+    assert so["spec"]["minReplicaCount"] >= 1  # vLLM cold starts take minutes: never scale to zero
+    # The schema is closed: a misspelt field or a missing query is an error.
+    bad = json.loads(json.dumps(so))
+    bad["spec"]["cooldownPeriods"] = 300
+    del bad["spec"]["triggers"][0]["metadata"]["query"]
+    messages = " | ".join(e.message for e in v.iter_errors(bad))
+    assert "cooldownPeriods" in messages and "'query' is a required property" in messages
+
+
+def test_hpa_targets_the_metric_the_adapter_serves() -> None:
+    docs = render("overlays/hpa")
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == one(docs, "Deployment")["metadata"]["name"]
+    values = yaml.safe_load((DEPLOY / "overlays/hpa/prometheus-adapter-values.yaml").read_text())
+    served = {r["name"]["as"] for r in values["rules"]["custom"]}
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert wanted and wanted <= served
+    assert hpa["spec"]["minReplicas"] >= 1
+
+
+def test_pod_wiring() -> None:
+    docs = render("base")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (sidecar,) = [c for c in pod["initContainers"] if c["name"] == "speccontrol"]
+    (engine,) = pod["containers"]
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar
+    # The sidecar config (the generated ConfigMap) is valid for the sidecar and matches the pod.
+    cm = one(docs, "ConfigMap")
+    cfg = parse_config(cm["data"]["sidecar.yaml"], source="deploy/base/sidecar.yaml")
+    config_vol = next(
+        v for v in pod["volumes"] if v.get("configMap", {}).get("name") == cm["metadata"]["name"]
+    )
+    assert any(m["name"] == config_vol["name"] for m in sidecar["volumeMounts"])
+    socket_path = parse_address(cfg.engine_listen, field="engine_listen")
+    assert isinstance(socket_path, str)
+    # Both containers mount the same emptyDir where the socket lives.
+    socket_vol = next(v for v in pod["volumes"] if "emptyDir" in v and any(
+        m["name"] == v["name"] and socket_path.startswith(m["mountPath"] + "/") for m in sidecar["volumeMounts"]))  # fmt: skip
+    assert any(
+        m["name"] == socket_vol["name"] and socket_path.startswith(m["mountPath"] + "/")
+        for m in engine["volumeMounts"]
+    )
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert "speccontrol" in env["VLLM_PLUGINS"].split(",")
+    assert env["SPECCONTROL_SIDECAR"] == cfg.engine_listen
+    # Probes use the sidecar's gRPC health service on its admin port.
+    admin = parse_address(cfg.admin_listen, field="admin_listen")
+    assert not isinstance(admin, str)
+    admin_service = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert sidecar[probe]["grpc"] == {"port": admin[1], "service": admin_service}
+    metrics_port = parse_address(cfg.metrics_listen, field="metrics_listen")
+    assert not isinstance(metrics_port, str)
+    ports = {p["name"]: p["containerPort"] for c in (sidecar, engine) for p in c["ports"]}
+    assert ports["metrics"] == metrics_port[1] and ports["admin"] == admin[1]
+    for pm in (d for d in docs if d["kind"] == "PodMonitor"):
+        for ep in pm["spec"]["podMetricsEndpoints"]:
+            assert ep["port"] in ports
+        assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels(docs).items()
+    svc = one(docs, "Service")
+    assert svc["spec"]["selector"].items() <= pod_labels(docs).items()
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports.keys()
+
+
+def pod_labels(docs: list[dict[str, Any]]) -> dict[str, str]:
+    labels: dict[str, str] = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+# -- Prometheus rules ----------------------------------------------------------------------------
+
+
+def promtool() -> str:
+    return _tool("promtool", "SPECCONTROL_REQUIRE_SYSTEM_DEPS")
+
+
+def test_rules_check() -> None:
+    out = subprocess.run(
+        [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_rules_unit_tests() -> None:
+    out = subprocess.run(
+        [promtool(), "test", "rules", RULES_TEST.name],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=RULES_TEST.parent,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_rules_unit_tests_fail_on_a_broken_rule(tmp_path: Path) -> None:
+    broken = RULES.read_text().replace("for: 10m", "for: 2h")  # the collapse alert would not fire in time
+    (tmp_path / RULES.name).write_text(broken)
+    shutil.copy(RULES_TEST, tmp_path / RULES_TEST.name)
+    out = subprocess.run(
+        [promtool(), "test", "rules", RULES_TEST.name],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert out.returncode != 0 and "SpeccontrolAcceptanceCollapse" in out.stdout + out.stderr
+
+
+def test_operator_rule_carries_the_same_groups() -> None:
+    plain = yaml.safe_load(RULES.read_text())
+    cr = yaml.safe_load((DEPLOY / "base" / "prometheusrule.yaml").read_text())
+    assert cr["kind"] == "PrometheusRule"
+    assert cr["spec"] == plain
+    names = {r.get("alert") for g in plain["groups"] for r in g["rules"]}
+    for alert in (
+        "SpeccontrolAcceptanceCollapse",
+        "SpeccontrolDirectiveStale",
+        "SpeccontrolSidecarDown",
+        "SpeccontrolPolicyFlapping",
+    ):
+        assert alert in names
+
+
+# -- metric names --------------------------------------------------------------------------------
+
+
+def exported_names() -> set[str]:
+    """Every sample name the sidecar and the fleet link expose."""
+    reg = CollectorRegistry()
+    SidecarMetrics(registry=reg, clock=lambda: 0.0)
+    FleetMetrics(reg)
+    names: set[str] = set()
+    for fam in reg.collect():
+        names.add(fam.name)
+        if fam.type == "counter":
+            names.add(fam.name + "_total")
+    return names
+
+
+def recorded_names() -> set[str]:
+    return {
+        r["record"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "record" in r
+    }
+
+
+_METRIC = re.compile(r"\bspeccontrol(?:_[a-z0-9_]+|:[a-z0-9_]+:[a-z0-9_]+)")
+
+
+def used_names() -> dict[str, set[str]]:
+    uses: dict[str, set[str]] = {}
+    rules = yaml.safe_load(RULES.read_text())
+    uses["rules"] = {m for g in rules["groups"] for r in g["rules"] for m in _METRIC.findall(r["expr"])}
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [a["expr"] for a in dash["annotations"]["list"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    uses["dashboard"] = {m for e in exprs for m in _METRIC.findall(e)}
+    keda = yaml.safe_load((DEPLOY / "overlays/keda/scaledobject.yaml").read_text())
+    uses["keda"] = {m for t in keda["spec"]["triggers"] for m in _METRIC.findall(t["metadata"]["query"])}
+    adapter = (DEPLOY / "overlays/hpa/prometheus-adapter-values.yaml").read_text()
+    uses["adapter"] = set(_METRIC.findall(adapter))
+    return uses
+
+
+def test_every_metric_used_in_deploy_exists() -> None:
+    known = exported_names() | recorded_names()
+    uses = used_names()
+    for where, names in uses.items():
+        assert names, f"{where}: no speccontrol metric found (the pattern is broken)"
+        assert names <= known, f"{where}: unknown metrics {sorted(names - known)}"
+    # The named signals of the issue are all there.
+    for needed in (
+        "speccontrol_queue_wait_seconds",
+        "speccontrol_directive_age_seconds",
+        "speccontrol_goodput_tokens_per_second",
+    ):
+        assert needed in exported_names() and needed in uses["dashboard"]
+
+
+def test_dashboard_shape() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    titles = [p["title"] for p in dash["panels"]]
+    for wanted in (
+        "Acceptance rate by arm",
+        "Chosen arm over time",
+        "Goodput",
+        "Queue wait",
+        "Directive age",
+    ):
+        assert any(t.startswith(wanted) for t in titles), wanted
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"])
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24
