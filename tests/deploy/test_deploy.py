@@ -108,7 +108,7 @@ def test_strict_validation_catches_a_misspelt_field(tmp_path: Path) -> None:
 
 def _keda_validator() -> Any:
     try:
-        import jsonschema
+        import jsonschema  # type: ignore[import-untyped]
     except ImportError:
         if os.environ.get("SPECCONTROL_REQUIRE_DEPLOY_TOOLS"):
             pytest.fail("jsonschema not installed but SPECCONTROL_REQUIRE_DEPLOY_TOOLS is set")

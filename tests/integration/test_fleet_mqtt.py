@@ -153,7 +153,7 @@ async def test_fleet_policy_late_replica_and_broker_restart(mosquitto: Mosquitto
         # Two sidecars receive a fleet policy published the way `controllerctl policy set --fleet` does.
         v1 = await publish_fleet_policy(broker=broker, fleet="itest", yaml="name: p1\n", source="p1.yaml")
         assert v1 == 1
-        await until(lambda: a.policies and b.policies, "fleet policy v1 on both")
+        await until(lambda: bool(a.policies and b.policies), "fleet policy v1 on both")
         assert a.policies == b.policies == [("name: p1\n", 1)]
 
         a.link.publish_posteriors("org/model-8b", POSTERIORS)
