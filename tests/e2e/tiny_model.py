@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 VOCAB = 2048
-_WORDS = (
+_TEXT = (
     "the quick brown fox jumps over the lazy dog speculative decoding draft token accept reject engine "
     "scheduler metrics controller vllm llama model alpha beta gamma delta epsilon zeta eta theta iota"
-).split()
+)
+_WORDS = _TEXT.split(" ")
 
 
 def _layers(n: int) -> dict[str, object]:

