@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import numpy as np
+
+from controller.vllm.control import Controls, engine_info
+from policies.arms import METHOD_CODES, Arm, Method
+from policies.context import ANY_CLASS
+from policies.directive import Directive, KRange, PlanEntry, RequestRule
+from policies.engine import Granularity
+
+E, N, OFF = METHOD_CODES[Method.EAGLE3], METHOD_CODES[Method.NGRAM], METHOD_CODES[Method.OFF]
+
+
+def _controls(method: Method = Method.EAGLE3, composite: bool = True) -> Controls:
+    info = engine_info(
+        engine_id="e", model="m", method=method, max_k=4, max_batch_size=8, composite=composite
+    )
+    return Controls(engine=info, method=method, safe_default=Arm(method, 4), composite=composite)
+
+
+def _directive(
+    *plan: PlanEntry, table: tuple[KRange, ...] = (), rule: RequestRule | None = None
+) -> Directive:
+    return Directive(
+        version=7,
+        policy="p",
+        reason="",
+        ttl_s=10,
+        issued_at_s=0,
+        k_table=table,
+        method=Method.EAGLE3,
+        plan=plan,
+        rule=rule or RequestRule(),
+    )
+
+
+def test_hello_advertises_composite_or_batch_arms() -> None:
+    info = engine_info(
+        engine_id="e", model="m", method=Method.EAGLE3, max_k=2, max_batch_size=8, composite=True
+    )
+    assert info.granularity is Granularity.REQUEST_METHOD
+    assert [str(a) for a in info.arms] == ["eagle3:1", "eagle3:2", "ngram:1", "ngram:2", "off"]
+    assert info.counterfactual_methods == (Method.NGRAM,)
+    plain = engine_info(
+        engine_id="e", model="m", method=Method.NGRAM, max_k=2, max_batch_size=8, composite=False
+    )
+    assert plain.granularity is Granularity.BATCH_STEP
+    assert [str(a) for a in plain.arms] == ["ngram:1", "ngram:2", "off"]
+    assert plain.counterfactual_methods == ()
+
+
+def test_k_table_clamped_and_safe_default_when_stale() -> None:
+    c = _controls()
+    d = _directive(table=(KRange(1, 2, 9), KRange(3, 0, 0)))
+    assert c.k_table(d) == [4, 4, 4, 0, 0, 0, 0, 0, 0]
+    assert c.in_force(None).version == 0
+    assert c.k_table(c.in_force(None)) == [4] * 9
+    assert c.in_force(d) is d
+
+
+def test_p_eagle_table_only_zero_or_max() -> None:
+    c = _controls(Method.P_EAGLE)
+    assert c.k_table(_directive(table=(KRange(1, 1, 2), KRange(2, 0, 0)))) == [4, 4] + [0] * 7
+
+
+def test_plan_per_class_and_drafts_cut_to_k() -> None:
+    c = _controls()
+    d = _directive(
+        PlanEntry("code", 1, 0, Arm(Method.NGRAM, 2)),
+        PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 3)),
+        PlanEntry("bulk", 1, 0, Arm(Method.OFF, 0)),
+    )
+    p = c.plan(d, ["a", "b", "c"], ["code", "chat", "bulk"], 3)
+    assert p.method.tolist() == [N, E, OFF] and p.k.tolist() == [2, 3, 0]
+    eagle = [[1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]]
+    ngram = [np.array([9, 8, 7]), np.array([6]), None]
+    assert c.choose_drafts(p, eagle, ngram) == [[9, 8], [2, 2, 2], []]
+
+
+def test_without_composite_ngram_plan_falls_back_to_configured_method() -> None:
+    c = _controls(composite=False)
+    p = c.plan(_directive(PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 2))), ["a"], ["x"], 1)
+    assert p.method.tolist() == [E] and p.k.tolist() == [2]
+
+
+def test_rule_moves_a_request_to_ngram_from_its_feedback() -> None:
+    c = _controls()
+    d = _directive(
+        PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 4)),
+        rule=RequestRule("ngram_margin", {"margin": 0.5, "alpha": 0.5, "warmup_steps": 2}),
+    )
+    ids = ["good", "bad"]
+    for _ in range(3):
+        c.fast.feedback(
+            ids,
+            np.array([E, E], dtype=np.int8),
+            np.array([0, 0]),
+            {Method.NGRAM: np.array([4, 0], dtype=np.int32)},
+        )
+    p = c.plan(d, ids, ["x", "x"], 2)
+    assert p.method.tolist() == [N, E]

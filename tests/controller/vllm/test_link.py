@@ -1,0 +1,155 @@
+"""The telemetry link against a real in-process gRPC EngineService (a recording fake sidecar)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.vllm.link import SidecarLink
+from controller.vllm.record import StepRecord
+
+pytestmark = pytest.mark.integration
+
+
+class FakeSidecar(pb_grpc.EngineServiceServicer):
+    def __init__(self, ttl_s: float = 30.0, version: int = 1) -> None:
+        self.messages: list[pb.EngineMessage] = []
+        self.ttl_s, self.version = ttl_s, version
+        self.got = threading.Condition()
+
+    def Attach(self, request_iterator: Iterator[pb.EngineMessage], context: Any) -> Iterator[pb.Directive]:
+        first = next(request_iterator)
+        self._add(first)
+        yield pb.Directive(version=self.version, policy="fake", ttl_s=self.ttl_s, method="eagle3",
+                           k_table=[pb.KRange(bs_min=1, bs_max=0, k=2)])  # fmt: skip
+        for m in request_iterator:
+            self._add(m)
+
+    def _add(self, m: pb.EngineMessage) -> None:
+        with self.got:
+            self.messages.append(m)
+            self.got.notify_all()
+
+    def steps(self) -> list[pb.StepReport]:
+        return [s for m in self.messages if m.WhichOneof("body") == "reports" for s in m.reports.steps]
+
+
+def _serve(fake: FakeSidecar, target: str) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_EngineServiceServicer_to_server(fake, server)  # type: ignore[no-untyped-call]
+    server.add_insecure_port(target)
+    server.start()
+    return server
+
+
+def _record(i: int) -> StepRecord:
+    return StepRecord(
+        time_s=float(i), duration_s=0.01, batch_size=1, queue_length=0, queue_wait_s=0.0, scheduled_k=2,
+        directive_version=1, request_id=(f"r{i}",), traffic_class=("code",),
+        method=np.array([0], dtype=np.int8), k=np.array([2], dtype=np.int32),
+        drafted=np.array([2], dtype=np.int32), accepted=np.array([1], dtype=np.int32),
+        cf_ngram=np.array([2], dtype=np.int32), finished=np.array([False]),
+    )  # fmt: skip
+
+
+def _until(pred: Any, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def _hello() -> pb.Hello:
+    return pb.Hello(
+        engine_id="e", model="m", max_k=4, arms=[pb.Arm(method="eagle3", k=2)], protocol_version=1
+    )
+
+
+def test_hello_then_batched_reports_and_directive(tmp_path: Path) -> None:
+    target = f"unix://{tmp_path}/s.sock"
+    fake = FakeSidecar()
+    server = _serve(fake, target)
+    link = SidecarLink(target=target, hello=_hello(), flush_s=0.01)
+    try:
+        link.start()
+        _until(lambda: link.fresh_directive() is not None)
+        d = link.fresh_directive()
+        assert d is not None and d.version == 1 and d.k_for_batch(3, 4) == 2
+        for i in range(10):
+            assert link.offer(_record(i))
+        _until(lambda: len(fake.steps()) == 10)
+        assert fake.messages[0].WhichOneof("body") == "hello"
+        seqs = [m.reports.sequence for m in fake.messages[1:]]
+        assert seqs == list(range(1, len(seqs) + 1))
+        s = fake.steps()[3]
+        assert s.requests[0].request_id == "r3" and s.requests[0].method == "eagle3"
+        assert dict(s.requests[0].counterfactual_accepted) == {"ngram": 2}
+        assert link.stats().connected and link.stats().sent_steps == 10
+    finally:
+        link.close()
+        server.stop(0)
+
+
+def test_offer_never_blocks_and_drops_are_counted_then_reported(tmp_path: Path) -> None:
+    target = f"unix://{tmp_path}/s.sock"
+    link = SidecarLink(target=target, hello=_hello(), queue_size=16, flush_s=0.01)
+    link.start()  # nobody listens yet
+    try:
+        accepted = [link.offer(_record(i)) for i in range(40)]
+        assert accepted.count(True) == 16 and link.stats().dropped_steps == 24
+        fake = FakeSidecar()
+        server = _serve(fake, target)
+        try:
+            _until(lambda: len(fake.steps()) == 16)
+            assert sum(m.reports.dropped_steps for m in fake.messages[1:]) == 24
+        finally:
+            server.stop(0)
+    finally:
+        link.close()
+
+
+def test_ttl_lapses_to_none_on_the_links_clock(tmp_path: Path) -> None:
+    target = f"unix://{tmp_path}/s.sock"
+    now = [100.0]
+    server = _serve(FakeSidecar(ttl_s=5.0), target)
+    link = SidecarLink(target=target, hello=_hello(), clock=lambda: now[0])
+    try:
+        link.start()
+        _until(lambda: link.directive() is not None)
+        assert link.fresh_directive(now=104.9) is not None
+        assert link.fresh_directive(now=105.1) is None
+    finally:
+        link.close()
+        server.stop(0)
+
+
+def test_reattaches_when_the_sidecar_returns(tmp_path: Path) -> None:
+    target = f"unix://{tmp_path}/s.sock"
+    server = _serve(FakeSidecar(version=1), target)
+    link = SidecarLink(target=target, hello=_hello(), flush_s=0.01, backoff_s=(0.05, 0.2))
+    try:
+        link.start()
+        _until(lambda: link.stats().attaches == 1)
+        server.stop(0).wait()
+        _until(lambda: not link.stats().connected)
+        second = FakeSidecar(version=9)
+        server = _serve(second, target)
+        _until(lambda: link.stats().attaches == 2)
+        d = link.fresh_directive()
+        assert d is not None and d.version == 9
+        assert second.messages[0].WhichOneof("body") == "hello"
+    finally:
+        link.close()
+        server.stop(0)
