@@ -46,3 +46,11 @@ proto-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+
+# --- vLLM end-to-end (owned by the vLLM plugin; see docs/vllm-plugin.md) -------------------------
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: e2e-vllm
+e2e-vllm: $(STAMP)
+	VLLM_VENV=$(VLLM_VENV) PY=$(PY) TEST_PY=$(BIN)/python scripts/e2e_vllm.sh
+# --- end vLLM end-to-end ----------------------------------------------------------------------------
