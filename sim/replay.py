@@ -23,7 +23,7 @@ from policies.rules import FastLoop
 from policies.spec import PolicySpec
 from sim.costmodel import Profile
 from sim.engines import EngineModel
-from sim.run import RunResult, Timeline, arm_code
+from sim.run import ARM_CODE_BASE, RunResult, Timeline, arm_code
 from sim.trace import Trace
 
 _OFF = METHOD_CODES[Method.OFF]
@@ -76,54 +76,64 @@ class Replayer:
         fast = FastLoop(capacity=max(64, 2 * self.concurrency))
         rule_alpha = float(self.policy.rule.params.get("alpha", 0.3))
         n, C = tr.n, self.concurrency
-        base = tr.offsets[:-1]
-        out = tr.output_tokens
-        prompt = tr.prompt_tokens
+        base_all = tr.offsets[:-1]
+        out_all = tr.output_tokens
+        prompt_all = tr.prompt_tokens
         ids, classes = tr.ids, tr.classes
         acc_by_code = {METHOD_CODES[m]: a for m, a in tr.acc.items()}
-        cf_methods = [m for m in eng.counterfactual if m in tr.acc]
+        cf_methods = [(m, METHOD_CODES[m], tr.acc[m]) for m in eng.counterfactual if m in tr.acc]
         head = next((m for m in eng.always_runs if m in tr.acc), None) if eng.head_first_position else None
+        head_code = METHOD_CODES[head] if head is not None else -1
         batch_k = eng.granularity is Granularity.BATCH_STEP
+        per_request_k = eng.granularity is Granularity.REQUEST_K
         primary = METHOD_CODES[eng.primary]
+        playable = np.zeros(len(Method), dtype=bool)
+        for m in eng.methods:
+            playable[METHOD_CODES[m]] = True
+        e3_always = Method.EAGLE3 in eng.always_runs
+        pe_always = Method.P_EAGLE in eng.always_runs
 
         order = np.argsort(tr.arrival_s, kind="stable") if self.open_loop else np.arange(n)
         arrival = tr.arrival_s[order] if self.open_loop else np.zeros(n)
         submit = np.zeros(n)
         first = np.zeros(n)
         finish = np.zeros(n)
-        slot_req = np.full(C, -1, dtype=np.int64)
-        done = np.zeros(C, dtype=np.int64)
+        # The running (decoding) requests, as parallel arrays rebuilt only when membership changes.
+        m_req = np.zeros(0, dtype=np.int64)
+        m_done = np.zeros(0, dtype=np.int64)
+        m_out = m_prompt = m_base = m_req
+        m_ids: list[str] = []
+        m_cls: list[str] = []
         nxt = 0
         clock = 0.0
         finished = 0
         steps = request_steps = drafted_total = accepted_total = switches = 0
+        rounds_seen = 0
         tl_end: list[float] = []
         tl_emit: list[int] = []
         tl_draft: list[int] = []
         tl_acc: list[int] = []
         tl_arm: list[int] = []
-        rounds_seen = 0
+        empty_i = np.zeros(0, dtype=np.int64)
 
         while finished < n:
             # -- admission ------------------------------------------------------------------------
-            free = np.flatnonzero(slot_req < 0)
-            running = C - len(free)
+            nd = len(m_req)
+            room = C - nd
             take = 0
             if self.open_loop:
-                while take < len(free) and nxt + take < n and arrival[nxt + take] <= clock:
+                while take < room and nxt + take < n and arrival[nxt + take] <= clock:
                     take += 1
-                if running == 0 and take == 0:
+                if nd == 0 and take == 0:
                     clock = max(clock, float(arrival[nxt]))
                     continue
             else:
-                take = min(len(free), n - nxt)
-            dec_slots = np.flatnonzero(slot_req >= 0)
-            new_slots = free[:take]
+                take = min(room, n - nxt)
             new_reqs = order[nxt : nxt + take]
+            if take:
+                submit[new_reqs] = arrival[nxt : nxt + take] if self.open_loop else clock
             nxt += take
-            slot_req[new_slots] = new_reqs
-            submit[new_reqs] = arrival[nxt - take : nxt] if self.open_loop else clock
-            batch_size = len(dec_slots) + take
+            batch_size = nd + take
             queued = 0
             wait = 0.0
             if self.open_loop and nxt < n:
@@ -136,124 +146,157 @@ class Replayer:
                 rounds_seen = loop.rounds
                 switches += sum(1 for c in loop.last_changes if c.before is not None)
 
-            r = slot_req[dec_slots]
-            d = done[dec_slots]
-            nd = len(r)
-            rid = [ids[i] for i in r]
-            rcls = [classes[i] for i in r]
+            d = m_done
             if nd:
+                pos = m_base + d - 1
                 if batch_k:
                     # One K for the whole step: the per-request rule has nothing to act on.
                     kk = directive.k_for_batch(batch_size, max_k)
-                    methods = np.full(nd, primary if kk > 0 else _OFF, dtype=np.int8)
+                    code = primary if kk > 0 else _OFF
+                    methods = np.full(nd, code, dtype=np.int8)
                     ks = np.full(nd, kk, dtype=np.int64)
+                    a = acc_by_code[code][pos] if kk > 0 else empty_i
+                    e = (
+                        np.minimum(np.minimum(a, kk) + 1, m_out - d)
+                        if kk > 0
+                        else np.ones(nd, dtype=np.int64)
+                    )
                 else:
-                    methods, ks = fast.plan(directive, rid, rcls, batch_size, max_k)
-                    ks = ks.astype(np.int64)
-                    if eng.granularity is Granularity.REQUEST_K:
+                    methods, ks32 = fast.plan(directive, m_ids, m_cls, batch_size, max_k)
+                    ks = ks32.astype(np.int64)
+                    if per_request_k:
                         methods = np.where(ks > 0, primary, _OFF).astype(np.int8)
                     else:
-                        playable = np.isin(methods, [METHOD_CODES[m] for m in eng.methods])
-                        methods = np.where(playable, methods, primary).astype(np.int8)
-                off = (methods == _OFF) | (ks <= 0)
-                methods = np.where(off, _OFF, methods).astype(np.int8)
-                ks = np.where(off, 0, ks)
-                pos = base[r] + d - 1
-                a = np.zeros(nd, dtype=np.int64)
-                for code, arr in acc_by_code.items():
-                    sel = methods == code
-                    if sel.any():
-                        a[sel] = arr[pos[sel]]
-                e = np.minimum(np.minimum(a, ks) + 1, out[r] - d)
+                        methods = np.where(playable[methods], methods, primary).astype(np.int8)
+                    off = (methods == _OFF) | (ks <= 0)
+                    if off.any():
+                        methods[off] = _OFF
+                        ks[off] = 0
+                    a = np.zeros(nd, dtype=np.int64)
+                    for code_m, arr in acc_by_code.items():
+                        sel = methods == code_m
+                        if sel.any():
+                            a[sel] = arr[pos[sel]]
+                    e = np.minimum(np.minimum(a, ks) + 1, m_out - d)
+                ksum = int(ks.sum())
             else:
                 methods = np.zeros(0, dtype=np.int8)
-                ks = e = pos = np.zeros(0, dtype=np.int64)
+                ks = e = pos = empty_i
+                ksum = 0
 
             # -- price the step -------------------------------------------------------------------
-            kv = float((prompt[r] + d).sum())
-            batched = float((ks + 1).sum() + prompt[new_reqs].sum())
-            e3 = methods == _E3
-            pe = methods == _PE
-            eagle_fwd = float(ks[e3].max()) if e3.any() else 0.0
-            if Method.EAGLE3 in eng.always_runs:
+            kv = float((m_prompt + d).sum()) if nd else 0.0
+            batched = float(ksum + nd + (prompt_all[new_reqs].sum() if take else 0))
+            if batch_k:
+                mk = int(ks[0]) if nd else 0
+                is_e3 = nd > 0 and mk > 0 and methods[0] == _E3
+                is_pe = nd > 0 and mk > 0 and methods[0] == _PE
+                is_ng = nd > 0 and mk > 0 and methods[0] == _NG
+                eagle_fwd = float(mk) if is_e3 else 0.0
+                e3_spec = float(ksum) if is_e3 else 0.0
+                pe_spec = float(ksum) if is_pe else 0.0
+                pe_used = is_pe
+            else:
+                e3 = methods == _E3
+                pe = methods == _PE
+                any_e3 = bool(e3.any())
+                eagle_fwd = float(ks[e3].max()) if any_e3 else 0.0
+                e3_spec = float(ks[e3].sum()) if any_e3 else 0.0
+                pe_used = bool(pe.any())
+                pe_spec = float(ks[pe].sum()) if pe_used else 0.0
+                is_ng = bool((methods == _NG).any())
+            if e3_always:
                 eagle_fwd = max(eagle_fwd, 1.0)
-            pe_pass = 1.0 if (pe.any() or Method.P_EAGLE in eng.always_runs) else 0.0
-            dt = prof.step_time_one(
-                kv,
-                batched,
-                eagle_fwd,
-                float(ks[e3].sum()),
-                pe_pass,
-                float(ks[pe].sum()),
-                float((methods == _NG).any()),
-            )
+            pe_pass = 1.0 if (pe_used or pe_always) else 0.0
+            dt = prof.step_time_one(kv, batched, eagle_fwd, e3_spec, pe_pass, pe_spec, float(is_ng))
             clock += dt
             steps += 1
 
             # -- feedback -------------------------------------------------------------------------
             if nd:
                 accepted = e - 1
+                acc_sum = int(accepted.sum())
                 cf: dict[Method, np.ndarray] = {}
-                for m in cf_methods:
-                    code = METHOD_CODES[m]
+                if cf_methods:
                     kref = np.where(ks > 0, ks, max_k)
-                    v = np.minimum(tr.acc[m][pos], kref).astype(np.int32)
-                    cf[m] = np.where(methods == code, NOT_SCORED, v).astype(np.int32)
+                    for m, code_m, arr in cf_methods:
+                        v = np.minimum(arr[pos], kref).astype(np.int32)
+                        v[methods == code_m] = NOT_SCORED
+                        cf[m] = v
                 if head is not None:
-                    code = METHOD_CODES[head]
-                    v = np.minimum(tr.acc[head][pos], 1).astype(np.int32)
-                    prev = cf.get(head)
-                    cf[head] = np.where(methods == code, NOT_SCORED, v if prev is None else prev).astype(
-                        np.int32
-                    )
+                    hv = cf[head] if head in cf else np.minimum(tr.acc[head][pos], 1).astype(np.int32)
+                    hv[methods == head_code] = NOT_SCORED
+                    cf[head] = hv
+                ks32o = ks.astype(np.int32)
                 obs = StepObservation(
                     time_s=clock,
                     duration_s=dt,
                     batch_size=batch_size,
                     queue_length=queued,
                     queue_wait_s=wait,
-                    traffic_class=tuple(rcls),
+                    traffic_class=tuple(m_cls),
                     method=methods,
-                    k=ks.astype(np.int32),
-                    drafted=ks.astype(np.int32),
+                    k=ks32o,
+                    drafted=ks32o,
                     accepted=accepted.astype(np.int32),
                     counterfactual=cf,
-                    request_id=tuple(rid),
+                    request_id=tuple(m_ids),
                 )
                 loop.observe(obs)
                 if not batch_k:
-                    fast.feedback(rid, methods, accepted, cf, alpha=rule_alpha)
+                    fast.feedback(m_ids, methods, accepted, cf, alpha=rule_alpha)
                 request_steps += nd
-                drafted_total += int(ks.sum())
-                accepted_total += int(accepted.sum())
-                done[dec_slots] = d + e
-                codes = arm_code(methods, ks)
-                tl_arm.append(int(np.bincount(codes).argmax()) if nd > 1 else int(codes[0]))
-                tl_draft.append(int(ks.sum()))
-                tl_acc.append(int(accepted.sum()))
-                tl_emit.append(int(e.sum()) + take)
+                drafted_total += ksum
+                accepted_total += acc_sum
+                m_done = d + e
+                if batch_k:
+                    tl_arm.append(int(methods[0]) * ARM_CODE_BASE + int(ks[0]))
+                else:
+                    codes = arm_code(methods, ks)
+                    tl_arm.append(int(np.bincount(codes).argmax()) if nd > 1 else int(codes[0]))
+                tl_draft.append(ksum)
+                tl_acc.append(acc_sum)
+                tl_emit.append(acc_sum + nd + take)
             else:
                 tl_arm.append(-1)
                 tl_draft.append(0)
                 tl_acc.append(0)
                 tl_emit.append(take)
             tl_end.append(clock)
+
+            # -- completions and joins ------------------------------------------------------------
+            changed = False
+            if nd:
+                ended = m_done >= m_out
+                if ended.any():
+                    fin = m_req[ended]
+                    finish[fin] = clock
+                    finished += len(fin)
+                    if not batch_k:
+                        for i in fin:
+                            fast.release(ids[i])
+                    if self.progress is not None:
+                        self.progress(int(out_all[fin].sum()))
+                    keep = ~ended
+                    m_req, m_done = m_req[keep], m_done[keep]
+                    changed = True
             if take:
                 first[new_reqs] = clock
-                done[new_slots] = 1
-            # -- completions ----------------------------------------------------------------------
-            occupied = slot_req >= 0
-            ended = np.flatnonzero(occupied & (done >= out[np.maximum(slot_req, 0)]))
-            if len(ended):
-                fin = slot_req[ended]
-                finish[fin] = clock
-                if not batch_k:
-                    for i in fin:
-                        fast.release(ids[i])
-                slot_req[ended] = -1
-                finished += len(ended)
-                if self.progress is not None:
-                    self.progress(int(out[fin].sum()))
+                single = out_all[new_reqs] <= 1
+                if single.any():
+                    fin = new_reqs[single]
+                    finish[fin] = clock
+                    finished += len(fin)
+                    if self.progress is not None:
+                        self.progress(int(out_all[fin].sum()))
+                joining = new_reqs[~single]
+                m_req = np.concatenate([m_req, joining])
+                m_done = np.concatenate([m_done, np.ones(len(joining), dtype=np.int64)])
+                changed = True
+            if changed:
+                m_out, m_prompt, m_base = out_all[m_req], prompt_all[m_req], base_all[m_req]
+                m_ids = [ids[i] for i in m_req]
+                m_cls = [classes[i] for i in m_req]
 
         return RunResult(
             label=self.label,
@@ -263,7 +306,7 @@ class Replayer:
             submit_s=submit,
             first_token_s=first,
             finish_s=finish,
-            output_tokens=out.copy(),
+            output_tokens=out_all.copy(),
             steps=steps,
             request_steps=request_steps,
             drafted=drafted_total,

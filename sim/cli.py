@@ -1,0 +1,273 @@
+"""``controllerctl sim ...`` and ``controllerctl trace ...`` (registered into the controller's CLI).
+
+Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file), a non-zero exit
+and no traceback; nothing is written when the input is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from policies.spec import PolicyError, PolicySpec, parse_policy, static_policy
+from sim.costmodel import DEFAULT_PROFILE, ProfileError, load_profile, profile_names
+from sim.engines import ENGINES
+from sim.trace import Trace, TraceError, read_trace, validate_trace, write_trace
+from sim.traffic import SCENARIOS, generate
+
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def _err(msg: str) -> None:
+    print(msg.splitlines()[0] if msg else "error", file=sys.stderr)
+
+
+def resolve_policy(name_or_path: str) -> PolicySpec:
+    """A policy file, a preset of ``policies/library``, or ``static:ARM`` (e.g. ``static:eagle3:3``)."""
+    if name_or_path.startswith("static:"):
+        try:
+            return static_policy(name_or_path.removeprefix("static:"))
+        except ValueError as e:
+            raise PolicyError(str(e), source=name_or_path) from None
+    p = Path(name_or_path)
+    if p.is_file():
+        return parse_policy(p.read_text(encoding="utf-8"), source=str(p))
+    try:
+        from controller.presets import resolve_policy as presets_resolve
+    except ImportError:  # the controller package is optional for the simulator
+        import importlib.resources
+
+        lib = importlib.resources.files("policies") / "library" / f"{name_or_path}.yaml"
+        if not lib.is_file():
+            raise PolicyError("no such policy file or preset", source=name_or_path) from None
+        return parse_policy(lib.read_text(encoding="utf-8"), source=f"preset:{name_or_path}")
+    return presets_resolve(name_or_path)
+
+
+def _concurrency(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise _UsageError(f"--concurrency: expected integers such as 1,8,32, got {text!r}") from None
+    if not levels or any(c < 1 or c > 4096 for c in levels):
+        raise _UsageError(f"--concurrency: levels must be 1..4096, got {text!r}")
+    return sorted(set(levels))
+
+
+def _load_trace(args: argparse.Namespace) -> Trace:
+    if args.trace:
+        return read_trace(args.trace, seed=args.seed)
+    if args.scenario not in SCENARIOS:
+        raise _UsageError(f"--scenario: unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
+    return generate(args.scenario, n_requests=args.requests, seed=args.seed)
+
+
+def _engines(text: str) -> list[Any]:
+    out = []
+    for name in text.split(","):
+        name = name.strip()
+        if name not in ENGINES:
+            raise _UsageError(f"--engine: unknown engine model {name!r} (known: {', '.join(ENGINES)})")
+        out.append(ENGINES[name])
+    return out
+
+
+def _run(args: argparse.Namespace, *, compare: bool) -> int:
+    from sim.compare import run_comparison
+    from sim.prices import load_prices
+    from sim.progress import ProgressBar
+    from sim.report import write_json, write_report
+
+    try:
+        levels = _concurrency(args.concurrency)
+        profile = load_profile(args.profile)
+        names = (args.policy or ["default", "epsilon-greedy"]) if compare else [args.policy]
+        policies = [resolve_policy(n) for n in names]
+        engines = _engines(args.engine)
+        trace = _load_trace(args)
+        if args.open_loop and not trace.has_arrivals:
+            raise _UsageError(
+                f"--open-loop: trace {trace.name!r} has no arrival_s (try --scenario load-ramp)"
+            )
+        prices = load_prices()
+    except (TraceError, PolicyError, ProfileError, _UsageError) as e:
+        _err(str(e))
+        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+    adaptive = sum(1 for p in policies if p.algorithm != "static") * len(engines)
+    bar = ProgressBar(
+        total=trace.total_output_tokens * max(adaptive, 1) * len(levels),
+        label="starting",
+        enabled=args.progress,
+    )
+    try:
+        cmp = run_comparison(
+            trace,
+            profile,
+            prices,
+            policies=policies,
+            engines=engines,
+            concurrency=levels,
+            open_loop=args.open_loop,
+            oracle=not args.no_oracle and not args.open_loop,
+            baselines=("eagle3:3", "ngram:4") if compare else None,
+            seed=args.seed,
+            progress=bar,
+        )
+    except ValueError as e:
+        bar.close()
+        _err(str(e))
+        return EXIT_INVALID
+    command = (
+        "controllerctl sim "
+        + ("compare " if compare else "replay ")
+        + " ".join(shlex.quote(a) for a in args.argv_tail)
+    )
+    if args.out:
+        paths = write_report(cmp, Path(args.out), command=command)
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    if args.json:
+        write_json(cmp, Path(args.json))
+        print(f"wrote {args.json}")
+    if not args.out and not args.json:
+        print(json.dumps(cmp.to_json() if compare else cmp.result(cmp.entries[0]), indent=2))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    return _run(args, compare=False)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    return _run(args, compare=True)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    print("scenarios:")
+    for name, s in SCENARIOS.items():
+        print(f"  {name:16} {s.description}")
+    print("profiles:")
+    for name in profile_names():
+        print(f"  {name:28} {load_profile(name).description}")
+    print("engines:")
+    for name, e in ENGINES.items():
+        print(f"  {name:20} {e.description}")
+    return 0
+
+
+def cmd_trace_validate(args: argparse.Namespace) -> int:
+    bad = 0
+    for f in args.files:
+        errors = validate_trace(f)
+        for e in errors:
+            print(str(e), file=sys.stderr)
+        if errors:
+            bad += 1
+        else:
+            print(f"{f}: ok")
+    return EXIT_INVALID if bad else 0
+
+
+def cmd_trace_generate(args: argparse.Namespace) -> int:
+    if args.scenario not in SCENARIOS:
+        _err(f"--scenario: unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
+        return EXIT_USAGE
+    tr = generate(args.scenario, n_requests=args.requests, seed=args.seed)
+    write_trace(tr, args.out)
+    print(f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens")
+    return 0
+
+
+def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="a spectrace v1 file (.jsonl or .jsonl.gz)")
+    src.add_argument("--scenario", help=f"a generated scenario ({', '.join(SCENARIOS)})")
+    if compare:
+        p.add_argument(
+            "--policy",
+            action="append",
+            help="policy file, preset or static:ARM (repeatable; default: default and epsilon-greedy)",
+        )
+    else:
+        p.add_argument("--policy", required=True, help="policy file, preset name, or static:ARM")
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help=f"cost-model profile ({', '.join(profile_names())})"
+    )
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
+    p.add_argument(
+        "--engine",
+        default="stock-vllm,composite" if compare else "composite",
+        help=f"engine model(s), comma-separated ({', '.join(ENGINES)})",
+    )
+    p.add_argument(
+        "--open-loop", action="store_true", help="use the trace's arrival times (concurrency = cap)"
+    )
+    p.add_argument("--requests", type=int, default=None, help="requests to generate for --scenario")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-oracle", action="store_true", help="skip the hindsight oracles")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+    p.add_argument("--out", help="directory for report.md, result.json and PNG plots")
+    p.add_argument("--json", help="write the result JSON here")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``sim`` and ``trace`` to ``controllerctl``'s sub-commands."""
+    sim = subparsers.add_parser("sim", help="trace replay: policies vs static configurations and oracles")
+    ss = sim.add_subparsers(dest="sim_command", required=True)
+    p = ss.add_parser("replay", help="replay one policy")
+    _replay_args(p, compare=False)
+    p.set_defaults(func=_with_tail(cmd_replay))
+    p = ss.add_parser("compare", help="several policies and static baselines side by side")
+    _replay_args(p, compare=True)
+    p.set_defaults(func=_with_tail(cmd_compare))
+    p = ss.add_parser("list", help="scenarios, profiles and engine models")
+    p.set_defaults(func=cmd_list)
+
+    tr = subparsers.add_parser("trace", help="spectrace v1 files")
+    ts = tr.add_subparsers(dest="trace_command", required=True)
+    p = ts.add_parser("validate", help="check trace files; errors as FILE:LINE: field: message")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(func=cmd_trace_validate)
+    p = ts.add_parser("generate", help="write a generated scenario as a trace file")
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output file (.jsonl, or .jsonl.gz for gzip)")
+    p.set_defaults(func=cmd_trace_generate)
+
+
+def _with_tail(fn: Any) -> Any:
+    """Record the command line after ``sim replay|compare`` for the report header."""
+
+    def run(args: argparse.Namespace) -> int:
+        argv = sys.argv[1:]
+        for verb in ("replay", "compare"):
+            if verb in argv:
+                argv = argv[argv.index(verb) + 1 :]
+                break
+        args.argv_tail = argv
+        return int(fn(args))
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sim ...`` (the same commands without the controller)."""
+    parser = argparse.ArgumentParser(prog="python -m sim")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
