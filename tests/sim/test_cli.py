@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.cli import main
+from tests.sim.conftest import HEADER, write_lines
+
+KEYS = {
+    "throughput_tok_s",
+    "speedup_vs_no_spec",
+    "acceptance_rate",
+    "mean_accepted_per_step",
+    "tpot_ms",
+    "ttft_ms",
+    "e2e_ms",
+    "cost_usd_per_1m_output_tokens",
+    "switches",
+    "oracle",
+}
+
+
+def test_trace_validate_ok(hand_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "validate", str(hand_trace)]) == 0
+    assert capsys.readouterr().out == f"{hand_trace}: ok\n"
+
+
+def test_trace_validate_reports_file_line_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = write_lines(
+        tmp_path / "bad.jsonl",
+        HEADER,
+        {"id": "a", "output_tokens": 2, "acc": {"eagle3": [1, 0], "ngram": [0, "x"]}},
+    )
+    assert main(["trace", "validate", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"{p}:2: acc.ngram[1]: must be an integer >= 0, got 'x'\n"
+
+
+def test_replay_writes_the_result_json(hand_trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert (
+        main(
+            [
+                "sim",
+                "replay",
+                "--trace",
+                str(hand_trace),
+                "--policy",
+                "default",
+                "--concurrency",
+                "1,2",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    data = json.loads(out.read_text())
+    assert {"policy", "profile", "trace", "concurrency"} <= set(data)
+    assert (data["policy"], data["profile"], data["trace"]) == ("default", "llama-3.1-8b-h100", "hand")
+    assert set(data["concurrency"]) == {"1", "2"}
+    for block in data["concurrency"].values():
+        assert KEYS <= set(block)
+        assert set(block["tpot_ms"]) == {"p50", "p99"}
+        assert {"throughput_tok_s", "ratio"} <= set(block["oracle"])
+        assert block["oracle"]["ratio"] <= 1.0
+
+
+def test_compare_writes_report_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    rc = main(
+        [
+            "sim",
+            "compare",
+            "--scenario",
+            "code-edit",
+            "--requests",
+            "6",
+            "--concurrency",
+            "1,4",
+            "--policy",
+            "default",
+            "--policy",
+            "static:eagle3:3",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    md = (out / "report.md").read_text()
+    assert "## Concurrency 4" in md and "default @ composite" in md and "default @ stock-vllm" in md
+    assert "does not fit" in md
+    for png in ("arms_over_time.png", "throughput_vs_concurrency.png", "latency_cdf.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((out / "result.json").read_text())
+    labels = {(r["policy"], r["engine"]) for r in data["runs"]}
+    assert ("default", "composite") in labels and ("static-eagle3-3", "stock-vllm") in labels
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["sim", "replay", "--scenario", "nope", "--policy", "default"],
+            "--scenario: unknown scenario 'nope'",
+        ),
+        (["sim", "replay", "--scenario", "chat", "--policy", "nope"], "nope"),
+        (
+            ["sim", "replay", "--scenario", "chat", "--policy", "default", "--concurrency", "0"],
+            "--concurrency",
+        ),
+        (
+            ["sim", "replay", "--scenario", "chat", "--policy", "default", "--profile", "nope"],
+            "unknown profile",
+        ),
+        (["sim", "replay", "--scenario", "chat", "--policy", "default", "--open-loop"], "arrival_s"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    out = tmp_path / "never.json"
+    assert main([*argv, "--json", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_bad_trace_on_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = write_lines(tmp_path / "t.jsonl", HEADER, '{"id": 3}')
+    assert main(["sim", "replay", "--trace", str(p), "--policy", "default"]) == 1
+    assert capsys.readouterr().err.startswith(f"{p}:2: id: ")
+
+
+def test_trace_generate_round_trips(tmp_path: Path) -> None:
+    p = tmp_path / "g.jsonl.gz"
+    assert main(["trace", "generate", "--scenario", "load-ramp", "--requests", "5", "--out", str(p)]) == 0
+    assert main(["trace", "validate", str(p)]) == 0
+
+
+def test_registers_into_controllerctl(hand_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from controller.cli import main as ctl
+
+    assert ctl(["trace", "validate", str(hand_trace)]) == 0
+    assert "ok" in capsys.readouterr().out

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim.costmodel import ProfileError, load_profile, parse_profile, profile_names
+from sim.prices import load_prices
+from sim.sizing import extra_sizings, profile_sizing
+
+
+def test_profiles_load_and_state_their_derivation() -> None:
+    names = profile_names()
+    assert {
+        "llama-3.1-8b-h100",
+        "llama-3.3-70b-fp8-h100-tp2",
+        "llama-3.3-70b-fp8-h200",
+        "qwen3-coder-30b-a3b-h200",
+        "gpt-oss-120b-h100",
+    } <= set(names)
+    for n in names:
+        p = load_profile(n)
+        assert p.derivation and p.sources
+        assert p.gpu_price_key in load_prices().gpu_hour
+
+
+def test_8b_profile_uses_the_published_coefficients_exactly() -> None:
+    p = load_profile("llama-3.1-8b-h100")
+    assert (p.target.kv_s_per_token, p.target.batched_s_per_token, p.target.const_s) == (
+        3.92645679e-08,
+        2.10103129e-05,
+        5.88590713e-03,
+    )
+    assert (p.eagle3_draft.kv_s_per_token, p.eagle3_draft.batched_s_per_token, p.eagle3_draft.const_s) == (
+        2.37768493e-09,
+        8.41429603e-07,
+        2.13526175e-03,
+    )
+    assert p.ngram_verify_fraction == 0.005875
+    assert p.overhead_s == 1.20683946e-03
+
+
+def test_step_time_composition() -> None:
+    p = load_profile("llama-3.1-8b-h100")
+    one = dict(
+        kv=np.array([32000.0]),
+        batched=np.array([128.0]),
+        eagle_spec=np.array([96.0]),
+        p_eagle_passes=np.array([0.0]),
+        p_eagle_spec=np.array([0.0]),
+        ngram_rows=np.array([0.0]),
+    )
+    t3 = p.step_time(eagle_forwards=np.array([3.0]), **one)[0]
+    t1 = p.step_time(eagle_forwards=np.array([1.0]), **one)[0]
+    fwd = p.draft_forward_time(np.array([32000.0]), np.array([96.0]))[0]
+    assert t3 - t1 == pytest.approx(2 * fwd)  # EAGLE-3 drafts sequentially
+    # The scalar hot path does the same arithmetic.
+    assert p.step_time_one(32000.0, 128.0, 3.0, 96.0, 0.0, 0.0, 0.0) == t3
+    # A whole k = 3 draft costs what the fit says.
+    assert 3 * fwd == pytest.approx(2.37768493e-09 * 32000 + 8.41429603e-07 * 96 + 2.13526175e-03)
+
+
+def test_moe_targets_pay_more_per_verified_token() -> None:
+    p = load_profile("qwen3-coder-30b-a3b-h200")
+    assert p.moe is not None
+    small, big = p.verify_time(np.array([0.0, 0.0]), np.array([1.0, 32.0]))
+    dense_part = p.target(np.array([0.0, 0.0]), np.array([1.0, 32.0]))
+    assert big - small > dense_part[1] - dense_part[0]
+
+
+def test_bad_profile_is_one_clear_error() -> None:
+    with pytest.raises(ProfileError, match=r"x\.yaml: draft\.eagle3"):
+        parse_profile({"name": "x", "model": "m", "hardware": "h", "draft": {}}, source="x.yaml")
+    with pytest.raises(ProfileError, match="unknown profile"):
+        load_profile("no-such-profile")
+
+
+def test_70b_bf16_does_not_fit_one_h200_but_fp8_does() -> None:
+    bf16_1, bf16_2 = extra_sizings()
+    assert not bf16_1.fits and bf16_2.fits
+    fp8 = profile_sizing(load_profile("llama-3.3-70b-fp8-h200"))
+    assert fp8.fits and fp8.sequences_at_4k >= 8
+
+
+def test_prices_are_dated_and_flag_assumptions() -> None:
+    pr = load_prices()
+    assert pr.recorded_on
+    assert all(p.assumption for p in pr.gpu_hour.values()) or pr.read_on
+    assert pr.gpu_cost_per_1m("h100-sxm", 1, 3600.0) == pytest.approx(
+        pr.gpu_hour["h100-sxm"].usd / 3600 * 1e6 / 3600
+    )
