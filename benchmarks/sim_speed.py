@@ -1,0 +1,131 @@
+"""Replay speed: request-steps per second for a 32-concurrency replay of >= 200k output tokens.
+
+    python benchmarks/sim_speed.py [--tokens 200000] [--concurrency 32] [--repeat 3]
+
+Prints figures; asserts nothing (timing targets live here, not in tests). Single-threaded: the
+thread pools of numerical libraries are pinned to one thread before numpy is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from policies.arms import Method  # noqa: E402
+from policies.spec import parse_policy, static_policy  # noqa: E402
+from sim.costmodel import load_profile  # noqa: E402
+from sim.engines import ENGINES  # noqa: E402
+from sim.replay import Replayer  # noqa: E402
+from sim.run import RunResult  # noqa: E402
+from sim.trace import Trace  # noqa: E402
+from sim.traffic import generate  # noqa: E402
+
+LIB = Path(__file__).resolve().parents[1] / "policies" / "library"
+
+
+def _trace(tokens: int, seed: int) -> Trace:
+    n = 200
+    while True:
+        t = generate("mixed", n_requests=n, seed=seed)
+        if t.total_output_tokens >= tokens:
+            return t
+        n = int(n * tokens / t.total_output_tokens * 1.05) + 1
+
+
+def _best(fn: Callable[[], RunResult], repeat: int) -> tuple[float, RunResult]:
+    best = float("inf")
+    r: RunResult | None = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        r = fn()
+        best = min(best, time.perf_counter() - t0)
+    assert r is not None
+    return best, r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=200_000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    prof = load_profile("llama-3.1-8b-h100")
+    t0 = time.perf_counter()
+    trace = _trace(args.tokens, args.seed)
+    gen_s = time.perf_counter() - t0
+    c = args.concurrency
+    default = parse_policy((LIB / "default.yaml").read_text(), source="default")
+    print(
+        f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible, "
+        f"load average {os.getloadavg()[0]:.2f}; python {platform.python_version()}"
+    )
+    print(
+        f"trace: mixed, {trace.n} requests, {trace.total_output_tokens:,} output tokens "
+        f"(generated in {gen_s:.2f}s); concurrency {c}; best of {args.repeat}"
+    )
+    from sim.vectorised import replay_static
+
+    runs: list[tuple[str, Callable[[], RunResult], int]] = [
+        (
+            "static eagle3:3, vectorised",
+            lambda: replay_static(
+                trace, method=Method.EAGLE3, k=3, concurrency=c, profile=prof, engine=ENGINES["stock-vllm"]
+            ),
+            args.repeat,
+        ),
+        (
+            "static off, vectorised",
+            lambda: replay_static(
+                trace, method=Method.OFF, k=0, concurrency=c, profile=prof, engine=ENGINES["no-spec"]
+            ),
+            args.repeat,
+        ),
+        (
+            "static eagle3:3, stepwise ControlLoop",
+            lambda: Replayer(
+                trace=trace,
+                profile=prof,
+                engine=ENGINES["stock-vllm"],
+                policy=static_policy("eagle3:3"),
+                concurrency=c,
+            ).run(),
+            1,
+        ),
+        (
+            "default policy @ stock-vllm, stepwise",
+            lambda: Replayer(
+                trace=trace, profile=prof, engine=ENGINES["stock-vllm"], policy=default, concurrency=c
+            ).run(),
+            1,
+        ),
+        (
+            "default policy @ composite, stepwise",
+            lambda: Replayer(
+                trace=trace, profile=prof, engine=ENGINES["composite"], policy=default, concurrency=c
+            ).run(),
+            1,
+        ),
+    ]
+    base: float | None = None
+    print(f"{'run':42} {'request-steps':>13} {'seconds':>8} {'req-steps/s':>12} {'us/step':>8}")
+    for label, fn, rep in runs:
+        secs, r = _best(fn, rep)
+        rate = r.request_steps / secs
+        per_step = secs / r.steps * 1e6
+        if base is None:
+            base = secs
+        print(f"{label:42} {r.request_steps:13,} {secs:8.3f} {rate:12,.0f} {per_step:8.1f}")
+    print("target: >= 1,000,000 request-steps/s for the vectorised static arm on one core")
+
+
+if __name__ == "__main__":
+    main()
