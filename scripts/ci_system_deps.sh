@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PIP="$VENV/bin/python -m pip"
 export DEBIAN_FRONTEND=noninteractive
+[ -x "$VENV/bin/python" ] || make venv  # pip installs below go into the project virtualenv
 
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]; }
 
