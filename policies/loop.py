@@ -122,6 +122,7 @@ class ControlLoop:
         tokens = obs.accepted.astype(np.float64) + 1.0
         share = obs.duration_s / n  # each request's share of the step's engine time
         bucket = self.spec.buckets.label(self.spec.buckets.index(obs.batch_size))
+        self.learner.observe_step(obs, bucket, self._learn_classes)
         self._accumulate(context_key(bucket, ANY_CLASS), arm[known], tokens[known], share)
         if self._learn_classes:
             classes = np.asarray(obs.traffic_class)
@@ -157,6 +158,16 @@ class ControlLoop:
         changes: list[Change] = []
         for b in range(len(self.spec.buckets)):
             self._context(context_key(self.spec.buckets.label(b), ANY_CLASS))
+        joint: dict[str, int] = {}
+        for b in range(len(self.spec.buckets)):
+            label = self.spec.buckets.label(b)
+            prefix = f"{label}/"
+            classes = [k[len(prefix) :] for k in self._ctx if k.startswith(prefix)]
+            plan = self.learner.plan_bucket(
+                label, [c for c in classes if c != ANY_CLASS], range(len(self.arms))
+            )  # type: ignore[arg-type]
+            if plan:
+                joint.update({context_key(label, c): i for c, i in plan.items()})
         for key, c in sorted(self._ctx.items()):
             if c.acc is not None:
                 seen = c.acc.time_s > 0
@@ -166,7 +177,9 @@ class ControlLoop:
                 c.rounds += 1
             if c.arm >= 0 and now - c.since < self.spec.min_dwell_s:
                 continue
-            choice = self.learner.select(key, range(len(self.arms)))  # type: ignore[arg-type]
+            choice = joint.get(key)
+            if choice is None:
+                choice = self.learner.select(key, range(len(self.arms)))  # type: ignore[arg-type]
             if choice != c.arm:
                 est = self.learner.estimates(key)[choice]
                 before = self.arms[c.arm] if c.arm >= 0 else None

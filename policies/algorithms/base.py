@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from policies.arms import Arm
+from policies.observation import StepObservation
 from policies.params import Param
 
 
@@ -81,6 +82,19 @@ class Learner(ABC):
 
     def _before_round(self, t: ArmTable) -> None:  # noqa: B027 - optional hook
         """Hook for discounting."""
+
+    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:  # noqa: B027
+        """Hook for learners that model steps directly (every step, before any round)."""
+
+    def plan_bucket(
+        self, bucket: str, classes: Sequence[str], allowed: Sequence[int]
+    ) -> dict[str, int] | None:
+        """A joint choice for all contexts of one batch bucket (keys: class names and ``"*"``).
+
+        Learners that can price how classes sharing a batch interact (one EAGLE draft pass serves every
+        row) return it; the default None makes the loop choose per context with ``select``.
+        """
+        return None
 
     @abstractmethod
     def select(self, ctx: str, allowed: Sequence[int]) -> int:

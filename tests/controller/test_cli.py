@@ -26,7 +26,7 @@ def _closed_port() -> str:
 def test_validate_ok_prints_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "validate", "policies/library/default.yaml"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("OK ") and out.count("\n") == 1 and "discounted_thompson" in out
+    assert out.startswith("OK ") and out.count("\n") == 1 and "goodput_model" in out
 
 
 def test_validate_broken_names_file_line_and_field(

@@ -16,8 +16,8 @@ def test_every_preset_parses_and_is_named_after_its_file(path: Path) -> None:
 
 def test_default_preset_values() -> None:
     spec = parse_policy((LIBRARY / "default.yaml").read_text())
-    assert spec.algorithm == "discounted_thompson"
-    assert spec.params["discount"] == 0.9
+    assert spec.algorithm == "goodput_model"
+    assert spec.params["memory_steps"] == 2000
     assert spec.rule.kind == "ngram_margin" and spec.rule.params["margin"] == 0.5
     assert spec.buckets.labels()[-1] == "33+"
 

@@ -1,0 +1,291 @@
+"""Model-based goodput policy (in the spirit of SmartSpec / TurboSpec, arXiv 2406.14066).
+
+Instead of treating every (method, K) as an unrelated arm, it learns the two things goodput is made of:
+
+* **acceptance** per (traffic class, method, draft position): conditional probabilities that position j is
+  accepted given j-1 were, from verified drafts (censored at their K) and from counterfactual scores the
+  engine reports for methods it did not verify (n-gram on every request-step: full information);
+* **step cost** as one linear model of the step's features (verified tokens, EAGLE-3 sequential draft
+  positions, a P-EAGLE pass, n-gram lookup), fitted by discounted least squares on measured step times.
+
+Acceptance does not depend on batch size while cost does, so a batch size never seen needs no
+exploration: its goodput is predicted from the shared models. Thompson sampling on both models explores
+where they are uncertain. Expected goodput of arm (m, K) at batch size B:
+``B * (1 + sum_{j<=K} prod_{i<=j} p_m,i) / cost(B, m, K)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from policies.algorithms.base import Learner
+from policies.arms import METHOD_CODES, Arm, Method
+from policies.context import ANY_CLASS
+from policies.observation import NOT_SCORED, StepObservation
+from policies.params import Param
+
+_EAGLE = METHOD_CODES[Method.EAGLE3]
+_PEAGLE = METHOD_CODES[Method.P_EAGLE]
+_NGRAM = METHOD_CODES[Method.NGRAM]
+_OFF = METHOD_CODES[Method.OFF]
+#: Features of a step: intercept, verified tokens / 32, EAGLE-3 present, its longest K, P-EAGLE, n-gram.
+_N_FEATURES = 6
+_TOKEN_SCALE = 32.0
+
+
+def _features(n_rows: float, ks: np.ndarray, methods: np.ndarray) -> np.ndarray:
+    spec = np.where(methods == _OFF, 0, ks)
+    eagle = (methods == _EAGLE) & (spec > 0)
+    return np.array(
+        [
+            1.0,
+            (float(spec.sum()) + n_rows) / _TOKEN_SCALE,
+            float(eagle.any()),
+            float(spec[eagle].max()) if eagle.any() else 0.0,
+            float(((methods == _PEAGLE) & (spec > 0)).any()),
+            float(((methods == _NGRAM) & (spec > 0)).any()),
+        ]
+    )
+
+
+class GoodputModel(Learner):
+    NAME: ClassVar[str] = "goodput_model"
+    PARAMS: ClassVar[Mapping[str, Param]] = {
+        "memory_steps": Param(
+            2000.0, "Steps after which an observation's weight has fallen to 1/e (tracks drift).", 10.0, 1e7
+        ),
+        "max_k": Param(8, "Longest draft the acceptance model tracks.", 1, 64),
+        "ridge": Param(1e-3, "Ridge precision on the cost model's coefficients.", 1e-9, 1e3),
+        "explore": Param(1.0, "Scale of the posterior noise in Thompson draws (0: greedy).", 0.0, 10.0),
+    }
+
+    def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
+        super().__init__(arms=arms, params=params, rng=rng)
+        self._kmax = int(self.params["max_k"])
+        self._gamma = float(np.exp(-1.0 / float(self.params["memory_steps"])))
+        # Acceptance: per (class, method code): trials and successes per position 1..kmax.
+        self._acc: dict[tuple[str, int], np.ndarray] = {}
+        # Cost: discounted normal equations of duration (ms) on step features.
+        self._xtx = np.eye(_N_FEATURES) * float(self.params["ridge"])
+        self._xty = np.zeros(_N_FEATURES)
+        self._yy = 0.0
+        self._w = 0.0
+        # Mean batch size per bucket label, and the share of each traffic class in it.
+        self._batch: dict[str, np.ndarray] = {}
+        self._mix: dict[str, dict[str, float]] = {}
+
+    # -- learning ----------------------------------------------------------------------------------
+
+    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
+        n = obs.n
+        if n == 0 or obs.duration_s <= 0:
+            return
+        g = self._gamma
+        x = _features(float(n), obs.k, obs.method)
+        y = obs.duration_s * 1e3
+        ridge = np.eye(_N_FEATURES) * float(self.params["ridge"])
+        self._xtx = g * (self._xtx - ridge) + ridge + np.outer(x, x)
+        self._xty = g * self._xty + x * y
+        self._yy = g * self._yy + y * y
+        self._w = g * self._w + 1.0
+        b = self._batch.setdefault(bucket, np.zeros(2))
+        b *= g
+        b += (float(obs.batch_size), 1.0)
+        if per_class:
+            mix = self._mix.setdefault(bucket, {})
+            for c in mix:
+                mix[c] *= g
+            names, counts = np.unique(np.asarray(obs.traffic_class), return_counts=True)
+            for c, cnt in zip(names.tolist(), counts.tolist(), strict=True):
+                mix[c] = mix.get(c, 0.0) + cnt / n
+        classes = (ANY_CLASS,) + (tuple(set(obs.traffic_class)) if per_class else ())
+        cls_arr = np.asarray(obs.traffic_class)
+        for c in classes:
+            rows = slice(None) if c == ANY_CLASS else cls_arr == c
+            m, k, a = obs.method[rows], obs.k[rows], obs.accepted[rows]
+            for code in np.unique(m):
+                if code == _OFF:
+                    continue
+                sel = (m == code) & (k > 0)
+                if sel.any():
+                    self._count(c, int(code), a[sel], np.minimum(k[sel], self._kmax))
+            for meth, cf in obs.counterfactual.items():
+                col = cf[rows]
+                ok = col != NOT_SCORED
+                if ok.any():
+                    vals = col[ok]
+                    self._count(c, METHOD_CODES[meth], vals, np.full(len(vals), self._kmax))
+
+    def _count(self, cls: str, code: int, accepted: np.ndarray, k: np.ndarray) -> None:
+        t = self._acc.get((cls, code))
+        if t is None:
+            t = self._acc[(cls, code)] = np.zeros((2, self._kmax))
+        j = np.arange(1, self._kmax + 1)
+        a = accepted[:, None]
+        kk = k[:, None]
+        trials = ((a >= j - 1) & (kk >= j)).sum(axis=0)
+        wins = ((a >= j) & (kk >= j)).sum(axis=0)
+        t *= self._gamma
+        t[0] += trials
+        t[1] += wins
+
+    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+        """Round rewards are implied by the models; nothing else to learn from them."""
+
+    # -- deciding ----------------------------------------------------------------------------------
+
+    def _theta(self, sample: bool) -> np.ndarray:
+        theta: np.ndarray = np.linalg.solve(self._xtx, self._xty)
+        if not sample or self._w < 2:
+            return theta
+        resid = max(self._yy - float(theta @ self._xty), 0.0) / max(self._w - _N_FEATURES, 1.0)
+        cov = np.linalg.inv(self._xtx) * max(resid, 1e-6) * float(self.params["explore"]) ** 2
+        out: np.ndarray = self.rng.multivariate_normal(theta, (cov + cov.T) / 2, method="cholesky")
+        return out
+
+    def _expected_accepted(self, cls: str, arm: Arm, sample: bool) -> float:
+        if arm.k == 0:
+            return 0.0
+        code = METHOD_CODES[arm.method]
+        t = self._acc.get((cls, code))
+        if t is None and cls != ANY_CLASS:
+            t = self._acc.get((ANY_CLASS, code))
+        trials = t[0] if t is not None else np.zeros(self._kmax)
+        wins = t[1] if t is not None else np.zeros(self._kmax)
+        k = min(arm.k, self._kmax)
+        alpha, beta = 1.0 + wins[:k], 1.0 + np.maximum(trials[:k] - wins[:k], 0.0)
+        if sample and float(self.params["explore"]) > 0:
+            p = self.rng.beta(alpha, beta)
+        else:
+            p = alpha / (alpha + beta)
+        return float(np.cumprod(p).sum())
+
+    def _batch_size(self, bucket: str) -> float:
+        b = self._batch.get(bucket)
+        if b is not None and b[1] > 1e-9:
+            return float(b[0] / b[1])
+        lo, _, hi = bucket.partition("-")
+        lo = lo.rstrip("+")
+        return (float(lo) + float(hi)) / 2 if hi else float(lo)
+
+    def _goodputs(self, ctx: str, idx: Sequence[int], sample: bool) -> np.ndarray:
+        bucket, _, cls = ctx.partition("/")
+        batch = self._batch_size(bucket)
+        theta = self._theta(sample)
+        out = np.empty(len(idx))
+        for j, i in enumerate(idx):
+            ms = self._cost_ms(theta, {ANY_CLASS: 1.0}, {ANY_CLASS: i}, batch)
+            out[j] = (
+                batch * (1.0 + self._expected_accepted(cls or ANY_CLASS, self.arms[i], sample)) / (ms / 1e3)
+            )
+        return out
+
+    def plan_bucket(
+        self, bucket: str, classes: Sequence[str], allowed: Sequence[int]
+    ) -> dict[str, int] | None:
+        """Best arm per class for a batch that mixes the classes in their observed shares.
+
+        Coordinate ascent on the joint goodput under one Thompson draw of both models: the step's cost
+        depends on every row (one EAGLE-3 pass of the longest K serves all rows), so each class's arm is
+        chosen given the others'. ``"*"`` gets the best single arm for the whole batch.
+        """
+        idx = list(allowed)
+        if not idx:
+            return None
+        batch = self._batch_size(bucket)
+        theta = self._theta(sample=True)
+        sample = float(self.params["explore"]) > 0
+        pooled_acc = np.array([self._expected_accepted(ANY_CLASS, self.arms[i], sample) for i in idx])
+        pooled_cost = np.array([self._cost_ms(theta, {ANY_CLASS: 1.0}, {ANY_CLASS: i}, batch) for i in idx])
+        pooled = int(np.argmax(batch * (1.0 + pooled_acc) / pooled_cost))
+        out = {ANY_CLASS: idx[pooled]}
+        mix = self._mix.get(bucket, {})
+        shares = {c: mix.get(c, 0.0) for c in classes}
+        total = sum(shares.values())
+        if not classes or total <= 0:
+            return out
+        shares = {c: v / total for c, v in shares.items()}
+        acc = {c: np.array([self._expected_accepted(c, self.arms[i], sample) for i in idx]) for c in classes}
+        choice = {c: idx[pooled] for c in classes}
+        for _ in range(3):
+            moved = False
+            for c in classes:
+                best_j, best_g = -1, -np.inf
+                for j, i in enumerate(idx):
+                    trial = {**choice, c: i}
+                    tokens = sum(shares[d] * (1.0 + acc[d][idx.index(trial[d])]) for d in classes)
+                    g = batch * tokens / self._cost_ms(theta, shares, trial, batch)
+                    if g > best_g:
+                        best_j, best_g = j, g
+                if idx[best_j] != choice[c]:
+                    choice[c], moved = idx[best_j], True
+            if not moved:
+                break
+        out.update(choice)
+        return out
+
+    def _cost_ms(
+        self, theta: np.ndarray, shares: Mapping[str, float], arm_of: Mapping[str, int], batch: float
+    ) -> float:
+        """Predicted step time (ms) when each class's share of the batch drafts with its arm."""
+        tokens = sum(s * batch * (self.arms[arm_of[c]].k + 1) for c, s in shares.items())
+        arms = [self.arms[arm_of[c]] for c, s in shares.items() if s > 0]
+        eagle_k = max((a.k for a in arms if a.method is Method.EAGLE3), default=0)
+        x = np.array(
+            [
+                1.0,
+                tokens / _TOKEN_SCALE,
+                float(eagle_k > 0),
+                float(eagle_k),
+                float(any(a.method is Method.P_EAGLE and a.k > 0 for a in arms)),
+                float(any(a.method is Method.NGRAM and a.k > 0 for a in arms)),
+            ]
+        )
+        return max(float(x @ theta), self._cost_floor(), 1e-3)
+
+    def _cost_floor(self) -> float:
+        # Until steps with several arms were seen, cost predictions are guesses: floor them at a tenth
+        # of the mean observed step so no arm looks free.
+        return 0.1 * float(self._xty[0] / self._xtx[0, 0]) if self._xtx[0, 0] > 1 else 1e-3
+
+    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+        idx = list(allowed)
+        return int(idx[int(np.argmax(self._goodputs(ctx, idx, sample=True)))])
+
+    def estimates(self, ctx: str) -> np.ndarray:
+        if self._w == 0:
+            return np.full(len(self.arms), np.nan)
+        return self._goodputs(ctx, range(len(self.arms)), sample=False)  # type: ignore[arg-type]
+
+    # -- snapshots ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "acc": {f"{c}|{m}": t.tolist() for (c, m), t in self._acc.items()},
+            "xtx": self._xtx.tolist(),
+            "xty": self._xty.tolist(),
+            "yy": self._yy,
+            "w": self._w,
+            "batch": {b: v.tolist() for b, v in self._batch.items()},
+            "mix": self._mix,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        acc: dict[tuple[str, int], np.ndarray] = {}
+        for key, t in state["acc"].items():
+            c, _, m = key.rpartition("|")
+            arr = np.asarray(t, dtype=np.float64)
+            if arr.shape != (2, self._kmax):
+                raise ValueError(f"acceptance table {key}: expected shape (2, {self._kmax})")
+            acc[(c, int(m))] = arr
+        xtx = np.asarray(state["xtx"], dtype=np.float64)
+        xty = np.asarray(state["xty"], dtype=np.float64)
+        if xtx.shape != (_N_FEATURES, _N_FEATURES) or xty.shape != (_N_FEATURES,):
+            raise ValueError("cost model state has the wrong shape")
+        self._acc, self._xtx, self._xty = acc, xtx, xty
+        self._yy, self._w = float(state["yy"]), float(state["w"])
+        self._batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
+        self._mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}
