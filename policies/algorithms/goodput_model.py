@@ -139,11 +139,12 @@ class GoodputModel(Learner):
 
     def _theta(self, sample: bool) -> np.ndarray:
         theta: np.ndarray = np.linalg.solve(self._xtx, self._xty)
-        if not sample or self._w < 2:
+        if not sample or self._w < 2 or float(self.params["explore"]) == 0:
             return theta
         resid = max(self._yy - float(theta @ self._xty), 0.0) / max(self._w - _N_FEATURES, 1.0)
         cov = np.linalg.inv(self._xtx) * max(resid, 1e-6) * float(self.params["explore"]) ** 2
-        out: np.ndarray = self.rng.multivariate_normal(theta, (cov + cov.T) / 2, method="cholesky")
+        # eigh tolerates the singular covariance of features that have not varied yet.
+        out: np.ndarray = self.rng.multivariate_normal(theta, (cov + cov.T) / 2, method="eigh")
         return out
 
     def _expected_accepted(self, cls: str, arm: Arm, sample: bool) -> float:
