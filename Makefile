@@ -6,7 +6,7 @@ PROTOC   = $(BIN)/python -m grpc_tools.protoc
 PROTOS  := proto/controller/v1/controller.proto
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit lint typecheck proto proto-check clean
+.PHONY: venv deps demo test test-fast test-unit lint typecheck proto proto-check clean
 
 venv: $(STAMP)
 
@@ -19,8 +19,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/controllerctl demo
 
-test: $(STAMP) proto-check lint typecheck
-	$(BIN)/python -m pytest -q
+# System tools for the integration tests (mosquitto, prometheus/promtool, kubectl, kubernetes-validate).
+deps: $(STAMP)
+	bash scripts/ci_system_deps.sh
+
+# Everything: checks, the whole suite, then the real vLLM engine end to end.
+test: $(STAMP) deps proto-check lint typecheck
+	$(BIN)/python -m pytest -q -m "not vllm"
+	$(MAKE) e2e-vllm
+
+# The suite without system tools or vLLM (what a quick local loop wants).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not vllm"
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"
