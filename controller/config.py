@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from controller._mqtt import BrokerSettings
 
 MAX_CONFIG_BYTES = 64 * 1024
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _FLEET_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NODE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 class ConfigError(ValueError):
@@ -75,6 +80,23 @@ class SidecarConfig:
     max_requests_per_step: int = 4096
     #: Fleet name (MQTT topics ``speccontrol/v1/<fleet>/...``).
     fleet: str = "default"
+    #: The fleet link's broker, ``mqtt://host[:port]`` or ``mqtts://host[:port]`` (TLS); ``""`` disables
+    #: the link. A password belongs in ``mqtt_password_file``, not in the URL.
+    mqtt_url: str = ""
+    mqtt_username: str = ""
+    #: A file holding the broker password (e.g. a mounted Secret); read when the sidecar starts.
+    mqtt_password_file: str = ""
+    #: CA bundle for ``mqtts://`` (default: the system trust store); client certificate and key for mTLS.
+    mqtt_ca_file: str = ""
+    mqtt_cert_file: str = ""
+    mqtt_key_file: str = ""
+    #: Skip the broker's host name check (test brokers with self-signed certificates only).
+    mqtt_tls_insecure: bool = False
+    #: This sidecar's name in the fleet (MQTT client id, ``node`` of what it publishes); ``""``: the
+    #: host name, i.e. the pod name. Must be unique within the fleet.
+    node_id: str = ""
+    #: Seconds between shares of the learned statistics per model (the warm start of new replicas).
+    posteriors_interval_s: float = 30.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -99,12 +121,78 @@ class SidecarConfig:
         _integer(self, "max_requests_per_step", 1, 1_000_000)
         if not _FLEET_RE.match(_str(self, "fleet")):
             raise ConfigError("1-64 letters, digits, '-', '_' or '.'", field="fleet")
+        self._check_mqtt()
+        _number(self, "posteriors_interval_s", 0.1, 86400.0)
         level = _str(self, "log_level").upper()
         if level not in LOG_LEVELS:
             raise ConfigError(
                 f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}", field="log_level"
             )
         object.__setattr__(self, "log_level", level)
+
+    def _check_mqtt(self) -> None:
+        for name in (
+            "mqtt_username",
+            "mqtt_password_file",
+            "mqtt_ca_file",
+            "mqtt_cert_file",
+            "mqtt_key_file",
+        ):
+            _str(self, name)
+        if not isinstance(self.mqtt_tls_insecure, bool):
+            raise ConfigError(
+                f"expected true or false, got {self.mqtt_tls_insecure!r}", field="mqtt_tls_insecure"
+            )
+        node = _str(self, "node_id")
+        if node and not _NODE_RE.match(node):
+            raise ConfigError("1-128 letters, digits, '-', '_' or '.'", field="node_id")
+        url = _str(self, "mqtt_url")
+        if not url:
+            return
+        tls = url.startswith("mqtts://")
+        for name in ("mqtt_ca_file", "mqtt_cert_file", "mqtt_key_file", "mqtt_tls_insecure"):
+            if getattr(self, name) and not tls:
+                raise ConfigError("needs an mqtts:// mqtt_url (TLS)", field=name)
+        if self.mqtt_key_file and not self.mqtt_cert_file:
+            raise ConfigError("given without mqtt_cert_file", field="mqtt_key_file")
+        try:
+            self.broker_settings(password="")
+        except ValueError as e:
+            raise ConfigError(str(e), field="mqtt_url") from None
+
+    def broker_settings(self, *, password: str | None = None) -> BrokerSettings | None:
+        """The fleet link's broker, or None when ``mqtt_url`` is empty. Raises ConfigError.
+
+        Reads ``mqtt_password_file`` unless ``password`` is given.
+        """
+        from controller._mqtt import BrokerSettings
+
+        if not self.mqtt_url:
+            return None
+        opts: dict[str, object] = {
+            "ca_file": self.mqtt_ca_file or None,
+            "cert_file": self.mqtt_cert_file or None,
+            "key_file": self.mqtt_key_file or None,
+            "tls_insecure": self.mqtt_tls_insecure,
+        }
+        if self.mqtt_username:
+            opts["username"] = self.mqtt_username
+        if password is None and self.mqtt_password_file:
+            try:
+                password = Path(self.mqtt_password_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(
+                    f"cannot read {self.mqtt_password_file}: {getattr(e, 'strerror', None) or e}",
+                    field="mqtt_password_file",
+                ) from None
+        if password:
+            opts["password"] = password
+        return BrokerSettings.from_url(self.mqtt_url, **opts)
+
+    @property
+    def fleet_node_id(self) -> str:
+        """``node_id``, or the host name (the pod name in Kubernetes)."""
+        return self.node_id or socket.gethostname()
 
     @property
     def snapshot_path(self) -> Path:

@@ -26,6 +26,7 @@ from controller.admin_service import AdminService
 from controller.config import SidecarConfig, parse_address
 from controller.convert import arm_to_pb, directive_to_pb, observation_from_pb
 from controller.engine_service import EngineService
+from controller.fleet import FleetLink
 from controller.metrics import MetricsServer, SidecarMetrics
 from controller.policy_store import PolicyRecord, PolicyStore
 from controller.presets import resolve_policy_text
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 CRASH_VERSION_GAP = 1_000_000
 STREAM_QUEUE = 16
 WATCH_QUEUE = 256
+#: How long start() waits for the broker's retained policy and posteriors, so engines that attach
+#: right after start get the fleet's policy and a warm start. A broker that is down costs this once.
+FLEET_SYNC_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +159,12 @@ class Sidecar:
         self._metrics_url = ""
         self._started_at = 0.0
         self._last_snapshot_attempt = 0.0
+        self._last_posteriors = 0.0
+        #: The fleet link (None when ``mqtt_url`` is empty) and the version of the fleet policy applied.
+        self.fleet: FleetLink | None = None
+        self._fleet_version = 0
+        #: model -> (engine, steps) of the posteriors last shared.
+        self._shared: dict[str, tuple[str, int]] = {}
 
     # -- public surface --------------------------------------------------------------------------
 
@@ -185,9 +195,32 @@ class Sidecar:
         return self._version
 
     async def start(self) -> None:
-        """Restore the snapshot, bind the servers and start the background task."""
+        """Restore the snapshot, join the fleet, bind the servers and start the background task.
+
+        The fleet link is started before the servers so that the first engines find the fleet's
+        policy and posteriors in place; a broker that cannot be reached delays the start by
+        ``FLEET_SYNC_S`` at most and never prevents it (the link keeps retrying in the background).
+        """
         self._started_at = self.clock()
+        broker = self.config.broker_settings()  # reads the password file: fails before anything starts
         self._restore()
+        if broker is not None:
+            self.fleet = FleetLink(
+                broker=broker,
+                fleet=self.config.fleet,
+                node_id=self.config.fleet_node_id,
+                registry=self.registry,
+                policy_version=self._fleet_version,
+                on_policy=self._on_fleet_policy,
+                clock=self.clock,
+            )
+            await self.fleet.start()
+            if not await self.fleet.wait_synced(FLEET_SYNC_S):
+                log.warning(
+                    "fleet link: not synced with %s after %.0f s; serving with the local policy",
+                    broker.describe(),
+                    FLEET_SYNC_S,
+                )
         opts = [
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
@@ -216,11 +249,13 @@ class Sidecar:
                 self._metrics_url = self._metrics_server.start()
         except BaseException:
             await self._close_servers()
+            await self._stop_fleet()
             raise
         self._task = asyncio.create_task(self._run(), name="sidecar-tick")
         self._task.add_done_callback(self._task_done)
 
     async def stop(self, *, snapshot: bool = True) -> None:
+        await self._stop_fleet()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -233,12 +268,17 @@ class Sidecar:
         if snapshot and self._store is not None:
             self.save_snapshot(clean=True)
 
+    async def _stop_fleet(self) -> None:
+        fleet, self.fleet = self.fleet, None
+        if fleet is not None:
+            await fleet.stop()
+
     # -- engines (called by EngineService) -------------------------------------------------------
 
     def attach(self, info: EngineInfo) -> Session:
         st = self._engines.get(info.engine_id)
         if st is None:
-            st = self._engines[info.engine_id] = EngineState(info, self._new_loop(info))
+            st = self._engines[info.engine_id] = EngineState(info, self._warm_loop(info))
         elif st.info != info:
             log.info("engine %s reattached with a different description: new control loop", info.engine_id)
             old = st.loop.totals
@@ -253,6 +293,25 @@ class Sidecar:
             _put_latest(q, st.directive)  # nothing new for the others: this stream still needs one
         log.info("engine %s attached (%s, max_k %d)", info.engine_id, info.model, info.max_k)
         return Session(st, q)
+
+    def _warm_loop(self, info: EngineInfo) -> ControlLoop:
+        """A new engine's loop, loaded with the statistics the fleet shared for its model if they fit.
+
+        Only the learned tables are taken: the counters describe the other engine's traffic.
+        """
+        loop = self._new_loop(info)
+        shared = self.fleet.latest_posteriors(info.model) if self.fleet is not None else None
+        if not shared or shared.get("policy") != loop.spec.name:
+            return loop
+        try:
+            loop.load_state_dict(shared)
+        except (ValueError, KeyError, TypeError) as e:
+            # Another arm set or state version; a partial load must not be left behind.
+            log.info("engine %s: fleet posteriors for %s not used: %s", info.engine_id, info.model, e)
+            return self._new_loop(info)
+        loop.totals = Totals()
+        log.info("engine %s: warm start from the fleet's posteriors for %s", info.engine_id, info.model)
+        return loop
 
     def detach(self, session: Session) -> None:
         st = session.engine
@@ -299,6 +358,16 @@ class Sidecar:
         self._swap(loops)
         log.info("policy %s (revision %d) set for %s", spec.name, rec.revision, engine_id or "all engines")
         return rec
+
+    def _on_fleet_policy(self, yaml_text: str, version: int) -> None:
+        """A newer fleet policy arrived: switch like a local SetPolicy. A PolicyError refuses it."""
+        self.set_policy(yaml_text, source=f"fleet v{version}")
+        self._fleet_version = version
+
+    @property
+    def fleet_policy_version(self) -> int:
+        """The version of the last fleet policy applied here (0: none)."""
+        return self._fleet_version
 
     def rollback_policy(self, engine_id: str = "") -> PolicyRecord:
         """Raises NoPreviousPolicy."""
@@ -366,10 +435,57 @@ class Sidecar:
             for q in st.streams:
                 _put_latest(q, st.directive)
             self._notify(st)
+            self._publish_state(st, arms)
         elif now - st.sent_at >= st.directive.ttl_s / 3:
             st.sent_at = now
             for q in st.streams:
                 _put_latest(q, st.directive)
+
+    def _publish_state(self, st: EngineState, arms: Mapping[str, Arm]) -> None:
+        if self.fleet is None or st.directive is None:
+            return
+        eid = st.info.engine_id
+        try:
+            self.fleet.publish_state(
+                eid,
+                {
+                    "model": st.info.model,
+                    "policy": st.loop.spec.name,
+                    "directive_version": st.directive.version,
+                    "arms": {ctx: str(a) for ctx, a in arms.items()},
+                    "goodput": self.metrics.recent_goodput(eid),
+                    "acceptance": st.loop.totals.acceptance_rate,
+                },
+            )
+        except ValueError as e:  # over the payload limit: the fleet view misses one update
+            log.warning("engine %s: state not shared with the fleet: %s", eid, e)
+
+    def publish_posteriors(self) -> int:
+        """Share, per model, the statistics of the connected engine with the most steps; returns how many.
+
+        A model whose best engine has not moved since the last share is skipped.
+        """
+        if self.fleet is None:
+            return 0
+        best: dict[str, EngineState] = {}
+        for st in self._engines.values():
+            if st.connected and st.loop.totals.steps > 0:
+                cur = best.get(st.info.model)
+                if cur is None or st.loop.totals.steps > cur.loop.totals.steps:
+                    best[st.info.model] = st
+        shared = 0
+        for model, st in sorted(best.items()):
+            mark = (st.info.engine_id, st.loop.totals.steps)
+            if self._shared.get(model) == mark:
+                continue
+            try:
+                self.fleet.publish_posteriors(model, st.loop.state_dict())
+            except ValueError as e:
+                log.warning("posteriors for %s not shared with the fleet: %s", model, e)
+                continue
+            self._shared[model] = mark
+            shared += 1
+        return shared
 
     def watch(self, engine_id: str = "") -> asyncio.Queue[pb.Decision]:
         q: asyncio.Queue[pb.Decision] = asyncio.Queue(maxsize=WATCH_QUEUE)
@@ -444,6 +560,7 @@ class Sidecar:
     def state(self, *, clean: bool = False) -> dict[str, Any]:
         return {
             "directive_version": self._version,
+            "fleet_policy_version": self._fleet_version,
             "clean": clean,
             "policies": self.policy_store.to_json(),
             "engines": {
@@ -475,7 +592,7 @@ class Sidecar:
             except (PolicyError, KeyError, ValueError, TypeError) as e:
                 self.snapshots.quarantine(f"cannot be restored: {e}")
                 self._engines.clear()
-                self._version = 0
+                self._version = self._fleet_version = 0
         text, source = resolve_policy_text(self.config.default_policy)
         self._store = PolicyStore(default=parse_policy(text, source=source), source=source, clock=self.clock)
 
@@ -483,6 +600,9 @@ class Sidecar:
         self._store = PolicyStore.from_json(state["policies"], clock=self.clock)
         saved = int(state["directive_version"])
         self._version = saved if state.get("clean") else saved + CRASH_VERSION_GAP
+        self._fleet_version = int(state.get("fleet_policy_version", 0))
+        if self._fleet_version < 0:
+            raise ValueError(f"fleet_policy_version: must be >= 0, got {self._fleet_version}")
         for eid, e in state["engines"].items():
             info = info_from_json(e["info"])
             loop = self._new_loop(info)
@@ -508,12 +628,18 @@ class Sidecar:
     # -- background ------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        self._last_snapshot_attempt = self.clock()
+        self._last_snapshot_attempt = self._last_posteriors = self.clock()
         while True:
             await asyncio.sleep(self.config.decision_tick_s)
             try:
                 self.tick()
                 now = self.clock()
+                if (
+                    self.fleet is not None
+                    and now - self._last_posteriors >= self.config.posteriors_interval_s
+                ):
+                    self._last_posteriors = now
+                    self.publish_posteriors()
                 if now - self._last_snapshot_attempt >= self.config.snapshot_interval_s:
                     self._last_snapshot_attempt = now
                     state = self.state()
