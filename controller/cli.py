@@ -14,17 +14,25 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from controller.client import AdminClient
+from controller.config import FLEET_NAME_RE
 from controller.v1 import controller_pb2 as pb
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
+if TYPE_CHECKING:
+    from controller._mqtt import BrokerSettings
+
 DEFAULT_ADMIN = "127.0.0.1:50062"
 ADMIN_ENV = "SPECCONTROL_ADMIN"
+MQTT_URL_ENV = "SPECCONTROL_MQTT_URL"
+#: The broker password when the URL names a user but no password (keeps it out of ``ps``).
+MQTT_PASSWORD_ENV = "SPECCONTROL_MQTT_PASSWORD"
+FLEET_ENV = "SPECCONTROL_FLEET"
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _GRANULARITY = {0: "-", 1: "batch", 2: "request-k", 3: "request-method"}
 
@@ -126,12 +134,58 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_policy_set(args: argparse.Namespace) -> int:
-    text, source, _ = read_policy(args.policy)
-    if args.fleet:
-        raise UserError(
-            "--fleet: the fleet link (MQTT) is not configured for controllerctl; use --engine or neither"
+def _fleet_broker(args: argparse.Namespace) -> BrokerSettings:
+    """The broker for ``--fleet`` from ``--broker`` or the environment; raises UserError (exit 2)."""
+    from controller._mqtt import BrokerSettings
+
+    url = args.broker or os.environ.get(MQTT_URL_ENV, "")
+    if not url:
+        raise UserError(f"--fleet needs the MQTT broker: --broker mqtt[s]://host[:port] or ${MQTT_URL_ENV}")
+    opts: dict[str, object] = {
+        k: v
+        for k, v in (("ca_file", args.ca_file), ("cert_file", args.cert_file), ("key_file", args.key_file))
+        if v
+    }
+    try:
+        broker = BrokerSettings.from_url(url, **opts)
+        password = os.environ.get(MQTT_PASSWORD_ENV)
+        if broker.username is not None and broker.password is None and password:
+            broker = BrokerSettings.from_url(url, password=password, **opts)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"--broker: {str(e).splitlines()[0]}") from None
+    return broker
+
+
+def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: str) -> int:
+    from controller._mqtt import ConnectionLost
+    from controller.fleet import publish_fleet_policy
+
+    broker = _fleet_broker(args)
+    fleet = args.fleet_name or os.environ.get(FLEET_ENV) or "default"
+    if not FLEET_NAME_RE.match(fleet):
+        raise UserError(f"--fleet-name: 1-64 letters, digits, '-', '_' or '.', got {fleet!r}")
+    try:
+        version = asyncio.run(
+            publish_fleet_policy(broker=broker, fleet=fleet, yaml=text, source=source, timeout_s=args.timeout)
         )
+    except ConnectionLost as e:
+        raise UserError(f"cannot reach the MQTT broker: {str(e).splitlines()[0]}", 1) from None
+    except TimeoutError:
+        raise UserError(
+            f"the MQTT broker at {broker.describe()} did not answer within {args.timeout:g} s", 1
+        ) from None
+    except ValueError as e:
+        raise UserError(f"{source}: {str(e).splitlines()[0]}") from None
+    print(f"published {name} from {source} to fleet {fleet} as version {version} ({broker.describe()})")
+    return 0
+
+
+def cmd_policy_set(args: argparse.Namespace) -> int:
+    text, source, spec = read_policy(args.policy)
+    if args.fleet:
+        return _set_fleet_policy(args, text, source, spec.name)
+    if args.broker or args.fleet_name or args.ca_file or args.cert_file or args.key_file:
+        raise UserError("--broker, --fleet-name, --ca-file, --cert-file and --key-file go with --fleet")
     info = _admin_call(args, lambda a: a.set_policy(text, source=source, engine_id=args.engine or ""))
     print(f"set {_policy_line(info)}")
     return 0
@@ -260,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help=f"sidecar admin address (default: ${ADMIN_ENV} or {DEFAULT_ADMIN})",
     )
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="admin call timeout in seconds")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="admin (or broker) call timeout in seconds"
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -284,6 +340,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine", metavar="ID", help="only this engine (default: the sidecar's default policy)"
     )
     scope.add_argument("--fleet", action="store_true", help="every sidecar of the fleet (over MQTT)")
+    s.add_argument(
+        "--broker",
+        metavar="URL",
+        help=f"with --fleet: mqtt[s]://[user[:password]@]host[:port] (default: ${MQTT_URL_ENV}; "
+        f"a password can come from ${MQTT_PASSWORD_ENV})",
+    )
+    s.add_argument(
+        "--fleet-name", metavar="NAME", help=f"with --fleet: the fleet (default: ${FLEET_ENV} or 'default')"
+    )
+    s.add_argument("--ca-file", metavar="FILE", help="with --fleet and mqtts://: CA bundle of the broker")
+    s.add_argument("--cert-file", metavar="FILE", help="with --fleet and mqtts://: client certificate (mTLS)")
+    s.add_argument("--key-file", metavar="FILE", help="with --fleet and mqtts://: client key (mTLS)")
     s.set_defaults(func=cmd_policy_set)
     s = psub.add_parser("get", help="the policy in force")
     s.add_argument("--engine", metavar="ID")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 MAX_CONFIG_BYTES = 64 * 1024
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_FLEET_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+FLEET_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _NODE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -119,7 +119,7 @@ class SidecarConfig:
         _integer(self, "max_message_bytes", 1024, 256 * 1024 * 1024)
         _integer(self, "max_steps_per_batch", 1, 1_000_000)
         _integer(self, "max_requests_per_step", 1, 1_000_000)
-        if not _FLEET_RE.match(_str(self, "fleet")):
+        if not FLEET_NAME_RE.match(_str(self, "fleet")):
             raise ConfigError("1-64 letters, digits, '-', '_' or '.'", field="fleet")
         self._check_mqtt()
         _number(self, "posteriors_interval_s", 0.1, 86400.0)

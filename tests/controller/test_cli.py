@@ -62,10 +62,48 @@ def test_unknown_preset_is_an_input_error(capsys: pytest.CaptureFixture[str]) ->
     assert "unknown policy preset" in capsys.readouterr().err
 
 
-def test_fleet_is_not_configured(capsys: pytest.CaptureFixture[str]) -> None:
+def test_fleet_needs_a_broker(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SPECCONTROL_MQTT_URL", raising=False)
     assert main(["policy", "set", "default", "--fleet"]) == 2
     err = capsys.readouterr().err
-    assert "MQTT" in err and err.count("\n") == 1
+    assert "MQTT broker" in err and "SPECCONTROL_MQTT_URL" in err and err.count("\n") == 1
+
+
+def test_fleet_set_of_a_broken_file_never_reaches_the_broker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text(BROKEN)
+    # The broker is unreachable: a publish would exit 1, local validation exits 2 first.
+    assert main(["policy", "set", str(f), "--fleet", "--broker", f"mqtt://{_closed_port()}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{f}:9: spec.algorithm.params.discount:") and err.count("\n") == 1
+
+
+def test_fleet_unreachable_broker_is_one_line_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SPECCONTROL_MQTT_URL", f"mqtt://{_closed_port()}")
+    assert main(["--timeout", "5", "policy", "set", "default", "--fleet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cannot reach the MQTT broker: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fleet", "--broker", "http://h"], "--broker: broker URL: expected mqtt://host[:port]"),
+        (["--fleet", "--broker", "mqtt://h", "--ca-file", "ca.pem"], "--broker: broker TLS options"),
+        (["--fleet", "--broker", "mqtt://h", "--fleet-name", "a/b"], "--fleet-name: 1-64 letters"),
+        (["--broker", "mqtt://h"], "--broker, --fleet-name, --ca-file, --cert-file and --key-file go with"),
+    ],
+)
+def test_fleet_bad_options_are_input_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["policy", "set", "default", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
 
 
 def test_unreachable_sidecar_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:

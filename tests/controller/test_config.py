@@ -91,3 +91,50 @@ def test_parse_address() -> None:
     assert parse_address("unix:/tmp/s.sock", field="x") == "/tmp/s.sock"
     with pytest.raises(ConfigError, match="absolute path"):
         parse_address("unix:rel.sock", field="x")
+
+
+def test_fleet_link_settings(tmp_path: Path) -> None:
+    assert SidecarConfig().broker_settings() is None  # no mqtt_url: the link is off
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    c = SidecarConfig(
+        mqtt_url="mqtts://broker.example:8884",
+        mqtt_username="fleet",
+        mqtt_password_file=str(pw),
+        mqtt_ca_file="/etc/ca.pem",
+        node_id="pod-7",
+        posteriors_interval_s=5,
+    )
+    b = c.broker_settings()
+    assert b is not None
+    assert (b.host, b.port, b.tls, b.username, b.password, b.ca_file) == (
+        "broker.example",
+        8884,
+        True,
+        "fleet",
+        "s3cret",
+        "/etc/ca.pem",
+    )
+    assert (c.fleet_node_id, c.posteriors_interval_s) == ("pod-7", 5.0)
+    assert SidecarConfig().fleet_node_id  # the host name
+    missing = SidecarConfig(mqtt_url="mqtt://b", mqtt_username="u", mqtt_password_file=str(tmp_path / "no"))
+    with pytest.raises(ConfigError, match="mqtt_password_file: cannot read"):
+        missing.broker_settings()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("mqtt_url: http://b\n", "c.yaml:1: mqtt_url: broker URL: expected mqtt://host[:port]"),
+        ("mqtt_url: mqtt://b:99999\n", "c.yaml:1: mqtt_url: broker URL: invalid port"),
+        ("mqtt_url: mqtt://b\nmqtt_ca_file: ca.pem\n", "c.yaml:2: mqtt_ca_file: needs an mqtts:// mqtt_url"),
+        ("mqtt_url: mqtts://b\nmqtt_key_file: k\n", "c.yaml:2: mqtt_key_file: given without mqtt_cert_file"),
+        ("node_id: a/b\n", "c.yaml:1: node_id: 1-128 letters, digits"),
+        ("mqtt_tls_insecure: 1\n", "c.yaml:1: mqtt_tls_insecure: expected true or false, got 1"),
+        ("posteriors_interval_s: 0\n", "c.yaml:1: posteriors_interval_s: must be between 0.1 and 86400.0"),
+    ],
+)
+def test_fleet_link_errors(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(text, source="c.yaml")
+    assert str(e.value).startswith(expected), str(e.value)
