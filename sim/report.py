@@ -129,6 +129,18 @@ def _api_section(cmp: Comparison) -> list[str]:
         )
     out.append("Self-hosted cost assumes the replica is kept busy at the simulated throughput.")
     out.append("")
+    if api:
+        out += ["| concurrency | run | $/1M output (self-hosted) | x API price |", "|---|---|---|---|"]
+        for c in cmp.concurrency:
+            rows = [(label, b["cost_usd_per_1m_output_tokens"]) for label, b in summary_rows(cmp, c)]
+            rows = [(label, v) for label, v in rows if v is not None and not label.startswith("oracle")]
+            if not rows:
+                continue
+            cheapest = min(rows, key=lambda r: r[1])
+            off = next((r for r in rows if r[0] == "static off"), None)
+            for label, v in [x for x in (off, cheapest) if x is not None]:
+                out.append(f"| {c} | {label} | {v:.3f} | {v / api.usd:.2f} |")
+        out.append("")
     return out
 
 
@@ -180,7 +192,7 @@ def plot_all(cmp: Comparison, out_dir: Path) -> list[str]:
     c_mid = cmp.concurrency[len(cmp.concurrency) // 2]
     if adaptive:
         fig, axes = plt.subplots(
-            2 * len(adaptive), 1, figsize=(10, 3.2 * len(adaptive)), sharex=True, squeeze=False
+            2 * len(adaptive), 1, figsize=(10, 4.0 * len(adaptive)), sharex=True, squeeze=False
         )
         for i, e in enumerate(adaptive):
             r = e.runs.get(c_mid)
@@ -195,6 +207,7 @@ def plot_all(cmp: Comparison, out_dir: Path) -> list[str]:
         plt.close(fig)
         names.append(name)
     fig, ax = plt.subplots(figsize=(8, 5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for e in cmp.entries:
         cs = sorted(e.runs)
         if len(cs) < 2:
@@ -215,6 +228,7 @@ def plot_all(cmp: Comparison, out_dir: Path) -> list[str]:
     fig, axes = plt.subplots(1, len(cmp.concurrency), figsize=(5 * len(cmp.concurrency), 4), squeeze=False)
     for j, c in enumerate(cmp.concurrency):
         ax = axes[0][j]
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
         for e in cmp.entries:
             r = e.runs.get(c)
             if r is None or e.kind == "oracle":

@@ -66,9 +66,9 @@ class RunResult:
         return {"ttft": ttft, "e2e": e2e, "tpot": tpot}
 
 
-def _pct(x: np.ndarray) -> dict[str, float]:
+def _pct(x: np.ndarray) -> dict[str, float | None]:
     if not len(x):
-        return {"p50": float("nan"), "p99": float("nan")}
+        return {"p50": None, "p99": None}
     p50, p99 = np.percentile(x * 1000.0, [50, 99])
     return {"p50": round(float(p50), 4), "p99": round(float(p99), 4)}
 
