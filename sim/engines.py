@@ -33,7 +33,7 @@ class EngineModel:
     methods: tuple[Method, ...]  # drafters loaded (their arms can be played)
     #: Drafters whose first forward runs every step whether or not they are verified.
     always_runs: tuple[Method, ...] = ()
-    #: Methods scored counterfactually on every request and step (full K, capped at the request's K).
+    #: Methods scored counterfactually on every request and step, as a draft of max_k.
     counterfactual: tuple[Method, ...] = ()
     #: Report an always-running head's first position (0/1) on rows where it was not verified.
     head_first_position: bool = False

@@ -218,9 +218,10 @@ class Replayer:
                 acc_sum = int(accepted.sum())
                 cf: dict[Method, np.ndarray] = {}
                 if cf_methods:
-                    kref = np.where(ks > 0, ks, max_k)
+                    # A draft of max_k scored against the tokens that follow (the plugin can score it
+                    # once they exist, at most max_k tokens later; that delay is not modelled).
                     for m, code_m, arr in cf_methods:
-                        v = np.minimum(arr[pos], kref).astype(np.int32)
+                        v = np.minimum(arr[pos], max_k).astype(np.int32)
                         v[methods == code_m] = NOT_SCORED
                         cf[m] = v
                 if head is not None:
