@@ -133,7 +133,11 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         + " ".join(shlex.quote(a) for a in args.argv_tail)
     )
     if args.out:
-        paths = write_report(cmp, Path(args.out), command=command)
+        try:
+            paths = write_report(cmp, Path(args.out), command=command)
+        except ImportError as e:
+            _err(f"--out: plots need matplotlib (pip install 'speccontrol[sim]'): {e}")
+            return EXIT_INVALID
         print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.json:
         write_json(cmp, Path(args.json))

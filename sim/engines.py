@@ -7,6 +7,7 @@ Every policy is scored under the constraints and the information a real engine h
 * ``stock-vllm-ngram``: vLLM's n-gram proposer, one K per batch step.
 * ``stock-vllm-p-eagle``: P-EAGLE, one K per step and only K = max (smaller K misassigns drafts in
   vLLM 0.32); the head runs one pass even at K = 0.
+* ``per-request-k``: EAGLE-3 only, but K per request (the per-request plan's K applies).
 * ``composite``: the plugin's composite drafter, method and K per request (EAGLE-3 and n-gram in one
   engine); n-gram is scored counterfactually on every request and step; EAGLE-3 always runs at least
   its first forward (its hidden states must stay current), so its first position is reported when
@@ -88,6 +89,14 @@ ENGINES: Mapping[str, EngineModel] = {
             Granularity.BATCH_STEP,
             (Method.P_EAGLE,),
             always_runs=(Method.P_EAGLE,),
+            head_first_position=True,
+        ),
+        EngineModel(
+            "per-request-k",
+            "EAGLE-3 with K per request (one method)",
+            Granularity.REQUEST_K,
+            (Method.EAGLE3,),
+            always_runs=(Method.EAGLE3,),
             head_first_position=True,
         ),
         EngineModel(

@@ -218,3 +218,11 @@ def test_engine_without_trace_method_is_refused(small: Trace) -> None:
         Replayer(
             trace=t, profile=PROFILE, engine=ENGINES["composite"], policy=static_policy("off"), concurrency=1
         )
+
+
+def test_per_request_k_engine_keeps_one_method(monkeypatch: pytest.MonkeyPatch, small: Trace) -> None:
+    obs = _observed(monkeypatch, small, "per-request-k", 4)
+    e3, off = METHOD_CODES[Method.EAGLE3], METHOD_CODES[Method.OFF]
+    for o in obs:
+        assert set(o.method.tolist()) <= {e3, off}
+        assert ((o.method == off) == (o.k == 0)).all()
