@@ -1,0 +1,239 @@
+"""Sidecars joined by the fleet link through a real mosquitto on loopback, engines on real gRPC.
+
+A fleet policy published with ``controllerctl policy set --fleet`` reaches every sidecar and its
+engines; a sidecar started later takes the retained policy and warm-starts a new engine from the
+shared posteriors; the broker is killed and restarted while local control carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controller.cli import main as controllerctl
+from controller.config import SidecarConfig
+from controller.sidecar import Sidecar
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+from tests.integration.test_fleet_mqtt import Mosquitto, _binary
+from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, TestEngine, hello, step
+
+pytestmark = [pytest.mark.integration, pytest.mark.mqtt]
+
+FLEET = "itest"
+#: Only a guard against hangs; nothing asserts on how fast anything happens.
+WAIT_S = 30.0
+
+LEARNING = """\
+apiVersion: speccontrol/v1
+kind: Policy
+metadata:
+  name: fleet-learn
+spec:
+  algorithm:
+    name: epsilon_greedy
+    params:
+      epsilon: 0.1
+      discount: 0.95
+  arms: [eagle3:2, eagle3:3]
+  decision_interval_s: 0.05
+  directive_ttl_s: 10.0
+  min_dwell_s: 0.0
+  rule:
+    kind: none
+"""
+
+STATIC_K4 = """\
+apiVersion: speccontrol/v1
+kind: Policy
+metadata:
+  name: fleet-k4
+spec:
+  algorithm:
+    name: static
+    params:
+      arm: "eagle3:4"
+  decision_interval_s: 0.05
+  directive_ttl_s: 10.0
+  min_dwell_s: 0.0
+"""
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    m = Mosquitto(_binary("mosquitto"), tmp_path, "allow_anonymous true\n")
+    m.start()
+    try:
+        yield m
+    finally:
+        m.kill()
+
+
+async def until(cond: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def sample(sc: Sidecar, name: str, **labels: str) -> float:
+    return sc.registry.get_sample_value(name, labels) or 0.0
+
+
+class Fleet:
+    """Sidecars of one fleet, each with its own ports, state dir, registry and node id."""
+
+    def __init__(self, tmp_path: Path, broker_url: str) -> None:
+        self.tmp_path, self.broker_url = tmp_path, broker_url
+        self.sidecars: list[Sidecar] = []
+        self.engines: list[TestEngine] = []
+
+    async def sidecar(self, name: str) -> Sidecar:
+        config = SidecarConfig(
+            engine_listen="127.0.0.1:0",
+            admin_listen="127.0.0.1:0",
+            metrics_listen="",
+            state_dir=str(self.tmp_path / name),
+            decision_tick_s=0.02,
+            fleet=FLEET,
+            mqtt_url=self.broker_url,
+            node_id=name,
+            posteriors_interval_s=0.2,
+        )
+        sc = Sidecar(config=config, registry=CollectorRegistry())
+        await sc.start()
+        self.sidecars.append(sc)
+        return sc
+
+    def engine(self, sc: Sidecar, engine_id: str) -> TestEngine:
+        eng = TestEngine(sc.engine_target, pb.EngineMessage(hello=hello(engine_id)))
+        self.engines.append(eng)
+        return eng
+
+    async def close(self) -> None:
+        for eng in self.engines:
+            await eng.close()
+        for sc in self.sidecars:
+            await sc.stop()
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path, mosquitto: Mosquitto) -> AsyncIterator[Fleet]:
+    f = Fleet(tmp_path, f"mqtt://127.0.0.1:{mosquitto.port}")
+    try:
+        yield f
+    finally:
+        await f.close()
+
+
+async def set_fleet_policy(
+    tmp_path: Path, text: str, url: str, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
+    path = tmp_path / "fleet-policy.yaml"
+    path.write_text(text)
+    argv = ["--timeout", "10", "policy", "set", str(path), "--fleet", "--broker", url, "--fleet-name", FLEET]
+    # controllerctl runs its own event loop, as it does from a shell.
+    rc = await asyncio.to_thread(controllerctl, argv)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return rc, out.out
+
+
+async def test_fleet_policy_warm_start_and_broker_restart(
+    fleet: Fleet, mosquitto: Mosquitto, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = await fleet.sidecar("sidecar-a"), await fleet.sidecar("sidecar-b")
+    assert a.fleet is not None and b.fleet is not None and a.fleet.connected and b.fleet.connected
+    ea, eb = fleet.engine(a, "ea"), fleet.engine(b, "eb")
+    first_a, first_b = await ea.directive(), await eb.directive()
+    assert first_a.policy == first_b.policy == "default"
+
+    # A fleet policy through the CLI reaches both sidecars and the engines attached to them.
+    _, out = await set_fleet_policy(tmp_path, LEARNING, fleet.broker_url, capsys)
+    assert "fleet-learn" in out and f"to fleet {FLEET} as version 1" in out
+    da = await ea.directive(lambda d: d.policy == "fleet-learn")
+    db = await eb.directive(lambda d: d.policy == "fleet-learn")
+    assert da.version > first_a.version and db.version > first_b.version
+    for sc in (a, b):
+        assert sc.fleet_policy_version == 1
+        assert sc.policy_store.default.spec.name == "fleet-learn"
+        assert sc.policy_store.default.source == "fleet v1"
+        assert sample(sc, "speccontrol_fleet_policy_version") == 1
+
+    # Engine ea learns; its sidecar shares the posteriors (eb sends nothing, so b has none to share).
+    t, deadline = 1.0, time.monotonic() + WAIT_S
+    while not a.engines()["ea"].loop.estimates().get("1/*"):
+        assert time.monotonic() < deadline, f"no estimates: {a.engines()['ea'].loop.estimates()}"
+        for _ in range(5):
+            t += 0.05
+            ea.report(step(t=t, accepted=[2], k=2), step(t=t + 0.01, accepted=[3], k=3))
+        await asyncio.sleep(0.05)
+    await until(lambda: b.fleet is not None and b.fleet.latest_posteriors("tiny"), "posteriors at b")
+    assert sample(b, "speccontrol_fleet_messages_published_total", kind="posteriors") == 0
+    assert sample(a, "speccontrol_fleet_messages_published_total", kind="state") >= 1
+
+    # A third sidecar started later: the retained policy, and an engine that starts warm.
+    c = await fleet.sidecar("sidecar-c")
+    assert c.fleet_policy_version == 1 and c.policy_store.default.spec.name == "fleet-learn"
+    ec = fleet.engine(c, "ec")
+    dc = await ec.directive()
+    assert dc.policy == "fleet-learn"
+    warm = c.engines()["ec"].loop
+    assert warm.totals.steps == 0  # no report sent: what it knows came from the fleet
+    assert warm.estimates().get("1/*"), warm.estimates()
+
+    # The broker dies: nobody crashes and local control goes on without it.
+    mosquitto.kill()
+    await until(
+        lambda: not any(sc.fleet is not None and sc.fleet.connected for sc in (a, b, c)), "disconnect"
+    )
+    async with grpc.aio.insecure_channel(a.admin_target) as ch:
+        admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
+        info = await admin.SetPolicy(pb.SetPolicyRequest(yaml=STATIC_EAGLE3_2, source="local.yaml"))
+        assert info.name == "static-eagle3-2"
+    d = await ea.directive(lambda d: d.policy == "static-eagle3-2")
+    assert [(r.bs_min, r.bs_max, r.k) for r in d.k_table] == [(1, 0, 2)]
+    eb2 = fleet.engine(b, "eb2")
+    assert (await eb2.directive()).policy == "fleet-learn"
+    ea.report(step(t=t + 1.0, accepted=[1], k=2))
+    await until(lambda: a.engines()["ea"].loop.totals.steps > 0, "reports while the broker is down")
+    assert all(sample(sc, "speccontrol_fleet_connection_errors_total") >= 1 for sc in (a, b, c))
+
+    # The broker is back (empty: no persistence): the links reconnect and restore the retained state.
+    mosquitto.start()
+    await until(
+        lambda: all(sample(sc, "speccontrol_fleet_connections_total") == 2 for sc in (a, b, c)), "reconnect"
+    )
+    late = await fleet.sidecar("sidecar-d")
+    await until(lambda: late.fleet_policy_version == 1, "the retained fleet policy after the restart")
+    assert late.policy_store.default.spec.name == "fleet-learn"
+    await until(lambda: late.fleet is not None and late.fleet.latest_posteriors("tiny"), "posteriors at d")
+    # The local policy set during the outage stays until the fleet sets a newer one.
+    assert a.policy_store.default.spec.name == "static-eagle3-2"
+
+    _, out = await set_fleet_policy(tmp_path, STATIC_K4, fleet.broker_url, capsys)
+    assert "as version 2" in out
+    await until(lambda: all(sc.fleet_policy_version == 2 for sc in (a, b, c, late)), "fleet policy v2")
+    for eng in (ea, eb, eb2, ec):
+        d = await eng.directive(lambda d: d.policy == "fleet-k4")
+        assert [(r.bs_min, r.bs_max, r.k) for r in d.k_table] == [(1, 0, 4)]
+    for sc in (a, b, c, late):
+        assert sc.policy_store.default.source == "fleet v2"
+        assert sample(sc, "speccontrol_fleet_rejected_policies_total") == 0
+
+    # A restart keeps the fleet policy version: the retained copy is not applied a second time.
+    await a.stop()
+    fleet.sidecars.remove(a)
+    saved = a.snapshots.load()
+    assert saved is not None and saved["fleet_policy_version"] == 2
+    again = await fleet.sidecar("sidecar-a")
+    assert again.fleet is not None and await again.fleet.wait_synced(WAIT_S)
+    assert again.fleet_policy_version == 2 and again.policy_store.default.source == "fleet v2"
+    assert again.policy_store.default.revision == a.policy_store.default.revision
