@@ -69,6 +69,8 @@ def _load_trace(args: argparse.Namespace) -> Trace:
         return read_trace(args.trace, seed=args.seed)
     if args.scenario not in SCENARIOS:
         raise _UsageError(f"--scenario: unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
+    if args.requests is not None and args.requests < 1:
+        raise _UsageError(f"--requests: must be >= 1, got {args.requests}")
     return generate(args.scenario, n_requests=args.requests, seed=args.seed)
 
 
@@ -184,6 +186,9 @@ def cmd_trace_validate(args: argparse.Namespace) -> int:
 def cmd_trace_generate(args: argparse.Namespace) -> int:
     if args.scenario not in SCENARIOS:
         _err(f"--scenario: unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
+        return EXIT_USAGE
+    if args.requests is not None and args.requests < 1:
+        _err(f"--requests: must be >= 1, got {args.requests}")
         return EXIT_USAGE
     tr = generate(args.scenario, n_requests=args.requests, seed=args.seed)
     write_trace(tr, args.out)

@@ -149,6 +149,10 @@ def run_comparison(
                 best = cmp.oracles[c].best_static[0]
                 if best not in wanted:
                     wanted.append(best)
+        # Open loop has no oracle to name the best static arm: add P-EAGLE at max K, usually it.
+        pe = f"{Method.P_EAGLE.value}:{trace.max_k}"
+        if not cmp.oracles and pe in arms_ok and pe not in wanted:
+            wanted.append(pe)
         if "off" not in wanted:
             wanted.append("off")
     for arm_s in wanted:

@@ -118,6 +118,8 @@ def test_compare_writes_report_and_plots(tmp_path: Path) -> None:
             "unknown profile",
         ),
         (["sim", "replay", "--scenario", "chat", "--policy", "default", "--open-loop"], "arrival_s"),
+        (["sim", "replay", "--scenario", "chat", "--policy", "default", "--requests", "0"], "--requests"),
+        (["sim", "replay", "--scenario", "chat", "--policy", "default", "--engine", "vllm9"], "--engine"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_written(
