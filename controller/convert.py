@@ -88,7 +88,9 @@ def directive_to_pb(d: Directive) -> pb.Directive:
         k_table=[pb.KRange(bs_min=r.bs_min, bs_max=r.bs_max, k=r.k) for r in d.k_table],
         method=d.method.value,
         plan=[
-            pb.PlanEntry(traffic_class=e.traffic_class, bs_min=e.bs_min, bs_max=e.bs_max, arm=arm_to_pb(e.arm))
+            pb.PlanEntry(
+                traffic_class=e.traffic_class, bs_min=e.bs_min, bs_max=e.bs_max, arm=arm_to_pb(e.arm)
+            )
             for e in d.plan
         ],
         rule=pb.RequestRule(kind=d.rule.kind, params=dict(d.rule.params)),
@@ -126,7 +128,9 @@ def request_steps(
     cf_cols = {m: list(v) for m, v in (counterfactual or {}).items()}
     fin = list(finished) if finished is not None else None
     out = []
-    for j, (rid, c, m, k, d, a) in enumerate(zip(request_ids, classes, methods, ks, drafted, accepted, strict=True)):
+    for j, (rid, c, m, k, d, a) in enumerate(
+        zip(request_ids, classes, methods, ks, drafted, accepted, strict=True)
+    ):
         cf = {mm: int(col[j]) for mm, col in cf_cols.items() if int(col[j]) != NOT_SCORED}
         out.append(
             pb.RequestStep(
