@@ -224,7 +224,8 @@ def run_one(
         r = replay_static(
             trace,
             method=arm.method,
-            k=arm.k,
+            # As the engine would: K capped at the trace's max_k (P-EAGLE runs at max_k only).
+            k=trace.max_k if arm.method is Method.P_EAGLE else min(arm.k, trace.max_k),
             concurrency=concurrency,
             profile=profile,
             engine=eng,

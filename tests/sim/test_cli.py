@@ -149,3 +149,21 @@ def test_registers_into_controllerctl(hand_trace: Path, capsys: pytest.CaptureFi
 
     assert ctl(["trace", "validate", str(hand_trace)]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_static_k_is_capped_at_the_trace_max_k(hand_trace: Path, tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    common = [
+        "sim",
+        "replay",
+        "--trace",
+        str(hand_trace),
+        "--concurrency",
+        "1",
+        "--no-oracle",
+        "--no-progress",
+    ]
+    assert main([*common, "--policy", "static:eagle3:8", "--json", str(a)]) == 0
+    assert main([*common, "--policy", "static:eagle3:4", "--json", str(b)]) == 0
+    ja, jb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert ja["concurrency"]["1"]["throughput_tok_s"] == jb["concurrency"]["1"]["throughput_tok_s"]
