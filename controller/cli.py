@@ -106,9 +106,13 @@ def _admin_call(args: argparse.Namespace, fn: Callable[[AdminClient], Awaitable[
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from controller.config import ConfigError
     from controller.serve import main as serve_main
 
-    return serve_main(["--config", args.config] if args.config else [])
+    try:
+        return serve_main(["--config", args.config] if args.config else [])
+    except ConfigError as e:  # found at start, e.g. an unreadable mqtt_password_file
+        raise UserError(f"error: {e}") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

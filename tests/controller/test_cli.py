@@ -134,3 +134,18 @@ def test_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_demo_rejects_non_positive_seconds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--seconds", "0"]) == 2
     assert "--seconds" in capsys.readouterr().err
+
+
+def test_serve_with_an_unreadable_mqtt_password_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"state_dir: {tmp_path / 'state'}\nengine_listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n"
+        f"metrics_listen: ''\nmqtt_url: mqtt://127.0.0.1:1\nmqtt_username: u\n"
+        f"mqtt_password_file: {tmp_path / 'missing'}\n"
+    )
+    assert main(["serve", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "mqtt_password_file: cannot read" in err and err.count("\n") == 1
+    assert not (tmp_path / "state").exists()  # nothing started, nothing written
