@@ -196,6 +196,23 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_import(args: argparse.Namespace) -> int:
+    from policies.arms import Method
+    from sim.importer import import_vllm_metrics
+
+    try:
+        tr = import_vllm_metrics(args.file, method=Method(args.method))
+    except TraceError as e:
+        _err(str(e))
+        return EXIT_INVALID
+    write_trace(tr, args.out)
+    print(
+        f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens, max_k {tr.max_k} "
+        f"(counts censored at the recorded K)"
+    )
+    return 0
+
+
 def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="a spectrace v1 file (.jsonl or .jsonl.gz)")
@@ -257,6 +274,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output file (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_generate)
+    p = ts.add_parser("import", help="a trace from vLLM responses with detailed per-request spec metrics")
+    p.add_argument("file", help="JSON Lines of vLLM responses (--per-request-spec-decode-metrics detailed)")
+    p.add_argument(
+        "--method",
+        default="eagle3",
+        choices=["eagle3", "p_eagle", "ngram"],
+        help="the drafting method the engine ran",
+    )
+    p.add_argument("--out", required=True, help="output trace (.jsonl, or .jsonl.gz for gzip)")
+    p.set_defaults(func=cmd_trace_import)
 
 
 def _with_tail(fn: Any) -> Any:
