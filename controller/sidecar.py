@@ -163,8 +163,8 @@ class Sidecar:
         #: The fleet link (None when ``mqtt_url`` is empty) and the version of the fleet policy applied.
         self.fleet: FleetLink | None = None
         self._fleet_version = 0
-        #: model -> (engine, steps) of the posteriors last shared.
-        self._shared: dict[str, tuple[str, int]] = {}
+        #: model -> (engine, learned state) of the posteriors last shared.
+        self._shared: dict[str, tuple[str, dict[str, Any]]] = {}
 
     # -- public surface --------------------------------------------------------------------------
 
@@ -463,7 +463,7 @@ class Sidecar:
     def publish_posteriors(self) -> int:
         """Share, per model, the statistics of the connected engine with the most steps; returns how many.
 
-        A model whose best engine has not moved since the last share is skipped.
+        A model whose best engine learned nothing since the last share is skipped.
         """
         if self.fleet is None:
             return 0
@@ -475,11 +475,13 @@ class Sidecar:
                     best[st.info.model] = st
         shared = 0
         for model, st in sorted(best.items()):
-            mark = (st.info.engine_id, st.loop.totals.steps)
+            state = st.loop.state_dict()
+            # What was learned, without what moves on every round (round counter, RNG).
+            mark = (st.info.engine_id, {k: state.get(k) for k in ("totals", "contexts", "learner")})
             if self._shared.get(model) == mark:
                 continue
             try:
-                self.fleet.publish_posteriors(model, st.loop.state_dict())
+                self.fleet.publish_posteriors(model, state)
             except ValueError as e:
                 log.warning("posteriors for %s not shared with the fleet: %s", model, e)
                 continue

@@ -21,6 +21,9 @@ from controller.config import SidecarConfig
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.validation import validate_hello
+from policies.loop import ControlLoop
+from policies.spec import parse_policy
 from tests.integration.test_fleet_mqtt import Mosquitto, _binary
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, TestEngine, hello, step
 
@@ -81,6 +84,16 @@ async def until(cond: Callable[[], object], what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def learned(sc: Sidecar) -> bool:
+    """Whether the posteriors ``sc`` holds from the fleet give a loop goodput estimates at batch 1."""
+    shared = sc.fleet.latest_posteriors("tiny") if sc.fleet is not None else None
+    if not shared:
+        return False
+    loop = ControlLoop(spec=parse_policy(LEARNING), engine=validate_hello(hello("probe")))
+    loop.load_state_dict(shared)
+    return bool(loop.estimates().get("1/*"))
 
 
 def sample(sc: Sidecar, name: str, **labels: str) -> float:
@@ -175,7 +188,7 @@ async def test_fleet_policy_warm_start_and_broker_restart(
             t += 0.05
             ea.report(step(t=t, accepted=[2], k=2), step(t=t + 0.01, accepted=[3], k=3))
         await asyncio.sleep(0.05)
-    await until(lambda: b.fleet is not None and b.fleet.latest_posteriors("tiny"), "posteriors at b")
+    await until(lambda: learned(b), "posteriors with estimates at b")
     assert sample(b, "speccontrol_fleet_messages_published_total", kind="posteriors") == 0
     assert sample(a, "speccontrol_fleet_messages_published_total", kind="state") >= 1
 
