@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -129,8 +130,10 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         bar.close()
         _err(str(e))
         return EXIT_INVALID
+    hashseed = os.environ.get("PYTHONHASHSEED")
     command = (
-        "controllerctl sim "
+        (f"PYTHONHASHSEED={hashseed} " if hashseed else "")
+        + "controllerctl sim "
         + ("compare " if compare else "replay ")
         + " ".join(shlex.quote(a) for a in args.argv_tail)
     )
