@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from controller.sidecar import Sidecar
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+MAX_SOURCE = 1024
 
 
 class AdminService(pb_grpc.AdminServiceServicer):
@@ -26,15 +27,30 @@ class AdminService(pb_grpc.AdminServiceServicer):
 
     async def _check_engine_id(self, engine_id: str, context: Ctx) -> None:
         if len(engine_id) > MAX_ENGINE_ID:
+            self.sidecar.admin_rejected("engine_id_too_long")
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"engine_id: longer than {MAX_ENGINE_ID} characters"
             )
 
+    async def _check_rate(self, context: Ctx) -> None:
+        if not self.sidecar.take_policy_change():
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"policy changes are limited to {self.sidecar.config.max_policy_changes_per_s:g}/s; retry later",
+            )
+
     async def SetPolicy(self, request: pb.SetPolicyRequest, context: Ctx) -> pb.PolicyInfo:
         await self._check_engine_id(request.engine_id, context)
+        if len(request.source) > MAX_SOURCE:
+            self.sidecar.admin_rejected("source_too_long")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"source: longer than {MAX_SOURCE} characters"
+            )
+        await self._check_rate(context)
         try:
             rec = self.sidecar.set_policy(request.yaml, source=request.source, engine_id=request.engine_id)
         except PolicyError as e:
+            self.sidecar.admin_rejected("invalid_policy")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0])
         return self.sidecar.policy_info(rec)
 
@@ -57,6 +73,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
 
     async def RollbackPolicy(self, request: pb.RollbackPolicyRequest, context: Ctx) -> pb.PolicyInfo:
         await self._check_engine_id(request.engine_id, context)
+        await self._check_rate(context)
         try:
             rec = self.sidecar.rollback_policy(request.engine_id)
         except NoPreviousPolicy as e:
@@ -72,6 +89,13 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def WatchDecisions(
         self, request: pb.WatchDecisionsRequest, context: Ctx
     ) -> AsyncIterator[pb.Decision]:
+        await self._check_engine_id(request.engine_id, context)
+        if self.sidecar.watcher_count >= self.sidecar.config.max_watchers:
+            self.sidecar.admin_rejected("too_many_watchers")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {self.sidecar.config.max_watchers} WatchDecisions streams at a time",
+            )
         q = self.sidecar.watch(request.engine_id)
         try:
             while True:

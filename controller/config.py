@@ -6,7 +6,9 @@ Every field has a default, so the sidecar serves with no file at all. Errors rea
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import os
 import re
 import socket
 from dataclasses import dataclass, fields
@@ -19,6 +21,11 @@ if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
 
 MAX_CONFIG_BYTES = 64 * 1024
+#: A bearer token shorter than this is refused (a guessable token is no protection).
+MIN_TOKEN_CHARS = 16
+MAX_TOKEN_BYTES = 4096
+#: sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_UNIX_PATH = 107
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FLEET_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _NODE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -56,12 +63,60 @@ def parse_address(value: str, *, field: str) -> tuple[str, int] | str:
     return host, int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (not for ``0.0.0.0``: that is every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_address(value: str, *, field: str) -> bool:
+    """A Unix socket or a loopback TCP address: only processes on this host can connect."""
+    addr = parse_address(value, field=field)
+    return isinstance(addr, str) or is_loopback(addr[0])
+
+
+def read_secret_file(path: str, *, field: str) -> str:
+    """A token or password from a file (e.g. a mounted Secret), stripped. Raises ConfigError."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}", field=field) from None
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_TOKEN_BYTES} bytes", field=field)
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text", field=field) from None
+
+
 @dataclass(frozen=True, slots=True)
 class SidecarConfig:
-    #: Where engines attach (EngineService): ``host:port`` (port 0: ephemeral) or ``unix:///path/sock``.
-    engine_listen: str = "127.0.0.1:50061"
+    #: Where engines attach (EngineService): ``unix:///path/sock`` or ``host:port`` (port 0: ephemeral).
+    #: ``""`` (the default): the Unix socket ``engine.sock`` in ``state_dir``. Unix sockets are created
+    #: with ``engine_socket_mode``; TCP beyond loopback needs mTLS (``engine_tls_*``).
+    engine_listen: str = ""
+    #: Permissions of the engine (and admin) Unix socket; 0600: only the sidecar's user may connect.
+    engine_socket_mode: int = 0o600
+    #: TLS for a TCP engine listener: server certificate and key, and the CA that signs engine client
+    #: certificates (set: clients must present one, i.e. mTLS).
+    engine_tls_cert_file: str = ""
+    engine_tls_key_file: str = ""
+    engine_tls_client_ca_file: str = ""
     #: Where ``controllerctl`` talks to the sidecar (AdminService), same forms as ``engine_listen``.
+    #: Beyond loopback it needs ``admin_token_file`` or mTLS (``admin_tls_client_ca_file``).
     admin_listen: str = "127.0.0.1:50062"
+    #: A file holding the admin bearer token (e.g. a mounted Secret). Set: policy set and rollback need
+    #: it, and so does everything else when the admin API is reachable beyond loopback.
+    admin_token_file: str = ""
+    #: TLS for the admin API, and the CA of client certificates (set: mTLS).
+    admin_tls_cert_file: str = ""
+    admin_tls_key_file: str = ""
+    admin_tls_client_ca_file: str = ""
     #: Prometheus ``/metrics`` over HTTP at ``host:port`` (port 0: ephemeral); ``""`` disables it.
     metrics_listen: str = "127.0.0.1:9464"
     #: Directory of the state snapshot (``sidecar-state.json``) and ``endpoints.json``.
@@ -78,6 +133,18 @@ class SidecarConfig:
     #: Telemetry limits: steps per report batch and request rows per step.
     max_steps_per_batch: int = 1024
     max_requests_per_step: int = 4096
+    #: Per-engine cap on reported steps per second (a token bucket holding ``telemetry_burst_s`` of
+    #: them); a batch beyond it is refused and counted (reason ``rate_limited``), the stream stays up.
+    max_engine_steps_per_s: float = 5000.0
+    telemetry_burst_s: float = 5.0
+    #: Distinct engine ids the sidecar keeps; a Hello beyond it is refused (reason ``too_many_engines``).
+    max_engines: int = 1024
+    #: How often, at most, an engine hears which report batches were applied (a directive refresh).
+    ack_interval_s: float = 1.0
+    #: Policy changes (set, rollback, fleet policies) per second, sustained; bursts of 10 pass.
+    max_policy_changes_per_s: float = 2.0
+    #: Concurrent ``WatchDecisions`` streams.
+    max_watchers: int = 64
     #: Fleet name (MQTT topics ``speccontrol/v1/<fleet>/...``).
     fleet: str = "default"
     #: The fleet link's broker, ``mqtt://host[:port]`` or ``mqtts://host[:port]`` (TLS); ``""`` disables
@@ -100,9 +167,12 @@ class SidecarConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        for name in ("engine_listen", "admin_listen"):
-            _str(self, name)
-            parse_address(getattr(self, name), field=name)
+        if _str(self, "engine_listen"):
+            parse_address(self.engine_listen, field="engine_listen")
+        parse_address(_str(self, "admin_listen"), field="admin_listen")
+        v = self.engine_socket_mode
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0o777:
+            raise ConfigError(f"expected a file mode 0000..0777, got {v!r}", field="engine_socket_mode")
         _str(self, "metrics_listen")
         if self.metrics_listen:
             if self.metrics_listen.startswith("unix:"):
@@ -119,6 +189,13 @@ class SidecarConfig:
         _integer(self, "max_message_bytes", 1024, 256 * 1024 * 1024)
         _integer(self, "max_steps_per_batch", 1, 1_000_000)
         _integer(self, "max_requests_per_step", 1, 1_000_000)
+        _number(self, "max_engine_steps_per_s", 1.0, 1e7)
+        _number(self, "telemetry_burst_s", 0.1, 3600.0)
+        _integer(self, "max_engines", 1, 1_000_000)
+        _number(self, "ack_interval_s", 0.01, 3600.0)
+        _number(self, "max_policy_changes_per_s", 0.01, 1000.0)
+        _integer(self, "max_watchers", 0, 100_000)
+        self._check_security()
         if not FLEET_NAME_RE.match(_str(self, "fleet")):
             raise ConfigError("1-64 letters, digits, '-', '_' or '.'", field="fleet")
         self._check_mqtt()
@@ -129,6 +206,64 @@ class SidecarConfig:
                 f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}", field="log_level"
             )
         object.__setattr__(self, "log_level", level)
+
+    def _check_security(self) -> None:
+        for side in ("engine", "admin"):
+            cert, key, ca = (_str(self, f"{side}_tls_{n}_file") for n in ("cert", "key", "client_ca"))
+            if bool(cert) != bool(key):
+                raise ConfigError(
+                    f"{side}_tls_cert_file and {side}_tls_key_file go together", field=f"{side}_tls_key_file"
+                )
+            if ca and not cert:
+                raise ConfigError(
+                    f"needs {side}_tls_cert_file (mTLS is TLS)", field=f"{side}_tls_client_ca_file"
+                )
+            if cert and self.listen_address(side).startswith("unix:"):
+                raise ConfigError("TLS is for TCP listeners; a Unix socket is guarded by its mode",
+                                  field=f"{side}_tls_cert_file")  # fmt: skip
+        _str(self, "admin_token_file")
+        if (
+            not is_local_address(self.engine_address, field="engine_listen")
+            and not self.engine_tls_client_ca_file
+        ):
+            raise ConfigError(
+                "a TCP listener beyond loopback needs mTLS: set engine_tls_cert_file, engine_tls_key_file "
+                "and engine_tls_client_ca_file (or use a unix:// socket)",
+                field="engine_listen",
+            )
+        if (
+            not is_local_address(self.admin_listen, field="admin_listen")
+            and not self.admin_token_file
+            and not self.admin_tls_client_ca_file
+        ):
+            raise ConfigError(
+                "the admin API beyond loopback needs authentication: set admin_token_file or mTLS "
+                "(admin_tls_cert_file, admin_tls_key_file, admin_tls_client_ca_file)",
+                field="admin_listen",
+            )
+
+    def listen_address(self, side: str) -> str:
+        return self.engine_address if side == "engine" else self.admin_listen
+
+    @property
+    def engine_address(self) -> str:
+        """``engine_listen``, or the default socket ``unix://<state_dir>/engine.sock`` (absolute)."""
+        if self.engine_listen:
+            return self.engine_listen
+        return f"unix://{os.path.abspath(os.path.join(self.state_dir, 'engine.sock'))}"
+
+    def admin_token(self) -> str:
+        """The admin bearer token ("" when none is configured). Raises ConfigError."""
+        if not self.admin_token_file:
+            return ""
+        token = read_secret_file(self.admin_token_file, field="admin_token_file")
+        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+            raise ConfigError(
+                f"{self.admin_token_file}: the token must be at least {MIN_TOKEN_CHARS} characters "
+                "without spaces (e.g. openssl rand -hex 32)",
+                field="admin_token_file",
+            )
+        return token
 
     def _check_mqtt(self) -> None:
         for name in (
@@ -178,13 +313,7 @@ class SidecarConfig:
         if self.mqtt_username:
             opts["username"] = self.mqtt_username
         if password is None and self.mqtt_password_file:
-            try:
-                password = Path(self.mqtt_password_file).read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as e:
-                raise ConfigError(
-                    f"cannot read {self.mqtt_password_file}: {getattr(e, 'strerror', None) or e}",
-                    field="mqtt_password_file",
-                ) from None
+            password = read_secret_file(self.mqtt_password_file, field="mqtt_password_file")
         if password:
             opts["password"] = password
         return BrokerSettings.from_url(self.mqtt_url, **opts)

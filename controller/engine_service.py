@@ -50,7 +50,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except TelemetryError as e:
             self.sidecar.reject(None, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
-        session = self.sidecar.attach(info)
+        try:
+            session = self.sidecar.attach(info, instance_id=first.hello.instance_id)
+        except TelemetryError as e:
+            self.sidecar.reject(None, e)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}: {e}")
         reader = asyncio.create_task(self._read(it, session), name=f"attach-{info.engine_id}")
         try:
             while True:
@@ -61,7 +65,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
                             grpc.StatusCode.INVALID_ARGUMENT, f"{item.error.reason}: {item.error}"
                         )
                     return
-                await context.write(directive_to_pb(item))
+                msg = directive_to_pb(item)
+                # Read at write time: the newest acknowledgement goes out with every directive.
+                msg.acked_sequence = session.acked_sequence
+                await context.write(msg)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

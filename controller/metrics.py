@@ -149,6 +149,18 @@ class SidecarMetrics:
             ["engine"],
             registry=registry,
         )
+        self.lost_batches = Counter(
+            f"{p}_lost_report_batches",
+            "Report batches never received (sequence gaps: lost in a sidecar crash or by the engine).",
+            ["engine"],
+            registry=registry,
+        )
+        self.rejected_admin = Counter(
+            f"{p}_rejected_admin_requests",
+            "Admin requests refused, by reason (unauthenticated, invalid policy, rate limited, ...).",
+            ["reason"],
+            registry=registry,
+        )
         self.engine_dropped = Counter(
             f"{p}_engine_dropped_steps",
             "Steps the engine dropped locally (its queue was full).",

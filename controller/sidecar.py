@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -23,10 +24,12 @@ from prometheus_client import CollectorRegistry
 
 import controller
 from controller.admin_service import AdminService
-from controller.config import SidecarConfig, parse_address
+from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
+from controller.config import MAX_UNIX_PATH, ConfigError, SidecarConfig, is_local_address, parse_address
 from controller.convert import arm_to_pb, directive_to_pb, observation_from_pb
 from controller.engine_service import EngineService
 from controller.fleet import FleetLink
+from controller.limits import TokenBucket
 from controller.metrics import MetricsServer, SidecarMetrics
 from controller.policy_store import PolicyRecord, PolicyStore
 from controller.presets import resolve_policy_text
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 CRASH_VERSION_GAP = 1_000_000
 STREAM_QUEUE = 16
 WATCH_QUEUE = 256
+#: Bursts of policy changes allowed before ``max_policy_changes_per_s`` applies.
+POLICY_CHANGE_BURST = 10.0
 #: How long start() waits for the broker's retained policy and posteriors, so engines that attach
 #: right after start get the fleet's policy and a warm start. A broker that is down costs this once.
 FLEET_SYNC_S = 2.0
@@ -72,6 +77,14 @@ class EngineState:
     loop_version: int = -1
     sent_at: float = 0.0
     rejected: int = 0
+    #: The engine process whose reports ``last_sequence`` counts (Hello.instance_id; "" for none).
+    instance_id: str = ""
+    #: The highest report sequence applied (or refused for good) for ``instance_id``.
+    last_sequence: int = 0
+    #: ``last_sequence`` as of the last directive pushed to the streams (what the engine knows).
+    acked_pushed: int = 0
+    last_seen: float = 0.0
+    bucket: TokenBucket | None = None
 
     @property
     def connected(self) -> bool:
@@ -80,11 +93,26 @@ class EngineState:
 
 @dataclass(eq=False, slots=True)
 class Session:
-    """One Attach stream."""
+    """One Attach stream.
+
+    With an ``instance_id``, sequences count per engine instance across streams (``engine`` holds
+    them); without one (older engines), per stream (the session holds them).
+    """
 
     engine: EngineState
     queue: asyncio.Queue[StreamItem]
+    instance_id: str = ""
     last_sequence: int = 0
+
+    @property
+    def _tracker(self) -> EngineState | Session:
+        e = self.engine
+        return e if self.instance_id and e.instance_id == self.instance_id else self
+
+    @property
+    def acked_sequence(self) -> int:
+        """What to acknowledge on this stream: the highest sequence applied or refused for good."""
+        return self._tracker.last_sequence
 
 
 def info_to_json(e: EngineInfo) -> dict[str, Any]:
@@ -145,6 +173,9 @@ class Sidecar:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = SidecarMetrics(registry=self.registry, clock=clock)
         self.limits = Limits(config.max_steps_per_batch, config.max_requests_per_step)
+        self.policy_changes = TokenBucket(
+            rate=config.max_policy_changes_per_s, burst=POLICY_CHANGE_BURST, clock=time.monotonic
+        )
         self.snapshots = SnapshotStore(path=config.snapshot_path, clock=clock)
         self._store: PolicyStore | None = None
         self._engines: dict[str, EngineState] = {}
@@ -224,12 +255,22 @@ class Sidecar:
         opts = [
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
+            # Streams per connection; engines use one each, a flood of them is refused by gRPC.
+            ("grpc.max_concurrent_streams", 256),
         ]
         engine_name = pb.DESCRIPTOR.services_by_name["EngineService"].full_name
         admin_name = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+        token = self.config.admin_token()  # like the broker password: a bad file fails the start
+        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = []
+        if token:
+            local = is_local_address(self.config.admin_listen, field="admin_listen")
+            guarded = MUTATING_METHODS if local else MUTATING_METHODS | READ_METHODS
+            interceptors.append(TokenInterceptor(token=token, guarded=guarded, on_reject=self._auth_rejected))
+        elif not is_local_address(self.config.admin_listen, field="admin_listen"):
+            log.info("admin API on %s: clients authenticate with mTLS", self.config.admin_listen)
         self._engine_server = grpc.aio.server(options=opts)
         pb_grpc.add_EngineServiceServicer_to_server(EngineService(self), self._engine_server)  # type: ignore[no-untyped-call]
-        self._admin_server = grpc.aio.server(options=opts)
+        self._admin_server = grpc.aio.server(options=opts, interceptors=interceptors)
         pb_grpc.add_AdminServiceServicer_to_server(AdminService(self), self._admin_server)  # type: ignore[no-untyped-call]
         for server, name in ((self._engine_server, engine_name), (self._admin_server, admin_name)):
             hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -238,8 +279,8 @@ class Sidecar:
             health_pb2_grpc.add_HealthServicer_to_server(hs, server)
             reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         try:
-            self._engine_target = self._bind(self._engine_server, self.config.engine_listen)
-            self._admin_target = self._bind(self._admin_server, self.config.admin_listen)
+            self._engine_target = self._bind(self._engine_server, "engine")
+            self._admin_target = self._bind(self._admin_server, "admin")
             await self._engine_server.start()
             await self._admin_server.start()
             if self.config.metrics_listen:
@@ -275,24 +316,57 @@ class Sidecar:
 
     # -- engines (called by EngineService) -------------------------------------------------------
 
-    def attach(self, info: EngineInfo) -> Session:
+    def attach(self, info: EngineInfo, *, instance_id: str = "") -> Session:
+        """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines."""
         st = self._engines.get(info.engine_id)
+        now = self.clock()
         if st is None:
+            self._make_room()
             st = self._engines[info.engine_id] = EngineState(info, self._warm_loop(info))
         elif st.info != info:
             log.info("engine %s reattached with a different description: new control loop", info.engine_id)
             old = st.loop.totals
             st.info, st.loop, st.loop_version = info, self._new_loop(info), -1
             st.loop.totals = old
+        if instance_id and instance_id != st.instance_id:
+            # A new engine process: its sequences start again. (A restored snapshot names the
+            # instance it last heard, so the same process re-attaching after a restart keeps its count.)
+            st.instance_id, st.last_sequence, st.acked_pushed = instance_id, 0, 0
+        if st.bucket is None:
+            rate = self.config.max_engine_steps_per_s
+            burst = max(rate * self.config.telemetry_burst_s, float(self.config.max_steps_per_batch))
+            st.bucket = TokenBucket(rate=rate, burst=burst, clock=time.monotonic)
+        st.last_seen = now
         q: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=STREAM_QUEUE)
         st.streams.append(q)
         self.metrics.set_connected(info.engine_id, True)
         before = st.directive
-        self._decide(st, self.clock())
+        self._decide(st, now)
         if st.directive is not None and st.directive is before:
             _put_latest(q, st.directive)  # nothing new for the others: this stream still needs one
-        log.info("engine %s attached (%s, max_k %d)", info.engine_id, info.model, info.max_k)
-        return Session(st, q)
+        log.info(
+            "engine %s attached (%s, max_k %d%s)",
+            info.engine_id,
+            info.model,
+            info.max_k,
+            f", instance {instance_id}, acked {st.last_sequence}" if instance_id else "",
+        )
+        return Session(st, q, instance_id=instance_id)
+
+    def _make_room(self) -> None:
+        """At ``max_engines``, forget the engine unheard longest; refuse when all are connected."""
+        if len(self._engines) < self.config.max_engines:
+            return
+        idle = [st for st in self._engines.values() if not st.connected]
+        if not idle:
+            raise TelemetryError(
+                "too_many_engines", f"hello: the sidecar already serves {self.config.max_engines} engines"
+            )
+        gone = min(idle, key=lambda st: st.last_seen)
+        del self._engines[gone.info.engine_id]
+        log.warning(
+            "engine %s forgotten to make room (max_engines %d)", gone.info.engine_id, len(self._engines) + 1
+        )
 
     def _warm_loop(self, info: EngineInfo) -> ControlLoop:
         """A new engine's loop, loaded with the statistics the fleet shared for its model if they fit.
@@ -321,19 +395,37 @@ class Sidecar:
         log.info("engine %s detached", st.info.engine_id)
 
     def ingest(self, session: Session, batch: pb.StepReportBatch) -> None:
-        """Validate a report batch, then feed it to the engine's loop. Raises TelemetryError."""
+        """Validate a report batch, then feed it to the engine's loop. Raises TelemetryError.
+
+        A batch is applied at most once per engine instance: one at or below the last sequence is a
+        resend (counted, dropped). A refused batch is consumed too, so a resend cannot loop on it.
+        """
         st = session.engine
         eid = st.info.engine_id
-        if batch.sequence and batch.sequence <= session.last_sequence:
+        seq = batch.sequence
+        tracker = session._tracker
+        if seq and seq <= tracker.last_sequence:
             self.metrics.duplicates.labels(eid).inc()
+            return
+        if seq:
+            if tracker.last_sequence and seq > tracker.last_sequence + 1:
+                self.metrics.lost_batches.labels(eid).inc(seq - tracker.last_sequence - 1)
+            tracker.last_sequence = seq
+        st.last_seen = self.clock()
+        if st.bucket is not None and not st.bucket.take(len(batch.steps)):
+            # Refused without ending the stream: a reconnect would only bring the same flood back.
+            self.reject(
+                st,
+                TelemetryError(
+                    "rate_limited", f"reports: over {self.config.max_engine_steps_per_s:g} steps/s"
+                ),
+            )
             return
         try:
             validate_batch(batch, st.info, self.limits)
         except TelemetryError as e:
             self.reject(st, e)
             raise
-        if batch.sequence:
-            session.last_sequence = batch.sequence
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
         for step in batch.steps:
@@ -346,6 +438,20 @@ class Sidecar:
         if st is not None:
             st.rejected += 1
         log.warning("rejected telemetry%s: %s: %s", f" from {st.info.engine_id}" if st else "", e.reason, e)
+
+    def _auth_rejected(self, method: str, why: str) -> None:
+        self.admin_rejected(why)
+        log.warning("admin %s refused: %s", method, why.replace("_", " "))
+
+    def admin_rejected(self, reason: str) -> None:
+        self.metrics.rejected_admin.labels(reason).inc()
+
+    def take_policy_change(self) -> bool:
+        """False when policy changes come faster than ``max_policy_changes_per_s`` (counted)."""
+        if self.policy_changes.take():
+            return True
+        self.admin_rejected("rate_limited")
+        return False
 
     # -- policies (called by AdminService) -------------------------------------------------------
 
@@ -432,12 +538,17 @@ class Sidecar:
             st.sent_at = now
             arms = loop.current_arms()
             self.metrics.set_directive(eid, version=self._version, issued_at=d.issued_at_s, arms=arms)
+            st.acked_pushed = st.last_sequence
             for q in st.streams:
                 _put_latest(q, st.directive)
             self._notify(st)
             self._publish_state(st, arms)
-        elif now - st.sent_at >= st.directive.ttl_s / 3:
+        elif now - st.sent_at >= st.directive.ttl_s / 3 or (
+            st.last_sequence > st.acked_pushed and now - st.sent_at >= self.config.ack_interval_s
+        ):
+            # A refresh keeps the TTL from lapsing and tells the engine which batches it may forget.
             st.sent_at = now
+            st.acked_pushed = st.last_sequence
             for q in st.streams:
                 _put_latest(q, st.directive)
 
@@ -493,6 +604,10 @@ class Sidecar:
         q: asyncio.Queue[pb.Decision] = asyncio.Queue(maxsize=WATCH_QUEUE)
         self._watchers.append((engine_id, q))
         return q
+
+    @property
+    def watcher_count(self) -> int:
+        return len(self._watchers)
 
     def unwatch(self, q: asyncio.Queue[pb.Decision]) -> None:
         self._watchers = [(e, w) for e, w in self._watchers if w is not q]
@@ -566,7 +681,13 @@ class Sidecar:
             "clean": clean,
             "policies": self.policy_store.to_json(),
             "engines": {
-                eid: {"info": info_to_json(st.info), "loop": st.loop.state_dict(), "rejected": st.rejected}
+                eid: {
+                    "info": info_to_json(st.info),
+                    "loop": st.loop.state_dict(),
+                    "rejected": st.rejected,
+                    "instance_id": st.instance_id,
+                    "last_sequence": st.last_sequence,
+                }
                 for eid, st in self._engines.items()
             },
         }
@@ -617,7 +738,13 @@ class Sidecar:
                     loop.totals = Totals(**ls["totals"])
             else:
                 loop.totals = Totals(**ls["totals"])
-            self._engines[str(eid)] = EngineState(info, loop, rejected=int(e.get("rejected", 0)))
+            self._engines[str(eid)] = EngineState(
+                info,
+                loop,
+                rejected=int(e.get("rejected", 0)),
+                instance_id=str(e.get("instance_id", "")),
+                last_sequence=int(e.get("last_sequence", 0)),
+            )
         log.info(
             "restored snapshot %s: policy %s revision %d, %d engines, directive version %d",
             self.snapshots.path,
@@ -657,17 +784,44 @@ class Sidecar:
         if not task.cancelled() and task.exception() is not None:
             log.error("sidecar background task died", exc_info=task.exception())
 
-    def _bind(self, server: grpc.aio.Server, listen: str) -> str:
-        addr = parse_address(listen, field="listen")
+    def _bind(self, server: grpc.aio.Server, side: str) -> str:
+        """Listen on the engine or admin address; a Unix socket gets ``engine_socket_mode``."""
+        cfg = self.config
+        listen = cfg.listen_address(side)
+        addr = parse_address(listen, field=f"{side}_listen")
         if isinstance(addr, str):
-            Path(addr).parent.mkdir(parents=True, exist_ok=True)
+            if len(addr.encode()) > MAX_UNIX_PATH:
+                raise ConfigError(
+                    f"socket path {addr} is longer than {MAX_UNIX_PATH} bytes; use a shorter path",
+                    field=f"{side}_listen",
+                )
+            parent = Path(addr).parent
+            if not parent.exists():
+                parent.mkdir(parents=True, mode=0o700)
             with contextlib.suppress(FileNotFoundError):
                 Path(addr).unlink()  # a stale socket from a previous run would block the bind
             target = f"unix://{addr}"
-            server.add_insecure_port(target)
+            # The socket is created by the bind: a tight umask closes the window before the chmod.
+            old = os.umask(0o177)
+            try:
+                server.add_insecure_port(target)
+            finally:
+                os.umask(old)
+            os.chmod(addr, cfg.engine_socket_mode)
             return target
         host, port = addr
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        cert = getattr(cfg, f"{side}_tls_cert_file")
+        if cert:
+            creds = server_credentials(
+                cert_file=cert,
+                key_file=getattr(cfg, f"{side}_tls_key_file"),
+                client_ca_file=getattr(cfg, f"{side}_tls_client_ca_file"),
+                field=side,
+            )
+            bound = server.add_secure_port(where, creds)
+        else:
+            bound = server.add_insecure_port(where)
         if bound == 0:
             raise OSError(f"cannot listen on {listen}")
         return _client_target(listen, bound)

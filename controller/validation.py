@@ -18,6 +18,7 @@ from policies.arms import Method
 from policies.engine import EngineInfo
 
 MAX_ENGINE_ID = 128
+MAX_INSTANCE_ID = 128
 MAX_K = 64
 MAX_TRAFFIC_CLASS = 64
 MAX_REQUEST_ID = 256
@@ -45,6 +46,10 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
         raise TelemetryError("engine_id_missing", "hello.engine_id: required")
     if len(h.engine_id) > MAX_ENGINE_ID:
         raise TelemetryError("engine_id_too_long", f"hello.engine_id: longer than {MAX_ENGINE_ID} characters")
+    if len(h.instance_id) > MAX_INSTANCE_ID:
+        raise TelemetryError(
+            "instance_id_too_long", f"hello.instance_id: longer than {MAX_INSTANCE_ID} characters"
+        )
     if h.protocol_version not in PROTOCOL_VERSIONS:
         raise TelemetryError(
             "protocol_version",

@@ -35,7 +35,7 @@ class Arm(_message.Message):
     def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("engine_id", "model", "max_k", "arms", "granularity", "max_batch_size", "engine_version", "counterfactual_methods", "p_eagle_partial_k_safe", "protocol_version")
+    __slots__ = ("engine_id", "model", "max_k", "arms", "granularity", "max_batch_size", "engine_version", "counterfactual_methods", "p_eagle_partial_k_safe", "protocol_version", "instance_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class Hello(_message.Message):
     COUNTERFACTUAL_METHODS_FIELD_NUMBER: _ClassVar[int]
     P_EAGLE_PARTIAL_K_SAFE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     max_k: int
@@ -56,7 +57,8 @@ class Hello(_message.Message):
     counterfactual_methods: _containers.RepeatedScalarFieldContainer[str]
     p_eagle_partial_k_safe: bool
     protocol_version: int
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., max_k: _Optional[int] = ..., arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., max_batch_size: _Optional[int] = ..., engine_version: _Optional[str] = ..., counterfactual_methods: _Optional[_Iterable[str]] = ..., p_eagle_partial_k_safe: _Optional[bool] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., max_k: _Optional[int] = ..., arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., max_batch_size: _Optional[int] = ..., engine_version: _Optional[str] = ..., counterfactual_methods: _Optional[_Iterable[str]] = ..., p_eagle_partial_k_safe: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
     __slots__ = ("sequence", "steps", "dropped_steps")
@@ -153,7 +155,7 @@ class RequestRule(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("version", "policy", "reason", "ttl_s", "issued_at_s", "k_table", "method", "plan", "rule")
+    __slots__ = ("version", "policy", "reason", "ttl_s", "issued_at_s", "k_table", "method", "plan", "rule", "acked_sequence")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,7 @@ class Directive(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     reason: str
@@ -172,7 +175,8 @@ class Directive(_message.Message):
     method: str
     plan: _containers.RepeatedCompositeFieldContainer[PlanEntry]
     rule: RequestRule
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., ttl_s: _Optional[float] = ..., issued_at_s: _Optional[float] = ..., k_table: _Optional[_Iterable[_Union[KRange, _Mapping]]] = ..., method: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanEntry, _Mapping]]] = ..., rule: _Optional[_Union[RequestRule, _Mapping]] = ...) -> None: ...
+    acked_sequence: int
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., ttl_s: _Optional[float] = ..., issued_at_s: _Optional[float] = ..., k_table: _Optional[_Iterable[_Union[KRange, _Mapping]]] = ..., method: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanEntry, _Mapping]]] = ..., rule: _Optional[_Union[RequestRule, _Mapping]] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("yaml", "source", "engine_id")

@@ -10,11 +10,10 @@ from controller.config import ConfigError, SidecarConfig, load_config, parse_add
 def test_defaults_need_no_file() -> None:
     c = load_config(None)
     assert c == SidecarConfig()
-    assert (c.engine_listen, c.admin_listen, c.metrics_listen) == (
-        "127.0.0.1:50061",
-        "127.0.0.1:50062",
-        "127.0.0.1:9464",
-    )
+    assert (c.engine_listen, c.admin_listen, c.metrics_listen) == ("", "127.0.0.1:50062", "127.0.0.1:9464")
+    # Engines attach over a Unix socket in the state directory by default (created 0600).
+    assert c.engine_address == f"unix://{Path('.state').resolve() / 'engine.sock'}"
+    assert c.engine_socket_mode == 0o600
     assert c.snapshot_path == Path(".state") / "sidecar-state.json"
     assert (c.snapshot_interval_s, c.decision_tick_s, c.max_message_bytes) == (30.0, 0.1, 4 * 1024 * 1024)
 
