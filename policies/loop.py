@@ -126,7 +126,7 @@ class ControlLoop:
         self._accumulate(context_key(bucket, ANY_CLASS), arm[known], tokens[known], share)
         if self._learn_classes:
             classes = np.asarray(obs.traffic_class)
-            for c in set(obs.traffic_class):
+            for c in sorted(set(obs.traffic_class)):
                 rows = known & (classes == c)
                 if rows.any():
                     self._accumulate(context_key(bucket, c), arm[rows], tokens[rows], share)

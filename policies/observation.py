@@ -19,6 +19,8 @@ class StepObservation:
 
     The per-request columns are parallel arrays of equal length. ``counterfactual`` maps a method to
     its would-be accepted counts on the same rows, ``NOT_SCORED`` where the engine did not score it.
+    A score is exact for drafts up to the method's ``counterfactual_depth`` (absent: the engine's max K;
+    e.g. 1 for an EAGLE head's first position, which runs whether or not its draft is verified).
     """
 
     time_s: float
@@ -34,6 +36,7 @@ class StepObservation:
     counterfactual: Mapping[Method, np.ndarray] = field(default_factory=dict)
     request_id: tuple[str, ...] = ()
     finished: np.ndarray | None = None
+    counterfactual_depth: Mapping[Method, int] = field(default_factory=dict)
 
     @property
     def n(self) -> int:

@@ -110,8 +110,13 @@ class FastLoop:
         accepted: np.ndarray,
         counterfactual: Mapping[Method, np.ndarray],
         alpha: float = 0.3,
+        depth: Mapping[Method, int] | None = None,
     ) -> None:
-        """Fold one step's verified and counterfactual accepted counts into the moving averages."""
+        """Fold one step's verified and counterfactual accepted counts into the moving averages.
+
+        Counterfactuals with a limited ``depth`` (e.g. an EAGLE head's first position) are not on the
+        same scale as full drafts, so they stay out of the averages the rule compares.
+        """
         if not len(request_ids):
             return
         s = self.slots(request_ids)
@@ -119,6 +124,8 @@ class FastLoop:
         verified = methods != _OFF
         self._mix(s[verified], methods[verified].astype(np.int64), accepted[verified], alpha)
         for m, cf in counterfactual.items():
+            if depth and m in depth:
+                continue
             ok = cf != NOT_SCORED
             col = np.full(int(ok.sum()), METHOD_CODES[m], dtype=np.int64)
             self._mix(s[ok], col, cf[ok], alpha)

@@ -84,6 +84,8 @@ class Replayer:
         cf_methods = [(m, METHOD_CODES[m], tr.acc[m]) for m in eng.counterfactual if m in tr.acc]
         head = next((m for m in eng.always_runs if m in tr.acc), None) if eng.head_first_position else None
         head_code = METHOD_CODES[head] if head is not None else -1
+        # The head's first position is exact for drafts of one token only.
+        head_depth = {head: 1} if head is not None else {}
         batch_k = eng.granularity is Granularity.BATCH_STEP
         per_request_k = eng.granularity is Granularity.REQUEST_K
         primary = METHOD_CODES[eng.primary]
@@ -242,10 +244,11 @@ class Replayer:
                     accepted=accepted.astype(np.int32),
                     counterfactual=cf,
                     request_id=tuple(m_ids),
+                    counterfactual_depth=head_depth,
                 )
                 loop.observe(obs)
                 if not batch_k:
-                    fast.feedback(m_ids, methods, accepted, cf, alpha=rule_alpha)
+                    fast.feedback(m_ids, methods, accepted, cf, alpha=rule_alpha, depth=head_depth)
                 request_steps += nd
                 drafted_total += ksum
                 accepted_total += acc_sum

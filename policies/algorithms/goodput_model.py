@@ -101,7 +101,7 @@ class GoodputModel(Learner):
             names, counts = np.unique(np.asarray(obs.traffic_class), return_counts=True)
             for c, cnt in zip(names.tolist(), counts.tolist(), strict=True):
                 mix[c] = mix.get(c, 0.0) + cnt / n
-        classes = (ANY_CLASS,) + (tuple(set(obs.traffic_class)) if per_class else ())
+        classes = (ANY_CLASS,) + (tuple(sorted(set(obs.traffic_class))) if per_class else ())
         cls_arr = np.asarray(obs.traffic_class)
         for c in classes:
             rows = slice(None) if c == ANY_CLASS else cls_arr == c
@@ -117,7 +117,8 @@ class GoodputModel(Learner):
                 ok = col != NOT_SCORED
                 if ok.any():
                     vals = col[ok]
-                    self._count(c, METHOD_CODES[meth], vals, np.full(len(vals), self._kmax))
+                    depth = min(obs.counterfactual_depth.get(meth, self._kmax), self._kmax)
+                    self._count(c, METHOD_CODES[meth], vals, np.full(len(vals), depth))
 
     def _count(self, cls: str, code: int, accepted: np.ndarray, k: np.ndarray) -> None:
         t = self._acc.get((cls, code))

@@ -1,6 +1,7 @@
 """The model-based goodput learner: acceptance and cost models, sharing across batch sizes, joint plans."""
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -149,3 +150,26 @@ def test_wrong_shaped_state_is_refused() -> None:
     state["xtx"] = [[1.0]]
     with pytest.raises(ValueError, match="wrong shape"):
         model().load_state_dict(state)
+
+
+def test_limited_depth_counterfactuals_do_not_count_later_positions_as_rejected() -> None:
+    # An EAGLE head's first position, scored on rows that verified n-gram: exact for one token only.
+    m = model()
+    for _ in range(100):
+        obs = StepObservation.build(
+            time_s=0.0,
+            duration_s=0.01,
+            traffic_class=["chat"] * 4,
+            method=[Method.NGRAM] * 4,
+            k=[2] * 4,
+            drafted=[2] * 4,
+            accepted=[0] * 4,
+            counterfactual={Method.EAGLE3: [1] * 4},
+        )
+        m.observe_step(
+            replace(obs, counterfactual_depth={Method.EAGLE3: 1}),
+            "2-4",
+            per_class=True,
+        )
+    # Position 1 is certain; positions 2-4 are still at the prior (1/2 each): 1 + 1/2 + 1/4 + 1/8.
+    assert m._expected_accepted("chat", Arm.parse("eagle3:4"), sample=False) == pytest.approx(1.875, abs=0.02)

@@ -48,10 +48,5 @@ def test_same_seed_same_result_across_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    strict=True,
-    reason="policies iterate set(traffic_class) (policies/loop.py observe, goodput_model observe_step): "
-    "the order, and so the learner's random draws, depend on PYTHONHASHSEED; sorting both fixes it",
-)
 def test_result_does_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
     assert _run(tmp_path, "1", "a.json") == _run(tmp_path, "2", "b.json")
