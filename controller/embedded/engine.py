@@ -5,6 +5,11 @@ time) and the link (Hello, then batched reports with increasing ``sequence``; di
 they come). The step loop never waits on the link: reports go to a bounded queue and are dropped,
 and counted, when it is full. When the sidecar goes away the link reconnects with backoff while the
 engine keeps serving on its last directive, then on its safe default once that expires.
+
+Nothing is counted twice or lost in a reconnect: sequences run across streams for this engine
+instance (``Hello.instance_id``), sent batches stay in a bounded buffer until a directive
+acknowledges them (``acked_sequence``), and after a reconnect the link resends what the sidecar has
+not acknowledged; the sidecar drops any it had already applied.
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
+from controller.auth import ClientTLS, channel_credentials, channel_options
 from controller.convert import directive_from_pb, hello_from_engine_info
 from controller.embedded.core import ENGINE_VERSION, EngineCore, EngineSettings, EngineTotals
 from controller.embedded.cost import StepCost
@@ -26,6 +34,9 @@ from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+#: At the end of its schedule, how long the engine waits for its last reports to be acknowledged.
+DRAIN_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +48,12 @@ class LinkSettings:
     max_steps_per_batch: int = 256
     #: Steps the send queue holds while the link is slow or down; more are dropped and counted.
     send_queue_steps: int = 4096
+    #: Sent steps kept until the sidecar acknowledges them, for a resend after a reconnect; beyond
+    #: it the oldest batches are forgotten (counted in ``LinkStats.evicted_steps``).
+    resend_steps: int = 8192
+    #: After a reconnect, how long the link waits for the first directive (and its acknowledgement)
+    #: before sending anything.
+    ack_wait_s: float = 5.0
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
     #: Before its first step, wait up to this long (wall) for a first directive. A real engine serves
@@ -46,9 +63,16 @@ class LinkSettings:
     def __post_init__(self) -> None:
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
-        if self.flush_interval_s < 0 or self.max_steps_per_batch < 1 or self.send_queue_steps < 1:
+        if (
+            self.flush_interval_s < 0
+            or self.max_steps_per_batch < 1
+            or self.send_queue_steps < 1
+            or self.resend_steps < 1
+            or self.ack_wait_s < 0
+        ):
             raise ValueError(
-                "link settings: flush_interval_s >= 0, max_steps_per_batch and send_queue_steps >= 1"
+                "link settings: flush_interval_s, ack_wait_s >= 0; max_steps_per_batch, send_queue_steps "
+                "and resend_steps >= 1"
             )
 
 
@@ -59,6 +83,9 @@ class LinkStats:
     sent_steps: int = 0
     dropped_steps: int = 0
     bad_directives: int = 0
+    resent_batches: int = 0
+    evicted_steps: int = 0
+    acked_sequence: int = 0
 
 
 class EmbeddedEngine:
@@ -73,8 +100,10 @@ class EmbeddedEngine:
         link: LinkSettings | None = None,
         cost: StepCost | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.target = target
+        self.tls = tls
         self.settings = settings
         self.link = link or LinkSettings()
         self.core = EngineCore(settings=settings, traffic=traffic, cost=cost, clock=clock)
@@ -83,6 +112,15 @@ class EmbeddedEngine:
         self._dropped_unreported = 0
         self._task: asyncio.Task[None] | None = None
         self._first_directive: asyncio.Event | None = None
+        self.instance_id = ""
+        self._sequence = 0
+        #: Sent, not yet acknowledged: (sequence, batch), oldest first.
+        self._unacked: deque[pb.StepReportBatch] = deque()
+        self._unacked_steps = 0
+        #: Whether the sidecar acknowledges reports (its directives carry ``acked_sequence``).
+        self._acks = False
+        self._stream_ready: asyncio.Event | None = None
+        self._pending: list[pb.StepReport] = []
 
     @property
     def totals(self) -> EngineTotals:
@@ -115,13 +153,14 @@ class EmbeddedEngine:
         """Step through the whole schedule while keeping a link to the sidecar; returns when done."""
         self._queue = asyncio.Queue(maxsize=self.link.send_queue_steps)
         self._first_directive = asyncio.Event()
+        self.instance_id = uuid.uuid4().hex
         link = asyncio.create_task(self._link_loop(), name=f"engine-link-{self.settings.engine_id}")
         try:
             if self.link.await_directive_s > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._first_directive.wait(), self.link.await_directive_s)
             await self._step_loop()
-            await self._drain(timeout=1.0)
+            await self._drain(timeout=DRAIN_S)
         finally:
             link.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -149,11 +188,21 @@ class EmbeddedEngine:
                 await asyncio.sleep(0)
 
     async def _drain(self, *, timeout: float) -> None:
-        """Give the link a moment to send the last reports."""
+        """Give the link a moment to send the last reports and hear that the sidecar has them."""
         assert self._queue is not None
         deadline = asyncio.get_running_loop().time() + timeout
-        while not self._queue.empty() and asyncio.get_running_loop().time() < deadline:
+        while self.outstanding and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
+
+    @property
+    def outstanding(self) -> bool:
+        """Reports not yet sent, or (with a sidecar that acknowledges) not yet acknowledged."""
+        assert self._queue is not None
+        return not self._queue.empty() or bool(self._pending) or bool(self._unacked)
+
+    @property
+    def unacked_batches(self) -> int:
+        return len(self._unacked)
 
     # -- link ----------------------------------------------------------------------------------------
 
@@ -176,11 +225,20 @@ class EmbeddedEngine:
     async def _attach_once(self) -> bool:
         """One stream; True when it got as far as a directive (resets the backoff)."""
         got_directive = False
-        async with grpc.aio.insecure_channel(self.target) as channel:
+        ready = self._stream_ready = asyncio.Event()
+        if self.tls is not None:
+            channel = grpc.aio.secure_channel(
+                self.target, channel_credentials(self.tls), options=channel_options(self.tls)
+            )
+        else:
+            channel = grpc.aio.insecure_channel(self.target)
+        async with channel:
             stub = pb_grpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
-            call = stub.Attach(self._messages())
+            call = stub.Attach(self._messages(ready))
             self.stats.connects += 1
             async for msg in call:
+                self._acknowledged(msg)
+                ready.set()
                 try:
                     d = directive_from_pb(msg)
                 except ValueError as e:
@@ -193,21 +251,54 @@ class EmbeddedEngine:
                     self._first_directive.set()
         return got_directive
 
-    async def _messages(self) -> AsyncIterator[pb.EngineMessage]:
+    def _acknowledged(self, msg: pb.Directive) -> None:
+        """Forget the batches the sidecar has applied."""
+        self._acks = msg.HasField("acked_sequence")
+        if not self._acks:
+            return
+        acked = msg.acked_sequence
+        self.stats.acked_sequence = acked
+        while self._unacked and self._unacked[0].sequence <= acked:
+            self._unacked_steps -= len(self._unacked.popleft().steps)
+
+    def _keep(self, batch: pb.StepReportBatch) -> None:
+        if not self._acks:
+            return
+        self._unacked.append(batch)
+        self._unacked_steps += len(batch.steps)
+        while self._unacked_steps > self.link.resend_steps and len(self._unacked) > 1:
+            old = self._unacked.popleft()
+            self._unacked_steps -= len(old.steps)
+            self.stats.evicted_steps += len(old.steps)
+
+    async def _messages(self, ready: asyncio.Event) -> AsyncIterator[pb.EngineMessage]:
         assert self._queue is not None
         hello = hello_from_engine_info(self.settings.info(), engine_version=ENGINE_VERSION)
+        hello.instance_id = self.instance_id
         yield pb.EngineMessage(hello=hello)
-        seq = 0
+        # The first directive says what the sidecar already has; resend only the rest.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ready.wait(), self.link.ack_wait_s)
+        if not self._acks:
+            self._unacked.clear()
+            self._unacked_steps = 0
+        for batch in list(self._unacked):
+            self.stats.resent_batches += 1
+            yield pb.EngineMessage(reports=batch)
         q = self._queue
+        pending = self._pending  # taken from the queue, not yet in a batch: survives a lost stream
         while True:
-            steps = [await q.get()]
+            if not pending:
+                pending.append(await q.get())
             if self.link.flush_interval_s > 0:
                 await asyncio.sleep(self.link.flush_interval_s)
-            while len(steps) < self.link.max_steps_per_batch and not q.empty():
-                steps.append(q.get_nowait())
-            seq += 1
+            while len(pending) < self.link.max_steps_per_batch and not q.empty():
+                pending.append(q.get_nowait())
+            steps = pending[:]
+            pending.clear()
+            self._sequence += 1
             dropped, self._dropped_unreported = self._dropped_unreported, 0
             self.stats.sent_steps += len(steps)
-            yield pb.EngineMessage(
-                reports=pb.StepReportBatch(sequence=seq, steps=steps, dropped_steps=dropped)
-            )
+            batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
+            self._keep(batch)
+            yield pb.EngineMessage(reports=batch)
