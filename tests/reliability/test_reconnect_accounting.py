@@ -70,7 +70,7 @@ async def test_cut_connections_lose_and_duplicate_nothing(sidecar: Sidecar) -> N
         await engine.start()
         cut = 0
         for _ in range(6):
-            await until(lambda: engine.stats.connects > cut)
+            await until(lambda c=cut: engine.stats.connects > c)  # type: ignore[misc]
             await until(lambda: engine.stats.sent_steps > 0)
             await asyncio.sleep(0.15)
             if proxy.cut():
