@@ -11,7 +11,8 @@ step (the per-request rule), the engine model's constraints on top, then ``Contr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,7 @@ class Replayer:
         seed: int | None = None,
         label: str = "",
         progress: Progress | None = None,
+        loop_state: Mapping[str, Any] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -68,11 +70,16 @@ class Replayer:
         self.seed = seed
         self.label = label or policy.name
         self.progress = progress
+        #: A ControlLoop state to start from (a warm start); the loop's state after ``run`` is kept.
+        self.loop_state = loop_state
+        self.final_state: dict[str, Any] | None = None
 
     def run(self) -> RunResult:
         tr, prof, eng = self.trace, self.profile, self.engine
         max_k = tr.max_k
         loop = ControlLoop(spec=self.policy, engine=eng.info(max_k), seed=self.seed)
+        if self.loop_state is not None:
+            loop.load_state_dict(self.loop_state)
         fast = FastLoop(capacity=max(64, 2 * self.concurrency))
         rule_alpha = float(self.policy.rule.params.get("alpha", 0.3))
         n, C = tr.n, self.concurrency
@@ -302,6 +309,7 @@ class Replayer:
                 m_ids = [ids[i] for i in m_req]
                 m_cls = [classes[i] for i in m_req]
 
+        self.final_state = loop.state_dict()
         return RunResult(
             label=self.label,
             engine=eng.name,
