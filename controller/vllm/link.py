@@ -4,6 +4,10 @@ The engine step calls ``offer`` (never blocks: a full queue drops the step and c
 ``directive`` (a lock-free read of the latest directive and when it arrived). One background thread
 owns the stream: it sends the Hello, batches queued steps into ``StepReportBatch`` messages, stores
 every Directive it receives, and reconnects with backoff when the sidecar goes away.
+
+Sequences run across streams for this engine process (``Hello.instance_id``). A sidecar that
+acknowledges (``Directive.acked_sequence``) lets the link keep sent batches until they are applied
+and resend the rest after a reconnect, so a lost stream neither loses nor double-counts a step.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import logging
 import queue
 import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -52,9 +58,25 @@ class SidecarLink:
         flush_s: float = 0.05,
         backoff_s: tuple[float, float] = (0.2, 5.0),
         clock: Callable[[], float] = time.monotonic,
+        resend_steps: int = 8192,
+        ack_wait_s: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
+        if not hello.instance_id:
+            hello = pb.Hello.FromString(hello.SerializeToString())
+            hello.instance_id = uuid.uuid4().hex
         self.hello = hello
+        self.resend_steps = resend_steps
+        self.ack_wait_s = ack_wait_s
+        self.credentials = credentials
+        #: Sent, unacknowledged batches (oldest first), their steps, and whether the sidecar acks.
+        self._unacked: deque[pb.StepReportBatch] = deque()
+        self._unacked_steps = 0
+        self._acks = False
+        self._lock = threading.Lock()
+        self.resent_batches = 0
+        self.evicted_steps = 0
         self.batch_max = batch_max
         self.flush_s = flush_s
         self.backoff_s = backoff_s
@@ -122,13 +144,19 @@ class SidecarLink:
         warned = False
         while not self._stop.is_set():
             done = threading.Event()
+            ready = threading.Event()
             try:
-                with grpc.insecure_channel(self.target) as channel:
+                with (
+                    grpc.secure_channel(self.target, self.credentials)
+                    if self.credentials is not None
+                    else grpc.insecure_channel(self.target)
+                ) as channel:
                     stub = pb_grpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
-                    self._sequence = 0
-                    call = stub.Attach(self._messages(done))
+                    call = stub.Attach(self._messages(done, ready))
                     self._call = call
                     for msg in call:
+                        self._acknowledged(msg)
+                        ready.set()
                         self._receive(msg)
                         if not self._connected:
                             self._connected = True
@@ -165,8 +193,44 @@ class SidecarLink:
         self._latest = Received(d, self.clock())
         self._directives += 1
 
-    def _messages(self, done: threading.Event) -> Iterator[pb.EngineMessage]:
+    def _acknowledged(self, msg: pb.Directive) -> None:
+        with self._lock:
+            self._acks = msg.HasField("acked_sequence")
+            if not self._acks:
+                return
+            while self._unacked and self._unacked[0].sequence <= msg.acked_sequence:
+                self._unacked_steps -= len(self._unacked.popleft().steps)
+
+    def _keep(self, batch: pb.StepReportBatch) -> None:
+        with self._lock:
+            if not self._acks:
+                return
+            self._unacked.append(batch)
+            self._unacked_steps += len(batch.steps)
+            while self._unacked_steps > self.resend_steps and len(self._unacked) > 1:
+                n = len(self._unacked.popleft().steps)
+                self._unacked_steps -= n
+                self.evicted_steps += n
+
+    def unacked_batches(self) -> int:
+        with self._lock:
+            return len(self._unacked)
+
+    def _messages(self, done: threading.Event, ready: threading.Event) -> Iterator[pb.EngineMessage]:
         yield pb.EngineMessage(hello=self.hello)
+        # The stream's first directive says which batches the sidecar already has.
+        deadline = time.monotonic() + self.ack_wait_s
+        while not ready.wait(0.05):
+            if done.is_set() or self._stop.is_set() or time.monotonic() > deadline:
+                break
+        with self._lock:
+            if not self._acks:
+                self._unacked.clear()
+                self._unacked_steps = 0
+            resend = list(self._unacked)
+        for batch in resend:
+            self.resent_batches += 1
+            yield pb.EngineMessage(reports=batch)
         while not done.is_set() and not self._stop.is_set():
             try:
                 first = self._queue.get(timeout=self.flush_s)
@@ -187,6 +251,7 @@ class SidecarLink:
                 sequence=self._sequence, steps=[s.to_pb() for s in steps], dropped_steps=dropped
             )
             self._sent += len(steps)
+            self._keep(batch)
             yield pb.EngineMessage(reports=batch)
 
 
