@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from controller.auth import ClientTLS
 from controller.client import AdminClient
 from controller.config import FLEET_NAME_RE
 from controller.v1 import controller_pb2 as pb
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 DEFAULT_ADMIN = "127.0.0.1:50062"
 ADMIN_ENV = "SPECCONTROL_ADMIN"
+#: The admin bearer token itself (``--token-file`` takes precedence).
+ADMIN_TOKEN_ENV = "SPECCONTROL_ADMIN_TOKEN"
 MQTT_URL_ENV = "SPECCONTROL_MQTT_URL"
 #: The broker password when the URL names a user but no password (keeps it out of ``ps``).
 MQTT_PASSWORD_ENV = "SPECCONTROL_MQTT_PASSWORD"
@@ -88,17 +91,49 @@ def read_policy(name_or_path: str) -> tuple[str, str, PolicySpec]:
         raise UserError(str(e).splitlines()[0]) from None
 
 
+def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
+    """The bearer token (``--token-file`` or ``$SPECCONTROL_ADMIN_TOKEN``) and TLS settings."""
+    from controller.config import ConfigError, read_secret_file
+
+    token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+    if args.token_file:
+        try:
+            token = read_secret_file(args.token_file, field="--token-file")
+        except ConfigError as e:
+            raise UserError(str(e).removeprefix("<config>: ")) from None
+    tls = None
+    if args.admin_ca_file or args.admin_cert_file or args.admin_key_file:
+        try:
+            tls = ClientTLS(
+                ca_file=args.admin_ca_file or "",
+                cert_file=args.admin_cert_file or "",
+                key_file=args.admin_key_file or "",
+                server_name=args.admin_server_name or "",
+            )
+        except ValueError as e:
+            raise UserError(f"--admin-cert-file/--admin-key-file: {e}") from None
+    return token, tls
+
+
 def _admin_call(args: argparse.Namespace, fn: Callable[[AdminClient], Awaitable[T]]) -> T:
+    token, tls = _admin_auth(args)
+
     async def go() -> T:
-        async with AdminClient(target=args.admin, timeout=args.timeout) as admin:
+        async with AdminClient(target=args.admin, timeout=args.timeout, token=token, tls=tls) as admin:
             return await fn(admin)
 
     try:
         return asyncio.run(go())
+    except ValueError as e:  # an unreadable TLS file
+        raise UserError(f"admin TLS: {e}") from None
     except grpc.aio.AioRpcError as e:
         details = (e.details() or e.code().name).splitlines()[0]
         if e.code() in _UNREACHABLE:
             raise UserError(f"cannot reach the sidecar at {args.admin}: {details}", 1) from None
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise UserError(
+                f"unauthenticated: {details} (give the token with --token-file or ${ADMIN_TOKEN_ENV})", 2
+            ) from None
         raise UserError(f"{e.code().name.lower()}: {details}", 2) from None
 
 
@@ -320,6 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="admin (or broker) call timeout in seconds"
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help=f"admin bearer token from this file (default: ${ADMIN_TOKEN_ENV}); needed to set or roll back "
+        "policies when the sidecar has admin_token_file",
+    )
+    p.add_argument(
+        "--admin-ca-file", metavar="FILE", help="admin API over TLS: the CA of the sidecar's certificate"
+    )
+    p.add_argument("--admin-cert-file", metavar="FILE", help="admin API mTLS: client certificate")
+    p.add_argument("--admin-key-file", metavar="FILE", help="admin API mTLS: client key")
+    p.add_argument(
+        "--admin-server-name",
+        metavar="NAME",
+        help="admin API over TLS: expected name in the sidecar's certificate",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

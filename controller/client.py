@@ -1,9 +1,11 @@
 """A small typed async client for the sidecar's AdminService (what ``controllerctl`` uses).
 
-    async with AdminClient(target="127.0.0.1:50062") as admin:
+    async with AdminClient(target="127.0.0.1:50062", token=token) as admin:
         info = await admin.set_policy(text, source="my.yaml", engine_id="engine-0")
 
-Errors are the gRPC ones (``grpc.aio.AioRpcError``); callers decide how to show them.
+``token`` is the admin bearer token (sent on every call when given); ``tls`` makes the channel TLS,
+with a client certificate for mTLS. Errors are the gRPC ones (``grpc.aio.AioRpcError``); callers
+decide how to show them.
 """
 
 from __future__ import annotations
@@ -13,19 +15,28 @@ from types import TracebackType
 
 import grpc
 
+from controller.auth import ClientTLS, bearer_metadata, channel_credentials, channel_options
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 
 
 class AdminClient:
-    def __init__(self, *, target: str, timeout: float = 5.0) -> None:
+    def __init__(
+        self, *, target: str, timeout: float = 5.0, token: str = "", tls: ClientTLS | None = None
+    ) -> None:
         self.target = target
         self.timeout = timeout
+        self.tls = tls
+        self._md = bearer_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.AdminServiceStub | None = None
 
     async def __aenter__(self) -> AdminClient:
-        self._channel = grpc.aio.insecure_channel(self.target)
+        if self.tls is not None:
+            creds = channel_credentials(self.tls)
+            self._channel = grpc.aio.secure_channel(self.target, creds, options=channel_options(self.tls))
+        else:
+            self._channel = grpc.aio.insecure_channel(self.target)
         self._stub = pb_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return self
 
@@ -44,39 +55,41 @@ class AdminClient:
 
     async def set_policy(self, yaml_text: str, *, source: str = "", engine_id: str = "") -> pb.PolicyInfo:
         req = pb.SetPolicyRequest(yaml=yaml_text, source=source, engine_id=engine_id)
-        out: pb.PolicyInfo = await self.stub.SetPolicy(req, timeout=self.timeout)
+        out: pb.PolicyInfo = await self.stub.SetPolicy(req, timeout=self.timeout, metadata=self._md)
         return out
 
     async def get_policy(self, engine_id: str = "") -> pb.PolicyInfo:
         out: pb.PolicyInfo = await self.stub.GetPolicy(
-            pb.GetPolicyRequest(engine_id=engine_id), timeout=self.timeout
+            pb.GetPolicyRequest(engine_id=engine_id), timeout=self.timeout, metadata=self._md
         )
         return out
 
     async def list_policies(self) -> pb.ListPoliciesResponse:
         out: pb.ListPoliciesResponse = await self.stub.ListPolicies(
-            pb.ListPoliciesRequest(), timeout=self.timeout
+            pb.ListPoliciesRequest(), timeout=self.timeout, metadata=self._md
         )
         return out
 
     async def rollback_policy(self, engine_id: str = "") -> pb.PolicyInfo:
         req = pb.RollbackPolicyRequest(engine_id=engine_id)
-        out: pb.PolicyInfo = await self.stub.RollbackPolicy(req, timeout=self.timeout)
+        out: pb.PolicyInfo = await self.stub.RollbackPolicy(req, timeout=self.timeout, metadata=self._md)
         return out
 
     async def status(self) -> pb.Status:
-        out: pb.Status = await self.stub.GetStatus(pb.StatusRequest(), timeout=self.timeout)
+        out: pb.Status = await self.stub.GetStatus(
+            pb.StatusRequest(), timeout=self.timeout, metadata=self._md
+        )
         return out
 
     async def engines(self) -> list[pb.EngineStatus]:
         out: pb.ListEnginesResponse = await self.stub.ListEngines(
-            pb.ListEnginesRequest(), timeout=self.timeout
+            pb.ListEnginesRequest(), timeout=self.timeout, metadata=self._md
         )
         return list(out.engines)
 
     async def watch_decisions(self, engine_id: str = "") -> AsyncIterator[pb.Decision]:
         """Every decision change (all engines, or one); runs until the caller stops iterating."""
-        call = self.stub.WatchDecisions(pb.WatchDecisionsRequest(engine_id=engine_id))
+        call = self.stub.WatchDecisions(pb.WatchDecisionsRequest(engine_id=engine_id), metadata=self._md)
         try:
             async for d in call:
                 yield d
