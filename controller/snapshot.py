@@ -66,11 +66,11 @@ class SnapshotStore:
     def load(self) -> dict[str, Any] | None:
         """The saved state, or None when there is none (or it was unreadable and moved aside)."""
         try:
-            text = self.path.read_text(encoding="utf-8")
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
         try:
-            doc = json.loads(text)
+            doc = json.loads(raw.decode("utf-8"))
             if (
                 not isinstance(doc, dict)
                 or doc.get("format") != FORMAT_VERSION
