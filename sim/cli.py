@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.spec import PolicyError, PolicySpec, parse_policy, static_policy
+from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, ProfileError, load_profile, profile_names
 from sim.engines import ENGINES
 from sim.trace import Trace, TraceError, read_trace, validate_trace, write_trace
@@ -263,6 +264,7 @@ def register(subparsers: Any) -> None:
     p = ss.add_parser("compare", help="several policies and static baselines side by side")
     _replay_args(p, compare=True)
     p.set_defaults(func=_with_tail(cmd_compare))
+    add_autoscale_parser(ss, resolve_policy)
     p = ss.add_parser("list", help="scenarios, profiles and engine models")
     p.set_defaults(func=cmd_list)
 

@@ -1,0 +1,76 @@
+"""The HPA model and the fleet's fluid queue (synthetic replicas; the measured ones are slow)."""
+
+import numpy as np
+import pytest
+
+from sim.autoscale import (
+    Hpa,
+    HpaSettings,
+    LearningCurve,
+    ReplicaMeasure,
+    load_triples,
+    simulate_fleet,
+    summarise,
+)
+
+
+def flat(eff: float, until: float = 0.0) -> LearningCurve:
+    """Efficiency ``eff`` for the first ``until`` seconds, then 1."""
+    t = np.array([0.0, until, until + 1e-6, until + 1.0]) if until else np.array([0.0, 1.0])
+    e = np.array([eff, eff, 1.0, 1.0]) if until else np.array([1.0, 1.0])
+    return LearningCurve(t_s=t, efficiency=e, steady_tok_s=1000.0)
+
+
+def replica(cold_eff: float = 0.5, learn_s: float = 60.0) -> ReplicaMeasure:
+    # 1000 tok/s, 100 tokens per request: 10 requests/s per replica.
+    return ReplicaMeasure(1000.0, 100.0, 2.0, cold=flat(cold_eff, learn_s), warm=flat(1.0))
+
+
+def test_ratio_rule_with_tolerance() -> None:
+    hpa = Hpa(HpaSettings(target_queue_wait_s=0.5, target_utilisation=None))
+    assert hpa.decide(0.0, 4, 1.0) == 8
+    assert hpa.decide(15.0, 4, 0.52) == 4  # within 10 %
+
+
+def test_scale_up_is_rate_limited() -> None:
+    hpa = Hpa(HpaSettings(target_queue_wait_s=0.5, target_utilisation=None, max_replicas=100))
+    assert hpa.decide(0.0, 2, 50.0) == 6  # max(2 + 4 pods, 2 x 200 %)
+    assert hpa.decide(15.0, 10, 50.0) == 20
+
+
+def test_scale_down_waits_for_the_stabilisation_window() -> None:
+    hpa = Hpa(HpaSettings(target_queue_wait_s=0.5, target_utilisation=None, scale_down_window_s=300.0))
+    assert hpa.decide(0.0, 4, 1.0) == 8
+    assert hpa.decide(100.0, 8, 0.0) == 8  # the window still holds the recommendation of 8
+    assert hpa.decide(301.0, 8, 0.0) == 1
+
+
+def test_the_larger_recommendation_wins() -> None:
+    hpa = Hpa(HpaSettings(target_queue_wait_s=0.5, target_utilisation=0.8))
+    assert hpa.decide(0.0, 4, 0.0, 1.0) == 5  # no queue, but every slot busy: ceil(4 x 1.0 / 0.8)
+
+
+def test_invalid_settings() -> None:
+    with pytest.raises(ValueError):
+        HpaSettings(min_replicas=5, max_replicas=2)
+
+
+def test_learning_curve() -> None:
+    c = flat(0.5, 60.0)
+    assert c.at(10.0) == 0.5 and c.at(1e6) == 1.0
+    assert c.time_to(0.95) == pytest.approx(60.0, abs=1e-3)
+
+
+def test_load_triples_scales_out_drains_and_warm_starts_help() -> None:
+    t = np.arange(0.0, 1500.0)
+    arrivals = load_triples(t, base_rps=12.0, at_s=300.0)  # 2 replicas at 60 %, then 36 req/s
+    assert arrivals[299] == 12.0 and arrivals[300] == 36.0
+    settings = HpaSettings(startup_s=120.0, min_replicas=2)
+    cold = simulate_fleet(replica=replica(), arrival_rps=arrivals, hpa=settings, warm_start=False)
+    warm = simulate_fleet(replica=replica(), arrival_rps=arrivals, hpa=settings, warm_start=True)
+    for s in (cold, warm):
+        assert s.replicas[299] == 2 and s.replicas.max() >= 4
+        assert s.queue_wait_s[310] > 0 and s.queue_wait_s[-1] == 0.0
+        assert s.ready[-1] * 10.0 >= 36.0  # enough serving capacity at the end
+    # New replicas at half speed for their first minute leave a longer queue than warm ones.
+    assert summarise(warm, 300.0)["queue_wait_s_integral"] < summarise(cold, 300.0)["queue_wait_s_integral"]
