@@ -21,7 +21,7 @@ from policies.algorithms import REGISTRY, Learner
 from policies.arms import METHODS_BY_CODE, OFF, Arm, Method
 from policies.context import ANY_CLASS, context_key
 from policies.directive import Directive, KRange, PlanEntry
-from policies.engine import EngineInfo
+from policies.engine import EngineInfo, Granularity
 from policies.observation import StepObservation
 from policies.spec import PolicySpec
 
@@ -98,6 +98,20 @@ class ControlLoop:
         self._arm_lut = np.full((len(METHODS_BY_CODE), engine.max_k + 1), -1, dtype=np.int64)
         for i, a in enumerate(self.arms):
             self._arm_lut[list(METHODS_BY_CODE).index(a.method), a.k] = i
+        self._allowed = self._plannable()
+
+    def _plannable(self) -> list[int]:
+        """Arms the slow loop plans among.
+
+        Under the ``ngram_span`` rule on an engine that picks the method per request, n-gram is drafted
+        by the rule inside copy spans; the plan is the arm for the positions between spans, where an
+        always-on n-gram arm would verify drafts that are almost never accepted.
+        """
+        every = list(range(len(self.arms)))
+        if self.spec.rule.kind != "ngram_span" or self.engine.granularity is not Granularity.REQUEST_METHOD:
+            return every
+        rest = [i for i, a in enumerate(self.arms) if a.method is not Method.NGRAM]
+        return rest if any(self.arms[i].speculates for i in rest) else every
 
     # -- observe ---------------------------------------------------------------------------------
 
@@ -163,9 +177,7 @@ class ControlLoop:
             label = self.spec.buckets.label(b)
             prefix = f"{label}/"
             classes = [k[len(prefix) :] for k in self._ctx if k.startswith(prefix)]
-            plan = self.learner.plan_bucket(
-                label, [c for c in classes if c != ANY_CLASS], range(len(self.arms))
-            )  # type: ignore[arg-type]
+            plan = self.learner.plan_bucket(label, [c for c in classes if c != ANY_CLASS], self._allowed)
             if plan:
                 joint.update({context_key(label, c): i for c, i in plan.items()})
         for key, c in sorted(self._ctx.items()):
@@ -179,7 +191,7 @@ class ControlLoop:
                 continue
             choice = joint.get(key)
             if choice is None:
-                choice = self.learner.select(key, range(len(self.arms)))  # type: ignore[arg-type]
+                choice = self.learner.select(key, self._allowed)
             if choice != c.arm:
                 est = self.learner.estimates(key)[choice]
                 before = self.arms[c.arm] if c.arm >= 0 else None

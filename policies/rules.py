@@ -4,6 +4,14 @@ The slow loop plans an arm per (traffic class, batch bucket); the rule may overr
 request from that request's own recent feedback. ``ngram_margin``: switch a request to n-gram while
 its recent n-gram acceptance (verified or counterfactual) beats the planned method's by ``margin``
 tokens per step, and back when it stops doing so. The K stays the planned one.
+
+``ngram_span`` (the default's rule): n-gram pays off in bursts, while the text copies a span of the
+prompt or of earlier output, and almost never outside one. A scored n-gram draft (verified, or the
+counterfactual the engine computes on every request-step) that accepted ``s`` tokens of a draft not
+cut short by K says the copied span reaches ``s`` tokens past that position; after the step advanced
+``e`` tokens the next draft can expect ``s - e`` more, and a draft cut short by K says the span goes
+on. The rule drafts n-gram with K set to that expected run while it is at least ``min_run`` tokens,
+and the planned arm otherwise: EAGLE-3 between spans, n-gram inside them, per request and per step.
 """
 
 from __future__ import annotations
@@ -24,6 +32,11 @@ RULES: dict[str, Mapping[str, Param]] = {
         "margin": Param(0.5, "Accepted tokens per step by which n-gram must lead to take over.", 0.0, 64.0),
         "alpha": Param(0.3, "Weight of the newest step in the per-request moving averages.", 0.01, 1.0),
         "warmup_steps": Param(2, "Steps of feedback a request needs before the rule may switch it.", 0, 1000),
+    },
+    "ngram_span": {
+        "min_run": Param(2.0, "Expected n-gram run (tokens) at which a request drafts with n-gram.", 1.0, 64.0),
+        "when_off": Param(1, "1: requests planned 'off' also draft n-gram inside a span; 0: never.", 0, 1),
+        "alpha": Param(0.3, "Weight of the newest step in the per-request moving averages.", 0.01, 1.0),
     },
 }
 
@@ -48,6 +61,10 @@ class FastLoop:
         self._free: list[int] = []
         self._ewma = np.zeros((capacity, len(Method)))  # accepted tokens per step, per method
         self._steps = np.zeros(capacity, dtype=np.int64)
+        # Expected n-gram run at the request's next position (NaN: unknown), and the K it last drafted.
+        self._run = np.full(capacity, np.nan)
+        self._k = np.zeros(capacity, dtype=np.int64)
+        self._max_k = 0
 
     def slots(self, request_ids: Sequence[str]) -> np.ndarray:
         out = np.empty(len(request_ids), dtype=np.int64)
@@ -60,6 +77,8 @@ class FastLoop:
                 self._slot[rid] = s
                 self._ewma[s] = np.nan
                 self._steps[s] = 0
+                self._run[s] = np.nan
+                self._k[s] = 0
             out[j] = s
         return out
 
@@ -67,6 +86,8 @@ class FastLoop:
         n = len(self._steps)
         self._ewma = np.vstack([self._ewma, np.zeros((n, len(Method)))])
         self._steps = np.concatenate([self._steps, np.zeros(n, dtype=np.int64)])
+        self._run = np.concatenate([self._run, np.full(n, np.nan)])
+        self._k = np.concatenate([self._k, np.zeros(n, dtype=np.int64)])
 
     def release(self, request_id: str) -> None:
         s = self._slot.pop(request_id, None)
@@ -101,6 +122,17 @@ class FastLoop:
             lead = np.nan_to_num(ng, nan=-np.inf) >= np.nan_to_num(planned, nan=0.0) + rule.params["margin"]
             switch = ready & lead & (methods != _OFF) & (ks > 0)
             methods[switch] = _NGRAM
+        elif rule.kind == "ngram_span" and n:
+            s = self.slots(request_ids)
+            run = self._run[s]
+            switch = np.nan_to_num(run, nan=0.0) >= rule.params["min_run"]
+            if not int(rule.params["when_off"]):
+                switch &= methods != _OFF
+            methods[switch] = _NGRAM
+            ks[switch] = np.clip(run[switch], 1, max_k).astype(np.int32)
+        if n and rule.kind != "none":
+            self._max_k = max_k
+            self._k[self.slots(request_ids)] = np.where(methods == _OFF, 0, ks)
         return methods, ks
 
     def feedback(
@@ -129,6 +161,23 @@ class FastLoop:
             ok = cf != NOT_SCORED
             col = np.full(int(ok.sum()), METHOD_CODES[m], dtype=np.int64)
             self._mix(s[ok], col, cf[ok], alpha)
+        self._span(s, methods, np.asarray(accepted), counterfactual.get(Method.NGRAM))
+
+    def _span(self, s: np.ndarray, methods: np.ndarray, accepted: np.ndarray, cf: np.ndarray | None) -> None:
+        """The expected n-gram run at each request's next position (see ``ngram_span``)."""
+        max_k = self._max_k
+        if max_k <= 0:
+            return
+        ng = methods == _NGRAM
+        score = np.where(ng, accepted, NOT_SCORED)
+        cut = ng & (accepted >= self._k[s])  # the draft ended at K, not at a rejection
+        if cf is not None:
+            from_cf = ~ng & (cf != NOT_SCORED)
+            score = np.where(from_cf, cf, score)
+            cut |= from_cf & (cf >= max_k)
+        step = np.where(methods == _OFF, 0, accepted) + 1
+        run = np.where(cut, float(max_k), score.astype(np.float64) - step)
+        self._run[s] = np.where(score == NOT_SCORED, np.nan, np.maximum(run, 0.0))
 
     def _mix(self, s: np.ndarray, col: np.ndarray, x: np.ndarray, alpha: float) -> None:
         old = self._ewma[s, col]

@@ -36,15 +36,17 @@ _N_FEATURES = 6
 _TOKEN_SCALE = 32.0
 
 
-def _features(n_rows: float, ks: np.ndarray, methods: np.ndarray) -> np.ndarray:
+def _features(n_rows: float, ks: np.ndarray, methods: np.ndarray, head: bool = False) -> np.ndarray:
     spec = np.where(methods == _OFF, 0, ks)
     eagle = (methods == _EAGLE) & (spec > 0)
+    # ``head``: the EAGLE-3 head ran its first forward whatever was verified (the engine reported it).
+    passes = max(float(spec[eagle].max()) if eagle.any() else 0.0, 1.0 if head else 0.0)
     return np.array(
         [
             1.0,
             (float(spec.sum()) + n_rows) / _TOKEN_SCALE,
-            float(eagle.any()),
-            float(spec[eagle].max()) if eagle.any() else 0.0,
+            float(passes > 0),
+            passes,
             float(((methods == _PEAGLE) & (spec > 0)).any()),
             float(((methods == _NGRAM) & (spec > 0)).any()),
         ]
@@ -76,6 +78,8 @@ class GoodputModel(Learner):
         # Mean batch size per bucket label, and the share of each traffic class in it.
         self._batch: dict[str, np.ndarray] = {}
         self._mix: dict[str, dict[str, float]] = {}
+        # Whether the engine runs the EAGLE-3 head every step (it reports the head's first position).
+        self._head = False
 
     # -- learning ----------------------------------------------------------------------------------
 
@@ -84,7 +88,9 @@ class GoodputModel(Learner):
         if n == 0 or obs.duration_s <= 0:
             return
         g = self._gamma
-        x = _features(float(n), obs.k, obs.method)
+        if Method.EAGLE3 in obs.counterfactual_depth:
+            self._head = True
+        x = _features(float(n), obs.k, obs.method, self._head)
         y = obs.duration_s * 1e3
         ridge = np.eye(_N_FEATURES) * float(self.params["ridge"])
         self._xtx = g * (self._xtx - ridge) + ridge + np.outer(x, x)
@@ -235,7 +241,8 @@ class GoodputModel(Learner):
         """Predicted step time (ms) when each class's share of the batch drafts with its arm."""
         tokens = sum(s * batch * (self.arms[arm_of[c]].k + 1) for c, s in shares.items())
         arms = [self.arms[arm_of[c]] for c, s in shares.items() if s > 0]
-        eagle_k = max((a.k for a in arms if a.method is Method.EAGLE3), default=0)
+        eagle_k = max((a.k for a in arms if a.method is Method.EAGLE3), default=1 if self._head else 0)
+        eagle_k = max(eagle_k, 1 if self._head else 0)
         x = np.array(
             [
                 1.0,
@@ -273,6 +280,7 @@ class GoodputModel(Learner):
             "w": self._w,
             "batch": {b: v.tolist() for b, v in self._batch.items()},
             "mix": self._mix,
+            "head": self._head,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -291,3 +299,4 @@ class GoodputModel(Learner):
         self._yy, self._w = float(state["yy"]), float(state["w"])
         self._batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
         self._mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}
+        self._head = bool(state.get("head", False))

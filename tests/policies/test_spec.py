@@ -18,7 +18,7 @@ def test_default_preset_values() -> None:
     spec = parse_policy((LIBRARY / "default.yaml").read_text())
     assert spec.algorithm == "goodput_model"
     assert spec.params["memory_steps"] == 2000
-    assert spec.rule.kind == "ngram_margin" and spec.rule.params["margin"] == 0.5
+    assert spec.rule.kind == "ngram_span" and spec.rule.params["min_run"] == 2
     assert spec.buckets.labels()[-1] == "33+"
 
 
