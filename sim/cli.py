@@ -217,6 +217,40 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_record(args: argparse.Namespace) -> int:
+    from policies.arms import Method
+    from sim.progress import ProgressBar
+    from sim.record import read_prompts, record_trace
+
+    try:
+        prompts = read_prompts(args.prompts, default_class=args.traffic_class, max_tokens=args.max_tokens)
+    except TraceError as e:
+        _err(str(e))
+        return EXIT_INVALID
+    bar = ProgressBar(total=len(prompts), label="recording")
+    try:
+        tr, failures, responses = record_trace(
+            base_url=args.url,
+            model=args.model,
+            prompts=prompts,
+            out=Path(args.out),
+            method=Method(args.method),
+            concurrency=max(1, args.concurrency),
+            on_done=lambda _: bar.advance(),
+        )
+    except TraceError as e:
+        _err(str(e))
+        return EXIT_INVALID
+    finally:
+        bar.close()
+    write_trace(tr, args.out)
+    print(
+        f"wrote {args.out}: {tr.n} requests ({failures} failed), {tr.total_output_tokens} output tokens, "
+        f"max_k {tr.max_k}; responses kept in {responses} (counts censored at the recorded K)"
+    )
+    return 0 if tr.n else 1
+
+
 def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="a spectrace v1 file (.jsonl or .jsonl.gz)")
@@ -289,6 +323,18 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--out", required=True, help="output trace (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_import)
+    p = ts.add_parser("record", help="record a trace from a running vLLM server (detailed spec metrics)")
+    p.add_argument("--url", required=True, help="the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument(
+        "--prompts", required=True, help="JSON Lines {prompt, class, max_tokens} or one prompt per line"
+    )
+    p.add_argument("--class", dest="traffic_class", default="default", help="class for prompts without one")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
+    p.add_argument("--out", required=True, help="output trace (.jsonl, or .jsonl.gz for gzip)")
+    p.set_defaults(func=cmd_trace_record)
 
 
 def _with_tail(fn: Any) -> Any:

@@ -1,0 +1,154 @@
+"""``controllerctl trace record``: record a spectrace from a running vLLM OpenAI server.
+
+Each prompt is sent to ``/v1/completions`` (greedy, the traffic class in ``vllm_xargs``); the server must
+run with ``--per-request-spec-decode-metrics detailed`` so every response carries its per-step accepted
+and drafted counts. Responses are kept as JSON Lines beside the trace (``<out>.responses.jsonl``) and
+converted with the importer, so the K-censoring rules are the importer's (see ``sim/importer.py``):
+counts are exact below the recorded K and censored at it; record at a fixed K > 0.
+
+Prompt file: JSON Lines of ``{"prompt": "...", "class": "code", "max_tokens": 256}`` (class and
+max_tokens optional), or plain text with one prompt per line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from policies.arms import Method
+from sim.importer import import_vllm_metrics
+from sim.trace import Trace, TraceError
+
+MAX_PROMPTS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    traffic_class: str
+    max_tokens: int
+
+
+def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> list[Prompt]:
+    """Prompts from JSON Lines or plain text; errors name the file and line."""
+    p = Path(path)
+    out: list[Prompt] = []
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(f"cannot read prompts: {e}", source=str(p)) from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if len(out) >= MAX_PROMPTS:
+            raise TraceError(f"more than {MAX_PROMPTS} prompts", source=str(p), line=lineno)
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"invalid JSON: {e.msg}", source=str(p), line=lineno) from None
+            text = obj.get("prompt") if isinstance(obj, dict) else None
+            if not isinstance(text, str) or not text:
+                raise TraceError("expected a non-empty string", source=str(p), line=lineno, field="prompt")
+            cls = obj.get("class", default_class)
+            n = obj.get("max_tokens", max_tokens)
+            if not isinstance(cls, str) or not isinstance(n, int) or isinstance(n, bool) or n < 2:
+                raise TraceError(
+                    "class must be a string and max_tokens an integer >= 2",
+                    source=str(p),
+                    line=lineno,
+                    field="class" if not isinstance(cls, str) else "max_tokens",
+                )
+            out.append(Prompt(text, cls, n))
+        else:
+            out.append(Prompt(line, default_class, max_tokens))
+    if not out:
+        raise TraceError("no prompts", source=str(p))
+    return out
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        obj = json.loads(resp.read())
+    if not isinstance(obj, dict):
+        raise ValueError("the server answered with something other than a JSON object")
+    return obj
+
+
+def record(
+    *,
+    base_url: str,
+    model: str,
+    prompts: list[Prompt],
+    responses_path: Path,
+    concurrency: int = 4,
+    timeout_s: float = 600.0,
+    on_done: Callable[[int], None] | None = None,
+) -> int:
+    """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    start = time.monotonic()
+    failures = 0
+
+    def one(i_p: tuple[int, Prompt]) -> dict[str, Any] | None:
+        i, p = i_p
+        sent = time.monotonic() - start
+        body = {
+            "model": model,
+            "prompt": p.text,
+            "max_tokens": p.max_tokens,
+            "temperature": 0.0,
+            "vllm_xargs": {"traffic_class": p.traffic_class},
+        }
+        try:
+            obj = _post(url, body, timeout_s)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            return {"error": str(e), "index": i}
+        obj["traffic_class"] = p.traffic_class
+        obj["arrival_s"] = round(sent, 6)
+        obj["id"] = f"r{i}"
+        return obj
+
+    responses_path.parent.mkdir(parents=True, exist_ok=True)
+    with responses_path.open("w", encoding="utf-8") as f, ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for done, obj in enumerate(pool.map(one, enumerate(prompts)), start=1):
+            if obj is None or "error" in obj:
+                failures += 1
+            else:
+                f.write(json.dumps(obj) + "\n")
+            if on_done is not None:
+                on_done(done)
+    return failures
+
+
+def record_trace(
+    *,
+    base_url: str,
+    model: str,
+    prompts: list[Prompt],
+    out: Path,
+    method: Method,
+    concurrency: int = 4,
+    on_done: Callable[[int], None] | None = None,
+) -> tuple[Trace, int, Path]:
+    """Record responses and convert them; returns the trace, the failed requests and the responses file."""
+    responses = out.with_name(out.name.removesuffix(".gz").removesuffix(".jsonl") + ".responses.jsonl")
+    failures = record(
+        base_url=base_url,
+        model=model,
+        prompts=prompts,
+        responses_path=responses,
+        concurrency=concurrency,
+        on_done=on_done,
+    )
+    return import_vllm_metrics(responses, method=method), failures, responses

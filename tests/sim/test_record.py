@@ -1,0 +1,87 @@
+"""``trace record`` against a real HTTP server on loopback that answers like vLLM with detailed metrics."""
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from policies.arms import Method
+from sim.record import read_prompts, record_trace
+from sim.trace import TraceError, read_trace, write_trace
+
+SEEN: list[dict[str, Any]] = []
+
+
+class FakeVllm(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        SEEN.append(body)
+        if body["prompt"] == "boom":
+            self.send_response(500)
+            self.end_headers()
+            return
+        # 6 output tokens: prefill gives token 1; step 1 drafts 2 accepts 2 (3 tokens), step 2 drafts 2 accepts 0.
+        resp = {
+            "id": "cmpl-x",
+            "usage": {"prompt_tokens": 5, "completion_tokens": 6},
+            "choices": [{"text": "......"}],
+            "metrics": {
+                "speculative_decoding": {"per_step_accepted": [2, 0, 1], "per_step_drafted": [2, 2, 2]}
+            },
+        }
+        data = json.dumps(resp).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    SEEN.clear()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+@pytest.mark.integration
+def test_record_writes_a_trace_and_counts_failures(server: str, tmp_path: Path) -> None:
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text('{"prompt": "def f():", "class": "code"}\nboom\nhello there\n')
+    prompts = read_prompts(prompts_file, default_class="chat", max_tokens=16)
+    out = tmp_path / "t.jsonl"
+    trace, failures, responses = record_trace(
+        base_url=server, model="tiny", prompts=prompts, out=out, method=Method.EAGLE3, concurrency=2
+    )
+    assert failures == 1 and trace.n == 2 and responses.exists()
+    assert sorted(trace.classes) == ["chat", "code"]
+    assert {b["vllm_xargs"]["traffic_class"] for b in SEEN} == {"code", "chat"}
+    assert all(b["temperature"] == 0.0 and b["model"] == "tiny" for b in SEEN)
+    # Steps at positions 0 (accepted 2 of 2: censored at K), 3 (0 of 2), 4 (1 of 2).
+    assert trace.acc[Method.EAGLE3][trace.offsets[0] : trace.offsets[1]].tolist() == [2, 1, 0, 0, 1, 0]
+    write_trace(trace, out)
+    assert read_trace(out).n == 2
+
+
+def test_prompt_file_errors_name_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    with pytest.raises(TraceError) as e:
+        read_prompts(f, default_class="chat", max_tokens=16)
+    assert e.value.line == 2 and "prompt" in str(e.value)
+    f.write_text('{"prompt": "ok", "max_tokens": 1}\n')
+    with pytest.raises(TraceError, match="max_tokens"):
+        read_prompts(f, default_class="chat", max_tokens=16)
+    f.write_text("\n\n")
+    with pytest.raises(TraceError, match="no prompts"):
+        read_prompts(f, default_class="chat", max_tokens=16)
