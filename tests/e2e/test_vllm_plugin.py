@@ -349,3 +349,26 @@ def test_4_sidecar_killed_safe_default_then_reattach(stack: Stack) -> None:
 
     _wait(reattached, 120, "the engine to re-attach", interval=0.5)
     assert stack.engine()["connected"] in (True, "yes")
+
+
+def test_5_trace_record_from_the_running_server(stack: Stack) -> None:
+    # Pinned to n-gram at K max: the dummy model repeats itself, so the recorded counts are mostly K.
+    stack.set_policy("record-ngram", f"ngram:{MAX_K}")
+    prompts = stack.tmp / "prompts.jsonl"
+    prompts.write_text(
+        '{"prompt": "alpha beta gamma alpha beta gamma", "class": "code", "max_tokens": 32}\n'
+        '{"prompt": "delta epsilon delta epsilon", "class": "chat", "max_tokens": 24}\n'
+    )
+    out = stack.tmp / "recorded.jsonl"
+    stack.ctl(
+        "trace", "record", "--url", stack.url, "--model", "tiny", "--prompts", str(prompts),
+        "--method", "ngram", "--out", str(out),
+    )  # fmt: skip
+    stack.ctl("trace", "validate", str(out))
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    header, reqs = lines[0], lines[1:]
+    assert header["spectrace"] == 1 and header["max_k"] == MAX_K
+    assert sorted(r["class"] for r in reqs) == ["chat", "code"]
+    assert sorted(r["output_tokens"] for r in reqs) == [24, 32]
+    counts = [c for r in reqs for c in r["acc"]["ngram"]]
+    assert sum(counts) > len(counts)  # well above one accepted token per position on average
