@@ -369,6 +369,7 @@ def test_5_trace_record_from_the_running_server(stack: Stack) -> None:
     header, reqs = lines[0], lines[1:]
     assert header["spectrace"] == 1 and header["max_k"] == MAX_K
     assert sorted(r["class"] for r in reqs) == ["chat", "code"]
-    assert sorted(r["output_tokens"] for r in reqs) == [24, 32]
+    # No ignore_eos in recording (real traffic): up to max_tokens each.
+    assert all(2 <= r["output_tokens"] <= 32 for r in reqs)
     counts = [c for r in reqs for c in r["acc"]["ngram"]]
     assert sum(counts) > len(counts)  # well above one accepted token per position on average
