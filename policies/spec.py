@@ -25,6 +25,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import yaml
 
 from policies.algorithms import REGISTRY
@@ -224,6 +225,12 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     if algo_name == "static":
         arm_text = str(params["arm"])
         _checked(lines, "spec.algorithm.params.arm", lambda: Arm.parse(arm_text))
+    # Learners check their own parameters (arms, schedules) when built: build one to find bad values.
+    _checked(
+        lines,
+        "spec.algorithm.params",
+        lambda: learner(arms=(), params=params, rng=np.random.default_rng(0)),
+    )
 
     arms_raw = spec.get("arms", [])
     if not isinstance(arms_raw, list):

@@ -45,3 +45,15 @@ class DiscountedThompson(Learner):
         sd = np.where(seen, np.sqrt(var / np.maximum(n, 1e-9)), scale / np.sqrt(w0))
         draws = self.rng.normal(mu, sd)
         return int(idx[int(np.argmax(draws))])
+
+
+class Thompson(DiscountedThompson):
+    """Plain Thompson sampling: the same posterior, never forgetting (discount fixed at 1)."""
+
+    NAME: ClassVar[str] = "thompson"
+    PARAMS: ClassVar[Mapping[str, Param]] = {
+        k: v for k, v in DiscountedThompson.PARAMS.items() if k != "discount"
+    }
+
+    def _before_round(self, t: ArmTable) -> None:
+        return None

@@ -1,0 +1,288 @@
+"""Decision quality: every algorithm and every static arm on the built-in scenarios, both engine models.
+
+    python benchmarks/decision_quality.py [--requests 120] [--jobs 2] [--out docs/decision-quality.md]
+
+For each scenario, concurrency and engine model it prints each policy's throughput as a ratio to the
+best single static arm *that engine can play* (stock vLLM: eagle3:1..8 and off; composite drafter:
+eagle3:1..8, ngram:1..8 and off; P-EAGLE needs other draft weights, so it is shown apart), to the
+per-phase oracle and to the per-step oracle (both on the composite drafter; closed loop only), and
+its p99 TPOT. The load ramp (1 -> 32 -> 1) is an open-loop trace whose arrival rate rises and falls,
+capped at 32 running requests: there are no oracles there, and the static arms are replayed stepwise.
+Progress goes to stderr. Prints figures; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from policies.arms import Arm  # noqa: E402
+from policies.spec import PolicySpec, parse_policy, static_policy  # noqa: E402
+from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
+from sim.engines import ENGINES, engine_for_arm  # noqa: E402
+from sim.oracle import compute_oracles  # noqa: E402
+from sim.replay import Replayer  # noqa: E402
+from sim.run import RunResult  # noqa: E402
+from sim.trace import Trace  # noqa: E402
+from sim.traffic import generate  # noqa: E402
+
+LIBRARY = Path(__file__).resolve().parent.parent / "policies" / "library"
+POLICIES = (
+    "default",
+    "vllm-schedule",
+    "trtllm-gate",
+    "ngram-fallback",
+    "epsilon-greedy",
+    "ucb1",
+    "sw-ucb",
+    "ucbspec",
+    "exp3spec",
+    "thompson-plain",
+    "thompson",
+    "hedge",
+)
+ENGINE_NAMES = ("stock-vllm", "composite")
+CLOSED = ("chat", "code", "maths", "drift", "mixed")
+ADAPTIVE_SCENARIOS = ("drift", "mixed", "load-ramp")
+LEVELS = (1, 8, 32)
+
+
+def engine_arms(engine: str, max_k: int) -> list[Arm]:
+    """The static arms an engine model can play (what "best single static arm" ranges over)."""
+    return [a for a in ENGINES[engine].arms(max_k)]
+
+
+def policy(name: str) -> PolicySpec:
+    p = LIBRARY / f"{name}.yaml"
+    return parse_policy(p.read_text(encoding="utf-8"), source=str(p))
+
+
+def ramp_trace(n: int, seed: int) -> Trace:
+    """An even mix whose arrival rate rises from 2 to 60 requests/s and falls back (load 1 -> 32 -> 1)."""
+    tr = generate("mixed", n_requests=n, seed=seed)
+    x = np.linspace(0.0, 1.0, n)
+    rate = 2.0 + 58.0 * (1.0 - np.abs(2.0 * x - 1.0))
+    arrival = np.cumsum(np.random.default_rng(seed + 1).exponential(1.0 / rate))
+    return dataclasses.replace(tr, arrival_s=arrival - arrival[0], name="load-ramp")
+
+
+def trace_for(scenario: str, n: int, seed: int) -> Trace:
+    return ramp_trace(2 * n, seed) if scenario == "load-ramp" else generate(scenario, n_requests=n, seed=seed)
+
+
+def p99_tpot_ms(r: RunResult) -> float:
+    t = r.latency()["tpot"]
+    return float(np.percentile(t, 99) * 1e3) if len(t) else float("nan")
+
+
+def _job(args: tuple[str, int, int, int, str, str]) -> dict[str, Any]:
+    scenario, c, n, seed, pname, engine = args
+    tr = trace_for(scenario, n, seed)
+    prof = load_profile(DEFAULT_PROFILE)
+    open_loop = scenario == "load-ramp"
+    t0 = time.perf_counter()
+    if pname.startswith("static:"):
+        arm = Arm.parse(pname.removeprefix("static:"))
+        spec, eng = static_policy(arm), engine_for_arm(arm)
+    else:
+        spec, eng = policy(pname), ENGINES[engine]
+    r = Replayer(
+        trace=tr, profile=prof, engine=eng, policy=spec, concurrency=c, open_loop=open_loop, seed=seed
+    ).run()
+    return {
+        "scenario": scenario,
+        "c": c,
+        "policy": pname,
+        "engine": engine,
+        "thr": r.throughput,
+        "p99": p99_tpot_ms(r),
+        "wall": time.perf_counter() - t0,
+    }
+
+
+def _oracle_job(args: tuple[str, int, int, int]) -> dict[str, Any]:
+    scenario, c, n, seed = args
+    tr = trace_for(scenario, n, seed)
+    o = compute_oracles(tr, load_profile(DEFAULT_PROFILE), c)
+    return {
+        "scenario": scenario,
+        "c": c,
+        "static": {k: (v.throughput, p99_tpot_ms(v)) for k, v in o.static.items()},
+        "per_phase": o.per_phase.throughput if o.per_phase else float("nan"),
+        "per_step": o.per_step.throughput if o.per_step else float("nan"),
+        "per_phase_arms": o.per_phase_arms,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=120, help="requests per closed-loop scenario")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--scenarios", default=",".join((*CLOSED, "load-ramp")))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out", help="also write the tables as markdown here")
+    a = ap.parse_args()
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    pols = [p for p in a.policies.split(",") if p]
+    max_k = 8
+    jobs: list[tuple[str, int, int, int, str, str]] = []
+    ojobs: list[tuple[str, int, int, int]] = []
+    for s in scenarios:
+        for c in LEVELS:
+            if s == "load-ramp":
+                if c != 32:
+                    continue
+                for arm in engine_arms("composite", max_k):
+                    jobs.append((s, c, a.requests, a.seed, f"static:{arm}", "stock"))
+            else:
+                ojobs.append((s, c, a.requests, a.seed))
+            for p in pols:
+                for e in ENGINE_NAMES:
+                    jobs.append((s, c, a.requests, a.seed, p, e))
+    t0 = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    oracles: dict[tuple[str, int], dict[str, Any]] = {}
+    total = len(jobs) + len(ojobs)
+    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
+        futs = [ex.submit(_oracle_job, j) for j in ojobs] + [ex.submit(_job, j) for j in jobs]
+        for i, f in enumerate(futs, 1):
+            r = f.result()
+            if "static" in r:
+                oracles[(r["scenario"], r["c"])] = r
+            else:
+                results.append(r)
+            print(f"[{i}/{total}] {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    lines = render(scenarios, pols, results, oracles, max_k, a)
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n", encoding="utf-8")
+        print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+def _fmt(x: float, d: int = 3) -> str:
+    return "n/a" if x != x else f"{x:.{d}f}"
+
+
+def render(
+    scenarios: list[str],
+    pols: list[str],
+    results: list[dict[str, Any]],
+    oracles: dict[tuple[str, int], dict[str, Any]],
+    max_k: int,
+    a: argparse.Namespace,
+) -> list[str]:
+    out = [
+        "| scenario | c | policy @ engine | tok/s | × best static (arm) | × per-phase | × per-step | "
+        "× no spec | p99 TPOT ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    goals: list[str] = []
+    for s in scenarios:
+        for c in LEVELS:
+            rows = [r for r in results if r["scenario"] == s and r["c"] == c]
+            if not rows:
+                continue
+            if s == "load-ramp":
+                static = {
+                    r["policy"].removeprefix("static:"): (r["thr"], r["p99"])
+                    for r in rows
+                    if r["policy"].startswith("static:")
+                }
+                phase = step = float("nan")
+            else:
+                o = oracles[(s, c)]
+                static, phase, step = o["static"], o["per_phase"], o["per_step"]
+            no_spec = static["off"][0]
+            best: dict[str, tuple[str, float]] = {}
+            for e in ENGINE_NAMES:
+                ok = {str(x) for x in engine_arms(e, max_k)}
+                lbl = max((k for k in static if k in ok), key=lambda k: static[k][0])
+                best[e] = (lbl, static[lbl][0])
+            pe = static.get(f"p_eagle:{max_k}")
+            for e in ENGINE_NAMES:
+                lbl, thr = best[e]
+                out.append(
+                    f"| {s} | {c} | best static @ {e}: {lbl} | {thr:.0f} | 1.000 | {_fmt(thr / phase)} | "
+                    f"{_fmt(thr / step)} | {thr / no_spec:.3f} | {static[lbl][1]:.2f} |"
+                )
+            if pe is not None:
+                out.append(
+                    f"| {s} | {c} | (p_eagle:{max_k}, other weights) | {pe[0]:.0f} | – | {_fmt(pe[0] / phase)} | "
+                    f"{_fmt(pe[0] / step)} | {pe[0] / no_spec:.3f} | {pe[1]:.2f} |"
+                )
+            for p in pols:
+                for e in ENGINE_NAMES:
+                    r = next((x for x in rows if x["policy"] == p and x["engine"] == e), None)
+                    if r is None:
+                        continue
+                    ratio = r["thr"] / best[e][1]
+                    out.append(
+                        f"| {s} | {c} | {p} @ {e} | {r['thr']:.0f} | {ratio:.3f} | {_fmt(r['thr'] / phase)} | "
+                        f"{_fmt(r['thr'] / step)} | {r['thr'] / no_spec:.3f} | {r['p99']:.2f} |"
+                    )
+            d = next((x for x in rows if x["policy"] == "default" and x["engine"] == "composite"), None)
+            if d is not None:
+                others = {
+                    x["policy"]: x["thr"]
+                    for x in rows
+                    if x["engine"] == "composite"
+                    and x["policy"]
+                    in ("ucbspec", "exp3spec", "vllm-schedule", "trtllm-gate", "ngram-fallback")
+                }
+                r_best = d["thr"] / best["composite"][1]
+                target = 1.20 if s in ADAPTIVE_SCENARIOS else 0.97
+                checks = [
+                    f"×best static {r_best:.3f} ({'met' if r_best >= target else 'not met'}, goal {target:.2f})",
+                    f"×no spec {d['thr'] / no_spec:.3f} ({'met' if d['thr'] >= 0.98 * no_spec else 'not met'}, goal ≥ 0.98)",
+                ]
+                if s in ADAPTIVE_SCENARIOS and phase == phase:
+                    checks.append(
+                        f"×per-phase {d['thr'] / phase:.3f} ({'met' if d['thr'] >= phase else 'not met'}, goal 1.00)"
+                    )
+                    checks.append(
+                        f"×per-step {d['thr'] / step:.3f} ({'met' if d['thr'] >= 0.85 * step else 'not met'}, goal 0.85)"
+                    )
+                behind = [k for k, v in others.items() if v >= d["thr"]]
+                checks.append(
+                    "ahead of baselines: " + ("yes" if not behind else "no (" + ", ".join(behind) + ")")
+                )
+                goals.append(f"| {s} | {c} | " + "; ".join(checks) + " |")
+    head = [
+        "# Decision quality",
+        "",
+        "Generated by `python benchmarks/decision_quality.py "
+        + f"--requests {a.requests} --seed {a.seed}` (profile {DEFAULT_PROFILE}; load ramp with "
+        + f"{2 * a.requests} requests). Ratios are throughput ratios; `best static` ranges over the arms the "
+        + "engine model can play (stock vLLM: eagle3:1..8, off; composite: eagle3:1..8, ngram:1..8, off). "
+        + "Oracles (per phase, per step) run on the composite drafter / an every-drafter engine and exist "
+        + "for closed-loop scenarios only.",
+        "",
+        "## Goals for the default policy on the composite drafter",
+        "",
+        "| scenario | c | result |",
+        "|---|---|---|",
+        *goals,
+        "",
+        "## All runs",
+        "",
+    ]
+    return head + out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""EXP3Spec (BanditSpec, arXiv 2505.15141, Algorithm 5): anytime EXP3 for adversarial rewards.
+
+Importance-weighted losses ``1{i = I_t} (1 - r) / p_i`` with the scaled reward r in [0, 1] (goodput over
+the context's largest round goodput so far), learning rate ``eta_t = sqrt(log K / (t K))``, arms drawn
+from ``softmax(-eta_t * cumulative loss)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from policies.algorithms.base import Learner
+from policies.arms import Arm
+from policies.params import Param
+
+
+class EXP3Spec(Learner):
+    NAME: ClassVar[str] = "exp3spec"
+    PARAMS: ClassVar[Mapping[str, Param]] = {
+        "eta_scale": Param(1.0, "Multiplies the anytime learning rate.", 0.01, 100.0),
+    }
+
+    def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
+        super().__init__(arms=arms, params=params, rng=rng)
+        self._loss: dict[str, np.ndarray] = {}
+        self._p: dict[str, np.ndarray] = {}
+        self._t: dict[str, int] = {}
+        self._top: dict[str, float] = {}
+
+    def _probs(self, ctx: str, allowed: Sequence[int]) -> np.ndarray:
+        loss = self._loss.setdefault(ctx, np.zeros(len(self.arms)))
+        idx = np.asarray(allowed)
+        k = len(idx)
+        t = self._t.get(ctx, 0) + 1
+        eta = float(self.params["eta_scale"]) * np.sqrt(np.log(max(k, 2)) / (t * k))
+        z = -eta * loss[idx]
+        w = np.exp(z - z.max())
+        p = np.zeros(len(self.arms))
+        p[idx] = w / w.sum()
+        return p
+
+    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+        p = self._probs(ctx, allowed)
+        self._p[ctx] = p
+        return int(self.rng.choice(len(self.arms), p=p))
+
+    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+        super().update(ctx, rewards)
+        loss = self._loss.setdefault(ctx, np.zeros(len(self.arms)))
+        p = self._p.get(ctx)
+        top = max(self._top.get(ctx, 0.0), *rewards.values()) if rewards else self._top.get(ctx, 0.0)
+        self._top[ctx] = top
+        for i, r in rewards.items():
+            pi = float(p[i]) if p is not None and p[i] > 0 else 1.0
+            loss[i] += (1.0 - min(max(r / top, 0.0), 1.0) if top > 0 else 1.0) / pi
+        self._t[ctx] = self._t.get(ctx, 0) + 1
+
+    def estimates(self, ctx: str) -> np.ndarray:
+        return self.table(ctx).means()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "loss": {c: v.tolist() for c, v in self._loss.items()},
+            "t": dict(self._t),
+            "top": dict(self._top),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._loss = {c: np.asarray(v, dtype=np.float64) for c, v in state.get("loss", {}).items()}
+        self._t = {c: int(v) for c, v in state.get("t", {}).items()}
+        self._top = {c: float(v) for c, v in state.get("top", {}).items()}

@@ -1,0 +1,106 @@
+"""Hedge: a full-information learner (in the spirit of HedgeSpec, arXiv 2510.20064).
+
+Where the engine scores drafts it did not verify (n-gram's counterfactual on every request-step, an
+EAGLE head's first position), one step tells what every arm of that method would have accepted, not
+only the arm played. Each round, every arm whose acceptance the round revealed gets a reward: its
+tokens per row divided by its time per row (measured where it was played, else the mean over played
+arms); Hedge's exponential weights over the cumulative scaled rewards then draw the next arm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from policies.algorithms.base import Learner
+from policies.arms import METHOD_CODES, Arm
+from policies.context import ANY_CLASS
+from policies.observation import NOT_SCORED, StepObservation
+from policies.params import Param
+
+
+class Hedge(Learner):
+    NAME: ClassVar[str] = "hedge"
+    PARAMS: ClassVar[Mapping[str, Param]] = {
+        "eta": Param(2.0, "Learning rate on rewards scaled to [0, 1] per round.", 0.0, 1000.0),
+        "discount": Param(0.95, "Weight kept per round by old rewards (tracks drift).", 0.5, 1.0),
+    }
+
+    def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
+        super().__init__(arms=arms, params=params, rng=rng)
+        self._codes = np.array([METHOD_CODES[a.method] for a in self.arms])
+        self._ks = np.array([a.k for a in self.arms])
+        # Per context since the last round: tokens and rows per arm (full information), time per row.
+        self._tok: dict[str, np.ndarray] = {}
+        self._rows: dict[str, np.ndarray] = {}
+        self._time: dict[str, np.ndarray] = {}
+        self._cum: dict[str, np.ndarray] = {}
+
+    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
+        n = obs.n
+        if n == 0 or obs.duration_s <= 0:
+            return
+        share = obs.duration_s / n
+        classes = np.asarray(obs.traffic_class)
+        for c in (ANY_CLASS, *(sorted(set(obs.traffic_class)) if per_class else ())):
+            rows = np.ones(n, dtype=bool) if c == ANY_CLASS else classes == c
+            key = f"{bucket}/{c}"
+            tok = self._tok.setdefault(key, np.zeros(len(self.arms)))
+            cnt = self._rows.setdefault(key, np.zeros(len(self.arms)))
+            tm = self._time.setdefault(key, np.zeros((2, len(self.arms))))
+            m, k, a = obs.method[rows], obs.k[rows], obs.accepted[rows]
+            for j in range(len(self.arms)):
+                code, kk = self._codes[j], self._ks[j]
+                played = (m == code) & ((k == kk) | (kk == 0))
+                tm[0, j] += share * int(played.sum())
+                tm[1, j] += int(played.sum())
+                if kk == 0:
+                    tok[j] += int(rows.sum())
+                    cnt[j] += int(rows.sum())
+                    continue
+                # Verified rows of this method reveal min(acc, K) for every K up to the one drafted.
+                ver = (m == code) & (k >= kk)
+                vals = list(np.minimum(a[ver], kk))
+                cf = obs.counterfactual.get(self.arms[j].method)
+                depth = obs.counterfactual_depth.get(self.arms[j].method, 1 << 30)
+                if cf is not None and kk <= depth:
+                    col = cf[rows]
+                    vals.extend(np.minimum(col[col != NOT_SCORED], kk).tolist())
+                if vals:
+                    tok[j] += float(np.sum(vals)) + len(vals)
+                    cnt[j] += len(vals)
+
+    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+        super().update(ctx, rewards)
+        tok, cnt, tm = self._tok.pop(ctx, None), self._rows.pop(ctx, None), self._time.get(ctx)
+        if tok is None or cnt is None or tm is None:
+            return
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_row_time = np.where(tm[1] > 0, tm[0] / np.maximum(tm[1], 1e-12), np.nan)
+        if np.isnan(per_row_time).all():
+            return
+        t = np.where(np.isnan(per_row_time), np.nanmean(per_row_time), per_row_time)
+        seen = cnt > 0
+        g = np.where(seen, tok / np.maximum(cnt, 1e-12) / t, 0.0)
+        top = float(g.max())
+        cum = self._cum.setdefault(ctx, np.zeros(len(self.arms)))
+        cum *= float(self.params["discount"])
+        if top > 0:
+            cum += np.where(seen, g / top, 0.0)
+        tm *= 0.5  # time per row is slow to change; keep half of it across rounds
+
+    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+        idx = np.asarray(allowed)
+        cum = self._cum.get(ctx, np.zeros(len(self.arms)))[idx]
+        z = float(self.params["eta"]) * cum
+        w = np.exp(z - z.max())
+        return int(idx[int(self.rng.choice(len(idx), p=w / w.sum()))])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "cum": {c: v.tolist() for c, v in self._cum.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._cum = {c: np.asarray(v, dtype=np.float64) for c, v in state.get("cum", {}).items()}
