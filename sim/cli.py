@@ -7,6 +7,7 @@ and no traceback; nothing is written when the input is bad.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -161,6 +162,46 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return _run(args, compare=True)
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from sim.tune import parse_grid, table, tune
+
+    try:
+        levels = _concurrency(args.concurrency)
+        profile = load_profile(args.profile)
+        spec = resolve_policy(args.policy)
+        engines = _engines(args.engine)
+        if len(engines) != 1:
+            raise _UsageError("--engine: tune on one engine model at a time")
+        grid = parse_grid(args.param or [])
+        if not grid:
+            raise _UsageError("--param: give at least one NAME=V1,V2 to search")
+        traces = [read_trace(t, seed=args.seed) for t in args.trace or []]
+        for name in (args.scenario or "").split(","):
+            if not name:
+                continue
+            if name not in SCENARIOS:
+                raise _UsageError(f"--scenario: unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
+            traces.append(generate(name, n_requests=args.requests, seed=args.seed))
+        if not traces:
+            raise _UsageError("give --trace FILE and/or --scenario A,B")
+        from sim.tune import with_params
+
+        for v in itertools.product(*grid.values()):
+            with_params(spec, dict(zip(grid, v, strict=True)))
+    except (TraceError, PolicyError, ProfileError, _UsageError, ValueError) as e:
+        _err(str(e))
+        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+    progress = (lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else None
+    cands = tune(spec, grid, traces, profile, engines[0], levels, seed=args.seed, progress=progress)
+    print(table(cands))
+    if args.out:
+        from policies.spec import render_policy
+
+        Path(args.out).write_text(render_policy(cands[0].spec), encoding="utf-8")
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     print("scenarios:")
     for name, s in SCENARIOS.items():
@@ -299,6 +340,21 @@ def register(subparsers: Any) -> None:
     _replay_args(p, compare=True)
     p.set_defaults(func=_with_tail(cmd_compare))
     add_autoscale_parser(ss, resolve_policy)
+    p = ss.add_parser("tune", help="grid search over a policy's parameters; writes the winning policy")
+    p.add_argument("--policy", required=True, help="policy file or preset to tune")
+    p.add_argument("--param", action="append", help="NAME=V1,V2 (algorithm parameter, or rule.NAME)")
+    p.add_argument("--trace", action="append", help="a spectrace v1 file (repeatable)")
+    p.add_argument("--scenario", help="comma-separated generated scenarios")
+    p.add_argument("--requests", type=int, default=None, help="requests to generate per scenario")
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help=f"cost-model profile ({', '.join(profile_names())})"
+    )
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--engine", default="composite", help=f"one engine model ({', '.join(ENGINES)})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--out", help="write the winning policy YAML here")
+    p.set_defaults(func=cmd_tune)
     p = ss.add_parser("list", help="scenarios, profiles and engine models")
     p.set_defaults(func=cmd_list)
 

@@ -43,8 +43,8 @@ class UCB1(Learner):
 class SlidingWindowUCB(Learner):
     NAME: ClassVar[str] = "sw_ucb"
     PARAMS: ClassVar[Mapping[str, Param]] = {
-        "window": Param(50, "Rounds kept per context.", 2, 100000),
-        "c": Param(1.0, "Scale of the confidence bonus.", 0.0, 10.0),
+        "window": Param(100, "Rounds kept per context.", 2, 100000),
+        "c": Param(0.2, "Scale of the confidence bonus (rewards are scaled by the largest mean).", 0.0, 10.0),
     }
 
     def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:

@@ -1,0 +1,45 @@
+"""Invalid algorithm parameters in a policy document: one clear error naming file, line and field."""
+
+import pytest
+
+from policies.spec import PolicyError, parse_policy
+
+
+def doc(algorithm: str, params: str) -> str:
+    return (
+        "apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: x}\nspec:\n"
+        f"  algorithm:\n    name: {algorithm}\n    params: {params}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "params", "needle"),
+    [
+        ("batch_schedule", '{schedule: "1-16:x"}', "expected integers"),
+        ("batch_schedule", '{schedule: "16-1:3"}', "LO <= HI"),
+        ("batch_schedule", '{schedule: "1-16"}', "LO-HI:K"),
+        ("batch_schedule", "{method: medusa}", "medusa"),
+        ("speculation_gate", '{arm: "eagle3"}', "method:k"),
+        ("speculation_gate", "{threshold: 1.5}", "<= 1.0"),
+        ("ucbspec", "{delta: 0}", ">= 1e-09"),
+        ("exp3spec", "{eta_scale: -1}", ">= 0.01"),
+        ("sw_ucb", "{window: 1}", ">= 2"),
+        ("sw_ucb", "{window: 2.5}", "integer"),
+        ("hedge", "{eta: .nan}", "finite"),
+        ("ngram_fallback", "{k: 0}", ">= 1"),
+        ("thompson", "{discount: 0.9}", "unknown parameter"),
+    ],
+)
+def test_bad_learner_params_fail_with_the_field(algorithm: str, params: str, needle: str) -> None:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(doc(algorithm, params), source="p.yaml")
+    msg = str(e.value)
+    assert msg.startswith("p.yaml:7: spec.algorithm.params"), msg
+    assert needle in msg
+    assert "\n" not in msg
+
+
+def test_bad_rule_param_names_the_rule_field() -> None:
+    text = doc("goodput_model", "{}") + "  rule: {kind: ngram_span, params: {min_run: 0}}\n"
+    with pytest.raises(PolicyError, match=r"spec\.rule\.params\.min_run: must be >= 1"):
+        parse_policy(text, source="p.yaml")

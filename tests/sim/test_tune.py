@@ -1,0 +1,45 @@
+"""``sim tune``: grid parsing, parameter overrides, and a tiny search that writes the winning policy."""
+
+from pathlib import Path
+
+import pytest
+
+from policies.spec import parse_policy
+from sim.cli import main, resolve_policy
+from sim.tune import parse_grid, with_params
+
+
+def test_parse_grid_and_errors() -> None:
+    assert parse_grid(["explore=0,0.3", "rule.min_run=2"]) == {"explore": [0.0, 0.3], "rule.min_run": [2.0]}
+    with pytest.raises(ValueError, match="NAME=V1,V2"):
+        parse_grid(["explore"])
+    with pytest.raises(ValueError, match="numbers"):
+        parse_grid(["explore=a"])
+
+
+def test_with_params_overrides_algorithm_and_rule_and_validates() -> None:
+    spec = with_params(resolve_policy("default"), {"explore": 0.0, "rule.min_run": 3.0})
+    assert spec.params["explore"] == 0.0 and spec.rule.params["min_run"] == 3.0
+    with pytest.raises(ValueError, match="explore"):
+        with_params(resolve_policy("default"), {"explore": -1.0})
+
+
+def test_tune_writes_the_winner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "best.yaml"
+    rc = main(
+        [
+            "sim", "tune", "--policy", "default", "--scenario", "code-edit", "--requests", "4",
+            "--concurrency", "1", "--param", "rule.min_run=2,8", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "rule.min_run" in text and "score" in text
+    assert parse_policy(out.read_text()).algorithm == "goodput_model"
+
+
+def test_tune_rejects_a_bad_param_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["sim", "tune", "--policy", "default", "--scenario", "chat", "--param", "nope=1"])
+    assert rc != 0
+    err = capsys.readouterr().err.strip()
+    assert "nope" in err and "\n" not in err
