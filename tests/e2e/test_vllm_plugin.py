@@ -270,7 +270,7 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     assert _spec(resp)["draft_acceptance_rate"] > 0.5
 
     # live switch inside one request
-    stack.set_policy("pin-eagle-2", "eagle3:4")
+    v_e2 = stack.set_policy("pin-eagle-2", "eagle3:4")
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(stack.complete(1200, "switch")))
     t.start()
@@ -283,7 +283,10 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     methods = [r["method"] for r in rows if r["drafted"]]
     first_ng = methods.index("ngram")
     assert "eagle3" in methods[:first_ng] and set(methods[first_ng:]) == {"ngram"}, methods
-    assert all(r["dv"] >= v_ng for r in rows if r["drafted"] and r["method"] == "ngram")
+    # n-gram drafts only under a directive newer than the EAGLE pin (the sidecar may have issued more
+    # than one version for the n-gram pin before the status showed it, so compare with the pin before).
+    assert all(r["dv"] > v_e2 for r in rows if r["drafted"] and r["method"] == "ngram")
+    assert max(r["dv"] for r in rows) >= v_ng
     # the response's own per-step counts agree: the n-gram tail out-accepts the EAGLE head
     acc = _spec(result)["per_step_accepted"]
     n_eagle = first_ng
