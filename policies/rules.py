@@ -34,7 +34,9 @@ RULES: dict[str, Mapping[str, Param]] = {
         "warmup_steps": Param(2, "Steps of feedback a request needs before the rule may switch it.", 0, 1000),
     },
     "ngram_span": {
-        "min_run": Param(2.0, "Expected n-gram run (tokens) at which a request drafts with n-gram.", 1.0, 64.0),
+        "min_run": Param(
+            2.0, "Expected n-gram run (tokens) at which a request drafts with n-gram.", 1.0, 64.0
+        ),
         "when_off": Param(1, "1: requests planned 'off' also draft n-gram inside a span; 0: never.", 0, 1),
         "alpha": Param(0.3, "Weight of the newest step in the per-request moving averages.", 0.01, 1.0),
     },
