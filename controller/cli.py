@@ -83,10 +83,11 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def read_policy(name_or_path: str) -> tuple[str, str, PolicySpec]:
     """``(yaml, source, spec)`` for a file path or a preset name; raises UserError (exit 2)."""
     from controller.presets import resolve_policy_text
+    from controller.validation import parse_policy_checked
 
     try:
         text, source = resolve_policy_text(name_or_path)
-        return text, source, parse_policy(text, source=source)
+        return text, source, parse_policy_checked(text, source=source)
     except PolicyError as e:
         raise UserError(str(e).splitlines()[0]) from None
 

@@ -382,7 +382,7 @@ def _key_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
             f"invalid YAML: {e.problem or e.context}", source=source, line=mark.line + 1 if mark else None
         ) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML: {e}", source=source) from None
+        raise ConfigError(f"invalid YAML: {str(e).splitlines()[0]}", source=source) from None
     return data, lines
 
 
@@ -403,7 +403,7 @@ def parse_config(text: str, *, source: str = "<config>") -> SidecarConfig:
                 f"unknown setting (known: {', '.join(FIELD_NAMES)})",
                 source=source,
                 line=lines.get(str(key)),
-                field=str(key),
+                field=str(key) if str(key).isprintable() else ascii(key),
             )
     try:
         return SidecarConfig(**data)

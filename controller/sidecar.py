@@ -36,7 +36,7 @@ from controller.presets import resolve_policy_text
 from controller.snapshot import SnapshotStore
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
-from controller.validation import Limits, TelemetryError, validate_batch
+from controller.validation import Limits, TelemetryError, parse_policy_checked, validate_batch
 from policies.arms import Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
@@ -457,7 +457,7 @@ class Sidecar:
 
     def set_policy(self, yaml_text: str, *, source: str, engine_id: str = "") -> PolicyRecord:
         """Parse, check every affected engine can run it, then switch. Raises PolicyError."""
-        spec = parse_policy(yaml_text, source=source or "<policy>")
+        spec = parse_policy_checked(yaml_text, source=source or "<policy>")
         affected = self._affected(engine_id)
         loops = {eid: self._loop_for(self._engines[eid].info, spec) for eid in affected}
         rec = self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id)
