@@ -21,8 +21,10 @@ from policies.algorithms import REGISTRY, Learner
 from policies.arms import METHODS_BY_CODE, OFF, Arm, Method
 from policies.context import ANY_CLASS, context_key
 from policies.directive import Directive, KRange, PlanEntry
+from policies.drift import DriftMonitor
 from policies.engine import EngineInfo, Granularity
-from policies.observation import StepObservation
+from policies.guards import ExplorationBudget, TpotGuard, greedy_choice, keeps_current
+from policies.observation import NOT_SCORED, StepObservation
 from policies.spec import PolicySpec
 
 STATE_VERSION = 1
@@ -39,6 +41,12 @@ class Totals:
     emitted: int = 0
     busy_s: float = 0.0
     ignored_rows: int = 0
+    #: Safety and drift events: Page-Hinkley alarms, switches held back by the margin, exploratory
+    #: choices replaced by the greedy one (budget at high load), TPOT-guard tightenings.
+    drift_alarms: int = 0
+    held_by_margin: int = 0
+    exploration_denied: int = 0
+    tpot_trips: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,6 +107,11 @@ class ControlLoop:
         for i, a in enumerate(self.arms):
             self._arm_lut[list(METHODS_BY_CODE).index(a.method), a.k] = i
         self._allowed = self._plannable()
+        self.drift = DriftMonitor.from_params(spec.drift) if spec.drift["detector"] != "none" else None
+        self.tpot_guard = TpotGuard.from_params(spec.slo)
+        self.budget = ExplorationBudget.from_params(spec.exploration)
+        #: Drift alarms as (time, class, method), newest last (bounded).
+        self.drift_events: list[tuple[float, str, Method]] = []
 
     def _plannable(self) -> list[int]:
         """Arms the slow loop plans among.
@@ -137,6 +150,9 @@ class ControlLoop:
         share = obs.duration_s / n  # each request's share of the step's engine time
         bucket = self.spec.buckets.label(self.spec.buckets.index(obs.batch_size))
         self.learner.observe_step(obs, bucket, self._learn_classes)
+        self.tpot_guard.observe(bucket, obs.duration_s, obs.accepted[known])
+        if self.drift is not None:
+            self._watch_drift(obs)
         self._accumulate(context_key(bucket, ANY_CLASS), arm[known], tokens[known], share)
         if self._learn_classes:
             classes = np.asarray(obs.traffic_class)
@@ -144,6 +160,43 @@ class ControlLoop:
                 rows = known & (classes == c)
                 if rows.any():
                     self._accumulate(context_key(bucket, c), arm[rows], tokens[rows], share)
+
+    def _watch_drift(self, obs: StepObservation) -> None:
+        """Feed first-position acceptance per (class, method); re-explore where it changed."""
+        assert self.drift is not None
+        codes = list(METHODS_BY_CODE)
+        classes = np.asarray(obs.traffic_class)
+        names = [ANY_CLASS] + (sorted(set(obs.traffic_class)) if self._learn_classes else [])
+        for code in np.unique(obs.method):
+            method = METHODS_BY_CODE[int(code)]
+            if method is Method.OFF:
+                continue
+            self._feed_drift(obs.time_s, names, classes, method, obs.method == code, obs.k, obs.accepted)
+        for method, cf in obs.counterfactual.items():
+            if method is Method.OFF or obs.counterfactual_depth.get(method, 1) < 1:
+                continue
+            # Rows verified with the same method are already counted from their verified draft.
+            rows = (cf != NOT_SCORED) & (obs.method != codes.index(method))
+            self._feed_drift(obs.time_s, names, classes, method, rows, np.ones_like(cf), cf)
+
+    def _feed_drift(
+        self,
+        now: float,
+        names: list[str],
+        classes: np.ndarray,
+        method: Method,
+        rows: np.ndarray,
+        k: np.ndarray,
+        accepted: np.ndarray,
+    ) -> None:
+        assert self.drift is not None
+        rows = rows & (k > 0)
+        for cls in names:
+            sel = rows if cls == ANY_CLASS else rows & (classes == cls)
+            if sel.any() and self.drift.feed((cls, method.value), (accepted[sel] >= 1).astype(np.float64)):
+                self.totals.drift_alarms += 1
+                self.learner.on_drift(cls, method, float(self.spec.drift["shrink"]))
+                self.drift_events = [*self.drift_events[-63:], (now, cls, method)]
 
     def _accumulate(self, ctx: str, arm: np.ndarray, tokens: np.ndarray, share: float) -> None:
         c = self._context(ctx)
@@ -173,13 +226,27 @@ class ControlLoop:
         for b in range(len(self.spec.buckets)):
             self._context(context_key(self.spec.buckets.label(b), ANY_CLASS))
         joint: dict[str, int] = {}
+        greedy_joint: dict[str, int] = {}
+        allowed_in: dict[str, list[int]] = {}
+        high_load: set[str] = set()
         for b in range(len(self.spec.buckets)):
             label = self.spec.buckets.label(b)
             prefix = f"{label}/"
-            classes = [k[len(prefix) :] for k in self._ctx if k.startswith(prefix)]
-            plan = self.learner.plan_bucket(label, [c for c in classes if c != ANY_CLASS], self._allowed)
+            keys = [k for k in self._ctx if k.startswith(prefix)]
+            playing = max((self.arms[self._ctx[k].arm].k for k in keys if self._ctx[k].arm >= 0), default=0)
+            cap = self.tpot_guard.update(label, playing)
+            allowed = self.tpot_guard.restrict(self.arms, self._allowed, cap)
+            allowed_in[label] = allowed
+            classes = [c for c in (k[len(prefix) :] for k in keys) if c != ANY_CLASS]
+            plan = self.learner.plan_bucket(label, classes, allowed)
             if plan:
                 joint.update({context_key(label, c): i for c, i in plan.items()})
+            if self.budget.applies(self.spec.buckets.range(b)):
+                high_load.add(label)
+                greedy_plan = self.learner.plan_bucket(label, classes, allowed, sample=False)
+                if greedy_plan:
+                    greedy_joint.update({context_key(label, c): i for c, i in greedy_plan.items()})
+        self.totals.tpot_trips = self.tpot_guard.trips
         for key, c in sorted(self._ctx.items()):
             if c.acc is not None:
                 seen = c.acc.time_s > 0
@@ -187,15 +254,28 @@ class ControlLoop:
                 self.learner.update(key, rewards)
                 c.acc = None
                 c.rounds += 1
-            if c.arm >= 0 and now - c.since < self.spec.min_dwell_s:
+            label = key.partition("/")[0]
+            allowed = allowed_in.get(label, self._allowed)
+            forced = c.arm >= 0 and c.arm not in allowed  # the TPOT guard excluded the current arm
+            if c.arm >= 0 and now - c.since < self.spec.min_dwell_s and not forced:
                 continue
             choice = joint.get(key)
             if choice is None:
-                choice = self.learner.select(key, self._allowed)
+                choice = self.learner.select(key, allowed)
+            est = self.learner.estimates(key)
+            if label in high_load:
+                best = greedy_joint.get(key, greedy_choice(est, allowed))
+                exploratory = best is not None and choice != best
+                if not self.budget.permit(key, exploratory):
+                    assert best is not None
+                    choice = best
+                    self.totals.exploration_denied += 1
+            if not forced and keeps_current(est, c.arm, choice, self.spec.switch_margin):
+                self.totals.held_by_margin += 1
+                continue
             if choice != c.arm:
-                est = self.learner.estimates(key)[choice]
                 before = self.arms[c.arm] if c.arm >= 0 else None
-                changes.append(Change(key, before, self.arms[choice], float(est)))
+                changes.append(Change(key, before, self.arms[choice], float(est[choice])))
                 c.arm, c.since = choice, now
         self.last_changes = tuple(changes)
         new = self._build(now, changes)
@@ -269,6 +349,11 @@ class ControlLoop:
             "contexts": {k: {"arm": c.arm, "rounds": c.rounds} for k, c in self._ctx.items()},
             "learner": self.learner.state_dict(),
             "rng": self.rng.bit_generator.state,
+            "guards": {
+                "drift": self.drift.state_dict() if self.drift is not None else None,
+                "tpot": self.tpot_guard.state_dict(),
+                "budget": self.budget.state_dict(),
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -285,6 +370,11 @@ class ControlLoop:
             for k, v in state["contexts"].items()
         }
         self.rng.bit_generator.state = state["rng"]
+        guards = state.get("guards") or {}
+        if self.drift is not None and guards.get("drift"):
+            self.drift.load_state_dict(guards["drift"])
+        self.tpot_guard.load_state_dict(guards.get("tpot") or {})
+        self.budget.load_state_dict(guards.get("budget") or {})
         self._directive = None
         self._last_decision = None
 

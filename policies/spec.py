@@ -14,6 +14,10 @@ errors as ``FILE:LINE: FIELD: what is wrong``.
       directive_ttl_s: 10.0
       min_dwell_s: 2.0
       rule: {kind: ngram_margin, params: {margin: 0.5}}
+      switch_margin: 0.02                       # hysteresis on estimated goodput
+      drift: {detector: page_hinkley, delta: 0.05, threshold: 30}
+      slo: {p99_tpot_ms: 50}
+      exploration: {max_share_at_high_load: 0.05, high_load_batch: 32}
       seed: 0
 """
 
@@ -32,6 +36,8 @@ from policies.algorithms import REGISTRY
 from policies.arms import Arm
 from policies.context import DEFAULT_BUCKET_BOUNDS, BatchBuckets
 from policies.directive import RequestRule
+from policies.drift import DETECTORS, DRIFT_FIELDS
+from policies.guards import EXPLORATION_FIELDS, SLO_FIELDS
 from policies.params import Param, resolve
 from policies.rules import validate_rule
 
@@ -70,11 +76,23 @@ class PolicySpec:
     min_dwell_s: float = 2.0
     rule: RequestRule = field(default_factory=RequestRule)
     seed: int = 0
+    #: A context switches only to an arm whose estimated goodput beats the current one's by this share.
+    switch_margin: float = 0.0
+    #: ``spec.drift`` (policies.drift.DRIFT_FIELDS), ``spec.slo`` and ``spec.exploration``
+    #: (policies.guards), each with every field resolved to its value or default.
+    drift: Mapping[str, Any] = field(default_factory=lambda: _defaults(DRIFT_FIELDS))
+    slo: Mapping[str, Any] = field(default_factory=lambda: _defaults(SLO_FIELDS))
+    exploration: Mapping[str, Any] = field(default_factory=lambda: _defaults(EXPLORATION_FIELDS))
     #: The document it was parsed from, kept for ``policy get`` and snapshots.
     source_yaml: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        for name in ("params", "drift", "slo", "exploration"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+
+def _defaults(schema: Mapping[str, Param]) -> dict[str, Any]:
+    return {k: p.default for k, p in schema.items()}
 
 
 _SPEC_FIELDS: dict[str, Param] = {
@@ -82,6 +100,15 @@ _SPEC_FIELDS: dict[str, Param] = {
     "directive_ttl_s": Param(10.0, "Engines fall back to their safe default after this.", 0.1, 86400.0),
     "min_dwell_s": Param(2.0, "Minimum time between two switches of one context.", 0.0, 3600.0),
     "seed": Param(0, "Seed of the policy's random generator.", 0, 2**32 - 1),
+    "switch_margin": Param(
+        0.0, "Relative goodput margin a new arm must beat the current one's estimate by.", 0.0, 10.0
+    ),
+}
+#: Sub-mappings of ``spec`` that are plain parameter sets.
+_SECTIONS: dict[str, Mapping[str, Param]] = {
+    "drift": DRIFT_FIELDS,
+    "slo": SLO_FIELDS,
+    "exploration": EXPLORATION_FIELDS,
 }
 
 
@@ -206,7 +233,7 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
         raise lines.error("metadata.description", "expected a string")
 
     spec = _mapping(lines, root.get("spec"), "spec")
-    _unknown(lines, spec, "spec", {"algorithm", "arms", "contexts", "rule", *_SPEC_FIELDS})
+    _unknown(lines, spec, "spec", {"algorithm", "arms", "contexts", "rule", *_SPEC_FIELDS, *_SECTIONS})
 
     algo = _mapping(lines, spec.get("algorithm"), "spec.algorithm")
     _unknown(lines, algo, "spec.algorithm", {"name", "params"})
@@ -267,6 +294,14 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
         lines, "spec.rule", lambda: validate_rule(str(rule_raw.get("kind", "none")), rule_params, "spec.rule")
     )
 
+    sections: dict[str, dict[str, Any]] = {}
+    for sec, schema in _SECTIONS.items():
+        path = f"spec.{sec}"
+        given_sec = _mapping(lines, spec.get(sec) or {}, path)
+        sections[sec] = _checked(lines, path, partial(resolve, schema, given_sec, path))
+    if sections["drift"]["detector"] not in DETECTORS:
+        raise lines.error("spec.drift.detector", f"unknown detector (known: {', '.join(DETECTORS)})")
+
     scalars = _checked(
         lines, "spec", lambda: resolve(_SPEC_FIELDS, {k: spec[k] for k in _SPEC_FIELDS if k in spec}, "spec")
     )
@@ -280,6 +315,9 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
         per_class=per_class,
         rule=rule,
         source_yaml=text,
+        drift=sections["drift"],
+        slo=sections["slo"],
+        exploration=sections["exploration"],
         **scalars,
     )
 
@@ -299,6 +337,10 @@ def render_policy(spec: PolicySpec) -> str:
             "min_dwell_s": spec.min_dwell_s,
             "rule": {"kind": spec.rule.kind, "params": dict(spec.rule.params)},
             "seed": spec.seed,
+            "switch_margin": spec.switch_margin,
+            "drift": dict(spec.drift),
+            "slo": dict(spec.slo),
+            "exploration": dict(spec.exploration),
         },
     }
     return yaml.safe_dump(doc, sort_keys=False)

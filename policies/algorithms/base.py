@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.arms import Arm
+from policies.arms import Arm, Method
 from policies.observation import StepObservation
 from policies.params import Param
 
@@ -87,14 +87,28 @@ class Learner(ABC):
         """Hook for learners that model steps directly (every step, before any round)."""
 
     def plan_bucket(
-        self, bucket: str, classes: Sequence[str], allowed: Sequence[int]
+        self, bucket: str, classes: Sequence[str], allowed: Sequence[int], *, sample: bool = True
     ) -> dict[str, int] | None:
         """A joint choice for all contexts of one batch bucket (keys: class names and ``"*"``).
 
         Learners that can price how classes sharing a batch interact (one EAGLE draft pass serves every
         row) return it; the default None makes the loop choose per context with ``select``.
+        ``sample=False`` asks for the greedy plan (no exploration, no random draws).
         """
         return None
+
+    def on_drift(self, cls: str, method: Method, keep: float) -> None:
+        """Acceptance of ``method`` changed for traffic class ``cls``: re-explore its arms there.
+
+        Tabular learners keep ``keep`` of the weight of those arms' statistics in every context of the
+        class, so their posteriors widen (0: they count as untried again).
+        """
+        idx = [i for i, a in enumerate(self.arms) if a.method is method]
+        for ctx, t in self.tables.items():
+            if idx and ctx.partition("/")[2] == cls:
+                t.n[idx] *= keep
+                t.s[idx] *= keep
+                t.q[idx] *= keep
 
     @abstractmethod
     def select(self, ctx: str, allowed: Sequence[int]) -> int:

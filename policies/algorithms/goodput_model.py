@@ -142,6 +142,12 @@ class GoodputModel(Learner):
     def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
         """Round rewards are implied by the models; nothing else to learn from them."""
 
+    def on_drift(self, cls: str, method: Method, keep: float) -> None:
+        """Shrink the class x method acceptance counts: the Beta posteriors widen and re-learn fast."""
+        t = self._acc.get((cls, METHOD_CODES[method]))
+        if t is not None:
+            t *= keep
+
     # -- deciding ----------------------------------------------------------------------------------
 
     def _theta(self, sample: bool) -> np.ndarray:
@@ -192,7 +198,7 @@ class GoodputModel(Learner):
         return out
 
     def plan_bucket(
-        self, bucket: str, classes: Sequence[str], allowed: Sequence[int]
+        self, bucket: str, classes: Sequence[str], allowed: Sequence[int], *, sample: bool = True
     ) -> dict[str, int] | None:
         """Best arm per class for a batch that mixes the classes in their observed shares.
 
@@ -204,8 +210,8 @@ class GoodputModel(Learner):
         if not idx:
             return None
         batch = self._batch_size(bucket)
-        theta = self._theta(sample=True)
-        sample = float(self.params["explore"]) > 0
+        theta = self._theta(sample=sample)
+        sample = sample and float(self.params["explore"]) > 0
         pooled_acc = np.array([self._expected_accepted(ANY_CLASS, self.arms[i], sample) for i in idx])
         pooled_cost = np.array([self._cost_ms(theta, {ANY_CLASS: 1.0}, {ANY_CLASS: i}, batch) for i in idx])
         pooled = int(np.argmax(batch * (1.0 + pooled_acc) / pooled_cost))
@@ -267,7 +273,7 @@ class GoodputModel(Learner):
     def estimates(self, ctx: str) -> np.ndarray:
         if self._w == 0:
             return np.full(len(self.arms), np.nan)
-        return self._goodputs(ctx, range(len(self.arms)), sample=False)  # type: ignore[arg-type]
+        return self._goodputs(ctx, list(range(len(self.arms))), sample=False)
 
     # -- snapshots ---------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from policies.algorithms.base import Learner
-from policies.arms import Arm
+from policies.arms import Arm, Method
 from policies.params import Param
 
 
@@ -65,6 +65,31 @@ class SlidingWindowUCB(Learner):
     def select(self, ctx: str, allowed: Sequence[int]) -> int:
         t = self.table(ctx)
         return _ucb_pick(t.n, t.s, allowed, float(self.params["c"]), float(t.n.sum()))
+
+    def on_drift(self, cls: str, method: Method, keep: float) -> None:
+        """The window is the statistic: drop the drifted arms' rounds (their newest ``keep`` share stays)."""
+        idx = {i for i, a in enumerate(self.arms) if a.method is method}
+        for ctx, h in self._hist.items():
+            if not idx or ctx.partition("/")[2] != cls:
+                continue
+            rows = [(i, r) for i, r in h if i in idx]
+            kept = set(range(len(rows) - int(len(rows) * keep), len(rows)))
+            j = -1
+            out: list[tuple[int, float]] = []
+            for i, r in h:
+                if i in idx:
+                    j += 1
+                    if j not in kept:
+                        continue
+                out.append((i, r))
+            h.clear()
+            h.extend(out)
+            t = self.table(ctx)
+            t.n[:] = 0
+            t.s[:] = 0
+            t.q[:] = 0
+            for i, r in h:
+                t.add(i, r, 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "hist": {c: list(map(list, h)) for c, h in self._hist.items()}}

@@ -86,3 +86,52 @@ def test_static_needs_a_valid_arm() -> None:
     with pytest.raises(PolicyError) as e:
         parse_policy(text, source="p.yaml")
     assert e.value.field == "spec.algorithm.params.arm" and e.value.line == 9
+
+
+SAFE = (
+    GOOD
+    + """\
+  switch_margin: 0.02
+  drift: {detector: page_hinkley, threshold: 30}
+  slo:
+    p99_tpot_ms: 50
+  exploration: {max_share_at_high_load: 0.05, high_load_batch: 32}
+"""
+)
+
+
+def test_safety_sections_parse() -> None:
+    s = parse_policy(SAFE, source="p.yaml")
+    assert s.switch_margin == 0.02
+    assert s.drift["detector"] == "page_hinkley" and s.drift["threshold"] == 30.0 and s.drift["delta"] == 0.05
+    assert s.slo["p99_tpot_ms"] == 50.0 and s.slo["window"] == 512
+    assert s.exploration == {"max_share_at_high_load": 0.05, "high_load_batch": 32}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "field", "needle"),
+    [
+        ("switch_margin: 0.02", "switch_margin: -0.1", 15, "spec.switch_margin", ">= 0.0"),
+        ("detector: page_hinkley", "detector: cusum", 16, "spec.drift.detector", "unknown detector"),
+        ("threshold: 30", "threshold: 0", 16, "spec.drift.threshold", ">= 0.1"),
+        ("threshold: 30", "treshold: 30", 16, "spec.drift.treshold", "unknown parameter"),
+        ("p99_tpot_ms: 50", "p99_tpot_ms: fast", 18, "spec.slo.p99_tpot_ms", "expected a number"),
+        ("high_load_batch: 32", "high_load_batch: 0.5", 19, "spec.exploration.high_load_batch", "integer"),
+        (
+            "max_share_at_high_load: 0.05",
+            "max_share_at_high_load: 2",
+            19,
+            "spec.exploration.max_share_at_high_load",
+            "<= 1.0",
+        ),
+        ("  slo:\n    p99_tpot_ms: 50", "  slo: [50]", 17, "spec.slo", "expected a mapping"),
+    ],
+)
+def test_safety_section_errors_name_line_and_field(
+    old: str, new: str, line: int, field: str, needle: str
+) -> None:
+    assert old in SAFE
+    with pytest.raises(PolicyError) as e:
+        parse_policy(SAFE.replace(old, new), source="p.yaml")
+    assert (e.value.line, e.value.field) == (line, field)
+    assert needle in e.value.message

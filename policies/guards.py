@@ -1,0 +1,195 @@
+"""Safety guards on the slow loop's choices: a p99 TPOT guard, an exploration budget, hysteresis.
+
+Each guard is a small stateful filter the ControlLoop applies after the learner has picked an arm:
+
+* ``TpotGuard``: per batch bucket, the p99 of recent per-request TPOT (step time over the tokens the
+  request got from the step) against the policy's SLO. Above it, the bucket is capped to arms with a
+  shorter draft than it plays now (shorter verify steps; ``off`` last); the cap tightens while the p99
+  stays above and lifts once it is back under ``release`` x SLO.
+* ``ExplorationBudget``: at high load a wasted exploratory round costs every request in a large batch,
+  so there the share of decisions that depart from the learner's greedy choice is capped.
+* ``keeps_current``: hysteresis on estimated goodput, so two arms within the margin do not flip-flop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from policies.arms import Arm
+from policies.params import Param
+
+SLO_FIELDS: dict[str, Param] = {
+    "p99_tpot_ms": Param(
+        0.0, "p99 time per output token the guard keeps each bucket under (0: off).", 0.0, 1e6
+    ),
+    "window": Param(512, "Recent request-steps per bucket the p99 is taken over.", 16, 10**6),
+    "min_samples": Param(64, "Request-steps needed (after a change of cap) before the guard acts.", 1, 10**6),
+    "release": Param(0.9, "The cap lifts once the p99 is below this share of the SLO.", 0.1, 1.0),
+}
+EXPLORATION_FIELDS: dict[str, Param] = {
+    "max_share_at_high_load": Param(
+        1.0, "Largest share of decisions that may explore, in buckets at high load (1: no limit).", 0.0, 1.0
+    ),
+    "high_load_batch": Param(32, "Buckets holding this batch size or larger count as high load.", 1, 10**6),
+}
+
+
+def keeps_current(estimates: np.ndarray, current: int, new: int, margin: float) -> bool:
+    """True when ``new`` does not beat ``current`` by the relative ``margin`` on estimated goodput.
+
+    An unestimated arm (NaN) is never held back: it has to be tried before it can be judged.
+    """
+    if margin <= 0 or current < 0 or new == current:
+        return False
+    cur, nxt = float(estimates[current]), float(estimates[new])
+    if not (np.isfinite(cur) and np.isfinite(nxt)):
+        return False
+    return nxt < cur * (1.0 + margin) if cur > 0 else nxt <= cur
+
+
+def greedy_choice(estimates: np.ndarray, allowed: Sequence[int]) -> int | None:
+    """The allowed arm with the best finite estimate (None when none is estimated)."""
+    seen = [i for i in allowed if np.isfinite(estimates[i])]
+    return max(seen, key=lambda i: float(estimates[i])) if seen else None
+
+
+@dataclass(slots=True)
+class _Window:
+    values: np.ndarray
+    pos: int = 0
+    count: int = 0
+    #: Arms with K >= cap are excluded; None: no cap.
+    cap: int | None = None
+
+    def add(self, v: np.ndarray) -> None:
+        size = len(self.values)
+        v = v[-size:]
+        idx = (self.pos + np.arange(len(v))) % size
+        self.values[idx] = v
+        self.pos = int((self.pos + len(v)) % size)
+        self.count = min(self.count + len(v), size)
+
+    def clear(self) -> None:
+        self.pos = self.count = 0
+
+
+@dataclass(slots=True)
+class TpotGuard:
+    slo_ms: float
+    window: int
+    min_samples: int
+    release: float
+    buckets: dict[str, _Window] = field(default_factory=dict)
+    trips: int = 0
+
+    @classmethod
+    def from_params(cls, p: Mapping[str, Any]) -> TpotGuard:
+        return cls(float(p["p99_tpot_ms"]), int(p["window"]), int(p["min_samples"]), float(p["release"]))
+
+    @property
+    def enabled(self) -> bool:
+        return self.slo_ms > 0
+
+    def _win(self, bucket: str) -> _Window:
+        w = self.buckets.get(bucket)
+        if w is None:
+            w = self.buckets[bucket] = _Window(np.zeros(self.window))
+        return w
+
+    def observe(self, bucket: str, duration_s: float, accepted: np.ndarray) -> None:
+        """One step's rows in ``bucket``: each request waited the step for ``accepted + 1`` tokens."""
+        if self.enabled and len(accepted):
+            self._win(bucket).add(duration_s * 1e3 / (accepted.astype(np.float64) + 1.0))
+
+    def p99(self, bucket: str) -> float | None:
+        w = self.buckets.get(bucket)
+        if w is None or w.count == 0:
+            return None
+        return float(np.percentile(w.values[: w.count], 99))
+
+    def update(self, bucket: str, playing_k: int) -> int | None:
+        """Re-evaluate ``bucket`` (its contexts now play drafts up to ``playing_k``); returns the cap."""
+        if not self.enabled:
+            return None
+        w = self._win(bucket)
+        if w.count < self.min_samples:
+            return w.cap
+        p = float(np.percentile(w.values[: w.count], 99))
+        if p > self.slo_ms:
+            cap = max(playing_k, 1)  # cap 1 leaves only `off`: nothing shorter exists
+            if w.cap is None or cap < w.cap:
+                self.trips += 1
+            w.cap = cap if w.cap is None else min(w.cap, cap)
+            w.clear()  # judge the capped arms on their own steps
+        elif w.cap is not None and p <= self.release * self.slo_ms:
+            w.cap = None
+        return w.cap
+
+    def cap(self, bucket: str) -> int | None:
+        w = self.buckets.get(bucket)
+        return w.cap if w is not None else None
+
+    @staticmethod
+    def restrict(arms: Sequence[Arm], allowed: Sequence[int], cap: int | None) -> list[int]:
+        """``allowed`` without arms drafting ``cap`` tokens or more (the shortest ones if none is left)."""
+        if cap is None:
+            return list(allowed)
+        out = [i for i in allowed if arms[i].k < cap]
+        if out:
+            return out
+        shortest = min(arms[i].k for i in allowed)
+        return [i for i in allowed if arms[i].k == shortest]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trips": self.trips, "caps": {b: w.cap for b, w in self.buckets.items() if w.cap is not None}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trips = int(state.get("trips", 0))
+        self.buckets = {}
+        for b, cap in state.get("caps", {}).items():
+            self._win(str(b)).cap = int(cap)
+
+
+@dataclass(slots=True)
+class ExplorationBudget:
+    max_share: float
+    high_load_batch: int
+    #: Per context: decisions taken, and how many of them explored.
+    counts: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, p: Mapping[str, Any]) -> ExplorationBudget:
+        return cls(float(p["max_share_at_high_load"]), int(p["high_load_batch"]))
+
+    def applies(self, bucket_range: tuple[int, int]) -> bool:
+        """Whether a bucket (inclusive range; upper 0 = open) holds high-load batch sizes."""
+        if self.max_share >= 1.0:
+            return False
+        _, hi = bucket_range
+        return hi == 0 or hi >= self.high_load_batch
+
+    def permit(self, ctx: str, exploratory: bool) -> bool:
+        """Count one decision in ``ctx``; False when an exploratory one would exceed the budget."""
+        c = self.counts.setdefault(ctx, [0, 0])
+        c[0] += 1
+        if not exploratory:
+            return True
+        if c[1] + 1 <= self.max_share * c[0]:
+            c[1] += 1
+            return True
+        return False
+
+    def explored(self, ctx: str) -> tuple[int, int]:
+        """(exploratory decisions, all decisions) in ``ctx``."""
+        c = self.counts.get(ctx, [0, 0])
+        return c[1], c[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": {k: list(v) for k, v in self.counts.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.counts = {str(k): [int(v[0]), int(v[1])] for k, v in state.get("counts", {}).items()}
