@@ -151,6 +151,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"error: {e}") from None
 
 
+def cmd_observe(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from controller.observe import ObserverSettings, run_observer
+    from policies.arms import Method
+
+    if not 1 <= args.max_k <= 64 or args.interval <= 0:
+        raise UserError("error: --max-k must be 1..64 and --interval positive")
+    settings = ObserverSettings(
+        metrics_url=args.metrics_url,
+        engine_target=args.sidecar,
+        engine_id=args.engine_id,
+        model=args.model,
+        method=Method(args.method),
+        max_k=args.max_k,
+        interval_s=args.interval,
+    )
+
+    def show(d: Any) -> None:
+        print(
+            f"recommend v{d.version}: K table {[(r.bs_min, r.bs_max, r.k) for r in d.k_table]} ({d.reason})"
+        )
+
+    print(f"observing {args.metrics_url} as {args.engine_id} (recommends only; Ctrl-C to stop)")
+    try:
+        asyncio.run(run_observer(settings, on_directive=show))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from controller.demo import main as demo_main
 
@@ -299,6 +330,7 @@ def _engine_rows(engines: Sequence[pb.EngineStatus]) -> str:
                 f"{e.acceptance_rate:.2f}",
                 f"{e.goodput_tok_s:.0f}",
                 _GRANULARITY.get(int(e.granularity), "?"),
+                "recommends only" if e.observe_only else "applies",
                 arms or "-",
             ]
         )
@@ -312,6 +344,7 @@ def _engine_rows(engines: Sequence[pb.EngineStatus]) -> str:
         "accept",
         "goodput",
         "granularity",
+        "control",
         "arms",
     ]
     return _table(head, rows)
@@ -429,6 +462,17 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("engines", help="attached engines")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_engines)
+    s = sub.add_parser(
+        "observe", help="observe-only: feed a vLLM without the plugin (its /metrics) to the sidecar"
+    )
+    s.add_argument("--metrics-url", required=True, help="e.g. http://127.0.0.1:8000/metrics")
+    s.add_argument("--sidecar", required=True, metavar="ADDR", help="the sidecar's engine address")
+    s.add_argument("--engine-id", required=True)
+    s.add_argument("--model", default="vllm")
+    s.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
+    s.add_argument("--max-k", type=int, default=4, help="the engine's num_speculative_tokens")
+    s.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes")
+    s.set_defaults(func=cmd_observe)
 
     _register_plugins(sub)
     return p

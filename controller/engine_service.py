@@ -51,7 +51,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
             self.sidecar.reject(None, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
         try:
-            session = self.sidecar.attach(info, instance_id=first.hello.instance_id)
+            session = self.sidecar.attach(
+                info, instance_id=first.hello.instance_id, observe_only=first.hello.observe_only
+            )
         except TelemetryError as e:
             self.sidecar.reject(None, e)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}: {e}")

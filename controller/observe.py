@@ -11,14 +11,25 @@ K is fixed at start-up without the plugin.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.arms import METHOD_CODES, Method
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, OFF, Arm, Method
+from policies.directive import Directive
+from policies.engine import EngineInfo, Granularity
 from policies.observation import StepObservation
+
+log = logging.getLogger("speccontrol.observe")
 
 MAX_ROWS = 512
 
@@ -134,3 +145,130 @@ def _apportion(weights: np.ndarray, n: int) -> np.ndarray:
 
 def mean_accepted(obs: StepObservation) -> float:
     return float(obs.accepted.mean()) if obs.n else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class ObserverSettings:
+    """Where to read and where to report; what the engine was started with."""
+
+    metrics_url: str
+    engine_target: str
+    engine_id: str
+    model: str = "vllm"
+    method: Method = Method.EAGLE3
+    #: The engine's num_speculative_tokens: the arms the policy may recommend are method:1..max_k and off.
+    max_k: int = 4
+    interval_s: float = 5.0
+    #: Only samples with this model_name label (None: all).
+    model_name: str | None = None
+
+
+def scrape(url: str, *, timeout_s: float = 5.0) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        body: bytes = resp.read(8 * 1024 * 1024)
+    return body.decode("utf-8", "replace")
+
+
+async def run_observer(
+    settings: ObserverSettings,
+    *,
+    on_directive: Callable[[Directive], None] | None = None,
+    stop: asyncio.Event | None = None,
+    clock: Callable[[], float] = time.time,
+) -> int:
+    """Scrape every interval and stream what changed to the sidecar as an observe-only engine.
+
+    Returns the number of observations sent. The directives that come back are recommendations.
+    """
+    import grpc
+
+    from controller.convert import directive_from_pb, hello_from_engine_info
+    from controller.v1 import controller_pb2 as pb
+    from controller.v1 import controller_pb2_grpc as rpc
+
+    s = settings
+    arms = (*(Arm(s.method, k) for k in range(1, s.max_k + 1)), OFF)
+    info = EngineInfo(s.engine_id, s.model, s.max_k, arms, Granularity.BATCH_STEP)
+    hello = hello_from_engine_info(info, engine_version="observe-only: vllm /metrics")
+    hello.observe_only = True
+    hello.instance_id = uuid.uuid4().hex
+    stop = stop or asyncio.Event()
+    outbox: asyncio.Queue[pb.EngineMessage | None] = asyncio.Queue(maxsize=64)
+    await outbox.put(pb.EngineMessage(hello=hello))
+    sent = 0
+
+    async def messages() -> AsyncIterator[pb.EngineMessage]:
+        while True:
+            m = await outbox.get()
+            if m is None:
+                return
+            yield m
+
+    async def produce() -> None:
+        nonlocal sent
+        loop = asyncio.get_running_loop()
+        prev: VllmCounters | None = None
+        seq = 0
+        while not stop.is_set():
+            try:
+                text = await loop.run_in_executor(None, scrape, s.metrics_url)
+                cur = parse_metrics(text, time_s=clock(), model=s.model_name)
+            except (OSError, ValueError) as e:
+                log.warning("observe: cannot read %s: %s", s.metrics_url, e)
+                cur = None
+            if cur is not None and prev is not None:
+                obs = observation_between(prev, cur, method=s.method)
+                if obs is not None:
+                    seq += 1
+                    await outbox.put(
+                        pb.EngineMessage(reports=pb.StepReportBatch(sequence=seq, steps=_reports(obs)))
+                    )
+                    sent += 1
+            prev = cur if cur is not None else prev
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), s.interval_s)
+        await outbox.put(None)
+
+    async with grpc.aio.insecure_channel(s.engine_target) as channel:
+        stub = rpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
+        producer = asyncio.create_task(produce())
+        try:
+            async for d in stub.Attach(messages()):
+                if on_directive is not None:
+                    on_directive(directive_from_pb(d))
+        finally:
+            stop.set()
+            await producer
+    return sent
+
+
+def _reports(obs: StepObservation) -> list[Any]:
+    """The interval's rows as engine steps of ``batch_size`` rows each (what a real engine reports)."""
+    from controller.convert import request_steps
+    from controller.v1 import controller_pb2 as pb
+
+    n, b = obs.n, max(1, obs.batch_size)
+    out = []
+    for lo in range(0, n, b):
+        hi = min(n, lo + b)
+        out.append(
+            pb.StepReport(
+                time_s=obs.time_s,
+                duration_s=obs.duration_s * (hi - lo) / n,
+                batch_size=max(b, hi - lo),
+                queue_length=obs.queue_length,
+                queue_wait_s=obs.queue_wait_s,
+                scheduled_k=int(obs.k[lo]),
+                requests=request_steps(
+                    request_ids=[f"m{i}" for i in range(lo, hi)],
+                    classes=obs.traffic_class[lo:hi],
+                    methods=[METHODS_BY_CODE[int(c)].value for c in obs.method[lo:hi]],
+                    ks=obs.k[lo:hi].tolist(),
+                    drafted=obs.drafted[lo:hi].tolist(),
+                    accepted=obs.accepted[lo:hi].tolist(),
+                ),
+            )
+        )
+    return out

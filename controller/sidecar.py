@@ -85,6 +85,9 @@ class EngineState:
     acked_pushed: int = 0
     last_seen: float = 0.0
     bucket: TokenBucket | None = None
+    #: The engine said it cannot apply directives (an observe-only adapter): status shows them as
+    #: recommendations.
+    observe_only: bool = False
 
     @property
     def connected(self) -> bool:
@@ -316,7 +319,7 @@ class Sidecar:
 
     # -- engines (called by EngineService) -------------------------------------------------------
 
-    def attach(self, info: EngineInfo, *, instance_id: str = "") -> Session:
+    def attach(self, info: EngineInfo, *, instance_id: str = "", observe_only: bool = False) -> Session:
         """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines."""
         st = self._engines.get(info.engine_id)
         now = self.clock()
@@ -337,6 +340,7 @@ class Sidecar:
             burst = max(rate * self.config.telemetry_burst_s, float(self.config.max_steps_per_batch))
             st.bucket = TokenBucket(rate=rate, burst=burst, clock=time.monotonic)
         st.last_seen = now
+        st.observe_only = observe_only
         q: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=STREAM_QUEUE)
         st.streams.append(q)
         self.metrics.set_connected(info.engine_id, True)
@@ -649,6 +653,7 @@ class Sidecar:
             granularity=int(st.info.granularity),  # type: ignore[arg-type]
             available_arms=[arm_to_pb(a) for a in st.info.arms],
             max_k=st.info.max_k,
+            observe_only=st.observe_only,
         )
 
     def policy_info(self, rec: PolicyRecord) -> pb.PolicyInfo:
