@@ -46,6 +46,7 @@ KIND = "Policy"
 MAX_DOCUMENT_BYTES = 64 * 1024
 MAX_DEPTH = 12
 MAX_ARMS = 64
+MAX_NODES = 20_000
 
 
 class PolicyError(ValueError):
@@ -118,8 +119,19 @@ class _Lines:
     def __init__(self, source: str) -> None:
         self.source = source
         self.by_path: dict[str, int] = {}
+        self.visits = 0
 
     def walk(self, node: yaml.Node, path: str, depth: int = 0) -> None:
+        # Aliases make the composed document a graph: count every visit so that a small document whose
+        # aliases expand exponentially ("billion laughs") is refused instead of walked.
+        self.visits += 1
+        if self.visits > MAX_NODES:
+            raise PolicyError(
+                f"document expands to more than {MAX_NODES} nodes (YAML aliases)",
+                source=self.source,
+                line=node.start_mark.line + 1,
+                field=path or "<root>",
+            )
         if depth > MAX_DEPTH:
             raise PolicyError(
                 f"nested deeper than {MAX_DEPTH} levels",
@@ -238,7 +250,7 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     algo = _mapping(lines, spec.get("algorithm"), "spec.algorithm")
     _unknown(lines, algo, "spec.algorithm", {"name", "params"})
     algo_name = algo.get("name")
-    if algo_name not in REGISTRY:
+    if not isinstance(algo_name, str) or algo_name not in REGISTRY:
         raise lines.error(
             "spec.algorithm.name", f"unknown algorithm {algo_name!r} (known: {', '.join(sorted(REGISTRY))})"
         )

@@ -236,11 +236,8 @@ def test_trace_files(lines: list[str], binary_junk: bool) -> None:
             assert errors, "read_trace refused what validate_trace accepted"
 
 
-@pytest.mark.xfail(
-    strict=True, raises=TypeError, reason="policies/spec.py: spec.algorithm.name of a non-string type"
-)
 def test_parse_policy_itself_raises_only_policy_errors() -> None:
-    """Found by the fuzzer; the controller guards it (parse_policy_checked). Strict: a fix shows up."""
+    """Found by the fuzzer (a TypeError from a list as the algorithm name); fixed in policies/spec.py."""
     doc = _valid_policy()
     doc["spec"]["algorithm"]["name"] = []
     with pytest.raises(PolicyError):

@@ -135,3 +135,17 @@ def test_safety_section_errors_name_line_and_field(
         parse_policy(SAFE.replace(old, new), source="p.yaml")
     assert (e.value.line, e.value.field) == (line, field)
     assert needle in e.value.message
+
+
+def test_alias_bombs_are_refused_not_walked() -> None:
+    # Nine levels of nine aliases each: under 1 KiB of text, 9**9 nodes if expanded.
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    with pytest.raises(PolicyError, match="expands to more than"):
+        parse_policy("\n".join(lines) + "\n", source="bomb.yaml")
+
+
+def test_a_non_string_algorithm_name_is_a_policy_error() -> None:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(broken("name: discounted_thompson", "name: []"), source="p.yaml")
+    assert e.value.field == "spec.algorithm.name" and e.value.line == 7
