@@ -146,7 +146,9 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
             + "HPA ratio rule on `speccontrol_queue_wait_seconds` and slot utilisation (the larger wins; fluid queue model; see sim/autoscale.py), "
             f"policy `{policy.name}` on `{args.engine}` / `{args.profile}`, load triples at {args.triple_at:.0f} s, "
             f"pod start-up {hpa.startup_s:.0f} s.\n\n"
-            + "\n".join(lines)
+            + "\n".join(f"- {x}" for x in lines[:3])
+            + "\n\n"
+            + "\n".join(lines[4:])
             + "\n\n![autoscale](autoscale.png)\n",
             encoding="utf-8",
         )
