@@ -80,27 +80,26 @@ def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str) ->
     asyncio.run(run())
 
 
-def _batch(seq: int, steps: int, batch: int, t: float) -> Any:
-    from controller.convert import request_steps
+def _batch(seq: int, steps: int, batch: int, t: float, *, rows: bool = False) -> Any:
+    from controller.convert import request_columns, request_steps
     from controller.v1 import controller_pb2 as pb
 
+    cols: dict[str, Any] = dict(
+        request_ids=[f"r{i}" for i in range(batch)],
+        classes=["default"] * batch,
+        methods=["eagle3"] * batch,
+        ks=[2] * batch,
+        drafted=[2] * batch,
+        accepted=[i % 3 for i in range(batch)],
+    )
+    per_request: dict[str, Any] = (
+        {"requests": request_steps(**cols)} if rows else {"columns": request_columns(**cols)}
+    )
     return pb.StepReportBatch(
         sequence=seq,
         steps=[
             pb.StepReport(
-                time_s=t,
-                duration_s=0.01,
-                batch_size=batch,
-                queue_length=0,
-                scheduled_k=2,
-                requests=request_steps(
-                    request_ids=[f"r{i}" for i in range(batch)],
-                    classes=["default"] * batch,
-                    methods=["eagle3"] * batch,
-                    ks=[2] * batch,
-                    drafted=[2] * batch,
-                    accepted=[i % 3 for i in range(batch)],
-                ),
+                time_s=t, duration_s=0.01, batch_size=batch, queue_length=0, scheduled_k=2, **per_request
             )
             for _ in range(steps)
         ],
@@ -108,7 +107,7 @@ def _batch(seq: int, steps: int, batch: int, t: float) -> Any:
 
 
 async def _engines(
-    target: str, n: int, seconds: float, steps_per_s: float, batch: int, flush_ms: float
+    target: str, n: int, seconds: float, steps_per_s: float, batch: int, flush_ms: float, rows: bool
 ) -> int:
     import grpc
 
@@ -116,7 +115,7 @@ async def _engines(
     from controller.v1 import controller_pb2_grpc as pb_grpc
 
     per_flush = max(1, round(steps_per_s * flush_ms / 1000))
-    template = _batch(0, per_flush, batch, 0.0)
+    template = _batch(0, per_flush, batch, 0.0, rows=rows)
     sent = 0
 
     async def one(i: int) -> None:
@@ -165,6 +164,9 @@ def main() -> int:
     ap.add_argument("--steps-per-s", type=float, default=100.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--flush-ms", type=float, default=50.0)
+    ap.add_argument(
+        "--rows", action="store_true", help="send per-request rows (RequestStep) instead of columns"
+    )
     ap.add_argument("--core", type=int, default=0, help="CPU core for the sidecar (-1: no pinning)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -179,7 +181,9 @@ def main() -> int:
             if others:
                 os.sched_setaffinity(0, others)
         sent = asyncio.run(
-            _engines(target, args.engines, args.seconds, args.steps_per_s, args.batch, args.flush_ms)
+            _engines(
+                target, args.engines, args.seconds, args.steps_per_s, args.batch, args.flush_ms, args.rows
+            )
         )
         stop.set()
         proc.join(60)
@@ -189,7 +193,7 @@ def main() -> int:
     lat = np.array(doc["decide_s"]) * 1000
     applied = doc["request_steps"]
     print(
-        f"engines {args.engines} x {args.steps_per_s:g} steps/s x batch {args.batch}, {args.seconds:g} s, sidecar on core {args.core}"
+        f"engines {args.engines} x {args.steps_per_s:g} steps/s x batch {args.batch} as {'rows' if args.rows else 'columns'}, {args.seconds:g} s, sidecar on core {args.core}"
     )
     print(
         f"observations/s (request-steps applied): {applied / args.seconds:,.0f}  (steps/s {doc['steps'] / args.seconds:,.0f})"

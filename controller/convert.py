@@ -52,7 +52,9 @@ def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "") -> pb.Hel
 
 
 def observation_from_pb(step: pb.StepReport) -> StepObservation:
-    """Columns from a (validated) StepReport."""
+    """Columns from a (validated) StepReport, in either form (rows or columns)."""
+    if step.HasField("columns"):
+        return _observation_from_columns(step)
     reqs = step.requests
     n = len(reqs)
     cf_methods = {m for r in reqs for m in r.counterfactual_accepted}
@@ -75,6 +77,33 @@ def observation_from_pb(step: pb.StepReport) -> StepObservation:
         counterfactual=cf,
         request_id=tuple(r.request_id for r in reqs),
         finished=np.fromiter((r.finished for r in reqs), dtype=bool, count=n),
+    )
+
+
+def _observation_from_columns(step: pb.StepReport) -> StepObservation:
+    c = step.columns
+    n = len(c.k)
+    names = [x or "default" for x in c.classes]
+    if len(names) == 1:
+        traffic_class: tuple[str, ...] = (names[0],) * n
+    else:
+        traffic_class = tuple(names[i] for i in c.traffic_class)
+    return StepObservation(
+        time_s=step.time_s,
+        duration_s=step.duration_s,
+        batch_size=int(step.batch_size) or n,
+        queue_length=int(step.queue_length),
+        queue_wait_s=step.queue_wait_s,
+        traffic_class=traffic_class,
+        method=np.array(c.method, dtype=np.int8),
+        k=np.array(c.k, dtype=np.int32),
+        drafted=np.array(c.drafted, dtype=np.int32),
+        accepted=np.array(c.accepted, dtype=np.int32),
+        counterfactual={
+            Method(col.method): np.array(col.accepted, dtype=np.int32) for col in c.counterfactual
+        },
+        request_id=tuple(c.request_id) if len(c.request_id) else ("",) * n,
+        finished=np.array(c.finished, dtype=bool) if len(c.finished) else np.zeros(n, dtype=bool),
     )
 
 
@@ -145,3 +174,35 @@ def request_steps(
             )
         )
     return out
+
+
+def request_columns(
+    *,
+    request_ids: Iterable[str],
+    classes: Iterable[str],
+    methods: Iterable[str],
+    ks: Iterable[int],
+    drafted: Iterable[int],
+    accepted: Iterable[int],
+    counterfactual: dict[str, Iterable[int]] | None = None,
+    finished: Iterable[bool] | None = None,
+) -> pb.RequestColumns:
+    """The columnar form of ``request_steps`` (StepReport.columns); same arguments, same meaning."""
+    index: dict[str, int] = {}
+    class_idx = [index.setdefault(c, len(index)) for c in classes]
+    return pb.RequestColumns(
+        request_id=list(request_ids),
+        classes=list(index),
+        traffic_class=class_idx,
+        method=[METHOD_CODES[Method(m)] for m in methods],
+        k=[int(x) for x in ks],
+        drafted=[int(x) for x in drafted],
+        accepted=[int(x) for x in accepted],
+        # A column nobody scored is left out, as rows leave the map entry out.
+        counterfactual=[
+            pb.CounterfactualColumn(method=m, accepted=col)
+            for m, col in ((m, [int(x) for x in v]) for m, v in (counterfactual or {}).items())
+            if any(x != NOT_SCORED for x in col)
+        ],
+        finished=[bool(x) for x in finished] if finished is not None else [],
+    )

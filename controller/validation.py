@@ -14,8 +14,9 @@ import numpy as np
 
 from controller.convert import engine_info_from_hello
 from controller.v1 import controller_pb2 as pb
-from policies.arms import Method
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
+from policies.observation import NOT_SCORED
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 MAX_ENGINE_ID = 128
@@ -23,6 +24,8 @@ MAX_INSTANCE_ID = 128
 MAX_K = 64
 MAX_TRAFFIC_CLASS = 64
 MAX_REQUEST_ID = 256
+#: Distinct traffic classes one columnar step may name.
+MAX_CLASSES_PER_STEP = 4096
 PROTOCOL_VERSIONS = (0, 1)
 #: Nodes a policy document may hold once its YAML aliases are expanded.
 _METHODS = frozenset(m.value for m in Method)
@@ -109,12 +112,18 @@ def validate_step(
             raise TelemetryError(
                 f"{name.removesuffix('_s')}_invalid", f"{where}.{name}: must be finite and >= 0, got {v}"
             )
+    columnar = step.HasField("columns")
+    if columnar and len(step.requests):
+        raise TelemetryError(
+            "requests_and_columns", f"{where}.columns: a step carries requests or columns, not both"
+        )
     reqs = step.requests
-    n = len(reqs)
+    n = len(step.columns.k) if columnar else len(reqs)
     if n > limits.max_requests_per_step:
         raise TelemetryError(
             "too_many_requests",
-            f"{where}.requests: {n} requests exceed the limit {limits.max_requests_per_step}",
+            f"{where}.{'columns' if columnar else 'requests'}: {n} requests exceed the limit "
+            f"{limits.max_requests_per_step}",
         )
     if step.batch_size > max(limits.max_requests_per_step, engine.max_batch_size):
         raise TelemetryError(
@@ -125,6 +134,10 @@ def validate_step(
             "batch_size_invalid",
             f"{where}.batch_size: {step.batch_size} is smaller than the {n} requests reported",
         )
+    allowed = methods if methods is not None else {a.method.value for a in engine.arms} | {Method.OFF.value}
+    if columnar:
+        _validate_columns(step.columns, n, engine, where, allowed)
+        return
     if n == 0:
         return
     k = np.fromiter((r.k for r in reqs), dtype=np.int64, count=n)
@@ -145,7 +158,6 @@ def validate_step(
         "accepted",
         lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
     )
-    allowed = methods if methods is not None else {a.method.value for a in engine.arms} | {Method.OFF.value}
     for j, r in enumerate(reqs):
         if r.method not in allowed:
             reason = "method_unknown" if r.method not in _METHODS else "method_not_offered"
@@ -176,10 +188,147 @@ def validate_step(
                 )
 
 
-def _first(bad: np.ndarray, reason: str, where: str, field: str, describe: Callable[[int], str]) -> None:
+def _validate_columns(
+    c: pb.RequestColumns, n: int, engine: EngineInfo, where: str, allowed: set[str]
+) -> None:
+    """The columnar form's checks: the same rules as for rows, on whole columns at once."""
+    where = f"{where}.columns"
+    for name, col, optional in (
+        ("request_id", c.request_id, True),
+        ("traffic_class", c.traffic_class, False),
+        ("method", c.method, False),
+        ("drafted", c.drafted, False),
+        ("accepted", c.accepted, False),
+        ("finished", c.finished, True),
+    ):
+        if len(col) != n and not (optional and len(col) == 0):
+            raise TelemetryError(
+                "columns_length",
+                f"{where}.{name}: {len(col)} entries, but k has {n}" + (" (or none)" if optional else ""),
+            )
+    if len(c.classes) > MAX_CLASSES_PER_STEP:
+        raise TelemetryError(
+            "too_many_classes",
+            f"{where}.classes: {len(c.classes)} classes exceed the limit {MAX_CLASSES_PER_STEP}",
+        )
+    for i, name in enumerate(c.classes):
+        if len(name) > MAX_TRAFFIC_CLASS:
+            raise TelemetryError(
+                "traffic_class_too_long", f"{where}.classes[{i}]: longer than {MAX_TRAFFIC_CLASS} characters"
+            )
+    if len(c.request_id) and max(map(len, c.request_id)) > MAX_REQUEST_ID:
+        j = next(j for j, rid in enumerate(c.request_id) if len(rid) > MAX_REQUEST_ID)
+        raise TelemetryError(
+            "request_id_too_long", f"{where}.request_id[{j}]: longer than {MAX_REQUEST_ID} characters"
+        )
+    if n == 0:
+        return
+    tc = np.array(c.traffic_class, dtype=np.int64)
+    _first(
+        tc >= len(c.classes),
+        "traffic_class_invalid",
+        where,
+        "traffic_class",
+        lambda j: f"{tc[j]} is not an index into the step's {len(c.classes)} classes",
+        columns=True,
+    )
+    method = np.array(c.method, dtype=np.int64)
+    ok = np.zeros(len(METHODS_BY_CODE) + 1, dtype=bool)
+    for m in allowed:
+        ok[METHOD_CODES[Method(m)]] = True
+    code = np.minimum(method, len(METHODS_BY_CODE))
+    _first(
+        ~ok[code],
+        "method_not_offered",
+        where,
+        "method",
+        lambda j: f"{_method_name(int(method[j]))} is not one of the engine's ({', '.join(sorted(allowed))})",
+        columns=True,
+        reason_of=lambda j: "method_unknown" if method[j] >= len(METHODS_BY_CODE) else "method_not_offered",
+    )
+    k = np.array(c.k, dtype=np.int64)
+    drafted = np.array(c.drafted, dtype=np.int64)
+    accepted = np.array(c.accepted, dtype=np.int64)
+    _first(
+        k > engine.max_k,
+        "k_gt_max",
+        where,
+        "k",
+        lambda j: f"{k[j]} exceeds the engine's max_k {engine.max_k}",
+        columns=True,
+    )
+    _first(
+        drafted > k,
+        "drafted_gt_k",
+        where,
+        "drafted",
+        lambda j: f"{drafted[j]} exceeds k {k[j]}",
+        columns=True,
+    )
+    _first(
+        accepted > drafted,
+        "accepted_gt_drafted",
+        where,
+        "accepted",
+        lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
+        columns=True,
+    )
+    seen: set[str] = set()
+    for i, cf in enumerate(c.counterfactual):
+        at = f"{where}.counterfactual[{i}]"
+        if cf.method not in _METHODS or cf.method == Method.OFF.value:
+            raise TelemetryError(
+                "counterfactual_method_unknown", f"{at}.method: unknown method {cf.method!r}"
+            )
+        if cf.method in seen:
+            raise TelemetryError(
+                "counterfactual_method_repeated", f"{at}.method: {cf.method!r} appears twice"
+            )
+        seen.add(cf.method)
+        if len(cf.accepted) != n:
+            raise TelemetryError(
+                "columns_length", f"{at}.accepted: {len(cf.accepted)} entries, but k has {n}"
+            )
+        _check_counterfactual(np.array(cf.accepted, dtype=np.int64), at, engine.max_k)
+
+
+def _check_counterfactual(v: np.ndarray, at: str, max_k: int) -> None:
+    _first(
+        v > max_k,
+        "counterfactual_gt_max",
+        at,
+        "accepted",
+        lambda j: f"{v[j]} exceeds max_k {max_k}",
+        columns=True,
+    )
+    _first(
+        v < NOT_SCORED,
+        "counterfactual_invalid",
+        at,
+        "accepted",
+        lambda j: f"{v[j]} is below {NOT_SCORED} (not scored)",
+        columns=True,
+    )
+
+
+def _method_name(code: int) -> str:
+    return repr(METHODS_BY_CODE[code].value) if code < len(METHODS_BY_CODE) else f"code {code}"
+
+
+def _first(
+    bad: np.ndarray,
+    reason: str,
+    where: str,
+    field: str,
+    describe: Callable[[int], str],
+    *,
+    columns: bool = False,
+    reason_of: Callable[[int], str] | None = None,
+) -> None:
     if bad.any():
         j = int(np.flatnonzero(bad)[0])
-        raise TelemetryError(reason, f"{where}.requests[{j}].{field}: {describe(j)}")
+        path = f"{where}.{field}[{j}]" if columns else f"{where}.requests[{j}].{field}"
+        raise TelemetryError(reason_of(j) if reason_of else reason, f"{path}: {describe(j)}")
 
 
 def parse_policy_checked(text: str, *, source: str) -> PolicySpec:

@@ -73,7 +73,7 @@ class StepReportBatch(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., dropped_steps: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("time_s", "duration_s", "batch_size", "queue_length", "queue_wait_s", "scheduled_k", "requests", "directive_version")
+    __slots__ = ("time_s", "duration_s", "batch_size", "queue_length", "queue_wait_s", "scheduled_k", "requests", "directive_version", "columns")
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class StepReport(_message.Message):
     SCHEDULED_K_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DIRECTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     time_s: float
     duration_s: float
     batch_size: int
@@ -90,7 +91,38 @@ class StepReport(_message.Message):
     scheduled_k: int
     requests: _containers.RepeatedCompositeFieldContainer[RequestStep]
     directive_version: int
-    def __init__(self, time_s: _Optional[float] = ..., duration_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_length: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., scheduled_k: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ..., directive_version: _Optional[int] = ...) -> None: ...
+    columns: RequestColumns
+    def __init__(self, time_s: _Optional[float] = ..., duration_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_length: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., scheduled_k: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ..., directive_version: _Optional[int] = ..., columns: _Optional[_Union[RequestColumns, _Mapping]] = ...) -> None: ...
+
+class RequestColumns(_message.Message):
+    __slots__ = ("request_id", "classes", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual", "finished")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_id: _containers.RepeatedScalarFieldContainer[str]
+    classes: _containers.RepeatedScalarFieldContainer[str]
+    traffic_class: _containers.RepeatedScalarFieldContainer[int]
+    method: _containers.RepeatedScalarFieldContainer[int]
+    k: _containers.RepeatedScalarFieldContainer[int]
+    drafted: _containers.RepeatedScalarFieldContainer[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    counterfactual: _containers.RepeatedCompositeFieldContainer[CounterfactualColumn]
+    finished: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[str]] = ..., traffic_class: _Optional[_Iterable[int]] = ..., method: _Optional[_Iterable[int]] = ..., k: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[_Iterable[_Union[CounterfactualColumn, _Mapping]]] = ..., finished: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class CounterfactualColumn(_message.Message):
+    __slots__ = ("method", "accepted")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, method: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestStep(_message.Message):
     __slots__ = ("request_id", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual_accepted", "finished")

@@ -2,9 +2,10 @@ from dataclasses import replace
 
 import pytest
 
+from controller.convert import observation_from_pb
 from controller.embedded.core import EngineCore, EngineSettings, safe_directive
 from controller.embedded.traffic import DEFAULT_CLASSES, Phase, Schedule, Traffic
-from policies.arms import Arm
+from policies.arms import METHODS_BY_CODE, Arm, Method
 from policies.directive import Directive
 
 
@@ -30,7 +31,11 @@ def _directive(arm: str, version: int, ttl_s: float = 10.0) -> Directive:
 
 
 def _arms(report) -> set[str]:  # type: ignore[no-untyped-def]
-    return {"off" if r.method == "off" else f"{r.method}:{r.k}" for r in report.requests}
+    obs = observation_from_pb(report)
+    names = [METHODS_BY_CODE[c] for c in obs.method.tolist()]
+    return {
+        "off" if m is Method.OFF else f"{m.value}:{k}" for m, k in zip(names, obs.k.tolist(), strict=True)
+    }
 
 
 def test_runs_on_its_safe_default_until_a_directive_arrives() -> None:
@@ -56,9 +61,9 @@ def test_k_is_clamped_to_max_k() -> None:
     core = _core()
     core.receive(_directive("eagle3:9", 1))
     core.step()
-    rep = core.step()
-    assert {r.k for r in rep.requests} == {4}
-    assert all(r.accepted <= 4 for r in rep.requests)
+    obs = observation_from_pb(core.step())
+    assert set(obs.k.tolist()) == {4}
+    assert (obs.accepted <= 4).all()
 
 
 def test_ttl_expiry_falls_back_to_the_safe_default_and_a_refresh_prevents_it() -> None:
@@ -92,12 +97,13 @@ def test_stale_directives_are_ignored() -> None:
 def test_counterfactual_ngram_on_every_row_not_verified_by_ngram() -> None:
     core = _core()
     core.step()
-    rep = core.step()
-    assert rep.requests and all("ngram" in r.counterfactual_accepted for r in rep.requests)
-    assert all(r.counterfactual_accepted["ngram"] <= 4 for r in rep.requests)
+    obs = observation_from_pb(core.step())
+    cf = obs.counterfactual[Method.NGRAM]
+    assert obs.n and len(cf) == obs.n
+    assert ((cf >= 0) & (cf <= 4)).all()
     core.receive(_directive("ngram:3", 1))
-    rep = core.step()
-    assert all(not r.counterfactual_accepted for r in rep.requests)
+    obs = observation_from_pb(core.step())
+    assert obs.n and Method.NGRAM not in obs.counterfactual
 
 
 def test_closed_loop_keeps_concurrency_and_accounts_tokens() -> None:
@@ -105,7 +111,7 @@ def test_closed_loop_keeps_concurrency_and_accounts_tokens() -> None:
     reports = [core.step() for _ in range(200)]
     assert all(r.batch_size == 3 for r in reports[1:])
     t = core.totals
-    emitted = sum(r.accepted + 1 for rep in reports for r in rep.requests)
+    emitted = sum(o.emitted for o in map(observation_from_pb, reports))
     assert t.tokens == emitted + t.requests_started
     assert t.virtual_s == pytest.approx(sum(r.duration_s for r in reports))
     assert reports[-1].time_s == pytest.approx(t.virtual_s)

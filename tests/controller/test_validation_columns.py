@@ -1,0 +1,140 @@
+"""Validation of the columnar step form (StepReport.columns): the same rules as rows, a field path each."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.convert import request_columns
+from controller.v1 import controller_pb2 as pb
+from controller.validation import Limits, TelemetryError, validate_batch
+from policies.arms import METHOD_CODES, Arm, Method
+from policies.engine import EngineInfo
+
+ENGINE = EngineInfo(
+    engine_id="e1",
+    model="m",
+    max_k=4,
+    arms=(Arm(Method.EAGLE3, 2), Arm(Method.EAGLE3, 4), Arm(Method.OFF, 0)),
+    max_batch_size=64,
+)
+
+
+def cols(**kw: object) -> pb.RequestColumns:
+    """Two valid requests, with the given columns replaced."""
+    c = request_columns(
+        request_ids=["a", "b"],
+        classes=["code", "chat"],
+        methods=["eagle3", "eagle3"],
+        ks=[2, 2],
+        drafted=[2, 2],
+        accepted=[1, 2],
+        finished=[False, True],
+    )
+    for name, value in kw.items():
+        c.ClearField(name)  # type: ignore[arg-type]
+        getattr(c, name).extend(value)
+    return c
+
+
+def step(c: pb.RequestColumns | None = None, **kw: object) -> pb.StepReport:
+    base: dict[str, object] = dict(
+        time_s=1.0, duration_s=0.02, batch_size=2, columns=c if c is not None else cols()
+    )
+    base.update(kw)
+    return pb.StepReport(**base)  # type: ignore[arg-type]
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def check(*steps: pb.StepReport, limits: Limits = DEFAULT_LIMITS) -> None:
+    validate_batch(pb.StepReportBatch(sequence=1, steps=steps), ENGINE, limits)
+
+
+def cf(method: str, values: list[int]) -> pb.CounterfactualColumn:
+    return pb.CounterfactualColumn(method=method, accepted=values)
+
+
+def test_valid_columns() -> None:
+    check(
+        step(),
+        step(cols(request_id=[], finished=[])),  # ids and finished are optional columns
+        step(cols(method=[METHOD_CODES[Method.OFF]] * 2, k=[0, 0], drafted=[0, 0], accepted=[0, 0])),
+        step(cols(counterfactual=[cf("ngram", [-1, 4])])),
+        step(pb.RequestColumns(), batch_size=0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason", "where"),
+    [
+        (step(cols(accepted=[1, 3])), "accepted_gt_drafted", "steps[1].columns.accepted[1]"),
+        (step(cols(k=[2, 2], drafted=[2, 3])), "drafted_gt_k", "steps[1].columns.drafted[1]"),
+        (step(cols(k=[5, 2], drafted=[1, 2])), "k_gt_max", "steps[1].columns.k[0]"),
+        (step(cols(method=[0, 9])), "method_unknown", "steps[1].columns.method[1]"),
+        (
+            step(cols(method=[METHOD_CODES[Method.NGRAM], 0])),
+            "method_not_offered",
+            "steps[1].columns.method[0]",
+        ),
+        (step(cols(traffic_class=[0, 2])), "traffic_class_invalid", "steps[1].columns.traffic_class[1]"),
+        (step(cols(classes=["c" * 65, "chat"])), "traffic_class_too_long", "steps[1].columns.classes[0]"),
+        (step(cols(request_id=["a", "r" * 257])), "request_id_too_long", "steps[1].columns.request_id[1]"),
+        (step(cols(method=[0])), "columns_length", "steps[1].columns.method"),
+        (step(cols(traffic_class=[])), "columns_length", "steps[1].columns.traffic_class"),
+        (step(cols(finished=[True])), "columns_length", "steps[1].columns.finished"),
+        (step(cols(request_id=["a"])), "columns_length", "steps[1].columns.request_id"),
+        (
+            step(cols(counterfactual=[cf("bogus", [1, 1])])),
+            "counterfactual_method_unknown",
+            "steps[1].columns.counterfactual[0].method",
+        ),
+        (
+            step(cols(counterfactual=[cf("off", [1, 1])])),
+            "counterfactual_method_unknown",
+            "steps[1].columns.counterfactual[0].method",
+        ),
+        (
+            step(cols(counterfactual=[cf("ngram", [1, 1]), cf("ngram", [1, 1])])),
+            "counterfactual_method_repeated",
+            "steps[1].columns.counterfactual[1].method",
+        ),
+        (
+            step(cols(counterfactual=[cf("ngram", [1])])),
+            "columns_length",
+            "steps[1].columns.counterfactual[0].accepted",
+        ),
+        (
+            step(cols(counterfactual=[cf("ngram", [1, 9])])),
+            "counterfactual_gt_max",
+            "steps[1].columns.counterfactual[0].accepted[1]",
+        ),
+        (
+            step(cols(counterfactual=[cf("ngram", [-2, 1])])),
+            "counterfactual_invalid",
+            "steps[1].columns.counterfactual[0].accepted[0]",
+        ),
+        (step(batch_size=1), "batch_size_invalid", "steps[1].batch_size"),
+    ],
+)
+def test_bad_columns_reason_and_place(bad: pb.StepReport, reason: str, where: str) -> None:
+    with pytest.raises(TelemetryError) as e:
+        check(step(), bad)
+    assert e.value.reason == reason
+    assert str(e.value).startswith(where + ":"), str(e.value)
+
+
+def test_a_step_with_both_forms_is_refused() -> None:
+    both = step()
+    both.requests.add(request_id="x", traffic_class="code", method="eagle3", k=2, drafted=2, accepted=1)
+    with pytest.raises(TelemetryError) as e:
+        check(both)
+    assert e.value.reason == "requests_and_columns"
+    assert str(e.value).startswith("steps[0].columns:")
+
+
+def test_requests_per_step_limit_counts_columns() -> None:
+    with pytest.raises(TelemetryError) as e:
+        check(step(), limits=Limits(max_requests_per_step=1))
+    assert e.value.reason == "too_many_requests"
+    assert str(e.value).startswith("steps[0].columns: 2 requests exceed the limit 1")
