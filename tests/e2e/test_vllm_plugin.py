@@ -135,11 +135,14 @@ class Stack:
         )
         before = int(self.engine().get("directive_version", 0))
         self.ctl("policy", "set", str(f))
-        return int(_wait(lambda: self._version_above(before), 30, f"a directive for {name}"))
+        return int(_wait(lambda: self._version_of(name, before), 30, f"a directive for {name}"))
 
-    def _version_above(self, v: int) -> int | None:
-        cur = int(self.engine().get("directive_version", 0))
-        return cur if cur > v else None
+    def _version_of(self, policy: str, above: int) -> int | None:
+        # The engine's policy name too: the previous policy may still issue a version of its own
+        # (a new traffic class adds a plan entry) between reading `above` and the set.
+        e = self.engine()
+        cur = int(e.get("directive_version", 0))
+        return cur if cur > above and e.get("policy") == policy else None
 
 
 @pytest.fixture(scope="module")
