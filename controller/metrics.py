@@ -187,6 +187,15 @@ class SidecarMetrics:
                 return
             # One row per (method, k) present in the step, summed with numpy.
             key = obs.method.astype(np.int64) * 1024 + obs.k.astype(np.int64)
+            first = int(key[0])
+            if (key == first).all():  # the usual step: one arm for the whole batch, no grouping needed
+                row = e.by_arm.setdefault((METHODS_BY_CODE[first // 1024].value, first % 1024), [0, 0, 0, 0])
+                a_sum = int(obs.accepted.sum())
+                row[0] += int(obs.drafted.sum())
+                row[1] += a_sum
+                row[2] += a_sum + n
+                row[3] += n
+                return
             uniq, inv = np.unique(key, return_inverse=True)
             d = np.bincount(inv, weights=obs.drafted, minlength=len(uniq))
             a = np.bincount(inv, weights=obs.accepted, minlength=len(uniq))

@@ -26,7 +26,7 @@ import controller
 from controller.admin_service import AdminService
 from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
 from controller.config import MAX_UNIX_PATH, ConfigError, SidecarConfig, is_local_address, parse_address
-from controller.convert import arm_to_pb, directive_to_pb, observation_from_pb
+from controller.convert import arm_to_pb, directive_to_pb
 from controller.engine_service import EngineService
 from controller.fleet import FleetLink
 from controller.limits import TokenBucket
@@ -426,14 +426,13 @@ class Sidecar:
             )
             return
         try:
-            validate_batch(batch, st.info, self.limits)
+            observations = validate_batch(batch, st.info, self.limits)
         except TelemetryError as e:
             self.reject(st, e)
             raise
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
-        for step in batch.steps:
-            obs = observation_from_pb(step)
+        for obs in observations:
             st.loop.observe(obs)
             self.metrics.observe_step(eid, obs)
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.convert import engine_info_from_hello
+from controller.convert import engine_info_from_hello, observation_from_pb
 from controller.v1 import controller_pb2 as pb
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
-from policies.observation import NOT_SCORED
+from policies.observation import NOT_SCORED, StepObservation
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 MAX_ENGINE_ID = 128
@@ -85,16 +85,20 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
     return info
 
 
-def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits) -> None:
-    """Check a whole report batch before any of it is used (a bad batch changes nothing)."""
+def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits) -> list[StepObservation]:
+    """Check a whole report batch before any of it is used (a bad batch changes nothing).
+
+    Returns the steps as observations, converted while checking (the columnar form is read once).
+    """
     if len(batch.steps) > limits.max_steps_per_batch:
         raise TelemetryError(
             "too_many_steps",
             f"reports.steps: {len(batch.steps)} steps exceed the limit {limits.max_steps_per_batch}",
         )
     methods = {a.method.value for a in engine.arms} | {Method.OFF.value}
-    for i, step in enumerate(batch.steps):
-        validate_step(step, engine, limits, index=i, methods=methods)
+    return [
+        validate_step(step, engine, limits, index=i, methods=methods) for i, step in enumerate(batch.steps)
+    ]
 
 
 def validate_step(
@@ -104,7 +108,8 @@ def validate_step(
     *,
     index: int = 0,
     methods: set[str] | None = None,
-) -> None:
+) -> StepObservation:
+    """The step as an observation, or TelemetryError naming the first bad field."""
     where = f"steps[{index}]"
     for name in ("time_s", "duration_s", "queue_wait_s"):
         v = getattr(step, name)
@@ -136,10 +141,9 @@ def validate_step(
         )
     allowed = methods if methods is not None else {a.method.value for a in engine.arms} | {Method.OFF.value}
     if columnar:
-        _validate_columns(step.columns, n, engine, where, allowed)
-        return
+        return _columns_observation(step, n, engine, where, allowed)
     if n == 0:
-        return
+        return observation_from_pb(step)
     k = np.fromiter((r.k for r in reqs), dtype=np.int64, count=n)
     drafted = np.fromiter((r.drafted for r in reqs), dtype=np.int64, count=n)
     accepted = np.fromiter((r.accepted for r in reqs), dtype=np.int64, count=n)
@@ -186,12 +190,17 @@ def validate_step(
                     "counterfactual_gt_max",
                     f"{where}.requests[{j}].counterfactual_accepted[{m}]: {v} exceeds max_k {engine.max_k}",
                 )
+    return observation_from_pb(step)
 
 
-def _validate_columns(
-    c: pb.RequestColumns, n: int, engine: EngineInfo, where: str, allowed: set[str]
-) -> None:
-    """The columnar form's checks: the same rules as for rows, on whole columns at once."""
+def _columns_observation(
+    step: pb.StepReport, n: int, engine: EngineInfo, where: str, allowed: set[str]
+) -> StepObservation:
+    """The columnar form's checks (the same rules as for rows) and its observation, reading each column once.
+
+    All value checks run as one combined mask; only a bad step pays for finding the first bad entry.
+    """
+    c = step.columns
     where = f"{where}.columns"
     for name, col, optional in (
         ("request_id", c.request_id, True),
@@ -206,90 +215,118 @@ def _validate_columns(
                 "columns_length",
                 f"{where}.{name}: {len(col)} entries, but k has {n}" + (" (or none)" if optional else ""),
             )
-    if len(c.classes) > MAX_CLASSES_PER_STEP:
+    classes = tuple(c.classes)
+    if len(classes) > MAX_CLASSES_PER_STEP:
         raise TelemetryError(
             "too_many_classes",
-            f"{where}.classes: {len(c.classes)} classes exceed the limit {MAX_CLASSES_PER_STEP}",
+            f"{where}.classes: {len(classes)} classes exceed the limit {MAX_CLASSES_PER_STEP}",
         )
-    for i, name in enumerate(c.classes):
+    for i, name in enumerate(classes):
         if len(name) > MAX_TRAFFIC_CLASS:
             raise TelemetryError(
                 "traffic_class_too_long", f"{where}.classes[{i}]: longer than {MAX_TRAFFIC_CLASS} characters"
             )
-    if len(c.request_id) and max(map(len, c.request_id)) > MAX_REQUEST_ID:
-        j = next(j for j, rid in enumerate(c.request_id) if len(rid) > MAX_REQUEST_ID)
+    request_id = tuple(c.request_id)
+    if request_id and max(map(len, request_id)) > MAX_REQUEST_ID:
+        j = next(j for j, rid in enumerate(request_id) if len(rid) > MAX_REQUEST_ID)
         raise TelemetryError(
             "request_id_too_long", f"{where}.request_id[{j}]: longer than {MAX_REQUEST_ID} characters"
         )
-    if n == 0:
-        return
-    tc = np.array(c.traffic_class, dtype=np.int64)
-    _first(
-        tc >= len(c.classes),
-        "traffic_class_invalid",
-        where,
-        "traffic_class",
-        lambda j: f"{tc[j]} is not an index into the step's {len(c.classes)} classes",
-        columns=True,
-    )
-    method = np.array(c.method, dtype=np.int64)
+    tc = np.fromiter(c.traffic_class, dtype=np.int64, count=n)
+    method = np.fromiter(c.method, dtype=np.int64, count=n)
+    k = np.fromiter(c.k, dtype=np.int64, count=n)
+    drafted = np.fromiter(c.drafted, dtype=np.int64, count=n)
+    accepted = np.fromiter(c.accepted, dtype=np.int64, count=n)
     ok = np.zeros(len(METHODS_BY_CODE) + 1, dtype=bool)
     for m in allowed:
         ok[METHOD_CODES[Method(m)]] = True
-    code = np.minimum(method, len(METHODS_BY_CODE))
-    _first(
-        ~ok[code],
-        "method_not_offered",
-        where,
-        "method",
-        lambda j: f"{_method_name(int(method[j]))} is not one of the engine's ({', '.join(sorted(allowed))})",
-        columns=True,
-        reason_of=lambda j: "method_unknown" if method[j] >= len(METHODS_BY_CODE) else "method_not_offered",
-    )
-    k = np.array(c.k, dtype=np.int64)
-    drafted = np.array(c.drafted, dtype=np.int64)
-    accepted = np.array(c.accepted, dtype=np.int64)
-    _first(
-        k > engine.max_k,
-        "k_gt_max",
-        where,
-        "k",
-        lambda j: f"{k[j]} exceeds the engine's max_k {engine.max_k}",
-        columns=True,
-    )
-    _first(
-        drafted > k,
-        "drafted_gt_k",
-        where,
-        "drafted",
-        lambda j: f"{drafted[j]} exceeds k {k[j]}",
-        columns=True,
-    )
-    _first(
-        accepted > drafted,
-        "accepted_gt_drafted",
-        where,
-        "accepted",
-        lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
-        columns=True,
-    )
-    seen: set[str] = set()
+    method_ok = ok[np.minimum(method, len(METHODS_BY_CODE))]
+    if (
+        n
+        and (
+            (tc >= len(classes)) | ~method_ok | (k > engine.max_k) | (drafted > k) | (accepted > drafted)
+        ).any()
+    ):
+        _first(
+            tc >= len(classes),
+            "traffic_class_invalid",
+            where,
+            "traffic_class",
+            lambda j: f"{tc[j]} is not an index into the step's {len(classes)} classes",
+            columns=True,
+        )
+        _first(
+            ~method_ok,
+            "method_not_offered",
+            where,
+            "method",
+            lambda j: (
+                f"{_method_name(int(method[j]))} is not one of the engine's ({', '.join(sorted(allowed))})"
+            ),
+            columns=True,
+            reason_of=lambda j: (
+                "method_unknown" if method[j] >= len(METHODS_BY_CODE) else "method_not_offered"
+            ),
+        )
+        _first(
+            k > engine.max_k,
+            "k_gt_max",
+            where,
+            "k",
+            lambda j: f"{k[j]} exceeds the engine's max_k {engine.max_k}",
+            columns=True,
+        )
+        _first(
+            drafted > k,
+            "drafted_gt_k",
+            where,
+            "drafted",
+            lambda j: f"{drafted[j]} exceeds k {k[j]}",
+            columns=True,
+        )
+        _first(
+            accepted > drafted,
+            "accepted_gt_drafted",
+            where,
+            "accepted",
+            lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
+            columns=True,
+        )
+    counterfactual: dict[Method, np.ndarray] = {}
     for i, cf in enumerate(c.counterfactual):
         at = f"{where}.counterfactual[{i}]"
         if cf.method not in _METHODS or cf.method == Method.OFF.value:
             raise TelemetryError(
                 "counterfactual_method_unknown", f"{at}.method: unknown method {cf.method!r}"
             )
-        if cf.method in seen:
+        if Method(cf.method) in counterfactual:
             raise TelemetryError(
                 "counterfactual_method_repeated", f"{at}.method: {cf.method!r} appears twice"
             )
-        seen.add(cf.method)
         if len(cf.accepted) != n:
             raise TelemetryError(
                 "columns_length", f"{at}.accepted: {len(cf.accepted)} entries, but k has {n}"
             )
-        _check_counterfactual(np.array(cf.accepted, dtype=np.int64), at, engine.max_k)
+        v = np.fromiter(cf.accepted, dtype=np.int64, count=n)
+        if n and ((v > engine.max_k) | (v < NOT_SCORED)).any():
+            _check_counterfactual(v, at, engine.max_k)
+        counterfactual[Method(cf.method)] = v.astype(np.int32)
+    names = tuple(x or "default" for x in classes)
+    return StepObservation(
+        time_s=step.time_s,
+        duration_s=step.duration_s,
+        batch_size=int(step.batch_size) or n,
+        queue_length=int(step.queue_length),
+        queue_wait_s=step.queue_wait_s,
+        traffic_class=(names[0],) * n if len(names) == 1 else tuple(names[i] for i in tc.tolist()),
+        method=method.astype(np.int8),
+        k=k.astype(np.int32),
+        drafted=drafted.astype(np.int32),
+        accepted=accepted.astype(np.int32),
+        counterfactual=counterfactual,
+        request_id=request_id or ("",) * n,
+        finished=np.fromiter(c.finished, dtype=bool, count=n) if len(c.finished) else np.zeros(n, dtype=bool),
+    )
 
 
 def _check_counterfactual(v: np.ndarray, at: str, max_k: int) -> None:

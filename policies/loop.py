@@ -27,6 +27,8 @@ from policies.guards import ExplorationBudget, TpotGuard, greedy_choice, keeps_c
 from policies.observation import NOT_SCORED, StepObservation
 from policies.spec import PolicySpec
 
+_OFF_CODE = METHODS_BY_CODE.index(Method.OFF)
+
 STATE_VERSION = 1
 
 
@@ -140,7 +142,7 @@ class ControlLoop:
         t.accepted += int(obs.accepted.sum())
         t.emitted += obs.emitted
         k = np.minimum(obs.k, self.engine.max_k)
-        k = np.where(obs.method == list(METHODS_BY_CODE).index(Method.OFF), 0, k)
+        k = np.where(obs.method == _OFF_CODE, 0, k)
         arm = self._arm_lut[obs.method.astype(np.int64), k]
         known = arm >= 0
         t.ignored_rows += int(n - known.sum())

@@ -31,6 +31,7 @@ _EAGLE = METHOD_CODES[Method.EAGLE3]
 _PEAGLE = METHOD_CODES[Method.P_EAGLE]
 _NGRAM = METHOD_CODES[Method.NGRAM]
 _OFF = METHOD_CODES[Method.OFF]
+_N_CODES = len(METHOD_CODES)
 #: Features of a step: intercept, verified tokens / 32, EAGLE-3 present, its longest K, P-EAGLE, n-gram.
 _N_FEATURES = 6
 _TOKEN_SCALE = 32.0
@@ -71,7 +72,11 @@ class GoodputModel(Learner):
         # Acceptance: per (class, method code): trials and successes per position 1..kmax.
         self._acc: dict[tuple[str, int], np.ndarray] = {}
         # Cost: discounted normal equations of duration (ms) on step features.
-        self._xtx = np.eye(_N_FEATURES) * float(self.params["ridge"])
+        self._ridge = np.eye(_N_FEATURES) * float(self.params["ridge"])
+        self._xtx = self._ridge.copy()
+        # Draft positions 1..kmax, built once (the per-step counts compare against them).
+        self._pos = np.arange(1, self._kmax + 1)
+        self._pos_before = self._pos - 1
         self._xty = np.zeros(_N_FEATURES)
         self._yy = 0.0
         self._w = 0.0
@@ -92,7 +97,7 @@ class GoodputModel(Learner):
             self._head = True
         x = _features(float(n), obs.k, obs.method, self._head)
         y = obs.duration_s * 1e3
-        ridge = np.eye(_N_FEATURES) * float(self.params["ridge"])
+        ridge = self._ridge
         self._xtx = g * (self._xtx - ridge) + ridge + np.outer(x, x)
         self._xty = g * self._xty + x * y
         self._yy = g * self._yy + y * y
@@ -112,7 +117,8 @@ class GoodputModel(Learner):
         for c in classes:
             rows = slice(None) if c == ANY_CLASS else cls_arr == c
             m, k, a = obs.method[rows], obs.k[rows], obs.accepted[rows]
-            for code in np.unique(m):
+            # The codes present, ascending (np.unique's order; bincount is cheaper on a few small codes).
+            for code in np.flatnonzero(np.bincount(m, minlength=_N_CODES)):
                 if code == _OFF:
                     continue
                 sel = (m == code) & (k > 0)
@@ -130,10 +136,10 @@ class GoodputModel(Learner):
         t = self._acc.get((cls, code))
         if t is None:
             t = self._acc[(cls, code)] = np.zeros((2, self._kmax))
-        j = np.arange(1, self._kmax + 1)
+        j = self._pos
         a = accepted[:, None]
         kk = k[:, None]
-        trials = ((a >= j - 1) & (kk >= j)).sum(axis=0)
+        trials = ((a >= self._pos_before) & (kk >= j)).sum(axis=0)
         wins = ((a >= j) & (kk >= j)).sum(axis=0)
         t *= self._gamma
         t[0] += trials

@@ -9,7 +9,9 @@ import pytest
 
 from controller.convert import observation_from_pb, request_columns, request_steps
 from controller.v1 import controller_pb2 as pb
-from policies.arms import METHOD_CODES, Method
+from controller.validation import Limits, validate_batch
+from policies.arms import METHOD_CODES, Arm, Method
+from policies.engine import EngineInfo
 from policies.observation import StepObservation
 
 CASES: list[dict[str, object]] = [
@@ -70,9 +72,32 @@ def _same(a: StepObservation, b: StepObservation) -> None:
         assert np.array_equal(a.counterfactual[m], b.counterfactual[m]), m
 
 
+ENGINE = EngineInfo(
+    engine_id="e",
+    model="m",
+    max_k=4,
+    arms=(Arm(Method.EAGLE3, 2), Arm(Method.EAGLE3, 3), Arm(Method.NGRAM, 2), Arm(Method.OFF, 0)),
+)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_rows_and_columns_give_the_same_observation(case: dict[str, object]) -> None:
     rows, cols = _both(case)
+    _same(rows, cols)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_validation_returns_the_same_observation_for_both_forms(case: dict[str, object]) -> None:
+    # The sidecar uses what validation returns; it must be what observation_from_pb gives.
+    n = len(case["ks"])  # type: ignore[arg-type]
+    head = dict(time_s=2.5, duration_s=0.03, batch_size=n + 1, queue_length=3, queue_wait_s=0.1)
+    steps = [
+        pb.StepReport(**head, requests=request_steps(**case)),  # type: ignore[arg-type]
+        pb.StepReport(**head, columns=request_columns(**case)),  # type: ignore[arg-type]
+    ]
+    rows, cols = validate_batch(pb.StepReportBatch(sequence=1, steps=steps), ENGINE, Limits())
+    _same(rows, observation_from_pb(steps[0]))
+    _same(cols, observation_from_pb(steps[1]))
     _same(rows, cols)
 
 
