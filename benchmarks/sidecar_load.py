@@ -208,6 +208,10 @@ def main() -> int:
     print(
         f"sidecar CPU: {doc['cpu_s'] / doc['wall_s'] * 100:.0f}% of one core; peak RSS {doc['max_rss_mib']:.0f} MiB"
     )
+    if doc["steps"]:
+        # CPU time per applied step: the sidecar's cost, less sensitive than steps/s to a busy machine.
+        per_step = doc["cpu_s"] / doc["steps"]
+        print(f"sidecar CPU per step: {per_step * 1e6:.0f} us (one core: ~{1 / per_step:,.0f} steps/s)")
     return 0
 
 

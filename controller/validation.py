@@ -6,6 +6,7 @@ the step and request index and the field.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -237,10 +238,7 @@ def _columns_observation(
     k = np.fromiter(c.k, dtype=np.int64, count=n)
     drafted = np.fromiter(c.drafted, dtype=np.int64, count=n)
     accepted = np.fromiter(c.accepted, dtype=np.int64, count=n)
-    ok = np.zeros(len(METHODS_BY_CODE) + 1, dtype=bool)
-    for m in allowed:
-        ok[METHOD_CODES[Method(m)]] = True
-    method_ok = ok[np.minimum(method, len(METHODS_BY_CODE))]
+    method_ok = _code_mask(frozenset(allowed))[np.minimum(method, len(METHODS_BY_CODE))]
     if (
         n
         and (
@@ -346,6 +344,16 @@ def _check_counterfactual(v: np.ndarray, at: str, max_k: int) -> None:
         lambda j: f"{v[j]} is below {NOT_SCORED} (not scored)",
         columns=True,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _code_mask(allowed: frozenset[str]) -> np.ndarray:
+    """Per method code (one past the last: any unknown code), whether the engine may report it."""
+    ok = np.zeros(len(METHODS_BY_CODE) + 1, dtype=bool)
+    for m in allowed:
+        ok[METHOD_CODES[Method(m)]] = True
+    ok.flags.writeable = False  # shared between calls
+    return ok
 
 
 def _method_name(code: int) -> str:
