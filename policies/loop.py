@@ -138,15 +138,17 @@ class ControlLoop:
         if n == 0 or obs.duration_s <= 0:
             return
         t.request_steps += n
+        accepted = int(obs.accepted.sum())
         t.drafted += int(obs.drafted.sum())
-        t.accepted += int(obs.accepted.sum())
-        t.emitted += obs.emitted
+        t.accepted += accepted
+        t.emitted += accepted + n  # StepObservation.emitted, without summing twice
         k = np.minimum(obs.k, self.engine.max_k)
         k = np.where(obs.method == _OFF_CODE, 0, k)
         arm = self._arm_lut[obs.method.astype(np.int64), k]
         known = arm >= 0
-        t.ignored_rows += int(n - known.sum())
-        if not known.any():
+        n_known = int(known.sum())
+        t.ignored_rows += n - n_known
+        if not n_known:
             return
         tokens = obs.accepted.astype(np.float64) + 1.0
         share = obs.duration_s / n  # each request's share of the step's engine time

@@ -39,7 +39,8 @@ _TOKEN_SCALE = 32.0
 
 def _features(n_rows: float, ks: np.ndarray, methods: np.ndarray, head: bool = False) -> np.ndarray:
     spec = np.where(methods == _OFF, 0, ks)
-    eagle = (methods == _EAGLE) & (spec > 0)
+    drafting = spec > 0
+    eagle = (methods == _EAGLE) & drafting
     # ``head``: the EAGLE-3 head ran its first forward whatever was verified (the engine reported it).
     passes = max(float(spec[eagle].max()) if eagle.any() else 0.0, 1.0 if head else 0.0)
     return np.array(
@@ -48,8 +49,8 @@ def _features(n_rows: float, ks: np.ndarray, methods: np.ndarray, head: bool = F
             (float(spec.sum()) + n_rows) / _TOKEN_SCALE,
             float(passes > 0),
             passes,
-            float(((methods == _PEAGLE) & (spec > 0)).any()),
-            float(((methods == _NGRAM) & (spec > 0)).any()),
+            float(((methods == _PEAGLE) & drafting).any()),
+            float(((methods == _NGRAM) & drafting).any()),
         ]
     )
 
@@ -113,9 +114,9 @@ class GoodputModel(Learner):
             for c, cnt in zip(names.tolist(), counts.tolist(), strict=True):
                 mix[c] = mix.get(c, 0.0) + cnt / n
         classes = (ANY_CLASS,) + (tuple(sorted(set(obs.traffic_class))) if per_class else ())
-        cls_arr = np.asarray(obs.traffic_class)
+        cls_arr = np.asarray(obs.traffic_class) if per_class else None
         for c in classes:
-            rows = slice(None) if c == ANY_CLASS else cls_arr == c
+            rows = slice(None) if c == ANY_CLASS or cls_arr is None else cls_arr == c
             m, k, a = obs.method[rows], obs.k[rows], obs.accepted[rows]
             # The codes present, ascending (np.unique's order; bincount is cheaper on a few small codes).
             for code in np.flatnonzero(np.bincount(m, minlength=_N_CODES)):
