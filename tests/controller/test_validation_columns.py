@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from controller.convert import request_columns
+from controller.convert import observation_from_pb, request_columns
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, TelemetryError, validate_batch
 from policies.arms import METHOD_CODES, Arm, Method
@@ -138,3 +141,54 @@ def test_requests_per_step_limit_counts_columns() -> None:
         check(step(), limits=Limits(max_requests_per_step=1))
     assert e.value.reason == "too_many_requests"
     assert str(e.value).startswith("steps[0].columns: 2 requests exceed the limit 1")
+
+
+U32 = st.integers(0, 2**32 - 1)
+SMALL = st.integers(0, 6)
+
+
+@st.composite
+def random_columns(draw: st.DrawFn) -> pb.RequestColumns:
+    n = draw(st.integers(0, 6))
+
+    def col(values: st.SearchStrategy[int]) -> list[int]:
+        return draw(st.lists(values, min_size=n, max_size=n) | st.lists(values, max_size=7))
+
+    return pb.RequestColumns(
+        request_id=draw(st.lists(st.text(max_size=3), min_size=n, max_size=n) | st.just([])),
+        classes=draw(st.lists(st.sampled_from(["", "code", "chat", "c" * 65]), max_size=3)),
+        traffic_class=col(SMALL | U32),
+        method=col(SMALL | U32),
+        k=draw(st.lists(SMALL | U32, min_size=n, max_size=n)),
+        drafted=col(SMALL | U32),
+        accepted=col(SMALL | U32),
+        counterfactual=draw(
+            st.lists(
+                st.builds(
+                    pb.CounterfactualColumn,
+                    method=st.sampled_from(["ngram", "eagle3", "off", "bogus"]),
+                    accepted=st.lists(st.integers(-3, 6) | st.integers(-(2**31), 2**31 - 1), max_size=7),
+                ),
+                max_size=2,
+            )
+        ),
+        finished=draw(st.lists(st.booleans(), min_size=n, max_size=n) | st.just([])),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_columns())
+def test_any_columns_are_accepted_as_converted_or_refused_with_a_place(c: pb.RequestColumns) -> None:
+    s = step(c, batch_size=0)
+    try:
+        (obs,) = validate_batch(pb.StepReportBatch(sequence=1, steps=[s]), ENGINE, DEFAULT_LIMITS)
+    except TelemetryError as e:
+        assert e.reason and "\n" not in str(e) and str(e).startswith("steps[0].")
+        return
+    ref = observation_from_pb(s)  # what a valid step converts to without validation
+    assert obs.traffic_class == ref.traffic_class and obs.request_id == ref.request_id
+    for name in ("method", "k", "drafted", "accepted", "finished"):
+        assert np.array_equal(getattr(obs, name), getattr(ref, name)), name
+    assert obs.counterfactual.keys() == ref.counterfactual.keys()
+    assert all(np.array_equal(obs.counterfactual[m], ref.counterfactual[m]) for m in obs.counterfactual)
+    assert (obs.k <= ENGINE.max_k).all() and (obs.accepted <= obs.drafted).all()
