@@ -12,13 +12,13 @@ per traffic class when the engine can choose per request and the policy learns p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from policies.algorithms import REGISTRY, Learner
-from policies.arms import METHODS_BY_CODE, OFF, Arm, Method
+from policies.arms import METHODS_BY_CODE, Arm, Method
 from policies.context import ANY_CLASS, context_key
 from policies.directive import Directive, KRange, PlanEntry
 from policies.drift import DriftMonitor
@@ -285,7 +285,7 @@ class ControlLoop:
         new = self._build(now, changes)
         if not new.same_decision(self._directive):
             self.version += 1
-            new = _with_version(new, self.version)
+            new = replace(new, version=self.version)
             self._directive = new
         return self._directive if self._directive is not None else new
 
@@ -394,10 +394,4 @@ def _merge(table: list[KRange]) -> tuple[KRange, ...]:
     return tuple(out)
 
 
-def _with_version(d: Directive, version: int) -> Directive:
-    from dataclasses import replace
-
-    return replace(d, version=version)
-
-
-__all__ = ["OFF", "Change", "ControlLoop", "Totals"]
+__all__ = ["Change", "ControlLoop", "Totals"]
