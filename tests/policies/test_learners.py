@@ -11,12 +11,14 @@ from policies.algorithms import (
     UCB1,
     BatchSchedule,
     DiscountedThompson,
+    EpsilonGreedy,
     EXP3Spec,
     Hedge,
     Learner,
     NgramFallback,
     SlidingWindowUCB,
     SpeculationGate,
+    Static,
     Thompson,
     UCBSpec,
 )
@@ -47,7 +49,9 @@ def play(lr: Learner, seed: int, rounds: int, flip_at: int | None = None) -> np.
     return picks
 
 
-@pytest.mark.parametrize("cls", [UCB1, SlidingWindowUCB, UCBSpec, EXP3Spec, Thompson, DiscountedThompson])
+@pytest.mark.parametrize(
+    "cls", [UCB1, SlidingWindowUCB, UCBSpec, EXP3Spec, Thompson, DiscountedThompson, EpsilonGreedy]
+)
 @pytest.mark.parametrize("seed", range(3))
 def test_stationary_two_arms_picks_the_better_arm(cls: type[Learner], seed: int) -> None:
     # UCB1 and UCBSpec as published explore for long on a 20 % gap; EXP3's anytime rate is slow on purpose.
@@ -57,12 +61,43 @@ def test_stationary_two_arms_picks_the_better_arm(cls: type[Learner], seed: int)
 
 
 @pytest.mark.parametrize("cls", [SlidingWindowUCB, DiscountedThompson])
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(20))
 def test_drift_tracking_learners_recover_after_a_flip(cls: type[Learner], seed: int) -> None:
     picks = play(learner(cls, seed), seed, 400, flip_at=200)
     after = picks[200:]
     settled = next((j for j in range(len(after) - 10) if (after[j : j + 10] == 1).all()), None)
     assert settled is not None and settled <= FLIP_BOUND[cls]
+    assert (after[FLIP_BOUND[cls] + 10 :] == 1).mean() >= 0.85
+
+
+def test_undiscounted_thompson_is_slower_to_recover_than_discounted() -> None:
+    # The point of discounting: with discount 1 the stale history of the old best arm holds it in place.
+    def mean_settle(discount: float) -> float:
+        out = []
+        for seed in range(10):
+            after = play(learner(DiscountedThompson, seed, discount=discount), seed, 400, flip_at=200)[200:]
+            out.append(
+                next((j for j in range(len(after) - 10) if (after[j : j + 10] == 1).all()), len(after))
+            )
+        return float(np.mean(out))
+
+    assert mean_settle(0.9) < mean_settle(1.0)
+
+
+def test_same_seed_same_choices() -> None:
+    first = play(learner(DiscountedThompson, 7), 7, 100)
+    assert (first == play(learner(DiscountedThompson, 7), 7, 100)).all()
+
+
+def test_static_plays_its_arm_or_the_nearest() -> None:
+    s = learner(Static, 0, arm="ngram:4")
+    assert ARMS[s.select("c", [0, 1])] == Arm.parse("ngram:4")
+    s = learner(Static, 0, arm="ngram:2")
+    assert ARMS[s.select("c", [0, 1])] == Arm.parse("ngram:4")
+
+
+def test_registry_names() -> None:
+    assert set(REGISTRY) >= {"static", "epsilon_greedy", "discounted_thompson", "goodput_model", "hedge"}
 
 
 def obs(method: Method, k: int, accepted: list[int], ngram_cf: list[int] | None = None) -> StepObservation:
