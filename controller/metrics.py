@@ -38,6 +38,8 @@ class _Engine:
     arms: dict[str, Arm] = field(default_factory=dict)
     directive_version: int = 0
     directive_issued_at: float | None = None
+    #: The control loop's safety events by kind (drift alarm, held by margin, ...), lifetime.
+    guards: dict[str, int] = field(default_factory=dict)
 
 
 class _TelemetryCollector(Collector):
@@ -98,6 +100,12 @@ class _TelemetryCollector(Collector):
             labels=["engine"],
         )
         connected = GaugeMetricFamily(f"{p}_engines_connected", "Engines with an open stream.")
+        guards = CounterMetricFamily(
+            f"{p}_policy_guard_events",
+            "Control-loop safety events: drift alarms, switches held by the margin, exploration denied "
+            "by the high-load budget, p99 TPOT guard trips.",
+            labels=["engine", "guard"],
+        )
         now = self.clock()
         n_connected = 0
         with self.lock:
@@ -125,9 +133,11 @@ class _TelemetryCollector(Collector):
                     version.add_metric([eid], e.directive_version)
                     age.add_metric([eid], max(0.0, now - e.directive_issued_at))
                 n_connected += e.connected
+                for g, v in sorted(e.guards.items()):
+                    guards.add_metric([eid, g], v)
         connected.add_metric([], n_connected)
         yield from (drafted, accepted, emitted, rsteps, rate, mean, steps, goodput, qwait, qlen)
-        yield from (arm, cur_k, version, age, connected)
+        yield from (arm, cur_k, version, age, connected, guards)
 
 
 class SidecarMetrics:
@@ -215,6 +225,10 @@ class SidecarMetrics:
         with self._t.lock:
             e = self._t.engine(engine_id)
             e.directive_version, e.directive_issued_at, e.arms = version, issued_at, dict(arms)
+
+    def set_guards(self, engine_id: str, counts: dict[str, int]) -> None:
+        with self._t.lock:
+            self._t.engine(engine_id).guards = dict(counts)
 
     def recent_goodput(self, engine_id: str) -> float:
         with self._t.lock:

@@ -530,6 +530,16 @@ class Sidecar:
         d = loop.decide(now)
         eid = st.info.engine_id
         if loop.rounds != rounds:
+            t = loop.totals
+            self.metrics.set_guards(
+                eid,
+                {
+                    "drift_alarm": t.drift_alarms,
+                    "held_by_margin": t.held_by_margin,
+                    "exploration_denied": t.exploration_denied,
+                    "tpot_trip": t.tpot_trips,
+                },
+            )
             self.metrics.decisions.labels(eid).inc()
             switches = sum(1 for c in loop.last_changes if c.before is not None)
             if switches:

@@ -118,3 +118,26 @@ def test_http_server_on_ephemeral_port() -> None:
         assert 'speccontrol_engine_steps_total{engine="e1"} 1.0' in text
     finally:
         srv.stop()
+
+
+def test_policy_guard_events_are_exported_per_engine_and_kind() -> None:
+    reg = CollectorRegistry()
+    m = SidecarMetrics(registry=reg, clock=lambda: 0.0)
+    m.set_guards("e1", {"drift_alarm": 2, "held_by_margin": 5, "exploration_denied": 0, "tpot_trip": 1})
+    assert (
+        reg.get_sample_value(
+            "speccontrol_policy_guard_events_total", {"engine": "e1", "guard": "drift_alarm"}
+        )
+        == 2
+    )
+    assert (
+        reg.get_sample_value("speccontrol_policy_guard_events_total", {"engine": "e1", "guard": "tpot_trip"})
+        == 1
+    )
+    m.set_guards("e1", {"drift_alarm": 3})
+    assert (
+        reg.get_sample_value(
+            "speccontrol_policy_guard_events_total", {"engine": "e1", "guard": "drift_alarm"}
+        )
+        == 3
+    )
