@@ -300,9 +300,11 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     assert head and tail and sum(head) / len(head) < sum(tail) / len(tail), acc
 
 
-def _follow(stack: Stack, version: int, k: int) -> None:
+def _follow(stack: Stack, version: int, until: int | None, k: int) -> None:
+    """Steps under the pin's directives: ``version`` up to the next pin's (a pin may issue several
+    versions, e.g. when a traffic class is first seen)."""
     all_rows = stack.rows()
-    rows = [r for r in all_rows if r["dv"] == version]
+    rows = [r for r in all_rows if r["dv"] >= version and (until is None or r["dv"] < until)]
     assert rows, f"no step ran under directive {version}"
     first = rows[0]["step"]
     # A request's first decode step verifies no draft (none was proposed before it started).
@@ -343,8 +345,8 @@ def test_3_k_follows_policy_within_two_steps(stack: Stack) -> None:
         stop.set()
         t.join(300)
     assert results and all("metrics" in r for r in results)
-    for v, k in versions:
-        _follow(stack, v, k)
+    for i, (v, k) in enumerate(versions):
+        _follow(stack, v, versions[i + 1][0] if i + 1 < len(versions) else None, k)
     # A request that ran entirely with K = 0 has no verify steps (vLLM reports None).
     drafted = {d for r in results for d in _spec(r)["per_step_drafted"] or []}
     assert {2, 4} <= drafted, drafted
