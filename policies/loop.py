@@ -305,8 +305,11 @@ class ControlLoop:
                     cls = key[len(prefix) :]
                     if key.startswith(prefix) and cls != ANY_CLASS and c.arm >= 0:
                         arm = self.arms[c.arm]
-                        plan.append(PlanEntry(cls, lo, hi, arm))
-                        bucket_k = max(bucket_k, arm.k)
+                        # A class on the bucket's own arm needs no entry ("*" covers it): a class
+                        # seen for the first time then changes nothing and issues no new version.
+                        if arm != pooled:
+                            plan.append(PlanEntry(cls, lo, hi, arm))
+                            bucket_k = max(bucket_k, arm.k)
             k_table.append(KRange(lo, hi, bucket_k))
         reason = "; ".join(f"{c.context} {c.before or '-'}→{c.after}" for c in changes[:8]) or "no change"
         if len(changes) > 8:

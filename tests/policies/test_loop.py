@@ -79,7 +79,20 @@ def test_per_class_contexts_only_for_request_granular_engines() -> None:
     assert {"2-4/code", "2-4/chat", "2-4/*"} <= set(composite.current_arms())
     assert not any(k.endswith(("/code", "/chat")) for k in stock.current_arms())
     d = composite.directive
-    assert d is not None and {e.traffic_class for e in d.plan} == {"*", "code", "chat"}
+    assert d is not None and {e.traffic_class for e in d.plan} <= {"*", "code", "chat"}
+    arms = composite.current_arms()
+    for cls in ("code", "chat"):
+        # Every class gets its context's arm, through its own entry or the bucket's "*".
+        assert d.arm_for(cls, 2) == arms[f"2-4/{cls}"]
+    assert all(e.arm != arms["2-4/*"] for e in d.plan if e.traffic_class != "*" and e.covers(2))
+
+
+def test_a_class_on_the_bucket_arm_issues_no_new_version() -> None:
+    loop = ControlLoop(spec=static_policy("eagle3:2"), engine=COMPOSITE)
+    d1 = loop.decide(0.0)
+    loop.observe(step(Arm.parse("eagle3:2"), [1, 1], ["code", "chat"]))
+    d2 = loop.decide(5.0)
+    assert d2.version == d1.version and "2-4/code" in loop.current_arms()
 
 
 def test_learns_the_better_method_per_class() -> None:
