@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -141,10 +140,6 @@ def _apportion(weights: np.ndarray, n: int) -> np.ndarray:
         order = np.argsort(-(exact - base), kind="stable")[:short]
         base[order] += 1
     return base
-
-
-def mean_accepted(obs: StepObservation) -> float:
-    return float(obs.accepted.mean()) if obs.n else math.nan
 
 
 @dataclass(frozen=True, slots=True)

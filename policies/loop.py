@@ -12,7 +12,7 @@ per traffic class when the engine can choose per request and the policy learns p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -83,7 +83,6 @@ class _Ctx:
     since: float
     rounds: int = 0
     acc: _Acc | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class ControlLoop:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sim.costmodel import Memory, Profile
 
@@ -57,16 +57,7 @@ LLAMA_70B_BF16_H200 = Memory(
     reserve_gb=4,
     gpu_memory_utilization=0.9,
 )
-LLAMA_70B_BF16_2XH200 = Memory(
-    gpu="H200 SXM 141GB",
-    gpu_memory_gb=141,
-    num_gpus=2,
-    weights_gb=141.2,
-    draft_weights_gb=2.6,
-    kv_bytes_per_token=327680,
-    reserve_gb=4,
-    gpu_memory_utilization=0.9,
-)
+LLAMA_70B_BF16_2XH200 = replace(LLAMA_70B_BF16_H200, num_gpus=2)
 
 
 def extra_sizings() -> list[Sizing]:

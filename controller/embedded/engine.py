@@ -119,7 +119,6 @@ class EmbeddedEngine:
         self._unacked_steps = 0
         #: Whether the sidecar acknowledges reports (its directives carry ``acked_sequence``).
         self._acks = False
-        self._stream_ready: asyncio.Event | None = None
         self._pending: list[pb.StepReport] = []
 
     @property
@@ -225,7 +224,7 @@ class EmbeddedEngine:
     async def _attach_once(self) -> bool:
         """One stream; True when it got as far as a directive (resets the backoff)."""
         got_directive = False
-        ready = self._stream_ready = asyncio.Event()
+        ready = asyncio.Event()
         if self.tls is not None:
             channel = grpc.aio.secure_channel(
                 self.target, channel_credentials(self.tls), options=channel_options(self.tls)
