@@ -37,6 +37,8 @@ class StepObservation:
     request_id: tuple[str, ...] = ()
     finished: np.ndarray | None = None
     counterfactual_depth: Mapping[Method, int] = field(default_factory=dict)
+    #: Prompt tokens prefilled in the same step (chunked prefill); their time is in ``duration_s``.
+    prefill_tokens: int = 0
 
     @property
     def n(self) -> int:
@@ -63,6 +65,7 @@ class StepObservation:
         queue_wait_s: float = 0.0,
         counterfactual: Mapping[Method, list[int] | np.ndarray] | None = None,
         request_id: list[str] | tuple[str, ...] = (),
+        prefill_tokens: int = 0,
     ) -> StepObservation:
         """Convenience constructor from lists (tests, adapters)."""
         if isinstance(method, np.ndarray):
@@ -83,4 +86,5 @@ class StepObservation:
             accepted=np.asarray(accepted, dtype=np.int32),
             counterfactual=cf,
             request_id=tuple(request_id),
+            prefill_tokens=prefill_tokens,
         )

@@ -156,8 +156,19 @@ def best_per_group(
     return best, {names[g]: str(candidates[choice[g]]) for g in range(len(names))}
 
 
-def per_step_oracle(trace: Trace, profile: Profile, concurrency: int) -> RunResult:
-    """The clairvoyant per-position (method, K) plan, by dynamic programming per request."""
+def per_step_oracle(
+    trace: Trace, profile: Profile, concurrency: int, *, methods: tuple[Method, ...] | None = None
+) -> RunResult:
+    """The clairvoyant per-position (method, K) plan, by dynamic programming per request.
+
+    ``methods`` limits the drafters it may use (default: every one the trace scored), so a policy on
+    an engine that hosts only some drafters is compared with the oracle that has the same ones.
+    """
+    if methods is not None:
+        unknown = [m.value for m in methods if m not in trace.acc]
+        if unknown:
+            raise ValueError(f"per-step oracle: the trace has no acceptance for {', '.join(unknown)}")
+    used = tuple(m for m in trace.methods if methods is None or m in methods)
     n, L, max_k = trace.n, int(trace.output_tokens.max()), trace.max_k
     B = float(concurrency)
     ctx = float(np.mean(trace.prompt_tokens + trace.output_tokens / 2.0))
@@ -168,7 +179,7 @@ def per_step_oracle(trace: Trace, profile: Profile, concurrency: int) -> RunResu
         fixed += float(profile.moe(np.array([B]))[0])
     share = fixed / B
     options: list[tuple[int, int, float]] = [(METHOD_CODES[Method.OFF], 0, share + tg.batched_s_per_token)]
-    for m in trace.methods:
+    for m in used:
         for k in range(1, max_k + 1):
             verify_row = share + tg.batched_s_per_token * (k + 1)
             fwd = float(profile.draft_forward_time(np.array([kv_total]), np.array([B * k]))[0])
@@ -185,6 +196,8 @@ def per_step_oracle(trace: Trace, profile: Profile, concurrency: int) -> RunResu
     cols_of = np.arange(trace.total_output_tokens) - np.repeat(base, out)
     acc = {}
     for m, a in trace.acc.items():
+        if m not in used:
+            continue
         mat = np.zeros((n, L), dtype=np.int64)
         mat[rows_of, cols_of] = a
         acc[METHOD_CODES[m]] = mat

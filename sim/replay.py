@@ -252,6 +252,7 @@ class Replayer:
                     counterfactual=cf,
                     request_id=tuple(m_ids),
                     counterfactual_depth=head_depth,
+                    prefill_tokens=int(prompt_all[new_reqs].sum()) if take else 0,
                 )
                 loop.observe(obs)
                 if not batch_k:

@@ -275,6 +275,7 @@ class EngineCore:
             scheduled_k=int(ks.max()) if n else d.k_for_batch(max(batch, 1), s.max_k),
             columns=_columns(ids, classes, methods, ks, drafted, accepted, cf, finished),
             directive_version=d.version,
+            prefill_tokens=int(prefill),
         )
 
 

@@ -73,7 +73,7 @@ class StepReportBatch(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., dropped_steps: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("time_s", "duration_s", "batch_size", "queue_length", "queue_wait_s", "scheduled_k", "requests", "directive_version", "columns")
+    __slots__ = ("time_s", "duration_s", "batch_size", "queue_length", "queue_wait_s", "scheduled_k", "requests", "directive_version", "columns", "prefill_tokens")
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class StepReport(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DIRECTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     time_s: float
     duration_s: float
     batch_size: int
@@ -92,7 +93,8 @@ class StepReport(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestStep]
     directive_version: int
     columns: RequestColumns
-    def __init__(self, time_s: _Optional[float] = ..., duration_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_length: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., scheduled_k: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ..., directive_version: _Optional[int] = ..., columns: _Optional[_Union[RequestColumns, _Mapping]] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, time_s: _Optional[float] = ..., duration_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_length: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., scheduled_k: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ..., directive_version: _Optional[int] = ..., columns: _Optional[_Union[RequestColumns, _Mapping]] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestColumns(_message.Message):
     __slots__ = ("request_id", "classes", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual", "finished")

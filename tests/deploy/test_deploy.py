@@ -320,6 +320,7 @@ def test_dashboard_shape() -> None:
         "Goodput",
         "Queue wait",
         "Directive age",
+        "Policy guard events",
     ):
         assert any(t.startswith(wanted) for t in titles), wanted
     ids = [p["id"] for p in dash["panels"]]

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from policies.arms import Method
 from policies.spec import parse_policy, static_policy
 from sim.compare import run_one
 from sim.costmodel import load_profile
@@ -51,3 +53,20 @@ def test_static_arms_cover_every_method(drift: Trace) -> None:
     arms = {str(a) for a in static_arms(drift)}
     assert {"eagle3:1", "eagle3:8", "ngram:1", "ngram:8", "p_eagle:8", "off"} <= arms
     assert "p_eagle:3" not in arms  # stock vLLM 0.32 misassigns P-EAGLE drafts below max K
+
+
+def test_per_step_oracle_limited_to_an_engines_drafters(drift: Trace) -> None:
+    """The composite drafter hosts EAGLE-3 and n-gram: its oracle may not draft with P-EAGLE."""
+    composite = (Method.EAGLE3, Method.NGRAM)
+    limited = per_step_oracle(drift, PROFILE, 4, methods=composite)
+    only = dataclasses.replace(drift, methods=composite, acc={m: drift.acc[m] for m in composite})
+    assert limited.throughput == per_step_oracle(only, PROFILE, 4).throughput
+    assert limited.throughput < per_step_oracle(drift, PROFILE, 4).throughput  # P-EAGLE accepts more
+    eagle_only = per_step_oracle(drift, PROFILE, 4, methods=(Method.EAGLE3,))
+    assert eagle_only.throughput < limited.throughput  # n-gram's copy spans are worth something
+
+
+def test_per_step_oracle_refuses_a_drafter_the_trace_did_not_score(drift: Trace) -> None:
+    only = dataclasses.replace(drift, methods=(Method.EAGLE3,), acc={Method.EAGLE3: drift.acc[Method.EAGLE3]})
+    with pytest.raises(ValueError, match="no acceptance for ngram"):
+        per_step_oracle(only, PROFILE, 1, methods=(Method.EAGLE3, Method.NGRAM))
