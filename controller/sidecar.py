@@ -432,8 +432,8 @@ class Sidecar:
             raise
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
+        st.loop.observe_many(observations)
         for obs in observations:
-            st.loop.observe(obs)
             self.metrics.observe_step(eid, obs)
 
     def reject(self, st: EngineState | None, e: TelemetryError) -> None:

@@ -11,7 +11,7 @@ per traffic class when the engine can choose per request and the policy learns p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -113,6 +113,8 @@ class ControlLoop:
         self.budget = ExplorationBudget.from_params(spec.exploration)
         #: Drift alarms as (time, class, method), newest last (bounded).
         self.drift_events: list[tuple[float, str, Method]] = []
+        # Alarms of the step being observed, applied to the learner after it has learnt from the step.
+        self._alarms: list[tuple[str, Method]] = []
 
     def _plannable(self) -> list[int]:
         """Arms the slow loop plans among.
@@ -156,6 +158,7 @@ class ControlLoop:
         self.tpot_guard.observe(bucket, obs.duration_s, obs.accepted[known])
         if self.drift is not None:
             self._watch_drift(obs)
+            self._apply_alarms()
         self._accumulate(context_key(bucket, ANY_CLASS), arm[known], tokens[known], share)
         if self._learn_classes:
             classes = np.asarray(obs.traffic_class)
@@ -163,6 +166,76 @@ class ControlLoop:
                 rows = known & (classes == c)
                 if rows.any():
                     self._accumulate(context_key(bucket, c), arm[rows], tokens[rows], share)
+
+    def observe_many(self, observations: Sequence[StepObservation]) -> None:
+        """``observe`` on each step in order (one report batch), with one learner update for them all.
+
+        The state equals the step-by-step one up to float rounding (sums taken in another order). A
+        drift alarm splits the learner update where it fires, so the learner is shrunk at the same
+        point as step by step.
+        """
+        t = self.totals
+        steps: list[StepObservation] = []
+        for obs in observations:
+            t.steps += 1
+            t.busy_s += max(obs.duration_s, 0.0)
+            if obs.n and obs.duration_s > 0:
+                steps.append(obs)
+        if not steps:
+            return
+        n = np.array([o.n for o in steps])
+        method = np.concatenate([o.method for o in steps]).astype(np.int64)
+        k = np.concatenate([o.k for o in steps])
+        accepted = np.concatenate([o.accepted for o in steps])
+        n_all = int(n.sum())
+        t.request_steps += n_all
+        acc_sum = int(accepted.sum())
+        t.drafted += int(sum(int(o.drafted.sum()) for o in steps))
+        t.accepted += acc_sum
+        t.emitted += acc_sum + n_all
+        k = np.where(method == _OFF_CODE, 0, np.minimum(k, self.engine.max_k))
+        arm = self._arm_lut[method, k]
+        known = arm >= 0
+        step_of = np.repeat(np.arange(len(steps)), n)
+        known_in = np.bincount(step_of[known], minlength=len(steps))
+        t.ignored_rows += n_all - int(known_in.sum())
+        buckets = self.spec.buckets
+        label_of = [buckets.label(buckets.index(o.batch_size)) for o in steps]
+        learn = [i for i in range(len(steps)) if known_in[i]]
+        if not learn:
+            return
+        ends = np.cumsum(n)
+        pending: list[int] = []
+        for i in learn:
+            obs = steps[i]
+            pending.append(i)
+            rows = slice(int(ends[i] - n[i]), int(ends[i]))
+            self.tpot_guard.observe(label_of[i], obs.duration_s, accepted[rows][known[rows]])
+            if self.drift is not None:
+                self._watch_drift(obs)
+                if self._alarms:
+                    self.learner.observe_steps(
+                        [steps[j] for j in pending], [label_of[j] for j in pending], self._learn_classes
+                    )
+                    pending = []
+                    self._apply_alarms()
+        if pending:
+            self.learner.observe_steps(
+                [steps[j] for j in pending], [label_of[j] for j in pending], self._learn_classes
+            )
+        tokens = accepted.astype(np.float64) + 1.0
+        share = np.repeat(np.array([o.duration_s for o in steps]) / n, n)
+        row_label = None if len(set(label_of)) == 1 else np.repeat(np.array(label_of), n)
+        classes = np.asarray(sum((o.traffic_class for o in steps), ())) if self._learn_classes else None
+        for label in dict.fromkeys(label_of[i] for i in learn):
+            in_bucket = known if row_label is None else known & (row_label == label)
+            self._accumulate(
+                context_key(label, ANY_CLASS), arm[in_bucket], tokens[in_bucket], share[in_bucket]
+            )
+            if classes is not None:
+                for c in sorted(set(classes[in_bucket].tolist())):
+                    rows_c = in_bucket & (classes == c)
+                    self._accumulate(context_key(label, c), arm[rows_c], tokens[rows_c], share[rows_c])
 
     def _watch_drift(self, obs: StepObservation) -> None:
         """Feed first-position acceptance per (class, method); re-explore where it changed."""
@@ -198,15 +271,25 @@ class ControlLoop:
             sel = rows if cls == ANY_CLASS else rows & (classes == cls)
             if sel.any() and self.drift.feed((cls, method.value), (accepted[sel] >= 1).astype(np.float64)):
                 self.totals.drift_alarms += 1
-                self.learner.on_drift(cls, method, float(self.spec.drift["shrink"]))
+                self._alarms.append((cls, method))
                 self.drift_events = [*self.drift_events[-63:], (now, cls, method)]
 
-    def _accumulate(self, ctx: str, arm: np.ndarray, tokens: np.ndarray, share: float) -> None:
+    def _apply_alarms(self) -> None:
+        """Re-explore where drift fired, once the learner has seen the step that fired it."""
+        for cls, method in self._alarms:
+            self.learner.on_drift(cls, method, float(self.spec.drift["shrink"]))
+        self._alarms.clear()
+
+    def _accumulate(self, ctx: str, arm: np.ndarray, tokens: np.ndarray, share: float | np.ndarray) -> None:
+        """``share``: each row's share of its step's engine time (one value when all rows share a step)."""
         c = self._context(ctx)
         if c.acc is None:
             c.acc = _Acc(np.zeros(len(self.arms)), np.zeros(len(self.arms)))
         c.acc.tokens += np.bincount(arm, weights=tokens, minlength=len(self.arms))
-        c.acc.time_s += np.bincount(arm, minlength=len(self.arms)) * share
+        if isinstance(share, np.ndarray):
+            c.acc.time_s += np.bincount(arm, weights=share, minlength=len(self.arms))
+        else:
+            c.acc.time_s += np.bincount(arm, minlength=len(self.arms)) * share
 
     def _context(self, ctx: str) -> _Ctx:
         c = self._ctx.get(ctx)

@@ -86,6 +86,16 @@ class Learner(ABC):
     def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:  # noqa: B027
         """Hook for learners that model steps directly (every step, before any round)."""
 
+    def observe_steps(
+        self, observations: Sequence[StepObservation], buckets: Sequence[str], per_class: bool
+    ) -> None:
+        """``observe_step`` on several steps in order (one report batch), ``buckets`` parallel to them.
+
+        Learners whose per-step update is costly fold the steps into one update with the same result.
+        """
+        for obs, bucket in zip(observations, buckets, strict=True):
+            self.observe_step(obs, bucket, per_class)
+
     def plan_bucket(
         self, bucket: str, classes: Sequence[str], allowed: Sequence[int], *, sample: bool = True
     ) -> dict[str, int] | None:

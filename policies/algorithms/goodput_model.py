@@ -133,6 +133,194 @@ class GoodputModel(Learner):
                     depth = min(obs.counterfactual_depth.get(meth, self._kmax), self._kmax)
                     self._count(c, METHOD_CODES[meth], vals, np.full(len(vals), depth))
 
+    def observe_steps(
+        self, observations: Sequence[StepObservation], buckets: Sequence[str], per_class: bool
+    ) -> None:
+        """The steps of one report batch as one update, equal to ``observe_step`` on each in turn.
+
+        Every discount keeps its exact power: a statistic updated by e of the steps decays by
+        ``gamma**e`` and the i-th update's contribution by ``gamma**(e-1-i)``, so only float rounding
+        differs from the sequential updates.
+        """
+        keep = [i for i, o in enumerate(observations) if o.n and o.duration_s > 0]
+        if len(keep) <= 1:
+            for i in keep:
+                self.observe_step(observations[i], buckets[i], per_class)
+            return
+        steps = [observations[i] for i in keep]
+        s = len(steps)
+        g = self._gamma
+        n = np.array([o.n for o in steps])
+        starts = np.zeros(s, dtype=np.int64)
+        np.cumsum(n[:-1], out=starts[1:])
+        step_of = np.repeat(np.arange(s), n)
+        method = np.concatenate([o.method for o in steps])
+        k = np.concatenate([o.k for o in steps])
+        accepted = np.concatenate([o.accepted for o in steps])
+        # Step i weighs gamma**(s-1-i) in every statistic all steps update.
+        w = g ** np.arange(s - 1, -1, -1, dtype=np.float64)
+        gs = g**s
+        self._learn_cost(steps, n, starts, method, k, w, gs)
+        classes = self._learn_mix(steps, [buckets[i] for i in keep], n, step_of, per_class)
+        self._learn_acceptance(steps, step_of, method, k, accepted, classes)
+
+    def _learn_cost(
+        self,
+        steps: Sequence[StepObservation],
+        n: np.ndarray,
+        starts: np.ndarray,
+        method: np.ndarray,
+        k: np.ndarray,
+        w: np.ndarray,
+        gs: float,
+    ) -> None:
+        """The cost model's normal equations, one weighted row per step."""
+        # The head flag holds from the first step that reports it on, for that step's features too.
+        head = [self._head]
+        for o in steps:
+            head.append(head[-1] or Method.EAGLE3 in o.counterfactual_depth)
+        self._head = head[-1]
+        spec = np.where(method == _OFF, 0, k)
+        drafting = spec > 0
+        flags = np.empty((len(method), 3), dtype=np.int64)
+        flags[:, 0] = np.where(method == _EAGLE, spec, 0)
+        flags[:, 1] = (method == _PEAGLE) & drafting
+        flags[:, 2] = (method == _NGRAM) & drafting
+        per_step = np.maximum.reduceat(flags, starts)
+        passes = np.maximum(per_step[:, 0], np.array(head[1:], dtype=np.int64))
+        x = np.empty((len(steps), _N_FEATURES))
+        x[:, 0] = 1.0
+        x[:, 1] = (np.add.reduceat(spec, starts) + n) / _TOKEN_SCALE
+        x[:, 2] = passes > 0
+        x[:, 3] = passes
+        x[:, 4:] = per_step[:, 1:]
+        y = np.array([o.duration_s for o in steps]) * 1e3
+        xw = x.T * w
+        ridge = self._ridge
+        self._xtx = gs * (self._xtx - ridge) + ridge + xw @ x
+        self._xty = gs * self._xty + xw @ y
+        self._yy = gs * self._yy + float(w @ (y * y))
+        self._w = gs * self._w + float(w.sum())
+
+    def _learn_mix(
+        self,
+        steps: Sequence[StepObservation],
+        labels: Sequence[str],
+        n: np.ndarray,
+        step_of: np.ndarray,
+        per_class: bool,
+    ) -> tuple[list[str], np.ndarray] | None:
+        """Batch size and class mix per bucket (discounted once per step of their own bucket).
+
+        Returns the classes (sorted) and each row's index into them when learning per class.
+        """
+        g = self._gamma
+        by_bucket: dict[str, list[int]] = {}
+        for i, b in enumerate(labels):
+            by_bucket.setdefault(b, []).append(i)
+        names: list[str] | None = None
+        cls_of = np.zeros(0, dtype=np.int64)
+        if per_class:
+            names = sorted({c for o in steps for c in set(o.traffic_class)})
+            index = {c: i for i, c in enumerate(names)}
+            cls_of = np.concatenate(
+                [
+                    np.full(o.n, index[o.traffic_class[0]])
+                    if o.traffic_class.count(o.traffic_class[0]) == o.n
+                    else np.fromiter((index[c] for c in o.traffic_class), np.int64, o.n)
+                    for o in steps
+                ]
+            )
+            share = np.bincount(step_of * len(names) + cls_of, minlength=len(steps) * len(names))
+            share = share.reshape(len(steps), -1) / n[:, None]
+        for b, idx in by_bucket.items():
+            wb = g ** np.arange(len(idx) - 1, -1, -1, dtype=np.float64)
+            gb = g ** len(idx)
+            arr = self._batch.setdefault(b, np.zeros(2))
+            arr *= gb
+            arr += (sum(float(wb[r]) * steps[i].batch_size for r, i in enumerate(idx)), float(wb.sum()))
+            if names is not None:
+                mix = self._mix.setdefault(b, {})
+                for c in mix:
+                    mix[c] *= gb
+                add = wb @ share[idx]
+                for i in idx:  # new classes in the order the steps bring them (as step by step)
+                    for j in np.flatnonzero(share[i]).tolist():
+                        mix.setdefault(names[j], 0.0)
+                for j in np.flatnonzero(add).tolist():
+                    mix[names[j]] += float(add[j])
+        return None if names is None else (names, cls_of)
+
+    def _learn_acceptance(
+        self,
+        steps: Sequence[StepObservation],
+        step_of: np.ndarray,
+        method: np.ndarray,
+        k: np.ndarray,
+        accepted: np.ndarray,
+        classes: tuple[list[str], np.ndarray] | None,
+    ) -> None:
+        """Acceptance counts of all rows at once, as a histogram of (table, slot, accepted, K).
+
+        Step by step, a table (class, method) decays once per count it gets: once for the verified
+        drafts of a step, once more for the method's counterfactual scores. Each counted row has a slot
+        (its step, verified or counterfactual); the table's slots filled after it give its power.
+        """
+        s = len(steps)
+        kmax = self._kmax
+        sink = _N_CODES  # rows that count nowhere (not drafted, not scored)
+        table = np.where((method != _OFF) & (k > 0), method, sink)
+        slot = step_of * 2
+        acc, depth = accepted, k
+        if any(o.counterfactual for o in steps):
+            tables, slots, accs, depths = [table], [slot], [acc], [depth]
+            for meth in dict.fromkeys(m for o in steps for m in o.counterfactual):
+                col = np.concatenate(
+                    [
+                        o.counterfactual[meth] if meth in o.counterfactual else np.full(o.n, NOT_SCORED)
+                        for o in steps
+                    ]
+                )
+                per_step = [min(o.counterfactual_depth.get(meth, kmax), kmax) for o in steps]
+                tables.append(np.where(col != NOT_SCORED, METHOD_CODES[meth], sink))
+                slots.append(slot + 1)
+                accs.append(np.maximum(col, 0))
+                depths.append(np.array(per_step)[step_of])
+            table, slot = np.concatenate(tables), np.concatenate(slots)
+            acc, depth = np.concatenate(accs), np.concatenate(depths)
+        names: list[str] = []
+        n_tables = _N_CODES + 1
+        if classes is not None:  # every row counts for the pooled class and for its own
+            names, cls_of = classes
+            reps = len(table) // len(cls_of)
+            own = np.where(table == sink, sink, (1 + np.tile(cls_of, reps)) * (_N_CODES + 1) + table)
+            table, slot = np.concatenate([table, own]), np.concatenate([slot, slot])
+            acc, depth = np.concatenate([acc, acc]), np.concatenate([depth, depth])
+            n_tables *= 1 + len(names)
+        k1 = kmax + 1
+        # Accepted and K beyond kmax compare with positions 1..kmax like kmax itself.
+        key = ((table * (2 * s) + slot) * k1 + np.minimum(acc, kmax)) * k1 + np.minimum(depth, kmax)
+        hist = np.bincount(key, minlength=n_tables * 2 * s * k1 * k1).reshape(n_tables, 2 * s, k1, k1)
+        filled = hist.reshape(n_tables, 2 * s, -1).max(axis=2) > 0
+        later = np.cumsum(filled[:, ::-1], axis=1)[:, ::-1]  # slots filled at or after each slot
+        counts = later[:, 0]
+        weighted = np.einsum("tsak,ts->tak", hist, self._gamma ** (later - 1.0))
+        # at_least[t, a, k]: weight of rows with accepted >= a and K >= k.
+        at_least = weighted[:, ::-1, ::-1].cumsum(axis=1).cumsum(axis=2)[:, ::-1, ::-1]
+        j = self._pos
+        trials, wins = at_least[:, j - 1, j], at_least[:, j, j]
+        for tid in np.flatnonzero(counts).tolist():
+            cls_i, code = divmod(tid, _N_CODES + 1)
+            if code == sink:
+                continue
+            key_ = (ANY_CLASS if cls_i == 0 else names[cls_i - 1], code)
+            t = self._acc.get(key_)
+            if t is None:
+                t = self._acc[key_] = np.zeros((2, kmax))
+            t *= self._gamma ** int(counts[tid])
+            t[0] += trials[tid]
+            t[1] += wins[tid]
+
     def _count(self, cls: str, code: int, accepted: np.ndarray, k: np.ndarray) -> None:
         t = self._acc.get((cls, code))
         if t is None:
