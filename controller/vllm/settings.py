@@ -6,10 +6,14 @@ The plugin is opt-in: it stays inert unless ``SPECCONTROL_PLUGIN=1`` is set or `
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from controller.config import ConfigError, parse_address
+import grpc
+
+from controller.auth import ClientTLS, channel_credentials
+from controller.config import ConfigError, is_loopback, parse_address
 from policies.arms import Arm
 
 PLUGIN_NAME = "speccontrol"
@@ -48,10 +52,15 @@ class PluginSettings:
     #: n-gram lookup window (vLLM's prompt_lookup_min / prompt_lookup_max).
     ngram_min: int = 1
     ngram_max: int = 3
+    #: TLS to a TCP sidecar: the CA that signs the sidecar's certificate, and this engine's client
+    #: certificate and key (mTLS; the sidecar requires it for a listener beyond loopback).
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         try:
-            parse_address(self.sidecar, field="SPECCONTROL_SIDECAR")
+            where = parse_address(self.sidecar, field="SPECCONTROL_SIDECAR")
         except ConfigError as e:
             raise SettingsError(str(e)) from None
         if not 16 <= self.queue_size <= 1_000_000:
@@ -63,6 +72,18 @@ class PluginSettings:
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
             raise SettingsError(
                 f"SPECCONTROL_NGRAM_MIN/MAX: need 1 <= min <= max <= 64, got {self.ngram_min}, {self.ngram_max}"
+            )
+        tls = bool(self.tls_ca or self.tls_cert or self.tls_key)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingsError("SPECCONTROL_TLS_CERT and SPECCONTROL_TLS_KEY go together (mTLS)")
+        if tls and isinstance(where, str):
+            raise SettingsError(
+                "SPECCONTROL_TLS_CA: TLS is for a TCP sidecar; a Unix socket is guarded by its file mode"
+            )
+        if isinstance(where, tuple) and not is_loopback(where[0]) and not (self.tls_cert and self.tls_ca):
+            raise SettingsError(
+                f"SPECCONTROL_SIDECAR: {self.sidecar} is beyond loopback: set SPECCONTROL_TLS_CA, "
+                "SPECCONTROL_TLS_CERT and SPECCONTROL_TLS_KEY (the sidecar accepts only mTLS there)"
             )
 
     @classmethod
@@ -93,7 +114,28 @@ class PluginSettings:
             trace_path=env.get("SPECCONTROL_TRACE", "").strip(),
             ngram_min=_int(env, "SPECCONTROL_NGRAM_MIN", 1),
             ngram_max=_int(env, "SPECCONTROL_NGRAM_MAX", 3),
+            tls_ca=_readable(env, "SPECCONTROL_TLS_CA"),
+            tls_cert=_readable(env, "SPECCONTROL_TLS_CERT"),
+            tls_key=_readable(env, "SPECCONTROL_TLS_KEY"),
         )
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """Channel credentials for the link (None: plain channel). Raises SettingsError."""
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        try:
+            return channel_credentials(
+                ClientTLS(ca_file=self.tls_ca, cert_file=self.tls_cert, key_file=self.tls_key)
+            )
+        except ValueError as e:
+            raise SettingsError(f"SPECCONTROL_TLS_*: {e}") from None
+
+
+def _readable(env: Mapping[str, str], name: str) -> str:
+    path = env.get(name, "").strip()
+    if path and not os.access(path, os.R_OK):
+        raise SettingsError(f"{name}: cannot read {path}")
+    return path
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -19,6 +19,8 @@ from controller.embedded.traffic import demo_traffic
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.vllm.link import SidecarLink
+from controller.vllm.settings import PluginSettings
 from tests.integration.test_sidecar_grpc import WAIT_S, TestEngine, hello, until
 from tests.security.certs import Certs, make_certs
 
@@ -149,3 +151,40 @@ async def _attach(channel: grpc.aio.Channel) -> None:
 
     call = pb_grpc.EngineServiceStub(channel).Attach(msgs(), timeout=WAIT_S / 5)  # type: ignore[no-untyped-call]
     await call.read()
+
+
+async def test_the_plugin_link_attaches_over_mtls_from_its_settings(tmp_path: Path, certs: Certs) -> None:
+    """SPECCONTROL_TLS_* reach the vLLM plugin's link: it attaches to an mTLS-only sidecar."""
+    cfg = SidecarConfig(
+        engine_listen="0.0.0.0:0",
+        engine_tls_cert_file=str(certs.server_cert),
+        engine_tls_key_file=str(certs.server_key),
+        engine_tls_client_ca_file=str(certs.ca),
+        admin_listen="127.0.0.1:0",
+        metrics_listen="",
+        state_dir=str(tmp_path / "state"),
+    )
+    sc = Sidecar(config=cfg, registry=CollectorRegistry())
+    await sc.start()
+    try:
+        settings = PluginSettings.from_env(
+            {
+                "SPECCONTROL_SIDECAR": sc.engine_target,
+                "SPECCONTROL_TLS_CA": str(certs.ca),
+                "SPECCONTROL_TLS_CERT": str(certs.client_cert),
+                "SPECCONTROL_TLS_KEY": str(certs.client_key),
+            }
+        )
+        link = SidecarLink(
+            target=settings.sidecar, hello=hello("plugin-tls"), credentials=settings.credentials()
+        )
+        link.start()
+        try:
+            await until(lambda: link.directive() is not None)
+            received = link.directive()
+            assert received is not None and received.directive.policy == "default"
+            assert "plugin-tls" in sc.engines()
+        finally:
+            link.close()
+    finally:
+        await sc.stop(snapshot=False)

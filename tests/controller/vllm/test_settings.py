@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from controller.vllm.settings import PluginSettings, SettingsError, enabled
@@ -33,5 +35,44 @@ def test_from_env() -> None:
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], where: str) -> None:
+    with pytest.raises(SettingsError, match=where):
+        PluginSettings.from_env(env)
+
+
+def test_tls_settings(tmp_path: Path) -> None:
+    ca, cert, key = (tmp_path / n for n in ("ca.pem", "c.pem", "k.pem"))
+    for f in (ca, cert, key):
+        f.write_text("x")
+    tls = {"SPECCONTROL_TLS_CA": str(ca), "SPECCONTROL_TLS_CERT": str(cert), "SPECCONTROL_TLS_KEY": str(key)}
+    s = PluginSettings.from_env({"SPECCONTROL_SIDECAR": "sidecar.ns.svc:50061", **tls})
+    assert (s.tls_ca, s.tls_cert, s.tls_key) == (str(ca), str(cert), str(key))
+    assert PluginSettings.from_env({"SPECCONTROL_SIDECAR": "127.0.0.1:5"}).credentials() is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"SPECCONTROL_SIDECAR": "sidecar.ns.svc:50061"}, "SPECCONTROL_SIDECAR: .* beyond loopback"),
+        ({"SPECCONTROL_TLS_KEY": ""}, "SPECCONTROL_TLS_CERT and SPECCONTROL_TLS_KEY go together"),
+        ({"SPECCONTROL_SIDECAR": "unix:///run/sc.sock"}, "SPECCONTROL_TLS_CA: TLS is for a TCP sidecar"),
+        (
+            {"SPECCONTROL_TLS_CA": "/nonexistent/ca.pem"},
+            "SPECCONTROL_TLS_CA: cannot read /nonexistent/ca.pem",
+        ),
+    ],
+)
+def test_bad_tls_settings_name_the_variable(tmp_path: Path, extra: dict[str, str], where: str) -> None:
+    ca, cert, key = (tmp_path / n for n in ("ca.pem", "c.pem", "k.pem"))
+    for f in (ca, cert, key):
+        f.write_text("x")
+    env = {
+        "SPECCONTROL_SIDECAR": "127.0.0.1:5",
+        "SPECCONTROL_TLS_CA": str(ca),
+        "SPECCONTROL_TLS_CERT": str(cert),
+        "SPECCONTROL_TLS_KEY": str(key),
+    }
+    env.update(extra)
+    if extra.get("SPECCONTROL_SIDECAR", "").endswith(":50061"):
+        env = {"SPECCONTROL_SIDECAR": extra["SPECCONTROL_SIDECAR"]}
     with pytest.raises(SettingsError, match=where):
         PluginSettings.from_env(env)
