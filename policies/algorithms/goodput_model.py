@@ -86,6 +86,20 @@ class GoodputModel(Learner):
         self._mix: dict[str, dict[str, float]] = {}
         # Whether the engine runs the EAGLE-3 head every step (it reports the head's first position).
         self._head = False
+        # The arms as columns, for pricing them all at once.
+        self._arm_k = np.array([a.k for a in self.arms], dtype=np.int64)
+        self._arm_code = np.array([METHOD_CODES[a.method] for a in self.arms], dtype=np.int64)
+        self._eagle_k = np.array(
+            [a.k if a.method is Method.EAGLE3 else 0 for a in self.arms], dtype=np.float64
+        )
+        self._peagle = np.array([a.method is Method.P_EAGLE and a.k > 0 for a in self.arms])
+        self._ngram = np.array([a.method is Method.NGRAM and a.k > 0 for a in self.arms])
+        # Per arm, the draft positions it verifies (none for K=0).
+        self._drafts = self._pos <= np.minimum(self._arm_k, self._kmax)[:, None]
+        # Beta parameters per class, dropped whenever acceptance counts change.
+        self._params_of: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # The cost model's posterior (mean, covariance factor), computed once per change of its fit.
+        self._fit: tuple[np.ndarray, np.ndarray | None] | None = None
 
     # -- learning ----------------------------------------------------------------------------------
 
@@ -103,6 +117,8 @@ class GoodputModel(Learner):
         self._xty = g * self._xty + x * y
         self._yy = g * self._yy + y * y
         self._w = g * self._w + 1.0
+        self._fit = None
+        self._params_of.clear()
         b = self._batch.setdefault(bucket, np.zeros(2))
         b *= g
         b += (float(obs.batch_size), 1.0)
@@ -201,6 +217,8 @@ class GoodputModel(Learner):
         self._xty = gs * self._xty + xw @ y
         self._yy = gs * self._yy + float(w @ (y * y))
         self._w = gs * self._w + float(w.sum())
+        self._fit = None
+        self._params_of.clear()
 
     def _learn_mix(
         self,
@@ -342,35 +360,64 @@ class GoodputModel(Learner):
         t = self._acc.get((cls, METHOD_CODES[method]))
         if t is not None:
             t *= keep
+            self._params_of.clear()
 
     # -- deciding ----------------------------------------------------------------------------------
 
+    def _posterior(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The cost model's mean and the factor of its covariance (None: not sampled yet), once per fit."""
+        if self._fit is None:
+            theta: np.ndarray = np.linalg.solve(self._xtx, self._xty)
+            factor = None
+            if self._w >= 2:
+                resid = max(self._yy - float(theta @ self._xty), 0.0) / max(self._w - _N_FEATURES, 1.0)
+                cov = np.linalg.inv(self._xtx) * max(resid, 1e-6) * float(self.params["explore"]) ** 2
+                # eigh tolerates the singular covariance of features that have not varied yet (the
+                # factor is what Generator.multivariate_normal(method="eigh") uses).
+                s, u = np.linalg.eigh((cov + cov.T) / 2)
+                factor = u * np.sqrt(np.abs(s))
+            self._fit = (theta, factor)
+        return self._fit
+
     def _theta(self, sample: bool) -> np.ndarray:
-        theta: np.ndarray = np.linalg.solve(self._xtx, self._xty)
-        if not sample or self._w < 2 or float(self.params["explore"]) == 0:
+        theta, factor = self._posterior()
+        if not sample or factor is None or float(self.params["explore"]) == 0:
             return theta
-        resid = max(self._yy - float(theta @ self._xty), 0.0) / max(self._w - _N_FEATURES, 1.0)
-        cov = np.linalg.inv(self._xtx) * max(resid, 1e-6) * float(self.params["explore"]) ** 2
-        # eigh tolerates the singular covariance of features that have not varied yet.
-        out: np.ndarray = self.rng.multivariate_normal(theta, (cov + cov.T) / 2, method="eigh")
+        # The draw of Generator.multivariate_normal(theta, cov, method="eigh"), same random stream.
+        out: np.ndarray = theta + self.rng.standard_normal(_N_FEATURES) @ factor.T
+        return out
+
+    def _beta_params(self, cls: str) -> tuple[np.ndarray, np.ndarray]:
+        """Beta posteriors (alpha, beta) per arm and draft position for ``cls``, once per change of counts."""
+        params = self._params_of.get(cls)
+        if params is None:
+            trials = np.zeros((len(self.arms), self._kmax))
+            wins = np.zeros((len(self.arms), self._kmax))
+            for code in set(self._arm_code.tolist()):
+                t = self._acc.get((cls, code))
+                if t is None and cls != ANY_CLASS:
+                    t = self._acc.get((ANY_CLASS, code))
+                if t is not None:
+                    rows = self._arm_code == code
+                    trials[rows] = t[0]
+                    wins[rows] = t[1]
+            params = self._params_of[cls] = (1.0 + wins, 1.0 + np.maximum(trials - wins, 0.0))
+        return params
+
+    def _accepted(self, cls: str, idx: Sequence[int], sample: bool) -> np.ndarray:
+        """Expected accepted drafts per arm of ``idx`` (Beta draws in arm order when sampling)."""
+        alpha, beta = self._beta_params(cls)
+        alpha, beta, drafted = alpha[idx], beta[idx], self._drafts[idx]
+        p = np.zeros(alpha.shape)
+        if sample and float(self.params["explore"]) > 0:
+            p[drafted] = self.rng.beta(alpha[drafted], beta[drafted])
+        else:
+            p[drafted] = alpha[drafted] / (alpha[drafted] + beta[drafted])
+        out: np.ndarray = np.cumprod(p, axis=1).sum(axis=1)
         return out
 
     def _expected_accepted(self, cls: str, arm: Arm, sample: bool) -> float:
-        if arm.k == 0:
-            return 0.0
-        code = METHOD_CODES[arm.method]
-        t = self._acc.get((cls, code))
-        if t is None and cls != ANY_CLASS:
-            t = self._acc.get((ANY_CLASS, code))
-        trials = t[0] if t is not None else np.zeros(self._kmax)
-        wins = t[1] if t is not None else np.zeros(self._kmax)
-        k = min(arm.k, self._kmax)
-        alpha, beta = 1.0 + wins[:k], 1.0 + np.maximum(trials[:k] - wins[:k], 0.0)
-        if sample and float(self.params["explore"]) > 0:
-            p = self.rng.beta(alpha, beta)
-        else:
-            p = alpha / (alpha + beta)
-        return float(np.cumprod(p).sum())
+        return float(self._accepted(cls, [self.arms.index(arm)], sample)[0])
 
     def _batch_size(self, bucket: str) -> float:
         b = self._batch.get(bucket)
@@ -384,12 +431,8 @@ class GoodputModel(Learner):
         bucket, _, cls = ctx.partition("/")
         batch = self._batch_size(bucket)
         theta = self._theta(sample)
-        out = np.empty(len(idx))
-        for j, i in enumerate(idx):
-            ms = self._cost_ms(theta, {ANY_CLASS: 1.0}, {ANY_CLASS: i}, batch)
-            out[j] = (
-                batch * (1.0 + self._expected_accepted(cls or ANY_CLASS, self.arms[i], sample)) / (ms / 1e3)
-            )
+        cost = self._costs(theta, batch, np.asarray(idx, dtype=np.int64))
+        out: np.ndarray = batch * (1.0 + self._accepted(cls or ANY_CLASS, idx, sample)) / (cost / 1e3)
         return out
 
     def plan_bucket(
@@ -407,8 +450,9 @@ class GoodputModel(Learner):
         batch = self._batch_size(bucket)
         theta = self._theta(sample=sample)
         sample = sample and float(self.params["explore"]) > 0
-        pooled_acc = np.array([self._expected_accepted(ANY_CLASS, self.arms[i], sample) for i in idx])
-        pooled_cost = np.array([self._cost_ms(theta, {ANY_CLASS: 1.0}, {ANY_CLASS: i}, batch) for i in idx])
+        arms = np.asarray(idx, dtype=np.int64)
+        pooled_acc = self._accepted(ANY_CLASS, idx, sample)
+        pooled_cost = self._costs(theta, batch, arms)
         pooled = int(np.argmax(batch * (1.0 + pooled_acc) / pooled_cost))
         out = {ANY_CLASS: idx[pooled]}
         mix = self._mix.get(bucket, {})
@@ -416,24 +460,58 @@ class GoodputModel(Learner):
         total = sum(shares.values())
         if not classes or total <= 0:
             return out
-        shares = {c: v / total for c, v in shares.items()}
-        acc = {c: np.array([self._expected_accepted(c, self.arms[i], sample) for i in idx]) for c in classes}
-        choice = {c: idx[pooled] for c in classes}
+        share = np.array([shares[c] / total for c in classes])
+        acc = np.array([self._accepted(c, idx, sample) for c in classes])  # (classes, arms)
+        # Per candidate arm, what a class's share adds to the step: tokens verified and emitted, and
+        # the draft passes it needs (only a class with a share needs any).
+        k = self._arm_k[arms]
+        eagle = self._eagle_k[arms]
+        peagle = self._peagle[arms]
+        ngram = self._ngram[arms]
+        head = 1.0 if self._head else 0.0
+        floor = max(self._cost_floor(), 1e-3)
+        choice = np.full(len(classes), pooled)  # positions in idx
+        rows = np.arange(len(classes))
         for _ in range(3):
             moved = False
-            for c in classes:
-                best_j, best_g = -1, -np.inf
-                for j, i in enumerate(idx):
-                    trial = {**choice, c: i}
-                    tokens = sum(shares[d] * (1.0 + acc[d][idx.index(trial[d])]) for d in classes)
-                    g = batch * tokens / self._cost_ms(theta, shares, trial, batch)
-                    if g > best_g:
-                        best_j, best_g = j, g
-                if idx[best_j] != choice[c]:
-                    choice[c], moved = idx[best_j], True
+            for ci in range(len(classes)):
+                others = rows != ci
+                mine = share[ci] > 0
+                on = others & (share > 0)
+                picked = choice[on]
+                x = np.empty((len(idx), _N_FEATURES))
+                x[:, 0] = 1.0
+                x[:, 1] = (
+                    float(share[others] @ (k[choice[others]] + 1)) * batch + share[ci] * batch * (k + 1)
+                ) / _TOKEN_SCALE
+                passes = np.maximum(max(float(eagle[picked].max(initial=0.0)), head), eagle * mine)
+                x[:, 2] = passes > 0
+                x[:, 3] = passes
+                x[:, 4] = bool(peagle[picked].any()) | (peagle & mine)
+                x[:, 5] = bool(ngram[picked].any()) | (ngram & mine)
+                cost = np.maximum(x @ theta, floor)
+                tokens = float(share[others] @ (1.0 + acc[others, choice[others]])) + share[ci] * (
+                    1.0 + acc[ci]
+                )
+                best = int(np.argmax(batch * tokens / cost))
+                if best != choice[ci]:
+                    choice[ci], moved = best, True
             if not moved:
                 break
-        out.update(choice)
+        out.update({c: idx[int(j)] for c, j in zip(classes, choice, strict=True)})
+        return out
+
+    def _costs(self, theta: np.ndarray, batch: float, arms: np.ndarray) -> np.ndarray:
+        """Predicted step time (ms) of each arm played by the whole batch (``_cost_ms`` per arm)."""
+        passes = np.maximum(self._eagle_k[arms], 1.0 if self._head else 0.0)
+        x = np.empty((len(arms), _N_FEATURES))
+        x[:, 0] = 1.0
+        x[:, 1] = batch * (self._arm_k[arms] + 1) / _TOKEN_SCALE
+        x[:, 2] = passes > 0
+        x[:, 3] = passes
+        x[:, 4] = self._peagle[arms]
+        x[:, 5] = self._ngram[arms]
+        out: np.ndarray = np.maximum(x @ theta, max(self._cost_floor(), 1e-3))
         return out
 
     def _cost_ms(
@@ -497,6 +575,8 @@ class GoodputModel(Learner):
         if xtx.shape != (_N_FEATURES, _N_FEATURES) or xty.shape != (_N_FEATURES,):
             raise ValueError("cost model state has the wrong shape")
         self._acc, self._xtx, self._xty = acc, xtx, xty
+        self._fit = None
+        self._params_of.clear()
         self._yy, self._w = float(state["yy"]), float(state["w"])
         self._batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
         self._mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}
