@@ -1,7 +1,8 @@
 """One engine step as the plugin records it: cheap to build in the step, converted to protobuf later.
 
-The engine step only fills numpy columns; the background sender turns them into a ``StepReport`` so
-protobuf work never lands on the engine's critical path.
+The engine step only fills numpy columns; the background sender turns them into a ``StepReport`` (in
+its columnar form, which the sidecar reads in one pass) so protobuf work never lands on the engine's
+critical path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from controller.v1 import controller_pb2 as pb
-from policies.arms import METHODS_BY_CODE
+from policies.arms import METHODS_BY_CODE, Method
 from policies.observation import NOT_SCORED
 
 
@@ -36,21 +37,11 @@ class StepRecord:
     finished: np.ndarray
 
     def to_pb(self) -> pb.StepReport:
-        reqs = []
-        for j, rid in enumerate(self.request_id):
-            cf = int(self.cf_ngram[j])
-            reqs.append(
-                pb.RequestStep(
-                    request_id=rid,
-                    traffic_class=self.traffic_class[j],
-                    method=METHODS_BY_CODE[int(self.method[j])].value,
-                    k=int(self.k[j]),
-                    drafted=int(self.drafted[j]),
-                    accepted=int(self.accepted[j]),
-                    counterfactual_accepted={"ngram": cf} if cf != NOT_SCORED else {},
-                    finished=bool(self.finished[j]),
-                )
-            )
+        """The step in the columnar wire form (``StepReport.columns``): one packed field per column."""
+        index: dict[str, int] = {}
+        class_idx = [index.setdefault(c, len(index)) for c in self.traffic_class]
+        # A counterfactual nobody scored is left out, as the per-request rows leave the map entry out.
+        scored = bool((self.cf_ngram != NOT_SCORED).any())
         return pb.StepReport(
             time_s=self.time_s,
             duration_s=self.duration_s,
@@ -58,7 +49,21 @@ class StepRecord:
             queue_length=self.queue_length,
             queue_wait_s=self.queue_wait_s,
             scheduled_k=self.scheduled_k,
-            requests=reqs,
+            columns=pb.RequestColumns(
+                request_id=self.request_id,
+                classes=list(index),
+                traffic_class=class_idx,
+                method=self.method.tolist(),
+                k=self.k.tolist(),
+                drafted=self.drafted.tolist(),
+                accepted=self.accepted.tolist(),
+                counterfactual=[
+                    pb.CounterfactualColumn(method=Method.NGRAM.value, accepted=self.cf_ngram.tolist())
+                ]
+                if scored
+                else [],
+                finished=self.finished.tolist(),
+            ),
             directive_version=self.directive_version,
         )
 

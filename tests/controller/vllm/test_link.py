@@ -17,6 +17,7 @@ from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.vllm.link import SidecarLink
 from controller.vllm.record import StepRecord
+from policies.arms import METHOD_CODES, Method
 
 pytestmark = pytest.mark.integration
 
@@ -94,8 +95,13 @@ def test_hello_then_batched_reports_and_directive(tmp_path: Path) -> None:
         seqs = [m.reports.sequence for m in fake.messages[1:]]
         assert seqs == list(range(1, len(seqs) + 1))
         s = fake.steps()[3]
-        assert s.requests[0].request_id == "r3" and s.requests[0].method == "eagle3"
-        assert dict(s.requests[0].counterfactual_accepted) == {"ngram": 2}
+        # The columnar form: one packed field per column, classes by index.
+        assert not s.requests and s.HasField("columns")
+        c = s.columns
+        assert list(c.request_id) == ["r3"] and list(c.classes) == ["code"] and list(c.traffic_class) == [0]
+        assert list(c.method) == [METHOD_CODES[Method.EAGLE3]] and list(c.k) == [2]
+        assert (list(c.drafted), list(c.accepted), list(c.finished)) == ([2], [1], [False])
+        assert [(cf.method, list(cf.accepted)) for cf in c.counterfactual] == [("ngram", [2])]
         assert link.stats().connected and link.stats().sent_steps == 10
     finally:
         link.close()

@@ -1,0 +1,71 @@
+"""The plugin's step record on the wire: columns that the sidecar reads as the rows form read before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.convert import request_steps
+from controller.v1 import controller_pb2 as pb
+from controller.validation import Limits, validate_step
+from controller.vllm.record import StepRecord
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
+from policies.engine import EngineInfo, Granularity
+from policies.observation import NOT_SCORED, StepObservation
+
+ENGINE = EngineInfo(
+    "e", "m", 4, tuple(Arm.parse(a) for a in ("eagle3:2", "ngram:4", "off")), Granularity.REQUEST_METHOD
+)
+
+
+def record(cf: list[int]) -> StepRecord:
+    codes = [METHOD_CODES[m] for m in (Method.EAGLE3, Method.NGRAM, Method.OFF, Method.EAGLE3)]
+    return StepRecord(
+        time_s=5.0, duration_s=0.02, batch_size=6, queue_length=3, queue_wait_s=0.1, scheduled_k=2,
+        directive_version=7, request_id=("a", "b", "c", "d"), traffic_class=("chat", "code", "chat", ""),
+        method=np.array(codes, dtype=np.int8), k=np.array([2, 4, 0, 2], dtype=np.int32),
+        drafted=np.array([2, 4, 0, 1], dtype=np.int32), accepted=np.array([1, 3, 0, 1], dtype=np.int32),
+        cf_ngram=np.array(cf, dtype=np.int32), finished=np.array([False, True, False, False]),
+    )  # fmt: skip
+
+
+def as_rows(r: StepRecord) -> pb.StepReport:
+    """The per-request form the plugin sent before."""
+    return pb.StepReport(
+        time_s=r.time_s, duration_s=r.duration_s, batch_size=r.batch_size, queue_length=r.queue_length,
+        queue_wait_s=r.queue_wait_s, scheduled_k=r.scheduled_k, directive_version=r.directive_version,
+        requests=request_steps(
+            request_ids=r.request_id, classes=r.traffic_class,
+            methods=[METHODS_BY_CODE[int(c)].value for c in r.method], ks=r.k, drafted=r.drafted,
+            accepted=r.accepted, counterfactual={"ngram": r.cf_ngram}, finished=r.finished,
+        ),
+    )  # fmt: skip
+
+
+def same(a: StepObservation, b: StepObservation) -> None:
+    for f in (
+        "time_s",
+        "duration_s",
+        "batch_size",
+        "queue_length",
+        "queue_wait_s",
+        "traffic_class",
+        "request_id",
+    ):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("method", "k", "drafted", "accepted", "finished"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    assert a.counterfactual.keys() == b.counterfactual.keys()
+    for m, col in a.counterfactual.items():
+        np.testing.assert_array_equal(col, b.counterfactual[m])
+
+
+@pytest.mark.parametrize("cf", [[2, NOT_SCORED, 0, 1], [NOT_SCORED] * 4])
+def test_columns_read_as_the_rows_did(cf: list[int]) -> None:
+    r = record(cf)
+    msg = r.to_pb()
+    assert msg.HasField("columns") and not msg.requests
+    assert msg.directive_version == 7 and list(msg.columns.classes) == ["chat", "code", ""]
+    # An all-unscored n-gram column is left out, as rows leave their map entry out.
+    assert len(msg.columns.counterfactual) == (0 if cf == [NOT_SCORED] * 4 else 1)
+    same(validate_step(msg, ENGINE, Limits()), validate_step(as_rows(r), ENGINE, Limits()))
