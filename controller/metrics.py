@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -195,27 +195,62 @@ class SidecarMetrics:
             e.recent.append((obs.emitted, max(obs.duration_s, 0.0), obs.queue_wait_s))
             if n == 0:
                 return
-            # One row per (method, k) present in the step, summed with numpy.
-            key = obs.method.astype(np.int64) * 1024 + obs.k.astype(np.int64)
-            first = int(key[0])
-            if (key == first).all():  # the usual step: one arm for the whole batch, no grouping needed
-                row = e.by_arm.setdefault((METHODS_BY_CODE[first // 1024].value, first % 1024), [0, 0, 0, 0])
-                a_sum = int(obs.accepted.sum())
-                row[0] += int(obs.drafted.sum())
-                row[1] += a_sum
-                row[2] += a_sum + n
-                row[3] += n
-                return
-            uniq, inv = np.unique(key, return_inverse=True)
-            d = np.bincount(inv, weights=obs.drafted, minlength=len(uniq))
-            a = np.bincount(inv, weights=obs.accepted, minlength=len(uniq))
-            c = np.bincount(inv, minlength=len(uniq))
-            for i, u in enumerate(uniq.tolist()):
-                row = e.by_arm.setdefault((METHODS_BY_CODE[u // 1024].value, u % 1024), [0, 0, 0, 0])
-                row[0] += int(d[i])
-                row[1] += int(a[i])
-                row[2] += int(a[i]) + int(c[i])
-                row[3] += int(c[i])
+            self._by_arm(e, obs.method, obs.k, obs.drafted, obs.accepted)
+
+    def observe_steps(self, engine_id: str, observations: Sequence[StepObservation]) -> None:
+        """``observe_step`` for each step of a report batch: one lock, the batch's rows grouped at once."""
+        if not observations:
+            return
+        n = np.array([o.n for o in observations])
+        rows = [o for o in observations if o.n]
+        accepted = np.concatenate([o.accepted for o in rows]) if rows else np.zeros(0, dtype=np.int64)
+        emitted = n.copy()
+        if rows:
+            starts = np.zeros(len(rows), dtype=np.int64)
+            np.cumsum(n[n > 0][:-1], out=starts[1:])
+            emitted[n > 0] += np.add.reduceat(accepted, starts)
+        with self._t.lock:
+            e = self._t.engine(engine_id)
+            e.steps += len(observations)
+            e.queue_length = observations[-1].queue_length
+            e.recent.extend(
+                (x, max(o.duration_s, 0.0), o.queue_wait_s)
+                for x, o in zip(emitted.tolist(), observations, strict=True)
+            )
+            if rows:
+                self._by_arm(
+                    e,
+                    np.concatenate([o.method for o in rows]),
+                    np.concatenate([o.k for o in rows]),
+                    np.concatenate([o.drafted for o in rows]),
+                    accepted,
+                )
+
+    def _by_arm(
+        self, e: _Engine, method: np.ndarray, k: np.ndarray, drafted: np.ndarray, accepted: np.ndarray
+    ) -> None:
+        """Add rows to the per-(method, k) sums, one numpy pass per arm present."""
+        n = len(method)
+        key = method.astype(np.int64) * 1024 + k.astype(np.int64)
+        first = int(key[0])
+        if (key == first).all():  # the usual case: one arm for all rows, no grouping needed
+            row = e.by_arm.setdefault((METHODS_BY_CODE[first // 1024].value, first % 1024), [0, 0, 0, 0])
+            a_sum = int(accepted.sum())
+            row[0] += int(drafted.sum())
+            row[1] += a_sum
+            row[2] += a_sum + n
+            row[3] += n
+            return
+        uniq, inv = np.unique(key, return_inverse=True)
+        d = np.bincount(inv, weights=drafted, minlength=len(uniq))
+        a = np.bincount(inv, weights=accepted, minlength=len(uniq))
+        c = np.bincount(inv, minlength=len(uniq))
+        for i, u in enumerate(uniq.tolist()):
+            row = e.by_arm.setdefault((METHODS_BY_CODE[u // 1024].value, u % 1024), [0, 0, 0, 0])
+            row[0] += int(d[i])
+            row[1] += int(a[i])
+            row[2] += int(a[i]) + int(c[i])
+            row[3] += int(c[i])
 
     def set_connected(self, engine_id: str, connected: bool) -> None:
         with self._t.lock:

@@ -433,8 +433,7 @@ class Sidecar:
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
         st.loop.observe_many(observations)
-        for obs in observations:
-            self.metrics.observe_step(eid, obs)
+        self.metrics.observe_steps(eid, observations)
 
     def reject(self, st: EngineState | None, e: TelemetryError) -> None:
         self.metrics.rejected.labels(e.reason).inc()

@@ -89,7 +89,9 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
 def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits) -> list[StepObservation]:
     """Check a whole report batch before any of it is used (a bad batch changes nothing).
 
-    Returns the steps as observations, converted while checking (the columnar form is read once).
+    Returns the steps as observations, converted while checking (the columnar form is read once). The
+    per-request values of all columnar steps are checked together in one pass; only a bad batch pays
+    for checking step by step, which names the first bad field as ``validate_step`` on each would.
     """
     if len(batch.steps) > limits.max_steps_per_batch:
         raise TelemetryError(
@@ -97,8 +99,20 @@ def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits
             f"reports.steps: {len(batch.steps)} steps exceed the limit {limits.max_steps_per_batch}",
         )
     methods = {a.method.value for a in engine.arms} | {Method.OFF.value}
+    read: list[StepObservation | _Columns] = []
+    try:
+        for i, step in enumerate(batch.steps):
+            read.append(_read_step(step, engine, limits, index=i, methods=methods))
+    except TelemetryError:
+        for r in read:  # an earlier step's error comes first
+            if isinstance(r, _Columns):
+                _finish_columns(r, engine, methods, checked=False)
+        raise
+    cols = [r for r in read if isinstance(r, _Columns)]
+    checked = bool(cols) and _rows_ok(cols, engine, methods)
     return [
-        validate_step(step, engine, limits, index=i, methods=methods) for i, step in enumerate(batch.steps)
+        r if isinstance(r, StepObservation) else _finish_columns(r, engine, methods, checked=checked)
+        for r in read
     ]
 
 
@@ -111,6 +125,16 @@ def validate_step(
     methods: set[str] | None = None,
 ) -> StepObservation:
     """The step as an observation, or TelemetryError naming the first bad field."""
+    allowed = methods if methods is not None else {a.method.value for a in engine.arms} | {Method.OFF.value}
+    r = _read_step(step, engine, limits, index=index, methods=allowed)
+    return r if isinstance(r, StepObservation) else _finish_columns(r, engine, allowed, checked=False)
+
+
+def _read_step(
+    step: pb.StepReport, engine: EngineInfo, limits: Limits, *, index: int, methods: set[str]
+) -> StepObservation | _Columns:
+    """A step in the rows form checked and converted, or one in the columnar form read and checked up
+    to its per-request values (``_finish_columns`` checks those)."""
     where = f"steps[{index}]"
     for name in ("time_s", "duration_s", "queue_wait_s"):
         v = getattr(step, name)
@@ -140,9 +164,9 @@ def validate_step(
             "batch_size_invalid",
             f"{where}.batch_size: {step.batch_size} is smaller than the {n} requests reported",
         )
-    allowed = methods if methods is not None else {a.method.value for a in engine.arms} | {Method.OFF.value}
+    allowed = methods
     if columnar:
-        return _columns_observation(step, n, engine, where, allowed)
+        return _read_columns(step, n, where)
     if n == 0:
         return observation_from_pb(step)
     k = np.fromiter((r.k for r in reqs), dtype=np.int64, count=n)
@@ -194,13 +218,24 @@ def validate_step(
     return observation_from_pb(step)
 
 
-def _columns_observation(
-    step: pb.StepReport, n: int, engine: EngineInfo, where: str, allowed: set[str]
-) -> StepObservation:
-    """The columnar form's checks (the same rules as for rows) and its observation, reading each column once.
+@dataclass(slots=True)
+class _Columns:
+    """A columnar step read, its structure checked, its per-request values not yet."""
 
-    All value checks run as one combined mask; only a bad step pays for finding the first bad entry.
-    """
+    step: pb.StepReport
+    where: str
+    n: int
+    classes: tuple[str, ...]
+    request_id: tuple[str, ...]
+    tc: np.ndarray
+    method: np.ndarray
+    k: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+
+
+def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
+    """The columnar form's structure (lengths, classes, ids) checked; each column read once."""
     c = step.columns
     where = f"{where}.columns"
     for name, col, optional in (
@@ -233,18 +268,74 @@ def _columns_observation(
         raise TelemetryError(
             "request_id_too_long", f"{where}.request_id[{j}]: longer than {MAX_REQUEST_ID} characters"
         )
-    tc = np.fromiter(c.traffic_class, dtype=np.int64, count=n)
-    method = np.fromiter(c.method, dtype=np.int64, count=n)
-    k = np.fromiter(c.k, dtype=np.int64, count=n)
-    drafted = np.fromiter(c.drafted, dtype=np.int64, count=n)
-    accepted = np.fromiter(c.accepted, dtype=np.int64, count=n)
+    return _Columns(
+        step=step,
+        where=where,
+        n=n,
+        classes=classes,
+        request_id=request_id,
+        tc=np.fromiter(c.traffic_class, dtype=np.int64, count=n),
+        method=np.fromiter(c.method, dtype=np.int64, count=n),
+        k=np.fromiter(c.k, dtype=np.int64, count=n),
+        drafted=np.fromiter(c.drafted, dtype=np.int64, count=n),
+        accepted=np.fromiter(c.accepted, dtype=np.int64, count=n),
+    )
+
+
+def _bad_rows(
+    tc: np.ndarray,
+    n_classes: int | np.ndarray,
+    method: np.ndarray,
+    k: np.ndarray,
+    drafted: np.ndarray,
+    accepted: np.ndarray,
+    engine: EngineInfo,
+    allowed: set[str],
+) -> np.ndarray:
+    """Per request, whether any of its values breaks a rule (all rules as one combined mask)."""
     method_ok = _code_mask(frozenset(allowed))[np.minimum(method, len(METHODS_BY_CODE))]
-    if (
-        n
-        and (
-            (tc >= len(classes)) | ~method_ok | (k > engine.max_k) | (drafted > k) | (accepted > drafted)
-        ).any()
-    ):
+    out: np.ndarray = (
+        (tc >= n_classes) | ~method_ok | (k > engine.max_k) | (drafted > k) | (accepted > drafted)
+    )
+    return out
+
+
+def _rows_ok(cols: list[_Columns], engine: EngineInfo, allowed: set[str]) -> bool:
+    """Whether every request of every step passes the per-request rules (one pass over the batch)."""
+    if len(cols) == 1:
+        c = cols[0]
+        return not (
+            c.n
+            and _bad_rows(c.tc, len(c.classes), c.method, c.k, c.drafted, c.accepted, engine, allowed).any()
+        )
+    sizes = [c.n for c in cols]
+    if not sum(sizes):
+        return True
+    bad = _bad_rows(
+        np.concatenate([c.tc for c in cols]),
+        np.repeat([len(c.classes) for c in cols], sizes),
+        np.concatenate([c.method for c in cols]),
+        np.concatenate([c.k for c in cols]),
+        np.concatenate([c.drafted for c in cols]),
+        np.concatenate([c.accepted for c in cols]),
+        engine,
+        allowed,
+    )
+    return not bad.any()
+
+
+def _finish_columns(
+    cols: _Columns, engine: EngineInfo, allowed: set[str], *, checked: bool
+) -> StepObservation:
+    """The columnar step's per-request checks (skipped when ``checked``: done for the whole batch), its
+    counterfactual columns, and its observation.
+
+    All value checks run as one combined mask; only a bad step pays for finding the first bad entry.
+    """
+    step, n, where = cols.step, cols.n, cols.where
+    tc, method, k, drafted, accepted = cols.tc, cols.method, cols.k, cols.drafted, cols.accepted
+    classes = cols.classes
+    if not checked and n and _bad_rows(tc, len(classes), method, k, drafted, accepted, engine, allowed).any():
         _first(
             tc >= len(classes),
             "traffic_class_invalid",
@@ -253,6 +344,7 @@ def _columns_observation(
             lambda j: f"{tc[j]} is not an index into the step's {len(classes)} classes",
             columns=True,
         )
+        method_ok = _code_mask(frozenset(allowed))[np.minimum(method, len(METHODS_BY_CODE))]
         _first(
             ~method_ok,
             "method_not_offered",
@@ -290,6 +382,7 @@ def _columns_observation(
             lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
             columns=True,
         )
+    c = step.columns
     counterfactual: dict[Method, np.ndarray] = {}
     for i, cf in enumerate(c.counterfactual):
         at = f"{where}.counterfactual[{i}]"
@@ -322,7 +415,7 @@ def _columns_observation(
         drafted=drafted.astype(np.int32),
         accepted=accepted.astype(np.int32),
         counterfactual=counterfactual,
-        request_id=request_id or ("",) * n,
+        request_id=cols.request_id or ("",) * n,
         finished=np.fromiter(c.finished, dtype=bool, count=n) if len(c.finished) else np.zeros(n, dtype=bool),
     )
 

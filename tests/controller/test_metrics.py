@@ -141,3 +141,35 @@ def test_policy_guard_events_are_exported_per_engine_and_kind() -> None:
         )
         == 3
     )
+
+
+def samples(reg: CollectorRegistry) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+    return sorted(
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for m in reg.collect()
+        for s in m.samples
+        if not s.name.endswith("_created")
+    )
+
+
+def test_a_report_batch_gives_the_samples_of_its_steps_one_by_one() -> None:
+    batch = [
+        obs(),
+        obs(traffic_class=[], method=[], k=[], drafted=[], accepted=[], queue_length=1),  # an empty step
+        obs(accepted=[1, 1, 4], queue_wait_s=0.1, queue_length=2),
+        obs(traffic_class=["a"], method=[Method.OFF], k=[0], drafted=[0], accepted=[0], duration_s=0.0),
+    ]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    m1, m2 = SidecarMetrics(registry=one, clock=Clock()), SidecarMetrics(registry=many, clock=Clock())
+    for o in batch:
+        m1.observe_step("e1", o)
+    m2.observe_steps("e1", batch)
+    m2.observe_steps("e1", [])
+    assert samples(one) == samples(many)
+    assert (
+        many.get_sample_value("speccontrol_request_steps_total", {"engine": "e1", "method": "off", "k": "0"})
+        == 1
+    )
+    assert many.get_sample_value("speccontrol_engine_steps_total", {"engine": "e1"}) == 4
+    # (8 + 0 + 9 + 1) tokens over three steps of 0.05 s (the empty one included, as step by step)
+    assert m2.recent_goodput("e1") == m1.recent_goodput("e1") == 18 / (0.05 + 0.05 + 0.05)
