@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from controller.convert import observation_from_pb, request_columns
 from controller.v1 import controller_pb2 as pb
-from controller.validation import Limits, TelemetryError, validate_batch
+from controller.validation import Limits, TelemetryError, validate_batch, validate_step
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.engine import EngineInfo
+from policies.observation import StepObservation
 
 ENGINE = EngineInfo(
     engine_id="e1",
@@ -192,3 +193,44 @@ def test_any_columns_are_accepted_as_converted_or_refused_with_a_place(c: pb.Req
     assert obs.counterfactual.keys() == ref.counterfactual.keys()
     assert all(np.array_equal(obs.counterfactual[m], ref.counterfactual[m]) for m in obs.counterfactual)
     assert (obs.k <= ENGINE.max_k).all() and (obs.accepted <= obs.drafted).all()
+
+
+def step_by_step(steps: list[pb.StepReport]) -> list[StepObservation] | tuple[str, str]:
+    """What checking each step on its own gives: the observations, or the first error."""
+    methods = {a.method.value for a in ENGINE.arms} | {Method.OFF.value}
+    out = []
+    for i, s in enumerate(steps):
+        try:
+            out.append(validate_step(s, ENGINE, DEFAULT_LIMITS, index=i, methods=methods))
+        except TelemetryError as e:
+            return e.reason, str(e)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(random_columns(), max_size=4), st.integers(0, 4), st.integers(0, 3))
+def test_a_batch_is_checked_as_its_steps_one_by_one(
+    columns: list[pb.RequestColumns], with_rows: int, bad_time: int
+) -> None:
+    # The per-request values of a batch are checked in one pass: same error (the first in step order,
+    # even when a later step breaks an earlier check) or the same observations as step by step.
+    steps = [step(c, batch_size=0, time_s=-1.0 if i == bad_time else 1.0) for i, c in enumerate(columns)]
+    rows = pb.StepReport(time_s=1.0, duration_s=0.01)
+    rows.requests.add(request_id="r", traffic_class="code", method="eagle3", k=2, drafted=2, accepted=1)
+    steps.insert(min(with_rows, len(steps)), rows)
+    want = step_by_step(steps)
+    try:
+        got: list[StepObservation] | tuple[str, str] = validate_batch(
+            pb.StepReportBatch(sequence=1, steps=steps), ENGINE, DEFAULT_LIMITS
+        )
+    except TelemetryError as e:
+        got = (e.reason, str(e))
+    if isinstance(want, tuple) or isinstance(got, tuple):
+        assert got == want
+        return
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert (a.time_s, a.traffic_class, a.request_id) == (b.time_s, b.traffic_class, b.request_id)
+        for name in ("method", "k", "drafted", "accepted", "finished"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert a.counterfactual.keys() == b.counterfactual.keys()
