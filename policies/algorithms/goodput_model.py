@@ -5,8 +5,10 @@ Instead of treating every (method, K) as an unrelated arm, it learns the two thi
 * **acceptance** per (traffic class, method, draft position): conditional probabilities that position j is
   accepted given j-1 were, from verified drafts (censored at their K) and from counterfactual scores the
   engine reports for methods it did not verify (n-gram on every request-step: full information);
-* **step cost** as one linear model of the step's features (verified tokens, EAGLE-3 sequential draft
-  positions, a P-EAGLE pass, n-gram lookup), fitted by discounted least squares on measured step times.
+* **step cost** as one linear model of the step's features (batched tokens: drafts verified, one per
+  request and the prompt tokens prefilled alongside; EAGLE-3 sequential draft positions, a P-EAGLE pass,
+  n-gram lookup), fitted by discounted least squares on measured step times. Counting the prefill
+  tokens the engine reports keeps a burst of new prompts from being charged to whatever drafts ran then.
 
 Acceptance does not depend on batch size while cost does, so a batch size never seen needs no
 exploration: its goodput is predicted from the shared models. Thompson sampling on both models explores
@@ -32,12 +34,14 @@ _PEAGLE = METHOD_CODES[Method.P_EAGLE]
 _NGRAM = METHOD_CODES[Method.NGRAM]
 _OFF = METHOD_CODES[Method.OFF]
 _N_CODES = len(METHOD_CODES)
-#: Features of a step: intercept, verified tokens / 32, EAGLE-3 present, its longest K, P-EAGLE, n-gram.
+#: Features of a step: intercept, batched tokens / 32, EAGLE-3 present, its longest K, P-EAGLE, n-gram.
 _N_FEATURES = 6
 _TOKEN_SCALE = 32.0
 
 
-def _features(n_rows: float, ks: np.ndarray, methods: np.ndarray, head: bool = False) -> np.ndarray:
+def _features(
+    n_rows: float, ks: np.ndarray, methods: np.ndarray, head: bool = False, prefill: int = 0
+) -> np.ndarray:
     spec = np.where(methods == _OFF, 0, ks)
     drafting = spec > 0
     eagle = (methods == _EAGLE) & drafting
@@ -46,7 +50,7 @@ def _features(n_rows: float, ks: np.ndarray, methods: np.ndarray, head: bool = F
     return np.array(
         [
             1.0,
-            (float(spec.sum()) + n_rows) / _TOKEN_SCALE,
+            (float(spec.sum()) + n_rows + prefill) / _TOKEN_SCALE,
             float(passes > 0),
             passes,
             float(((methods == _PEAGLE) & drafting).any()),
@@ -110,7 +114,7 @@ class GoodputModel(Learner):
         g = self._gamma
         if Method.EAGLE3 in obs.counterfactual_depth:
             self._head = True
-        x = _features(float(n), obs.k, obs.method, self._head)
+        x = _features(float(n), obs.k, obs.method, self._head, obs.prefill_tokens)
         y = obs.duration_s * 1e3
         ridge = self._ridge
         self._xtx = g * (self._xtx - ridge) + ridge + np.outer(x, x)
@@ -206,7 +210,8 @@ class GoodputModel(Learner):
         passes = np.maximum(per_step[:, 0], np.array(head[1:], dtype=np.int64))
         x = np.empty((len(steps), _N_FEATURES))
         x[:, 0] = 1.0
-        x[:, 1] = (np.add.reduceat(spec, starts) + n) / _TOKEN_SCALE
+        prefill = np.array([o.prefill_tokens for o in steps], dtype=np.int64)
+        x[:, 1] = (np.add.reduceat(spec, starts) + n + prefill) / _TOKEN_SCALE
         x[:, 2] = passes > 0
         x[:, 3] = passes
         x[:, 4:] = per_step[:, 1:]
