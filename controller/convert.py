@@ -66,6 +66,7 @@ def observation_from_pb(step: pb.StepReport) -> StepObservation:
     return StepObservation(
         time_s=step.time_s,
         duration_s=step.duration_s,
+        prefill_tokens=int(step.prefill_tokens),
         batch_size=int(step.batch_size) or n,
         queue_length=int(step.queue_length),
         queue_wait_s=step.queue_wait_s,
@@ -91,6 +92,7 @@ def _observation_from_columns(step: pb.StepReport) -> StepObservation:
     return StepObservation(
         time_s=step.time_s,
         duration_s=step.duration_s,
+        prefill_tokens=int(step.prefill_tokens),
         batch_size=int(step.batch_size) or n,
         queue_length=int(step.queue_length),
         queue_wait_s=step.queue_wait_s,

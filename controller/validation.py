@@ -27,6 +27,8 @@ MAX_TRAFFIC_CLASS = 64
 MAX_REQUEST_ID = 256
 #: Distinct traffic classes one columnar step may name.
 MAX_CLASSES_PER_STEP = 4096
+#: Prompt tokens one step can prefill: far beyond any scheduler's max_num_batched_tokens.
+MAX_PREFILL_TOKENS = 1 << 22
 PROTOCOL_VERSIONS = (0, 1)
 #: Nodes a policy document may hold once its YAML aliases are expanded.
 _METHODS = frozenset(m.value for m in Method)
@@ -142,6 +144,12 @@ def _read_step(
             raise TelemetryError(
                 f"{name.removesuffix('_s')}_invalid", f"{where}.{name}: must be finite and >= 0, got {v}"
             )
+    if step.prefill_tokens > MAX_PREFILL_TOKENS:
+        raise TelemetryError(
+            "prefill_tokens_invalid",
+            f"{where}.prefill_tokens: {step.prefill_tokens} is beyond any scheduler's token budget "
+            f"({MAX_PREFILL_TOKENS})",
+        )
     columnar = step.HasField("columns")
     if columnar and len(step.requests):
         raise TelemetryError(
@@ -406,6 +414,7 @@ def _finish_columns(
     return StepObservation(
         time_s=step.time_s,
         duration_s=step.duration_s,
+        prefill_tokens=int(step.prefill_tokens),
         batch_size=int(step.batch_size) or n,
         queue_length=int(step.queue_length),
         queue_wait_s=step.queue_wait_s,
