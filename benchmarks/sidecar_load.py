@@ -28,7 +28,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str) -> None:
+def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str, profile: str = "") -> None:
+    if profile:  # the whole sidecar process under cProfile, stats written to ``profile``
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            _sidecar_main(state_dir, core, ready, stop, out)
+        finally:
+            prof.disable()
+            prof.dump_stats(profile)
+        return
     if core >= 0:
         os.sched_setaffinity(0, {core})
     from prometheus_client import CollectorRegistry
@@ -168,12 +179,25 @@ def main() -> int:
         "--rows", action="store_true", help="send per-request rows (RequestStep) instead of columns"
     )
     ap.add_argument("--core", type=int, default=0, help="CPU core for the sidecar (-1: no pinning)")
+    ap.add_argument(
+        "--profile", default="", metavar="FILE", help="run the sidecar under cProfile, stats to FILE (pstats)"
+    )
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="sc-load-") as d:
         ready, stop = ctx.Queue(), ctx.Event()
         out = os.path.join(d, "result.json")
-        proc = ctx.Process(target=_sidecar_main, args=(os.path.join(d, "state"), args.core, ready, stop, out))
+        proc = ctx.Process(
+            target=_sidecar_main,
+            args=(
+                os.path.join(d, "state"),
+                args.core,
+                ready,
+                stop,
+                out,
+                os.path.abspath(args.profile) if args.profile else "",
+            ),
+        )
         proc.start()
         target = ready.get(timeout=60)
         if args.core >= 0:  # keep the engines off the sidecar's core

@@ -115,6 +115,7 @@ class ControlLoop:
         self.drift_events: list[tuple[float, str, Method]] = []
         # Alarms of the step being observed, applied to the learner after it has learnt from the step.
         self._alarms: list[tuple[str, Method]] = []
+        self._labels: dict[int, str] = {}
 
     def _plannable(self) -> list[int]:
         """Arms the slow loop plans among.
@@ -190,7 +191,7 @@ class ControlLoop:
         n_all = int(n.sum())
         t.request_steps += n_all
         acc_sum = int(accepted.sum())
-        t.drafted += int(sum(int(o.drafted.sum()) for o in steps))
+        t.drafted += int(np.concatenate([o.drafted for o in steps]).sum())
         t.accepted += acc_sum
         t.emitted += acc_sum + n_all
         k = np.where(method == _OFF_CODE, 0, np.minimum(k, self.engine.max_k))
@@ -199,14 +200,14 @@ class ControlLoop:
         step_of = np.repeat(np.arange(len(steps)), n)
         known_in = np.bincount(step_of[known], minlength=len(steps))
         t.ignored_rows += n_all - int(known_in.sum())
-        buckets = self.spec.buckets
-        label_of = [buckets.label(buckets.index(o.batch_size)) for o in steps]
+        label_of = [self._label(o.batch_size) for o in steps]
         learn = [i for i in range(len(steps)) if known_in[i]]
         if not learn:
             return
         ends = np.cumsum(n)
         pending: list[int] = []
-        for i in learn:
+        # Guards see every step in order (a no-op loop when neither is on).
+        for i in learn if self.tpot_guard.enabled or self.drift is not None else ():
             obs = steps[i]
             pending.append(i)
             rows = slice(int(ends[i] - n[i]), int(ends[i]))
@@ -219,6 +220,8 @@ class ControlLoop:
                     )
                     pending = []
                     self._apply_alarms()
+        if not self.tpot_guard.enabled and self.drift is None:
+            pending = learn
         if pending:
             self.learner.observe_steps(
                 [steps[j] for j in pending], [label_of[j] for j in pending], self._learn_classes
@@ -227,7 +230,15 @@ class ControlLoop:
         share = np.repeat(np.array([o.duration_s for o in steps]) / n, n)
         row_label = None if len(set(label_of)) == 1 else np.repeat(np.array(label_of), n)
         classes = np.asarray(sum((o.traffic_class for o in steps), ())) if self._learn_classes else None
+        all_known = len(learn) == len(steps) and bool(known.all())
         for label in dict.fromkeys(label_of[i] for i in learn):
+            if row_label is None and all_known:  # the usual batch: every row counts, one bucket
+                self._accumulate(context_key(label, ANY_CLASS), arm, tokens, share)
+                if classes is not None:
+                    for c in sorted(set(classes.tolist())):
+                        rows_c = classes == c
+                        self._accumulate(context_key(label, c), arm[rows_c], tokens[rows_c], share[rows_c])
+                continue
             in_bucket = known if row_label is None else known & (row_label == label)
             self._accumulate(
                 context_key(label, ANY_CLASS), arm[in_bucket], tokens[in_bucket], share[in_bucket]
@@ -236,6 +247,16 @@ class ControlLoop:
                 for c in sorted(set(classes[in_bucket].tolist())):
                     rows_c = in_bucket & (classes == c)
                     self._accumulate(context_key(label, c), arm[rows_c], tokens[rows_c], share[rows_c])
+
+    def _label(self, batch_size: int) -> str:
+        """The batch bucket's label for a batch size (memoised: the buckets never change)."""
+        label = self._labels.get(batch_size)
+        if label is None:
+            buckets = self.spec.buckets
+            label = buckets.label(buckets.index(batch_size))
+            if len(self._labels) < 4096:
+                self._labels[batch_size] = label
+        return label
 
     def _watch_drift(self, obs: StepObservation) -> None:
         """Feed first-position acceptance per (class, method); re-explore where it changed."""
