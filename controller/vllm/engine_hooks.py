@@ -248,6 +248,12 @@ class EngineHooks:
             rows.append((code, k, drafted, accepted, cf, finished))
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
+        # A decode row schedules one token plus its draft; anything beyond that is prompt (a prefill
+        # chunk), whose time is in this step's duration too.
+        prefill = sum(
+            max(n - 1 - len(spec_tokens.get(rid) or ()), 0)
+            for rid, n in scheduler_output.num_scheduled_tokens.items()
+        )
         cols = np.array(rows, dtype=np.int32).reshape(-1, 6)
         methods = cols[:, 0].astype(np.int8)
         finished_col = cols[:, 5].astype(bool)
@@ -267,6 +273,7 @@ class EngineHooks:
             accepted=cols[:, 3],
             cf_ngram=cols[:, 4],
             finished=finished_col,
+            prefill_tokens=int(prefill),
         )
         if ids:
             counterfactual = {Method.NGRAM: rec.cf_ngram} if self.scorer is not None else {}

@@ -35,6 +35,7 @@ class StepRecord:
     accepted: np.ndarray
     cf_ngram: np.ndarray  # n-gram's counterfactual accepted count, NOT_SCORED where not scored
     finished: np.ndarray
+    prefill_tokens: int = 0  # prompt tokens computed in the same step
 
     def to_pb(self) -> pb.StepReport:
         """The step in the columnar wire form (``StepReport.columns``): one packed field per column."""
@@ -65,6 +66,7 @@ class StepRecord:
                 finished=self.finished.tolist(),
             ),
             directive_version=self.directive_version,
+            prefill_tokens=self.prefill_tokens,
         )
 
     def to_json(self) -> str:
@@ -76,6 +78,7 @@ class StepRecord:
             "wait": round(self.queue_wait_s, 6),
             "k_step": self.scheduled_k,
             "dv": self.directive_version,
+            "prefill": self.prefill_tokens,
             "reqs": [
                 {
                     "id": rid,

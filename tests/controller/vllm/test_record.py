@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -69,3 +72,10 @@ def test_columns_read_as_the_rows_did(cf: list[int]) -> None:
     # An all-unscored n-gram column is left out, as rows leave their map entry out.
     assert len(msg.columns.counterfactual) == (0 if cf == [NOT_SCORED] * 4 else 1)
     same(validate_step(msg, ENGINE, Limits()), validate_step(as_rows(r), ENGINE, Limits()))
+
+
+def test_prefill_tokens_travel_with_the_step() -> None:
+    r = dataclasses.replace(record([NOT_SCORED] * 4), prefill_tokens=300)
+    assert r.to_pb().prefill_tokens == 300
+    assert validate_step(r.to_pb(), ENGINE, Limits()).prefill_tokens == 300
+    assert json.loads(r.to_json())["prefill"] == 300
