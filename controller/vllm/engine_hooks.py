@@ -145,6 +145,7 @@ class EngineHooks:
             queue_size=settings.queue_size,
             batch_max=settings.batch_max,
             flush_s=settings.flush_s,
+            credentials=settings.credentials(),
         )
         scorer = (
             NgramScorer(
