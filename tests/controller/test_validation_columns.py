@@ -234,3 +234,13 @@ def test_a_batch_is_checked_as_its_steps_one_by_one(
         for name in ("method", "k", "drafted", "accepted", "finished"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
         assert a.counterfactual.keys() == b.counterfactual.keys()
+
+
+def test_prefill_tokens_reach_the_observation_in_both_forms() -> None:
+    rows = pb.StepReport(time_s=1.0, duration_s=0.01, prefill_tokens=300)
+    rows.requests.add(request_id="r", traffic_class="code", method="eagle3", k=2, drafted=2, accepted=1)
+    got = validate_batch(
+        pb.StepReportBatch(sequence=1, steps=[step(prefill_tokens=512), rows, step()]), ENGINE, DEFAULT_LIMITS
+    )
+    assert [o.prefill_tokens for o in got] == [512, 300, 0]
+    assert observation_from_pb(step(prefill_tokens=7)).prefill_tokens == 7

@@ -39,6 +39,7 @@ def random_step(rng: np.random.Generator, *, empty_ok: bool = True) -> StepObser
         accepted=accepted,
         batch_size=n + int(rng.integers(0, 40)),
         counterfactual=cf,
+        prefill_tokens=int(rng.choice([0, 0, 17, 300])),
     )
     if Method.EAGLE3 in cf:  # the head's first position, scored whatever was verified
         obs = StepObservation(
