@@ -102,6 +102,11 @@ class GoodputModel(Learner):
         self._drafts = self._pos <= np.minimum(self._arm_k, self._kmax)[:, None]
         # Beta parameters per class, dropped whenever acceptance counts change.
         self._params_of: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Per shape of report batch (rows per step): rows per step, first rows, step of each row,
+        # discount weights per step, total discount.
+        self._layouts: dict[
+            tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
+        ] = {}
         # The cost model's posterior (mean, covariance factor), computed once per change of its fit.
         self._fit: tuple[np.ndarray, np.ndarray | None] | None = None
 
@@ -168,18 +173,25 @@ class GoodputModel(Learner):
                 self.observe_step(observations[i], buckets[i], per_class)
             return
         steps = [observations[i] for i in keep]
-        s = len(steps)
-        g = self._gamma
-        n = np.array([o.n for o in steps])
-        starts = np.zeros(s, dtype=np.int64)
-        np.cumsum(n[:-1], out=starts[1:])
-        step_of = np.repeat(np.arange(s), n)
+        sizes = tuple(o.n for o in steps)
+        layout = self._layouts.get(sizes)
+        if layout is None:  # report batches repeat their shape: build its index arrays once
+            s = len(steps)
+            n = np.array(sizes)
+            starts = np.zeros(s, dtype=np.int64)
+            np.cumsum(n[:-1], out=starts[1:])
+            # Step i weighs gamma**(s-1-i) in every statistic all steps update.
+            w = self._gamma ** np.arange(s - 1, -1, -1, dtype=np.float64)
+            step_of = np.repeat(np.arange(s), n)
+            for a in (n, starts, step_of, w):
+                a.flags.writeable = False  # shared by every batch of this shape
+            layout = (n, starts, step_of, w, self._gamma**s)
+            if len(self._layouts) < 256:
+                self._layouts[sizes] = layout
+        n, starts, step_of, w, gs = layout
         method = np.concatenate([o.method for o in steps])
         k = np.concatenate([o.k for o in steps])
         accepted = np.concatenate([o.accepted for o in steps])
-        # Step i weighs gamma**(s-1-i) in every statistic all steps update.
-        w = g ** np.arange(s - 1, -1, -1, dtype=np.float64)
-        gs = g**s
         self._learn_cost(steps, n, starts, method, k, w, gs)
         classes = self._learn_mix(steps, [buckets[i] for i in keep], n, step_of, per_class)
         self._learn_acceptance(steps, step_of, method, k, accepted, classes)
