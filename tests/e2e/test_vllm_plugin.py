@@ -256,6 +256,13 @@ def test_1_default_policy_discovers_ngram(stack: Stack) -> None:
     assert any(r["cf_ngram"] >= 1 for r in rows if r["method"] != "ngram") or rows[0]["method"] == "ngram"
     m = _spec(resp)
     assert m["draft_acceptance_rate"] > 0.5, m
+    # The step that prefilled the prompt says so (the cost model must not charge it to drafts); the
+    # prompt is a few words, so a handful of tokens, while later decode steps of this request alone
+    # carry none.
+    steps = stack.steps()
+    assert steps[rows[0]["step"]]["prefill"] >= 4, steps[rows[0]["step"]]
+    alone = [steps[r["step"]] for r in rows[1:] if len(steps[r["step"]]["reqs"]) == 1]
+    assert alone and all(s["prefill"] == 0 for s in alone), [s["prefill"] for s in alone]
 
 
 def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
