@@ -52,7 +52,7 @@ def _both(case: dict[str, object]) -> tuple[StepObservation, StepObservation]:
     return observation_from_pb(rows), observation_from_pb(cols)
 
 
-def _same(a: StepObservation, b: StepObservation) -> None:
+def same_observation(a: StepObservation, b: StepObservation) -> None:
     for name in (
         "time_s",
         "duration_s",
@@ -83,7 +83,7 @@ ENGINE = EngineInfo(
 @pytest.mark.parametrize("case", CASES)
 def test_rows_and_columns_give_the_same_observation(case: dict[str, object]) -> None:
     rows, cols = _both(case)
-    _same(rows, cols)
+    same_observation(rows, cols)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -96,9 +96,9 @@ def test_validation_returns_the_same_observation_for_both_forms(case: dict[str, 
         pb.StepReport(**head, columns=request_columns(**case)),  # type: ignore[arg-type]
     ]
     rows, cols = validate_batch(pb.StepReportBatch(sequence=1, steps=steps), ENGINE, Limits())
-    _same(rows, observation_from_pb(steps[0]))
-    _same(cols, observation_from_pb(steps[1]))
-    _same(rows, cols)
+    same_observation(rows, observation_from_pb(steps[0]))
+    same_observation(cols, observation_from_pb(steps[1]))
+    same_observation(rows, cols)
 
 
 def test_the_columns_carry_the_values() -> None:

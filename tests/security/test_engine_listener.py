@@ -100,7 +100,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
-async def test_engines_attach_over_mtls_and_strangers_do_not(tmp_path: Path, certs: Certs) -> None:
+def mtls_only(tmp_path: Path, certs: Certs) -> Sidecar:
+    """A sidecar whose engine listener takes every interface and only clients of the test CA."""
     cfg = SidecarConfig(
         engine_listen="0.0.0.0:0",
         engine_tls_cert_file=str(certs.server_cert),
@@ -111,7 +112,11 @@ async def test_engines_attach_over_mtls_and_strangers_do_not(tmp_path: Path, cer
         state_dir=str(tmp_path / "state"),
         decision_tick_s=0.02,
     )
-    sc = Sidecar(config=cfg, registry=CollectorRegistry())
+    return Sidecar(config=cfg, registry=CollectorRegistry())
+
+
+async def test_engines_attach_over_mtls_and_strangers_do_not(tmp_path: Path, certs: Certs) -> None:
+    sc = mtls_only(tmp_path, certs)
     await sc.start()
     try:
         tls = ClientTLS(
@@ -155,16 +160,7 @@ async def _attach(channel: grpc.aio.Channel) -> None:
 
 async def test_the_plugin_link_attaches_over_mtls_from_its_settings(tmp_path: Path, certs: Certs) -> None:
     """SPECCONTROL_TLS_* reach the vLLM plugin's link: it attaches to an mTLS-only sidecar."""
-    cfg = SidecarConfig(
-        engine_listen="0.0.0.0:0",
-        engine_tls_cert_file=str(certs.server_cert),
-        engine_tls_key_file=str(certs.server_key),
-        engine_tls_client_ca_file=str(certs.ca),
-        admin_listen="127.0.0.1:0",
-        metrics_listen="",
-        state_dir=str(tmp_path / "state"),
-    )
-    sc = Sidecar(config=cfg, registry=CollectorRegistry())
+    sc = mtls_only(tmp_path, certs)
     await sc.start()
     try:
         settings = PluginSettings.from_env(

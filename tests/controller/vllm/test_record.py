@@ -14,7 +14,8 @@ from controller.validation import Limits, validate_step
 from controller.vllm.record import StepRecord
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
 from policies.engine import EngineInfo, Granularity
-from policies.observation import NOT_SCORED, StepObservation
+from policies.observation import NOT_SCORED
+from tests.controller.test_convert_columns import same_observation
 
 ENGINE = EngineInfo(
     "e", "m", 4, tuple(Arm.parse(a) for a in ("eagle3:2", "ngram:4", "off")), Granularity.REQUEST_METHOD
@@ -45,24 +46,6 @@ def as_rows(r: StepRecord) -> pb.StepReport:
     )  # fmt: skip
 
 
-def same(a: StepObservation, b: StepObservation) -> None:
-    for f in (
-        "time_s",
-        "duration_s",
-        "batch_size",
-        "queue_length",
-        "queue_wait_s",
-        "traffic_class",
-        "request_id",
-    ):
-        assert getattr(a, f) == getattr(b, f), f
-    for f in ("method", "k", "drafted", "accepted", "finished"):
-        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
-    assert a.counterfactual.keys() == b.counterfactual.keys()
-    for m, col in a.counterfactual.items():
-        np.testing.assert_array_equal(col, b.counterfactual[m])
-
-
 @pytest.mark.parametrize("cf", [[2, NOT_SCORED, 0, 1], [NOT_SCORED] * 4])
 def test_columns_read_as_the_rows_did(cf: list[int]) -> None:
     r = record(cf)
@@ -71,7 +54,7 @@ def test_columns_read_as_the_rows_did(cf: list[int]) -> None:
     assert msg.directive_version == 7 and list(msg.columns.classes) == ["chat", "code", ""]
     # An all-unscored n-gram column is left out, as rows leave their map entry out.
     assert len(msg.columns.counterfactual) == (0 if cf == [NOT_SCORED] * 4 else 1)
-    same(validate_step(msg, ENGINE, Limits()), validate_step(as_rows(r), ENGINE, Limits()))
+    same_observation(validate_step(msg, ENGINE, Limits()), validate_step(as_rows(r), ENGINE, Limits()))
 
 
 def test_prefill_tokens_travel_with_the_step() -> None:
