@@ -26,6 +26,7 @@ from sim.costmodel import Profile
 from sim.engines import ENGINES, EngineModel, engine_for_arm
 from sim.run import RunResult
 from sim.trace import Trace
+from sim.traffic import Latent
 from sim.vectorised import Rows, replay_static, schedule_closed, static_plan, walk
 
 ORACLE_ENGINE = EngineModel(
@@ -156,20 +157,22 @@ def best_per_group(
     return best, {names[g]: str(candidates[choice[g]]) for g in range(len(names))}
 
 
-def per_step_oracle(
-    trace: Trace, profile: Profile, concurrency: int, *, methods: tuple[Method, ...] | None = None
-) -> RunResult:
-    """The clairvoyant per-position (method, K) plan, by dynamic programming per request.
-
-    ``methods`` limits the drafters it may use (default: every one the trace scored), so a policy on
-    an engine that hosts only some drafters is compared with the oracle that has the same ones.
-    """
+def _used(trace: Trace, methods: tuple[Method, ...] | None) -> tuple[Method, ...]:
     if methods is not None:
         unknown = [m.value for m in methods if m not in trace.acc]
         if unknown:
             raise ValueError(f"per-step oracle: the trace has no acceptance for {', '.join(unknown)}")
-    used = tuple(m for m in trace.methods if methods is None or m in methods)
-    n, L, max_k = trace.n, int(trace.output_tokens.max()), trace.max_k
+    return tuple(m for m in trace.methods if methods is None or m in methods)
+
+
+def _step_options(
+    trace: Trace, profile: Profile, concurrency: int, used: tuple[Method, ...], engine: EngineModel
+) -> list[tuple[int, int, float]]:
+    """(method code, K, a row's share of engine time) for every choice, priced at the run's concurrency.
+
+    On an engine that runs the EAGLE-3 head's first forward every step (the composite drafter), a
+    choice that drafts no EAGLE-3 still pays for that forward.
+    """
     B = float(concurrency)
     ctx = float(np.mean(trace.prompt_tokens + trace.output_tokens / 2.0))
     kv_total = B * ctx
@@ -178,29 +181,74 @@ def per_step_oracle(
     if profile.moe is not None:
         fixed += float(profile.moe(np.array([B]))[0])
     share = fixed / B
+    if Method.EAGLE3 in engine.always_runs:
+        share += float(profile.draft_forward_time(np.array([kv_total]), np.array([B]))[0]) / B
     options: list[tuple[int, int, float]] = [(METHOD_CODES[Method.OFF], 0, share + tg.batched_s_per_token)]
     for m in used:
-        for k in range(1, max_k + 1):
+        for k in range(1, trace.max_k + 1):
             verify_row = share + tg.batched_s_per_token * (k + 1)
             fwd = float(profile.draft_forward_time(np.array([kv_total]), np.array([B * k]))[0])
             if m is Method.EAGLE3:
-                draft = k * fwd / B
+                # Its first forward is already in ``share`` where the engine always runs it.
+                draft = (k - (1 if Method.EAGLE3 in engine.always_runs else 0)) * fwd / B
             elif m is Method.P_EAGLE:
                 draft = profile.p_eagle_pass_forwards * fwd / B
             else:
                 draft = profile.ngram_verify_fraction * verify_row
             options.append((METHOD_CODES[m], k, verify_row + draft))
+    return options
+
+
+def _replay_plan(
+    trace: Trace,
+    profile: Profile,
+    concurrency: int,
+    options: list[tuple[int, int, float]],
+    choice: np.ndarray,
+    label: str,
+    engine: EngineModel,
+) -> RunResult:
+    """Replay a per-(request, tokens done) choice of option on the realised trace."""
     out = trace.output_tokens
-    base = trace.offsets[:-1]
-    rows_of = np.repeat(np.arange(n), out)
-    cols_of = np.arange(trace.total_output_tokens) - np.repeat(base, out)
-    acc = {}
-    for m, a in trace.acc.items():
-        if m not in used:
-            continue
-        mat = np.zeros((n, L), dtype=np.int64)
-        mat[rows_of, cols_of] = a
-        acc[METHOD_CODES[m]] = mat
+    rows_of = np.repeat(np.arange(trace.n), out)
+    cols_of = np.arange(trace.total_output_tokens) - np.repeat(trace.offsets[:-1], out)
+    codes = np.array([o[0] for o in options], dtype=np.int8)
+    ks = np.array([o[1] for o in options], dtype=np.int64)
+    # Position t of request r is decided in state done = t + 1.
+    pick = choice[rows_of, cols_of + 1]
+    rows = walk(trace, codes[pick], ks[pick])
+    return schedule_closed(trace, rows, concurrency=concurrency, profile=profile, engine=engine, label=label)
+
+
+def _per_request(trace: Trace, flat: np.ndarray, width: int) -> np.ndarray:
+    """A flat per-position array as (request, position), zero-padded to ``width``."""
+    out = trace.output_tokens
+    rows_of = np.repeat(np.arange(trace.n), out)
+    cols_of = np.arange(trace.total_output_tokens) - np.repeat(trace.offsets[:-1], out)
+    mat = np.zeros((trace.n, width), dtype=flat.dtype)
+    mat[rows_of, cols_of] = flat
+    return mat
+
+
+def per_step_oracle(
+    trace: Trace,
+    profile: Profile,
+    concurrency: int,
+    *,
+    methods: tuple[Method, ...] | None = None,
+    engine: EngineModel = ORACLE_ENGINE,
+) -> RunResult:
+    """The clairvoyant per-position (method, K) plan, by dynamic programming per request.
+
+    ``methods`` limits the drafters it may use (default: every one the trace scored) and ``engine``
+    prices the steps (default: one that runs a drafter only when a request uses it), so a policy on
+    an engine that hosts only some drafters is compared with an oracle on that engine.
+    """
+    used = _used(trace, methods)
+    n, L = trace.n, int(trace.output_tokens.max())
+    options = _step_options(trace, profile, concurrency, used, engine)
+    out = trace.output_tokens
+    acc = {METHOD_CODES[m]: _per_request(trace, trace.acc[m].astype(np.int64), L) for m in used}
     V = np.zeros((n, L + 2))
     choice = np.zeros((n, L + 1), dtype=np.int64)
     for s in range(L - 1, 0, -1):
@@ -219,14 +267,98 @@ def per_step_oracle(
             arg = np.where(better, oi, arg)
         V[act, s] = best
         choice[act, s] = arg
-    codes = np.array([o[0] for o in options], dtype=np.int8)
-    ks = np.array([o[1] for o in options], dtype=np.int64)
-    # Position t of request r is decided in state done = t + 1.
-    pick = choice[rows_of, cols_of + 1]
-    rows = walk(trace, codes[pick], ks[pick])
-    return schedule_closed(
-        trace, rows, concurrency=concurrency, profile=profile, engine=ORACLE_ENGINE, label="oracle per step"
-    )
+    return _replay_plan(trace, profile, concurrency, options, choice, "oracle per step", engine)
+
+
+def latent_oracle(
+    trace: Trace,
+    latent: Latent,
+    profile: Profile,
+    concurrency: int,
+    *,
+    methods: tuple[Method, ...] | None = None,
+    engine: EngineModel = ORACLE_ENGINE,
+    eagle_k: int | None = None,
+    span_seen_after: int = 0,
+) -> RunResult:
+    """The best plan for a policy that knows the generator's odds but not its draws.
+
+    It knows every request's copy spans (so n-gram's count inside one, exactly) and the chance that
+    each token is predictable for EAGLE-3 (class, request and position quality), but not which
+    tokens were: it minimises the *expected* engine time to finish each request (dynamic programming
+    over positions, the same step prices as the clairvoyant oracle), then plays that plan on the
+    realised trace. Any causal policy knows less, so on a generated trace this estimates the ceiling
+    of what one can reach (estimates: a step's first draft position is taken at the "after an
+    unpredictable token" odds, as the generator's replay semantics say).
+    """
+    used = _used(trace, methods)
+    n, L = trace.n, int(trace.output_tokens.max())
+    options = _step_options(trace, profile, concurrency, used, engine)
+    if eagle_k is not None:
+        # One EAGLE-3 K for every step: the plan prices a row's passes as its own, while a batched
+        # engine runs the longest K of the step for all rows; with one K the two agree.
+        options = [o for o in options if o[0] != METHOD_CODES[Method.EAGLE3] or o[1] == eagle_k]
+    out = trace.output_tokens
+    max_k = trace.max_k
+    inside = _per_request(trace, latent.inside, L)
+    if span_seen_after:
+        # A span is known only once it has run ``span_seen_after`` positions (what a drafter's own
+        # scored step reveals); before that its positions look like any other.
+        seen = inside.copy()
+        for d in range(1, span_seen_after + 1):
+            seen[:, d:] &= inside[:, :-d]
+            seen[:, :d] = False
+        inside = seen
+    ngram = _per_request(trace, trace.acc[Method.NGRAM].astype(np.int64), L) if Method.NGRAM in used else None
+    chains: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for m in used:
+        if m is Method.NGRAM:
+            continue
+        width = L + max_k + 2
+        en = np.zeros((n, width))
+        st = np.zeros((n, width))
+        for r in range(n):
+            e_r, s_r = latent.enter[m][r], latent.stay[m][r]
+            en[r, : min(len(e_r), width)] = e_r[:width]
+            st[r, : min(len(s_r), width)] = s_r[:width]
+        chains[METHOD_CODES[m]] = (en, st)
+    bg = latent.ngram_background
+    V = np.zeros((n, L + 2))
+    choice = np.zeros((n, L + 1), dtype=np.int64)
+    for s in range(L - 1, 0, -1):
+        act = np.flatnonzero(out > s)
+        if not act.size:
+            continue
+        t = s - 1  # the draft's position: it accepts predictable tokens from t + 1 on
+        remaining = out[act] - s
+        after = [V[act, s + np.minimum(j + 1, remaining)] for j in range(max_k + 1)]
+        best = np.full(act.size, np.inf)
+        arg = np.zeros(act.size, dtype=np.int64)
+        for oi, (code, k, cost) in enumerate(options):
+            if k == 0:
+                ev = after[0]
+            elif code in chains:
+                en, st = chains[code]
+                # P(at least j accepted): the first token at the entry odds, the rest at the stay odds.
+                surv = np.cumprod(np.column_stack([en[act, t + 1], st[act, t + 2 : t + k + 1]]), axis=1)
+                p_ge = np.column_stack([np.ones(act.size), surv])  # j = 0..k
+                p_eq = p_ge.copy()
+                p_eq[:, :-1] -= p_ge[:, 1:]
+                ev = sum(p_eq[:, j] * after[j] for j in range(k + 1))
+            else:
+                assert ngram is not None
+                span = inside[act, t]
+                exact = np.minimum(ngram[act, t], k)
+                in_span = V[act, s + np.minimum(exact + 1, remaining)]
+                outside = (1.0 - bg[act]) * after[0] + bg[act] * after[1]
+                ev = np.where(span, in_span, outside)
+            v = cost + ev
+            better = v < best
+            best = np.where(better, v, best)
+            arg = np.where(better, oi, arg)
+        V[act, s] = best
+        choice[act, s] = arg
+    return _replay_plan(trace, profile, concurrency, options, choice, "oracle, latent odds", engine)
 
 
 def compute_oracles(

@@ -236,6 +236,23 @@ def _ngram_spans(c: TrafficClass, n: int, rng: np.random.Generator) -> tuple[np.
     return counts, inside
 
 
+@dataclass(frozen=True, slots=True)
+class Latent:
+    """What the generator knew and a trace does not say: the odds behind each draw.
+
+    Per request r, token i of its output (0-based; the arrays run ``HORIZON + 1`` past the end):
+    ``enter[m][r][i]`` is the chance that token i is predictable for a chain draft of method m after
+    an unpredictable token, ``stay[m][r][i]`` after a predictable one. n-gram: ``inside`` marks the
+    positions in a copy span (there its count is the rest of the span, exactly), flat like ``Trace.acc``;
+    outside, it accepts one token with chance ``ngram_background[r]``.
+    """
+
+    enter: Mapping[Method, tuple[np.ndarray, ...]]
+    stay: Mapping[Method, tuple[np.ndarray, ...]]
+    inside: np.ndarray
+    ngram_background: np.ndarray
+
+
 def generate(
     scenario: str | Scenario,
     *,
@@ -245,6 +262,18 @@ def generate(
     methods: tuple[Method, ...] = (Method.EAGLE3, Method.P_EAGLE, Method.NGRAM),
 ) -> Trace:
     """A synthetic trace for a scenario (deterministic for a given seed)."""
+    return generate_with_latent(scenario, n_requests=n_requests, seed=seed, max_k=max_k, methods=methods)[0]
+
+
+def generate_with_latent(
+    scenario: str | Scenario,
+    *,
+    n_requests: int | None = None,
+    seed: int = 0,
+    max_k: int = 8,
+    methods: tuple[Method, ...] = (Method.EAGLE3, Method.P_EAGLE, Method.NGRAM),
+) -> tuple[Trace, Latent]:
+    """``generate``'s trace (the same for the same arguments) and the odds it was drawn from."""
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
     n = sc.n_requests if n_requests is None else n_requests
     if n < 1:
@@ -262,11 +291,16 @@ def generate(
         prompt[rows] = _lengths(rng, c.prompt_median, 0.6, len(rows), 8192)
         out[rows] = _lengths(rng, c.output_median, 0.7, len(rows), c.output_max)
     acc: dict[Method, list[np.ndarray]] = {m: [] for m in methods}
+    enter: dict[Method, list[np.ndarray]] = {m: [] for m in methods if m is not Method.NGRAM}
+    stay: dict[Method, list[np.ndarray]] = {m: [] for m in methods if m is not Method.NGRAM}
+    insides: list[np.ndarray] = []
+    background = np.array([CLASSES[names[i]].ngram_background for i in cls_idx])
     difficulty = np.clip(rng.normal(1.0, sc.request_sd, n), 0.3, 1.25)
     for r in range(n):
         c = CLASSES[names[cls_idx[r]]]
         length = int(out[r])
         ng, inside = _ngram_spans(c, length, rng)
+        insides.append(inside)
         firsts = {Method.EAGLE3: c.eagle3_first, Method.P_EAGLE: c.eagle3_first}
         tails = {Method.EAGLE3: c.eagle3_tail, Method.P_EAGLE: min(0.97, c.eagle3_tail * c.p_eagle_gain)}
         # Token flags cover the output and a horizon beyond it (a draft may run past the end).
@@ -282,7 +316,10 @@ def generate(
             q = sc.draft_quality * difficulty[r] * jitter
             first = np.where(span, c.span_eagle_alpha * sc.draft_quality, firsts[m] * q)
             tail = np.where(span, c.span_eagle_alpha * sc.draft_quality, tails[m] * q)
-            flags = _markov_flags(np.clip(first, 0.0, 0.98), np.clip(tail, 0.0, 0.98), rng)
+            en, st = np.clip(first, 0.0, 0.98), np.clip(tail, 0.0, 0.98)
+            enter[m].append(en)
+            stay[m].append(st)
+            flags = _markov_flags(en, st, rng)
             acc[m].append(run_lengths(flags, length, HORIZON))
     arrival = np.full(n, np.nan)
     if sc.arrivals is not None:
@@ -290,7 +327,7 @@ def generate(
         rate = np.linspace(sc.arrivals.start_rps, sc.arrivals.end_rps, n)
         arrival = np.cumsum(rng.exponential(1.0 / rate))
         arrival -= arrival[0]
-    return Trace(
+    trace = Trace(
         max_k=max_k,
         methods=tuple(methods),
         ids=tuple(f"r{i}" for i in range(n)),
@@ -302,6 +339,13 @@ def generate(
         meta={"generator": "sim.traffic", "scenario": sc.name, "seed": seed},
         name=sc.name,
     )
+    latent = Latent(
+        enter={m: tuple(v) for m, v in enter.items()},
+        stay={m: tuple(v) for m, v in stay.items()},
+        inside=np.concatenate(insides) if insides else np.zeros(0, dtype=bool),
+        ngram_background=background,
+    )
+    return trace, latent
 
 
 def expected_accepted(alphas: np.ndarray, k: int) -> float:

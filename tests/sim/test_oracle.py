@@ -10,9 +10,9 @@ from policies.spec import parse_policy, static_policy
 from sim.compare import run_one
 from sim.costmodel import load_profile
 from sim.engines import ENGINES
-from sim.oracle import compute_oracles, per_step_oracle, static_arms
+from sim.oracle import compute_oracles, latent_oracle, per_step_oracle, static_arms
 from sim.trace import Trace, read_trace
-from sim.traffic import generate
+from sim.traffic import generate, generate_with_latent
 
 PROFILE = load_profile("llama-3.1-8b-h100")
 LIB = Path(__file__).resolve().parents[2] / "policies" / "library"
@@ -70,3 +70,30 @@ def test_per_step_oracle_refuses_a_drafter_the_trace_did_not_score(drift: Trace)
     only = dataclasses.replace(drift, methods=(Method.EAGLE3,), acc={Method.EAGLE3: drift.acc[Method.EAGLE3]})
     with pytest.raises(ValueError, match="no acceptance for ngram"):
         per_step_oracle(only, PROFILE, 1, methods=(Method.EAGLE3, Method.NGRAM))
+
+
+def test_knowing_the_odds_sits_between_any_fixed_arm_and_knowing_the_draws() -> None:
+    """At one request at a time (no batch to share a step), on the composite drafter."""
+    trace, latent = generate_with_latent("drift", n_requests=24, seed=7)
+    comp, engine = (Method.EAGLE3, Method.NGRAM), ENGINES["composite"]
+    odds = latent_oracle(trace, latent, PROFILE, 1, methods=comp, engine=engine).throughput
+    draws = per_step_oracle(trace, PROFILE, 1, methods=comp, engine=engine).throughput
+    fixed = max(
+        run_one(trace, PROFILE, static_policy(a), engine, 1).throughput
+        for a in static_arms(trace)
+        if a.method in (*comp, Method.OFF)
+    )
+    assert fixed < odds < draws
+    one_k = latent_oracle(trace, latent, PROFILE, 1, methods=comp, engine=engine, eagle_k=3)
+    assert one_k.throughput <= odds * 1.01  # a narrower choice (up to the step pricing's rounding)
+
+
+def test_latent_odds_come_from_the_same_draws() -> None:
+    a = generate("mixed", n_requests=10, seed=2)
+    b, latent = generate_with_latent("mixed", n_requests=10, seed=2)
+    for m in a.acc:
+        assert (a.acc[m] == b.acc[m]).all()
+    assert len(latent.inside) == a.total_output_tokens
+    # Inside a copy span n-gram accepts the rest of it; the odds say where the spans are.
+    ng = a.acc[Method.NGRAM]
+    assert (ng[~latent.inside] <= 1).all() and ng[latent.inside].mean() > 2
