@@ -86,6 +86,8 @@ def test_knowing_the_odds_sits_between_any_fixed_arm_and_knowing_the_draws() -> 
     assert fixed < odds < draws
     one_k = latent_oracle(trace, latent, PROFILE, 1, methods=comp, engine=engine, eagle_k=3)
     assert one_k.throughput <= odds * 1.01  # a narrower choice (up to the step pricing's rounding)
+    late = latent_oracle(trace, latent, PROFILE, 1, methods=comp, engine=engine, span_seen_after=1)
+    assert fixed < late.throughput < odds  # a copy span seen one position late is worth less
 
 
 def test_latent_odds_come_from_the_same_draws() -> None:
