@@ -1,8 +1,8 @@
 """The vLLM plugin's cost per engine step, at batch 8 and 32, composite drafter and fast loop on.
 
 Runs with the vLLM virtualenv's Python, in one process: the same tiny EAGLE-3 engine (K max 4) first
-without the plugin, then with it attached to a real sidecar running the default policy (n-gram margin
-rule on). The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the plugin's own hook
+without the plugin, then with it attached to a real sidecar running the default policy (its n-gram
+span rule on). The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the plugin's own hook
 time can be measured directly, besides the end-to-end step time of both engines.
 
     .venv-vllm/bin/python benchmarks/plugin_overhead.py [--tokens 128]
