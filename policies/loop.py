@@ -71,10 +71,12 @@ class Change:
 
 @dataclass(slots=True)
 class _Acc:
-    """Tokens emitted and engine time used, per arm, in one context since the last decision."""
+    """Request-steps, tokens emitted and engine time used, per arm, in one context since the last
+    decision."""
 
     tokens: np.ndarray
     time_s: np.ndarray
+    rows: np.ndarray
 
 
 @dataclass(slots=True)
@@ -304,13 +306,16 @@ class ControlLoop:
     def _accumulate(self, ctx: str, arm: np.ndarray, tokens: np.ndarray, share: float | np.ndarray) -> None:
         """``share``: each row's share of its step's engine time (one value when all rows share a step)."""
         c = self._context(ctx)
+        n = len(self.arms)
         if c.acc is None:
-            c.acc = _Acc(np.zeros(len(self.arms)), np.zeros(len(self.arms)))
-        c.acc.tokens += np.bincount(arm, weights=tokens, minlength=len(self.arms))
+            c.acc = _Acc(np.zeros(n), np.zeros(n), np.zeros(n))
+        c.acc.tokens += np.bincount(arm, weights=tokens, minlength=n)
+        rows = np.bincount(arm, minlength=n)
+        c.acc.rows += rows
         if isinstance(share, np.ndarray):
-            c.acc.time_s += np.bincount(arm, weights=share, minlength=len(self.arms))
+            c.acc.time_s += np.bincount(arm, weights=share, minlength=n)
         else:
-            c.acc.time_s += np.bincount(arm, minlength=len(self.arms)) * share
+            c.acc.time_s += rows * share
 
     def _context(self, ctx: str) -> _Ctx:
         c = self._ctx.get(ctx)
@@ -359,6 +364,7 @@ class ControlLoop:
                 seen = c.acc.time_s > 0
                 rewards = {int(i): float(c.acc.tokens[i] / c.acc.time_s[i]) for i in np.flatnonzero(seen)}
                 self.learner.update(key, rewards)
+                self.learner.observe_round(key, c.acc.rows, c.acc.tokens)
                 c.acc = None
                 c.rounds += 1
             label = key.partition("/")[0]

@@ -80,6 +80,10 @@ class Learner(ABC):
         for i, r in rewards.items():
             t.add(i, r, 1.0)
 
+    def observe_round(self, ctx: str, rows: np.ndarray, tokens: np.ndarray) -> None:  # noqa: B027
+        """Optional hook, after ``update``: request-steps each arm drafted in ``ctx`` this round, and the
+        tokens they emitted (arrays over ``arms``)."""
+
     def _before_round(self, t: ArmTable) -> None:  # noqa: B027 - optional hook
         """Hook for discounting."""
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from policies.algorithms.base import Learner
 from policies.arms import METHOD_CODES, Arm, Method
-from policies.context import ANY_CLASS
+from policies.context import ANY_CLASS, context_key
 from policies.observation import NOT_SCORED, StepObservation
 from policies.params import Param
 
@@ -68,6 +68,9 @@ class GoodputModel(Learner):
         "max_k": Param(8, "Longest draft the acceptance model tracks.", 1, 64),
         "ridge": Param(1e-3, "Ridge precision on the cost model's coefficients.", 1e-9, 1e3),
         "explore": Param(1.0, "Scale of the posterior noise in Thompson draws (0: greedy).", 0.0, 10.0),
+        "rule_memory_rounds": Param(
+            10.0, "Decision rounds after which the per-request rule's share of rows weighs 1/e.", 1.0, 1e6
+        ),
     }
 
     def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
@@ -90,6 +93,11 @@ class GoodputModel(Learner):
         self._mix: dict[str, dict[str, float]] = {}
         # Whether the engine runs the EAGLE-3 head every step (it reports the head's first position).
         self._head = False
+        # Per context: discounted request-steps, those drafted with n-gram, and the n-gram ones' emitted
+        # and verified tokens. Where the plan has no n-gram arm they are the per-request rule's rows
+        # (see ``plan_bucket``).
+        self._ngram_rows: dict[str, np.ndarray] = {}
+        self._round_keep = float(np.exp(-1.0 / float(self.params["rule_memory_rounds"])))
         # The arms as columns, for pricing them all at once.
         self._arm_k = np.array([a.k for a in self.arms], dtype=np.int64)
         self._arm_code = np.array([METHOD_CODES[a.method] for a in self.arms], dtype=np.int64)
@@ -372,6 +380,20 @@ class GoodputModel(Learner):
     def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
         """Round rewards are implied by the models; nothing else to learn from them."""
 
+    def observe_round(self, ctx: str, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """How many of a context's request-steps each arm drafted this round, and what they emitted."""
+        ng = self._ngram
+        n_ng = rows[ng]
+        stats = np.array(
+            [rows.sum(), n_ng.sum(), tokens[ng].sum(), float(n_ng @ (self._arm_k[ng] + 1))], dtype=np.float64
+        )
+        r = self._ngram_rows.get(ctx)
+        if r is None:
+            self._ngram_rows[ctx] = stats
+        else:
+            r *= self._round_keep
+            r += stats
+
     def on_drift(self, cls: str, method: Method, keep: float) -> None:
         """Shrink the class x method acceptance counts: the Beta posteriors widen and re-learn fast."""
         t = self._acc.get((cls, METHOD_CODES[method]))
@@ -452,6 +474,13 @@ class GoodputModel(Learner):
         out: np.ndarray = batch * (1.0 + self._accepted(cls or ANY_CLASS, idx, sample)) / (cost / 1e3)
         return out
 
+    def _rule_rows(self, ctx: str) -> tuple[float, float, float]:
+        """Share of a context's rows drafted with n-gram, and their mean emitted and verified tokens."""
+        r = self._ngram_rows.get(ctx)
+        if r is None or r[0] <= 0 or r[1] <= 0:
+            return 0.0, 0.0, 0.0
+        return float(r[1] / r[0]), float(r[2] / r[1]), float(r[3] / r[1])
+
     def plan_bucket(
         self, bucket: str, classes: Sequence[str], allowed: Sequence[int], *, sample: bool = True
     ) -> dict[str, int] | None:
@@ -460,6 +489,11 @@ class GoodputModel(Learner):
         Coordinate ascent on the joint goodput under one Thompson draw of both models: the step's cost
         depends on every row (one EAGLE-3 pass of the longest K serves all rows), so each class's arm is
         chosen given the others'. ``"*"`` gets the best single arm for the whole batch.
+
+        Where no n-gram arm is allowed, rows drafted with n-gram are the per-request rule's (inside
+        copy spans): they stay n-gram whatever the plan, so the plan is chosen for the other rows,
+        with the rule's rows in the step at their observed share, tokens and verify cost. Their share
+        lowers the worth of a deeper EAGLE-3 draft, whose passes every row pays for.
         """
         idx = list(allowed)
         if not idx:
@@ -468,9 +502,11 @@ class GoodputModel(Learner):
         theta = self._theta(sample=sample)
         sample = sample and float(self.params["explore"]) > 0
         arms = np.asarray(idx, dtype=np.int64)
-        pooled_acc = self._accepted(ANY_CLASS, idx, sample)
-        pooled_cost = self._costs(theta, batch, arms)
-        pooled = int(np.argmax(batch * (1.0 + pooled_acc) / pooled_cost))
+        by_rule = not bool(self._ngram[arms].any())
+        pooled = int(
+            self._joint(bucket, theta, batch, arms, [ANY_CLASS], np.ones(1), self._accepted(ANY_CLASS, idx, sample)[None],
+                        np.zeros(1, dtype=np.int64), by_rule)[0]
+        )  # fmt: skip
         out = {ANY_CLASS: idx[pooled]}
         mix = self._mix.get(bucket, {})
         shares = {c: mix.get(c, 0.0) for c in classes}
@@ -479,44 +515,74 @@ class GoodputModel(Learner):
             return out
         share = np.array([shares[c] / total for c in classes])
         acc = np.array([self._accepted(c, idx, sample) for c in classes])  # (classes, arms)
-        # Per candidate arm, what a class's share adds to the step: tokens verified and emitted, and
-        # the draft passes it needs (only a class with a share needs any).
+        choice = self._joint(
+            bucket, theta, batch, arms, list(classes), share, acc, np.full(len(classes), pooled), by_rule
+        )
+        out.update({c: idx[int(j)] for c, j in zip(classes, choice, strict=True)})
+        return out
+
+    def _joint(
+        self,
+        bucket: str,
+        theta: np.ndarray,
+        batch: float,
+        arms: np.ndarray,
+        classes: list[str],
+        share: np.ndarray,
+        acc: np.ndarray,
+        start: np.ndarray,
+        by_rule: bool,
+    ) -> np.ndarray:
+        """Each class's arm (positions in ``arms``), by coordinate ascent on the step's goodput."""
+        ng = (
+            np.array([self._rule_rows(context_key(bucket, c)) for c in classes])
+            if by_rule
+            else np.zeros((len(classes), 3))
+        )
+        f, ng_tokens, ng_verify = ng[:, 0], ng[:, 1], ng[:, 2]
+        planned = share * (1.0 - f)  # the rows that follow the plan
+        fixed_tokens = float(share @ (f * ng_tokens))
+        fixed_verify = float(share @ (f * ng_verify))
+        rule_ngram = bool((f > 0).any())
         k = self._arm_k[arms]
         eagle = self._eagle_k[arms]
         peagle = self._peagle[arms]
         ngram = self._ngram[arms]
         head = 1.0 if self._head else 0.0
         floor = max(self._cost_floor(), 1e-3)
-        choice = np.full(len(classes), pooled)  # positions in idx
+        choice = start.copy()
         rows = np.arange(len(classes))
         for _ in range(3):
             moved = False
             for ci in range(len(classes)):
                 others = rows != ci
-                mine = share[ci] > 0
-                on = others & (share > 0)
+                mine = planned[ci] > 0
+                on = others & (planned > 0)
                 picked = choice[on]
-                x = np.empty((len(idx), _N_FEATURES))
+                x = np.empty((len(arms), _N_FEATURES))
                 x[:, 0] = 1.0
                 x[:, 1] = (
-                    float(share[others] @ (k[choice[others]] + 1)) * batch + share[ci] * batch * (k + 1)
-                ) / _TOKEN_SCALE
+                    (float(planned[others] @ (k[choice[others]] + 1)) + fixed_verify + planned[ci] * (k + 1))
+                    * batch
+                    / _TOKEN_SCALE
+                )
                 passes = np.maximum(max(float(eagle[picked].max(initial=0.0)), head), eagle * mine)
                 x[:, 2] = passes > 0
                 x[:, 3] = passes
                 x[:, 4] = bool(peagle[picked].any()) | (peagle & mine)
-                x[:, 5] = bool(ngram[picked].any()) | (ngram & mine)
+                x[:, 5] = bool(ngram[picked].any()) | rule_ngram | (ngram & mine)
                 cost = np.maximum(x @ theta, floor)
-                tokens = float(share[others] @ (1.0 + acc[others, choice[others]])) + share[ci] * (
-                    1.0 + acc[ci]
+                tokens = (
+                    float(planned[others] @ (1.0 + acc[others, choice[others]]))
+                    + fixed_tokens
+                    + planned[ci] * (1.0 + acc[ci])
                 )
                 best = int(np.argmax(batch * tokens / cost))
                 if best != choice[ci]:
                     choice[ci], moved = best, True
             if not moved:
                 break
-        out.update({c: idx[int(j)] for c, j in zip(classes, choice, strict=True)})
-        return out
+        return choice
 
     def _costs(self, theta: np.ndarray, batch: float, arms: np.ndarray) -> np.ndarray:
         """Predicted step time (ms) of each arm played by the whole batch (``_cost_ms`` per arm)."""
@@ -577,6 +643,7 @@ class GoodputModel(Learner):
             "batch": {b: v.tolist() for b, v in self._batch.items()},
             "mix": self._mix,
             "head": self._head,
+            "ngram_rows": {c: v.tolist() for c, v in self._ngram_rows.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -598,3 +665,7 @@ class GoodputModel(Learner):
         self._batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
         self._mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}
         self._head = bool(state.get("head", False))
+        rows = {c: np.asarray(v, dtype=np.float64) for c, v in state.get("ngram_rows", {}).items()}
+        if any(v.shape != (4,) for v in rows.values()):
+            raise ValueError("n-gram row statistics have the wrong shape")
+        self._ngram_rows = rows

@@ -173,3 +173,54 @@ def test_limited_depth_counterfactuals_do_not_count_later_positions_as_rejected(
         )
     # Position 1 is certain; positions 2-4 are still at the prior (1/2 each): 1 + 1/2 + 1/4 + 1/8.
     assert m._expected_accepted("chat", Arm.parse("eagle3:4"), sample=False) == pytest.approx(1.875, abs=0.02)
+
+
+def test_rows_the_rule_drafts_with_ngram_shorten_the_planned_eagle_draft() -> None:
+    """Every row pays for EAGLE-3's passes, but the rule's n-gram rows gain nothing from them.
+
+    Ground truth at batch 8, p = 0.8 per position: with every row on EAGLE-3, K=4 is best (2.34 tokens
+    per ms, against 2.14 for K=2); with three of eight rows drafting n-gram by the rule (4 of 4
+    accepted), K=2 is (2.89 against 2.77 for K=4); with five of eight, no draft at all (3.67 against
+    3.45 for K=1): only three rows would gain from a 1.1 ms pass.
+    """
+    trained = [Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:4", "off")]
+    allowed = [ARMS.index(a) for a in trained]  # no n-gram arm: n-gram rows are the rule's
+
+    def train(ngram_rows: int) -> GoodputModel:
+        m = model(explore=0.0, ridge=1e-6)
+        rng = np.random.default_rng(4)
+        e = 8 - ngram_rows
+        for _ in range(60):
+            for arm in trained:
+                acc = np.minimum(rng.geometric(0.2, size=e) - 1, arm.k)
+                method = Method.EAGLE3 if arm.k else Method.OFF
+                obs = StepObservation.build(
+                    time_s=0.0,
+                    duration_s=cost_ms(8, arm.k, e * (arm.k + 1) + ngram_rows * 5) / 1e3,
+                    traffic_class=["chat"] * 8,
+                    method=[method] * e + [Method.NGRAM] * ngram_rows,
+                    k=[arm.k] * e + [4] * ngram_rows,
+                    drafted=[arm.k] * e + [4] * ngram_rows,
+                    accepted=[*acc.tolist(), *[4] * ngram_rows],
+                )
+                m.observe_step(obs, "5-8", per_class=True)
+        # What the control loop hands over at the decision round: request-steps and tokens per arm.
+        rows, tokens = np.zeros(len(ARMS)), np.zeros(len(ARMS))
+        rows[[ARMS.index(a) for a in trained]] = 60 * e
+        rows[ARMS.index(Arm.parse("ngram:4"))] = 60 * len(trained) * ngram_rows
+        tokens[ARMS.index(Arm.parse("ngram:4"))] = 5 * 60 * len(trained) * ngram_rows
+        for ctx in ("5-8/*", "5-8/chat"):
+            m.observe_round(ctx, rows, tokens)
+        return m
+
+    def planned(m: GoodputModel) -> Arm:
+        plan = m.plan_bucket("5-8", ["chat"], allowed, sample=False)
+        assert plan is not None and plan["chat"] == plan[ANY_CLASS]
+        return ARMS[plan[ANY_CLASS]]
+
+    assert planned(train(0)) == Arm.parse("eagle3:4")
+    assert planned(train(3)) == Arm.parse("eagle3:2")
+    assert planned(train(5)) == Arm.parse("off")
+    # Offered n-gram arms, the plan may draft n-gram itself: no rows are set aside as the rule's.
+    everything = train(5).plan_bucket("5-8", ["chat"], list(range(len(ARMS))), sample=False)
+    assert everything is not None and ARMS[everything["chat"]].method is Method.NGRAM

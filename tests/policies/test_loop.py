@@ -176,3 +176,23 @@ def test_totals() -> None:
     assert (t.steps, t.request_steps, t.drafted, t.accepted, t.emitted) == (1, 3, 6, 3, 6)
     assert t.acceptance_rate == 0.5 and t.goodput == pytest.approx(300.0)
     assert np.isfinite(t.busy_s)
+
+
+def test_each_round_hands_the_learner_request_steps_and_tokens_per_arm() -> None:
+    loop = ControlLoop(
+        spec=parse_policy(policy("goodput_model", contexts="{per_class: true}")), engine=COMPOSITE
+    )
+    seen: dict[str, tuple[list[float], list[float]]] = {}
+    loop.learner.observe_round = lambda ctx, rows, tokens: seen.__setitem__(  # type: ignore[method-assign]
+        ctx, (rows.tolist(), tokens.tolist())
+    )
+    loop.decide(0.0)
+    e2, ng4 = ARMS.index(Arm.parse("eagle3:2")), ARMS.index(Arm.parse("ngram:4"))
+    for _ in range(3):
+        loop.observe(step(Arm.parse("eagle3:2"), [1, 2], ["chat", "code"]))
+        loop.observe(step(Arm.parse("ngram:4"), [4], ["code"]))
+    loop.decide(10.0)
+    # Two-row steps fall in bucket 2-4, one-row steps in bucket 1.
+    assert seen["2-4/*"][0][e2] == 6 and sum(seen["2-4/*"][0]) == 6 and seen["2-4/*"][1][e2] == 3 * (2 + 3)
+    assert seen["1/*"][0][ng4] == 3 and sum(seen["1/*"][0]) == 3 and seen["1/*"][1][ng4] == 3 * 5
+    assert seen["2-4/code"][0][e2] == 3 and seen["1/code"][0][ng4] == 3
