@@ -174,7 +174,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--steps-per-s", type=float, default=100.0)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--flush-ms", type=float, default=50.0)
+    ap.add_argument(
+        "--flush-ms", type=float, default=100.0, help="report batch interval (the plugin's default: 100 ms)"
+    )
     ap.add_argument(
         "--rows", action="store_true", help="send per-request rows (RequestStep) instead of columns"
     )

@@ -55,7 +55,7 @@ class SidecarLink:
         hello: pb.Hello,
         queue_size: int = 8192,
         batch_max: int = 256,
-        flush_s: float = 0.05,
+        flush_s: float = 0.1,
         backoff_s: tuple[float, float] = (0.2, 5.0),
         clock: Callable[[], float] = time.monotonic,
         resend_steps: int = 8192,

@@ -42,7 +42,7 @@ class PluginSettings:
     queue_size: int = 8192
     #: Most steps per StepReportBatch, and the longest a step waits in the sender before it is sent.
     batch_max: int = 256
-    flush_s: float = 0.05
+    flush_s: float = 0.1
     #: Replace the EAGLE draft by the n-gram one where the rule says so (REQUEST_METHOD granularity).
     composite: bool = True
     #: The ``vllm_xargs`` key that carries a request's traffic class.
@@ -107,7 +107,7 @@ class PluginSettings:
             safe_default=safe,
             queue_size=_int(env, "SPECCONTROL_QUEUE_SIZE", 8192),
             batch_max=_int(env, "SPECCONTROL_BATCH_MAX", 256),
-            flush_s=_float(env, "SPECCONTROL_FLUSH_S", 0.05),
+            flush_s=_float(env, "SPECCONTROL_FLUSH_S", 0.1),
             composite=env.get("SPECCONTROL_COMPOSITE", "1").strip().lower()
             not in ("0", "false", "no", "off"),
             class_key=env.get("SPECCONTROL_CLASS_KEY", "traffic_class").strip() or "traffic_class",

@@ -91,7 +91,9 @@ class Stack:
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=30,
+            # A hang guard, not a speed check: with vLLM busy on both cores of a small CI machine, a
+            # fresh controllerctl process once took over 30 s to start and answer.
+            timeout=120,
         )
         assert r.returncode == 0, f"controllerctl {' '.join(args)}: {r.stderr or r.stdout}"
         return r.stdout
