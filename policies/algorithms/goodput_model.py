@@ -552,7 +552,8 @@ class GoodputModel(Learner):
         floor = max(self._cost_floor(), 1e-3)
         choice = start.copy()
         rows = np.arange(len(classes))
-        for _ in range(3):
+        # One class has nothing to coordinate with: its first pass is the optimum.
+        for _ in range(3 if len(classes) > 1 else 1):
             moved = False
             for ci in range(len(classes)):
                 others = rows != ci
