@@ -230,6 +230,35 @@ def _per_request(trace: Trace, flat: np.ndarray, width: int) -> np.ndarray:
     return mat
 
 
+Future = Callable[[int, int, np.ndarray, int, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _plan_backwards(out: np.ndarray, options: list[tuple[int, int, float]], future: Future) -> np.ndarray:
+    """Per (request, tokens done), the option that minimises the time to finish, by dynamic programming.
+
+    ``future(code, k, act, s, remaining, V)``: for the requests ``act`` at ``s`` tokens done, the value
+    (time still to spend, from ``V``) of where drafting ``k`` with ``code`` leads them.
+    """
+    n, L = len(out), int(out.max())
+    V = np.zeros((n, L + 2))
+    choice = np.zeros((n, L + 1), dtype=np.int64)
+    for s in range(L - 1, 0, -1):
+        act = np.flatnonzero(out > s)
+        if not act.size:
+            continue
+        remaining = out[act] - s
+        best = np.full(act.size, np.inf)
+        arg = np.zeros(act.size, dtype=np.int64)
+        for oi, (code, k, cost) in enumerate(options):
+            v = cost + future(code, k, act, s, remaining, V)
+            better = v < best
+            best = np.where(better, v, best)
+            arg = np.where(better, oi, arg)
+        V[act, s] = best
+        choice[act, s] = arg
+    return choice
+
+
 def per_step_oracle(
     trace: Trace,
     profile: Profile,
@@ -245,28 +274,18 @@ def per_step_oracle(
     an engine that hosts only some drafters is compared with an oracle on that engine.
     """
     used = _used(trace, methods)
-    n, L = trace.n, int(trace.output_tokens.max())
+    L = int(trace.output_tokens.max())
     options = _step_options(trace, profile, concurrency, used, engine)
-    out = trace.output_tokens
     acc = {METHOD_CODES[m]: _per_request(trace, trace.acc[m].astype(np.int64), L) for m in used}
-    V = np.zeros((n, L + 2))
-    choice = np.zeros((n, L + 1), dtype=np.int64)
-    for s in range(L - 1, 0, -1):
-        act = np.flatnonzero(out > s)
-        if not act.size:
-            continue
-        remaining = out[act] - s
-        best = np.full(act.size, np.inf)
-        arg = np.zeros(act.size, dtype=np.int64)
-        for oi, (code, k, cost) in enumerate(options):
-            a = acc[code][act, s - 1] if k > 0 else np.zeros(act.size, dtype=np.int64)
-            e = np.minimum(np.minimum(a, k) + 1, remaining)
-            v = cost + V[act, s + e]
-            better = v < best
-            best = np.where(better, v, best)
-            arg = np.where(better, oi, arg)
-        V[act, s] = best
-        choice[act, s] = arg
+
+    def future(
+        code: int, k: int, act: np.ndarray, s: int, remaining: np.ndarray, V: np.ndarray
+    ) -> np.ndarray:
+        a = acc[code][act, s - 1] if k > 0 else np.zeros(act.size, dtype=np.int64)
+        out: np.ndarray = V[act, s + np.minimum(np.minimum(a, k) + 1, remaining)]
+        return out
+
+    choice = _plan_backwards(trace.output_tokens, options, future)
     return _replay_plan(trace, profile, concurrency, options, choice, "oracle per step", engine)
 
 
@@ -298,7 +317,6 @@ def latent_oracle(
         # One EAGLE-3 K for every step: the plan prices a row's passes as its own, while a batched
         # engine runs the longest K of the step for all rows; with one K the two agree.
         options = [o for o in options if o[0] != METHOD_CODES[Method.EAGLE3] or o[1] == eagle_k]
-    out = trace.output_tokens
     max_k = trace.max_k
     inside = _per_request(trace, latent.inside, L)
     if span_seen_after:
@@ -323,41 +341,35 @@ def latent_oracle(
             st[r, : min(len(s_r), width)] = s_r[:width]
         chains[METHOD_CODES[m]] = (en, st)
     bg = latent.ngram_background
-    V = np.zeros((n, L + 2))
-    choice = np.zeros((n, L + 1), dtype=np.int64)
-    for s in range(L - 1, 0, -1):
-        act = np.flatnonzero(out > s)
-        if not act.size:
-            continue
+    memo: dict[int, list[np.ndarray]] = {}
+
+    def future(
+        code: int, k: int, act: np.ndarray, s: int, remaining: np.ndarray, V: np.ndarray
+    ) -> np.ndarray:
+        if s not in memo:  # where accepting j = 0..max_k leads, once per s
+            memo.clear()
+            memo[s] = [V[act, s + np.minimum(j + 1, remaining)] for j in range(max_k + 1)]
+        after = memo[s]
         t = s - 1  # the draft's position: it accepts predictable tokens from t + 1 on
-        remaining = out[act] - s
-        after = [V[act, s + np.minimum(j + 1, remaining)] for j in range(max_k + 1)]
-        best = np.full(act.size, np.inf)
-        arg = np.zeros(act.size, dtype=np.int64)
-        for oi, (code, k, cost) in enumerate(options):
-            if k == 0:
-                ev = after[0]
-            elif code in chains:
-                en, st = chains[code]
-                # P(at least j accepted): the first token at the entry odds, the rest at the stay odds.
-                surv = np.cumprod(np.column_stack([en[act, t + 1], st[act, t + 2 : t + k + 1]]), axis=1)
-                p_ge = np.column_stack([np.ones(act.size), surv])  # j = 0..k
-                p_eq = p_ge.copy()
-                p_eq[:, :-1] -= p_ge[:, 1:]
-                ev = sum(p_eq[:, j] * after[j] for j in range(k + 1))
-            else:
-                assert ngram is not None
-                span = inside[act, t]
-                exact = np.minimum(ngram[act, t], k)
-                in_span = V[act, s + np.minimum(exact + 1, remaining)]
-                outside = (1.0 - bg[act]) * after[0] + bg[act] * after[1]
-                ev = np.where(span, in_span, outside)
-            v = cost + ev
-            better = v < best
-            best = np.where(better, v, best)
-            arg = np.where(better, oi, arg)
-        V[act, s] = best
-        choice[act, s] = arg
+        if k == 0:
+            return after[0]
+        if code in chains:
+            en, st = chains[code]
+            # P(at least j accepted): the first token at the entry odds, the rest at the stay odds.
+            surv = np.cumprod(np.column_stack([en[act, t + 1], st[act, t + 2 : t + k + 1]]), axis=1)
+            p_ge = np.column_stack([np.ones(act.size), surv])  # j = 0..k
+            p_eq = p_ge.copy()
+            p_eq[:, :-1] -= p_ge[:, 1:]
+            ev: np.ndarray = sum(p_eq[:, j] * after[j] for j in range(k + 1))
+            return ev
+        assert ngram is not None
+        exact = np.minimum(ngram[act, t], k)
+        in_span = V[act, s + np.minimum(exact + 1, remaining)]
+        outside = (1.0 - bg[act]) * after[0] + bg[act] * after[1]
+        out: np.ndarray = np.where(inside[act, t], in_span, outside)
+        return out
+
+    choice = _plan_backwards(trace.output_tokens, options, future)
     return _replay_plan(trace, profile, concurrency, options, choice, "oracle, latent odds", engine)
 
 
