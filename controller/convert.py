@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,18 @@ def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "") -> pb.Hel
     )
 
 
+def step_fields(step: pb.StepReport, n: int) -> dict[str, Any]:
+    """A step's own fields as ``StepObservation`` keywords (``n``: its requests, the batch if unset)."""
+    return {
+        "time_s": step.time_s,
+        "duration_s": step.duration_s,
+        "prefill_tokens": int(step.prefill_tokens),
+        "batch_size": int(step.batch_size) or n,
+        "queue_length": int(step.queue_length),
+        "queue_wait_s": step.queue_wait_s,
+    }
+
+
 def observation_from_pb(step: pb.StepReport) -> StepObservation:
     """Columns from a (validated) StepReport, in either form (rows or columns)."""
     if step.HasField("columns"):
@@ -64,12 +77,7 @@ def observation_from_pb(step: pb.StepReport) -> StepObservation:
             (r.counterfactual_accepted.get(m, NOT_SCORED) for r in reqs), dtype=np.int32, count=n
         )
     return StepObservation(
-        time_s=step.time_s,
-        duration_s=step.duration_s,
-        prefill_tokens=int(step.prefill_tokens),
-        batch_size=int(step.batch_size) or n,
-        queue_length=int(step.queue_length),
-        queue_wait_s=step.queue_wait_s,
+        **step_fields(step, n),
         traffic_class=tuple(r.traffic_class or "default" for r in reqs),
         method=np.fromiter((METHOD_CODES[Method(r.method)] for r in reqs), dtype=np.int8, count=n),
         k=np.fromiter((r.k for r in reqs), dtype=np.int32, count=n),
@@ -90,12 +98,7 @@ def _observation_from_columns(step: pb.StepReport) -> StepObservation:
     else:
         traffic_class = tuple(names[i] for i in c.traffic_class)
     return StepObservation(
-        time_s=step.time_s,
-        duration_s=step.duration_s,
-        prefill_tokens=int(step.prefill_tokens),
-        batch_size=int(step.batch_size) or n,
-        queue_length=int(step.queue_length),
-        queue_wait_s=step.queue_wait_s,
+        **step_fields(step, n),
         traffic_class=traffic_class,
         method=np.array(c.method, dtype=np.int8),
         k=np.array(c.k, dtype=np.int32),

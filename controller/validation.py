@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.convert import engine_info_from_hello, observation_from_pb
+from controller.convert import engine_info_from_hello, observation_from_pb, step_fields
 from controller.v1 import controller_pb2 as pb
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
@@ -412,12 +412,7 @@ def _finish_columns(
         counterfactual[Method(cf.method)] = v.astype(np.int32)
     names = tuple(x or "default" for x in classes)
     return StepObservation(
-        time_s=step.time_s,
-        duration_s=step.duration_s,
-        prefill_tokens=int(step.prefill_tokens),
-        batch_size=int(step.batch_size) or n,
-        queue_length=int(step.queue_length),
-        queue_wait_s=step.queue_wait_s,
+        **step_fields(step, n),
         traffic_class=(names[0],) * n if len(names) == 1 else tuple(names[i] for i in tc.tolist()),
         method=method.astype(np.int8),
         k=k.astype(np.int32),
