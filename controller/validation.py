@@ -132,6 +132,18 @@ def validate_step(
     return r if isinstance(r, StepObservation) else _finish_columns(r, engine, allowed, checked=False)
 
 
+def _check_counts(
+    k: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, max_k: int, where: str, *, columns: bool
+) -> None:
+    """K within the engine's max, drafted within K, accepted within drafted (the first bad row named)."""
+    _first(k > max_k, "k_gt_max", where, "k", lambda j: f"{k[j]} exceeds the engine's max_k {max_k}",
+           columns=columns)  # fmt: skip
+    _first(drafted > k, "drafted_gt_k", where, "drafted", lambda j: f"{drafted[j]} exceeds k {k[j]}",
+           columns=columns)  # fmt: skip
+    _first(accepted > drafted, "accepted_gt_drafted", where, "accepted",
+           lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}", columns=columns)  # fmt: skip
+
+
 def _read_step(
     step: pb.StepReport, engine: EngineInfo, limits: Limits, *, index: int, methods: set[str]
 ) -> StepObservation | _Columns:
@@ -180,21 +192,7 @@ def _read_step(
     k = np.fromiter((r.k for r in reqs), dtype=np.int64, count=n)
     drafted = np.fromiter((r.drafted for r in reqs), dtype=np.int64, count=n)
     accepted = np.fromiter((r.accepted for r in reqs), dtype=np.int64, count=n)
-    _first(
-        k > engine.max_k,
-        "k_gt_max",
-        where,
-        "k",
-        lambda j: f"{k[j]} exceeds the engine's max_k {engine.max_k}",
-    )
-    _first(drafted > k, "drafted_gt_k", where, "drafted", lambda j: f"{drafted[j]} exceeds k {k[j]}")
-    _first(
-        accepted > drafted,
-        "accepted_gt_drafted",
-        where,
-        "accepted",
-        lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
-    )
+    _check_counts(k, drafted, accepted, engine.max_k, where, columns=False)
     for j, r in enumerate(reqs):
         if r.method not in allowed:
             reason = "method_unknown" if r.method not in _METHODS else "method_not_offered"
@@ -366,30 +364,7 @@ def _finish_columns(
                 "method_unknown" if method[j] >= len(METHODS_BY_CODE) else "method_not_offered"
             ),
         )
-        _first(
-            k > engine.max_k,
-            "k_gt_max",
-            where,
-            "k",
-            lambda j: f"{k[j]} exceeds the engine's max_k {engine.max_k}",
-            columns=True,
-        )
-        _first(
-            drafted > k,
-            "drafted_gt_k",
-            where,
-            "drafted",
-            lambda j: f"{drafted[j]} exceeds k {k[j]}",
-            columns=True,
-        )
-        _first(
-            accepted > drafted,
-            "accepted_gt_drafted",
-            where,
-            "accepted",
-            lambda j: f"{accepted[j]} exceeds drafted {drafted[j]}",
-            columns=True,
-        )
+        _check_counts(k, drafted, accepted, engine.max_k, where, columns=True)
     c = step.columns
     counterfactual: dict[Method, np.ndarray] = {}
     for i, cf in enumerate(c.counterfactual):

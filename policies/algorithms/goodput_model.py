@@ -455,9 +455,6 @@ class GoodputModel(Learner):
         out: np.ndarray = np.cumprod(p, axis=1).sum(axis=1)
         return out
 
-    def _expected_accepted(self, cls: str, arm: Arm, sample: bool) -> float:
-        return float(self._accepted(cls, [self.arms.index(arm)], sample)[0])
-
     def _batch_size(self, bucket: str) -> float:
         b = self._batch.get(bucket)
         if b is not None and b[1] > 1e-9:
@@ -586,7 +583,7 @@ class GoodputModel(Learner):
         return choice
 
     def _costs(self, theta: np.ndarray, batch: float, arms: np.ndarray) -> np.ndarray:
-        """Predicted step time (ms) of each arm played by the whole batch (``_cost_ms`` per arm)."""
+        """Predicted step time (ms) of each arm played by the whole batch."""
         passes = np.maximum(self._eagle_k[arms], 1.0 if self._head else 0.0)
         x = np.empty((len(arms), _N_FEATURES))
         x[:, 0] = 1.0
@@ -597,26 +594,6 @@ class GoodputModel(Learner):
         x[:, 5] = self._ngram[arms]
         out: np.ndarray = np.maximum(x @ theta, max(self._cost_floor(), 1e-3))
         return out
-
-    def _cost_ms(
-        self, theta: np.ndarray, shares: Mapping[str, float], arm_of: Mapping[str, int], batch: float
-    ) -> float:
-        """Predicted step time (ms) when each class's share of the batch drafts with its arm."""
-        tokens = sum(s * batch * (self.arms[arm_of[c]].k + 1) for c, s in shares.items())
-        arms = [self.arms[arm_of[c]] for c, s in shares.items() if s > 0]
-        eagle_k = max((a.k for a in arms if a.method is Method.EAGLE3), default=1 if self._head else 0)
-        eagle_k = max(eagle_k, 1 if self._head else 0)
-        x = np.array(
-            [
-                1.0,
-                tokens / _TOKEN_SCALE,
-                float(eagle_k > 0),
-                float(eagle_k),
-                float(any(a.method is Method.P_EAGLE and a.k > 0 for a in arms)),
-                float(any(a.method is Method.NGRAM and a.k > 0 for a in arms)),
-            ]
-        )
-        return max(float(x @ theta), self._cost_floor(), 1e-3)
 
     def _cost_floor(self) -> float:
         # Until steps with several arms were seen, cost predictions are guesses: floor them at a tenth

@@ -20,6 +20,11 @@ def model(seed: int = 0, **params: Any) -> GoodputModel:
     return GoodputModel(arms=ARMS, params=full, rng=np.random.default_rng(seed))
 
 
+def expected_accepted(m: GoodputModel, arm: str) -> float:
+    """The model's mean accepted drafts for ``arm`` on chat requests (no posterior draw)."""
+    return float(m._accepted("chat", [ARMS.index(Arm.parse(arm))], sample=False)[0])
+
+
 def cost_ms(batch: int, eagle_k: int, tokens: int) -> float:
     """Ground-truth step time: 6 ms + 0.05 ms per verified token + 0.8 ms per sequential EAGLE pass."""
     return 6.0 + 0.05 * tokens + (0.3 + 0.8 * eagle_k if eagle_k else 0.0)
@@ -54,10 +59,10 @@ def test_learns_ngram_acceptance_from_counterfactuals_without_playing_it() -> No
     rng = np.random.default_rng(1)
     for _ in range(50):
         m.observe_step(steps(rng, Arm.parse("eagle3:2"), 4, 0.5, ngram_cf=3), "2-4", per_class=True)
-    assert m._expected_accepted("chat", Arm.parse("ngram:2"), sample=False) == pytest.approx(2.0, abs=0.05)
-    assert m._expected_accepted("chat", Arm.parse("ngram:4"), sample=False) == pytest.approx(3.0, abs=0.1)
+    assert expected_accepted(m, "ngram:2") == pytest.approx(2.0, abs=0.05)
+    assert expected_accepted(m, "ngram:4") == pytest.approx(3.0, abs=0.1)
     # EAGLE-3 was verified at K=2 only: p = 0.5 per position, so E[accepted | K=2] = 0.5 + 0.25.
-    assert m._expected_accepted("chat", Arm.parse("eagle3:2"), sample=False) == pytest.approx(0.75, abs=0.08)
+    assert expected_accepted(m, "eagle3:2") == pytest.approx(0.75, abs=0.08)
 
 
 def test_cost_model_recovers_step_times_and_generalises_to_unseen_batch_sizes() -> None:
@@ -69,7 +74,7 @@ def test_cost_model_recovers_step_times_and_generalises_to_unseen_batch_sizes() 
                 m.observe_step(steps(rng, arm, batch, 0.6), "x", per_class=False)
     theta = m._theta(sample=False)
     for arm, batch in [(Arm.parse("eagle3:4"), 32), (Arm.parse("off"), 48), (Arm.parse("ngram:4"), 40)]:
-        got = m._cost_ms(theta, {ANY_CLASS: 1.0}, {ANY_CLASS: ARMS.index(arm)}, float(batch))
+        got = float(m._costs(theta, float(batch), np.array([ARMS.index(arm)]))[0])
         want = cost_ms(batch, arm.k if arm.method is Method.EAGLE3 else 0, batch * (arm.k + 1))
         # The n-gram lookup adds no time in the ground truth; its fitted indicator is ~0.
         assert got == pytest.approx(want, rel=0.02)
@@ -172,7 +177,7 @@ def test_limited_depth_counterfactuals_do_not_count_later_positions_as_rejected(
             per_class=True,
         )
     # Position 1 is certain; positions 2-4 are still at the prior (1/2 each): 1 + 1/2 + 1/4 + 1/8.
-    assert m._expected_accepted("chat", Arm.parse("eagle3:4"), sample=False) == pytest.approx(1.875, abs=0.02)
+    assert expected_accepted(m, "eagle3:4") == pytest.approx(1.875, abs=0.02)
 
 
 def test_rows_the_rule_drafts_with_ngram_shorten_the_planned_eagle_draft() -> None:

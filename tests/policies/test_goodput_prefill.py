@@ -7,7 +7,6 @@ import pytest
 
 from policies.algorithms import GoodputModel
 from policies.arms import Arm
-from policies.context import ANY_CLASS
 from tests.policies.test_goodput_model import ARMS, cost_ms, model, steps
 
 PREFILL_MS_PER_TOKEN = 0.05  # prompt tokens cost what verified tokens cost: one forward over both
@@ -29,9 +28,7 @@ def run(m: GoodputModel, report_prefill: bool) -> None:
 
 
 def predicted_ms(m: GoodputModel, arm: str, batch: int) -> float:
-    return m._cost_ms(
-        m._theta(sample=False), {ANY_CLASS: 1.0}, {ANY_CLASS: ARMS.index(Arm.parse(arm))}, batch
-    )
+    return float(m._costs(m._theta(sample=False), float(batch), np.array([ARMS.index(Arm.parse(arm))]))[0])
 
 
 def test_prefill_time_is_not_charged_to_long_drafts() -> None:
