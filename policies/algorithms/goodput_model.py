@@ -312,8 +312,11 @@ class GoodputModel(Learner):
         s = len(steps)
         kmax = self._kmax
         sink = _N_CODES  # rows that count nowhere (not drafted, not scored)
+        # Keys are built in int64: method codes arrive as int8 and a batch of 64 steps already
+        # overflows ``code * 2 * steps`` in that width.
+        method, k, accepted = method.astype(np.int64), k.astype(np.int64), accepted.astype(np.int64)
         table = np.where((method != _OFF) & (k > 0), method, sink)
-        slot = step_of * 2
+        slot = step_of.astype(np.int64) * 2
         acc, depth = accepted, k
         if any(o.counterfactual for o in steps):
             tables, slots, accs, depths = [table], [slot], [acc], [depth]
