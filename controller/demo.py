@@ -27,7 +27,7 @@ from controller.client import AdminClient
 from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import Traffic, demo_traffic
+from controller.embedded.workload import Workload, demo_workload
 from controller.presets import load_preset
 from controller.sidecar import Sidecar
 from policies.spec import PolicySpec, render_policy, static_policy
@@ -89,11 +89,9 @@ class EngineRow:
         }
 
 
-def _phase_label(traffic: Traffic, i: int) -> str:
-    p = traffic.schedule.phases[i]
-    total = sum(p.mix.values())
-    mix = "+".join(f"{c}" if len(p.mix) == 1 else f"{c} {w / total:.0%}" for c, w in p.mix.items())
-    return f"{mix}, concurrency {p.concurrency}"
+def _phase_label(workload: Workload, i: int) -> str:
+    p = workload.schedule.phases[i]
+    return f"{p.name}, concurrency {p.concurrency}"
 
 
 class _Printer:
@@ -129,13 +127,13 @@ async def _watch(admin: AdminClient, engine: EmbeddedEngine, say: _Printer) -> N
             last_drafted, last_acc = t.drafted, t.accepted
 
 
-async def _phases(engine: EmbeddedEngine, traffic: Traffic, say: _Printer) -> None:
+async def _phases(engine: EmbeddedEngine, workload: Workload, say: _Printer) -> None:
     seen = -1
     while True:
         p = engine.core.phase
         if p != seen:
             seen = p
-            say(f"── phase {p + 1}/{len(traffic.schedule.phases)}: {_phase_label(traffic, p)}")
+            say(f"── phase {p + 1}/{len(workload.schedule.phases)}: {_phase_label(workload, p)}")
         await asyncio.sleep(0.05)
 
 
@@ -151,7 +149,7 @@ async def run_demo(
         raise ValueError(f"--seconds must be > 0, got {seconds}")
     say = _Printer(out)
     wall0 = time.monotonic()
-    traffic = demo_traffic(seed=seed, duration_s=seconds)
+    workload = demo_workload(seed=seed, duration_s=seconds)
     adaptive_spec = demo_policy()
     with tempfile.TemporaryDirectory(prefix="speccontrol-demo-") as state_dir:
         config = SidecarConfig(
@@ -178,7 +176,7 @@ async def run_demo(
                     n: EmbeddedEngine(
                         target=sidecar.engine_target,
                         settings=EngineSettings(engine_id=n),
-                        traffic=traffic,
+                        workload=workload,
                         link=link,
                     )
                     for n in names
@@ -189,7 +187,7 @@ async def run_demo(
                 )
                 side = [
                     asyncio.create_task(_watch(admin, engines[ADAPTIVE], say)),
-                    asyncio.create_task(_phases(engines[ADAPTIVE], traffic, say)),
+                    asyncio.create_task(_phases(engines[ADAPTIVE], workload, say)),
                 ]
                 try:
                     for e in engines.values():
@@ -206,13 +204,13 @@ async def run_demo(
                         await e.stop()
         finally:
             await sidecar.stop(snapshot=False)
-    return _result(engines, traffic, seconds=seconds, seed=seed, wall_s=time.monotonic() - wall0)
+    return _result(engines, workload, seconds=seconds, seed=seed, wall_s=time.monotonic() - wall0)
 
 
 def _result(
-    engines: dict[str, EmbeddedEngine], traffic: Traffic, *, seconds: float, seed: int, wall_s: float
+    engines: dict[str, EmbeddedEngine], workload: Workload, *, seconds: float, seed: int, wall_s: float
 ) -> dict[str, Any]:
-    n_phases = len(traffic.schedule.phases)
+    n_phases = len(workload.schedule.phases)
     off = engines[engine_name("off")].totals.goodput
     rows = []
     for name, e in engines.items():
@@ -241,7 +239,7 @@ def _result(
         "seconds": seconds,
         "seed": seed,
         "wall_s": round(wall_s, 2),
-        "phases": [_phase_label(traffic, i) for i in range(n_phases)],
+        "phases": [_phase_label(workload, i) for i in range(n_phases)],
         "engines": [r.to_json() for r in rows],
         "best_static": best.engine,
         "worst_static": worst.engine,

@@ -24,7 +24,7 @@ def test_demo_json_table_and_adaptive_beats_the_worst_static(capsys: pytest.Capt
             "arm_steps",
         }
         assert r["tokens"] > 0 and r["virtual_s"] >= 6.0
-        assert len(r["phase_goodput_tok_s"]) == len(doc["phases"]) == 3
+        assert len(r["phase_goodput_tok_s"]) == len(doc["phases"]) == 4
     assert rows[engine_name("off")]["speedup_vs_no_spec"] == 1.0
     assert rows[engine_name("off")]["acceptance_rate"] == 0.0
     assert set(rows[engine_name("ngram:4")]["arm_steps"]) == {"ngram:4"}
@@ -40,6 +40,6 @@ def test_demo_json_table_and_adaptive_beats_the_worst_static(capsys: pytest.Capt
 def test_demo_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--seconds", "2"]) == 0
     out = capsys.readouterr().out
-    assert "adaptive vs best static: " in out and "── phase 1/3" in out
+    assert "adaptive vs best static: " in out and "── phase 1/4" in out
     header = next(line for line in out.splitlines() if line.startswith("engine "))
     assert "goodput tok/s" in header and "vs off" in header
