@@ -14,6 +14,10 @@ Acceptance does not depend on batch size while cost does, so a batch size never 
 exploration: its goodput is predicted from the shared models. Thompson sampling on both models explores
 where they are uncertain. Expected goodput of arm (m, K) at batch size B:
 ``B * (1 + sum_{j<=K} prod_{i<=j} p_m,i) / cost(B, m, K)``.
+
+Switches are judged by the same models (``switch_check``): the loop keeps the arm in play unless the
+predicted gain beats a margin learnt from the posteriors' spread, so Thompson draws do not flip a
+context between neighbours whose difference the data cannot resolve.
 """
 
 from __future__ import annotations
@@ -640,39 +644,6 @@ class GoodputModel(Learner):
         if self._w == 0:
             return np.full(len(self.arms), np.nan)
         return self._goodputs(ctx, list(range(len(self.arms))), sample=False)
-
-    def estimate_sd(self, ctx: str, idx: Sequence[int]) -> np.ndarray:
-        """Standard error of the greedy goodput estimate of each arm of ``idx`` (delta method).
-
-        Goodput is ``B (1 + A) / C``: A, the expected accepted drafts, from the Beta posteriors of the
-        acceptance per position; C, the step cost, from the cost model's posterior. Their relative
-        variances add (the two models are learnt from different data). NaN before any cost data.
-        """
-        self._posterior()
-        cov = self._cov
-        arms = np.asarray(idx, dtype=np.int64)
-        if cov is None:
-            return np.full(len(arms), np.nan)
-        bucket, _, cls = ctx.partition("/")
-        batch = self._batch_size(bucket)
-        alpha, beta = self._beta_params(cls or ANY_CLASS)
-        a, b, drafted = alpha[arms], beta[arms], self._drafts[arms]
-        n = a + b
-        p = np.where(drafted, a / n, 0.0)
-        var_p = np.where(drafted, a * b / (n * n * (n + 1.0)), 0.0)
-        prefix = np.cumprod(p, axis=1)
-        accepted = prefix.sum(axis=1)
-        # dA/dp_i = (sum over j >= i of prefix_j) / p_i, on the positions the arm drafts.
-        tail = np.cumsum(prefix[:, ::-1], axis=1)[:, ::-1]
-        grad = np.divide(tail, p, out=np.zeros_like(tail), where=p > 0)
-        var_a = (grad * grad * var_p).sum(axis=1)
-        x = self._arm_features(batch, arms)
-        cost = np.maximum(x @ self._posterior()[0], max(self._cost_floor(), 1e-3))
-        var_c = np.maximum(np.einsum("ij,jk,ik->i", x, cov, x), 0.0)
-        goodput = batch * (1.0 + accepted) / (cost / 1e3)
-        rel = var_a / (1.0 + accepted) ** 2 + var_c / (cost * cost)
-        out: np.ndarray = goodput * np.sqrt(rel)
-        return out
 
     def _assignment_values(
         self,

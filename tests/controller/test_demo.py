@@ -71,3 +71,13 @@ def test_plot_draws_a_png(tmp_path: Path) -> None:
     p = tmp_path / "g.png"
     plot(_result(), str(p))
     assert p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_into_a_missing_directory_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from controller.cli import main
+
+    assert main(["demo", "--seconds", "1", "--plot", str(tmp_path / "no" / "such" / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "no such directory" in err and "Traceback" not in err
