@@ -85,7 +85,7 @@ class GoodputModel(Learner):
             64, "Posterior draws the switch test's standard deviation is taken over.", 8, 4096
         ),
         "switch_settled_trials": Param(
-            100.0,
+            50.0,
             "Discounted trials every draft position of an arm needs before a switch to it is held back.",
             0.0,
             1e6,
