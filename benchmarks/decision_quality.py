@@ -121,6 +121,7 @@ def _job(args: tuple[str, int, int, int, str, str]) -> dict[str, Any]:
         "engine": engine,
         "thr": r.throughput,
         "p99": p99_tpot_ms(r),
+        "sw1k": 1000.0 * r.switches / r.steps if r.steps else 0.0,
         "wall": time.perf_counter() - t0,
     }
 
@@ -217,8 +218,8 @@ def render(
 ) -> list[str]:
     out = [
         "| scenario | c | policy @ engine | tok/s | × best static (arm) | × per-phase | × per-step | "
-        "× per-step, all drafters | × no spec | p99 TPOT ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "× per-step, all drafters | × no spec | p99 TPOT ms | switches /1k steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     goals: list[str] = []
     for s in scenarios:
@@ -248,12 +249,12 @@ def render(
                 lbl, thr = best[e]
                 out.append(
                     f"| {s} | {c} | best static @ {e}: {lbl} | {thr:.0f} | 1.000 | {_fmt(thr / phase)} | "
-                    f"{_fmt(thr / step)} | {_fmt(thr / step_all)} | {thr / no_spec:.3f} | {static[lbl][1]:.2f} |"
+                    f"{_fmt(thr / step)} | {_fmt(thr / step_all)} | {thr / no_spec:.3f} | {static[lbl][1]:.2f} | 0 |"
                 )
             if pe is not None:
                 out.append(
                     f"| {s} | {c} | (p_eagle:{max_k}, other weights) | {pe[0]:.0f} | – | {_fmt(pe[0] / phase)} | "
-                    f"{_fmt(pe[0] / step)} | {_fmt(pe[0] / step_all)} | {pe[0] / no_spec:.3f} | {pe[1]:.2f} |"
+                    f"{_fmt(pe[0] / step)} | {_fmt(pe[0] / step_all)} | {pe[0] / no_spec:.3f} | {pe[1]:.2f} | 0 |"
                 )
             latent = float("nan") if s == "load-ramp" else oracles[(s, c)]["latent"]
             if latent == latent:
@@ -261,7 +262,7 @@ def render(
                 out.append(
                     f"| {s} | {c} | (latent odds, eagle3:{lk} + n-gram per step) @ composite | {latent:.0f} | "
                     f"{latent / best['composite'][1]:.3f} | {_fmt(latent / phase)} | {_fmt(latent / step)} | "
-                    f"{_fmt(latent / step_all)} | {latent / no_spec:.3f} | – |"
+                    f"{_fmt(latent / step_all)} | {latent / no_spec:.3f} | – | – |"
                 )
             ruled = [x for x in rows if x["policy"].startswith("rule:")]
             hindsight = max(ruled, key=lambda x: x["thr"]) if ruled else None
@@ -270,7 +271,7 @@ def render(
                 out.append(
                     f"| {s} | {c} | (hindsight: {hindsight['policy'].removeprefix('rule:')} + the default's rule) "
                     f"@ composite | {h:.0f} | {h / best['composite'][1]:.3f} | {_fmt(h / phase)} | "
-                    f"{_fmt(h / step)} | {_fmt(h / step_all)} | {h / no_spec:.3f} | {hindsight['p99']:.2f} |"
+                    f"{_fmt(h / step)} | {_fmt(h / step_all)} | {h / no_spec:.3f} | {hindsight['p99']:.2f} | {hindsight['sw1k']:.2f} |"
                 )
             for p in pols:
                 for e in ENGINE_NAMES:
@@ -280,7 +281,7 @@ def render(
                     ratio = r["thr"] / best[e][1]
                     out.append(
                         f"| {s} | {c} | {p} @ {e} | {r['thr']:.0f} | {ratio:.3f} | {_fmt(r['thr'] / phase)} | "
-                        f"{_fmt(r['thr'] / step)} | {_fmt(r['thr'] / step_all)} | {r['thr'] / no_spec:.3f} | {r['p99']:.2f} |"
+                        f"{_fmt(r['thr'] / step)} | {_fmt(r['thr'] / step_all)} | {r['thr'] / no_spec:.3f} | {r['p99']:.2f} | {r['sw1k']:.2f} |"
                     )
             d = next((x for x in rows if x["policy"] == "default" and x["engine"] == "composite"), None)
             if d is not None:
@@ -311,6 +312,7 @@ def render(
                         f"×latent-odds oracle {d['thr'] / latent:.3f} (which is {latent / best['composite'][1]:.3f}"
                         " × best static)"
                     )
+                checks.append(f"switches {d['sw1k']:.2f} per 1,000 steps")
                 behind = [k for k, v in others.items() if v >= d["thr"]]
                 checks.append(
                     "ahead of baselines: " + ("yes" if not behind else "no (" + ", ".join(behind) + ")")
@@ -341,6 +343,8 @@ def render(
         "results, plus the default's per-request n-gram rule: what the default's slow loop would reach "
         "if it guessed K perfectly from the first step.",
         "* Oracles exist for closed-loop scenarios only (the load ramp is open loop).",
+        "* `switches /1k steps`: the slow loop's arm changes (any context, after its first assignment) per "
+        "1,000 engine steps; static arms and oracles do not switch.",
         "",
         "## Goals for the default policy on the composite drafter",
         "",

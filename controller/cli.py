@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -187,7 +188,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.seconds <= 0:
         raise UserError(f"--seconds must be > 0, got {args.seconds:g}")
-    return demo_main(seconds=args.seconds, as_json=args.json, seed=args.seed)
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise UserError(f"--plot {args.plot}: no such directory {str(Path(args.plot).resolve().parent)!r}")
+    try:
+        return demo_main(seconds=args.seconds, as_json=args.json, seed=args.seed, plot_path=args.plot)
+    except (RuntimeError, OSError) as e:
+        raise UserError(f"demo: {e}", code=1) from None
 
 
 def _policy_line(p: pb.PolicyInfo) -> str:
@@ -417,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seconds", type=float, default=20.0, metavar="N", help="seconds of traffic (default 20)")
     s.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
     s.add_argument("--json", action="store_true", help="print the result as JSON only")
+    s.add_argument("--plot", metavar="FILE", help="also draw goodput over time per engine (PNG)")
     s.set_defaults(func=cmd_demo)
 
     pol = sub.add_parser("policy", help="set, get, list, validate or roll back policies")

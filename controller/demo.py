@@ -1,15 +1,23 @@
-"""``controllerctl demo``: a sidecar and several embedded engines over the real gRPC path.
+"""``controllerctl demo``: a sidecar and one simulated engine per policy over the real gRPC path.
 
-All engines replay the same seeded traffic (common random numbers) through one in-process sidecar on
-ephemeral ports: ``adaptive`` runs the sidecar's default policy, the others are pinned to static
-arms through the admin API (``SetPolicy`` with an ``engine_id``). The traffic drifts (chat at batch 2,
-code at batch 8, then a large batch of text that drafts badly), so the best arm changes over time.
+Every engine is the composite drafter (EAGLE-3 and n-gram per request, as the vLLM plugin runs it)
+stepping the simulator's own kernel and the Llama-3.1-8B / H100 profile (``sim.kernel``,
+``sim/profiles``), so the demo's figures come from the same physics as the decision-quality tables.
+All engines replay the same seeded workload (common random numbers) through one in-process sidecar
+on ephemeral ports: ``adaptive`` runs the sidecar's default policy, the others are pinned through
+the admin API (``SetPolicy`` with an ``engine_id``) to every static arm the engine can play,
+no speculation included. The workload drifts as a user would recognise: chat alone, code editing
+(copy-heavy) for a small team, maths under heavy load, then summarisation of long documents.
 Goodput is tokens per virtual second of each engine, all measured in this run.
 
 The demo compresses time: a few virtual seconds stand for a traffic phase that would last minutes.
 So that the default policy gets as many decision rounds per phase as it would in production, its
 decision interval and dwell are shortened by ``DEMO_SPEEDUP`` and its discount is re-timed to keep
 the same memory in seconds (``discount ** (1 / DEMO_SPEEDUP)`` per round). Nothing else changes.
+
+The live lines are one per phase and one per real change of the adaptive engine's arms (a context
+of the batch size in play that had an arm before), at most one line per ``CHANGE_LINE_S`` of wall
+time (changes in between are folded into the next line).
 """
 
 from __future__ import annotations
@@ -25,17 +33,20 @@ from typing import Any, TextIO
 
 from controller.client import AdminClient
 from controller.config import SidecarConfig
-from controller.embedded.core import EngineSettings
+from controller.embedded.core import DEFAULT_ARMS, EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import Traffic, demo_traffic
+from controller.embedded.workload import Workload, demo_workload
 from controller.presets import load_preset
 from controller.sidecar import Sidecar
 from policies.spec import PolicySpec, render_policy, static_policy
 
 ADAPTIVE = "adaptive"
-STATIC_ARMS: tuple[str, ...] = ("off", "eagle3:1", "eagle3:2", "eagle3:3", "eagle3:4", "ngram:2", "ngram:4")
+#: Every arm the demo engine can play, no speculation first.
+STATIC_ARMS: tuple[str, ...] = ("off", *(str(a) for a in DEFAULT_ARMS if a.speculates))
 DEMO_SPEEDUP = 5.0
 DEFAULT_SECONDS = 20.0
+#: Wall seconds between two live lines about arm changes.
+CHANGE_LINE_S = 1.0
 
 
 def demo_policy(base: PolicySpec | None = None, *, speedup: float = DEMO_SPEEDUP) -> PolicySpec:
@@ -89,11 +100,9 @@ class EngineRow:
         }
 
 
-def _phase_label(traffic: Traffic, i: int) -> str:
-    p = traffic.schedule.phases[i]
-    total = sum(p.mix.values())
-    mix = "+".join(f"{c}" if len(p.mix) == 1 else f"{c} {w / total:.0%}" for c, w in p.mix.items())
-    return f"{mix}, concurrency {p.concurrency}"
+def _phase_label(workload: Workload, i: int) -> str:
+    p = workload.schedule.phases[i]
+    return f"{p.name}, concurrency {p.concurrency}"
 
 
 class _Printer:
@@ -105,37 +114,51 @@ class _Printer:
             print(line, file=self.out, flush=True)
 
 
+def _bucket_holds(label: str, batch: int) -> bool:
+    """Whether a batch bucket label ("1", "2-4", "33+") covers ``batch``."""
+    lo, _, hi = label.partition("-")
+    if lo.endswith("+"):
+        return batch >= int(lo[:-1])
+    return int(lo) <= batch <= int(hi or lo)
+
+
 async def _watch(admin: AdminClient, engine: EmbeddedEngine, say: _Printer) -> None:
-    """One compact line per change of the adaptive engine's arms, in contexts with data."""
+    """One compact line per real change of the adaptive engine's arms (rate-limited, see module)."""
     current: dict[str, str] = {}
-    last_acc = last_drafted = 0
+    pending: dict[str, tuple[str, str]] = {}
+    last_line = -float("inf")
+    loop = asyncio.get_running_loop()
     async for d in admin.watch_decisions(ADAPTIVE):
-        changed = []
+        core = engine.core
+        batch = core.workload.schedule.phases[core.phase].concurrency
         for c in d.arms:
             arm = "off" if c.arm.method == "off" else f"{c.arm.method}:{c.arm.k}"
-            if current.get(c.context) != arm and c.goodput_tok_s > 0:
-                changed.append(
-                    f"{c.context} {current.get(c.context, '-')}→{arm} ({c.goodput_tok_s:.0f} tok/s)"
-                )
+            before = current.get(c.context)
             current[c.context] = arm
-        t = engine.totals
-        if changed:
-            drafted, acc = t.drafted - last_drafted, t.accepted - last_acc
-            rate = f"{acc / drafted:.2f}" if drafted else "-"
-            say(
-                f"  t={t.virtual_s:5.1f}s v{d.directive.version:<4} accept {rate:>4}  "
-                + "; ".join(changed[:3])
-            )
-            last_drafted, last_acc = t.drafted, t.accepted
+            bucket = c.context.partition("/")[0]
+            if before is None or before == arm or c.goodput_tok_s <= 0 or not _bucket_holds(bucket, batch):
+                continue
+            first = pending.get(c.context, (before, arm))[0]
+            if first == arm:
+                pending.pop(c.context, None)  # back where it was since the last line: no change
+            else:
+                pending[c.context] = (first, arm)
+        now = loop.time()
+        if pending and now - last_line >= CHANGE_LINE_S:
+            items = [f"{ctx} {a}→{b}" for ctx, (a, b) in sorted(pending.items())]
+            more = f" (+{len(items) - 3} more)" if len(items) > 3 else ""
+            say(f"  t={core.totals.virtual_s:5.1f}s  " + "; ".join(items[:3]) + more)
+            pending.clear()
+            last_line = now
 
 
-async def _phases(engine: EmbeddedEngine, traffic: Traffic, say: _Printer) -> None:
+async def _phases(engine: EmbeddedEngine, workload: Workload, say: _Printer) -> None:
     seen = -1
     while True:
         p = engine.core.phase
         if p != seen:
             seen = p
-            say(f"── phase {p + 1}/{len(traffic.schedule.phases)}: {_phase_label(traffic, p)}")
+            say(f"── phase {p + 1}/{len(workload.schedule.phases)}: {_phase_label(workload, p)}")
         await asyncio.sleep(0.05)
 
 
@@ -151,7 +174,7 @@ async def run_demo(
         raise ValueError(f"--seconds must be > 0, got {seconds}")
     say = _Printer(out)
     wall0 = time.monotonic()
-    traffic = demo_traffic(seed=seed, duration_s=seconds)
+    workload = demo_workload(seed=seed, duration_s=seconds)
     adaptive_spec = demo_policy()
     with tempfile.TemporaryDirectory(prefix="speccontrol-demo-") as state_dir:
         config = SidecarConfig(
@@ -178,7 +201,7 @@ async def run_demo(
                     n: EmbeddedEngine(
                         target=sidecar.engine_target,
                         settings=EngineSettings(engine_id=n),
-                        traffic=traffic,
+                        workload=workload,
                         link=link,
                     )
                     for n in names
@@ -189,7 +212,7 @@ async def run_demo(
                 )
                 side = [
                     asyncio.create_task(_watch(admin, engines[ADAPTIVE], say)),
-                    asyncio.create_task(_phases(engines[ADAPTIVE], traffic, say)),
+                    asyncio.create_task(_phases(engines[ADAPTIVE], workload, say)),
                 ]
                 try:
                     for e in engines.values():
@@ -206,13 +229,13 @@ async def run_demo(
                         await e.stop()
         finally:
             await sidecar.stop(snapshot=False)
-    return _result(engines, traffic, seconds=seconds, seed=seed, wall_s=time.monotonic() - wall0)
+    return _result(engines, workload, seconds=seconds, seed=seed, wall_s=time.monotonic() - wall0)
 
 
 def _result(
-    engines: dict[str, EmbeddedEngine], traffic: Traffic, *, seconds: float, seed: int, wall_s: float
+    engines: dict[str, EmbeddedEngine], workload: Workload, *, seconds: float, seed: int, wall_s: float
 ) -> dict[str, Any]:
-    n_phases = len(traffic.schedule.phases)
+    n_phases = len(workload.schedule.phases)
     off = engines[engine_name("off")].totals.goodput
     rows = []
     for name, e in engines.items():
@@ -237,12 +260,26 @@ def _result(
     best = max(statics, key=lambda r: r.goodput_tok_s)
     worst = min(statics, key=lambda r: r.goodput_tok_s)
     adaptive = next(r for r in rows if r.engine == ADAPTIVE)
+    phase_best = [max(statics, key=lambda r, i=i: r.phase_goodput_tok_s[i]) for i in range(n_phases)]  # type: ignore[misc]
     return {
         "seconds": seconds,
         "seed": seed,
         "wall_s": round(wall_s, 2),
-        "phases": [_phase_label(traffic, i) for i in range(n_phases)],
+        "profile": engines[ADAPTIVE].core.profile.name,
+        "phases": [_phase_label(workload, i) for i in range(n_phases)],
+        "phase_starts_s": [round(t, 3) for t in workload.schedule.starts()],
         "engines": [r.to_json() for r in rows],
+        "goodput_over_time": {
+            name: [[round(t, 3), round(g, 1)] for t, g in e.totals.goodput_over_time()]
+            for name, e in engines.items()
+        },
+        "phase_best_static": [r.engine for r in phase_best],
+        "adaptive_vs_best_static_per_phase": [
+            round(adaptive.phase_goodput_tok_s[i] / r.phase_goodput_tok_s[i], 4)
+            if r.phase_goodput_tok_s[i]
+            else 0.0
+            for i, r in enumerate(phase_best)
+        ],
         "best_static": best.engine,
         "worst_static": worst.engine,
         "adaptive_vs_best_static": round(adaptive.goodput_tok_s / best.goodput_tok_s, 4)
@@ -261,9 +298,12 @@ def format_table(result: dict[str, Any]) -> str:
         "policy",
         "goodput tok/s",
         "vs off",
+        "vs best static",
         "accept",
         *(f"phase {i + 1}" for i in range(n_phases)),
     ]
+    by_name = {r["engine"]: r for r in result["engines"]}
+    best_g = by_name[result["best_static"]]["goodput_tok_s"]
     body = []
     for r in result["engines"]:
         body.append(
@@ -272,10 +312,23 @@ def format_table(result: dict[str, Any]) -> str:
                 r["policy"],
                 f"{r['goodput_tok_s']:.0f}",
                 f"{r['speedup_vs_no_spec']:.2f}x",
+                f"{r['goodput_tok_s'] / best_g:.3f}" if best_g else "-",
                 f"{r['acceptance_rate']:.2f}",
                 *(f"{g:.0f}" for g in r["phase_goodput_tok_s"]),
             ]
         )
+    ratios = result["adaptive_vs_best_static_per_phase"]
+    body.append(
+        [
+            "adaptive / best",
+            "per phase: best static's",
+            "",
+            "",
+            f"{result['adaptive_vs_best_static']:.3f}",
+            "",
+            *(f"{x:.3f}" for x in ratios),
+        ]
+    )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
     lines = [
         "  ".join(
@@ -285,11 +338,16 @@ def format_table(result: dict[str, Any]) -> str:
         for row in [head, *body]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(len(lines) - 1, lines[1])
     lines.append("")
-    lines.extend(f"phase {i + 1}: {p}" for i, p in enumerate(result["phases"]))
+    lines.extend(
+        f"phase {i + 1}: {p}; best static {b.removeprefix('static-')}"
+        for i, (p, b) in enumerate(zip(result["phases"], result["phase_best_static"], strict=True))
+    )
     lines.append(f"goodput = tokens per virtual second; wall time {result['wall_s']:.1f} s")
     lines.append(
-        f"adaptive vs best static: {result['adaptive_vs_best_static']:.2f} ({result['best_static']})"
+        f"adaptive vs best static: {result['adaptive_vs_best_static']:.3f} ({result['best_static']}); "
+        f"worst phase: {min(ratios):.3f}"
     )
     lines.append(
         f"adaptive vs worst static: {result['adaptive_vs_worst_static']:.2f} ({result['worst_static']})"
@@ -297,11 +355,56 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict[str, Any], path: str) -> None:
+    """Goodput over virtual time per engine, with the phase boundaries, as an image at ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib (pip install 'speccontrol[sim]')") from None
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    for name, series in result["goodput_over_time"].items():
+        if not series:
+            continue
+        t = [x[0] for x in series]
+        g = [x[1] for x in series]
+        if name == ADAPTIVE:
+            ax.plot(t, g, color="black", linewidth=2.4, label="adaptive (default policy)", zorder=5)
+        elif name == engine_name("off"):
+            ax.plot(t, g, color="grey", linestyle="--", linewidth=1.2, label="no speculation")
+        else:
+            ax.plot(t, g, linewidth=0.9, alpha=0.75, label=name.removeprefix("static-").replace("-", ":"))
+    top = ax.get_ylim()[1]
+    for i, (start, label) in enumerate(zip(result["phase_starts_s"], result["phases"], strict=True)):
+        if i:
+            ax.axvline(start, color="grey", linewidth=0.8)
+        ax.text(start + 0.1, top * 0.97, f"{i + 1}: {label}", fontsize=8, va="top")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("goodput (tokens / s)")
+    ax.set_title(
+        f"speccontrol demo, {result['profile']}: adaptive {result['adaptive_vs_best_static']:.2f}x "
+        f"the best static arm ({result['best_static'].removeprefix('static-')})"
+    )
+    ax.legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(
-    *, seconds: float = DEFAULT_SECONDS, as_json: bool = False, seed: int = 0, out: TextIO | None = None
+    *,
+    seconds: float = DEFAULT_SECONDS,
+    as_json: bool = False,
+    seed: int = 0,
+    out: TextIO | None = None,
+    plot_path: str | None = None,
 ) -> int:
     stream = out if out is not None else sys.stdout
     result = asyncio.run(run_demo(seconds=seconds, seed=seed, out=None if as_json else stream))
+    if plot_path:
+        plot(result, plot_path)
     if as_json:
         print(json.dumps(result, indent=2), file=stream)
     else:

@@ -8,7 +8,8 @@ Each guard is a small stateful filter the ControlLoop applies after the learner 
   stays above and lifts once it is back under ``release`` x SLO.
 * ``ExplorationBudget``: at high load a wasted exploratory round costs every request in a large batch,
   so there the share of decisions that depart from the learner's greedy choice is capped.
-* ``keeps_current``: hysteresis on estimated goodput, so two arms within the margin do not flip-flop.
+* ``keeps_current``: hysteresis on estimated goodput, so two arms within the margin do not flip-flop:
+  the policy's relative ``switch_margin`` and the learner's own margin from its uncertainty.
 """
 
 from __future__ import annotations
@@ -38,15 +39,28 @@ EXPLORATION_FIELDS: dict[str, Param] = {
 }
 
 
-def keeps_current(estimates: np.ndarray, current: int, new: int, margin: float) -> bool:
-    """True when ``new`` does not beat ``current`` by the relative ``margin`` on estimated goodput.
+def keeps_current(
+    estimates: np.ndarray,
+    current: int,
+    new: int,
+    margin: float,
+    *,
+    learnt: tuple[float, float] | None = None,
+) -> bool:
+    """True when ``new`` does not beat ``current`` by the relative ``margin`` on estimated goodput, or
+    when the learner's ``learnt`` (predicted gain, margin from its uncertainty) says the gain is not
+    above the margin.
 
     An unestimated arm (NaN) is never held back: it has to be tried before it can be judged.
     """
-    if margin <= 0 or current < 0 or new == current:
+    if current < 0 or new == current:
         return False
     cur, nxt = float(estimates[current]), float(estimates[new])
     if not (np.isfinite(cur) and np.isfinite(nxt)):
+        return False
+    if learnt is not None and np.isfinite(learnt).all() and learnt[0] <= learnt[1]:
+        return True
+    if margin <= 0:
         return False
     return nxt < cur * (1.0 + margin) if cur > 0 else nxt <= cur
 

@@ -355,16 +355,19 @@ class ControlLoop:
                 joint.update({context_key(label, c): i for c, i in plan.items()})
             if self.budget.applies(self.spec.buckets.range(b)):
                 high_load.add(label)
-                greedy_plan = self.learner.plan_bucket(label, classes, allowed, sample=False)
-                if greedy_plan:
-                    greedy_joint.update({context_key(label, c): i for c, i in greedy_plan.items()})
+            # The greedy plan serves the exploration budget and the contexts idle this round.
+            greedy_plan = self.learner.plan_bucket(label, classes, allowed, sample=False)
+            if greedy_plan:
+                greedy_joint.update({context_key(label, c): i for c, i in greedy_plan.items()})
         self.totals.tpot_trips = self.tpot_guard.trips
         for key, c in sorted(self._ctx.items()):
-            if c.acc is not None:
-                seen = c.acc.time_s > 0
-                rewards = {int(i): float(c.acc.tokens[i] / c.acc.time_s[i]) for i in np.flatnonzero(seen)}
+            acc = c.acc
+            active = acc is not None
+            if acc is not None:
+                seen = acc.time_s > 0
+                rewards = {int(i): float(acc.tokens[i] / acc.time_s[i]) for i in np.flatnonzero(seen)}
                 self.learner.update(key, rewards)
-                self.learner.observe_round(key, c.acc.rows, c.acc.tokens)
+                self.learner.observe_round(key, acc.rows, acc.tokens)
                 c.acc = None
                 c.rounds += 1
             label = key.partition("/")[0]
@@ -372,10 +375,14 @@ class ControlLoop:
             forced = c.arm >= 0 and c.arm not in allowed  # the TPOT guard excluded the current arm
             if c.arm >= 0 and now - c.since < self.spec.min_dwell_s and not forced:
                 continue
-            choice = joint.get(key)
-            if choice is None:
-                choice = self.learner.select(key, allowed)
             est = self.learner.estimates(key)
+            if not active and c.arm >= 0 and key in greedy_joint:
+                # Nothing ran here this round, so there is nothing to explore: a context without
+                # traffic follows the models' greedy plan instead of flipping with every draw.
+                choice = greedy_joint[key]
+            else:
+                planned = joint.get(key)
+                choice = self.learner.select(key, allowed) if planned is None else planned
             if label in high_load:
                 best = greedy_joint.get(key, greedy_choice(est, allowed))
                 exploratory = best is not None and choice != best
@@ -383,7 +390,14 @@ class ControlLoop:
                     assert best is not None
                     choice = best
                     self.totals.exploration_denied += 1
-            if not forced and keeps_current(est, c.arm, choice, self.spec.switch_margin):
+            learnt = (
+                self.learner.switch_check(
+                    key, allowed, c.arm, choice, others={k: x.arm for k, x in self._ctx.items() if x.arm >= 0}
+                )
+                if c.arm >= 0 and choice != c.arm and not forced
+                else None
+            )
+            if not forced and keeps_current(est, c.arm, choice, self.spec.switch_margin, learnt=learnt):
                 self.totals.held_by_margin += 1
                 continue
             if choice != c.arm:

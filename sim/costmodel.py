@@ -14,7 +14,8 @@ A step's time is composed as in the simulator published with arXiv 2601.11580:
 * MoE targets read more expert weights the more tokens a step verifies: the expected fraction of
   experts touched by ``n`` tokens is ``1 - (1 - top_k / experts) ** n``.
 
-All functions take numpy arrays (one entry per step) so whole runs are priced at once.
+``Profile.step_time`` prices one step (floats) or a whole run at once (arrays, one entry per step)
+with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import importlib.resources
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import yaml
@@ -97,7 +98,7 @@ class Profile:
     moe: MoE | None = None
     sources: tuple[str, ...] = field(default_factory=tuple)
 
-    # -- step pricing (vectorised over steps) ----------------------------------------------------
+    # -- step pricing (one step with floats, or many at once with arrays: the same arithmetic) --------
 
     def verify_time(self, kv: np.ndarray, batched: np.ndarray) -> np.ndarray:
         t = self.target(kv, batched)
@@ -109,6 +110,20 @@ class Profile:
         """One sequential EAGLE draft forward over the batch."""
         return self.eagle3_draft(kv, spec_tokens) / self.fit_k
 
+    @overload
+    def step_time(
+        self,
+        *,
+        kv: float,
+        batched: float,
+        eagle_forwards: float,
+        eagle_spec: float,
+        p_eagle_passes: float,
+        p_eagle_spec: float,
+        ngram_rows: float,
+    ) -> float: ...
+
+    @overload
     def step_time(
         self,
         *,
@@ -119,28 +134,23 @@ class Profile:
         p_eagle_passes: np.ndarray,
         p_eagle_spec: np.ndarray,
         ngram_rows: np.ndarray,
-    ) -> np.ndarray:
+    ) -> np.ndarray: ...
+
+    def step_time(
+        self,
+        *,
+        kv: Any,
+        batched: Any,
+        eagle_forwards: Any,
+        eagle_spec: Any,
+        p_eagle_passes: Any,
+        p_eagle_spec: Any,
+        ngram_rows: Any,
+    ) -> Any:
         """Seconds per step. ``eagle_forwards``: sequential EAGLE forwards (longest EAGLE K, or 1 when
         the head runs without being verified); ``p_eagle_passes``: 1 where P-EAGLE drafted; ``ngram_rows``:
-        1 where any request drafted with n-gram."""
-        verify = self.verify_time(kv, batched)
-        t = verify + self.overhead_s
-        fwd = self.draft_forward_time(kv, eagle_spec + p_eagle_spec)
-        t = t + eagle_forwards * fwd + p_eagle_passes * self.p_eagle_pass_forwards * fwd
-        out: np.ndarray = t + (ngram_rows > 0) * self.ngram_verify_fraction * verify
-        return out
-
-    def step_time_one(
-        self,
-        kv: float,
-        batched: float,
-        eagle_forwards: float,
-        eagle_spec: float,
-        p_eagle_passes: float,
-        p_eagle_spec: float,
-        ngram_rows: float,
-    ) -> float:
-        """``step_time`` for one step with plain floats (the stepwise engine's hot path); same arithmetic."""
+        > 0 where any request drafted with n-gram. Plain operators only, so floats (the stepping
+        kernel's hot path) and arrays (the vectorised replay) get bit-identical results."""
         tg = self.target
         verify = tg.kv_s_per_token * kv + tg.batched_s_per_token * batched + tg.const_s
         if self.moe is not None:
@@ -157,8 +167,16 @@ class Profile:
 
     def plain_step_time(self, batch: int, context: int) -> float:
         """A decode step without speculation, ``batch`` requests of ``context`` tokens each."""
-        kv = np.array([batch * context], dtype=np.float64)
-        return float(self.verify_time(kv, np.array([batch], dtype=np.float64))[0] + self.overhead_s)
+        z = 0.0
+        return self.step_time(
+            kv=float(batch * context),
+            batched=float(batch),
+            eagle_forwards=z,
+            eagle_spec=z,
+            p_eagle_passes=z,
+            p_eagle_spec=z,
+            ngram_rows=z,
+        )
 
 
 # -- loading -------------------------------------------------------------------------------------

@@ -93,6 +93,8 @@ def metrics_block(
         "e2e_ms": _pct(lat["e2e"]),
         "cost_usd_per_1m_output_tokens": None if np.isnan(cost_usd_per_1m) else round(cost_usd_per_1m, 4),
         "switches": run.switches,
+        # Arm changes per 1,000 engine steps: how often a person reading the decisions sees one.
+        "switches_per_1k_steps": round(1000.0 * run.switches / run.steps, 3) if run.steps else 0.0,
     }
     if oracle_throughput is not None and oracle_throughput > 0:
         block["oracle"] = {

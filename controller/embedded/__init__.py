@@ -1,9 +1,8 @@
 """A simulated engine that attaches to the sidecar over the real gRPC stream (the demo's engines)."""
 
 from controller.embedded.core import EngineCore, EngineSettings, EngineTotals
-from controller.embedded.cost import StepCost
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import Phase, Schedule, Traffic, TrafficClass, demo_traffic
+from controller.embedded.workload import Phase, Schedule, Workload, build_workload, demo_workload
 
 __all__ = [
     "EmbeddedEngine",
@@ -13,8 +12,7 @@ __all__ = [
     "LinkSettings",
     "Phase",
     "Schedule",
-    "StepCost",
-    "Traffic",
-    "TrafficClass",
-    "demo_traffic",
+    "Workload",
+    "build_workload",
+    "demo_workload",
 ]

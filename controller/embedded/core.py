@@ -1,11 +1,11 @@
-"""The embedded engine's step function: scheduling, drafting, acceptance and cost, without a network.
+"""The embedded engine's step function: scheduling by phase, the simulator's kernel for the step.
 
 It behaves like vLLM with the project's composite drafter (method and K per request): the directive
-is read between steps, so one received while step t runs first shapes step t + 1; K never exceeds
-the configured ``max_k``; the per-request rule (``policies.rules.FastLoop``) picks each request's
-method from its own recent feedback; n-gram's would-be acceptance is scored on every request-step.
-When no directive (new or a refresh) arrives within its TTL of wall time, the engine falls back to
-its safe default arm, the one it was started with.
+is read between steps, so one received while step t runs first shapes step t + 1; the step itself
+is ``sim.kernel.StepKernel``'s (the per-request rule, the plan made playable, acceptance and the
+``Profile``'s price), the same as in the decision-quality replays; n-gram's would-be acceptance is
+scored on every request-step. When no directive (new or a refresh) arrives within its TTL of wall
+time, the engine falls back to its safe default arm, the one it was started with.
 """
 
 from __future__ import annotations
@@ -13,21 +13,23 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from controller.embedded.cost import StepCost
-from controller.embedded.traffic import Request, Traffic
+from controller.embedded.workload import Workload
 from controller.v1 import controller_pb2 as pb
-from policies.arms import METHOD_CODES, Arm, Method
-from policies.context import ANY_CLASS
-from policies.directive import Directive, KRange, PlanEntry
+from policies.arms import Arm, Method
+from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
+from policies.engine_rules import safe_default_directive
 from policies.observation import NOT_SCORED
 from policies.rules import FastLoop, method_names
+from sim.costmodel import DEFAULT_PROFILE, Profile, load_profile
+from sim.engines import ENGINES, EngineModel
+from sim.kernel import StepKernel
 
-ENGINE_VERSION = "embedded-sim 0.1"
+ENGINE_VERSION = "embedded-sim 0.2"
 DEFAULT_ARMS: tuple[Arm, ...] = (
     *(Arm(Method.EAGLE3, k) for k in range(1, 5)),
     *(Arm(Method.NGRAM, k) for k in range(1, 5)),
@@ -35,9 +37,9 @@ DEFAULT_ARMS: tuple[Arm, ...] = (
 )
 #: vLLM's start-up configuration in the demo: EAGLE-3 with three draft tokens.
 SAFE_DEFAULT = Arm(Method.EAGLE3, 3)
-_EAGLE = METHOD_CODES[Method.EAGLE3]
-_NGRAM = METHOD_CODES[Method.NGRAM]
-_OFF = METHOD_CODES[Method.OFF]
+#: The composite drafter as the simulator models it. The wire reports no counterfactual depth, so
+#: the EAGLE-3 head's first position (which it always drafts) is not reported, as from the plugin.
+ENGINE_MODEL: EngineModel = replace(ENGINES["composite"], head_first_position=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,20 +75,6 @@ class EngineSettings:
         )
 
 
-def safe_directive(arm: Arm) -> Directive:
-    """The directive an engine runs on by itself (version 0)."""
-    return Directive(
-        version=0,
-        policy="safe-default",
-        reason="no directive in force",
-        ttl_s=float("inf"),
-        issued_at_s=0.0,
-        k_table=(KRange(1, 0, arm.k),),
-        method=arm.method,
-        plan=(PlanEntry(ANY_CLASS, 1, 0, arm),),
-    )
-
-
 @dataclass(slots=True)
 class EngineTotals:
     """What the engine measured itself; goodput = tokens / virtual seconds."""
@@ -107,6 +95,10 @@ class EngineTotals:
     phase_tokens: Counter[int] = field(default_factory=Counter)
     phase_s: dict[int, float] = field(default_factory=dict)
 
+    #: Tokens and virtual seconds per time bin (``bin_s`` wide), for goodput over time.
+    bin_s: float = 0.25
+    bin_tokens: Counter[int] = field(default_factory=Counter)
+
     def phase_goodput(self, phase: int) -> float:
         s = self.phase_s.get(phase, 0.0)
         return self.phase_tokens[phase] / s if s > 0 else 0.0
@@ -119,11 +111,10 @@ class EngineTotals:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-
-@dataclass(slots=True)
-class _Live:
-    req: Request
-    emitted: int  # output tokens so far (prefill emits the first)
+    def goodput_over_time(self) -> list[tuple[float, float]]:
+        """(bin start in virtual seconds, tokens per virtual second in it), for every full bin."""
+        last = int(self.virtual_s / self.bin_s)
+        return [(i * self.bin_s, self.bin_tokens[i] / self.bin_s) for i in range(last)]
 
 
 class EngineCore:
@@ -133,23 +124,28 @@ class EngineCore:
         self,
         *,
         settings: EngineSettings,
-        traffic: Traffic,
-        cost: StepCost | None = None,
+        workload: Workload,
+        profile: Profile | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self.traffic = traffic
-        self.cost = cost or StepCost()
+        self.workload = workload
+        self.profile = profile if profile is not None else load_profile(DEFAULT_PROFILE)
         self._clock = clock
-        self._safe = safe_directive(settings.safe_default)
+        self._safe = safe_default_directive(settings.safe_default, max_k=settings.max_k)
         self._active: Directive = self._safe
         self._pending: Directive | None = None
         self._heard_at: float | None = None
         self._last_version = 0
-        self._fast = FastLoop()
-        self._running: list[_Live] = []
+        self.kernel = StepKernel(
+            trace=workload.trace,
+            profile=self.profile,
+            engine=ENGINE_MODEL,
+            fast=FastLoop(capacity=max(64, 2 * settings.max_batch_size)),
+            max_k=settings.max_k,
+        )
         self._next_index: dict[int, int] = {}
-        self.totals = EngineTotals()
+        self.totals = EngineTotals(bin_s=workload.schedule.duration_s / 80)
 
     # -- directives --------------------------------------------------------------------------------
 
@@ -184,98 +180,57 @@ class EngineCore:
 
     @property
     def done(self) -> bool:
-        return self.totals.virtual_s >= self.traffic.schedule.duration_s
+        return self.totals.virtual_s >= self.workload.schedule.duration_s
 
     @property
     def phase(self) -> int:
-        return self.traffic.schedule.index(self.totals.virtual_s)
+        return self.workload.schedule.index(self.totals.virtual_s)
 
-    def _admit(self) -> tuple[int, int]:
+    def _admit(self) -> np.ndarray:
+        """Trace rows of the requests that start in this step (up to the phase's concurrency)."""
         phase_i = self.phase
-        phase = self.traffic.schedule.phases[phase_i]
-        want = min(phase.concurrency, self.settings.max_batch_size)
-        prefill = admitted = 0
-        while len(self._running) < want:
-            i = self._next_index.get(phase_i, 0)
-            self._next_index[phase_i] = i + 1
-            r = self.traffic.request(phase_i, i)
-            self._running.append(_Live(r, emitted=1))
-            prefill += r.prompt_tokens
-            admitted += 1
-        return prefill, admitted
+        want = min(self.workload.schedule.phases[phase_i].concurrency, self.settings.max_batch_size)
+        room = want - self.kernel.running
+        if room <= 0:
+            return np.zeros(0, dtype=np.int64)
+        i = self._next_index.get(phase_i, 0)
+        self._next_index[phase_i] = i + room
+        return np.array([self.workload.index(phase_i, j) for j in range(i, i + room)], dtype=np.int64)
 
     def step(self) -> pb.StepReport:
         self._between_steps()
         d = self._active
-        s = self.settings
-        decoding = list(self._running)  # requests admitted below only prefill in this step
-        prefill, admitted = self._admit()
-        n = len(decoding)
-        batch = n + admitted
-        ids = [x.req.request_id for x in decoding]
-        classes = [x.req.traffic_class for x in decoding]
-        methods, ks = self._fast.plan(d, ids, classes, max(batch, 1), s.max_k)
-        ks = np.minimum(ks, s.max_k)
-        # A method this engine cannot draft with (e.g. p_eagle) falls back to its safe default's.
-        unknown = (methods != _EAGLE) & (methods != _NGRAM) & (methods != _OFF)
-        methods[unknown] = METHOD_CODES[s.safe_default.method]
-        methods[ks <= 0] = _OFF
-        ks[methods == _OFF] = 0
-
-        t = np.fromiter((x.emitted - 1 for x in decoding), dtype=np.int64, count=n)
-        a_e = np.fromiter(
-            (x.req.acc[Method.EAGLE3][i] for x, i in zip(decoding, t, strict=True)), np.int64, n
-        )
-        a_n = np.fromiter((x.req.acc[Method.NGRAM][i] for x, i in zip(decoding, t, strict=True)), np.int64, n)
-        out = np.fromiter((x.req.output_tokens for x in decoding), dtype=np.int64, count=n)
-        emitted = np.fromiter((x.emitted for x in decoding), dtype=np.int64, count=n)
-        raw = np.where(methods == _EAGLE, a_e, np.where(methods == _NGRAM, a_n, 0))
-        accepted = np.minimum(np.minimum(raw, ks), out - emitted - 1)
-        step_tokens = accepted + 1
-        drafted = ks.astype(np.int64)
-        cf = np.where(methods == _NGRAM, NOT_SCORED, np.minimum(a_n, s.max_k))
-        alpha = float(d.rule.params.get("alpha", 0.3))
-        self._fast.feedback(ids, methods, accepted, {Method.NGRAM: cf}, alpha=alpha)
-
-        prompts = np.fromiter((x.req.prompt_tokens for x in decoding), dtype=np.int64, count=n)
-        duration = self.cost.duration(
-            kv_tokens=prompts + emitted, methods=methods, ks=ks, prefill_tokens=prefill
-        )
-
-        new_emitted = emitted + step_tokens
-        finished = new_emitted >= out
-        for j, x in enumerate(decoding):
-            x.emitted = int(new_emitted[j])
-            if finished[j]:
-                self._fast.release(x.req.request_id)
-        if finished.any():
-            self._running = [x for x in self._running if x.emitted < x.req.output_tokens]
-
+        st = self.kernel.step(d, self._admit())
+        n = len(st.requests)
+        finished = np.isin(st.requests, st.finished) if len(st.finished) else np.zeros(n, dtype=bool)
         tot = self.totals
         phase = self.phase
-        tot.phase_tokens[phase] += int(step_tokens.sum()) + admitted
-        tot.phase_s[phase] = tot.phase_s.get(phase, 0.0) + duration
+        tokens = st.tokens
+        tot.phase_tokens[phase] += tokens
+        tot.phase_s[phase] = tot.phase_s.get(phase, 0.0) + st.duration_s
+        tot.bin_tokens[int(tot.virtual_s / tot.bin_s)] += tokens
         tot.steps += 1
-        tot.virtual_s += duration
-        tot.tokens += int(step_tokens.sum()) + admitted
-        tot.drafted += int(drafted.sum())
-        tot.accepted += int(accepted.sum())
-        tot.requests_started += admitted
-        tot.requests_finished += int(finished.sum())
-        names = method_names(methods)
-        for m, k in zip(names, ks, strict=True):
-            tot.arm_steps["off" if m == "off" else f"{m}:{int(k)}"] += 1
-
+        tot.virtual_s += st.duration_s
+        tot.tokens += tokens
+        tot.drafted += st.drafted
+        tot.accepted += int(st.accepted.sum())
+        tot.requests_started += len(st.admitted)
+        tot.requests_finished += len(st.finished)
+        for m, k in zip(method_names(st.method), st.k.tolist(), strict=True):
+            tot.arm_steps["off" if m == "off" else f"{m}:{k}"] += 1
+        cf = st.counterfactual.get(Method.NGRAM, np.full(n, NOT_SCORED, dtype=np.int32))
         return pb.StepReport(
             time_s=tot.virtual_s,
-            duration_s=duration,
-            batch_size=batch,
+            duration_s=st.duration_s,
+            batch_size=st.batch_size,
             queue_length=0,
             queue_wait_s=0.0,
-            scheduled_k=int(ks.max()) if n else d.k_for_batch(max(batch, 1), s.max_k),
-            columns=_columns(ids, classes, methods, ks, drafted, accepted, cf, finished),
+            scheduled_k=int(st.k.max()) if n else d.k_for_batch(max(st.batch_size, 1), self.settings.max_k),
+            columns=_columns(
+                list(st.ids), list(st.classes), st.method, st.k, st.k, st.accepted, cf, finished
+            ),
             directive_version=d.version,
-            prefill_tokens=int(prefill),
+            prefill_tokens=st.prefill_tokens,
         )
 
 

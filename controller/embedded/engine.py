@@ -28,10 +28,10 @@ import grpc
 from controller.auth import ClientTLS, channel_credentials, channel_options
 from controller.convert import directive_from_pb, hello_from_engine_info
 from controller.embedded.core import ENGINE_VERSION, EngineCore, EngineSettings, EngineTotals
-from controller.embedded.cost import StepCost
-from controller.embedded.traffic import Traffic
+from controller.embedded.workload import Workload
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+from sim.costmodel import Profile
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,9 @@ class EmbeddedEngine:
         *,
         target: str,
         settings: EngineSettings,
-        traffic: Traffic,
+        workload: Workload,
         link: LinkSettings | None = None,
-        cost: StepCost | None = None,
+        profile: Profile | None = None,
         clock: Callable[[], float] = time.monotonic,
         tls: ClientTLS | None = None,
     ) -> None:
@@ -106,7 +106,7 @@ class EmbeddedEngine:
         self.tls = tls
         self.settings = settings
         self.link = link or LinkSettings()
-        self.core = EngineCore(settings=settings, traffic=traffic, cost=cost, clock=clock)
+        self.core = EngineCore(settings=settings, workload=workload, profile=profile, clock=clock)
         self.stats = LinkStats()
         self._queue: asyncio.Queue[pb.StepReport] | None = None
         self._dropped_unreported = 0

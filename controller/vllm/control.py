@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from policies.arms import METHOD_CODES, Arm, Method
-from policies.context import ANY_CLASS
-from policies.directive import Directive, KRange, PlanEntry
+from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
+from policies.engine_rules import clamp_plan, playable_codes, safe_default_directive
 from policies.rules import FastLoop
 
 _OFF = METHOD_CODES[Method.OFF]
@@ -48,21 +48,6 @@ def engine_info(
     )
 
 
-def safe_default_directive(arm: Arm, *, max_k: int) -> Directive:
-    """The engine's fail-static directive (version 0)."""
-    k = min(arm.k, max_k)
-    return Directive(
-        version=0,
-        policy="safe-default",
-        reason="no fresh directive from the sidecar",
-        ttl_s=0.0,
-        issued_at_s=0.0,
-        k_table=(KRange(1, 0, k),),
-        method=arm.method,
-        plan=(PlanEntry(ANY_CLASS, 1, 0, arm),),
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class Plan:
     method: np.ndarray  # int8 codes, one per request
@@ -88,7 +73,7 @@ class Controls:
         self.fast = FastLoop(capacity=capacity)
         self._table_key: tuple[int, str] | None = None
         self._table: list[int] = []
-        self._method_code = METHOD_CODES[method]
+        self._playable = playable_codes((method, Method.NGRAM) if composite else (method,))
 
     def in_force(self, fresh: Directive | None) -> Directive:
         return self.safe if fresh is None else fresh
@@ -112,14 +97,10 @@ class Controls:
     def plan(self, d: Directive, request_ids: Sequence[str], classes: Sequence[str], batch_size: int) -> Plan:
         """The fast loop's choice for each request's next draft."""
         methods, ks = self.fast.plan(d, request_ids, classes, batch_size, self.engine.max_k)
-        if not self.composite:
-            # Only the configured method (or nothing) can be drafted without the composite drafter.
-            methods = np.where(methods == _OFF, _OFF, self._method_code).astype(np.int8)
-        else:
-            allowed = (methods == _OFF) | (methods == _NGRAM) | (methods == self._method_code)
-            methods = np.where(allowed, methods, self._method_code).astype(np.int8)
-        ks = np.where(methods == _OFF, 0, ks).astype(np.int32)
-        methods = np.where(ks == 0, _OFF, methods).astype(np.int8)
+        # Without the composite drafter only the configured method (or nothing) can be drafted.
+        methods, ks = clamp_plan(
+            methods, ks, playable=self._playable, fallback=self.method, max_k=self.engine.max_k
+        )
         return Plan(methods, ks)
 
     def choose_drafts(

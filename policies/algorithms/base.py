@@ -132,6 +132,25 @@ class Learner(ABC):
         """Current goodput estimate per arm (NaN where unobserved)."""
         return self.table(ctx).means()
 
+    def switch_check(
+        self,
+        ctx: str,
+        allowed: Sequence[int],
+        current: int,
+        new: int,
+        *,
+        others: Mapping[str, int] | None = None,
+    ) -> tuple[float, float] | None:
+        """(predicted goodput gain of ``new`` over ``current``, the margin it must beat), in tok/s;
+        ``others``: the arm in play in every other context (learners that plan a bucket jointly judge
+        a class's switch with its peers on theirs).
+
+        Learners that know how uncertain their predictions are return a margin learned from it (the
+        hysteresis on value: no switch unless the gain beats it); the default None leaves only the
+        policy's ``switch_margin`` and dwell.
+        """
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {"tables": {c: t.to_json() for c, t in self.tables.items()}}
 

@@ -14,6 +14,10 @@ Acceptance does not depend on batch size while cost does, so a batch size never 
 exploration: its goodput is predicted from the shared models. Thompson sampling on both models explores
 where they are uncertain. Expected goodput of arm (m, K) at batch size B:
 ``B * (1 + sum_{j<=K} prod_{i<=j} p_m,i) / cost(B, m, K)``.
+
+Switches are judged by the same models (``switch_check``): the loop keeps the arm in play unless the
+predicted gain beats a margin learnt from the posteriors' spread, so Thompson draws do not flip a
+context between neighbours whose difference the data cannot resolve.
 """
 
 from __future__ import annotations
@@ -71,6 +75,27 @@ class GoodputModel(Learner):
         "rule_memory_rounds": Param(
             10.0, "Decision rounds after which the per-request rule's share of rows weighs 1/e.", 1.0, 1e6
         ),
+        "switch_confidence": Param(
+            2.0,
+            "Standard errors of the predicted goodput gain a switch must beat (0: no value hysteresis).",
+            0.0,
+            10.0,
+        ),
+        "switch_draws": Param(
+            64, "Posterior draws the switch test's standard deviation is taken over.", 8, 4096
+        ),
+        "switch_settled_trials": Param(
+            50.0,
+            "Discounted trials every draft position of an arm needs before a switch to it is held back.",
+            0.0,
+            1e6,
+        ),
+        "switch_floor": Param(
+            0.005,
+            "Smallest relative predicted gain worth a switch, however certain the models are.",
+            0.0,
+            1.0,
+        ),
     }
 
     def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
@@ -115,8 +140,10 @@ class GoodputModel(Learner):
         self._layouts: dict[
             tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
         ] = {}
-        # The cost model's posterior (mean, covariance factor), computed once per change of its fit.
+        # The cost model's posterior (mean, covariance factor), computed once per change of its fit,
+        # and its covariance without the exploration scale (None: too few steps).
         self._fit: tuple[np.ndarray, np.ndarray | None] | None = None
+        self._cov: np.ndarray | None = None
 
     # -- learning ----------------------------------------------------------------------------------
 
@@ -411,9 +438,11 @@ class GoodputModel(Learner):
         if self._fit is None:
             theta: np.ndarray = np.linalg.solve(self._xtx, self._xty)
             factor = None
+            self._cov = None
             if self._w >= 2:
                 resid = max(self._yy - float(theta @ self._xty), 0.0) / max(self._w - _N_FEATURES, 1.0)
-                cov = np.linalg.inv(self._xtx) * max(resid, 1e-6) * float(self.params["explore"]) ** 2
+                self._cov = np.linalg.inv(self._xtx) * max(resid, 1e-6)
+                cov = self._cov * float(self.params["explore"]) ** 2
                 # eigh tolerates the singular covariance of features that have not varied yet (the
                 # factor is what Generator.multivariate_normal(method="eigh") uses).
                 s, u = np.linalg.eigh((cov + cov.T) / 2)
@@ -585,8 +614,8 @@ class GoodputModel(Learner):
                 break
         return choice
 
-    def _costs(self, theta: np.ndarray, batch: float, arms: np.ndarray) -> np.ndarray:
-        """Predicted step time (ms) of each arm played by the whole batch."""
+    def _arm_features(self, batch: float, arms: np.ndarray) -> np.ndarray:
+        """Step features of each arm played by the whole batch."""
         passes = np.maximum(self._eagle_k[arms], 1.0 if self._head else 0.0)
         x = np.empty((len(arms), _N_FEATURES))
         x[:, 0] = 1.0
@@ -595,7 +624,11 @@ class GoodputModel(Learner):
         x[:, 3] = passes
         x[:, 4] = self._peagle[arms]
         x[:, 5] = self._ngram[arms]
-        out: np.ndarray = np.maximum(x @ theta, max(self._cost_floor(), 1e-3))
+        return x
+
+    def _costs(self, theta: np.ndarray, batch: float, arms: np.ndarray) -> np.ndarray:
+        """Predicted step time (ms) of each arm played by the whole batch."""
+        out: np.ndarray = np.maximum(self._arm_features(batch, arms) @ theta, max(self._cost_floor(), 1e-3))
         return out
 
     def _cost_floor(self) -> float:
@@ -611,6 +644,143 @@ class GoodputModel(Learner):
         if self._w == 0:
             return np.full(len(self.arms), np.nan)
         return self._goodputs(ctx, list(range(len(self.arms))), sample=False)
+
+    def _assignment_values(
+        self,
+        bucket: str,
+        classes: list[str],
+        assign: np.ndarray,
+        ci: int,
+        options: np.ndarray,
+        by_rule: bool,
+        draws: int,
+    ) -> np.ndarray:
+        """The bucket's step goodput with class ``classes[ci]`` on each arm of ``options`` and the others
+        on ``assign``, by the objective ``plan_bucket`` maximises (shares, the rule's rows, one EAGLE-3
+        pass serving every row). ``draws = 0``: greedy, shape ``(1, len(options))``; otherwise
+        ``(draws, len(options))`` under joint draws of both posteriors (not scaled by ``explore``),
+        one draw shared by all options, so what they have in common cancels in their differences."""
+        batch = self._batch_size(bucket)
+        if classes == [ANY_CLASS]:
+            share = np.ones(1)
+        else:
+            mix = self._mix.get(bucket, {})
+            w = np.array([mix.get(c, 0.0) for c in classes])
+            share = w / w.sum() if w.sum() > 0 else np.full(len(classes), 1.0 / len(classes))
+        ng = (
+            np.array([self._rule_rows(context_key(bucket, c)) for c in classes])
+            if by_rule
+            else np.zeros((len(classes), 3))
+        )
+        f = ng[:, 0]
+        planned = share * (1.0 - f)
+        fixed_tokens = float(share @ (f * ng[:, 1]))
+        fixed_verify = float(share @ (f * ng[:, 2]))
+        rule_ngram = bool((f > 0).any())
+        theta = self._theta(sample=False)
+        n = max(draws, 1)
+        if draws:
+            cov = self._cov if self._cov is not None else np.zeros((_N_FEATURES, _N_FEATURES))
+            ev, u = np.linalg.eigh((cov + cov.T) / 2)
+            thetas = theta + self.rng.standard_normal((draws, _N_FEATURES)) @ (u * np.sqrt(np.abs(ev))).T
+        else:
+            thetas = theta[None]
+        arms_used = sorted(set(assign.tolist()) | set(options.tolist()))
+        # acc[c][arm]: expected accepted drafts per draw, one acceptance draw per (class, method).
+        acc: list[dict[int, np.ndarray]] = []
+        for c in classes:
+            alpha, beta = self._beta_params(c)
+            by_code: dict[int, np.ndarray] = {}
+            per_arm: dict[int, np.ndarray] = {}
+            for i in arms_used:
+                code = int(self._arm_code[i])
+                if code not in by_code:
+                    mean = alpha[i] / (alpha[i] + beta[i])
+                    by_code[code] = (
+                        self.rng.beta(alpha[i], beta[i], size=(draws, self._kmax)) if draws else mean[None]
+                    )
+                per_arm[i] = np.cumprod(by_code[code] * self._drafts[i], axis=1).sum(axis=1)
+            acc.append(per_arm)
+        head = 1.0 if self._head else 0.0
+        floor = max(self._cost_floor(), 1e-3)
+        out = np.empty((n, len(options)))
+        for j, o in enumerate(options.tolist()):
+            a = assign.copy()
+            a[ci] = o
+            on = planned > 0
+            x = np.zeros(_N_FEATURES)
+            x[0] = 1.0
+            x[1] = (float(planned @ (self._arm_k[a] + 1)) + fixed_verify) * batch / _TOKEN_SCALE
+            passes = max(float(self._eagle_k[a][on].max(initial=0.0)), head)
+            x[2] = passes > 0
+            x[3] = passes
+            x[4] = bool(self._peagle[a][on].any())
+            x[5] = bool(self._ngram[a][on].any()) or rule_ngram
+            tokens = fixed_tokens + sum(planned[c] * (1.0 + acc[c][int(a[c])]) for c in range(len(classes)))
+            cost = np.maximum(thetas @ x, floor)
+            out[:, j] = batch * tokens / cost * 1e3
+        return out
+
+    def _settled(self, cls: str, arm: int) -> bool:
+        """Whether every draft position ``arm`` verifies has been seen ``switch_settled_trials`` times
+        (discounted) for ``cls``: positions deeper than the K in play are never verified, and their
+        estimates fall back to the prior as the counts decay."""
+        need = float(self.params["switch_settled_trials"])
+        code = int(self._arm_code[arm])
+        t = self._acc.get((cls, code))
+        if t is None and cls != ANY_CLASS:
+            t = self._acc.get((ANY_CLASS, code))
+        if t is None:
+            return need <= 0
+        return bool((t[0][self._drafts[arm]] >= need).all())
+
+    def switch_check(
+        self,
+        ctx: str,
+        allowed: Sequence[int],
+        current: int,
+        new: int,
+        *,
+        others: Mapping[str, int] | None = None,
+    ) -> tuple[float, float] | None:
+        """The predicted (greedy) gain of ``new`` over ``current`` in the bucket's step goodput, with
+        the bucket's other classes on their arms in play (``others``, by context), and the margin it
+        must beat: ``switch_confidence`` standard deviations of that gain under the posteriors (from
+        ``switch_draws`` joint draws, so what the two arms share cancels), and at least
+        ``switch_floor`` of the current value. A neighbour whose edge the data cannot tell from noise
+        does not displace the arm in play, however often Thompson sampling proposes it."""
+        z = float(self.params["switch_confidence"])
+        floor = float(self.params["switch_floor"])
+        if (z <= 0 and floor <= 0) or self._w == 0:
+            return None
+        bucket, _, cls = ctx.partition("/")
+        cls = cls or ANY_CLASS
+        if not self._settled(cls, new):
+            return None  # as an unestimated arm: it has to be tried before it can be judged
+        by_rule = not bool(self._ngram[np.asarray(list(allowed), dtype=np.int64)].any())
+        if cls == ANY_CLASS:
+            classes, assign = [ANY_CLASS], np.array([current], dtype=np.int64)
+        else:
+            peers = {
+                k.partition("/")[2]: i
+                for k, i in (others or {}).items()
+                if k.partition("/")[0] == bucket and k.partition("/")[2] not in (ANY_CLASS, cls)
+            }
+            classes = [cls, *sorted(peers)]
+            assign = np.array([current, *(peers[c] for c in classes[1:])], dtype=np.int64)
+        options = np.array([current, new], dtype=np.int64)
+        greedy = self._assignment_values(bucket, classes, assign, 0, options, by_rule, 0)[0]
+        if not np.isfinite(greedy).all():
+            return None
+        margin = floor * max(float(greedy[0]), 0.0)
+        if z > 0 and self._cov is not None:
+            d = self._assignment_values(
+                bucket, classes, assign, 0, options, by_rule, int(self.params["switch_draws"])
+            )
+            sd = float(np.std(d[:, 1] - d[:, 0]))
+            if np.isfinite(sd):
+                margin = max(margin, z * sd)
+        return float(greedy[1] - greedy[0]), margin
 
     # -- snapshots ---------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from controller.cli import main
 from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import demo_traffic
+from controller.embedded.workload import demo_workload
 from controller.sidecar import Sidecar
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ class Background:
         self.engine = EmbeddedEngine(
             target=self.sidecar.engine_target,
             settings=EngineSettings(engine_id="engine-a"),
-            traffic=demo_traffic(duration_s=600.0),
+            workload=demo_workload(duration_s=600.0),
             link=LinkSettings(time_scale=1.0),
         )
         await self.engine.start()

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import demo_traffic
+from controller.embedded.workload import demo_workload
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from tests.integration.test_sidecar_grpc import WAIT_S, TestEngine, hello, step, until
@@ -61,7 +61,7 @@ async def test_cut_connections_lose_and_duplicate_nothing(sidecar: Sidecar) -> N
     engine = EmbeddedEngine(
         target=proxy.target,
         settings=EngineSettings(engine_id="cut"),
-        traffic=demo_traffic(seed=1, duration_s=2.0),
+        workload=demo_workload(seed=1, duration_s=2.0),
         link=LinkSettings(
             time_scale=1.0, flush_interval_s=0.005, max_steps_per_batch=8, backoff_initial_s=0.02
         ),

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import demo_traffic
+from controller.embedded.workload import demo_workload
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
@@ -66,7 +66,7 @@ async def test_sigkill_under_load(setup: tuple[Path, Path, Path], tmp_path: Path
         EmbeddedEngine(
             target=first.engine,
             settings=EngineSettings(engine_id=f"e{i}"),
-            traffic=demo_traffic(seed=i, duration_s=60.0),
+            workload=demo_workload(seed=i, duration_s=60.0),
             link=LinkSettings(time_scale=1.0, backoff_initial_s=0.02, backoff_max_s=0.1),
         )
         for i in range(ENGINES)

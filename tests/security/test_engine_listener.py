@@ -15,7 +15,7 @@ from controller.auth import ClientTLS
 from controller.config import ConfigError, SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import demo_traffic
+from controller.embedded.workload import demo_workload
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
@@ -125,7 +125,7 @@ async def test_engines_attach_over_mtls_and_strangers_do_not(tmp_path: Path, cer
         engine = EmbeddedEngine(
             target=sc.engine_target,
             settings=EngineSettings(engine_id="tls"),
-            traffic=demo_traffic(seed=0, duration_s=0.3),
+            workload=demo_workload(seed=0, duration_s=0.3),
             link=LinkSettings(time_scale=1.0, flush_interval_s=0.01),
             tls=tls,
         )

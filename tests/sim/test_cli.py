@@ -18,6 +18,7 @@ KEYS = {
     "e2e_ms",
     "cost_usd_per_1m_output_tokens",
     "switches",
+    "switches_per_1k_steps",
     "oracle",
 }
 

@@ -53,8 +53,9 @@ def test_step_time_composition() -> None:
     t1 = p.step_time(eagle_forwards=np.array([1.0]), **one)[0]
     fwd = p.draft_forward_time(np.array([32000.0]), np.array([96.0]))[0]
     assert t3 - t1 == pytest.approx(2 * fwd)  # EAGLE-3 drafts sequentially
-    # The scalar hot path does the same arithmetic.
-    assert p.step_time_one(32000.0, 128.0, 3.0, 96.0, 0.0, 0.0, 0.0) == t3
+    # One step with floats (the stepping kernel) is the same arithmetic as the arrays.
+    scalar = {k: float(v[0]) for k, v in one.items()}
+    assert p.step_time(eagle_forwards=3.0, **scalar) == t3
     # A whole k = 3 draft costs what the fit says.
     assert 3 * fwd == pytest.approx(2.37768493e-09 * 32000 + 8.41429603e-07 * 96 + 2.13526175e-03)
 
@@ -62,6 +63,18 @@ def test_step_time_composition() -> None:
 def test_moe_targets_pay_more_per_verified_token() -> None:
     p = load_profile("qwen3-coder-30b-a3b-h200")
     assert p.moe is not None
+    arrays = dict(
+        kv=np.array([5000.0, 9000.0]),
+        batched=np.array([9.0, 40.0]),
+        eagle_forwards=np.array([3.0, 1.0]),
+        eagle_spec=np.array([24.0, 8.0]),
+        p_eagle_passes=np.array([0.0, 1.0]),
+        p_eagle_spec=np.array([0.0, 8.0]),
+        ngram_rows=np.array([1.0, 0.0]),
+    )
+    many = p.step_time(**arrays)
+    for i in range(2):
+        assert p.step_time(**{k: float(v[i]) for k, v in arrays.items()}) == many[i]
     small, big = p.verify_time(np.array([0.0, 0.0]), np.array([1.0, 32.0]))
     dense_part = p.target(np.array([0.0, 0.0]), np.array([1.0, 32.0]))
     assert big - small > dense_part[1] - dense_part[0]

@@ -1,12 +1,17 @@
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from controller.convert import observation_from_pb
-from controller.embedded.core import EngineCore, EngineSettings, safe_directive
-from controller.embedded.traffic import DEFAULT_CLASSES, Phase, Schedule, Traffic
+from controller.embedded.core import EngineCore, EngineSettings
+from controller.embedded.workload import Phase, Schedule, build_workload
 from policies.arms import METHODS_BY_CODE, Arm, Method
 from policies.directive import Directive
+from policies.engine_rules import safe_default_directive
+from sim.costmodel import DEFAULT_PROFILE, load_profile
+
+PROFILE = load_profile(DEFAULT_PROFILE)
 
 
 class FakeClock:
@@ -20,14 +25,18 @@ class FakeClock:
 def _core(
     clock: FakeClock | None = None, concurrency: int = 4, mix: dict[str, float] | None = None
 ) -> EngineCore:
-    traffic = Traffic(
-        classes=DEFAULT_CLASSES, schedule=Schedule((Phase(5.0, mix or {"code": 1.0}, concurrency),)), seed=1
+    workload = build_workload(
+        Schedule((Phase(5.0, mix or {"code-edit": 1.0}, concurrency),)), profile=PROFILE, seed=1
     )
-    return EngineCore(settings=EngineSettings(engine_id="e"), traffic=traffic, clock=clock or FakeClock())
+    return EngineCore(
+        settings=EngineSettings(engine_id="e"), workload=workload, profile=PROFILE, clock=clock or FakeClock()
+    )
 
 
 def _directive(arm: str, version: int, ttl_s: float = 10.0) -> Directive:
-    return replace(safe_directive(Arm.parse(arm)), version=version, policy="test", ttl_s=ttl_s)
+    return replace(
+        safe_default_directive(Arm.parse(arm), max_k=16), version=version, policy="test", ttl_s=ttl_s
+    )
 
 
 def _arms(report) -> set[str]:  # type: ignore[no-untyped-def]
@@ -137,3 +146,27 @@ def test_speculation_pays_at_batch_one_on_chat() -> None:
         res[arm] = c.totals.goodput
     assert res["eagle3:3"] > 1.5 * res["off"]
     assert res["eagle3:3"] > res["ngram:3"]
+
+
+@pytest.mark.parametrize(("arm", "concurrency"), [("eagle3:3", 1), ("ngram:2", 8), ("off", 32)])
+def test_the_demo_engine_steps_are_the_simulators(arm: str, concurrency: int) -> None:
+    """One engine model: the demo engine's step times equal the simulator's replay of its requests."""
+    from controller.embedded.core import ENGINE_MODEL
+    from sim.vectorised import replay_static
+
+    core = _core(concurrency=concurrency, mix={"maths": 1.0})
+    core.receive(_directive(arm, 1))
+    durations = []
+    while not core.done:
+        durations.append(core.step().duration_s)
+    a = Arm.parse(arm)
+    sim = replay_static(
+        core.workload.trace,
+        method=a.method,
+        k=a.k,
+        concurrency=concurrency,
+        profile=PROFILE,
+        engine=ENGINE_MODEL,
+    )
+    assert len(durations) > 100
+    np.testing.assert_allclose(np.cumsum(durations), sim.timeline.end_s[: len(durations)], rtol=1e-12)
