@@ -69,12 +69,18 @@ class AdminService(pb_grpc.AdminServiceServicer):
         for name in preset_names():
             spec = parse_policy(preset_text(name), source=f"preset:{name}")
             presets.append(self.sidecar.policy_info(PolicyRecord(spec, 0, f"preset:{name}", 0.0)))
-        active = [store.default, *store.overrides().values()]
-        return pb.ListPoliciesResponse(
-            presets=presets,
-            active=[self.sidecar.policy_info(r) for r in active],
-            history=[self.sidecar.policy_info(r) for r in store.history()],
-        )
+        out = pb.ListPoliciesResponse(presets=presets, active=[self.sidecar.policy_info(store.default)])
+        # Overrides then history, while they fit half the message limit (each override can be 64 KiB).
+        budget = self.sidecar.config.max_message_bytes // 2 - out.ByteSize()
+        for field, records in (("active", store.overrides().values()), ("history", store.history())):
+            for r in records:
+                info = self.sidecar.policy_info(r)
+                budget -= info.ByteSize() + 8
+                if budget < 0:
+                    out.truncated = True
+                    return out
+                getattr(out, field).append(info)
+        return out
 
     async def RollbackPolicy(self, request: pb.RollbackPolicyRequest, context: Ctx) -> pb.PolicyInfo:
         await self._check_engine_id(request.engine_id, context)

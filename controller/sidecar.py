@@ -524,6 +524,12 @@ class Sidecar:
     def set_policy(self, yaml_text: str, *, source: str, engine_id: str = "") -> PolicyRecord:
         """Parse, check every affected engine can run it, then switch. Raises PolicyError."""
         spec = parse_policy_checked(yaml_text, source=source or "<policy>")
+        overrides = self.policy_store.overrides()
+        if engine_id and engine_id not in overrides and len(overrides) >= self.config.max_engines:
+            raise PolicyError(
+                f"at most {self.config.max_engines} engines (max_engines) may have a policy of their own",
+                source=source or "<policy>",
+            )
         affected = self._affected(engine_id)
         loops = {eid: self._loop_for(self._engines[eid].info, spec) for eid in affected}
         rec = self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id)
@@ -889,7 +895,9 @@ class Sidecar:
         self._fleet_version = int_field(state, "fleet_policy_version", path="state", default=0)
         engines = state.get("engines", {})
         if not isinstance(engines, Mapping):
-            problems.append(f"state.engines: expected an object, got {type(engines).__name__}; no engine restored")
+            problems.append(
+                f"state.engines: expected an object, got {type(engines).__name__}; no engine restored"
+            )
             engines = {}
         for eid, e in engines.items():
             at = f"state.engines[{eid!r}]"

@@ -259,14 +259,16 @@ class PolicyInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., algorithm: _Optional[str] = ..., yaml: _Optional[str] = ..., revision: _Optional[int] = ..., source: _Optional[str] = ..., set_at_s: _Optional[float] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class ListPoliciesResponse(_message.Message):
-    __slots__ = ("presets", "active", "history")
+    __slots__ = ("presets", "active", "history", "truncated")
     PRESETS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     presets: _containers.RepeatedCompositeFieldContainer[PolicyInfo]
     active: _containers.RepeatedCompositeFieldContainer[PolicyInfo]
     history: _containers.RepeatedCompositeFieldContainer[PolicyInfo]
-    def __init__(self, presets: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., active: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, presets: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., active: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

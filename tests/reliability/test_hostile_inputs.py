@@ -17,14 +17,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.presets import preset_text
+from controller.presets import preset_text, resolve_policy_text
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import MAX_SEQUENCE
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo
-from tests.integration.test_sidecar_grpc import TestEngine, hello, step, until
+from policies.spec import MAX_DOCUMENT_BYTES, PolicyError
+from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, TestEngine, hello, step, until
 
 pytestmark = pytest.mark.integration
 
@@ -179,7 +180,11 @@ def _info(i: int) -> EngineInfo:
 
 
 async def test_status_is_bounded_and_list_engines_pages_through_everything(tmp_path: Path) -> None:
-    sc = Sidecar(config=_config(tmp_path, max_message_bytes=64 * 1024), registry=CollectorRegistry())
+    # A slow tick: 300 engines deciding every 10 ms would only slow the test.
+    sc = Sidecar(
+        config=_config(tmp_path, max_message_bytes=64 * 1024, decision_tick_s=1.0),
+        registry=CollectorRegistry(),
+    )
     await sc.start()
     try:
         for i in range(300):
@@ -231,3 +236,42 @@ async def test_metrics_forget_evicted_engines_and_carry_build_info_and_decision_
         assert (sc.registry.get_sample_value("speccontrol_decision_seconds_count") or 0) >= 1
     finally:
         await sc.stop(snapshot=False)
+
+
+def _big_policy(name: str) -> str:
+    """A valid policy of about 20 KB (a long description)."""
+    return STATIC_EAGLE3_2.replace("name: static-eagle3-2", f"name: {name}\n  description: {'x' * 20_000}")
+
+
+async def test_engine_overrides_are_capped_and_list_policies_is_bounded(tmp_path: Path) -> None:
+    sc = Sidecar(
+        config=_config(tmp_path, max_engines=3, max_message_bytes=64 * 1024), registry=CollectorRegistry()
+    )
+    await sc.start()
+    try:
+        for i in range(3):
+            sc.set_policy(_big_policy(f"own-{i}"), source="big.yaml", engine_id=f"e{i}")
+        with pytest.raises(PolicyError, match=r"at most 3 engines \(max_engines\)"):
+            sc.set_policy(_big_policy("own-3"), source="big.yaml", engine_id="e3")
+        sc.set_policy(_big_policy("own-0b"), source="big.yaml", engine_id="e0")  # a known one may change
+        ch, admin = await _admin(sc)
+        async with ch:
+            resp = await admin.ListPolicies(pb.ListPoliciesRequest())
+        assert resp.truncated and resp.ByteSize() <= 64 * 1024
+        assert resp.active[0].engine_id == "" and resp.active[0].name == "default"
+        assert 1 <= len(resp.active) < 4 and resp.presets
+    finally:
+        await sc.stop(snapshot=False)
+
+
+def test_a_huge_policy_file_is_refused_without_being_read(tmp_path: Path) -> None:
+    """A 16 GiB (sparse) file: read whole first, this would exhaust memory; it is refused at 64 KiB."""
+    big = tmp_path / "huge.yaml"
+    with big.open("wb") as f:
+        f.truncate(1 << 34)
+    with pytest.raises(PolicyError, match=f"document larger than {MAX_DOCUMENT_BYTES} bytes"):
+        resolve_policy_text(str(big))
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe" * 10)
+    with pytest.raises(PolicyError, match="not UTF-8 text"):
+        resolve_policy_text(str(binary))
