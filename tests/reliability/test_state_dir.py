@@ -10,66 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S
+from tests.reliability.serve_process import CTL, ENV, REPO, Serve, ctl
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-CTL = [sys.executable, "-c", "import sys; from controller.cli import main; sys.exit(main())"]
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-
-
-class Serve:
-    """``controllerctl serve --config FILE`` until its endpoints file names its pid."""
-
-    def __init__(self, config: Path, state: Path) -> None:
-        self.endpoints = state / "endpoints.json"
-        self.proc = subprocess.Popen(
-            [*CTL, "serve", "--config", str(config)],
-            cwd=REPO,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            if self.endpoints.exists():
-                ep = json.loads(self.endpoints.read_text())
-                if ep["pid"] == self.proc.pid:
-                    break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                out = self.proc.communicate(timeout=WAIT_S)[0]
-                raise AssertionError(f"sidecar did not come up (rc {self.proc.returncode}): {out}")
-            time.sleep(0.02)
-        self.admin: str = ep["admin"]
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.communicate(timeout=WAIT_S)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.communicate(timeout=WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.communicate()
-
-
-def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CTL, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=WAIT_S)
 
 
 @pytest.fixture
@@ -130,8 +80,7 @@ def test_a_second_sidecar_on_the_same_state_dir_exits_1(config: tuple[Path, Path
         assert ctl("--admin", first.admin, "status").returncode == 0  # the first serves on
         first.kill9()  # the kernel releases the lock with the process
         third = Serve(cfg, state)
-        third.stop()
-        assert third.proc.returncode == 0
+        assert third.stop() == 0
     finally:
         first.stop()
 
@@ -167,6 +116,4 @@ def test_a_socket_path_naming_something_else_is_refused_and_left_alone(tmp_path:
         assert target.read_text() == "keep me"
     # The refused start released the state dir: a correct config serves at once.
     cfg.write_text(f"admin_listen: 127.0.0.1:0\nmetrics_listen: ''\nstate_dir: {state}\n")
-    s = Serve(cfg, state)
-    s.stop()
-    assert s.proc.returncode == 0
+    assert Serve(cfg, state).stop() == 0
