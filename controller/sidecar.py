@@ -61,6 +61,7 @@ from policies.arms import Arm
 from policies.directive import Directive
 from policies.engine import EngineInfo
 from policies.loop import ControlLoop, Totals
+from policies.observation import StepObservation
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 #: behind what was sent, so the counter skips ahead by this much to stay strictly increasing.
 CRASH_VERSION_GAP = 1_000_000
 STREAM_QUEUE = 16
+#: Distinct traffic classes one engine's loop learns about; later ones are pooled into "default".
+MAX_CLASSES_PER_ENGINE = 256
 #: Contexts listed per engine in status (each is one class x batch bucket it learned about).
 MAX_STATUS_CONTEXTS = 256
 WATCH_QUEUE = 256
@@ -110,6 +113,10 @@ class EngineState:
     #: The engine said it cannot apply directives (an observe-only adapter): status shows them as
     #: recommendations.
     observe_only: bool = False
+    #: Traffic classes learned per context (at most MAX_CLASSES_PER_ENGINE, "default" among them),
+    #: and the steps whose other classes were pooled into "default".
+    classes: set[str] = field(default_factory=lambda: {"default"})
+    classes_pooled: int = 0
 
     @property
     def connected(self) -> bool:
@@ -496,8 +503,36 @@ class Sidecar:
             raise
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
+        observations = self._bound_classes(st, observations)
         st.loop.observe_many(observations)
         self.metrics.observe_steps(eid, observations)
+
+    def _bound_classes(self, st: EngineState, observations: list[StepObservation]) -> list[StepObservation]:
+        """The steps with every traffic class beyond the engine's first ``MAX_CLASSES_PER_ENGINE``
+        pooled into ``default``: each class is a context (memory, status, snapshot, metric labels),
+        and an engine naming a new one on every step must not grow them without bound."""
+        known = st.classes
+        out: list[StepObservation] | None = None
+        for i, o in enumerate(observations):
+            names = set(o.traffic_class)
+            if names <= known:
+                continue
+            new = sorted(names - known)
+            room = MAX_CLASSES_PER_ENGINE - len(known)
+            known.update(new[: max(room, 0)])
+            if len(new) <= room:
+                continue
+            if not st.classes_pooled:
+                log.warning(
+                    "engine %s: more than %d traffic classes; further ones are pooled into 'default'",
+                    st.info.engine_id,
+                    MAX_CLASSES_PER_ENGINE,
+                )
+            st.classes_pooled += 1
+            pooled = tuple(c if c in known else "default" for c in o.traffic_class)
+            out = out if out is not None else list(observations)
+            out[i] = replace(o, traffic_class=pooled)
+        return out if out is not None else observations
 
     def reject(self, st: EngineState | None, e: TelemetryError) -> None:
         self.metrics.rejected.labels(e.reason).inc()

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
 from controller.presets import preset_text, resolve_policy_text
-from controller.sidecar import Sidecar
+from controller.sidecar import MAX_CLASSES_PER_ENGINE, Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import MAX_SEQUENCE
@@ -275,3 +275,28 @@ def test_a_huge_policy_file_is_refused_without_being_read(tmp_path: Path) -> Non
     binary.write_bytes(b"\xff\xfe" * 10)
     with pytest.raises(PolicyError, match="not UTF-8 text"):
         resolve_policy_text(str(binary))
+
+
+async def test_an_engine_naming_a_new_class_every_step_grows_nothing_beyond_the_cap(sidecar: Sidecar) -> None:
+    eng = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello("classy")))
+    try:
+        await eng.directive()
+        for b in range(4):  # 400 steps, each with a class never seen before
+            steps = []
+            for j in range(100):
+                s = step(t=float(b * 100 + j), accepted=[1])
+                s.requests[0].traffic_class = f"class-{b * 100 + j}"
+                steps.append(s)
+            eng.report(*steps)
+        await until(lambda: sidecar.engines()["classy"].loop.totals.steps == 400)  # nothing refused
+        await until(lambda: sidecar.engines()["classy"].loop.rounds >= 1)
+    finally:
+        await eng.close()
+    st = sidecar.engines()["classy"]
+    assert len(st.classes) == MAX_CLASSES_PER_ENGINE and st.classes_pooled == 400 - (
+        MAX_CLASSES_PER_ENGINE - 1
+    )
+    learned = {ctx.split("/", 1)[1] for ctx in st.loop.state_dict()["contexts"]}
+    assert learned <= st.classes | {"*"}
+    mix = st.loop.state_dict()["learner"]["mix"]
+    assert all(set(m) <= st.classes for m in mix.values())
