@@ -6,8 +6,9 @@ Each engine sends ``--steps-per-s`` steps per second with ``--batch`` requests p
 batches every ``--flush-ms``. The sidecar runs in a child process pinned to one core (``--core``);
 it records how long each engine's decision round (``Sidecar._decide``) takes. Printed: observations
 (request-steps) applied per second, dropped reports (sent but not applied, rate-limited or refused),
-decision latency p50/p99, and the sidecar's CPU use and peak RSS. Target: 64 engines, zero drops on
-one core, p99 under 5 ms. Measures, never asserts.
+decision latency p50/p99, the sidecar's CPU use and peak RSS, and the machine's load average before
+and after (the figures depend on it). Target: 128 engines, zero drops on one core, p99 under 5 ms.
+Measures, never asserts.
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ def main() -> int:
                 os.path.abspath(args.profile) if args.profile else "",
             ),
         )
+        load_before = os.getloadavg()
         proc.start()
         target = ready.get(timeout=60)
         if args.core >= 0:  # keep the engines off the sidecar's core
@@ -233,6 +235,11 @@ def main() -> int:
         )
     print(
         f"sidecar CPU: {doc['cpu_s'] / doc['wall_s'] * 100:.0f}% of one core; peak RSS {doc['max_rss_mib']:.0f} MiB"
+    )
+    # The machine's load, which the figures depend on (a shared host changes them by tens of %).
+    load = os.getloadavg()
+    print(
+        f"machine: {os.cpu_count()} cores, load average (1 min) {load_before[0]:.2f} before, {load[0]:.2f} after"
     )
     if doc["steps"]:
         # CPU time per applied step: the sidecar's cost, less sensitive than steps/s to a busy machine.

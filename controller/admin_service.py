@@ -7,18 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from controller.policy_store import NoPreviousPolicy, PolicyRecord
+from controller.policy_store import MAX_SOURCE, NoPreviousPolicy, PolicyRecord
 from controller.presets import preset_names, preset_text
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
-from controller.validation import MAX_ENGINE_ID
+from controller.validation import MAX_ENGINE_ID, escape_text, has_control
 from policies.spec import PolicyError, parse_policy
 
 if TYPE_CHECKING:
     from controller.sidecar import Sidecar
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
-MAX_SOURCE = 1024
 
 
 class AdminService(pb_grpc.AdminServiceServicer):
@@ -30,6 +29,12 @@ class AdminService(pb_grpc.AdminServiceServicer):
             self.sidecar.admin_rejected("engine_id_too_long")
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"engine_id: longer than {MAX_ENGINE_ID} characters"
+            )
+        if has_control(engine_id):
+            self.sidecar.admin_rejected("control_characters")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"engine_id: holds control characters ({escape_text(engine_id)[:80]})",
             )
 
     async def _check_rate(self, context: Ctx) -> None:
@@ -64,12 +69,18 @@ class AdminService(pb_grpc.AdminServiceServicer):
         for name in preset_names():
             spec = parse_policy(preset_text(name), source=f"preset:{name}")
             presets.append(self.sidecar.policy_info(PolicyRecord(spec, 0, f"preset:{name}", 0.0)))
-        active = [store.default, *store.overrides().values()]
-        return pb.ListPoliciesResponse(
-            presets=presets,
-            active=[self.sidecar.policy_info(r) for r in active],
-            history=[self.sidecar.policy_info(r) for r in store.history()],
-        )
+        out = pb.ListPoliciesResponse(presets=presets, active=[self.sidecar.policy_info(store.default)])
+        # Overrides then history, while they fit half the message limit (each override can be 64 KiB).
+        budget = self.sidecar.config.max_message_bytes // 2 - out.ByteSize()
+        for field, records in (("active", store.overrides().values()), ("history", store.history())):
+            for r in records:
+                info = self.sidecar.policy_info(r)
+                budget -= info.ByteSize() + 8
+                if budget < 0:
+                    out.truncated = True
+                    return out
+                getattr(out, field).append(info)
+        return out
 
     async def RollbackPolicy(self, request: pb.RollbackPolicyRequest, context: Ctx) -> pb.PolicyInfo:
         await self._check_engine_id(request.engine_id, context)
@@ -84,7 +95,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return self.sidecar.status()
 
     async def ListEngines(self, request: pb.ListEnginesRequest, context: Ctx) -> pb.ListEnginesResponse:
-        return pb.ListEnginesResponse(engines=self.sidecar.status().engines)
+        engines, next_offset = self.sidecar.engine_page(request.offset, request.limit)
+        return pb.ListEnginesResponse(
+            engines=engines, total=len(self.sidecar.engines()), next_offset=next_offset
+        )
 
     async def WatchDecisions(
         self, request: pb.WatchDecisionsRequest, context: Ctx

@@ -3,10 +3,16 @@
 Token counters and everything derived from them (acceptance rate, mean accepted per step, recent
 goodput, queue wait, current arms, directive age) come from one custom collector that keeps the raw
 sums and computes ratios at scrape time, so a ratio can never disagree with its counters.
+
+What must hold: every per-engine series goes with its engine (``forget_engine``), so unique engine
+ids cannot grow ``/metrics`` without bound; label values carry no control characters; the endpoint
+serves no ``*_created`` series (a view of the registry without them, not a process-wide switch).
 """
 
 from __future__ import annotations
 
+import contextlib
+import platform
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -14,17 +20,23 @@ from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+import controller
+from controller.validation import PROTOCOL_VERSIONS, escape_text
 from policies.arms import METHODS_BY_CODE, Arm
 from policies.observation import StepObservation
 
 PREFIX = "speccontrol"
 #: Steps kept per engine for the recent goodput and queue-wait figures.
 RECENT_STEPS = 256
+#: Decision-round latency buckets (seconds): the target is a p99 under 5 ms.
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: Engine-labelled counters and gauges (each removed with its engine).
+_ENGINE_SERIES = ("decisions", "switches", "duplicates", "lost_batches", "engine_dropped")
 
 
 @dataclass(slots=True)
@@ -109,7 +121,10 @@ class _TelemetryCollector(Collector):
         now = self.clock()
         n_connected = 0
         with self.lock:
-            for eid, e in sorted(self.engines.items()):
+            for raw_id, e in sorted(self.engines.items()):
+                eid = escape_text(
+                    raw_id
+                )  # checked at the edge; a label must hold no control character anyway
                 for (m, k), (d, a, em, n) in sorted(e.by_arm.items()):
                     lv = [eid, m, str(k)]
                     drafted.add_metric(lv, d)
@@ -126,7 +141,8 @@ class _TelemetryCollector(Collector):
                     goodput.add_metric([eid], sum(r[0] for r in e.recent) / busy if busy > 0 else 0.0)
                     qwait.add_metric([eid], sum(r[2] for r in e.recent) / len(e.recent))
                 qlen.add_metric([eid], e.queue_length)
-                for ctx, a_ in sorted(e.arms.items()):
+                for raw_ctx, a_ in sorted(e.arms.items()):
+                    ctx = escape_text(raw_ctx)
                     arm.add_metric([eid, ctx, a_.method.value, str(a_.k)], 1.0)
                     cur_k.add_metric([eid, ctx], a_.k)
                 if e.directive_issued_at is not None:
@@ -185,6 +201,35 @@ class SidecarMetrics:
             "Unix time of the last successful snapshot.",
             registry=registry,
         )
+        self.loop_resets = Counter(
+            f"{p}_control_loop_resets",
+            "Control loops started afresh because their state broke (decisions, estimates or snapshot).",
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            f"{p}_decision_seconds",
+            "Time one decision round takes (an engine's control loop deciding its next directive).",
+            buckets=DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.build_info = Gauge(
+            f"{p}_build_info",
+            "Always 1; the labels say which sidecar build serves.",
+            ["version", "protocol_versions", "python_version"],
+            registry=registry,
+        )
+        self.build_info.labels(
+            controller.__version__, ",".join(map(str, PROTOCOL_VERSIONS)), platform.python_version()
+        ).set(1)
+
+    def forget_engine(self, engine_id: str) -> None:
+        """Drop every series of an engine the sidecar no longer holds."""
+        with self._t.lock:
+            self._t.engines.pop(engine_id, None)
+        for name in _ENGINE_SERIES:
+            metric: Counter = getattr(self, name)
+            with contextlib.suppress(KeyError):  # the engine never had this series
+                metric.remove(engine_id)
 
     def observe_step(self, engine_id: str, obs: StepObservation) -> None:
         n = obs.n
@@ -274,6 +319,21 @@ class SidecarMetrics:
             return sum(r[0] for r in e.recent) / busy if busy > 0 else 0.0
 
 
+class _WithoutCreated(Collector):
+    """A registry's metrics without the ``*_created`` samples (start times of counters and
+    histograms, which only double the series count)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for m in self.registry.collect():
+            samples = [x for x in m.samples if not x.name.endswith("_created")]
+            if len(samples) != len(m.samples):
+                m.samples = samples
+            yield m
+
+
 class MetricsServer:
     """``/metrics`` over HTTP for one registry, on a background thread of prometheus_client's."""
 
@@ -284,7 +344,9 @@ class MetricsServer:
 
     def start(self) -> str:
         """Bind and serve; returns the URL of the metrics page (with the bound port)."""
-        server, thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        view = CollectorRegistry(auto_describe=False)
+        view.register(_WithoutCreated(self.registry))
+        server, thread = start_http_server(self.port, addr=self.host, registry=view)
         self._server, self._thread = server, thread
         host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         if ":" in host:

@@ -12,9 +12,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from policies.spec import PolicyError, PolicySpec, parse_policy, render_policy
+from controller.snapshot import SnapshotError, float_field, int_field, list_field, mapping_field, str_field
+from controller.validation import MAX_ENGINE_ID, MAX_TIME_S
+from policies.spec import MAX_DOCUMENT_BYTES, PolicyError, PolicySpec, parse_policy, render_policy
 
 HISTORY = 20
+#: Where a policy came from (a file name or preset), as the admin API accepts it.
+MAX_SOURCE = 1024
 
 
 class NoPreviousPolicy(LookupError):
@@ -43,14 +47,17 @@ class PolicyRecord:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> PolicyRecord:
-        source = str(d.get("source", "<snapshot>"))
+    def from_json(cls, d: Any, *, path: str = "policy") -> PolicyRecord:
+        """Raises SnapshotError (a value of the wrong type or range) or PolicyError (the document)."""
+        if not isinstance(d, Mapping):
+            raise SnapshotError(f"{path}: expected an object, got {type(d).__name__}")
+        source = str_field(d, "source", path=path, max_len=MAX_SOURCE, default="<snapshot>")
         return cls(
-            parse_policy(str(d["yaml"]), source=source),
-            int(d["revision"]),
+            parse_policy(str_field(d, "yaml", path=path, max_len=MAX_DOCUMENT_BYTES), source=source),
+            int_field(d, "revision", path=path, lo=1),
             source,
-            float(d["set_at_s"]),
-            str(d.get("engine_id", "")),
+            float_field(d, "set_at_s", path=path, hi=MAX_TIME_S),
+            str_field(d, "engine_id", path=path, max_len=MAX_ENGINE_ID, default=""),
         )
 
 
@@ -145,20 +152,42 @@ class PolicyStore:
 
     @classmethod
     def from_json(
-        cls, d: Mapping[str, Any], *, clock: Callable[[], float] = time.time, history: int = HISTORY
+        cls,
+        d: Mapping[str, Any],
+        *,
+        clock: Callable[[], float] = time.time,
+        history: int = HISTORY,
+        problems: list[str] | None = None,
+        path: str = "policies",
     ) -> PolicyStore:
-        """Raises PolicyError/KeyError/ValueError for a state that cannot be restored."""
+        """The store a snapshot saved. The default policy's current record is required (SnapshotError
+        or PolicyError without it); a bad history entry or engine override is dropped alone, with a
+        line appended to ``problems``."""
+        dropped = problems if problems is not None else []
 
-        def slot(s: Mapping[str, Any]) -> _Slot:
-            return _Slot(
-                PolicyRecord.from_json(s["current"]),
-                deque((PolicyRecord.from_json(r) for r in s["history"]), maxlen=history),
-            )
+        def slot(s: Any, at: str) -> _Slot:
+            if not isinstance(s, Mapping):
+                raise SnapshotError(f"{at}: expected an object, got {type(s).__name__}")
+            current = PolicyRecord.from_json(s.get("current"), path=f"{at}.current")
+            past: deque[PolicyRecord] = deque(maxlen=history)
+            for i, r in enumerate(list_field(s, "history", path=at, max_len=10 * history)[-history:]):
+                try:
+                    past.append(PolicyRecord.from_json(r, path=f"{at}.history[{i}]"))
+                except (SnapshotError, PolicyError) as e:
+                    dropped.append(f"{e}: history entry dropped")
+            return _Slot(current, past)
 
-        default = slot(d["default"])
+        default = slot(d.get("default"), f"{path}.default")
         store = cls(default=default.current.spec, source=default.current.source, clock=clock, history=history)
         store._default = default
-        store._engines = {str(e): slot(s) for e, s in d["engines"].items()}
+        for eid, s in mapping_field(d, "engines", path=path).items():
+            at = f"{path}.engines[{eid!r}]"
+            try:
+                if not eid or len(eid) > MAX_ENGINE_ID:
+                    raise SnapshotError(f"{at}: not an engine id")
+                store._engines[eid] = slot(s, at)
+            except (SnapshotError, PolicyError) as e:
+                dropped.append(f"{e}: the engine's own policy dropped (it follows the default)")
         return store
 
 

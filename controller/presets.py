@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from policies.spec import PolicyError, PolicySpec, parse_policy
+from policies.spec import MAX_DOCUMENT_BYTES, PolicyError, PolicySpec, parse_policy
 
 _PACKAGE = "policies"
 _DIR = "library"
@@ -33,14 +33,27 @@ def load_preset(name: str) -> PolicySpec:
     return parse_policy(preset_text(name), source=f"preset:{name}")
 
 
+def read_policy_file(path: Path) -> str:
+    """A policy file's text, read no further than the document limit: a 64 MB file is refused after
+    64 KiB + 1 bytes, not read whole first. Raises PolicyError."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as e:
+        raise PolicyError(f"cannot read policy file: {e.strerror or e}", source=str(path)) from None
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise PolicyError(f"document larger than {MAX_DOCUMENT_BYTES} bytes", source=str(path))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PolicyError(f"not UTF-8 text (byte {e.start})", source=str(path)) from None
+
+
 def resolve_policy_text(name_or_path: str) -> tuple[str, str]:
     """``(yaml, source)`` for a policy file path if it exists, else a preset name."""
     p = Path(name_or_path)
     if p.is_file():
-        try:
-            return p.read_text(encoding="utf-8"), str(p)
-        except (OSError, UnicodeDecodeError) as e:
-            raise PolicyError(f"cannot read policy file: {e}", source=str(p)) from None
+        return read_policy_file(p), str(p)
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         raise PolicyError(
             f"no such policy file, and not a preset (presets: {', '.join(preset_names())})",

@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     except PolicyError as e:
         print(f"error: default_policy: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
+    except ConfigError as e:  # found at bind time (a socket path naming something else)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the state dir held by another sidecar, a port taken, ...
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

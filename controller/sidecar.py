@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,34 @@ from controller.limits import TokenBucket
 from controller.metrics import MetricsServer, SidecarMetrics
 from controller.policy_store import PolicyRecord, PolicyStore
 from controller.presets import resolve_policy_text
-from controller.snapshot import SnapshotStore
+from controller.snapshot import (
+    MAX_COUNT,
+    SnapshotError,
+    SnapshotStore,
+    float_field,
+    int_field,
+    mapping_field,
+    str_field,
+)
+from controller.state_dir import StateDirLock, remove_stale_socket
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
-from controller.validation import Limits, TelemetryError, parse_policy_checked, validate_batch
-from policies.arms import Arm, Method
+from controller.validation import (
+    MAX_INSTANCE_ID,
+    MAX_SEQUENCE,
+    Limits,
+    TelemetryError,
+    check_batch_header,
+    escape_text,
+    parse_policy_checked,
+    validate_batch,
+    validate_hello,
+)
+from policies.arms import Arm
 from policies.directive import Directive
-from policies.engine import EngineInfo, Granularity
+from policies.engine import EngineInfo
 from policies.loop import ControlLoop, Totals
+from policies.observation import StepObservation
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 log = logging.getLogger(__name__)
@@ -49,6 +70,10 @@ log = logging.getLogger(__name__)
 #: behind what was sent, so the counter skips ahead by this much to stay strictly increasing.
 CRASH_VERSION_GAP = 1_000_000
 STREAM_QUEUE = 16
+#: Distinct traffic classes one engine's loop learns about; later ones are pooled into "default".
+MAX_CLASSES_PER_ENGINE = 256
+#: Contexts listed per engine in status (each is one class x batch bucket it learned about).
+MAX_STATUS_CONTEXTS = 256
 WATCH_QUEUE = 256
 #: Bursts of policy changes allowed before ``max_policy_changes_per_s`` applies.
 POLICY_CHANGE_BURST = 10.0
@@ -88,6 +113,10 @@ class EngineState:
     #: The engine said it cannot apply directives (an observe-only adapter): status shows them as
     #: recommendations.
     observe_only: bool = False
+    #: Traffic classes learned per context (at most MAX_CLASSES_PER_ENGINE, "default" among them),
+    #: and the steps whose other classes were pooled into "default".
+    classes: set[str] = field(default_factory=lambda: {"default"})
+    classes_pooled: int = 0
 
     @property
     def connected(self) -> bool:
@@ -132,16 +161,39 @@ def info_to_json(e: EngineInfo) -> dict[str, Any]:
 
 
 def info_from_json(d: Mapping[str, Any]) -> EngineInfo:
-    return EngineInfo(
-        engine_id=str(d["engine_id"]),
-        model=str(d["model"]),
-        max_k=int(d["max_k"]),
-        arms=tuple(Arm.parse(a) for a in d["arms"]),
-        granularity=Granularity(int(d["granularity"])),
-        max_batch_size=int(d["max_batch_size"]),
-        counterfactual_methods=tuple(Method(m) for m in d["counterfactual_methods"]),
-        p_eagle_partial_k_safe=bool(d["p_eagle_partial_k_safe"]),
-    )
+    """An engine description from a snapshot, checked as its Hello was. Raises TelemetryError or
+    SnapshotError."""
+    try:
+        hello = pb.Hello(
+            engine_id=d["engine_id"],
+            model=d["model"],
+            max_k=d["max_k"],
+            arms=[arm_to_pb(Arm.parse(a)) for a in d["arms"]],
+            granularity=d["granularity"],
+            max_batch_size=d["max_batch_size"],
+            counterfactual_methods=d["counterfactual_methods"],
+            p_eagle_partial_k_safe=d["p_eagle_partial_k_safe"],
+            protocol_version=1,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SnapshotError(f"info: {type(e).__name__}: {e}") from None
+    return validate_hello(hello)
+
+
+def totals_from_json(d: Mapping[str, Any], *, path: str) -> Totals:
+    """A loop's lifetime counters from a snapshot, each in range. Raises SnapshotError."""
+    values: dict[str, Any] = {}
+    for f in fields(Totals):
+        if f.type in (float, "float"):
+            values[f.name] = float_field(d, f.name, path=path, hi=float(MAX_COUNT), default=0.0)
+        else:
+            values[f.name] = int_field(d, f.name, path=path, default=0)
+    return Totals(**values)
+
+
+def _oneline(text: str, limit: int = 300) -> str:
+    """Text for one log line: control characters escaped, length bounded."""
+    return escape_text(text)[:limit]
 
 
 def _put_latest(q: asyncio.Queue[Any], item: Any) -> None:
@@ -199,6 +251,7 @@ class Sidecar:
         self._fleet_version = 0
         #: model -> (engine, learned state) of the posteriors last shared.
         self._shared: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._lock: StateDirLock | None = None
 
     # -- public surface --------------------------------------------------------------------------
 
@@ -237,7 +290,12 @@ class Sidecar:
         """
         self._started_at = self.clock()
         broker = self.config.broker_settings()  # reads the password file: fails before anything starts
-        self._restore()
+        self._lock = StateDirLock.acquire(Path(self.config.state_dir))
+        try:
+            self._restore()
+        except BaseException:
+            self._release_lock()
+            raise
         if broker is not None:
             self.fleet = FleetLink(
                 broker=broker,
@@ -294,6 +352,7 @@ class Sidecar:
         except BaseException:
             await self._close_servers()
             await self._stop_fleet()
+            self._release_lock()
             raise
         self._task = asyncio.create_task(self._run(), name="sidecar-tick")
         self._task.add_done_callback(self._task_done)
@@ -311,6 +370,12 @@ class Sidecar:
         await self._close_servers()
         if snapshot and self._store is not None:
             self.save_snapshot(clean=True)
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     async def _stop_fleet(self) -> None:
         fleet, self.fleet = self.fleet, None
@@ -368,6 +433,7 @@ class Sidecar:
             )
         gone = min(idle, key=lambda st: st.last_seen)
         del self._engines[gone.info.engine_id]
+        self.metrics.forget_engine(gone.info.engine_id)
         log.warning(
             "engine %s forgotten to make room (max_engines %d)", gone.info.engine_id, len(self._engines) + 1
         )
@@ -406,6 +472,11 @@ class Sidecar:
         """
         st = session.engine
         eid = st.info.engine_id
+        try:
+            check_batch_header(batch)  # an absurd sequence must not become the one to beat
+        except TelemetryError as e:
+            self.reject(st, e)
+            raise
         seq = batch.sequence
         tracker = session._tracker
         if seq and seq <= tracker.last_sequence:
@@ -432,8 +503,36 @@ class Sidecar:
             raise
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
+        observations = self._bound_classes(st, observations)
         st.loop.observe_many(observations)
         self.metrics.observe_steps(eid, observations)
+
+    def _bound_classes(self, st: EngineState, observations: list[StepObservation]) -> list[StepObservation]:
+        """The steps with every traffic class beyond the engine's first ``MAX_CLASSES_PER_ENGINE``
+        pooled into ``default``: each class is a context (memory, status, snapshot, metric labels),
+        and an engine naming a new one on every step must not grow them without bound."""
+        known = st.classes
+        out: list[StepObservation] | None = None
+        for i, o in enumerate(observations):
+            names = set(o.traffic_class)
+            if names <= known:
+                continue
+            new = sorted(names - known)
+            room = MAX_CLASSES_PER_ENGINE - len(known)
+            known.update(new[: max(room, 0)])
+            if len(new) <= room:
+                continue
+            if not st.classes_pooled:
+                log.warning(
+                    "engine %s: more than %d traffic classes; further ones are pooled into 'default'",
+                    st.info.engine_id,
+                    MAX_CLASSES_PER_ENGINE,
+                )
+            st.classes_pooled += 1
+            pooled = tuple(c if c in known else "default" for c in o.traffic_class)
+            out = out if out is not None else list(observations)
+            out[i] = replace(o, traffic_class=pooled)
+        return out if out is not None else observations
 
     def reject(self, st: EngineState | None, e: TelemetryError) -> None:
         self.metrics.rejected.labels(e.reason).inc()
@@ -460,17 +559,33 @@ class Sidecar:
     def set_policy(self, yaml_text: str, *, source: str, engine_id: str = "") -> PolicyRecord:
         """Parse, check every affected engine can run it, then switch. Raises PolicyError."""
         spec = parse_policy_checked(yaml_text, source=source or "<policy>")
+        overrides = self.policy_store.overrides()
+        if engine_id and engine_id not in overrides and len(overrides) >= self.config.max_engines:
+            raise PolicyError(
+                f"at most {self.config.max_engines} engines (max_engines) may have a policy of their own",
+                source=source or "<policy>",
+            )
         affected = self._affected(engine_id)
         loops = {eid: self._loop_for(self._engines[eid].info, spec) for eid in affected}
         rec = self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id)
         self._swap(loops)
         log.info("policy %s (revision %d) set for %s", spec.name, rec.revision, engine_id or "all engines")
+        self._write_through()
         return rec
+
+    def _write_through(self) -> None:
+        """Snapshot now (a policy change must survive a kill -9 right after it is acknowledged)."""
+        if not self.save_snapshot():
+            log.error("policy change not yet on disk: the snapshot write failed (retried every interval)")
 
     def _on_fleet_policy(self, yaml_text: str, version: int) -> None:
         """A newer fleet policy arrived: switch like a local SetPolicy. A PolicyError refuses it."""
-        self.set_policy(yaml_text, source=f"fleet v{version}")
-        self._fleet_version = version
+        self._fleet_version, before = version, self._fleet_version
+        try:
+            self.set_policy(yaml_text, source=f"fleet v{version}")  # writes the new version through
+        except BaseException:
+            self._fleet_version = before
+            raise
 
     @property
     def fleet_policy_version(self) -> int:
@@ -485,6 +600,7 @@ class Sidecar:
         log.info(
             "policy rolled back to %s (revision %d) for %s", rec.spec.name, rec.revision, engine_id or "all"
         )
+        self._write_through()
         return rec
 
     def _affected(self, engine_id: str) -> list[str]:
@@ -511,6 +627,15 @@ class Sidecar:
             if st.connected:
                 self._decide(st, now)
 
+    def _reset_loop(self, st: EngineState, why: str) -> None:
+        """Give an engine a fresh control loop (what it learned is lost, its counters are kept): a
+        loop whose state broke must not break status, snapshots or the engine's decisions for good."""
+        log.error("engine %s: %s; its control loop starts afresh", st.info.engine_id, why)
+        totals = st.loop.totals
+        st.loop, st.loop_version = self._new_loop(st.info), -1
+        st.loop.totals = totals
+        self.metrics.loop_resets.inc()
+
     # -- decisions -------------------------------------------------------------------------------
 
     def tick(self) -> None:
@@ -522,13 +647,16 @@ class Sidecar:
                     self._decide(st, now)
                 except Exception:
                     log.exception("engine %s: decision failed; keeping its last directive", st.info.engine_id)
+                    self._reset_loop(st, "its decision failed")
 
     def _decide(self, st: EngineState, now: float) -> None:
         loop = st.loop
         rounds = loop.rounds
+        started = time.perf_counter()
         d = loop.decide(now)
         eid = st.info.engine_id
         if loop.rounds != rounds:
+            self.metrics.decision_seconds.observe(time.perf_counter() - started)
             t = loop.totals
             self.metrics.set_guards(
                 eid,
@@ -644,6 +772,12 @@ class Sidecar:
         ]
 
     def engine_status(self, st: EngineState) -> pb.EngineStatus:
+        try:
+            arms = self._arm_choices(st)
+        except Exception:
+            log.exception("engine %s: estimates failed", st.info.engine_id)
+            self._reset_loop(st, "its estimates failed")
+            arms = self._arm_choices(st)
         t = st.loop.totals
         d = st.directive
         return pb.EngineStatus(
@@ -656,7 +790,7 @@ class Sidecar:
             rejected=st.rejected,
             acceptance_rate=t.acceptance_rate,
             goodput_tok_s=self.metrics.recent_goodput(st.info.engine_id),
-            arms=self._arm_choices(st),
+            arms=arms[:MAX_STATUS_CONTEXTS],
             policy=st.loop.spec.name,
             granularity=int(st.info.granularity),  # type: ignore[arg-type]
             available_arms=[arm_to_pb(a) for a in st.info.arms],
@@ -676,14 +810,36 @@ class Sidecar:
         )
 
     def status(self) -> pb.Status:
+        engines, _ = self.engine_page(0, 0)
+        total = len(self._engines)
         return pb.Status(
             version=controller.__version__,
             uptime_s=max(0.0, self.clock() - self._started_at),
             policy=self.policy_info(self.policy_store.default),
-            engines=[self.engine_status(st) for _, st in sorted(self._engines.items())],
+            engines=engines,
             snapshot_path=str(self.snapshots.path),
             last_snapshot_s=self.snapshots.last_saved_s,
+            engines_total=total,
+            engines_truncated=len(engines) < total,
         )
+
+    def engine_page(self, offset: int, limit: int) -> tuple[list[pb.EngineStatus], int]:
+        """Engines by id from ``offset``: at most ``limit`` (0: no count limit), and no more than fit
+        a quarter of the message size limit. Returns them and the next page's offset (0: no more)."""
+        ids = sorted(self._engines)
+        budget = self.config.max_message_bytes // 4
+        out: list[pb.EngineStatus] = []
+        size = 0
+        end = len(ids) if not limit else min(len(ids), offset + limit)
+        i = offset
+        while i < end:
+            es = self.engine_status(self._engines[ids[i]])
+            size += es.ByteSize() + 8
+            if out and size > budget:
+                break
+            out.append(es)
+            i += 1
+        return out, (i if i < len(ids) else 0)
 
     # -- snapshots -------------------------------------------------------------------------------
 
@@ -706,6 +862,7 @@ class Sidecar:
         }
 
     def save_snapshot(self, *, clean: bool = False) -> bool:
+        """Write the state now (on the caller's thread). False when it could not be written."""
         try:
             state = self.state(clean=clean)
         except Exception:
@@ -713,51 +870,76 @@ class Sidecar:
             ok = False
         else:
             ok = self.snapshots.save(state)
+            if not ok and self._reset_unsaveable():
+                ok = self.snapshots.save(self.state(clean=clean))
+        return self._snapshot_done(ok)
+
+    def _snapshot_done(self, ok: bool) -> bool:
         if ok:
             self.metrics.last_snapshot.set(self.snapshots.last_saved_s)
         else:
             self.metrics.snapshot_failures.inc()
         return ok
 
+    def _reset_unsaveable(self) -> bool:
+        """After a failed write: reset the loops whose state JSON cannot hold (non-finite numbers),
+        so one engine cannot keep every later snapshot from being written. True if any was reset."""
+        bad = []
+        for st in self._engines.values():
+            try:
+                json.dumps(st.loop.state_dict(), allow_nan=False)
+            except (TypeError, ValueError):
+                bad.append(st)
+        for st in bad:
+            self._reset_loop(st, "its state cannot be saved")
+        return bool(bad)
+
     def _restore(self) -> None:
+        """Restore what the snapshot holds; the sidecar starts whatever the file contains.
+
+        A file that is not a snapshot, or whose default policy or counters are unusable, is moved
+        aside and the start is clean; a bad engine entry, override or history entry is dropped alone
+        (the original file is copied aside) and the rest restored.
+        """
         state = self.snapshots.load()
         if state is not None:
+            problems: list[str] = []
             try:
-                self._restore_from(state)
-                return
-            except (PolicyError, KeyError, ValueError, TypeError) as e:
-                self.snapshots.quarantine(f"cannot be restored: {e}")
+                self._restore_from(state, problems)
+            except (PolicyError, SnapshotError) as e:
+                self.snapshots.quarantine(f"cannot be restored: {_oneline(str(e))}")
                 self._engines.clear()
                 self._version = self._fleet_version = 0
+            else:
+                for p in problems:
+                    log.warning("snapshot %s: %s", self.snapshots.path, _oneline(p))
+                if problems:
+                    self.snapshots.keep_copy(f"{len(problems)} entries dropped on restore")
+                return
         text, source = resolve_policy_text(self.config.default_policy)
         self._store = PolicyStore(default=parse_policy(text, source=source), source=source, clock=self.clock)
 
-    def _restore_from(self, state: Mapping[str, Any]) -> None:
-        self._store = PolicyStore.from_json(state["policies"], clock=self.clock)
-        saved = int(state["directive_version"])
-        self._version = saved if state.get("clean") else saved + CRASH_VERSION_GAP
-        self._fleet_version = int(state.get("fleet_policy_version", 0))
-        if self._fleet_version < 0:
-            raise ValueError(f"fleet_policy_version: must be >= 0, got {self._fleet_version}")
-        for eid, e in state["engines"].items():
-            info = info_from_json(e["info"])
-            loop = self._new_loop(info)
-            ls = e["loop"]
-            if ls.get("policy") == loop.spec.name:
-                try:
-                    loop.load_state_dict(ls)
-                except (ValueError, KeyError) as err:
-                    log.warning("engine %s: statistics not restored (%s); totals kept", eid, err)
-                    loop.totals = Totals(**ls["totals"])
-            else:
-                loop.totals = Totals(**ls["totals"])
-            self._engines[str(eid)] = EngineState(
-                info,
-                loop,
-                rejected=int(e.get("rejected", 0)),
-                instance_id=str(e.get("instance_id", "")),
-                last_sequence=int(e.get("last_sequence", 0)),
+    def _restore_from(self, state: Mapping[str, Any], problems: list[str]) -> None:
+        """Raises SnapshotError/PolicyError when the snapshot as a whole is unusable; appends a line
+        to ``problems`` for each entry dropped."""
+        self._store = PolicyStore.from_json(
+            mapping_field(state, "policies", path="state"), clock=self.clock, problems=problems
+        )
+        saved = int_field(state, "directive_version", path="state", hi=MAX_COUNT - CRASH_VERSION_GAP)
+        self._version = saved if state.get("clean") is True else saved + CRASH_VERSION_GAP
+        self._fleet_version = int_field(state, "fleet_policy_version", path="state", default=0)
+        engines = state.get("engines", {})
+        if not isinstance(engines, Mapping):
+            problems.append(
+                f"state.engines: expected an object, got {type(engines).__name__}; no engine restored"
             )
+            engines = {}
+        for eid, e in engines.items():
+            at = f"state.engines[{eid!r}]"
+            try:
+                self._engines[eid] = self._engine_from_json(eid, e, at)
+            except (SnapshotError, PolicyError, TelemetryError, ValueError) as err:
+                problems.append(f"{at}: {err}; engine dropped")
         log.info(
             "restored snapshot %s: policy %s revision %d, %d engines, directive version %d",
             self.snapshots.path,
@@ -765,6 +947,32 @@ class Sidecar:
             self._store.default.revision,
             len(self._engines),
             self._version,
+        )
+
+    def _engine_from_json(self, eid: str, e: Any, at: str) -> EngineState:
+        """One engine's saved state, checked like a Hello and a report. Raises SnapshotError,
+        TelemetryError or ValueError."""
+        if not isinstance(e, Mapping):
+            raise SnapshotError(f"{at}: expected an object, got {type(e).__name__}")
+        info = info_from_json(mapping_field(e, "info", path=at))
+        if info.engine_id != eid:
+            raise SnapshotError(f"{at}.info.engine_id: {info.engine_id!r} is not the entry's id")
+        ls = mapping_field(e, "loop", path=at)
+        totals = totals_from_json(mapping_field(ls, "totals", path=f"{at}.loop"), path=f"{at}.loop.totals")
+        loop = self._new_loop(info)
+        if ls.get("policy") == loop.spec.name:
+            try:
+                loop.load_state_dict(ls)
+            except (ValueError, KeyError, TypeError, IndexError) as err:
+                log.warning("engine %s: statistics not restored (%s); totals kept", eid, _oneline(str(err)))
+                loop = self._new_loop(info)
+        loop.totals = totals
+        return EngineState(
+            info,
+            loop,
+            rejected=int_field(e, "rejected", path=at, default=0),
+            instance_id=str_field(e, "instance_id", path=at, max_len=MAX_INSTANCE_ID, default=""),
+            last_sequence=int_field(e, "last_sequence", path=at, hi=MAX_SEQUENCE, default=0),
         )
 
     # -- background ------------------------------------------------------------------------------
@@ -784,12 +992,10 @@ class Sidecar:
                     self.publish_posteriors()
                 if now - self._last_snapshot_attempt >= self.config.snapshot_interval_s:
                     self._last_snapshot_attempt = now
-                    state = self.state()
-                    ok = await asyncio.to_thread(self.snapshots.save, state)
-                    if ok:
-                        self.metrics.last_snapshot.set(self.snapshots.last_saved_s)
-                    else:
-                        self.metrics.snapshot_failures.inc()
+                    ok = await asyncio.to_thread(self.snapshots.save, self.state())
+                    if not ok and self._reset_unsaveable():
+                        ok = await asyncio.to_thread(self.snapshots.save, self.state())
+                    self._snapshot_done(ok)
             except Exception:
                 log.exception("sidecar tick failed; continuing")
 
@@ -811,8 +1017,7 @@ class Sidecar:
             parent = Path(addr).parent
             if not parent.exists():
                 parent.mkdir(parents=True, mode=0o700)
-            with contextlib.suppress(FileNotFoundError):
-                Path(addr).unlink()  # a stale socket from a previous run would block the bind
+            remove_stale_socket(Path(addr), field=f"{side}_listen")
             target = f"unix://{addr}"
             # The socket is created by the bind: a tight umask closes the window before the chmod.
             old = os.umask(0o177)

@@ -1,8 +1,11 @@
-"""Atomic JSON snapshots of the sidecar's state.
+"""Atomic JSON snapshots of the sidecar's state, and the typed readers that check them on load.
 
 A write goes to a temporary file in the same directory, is fsynced, renamed over the old file and
 the directory fsynced, so a crash leaves either the old snapshot or the new one, never a mix. A
-snapshot that cannot be read back is moved aside and the sidecar starts clean.
+snapshot that cannot be read back (not JSON, not an object, another format version, NaN/Infinity
+constants, nesting beyond the parser) is moved aside and the sidecar starts clean. Every value read
+from a snapshot goes through ``int_field``/``float_field``/``str_field``/``mapping_field``, which
+refuse a wrong type or a value outside its physical range with a ``SnapshotError`` naming the path.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +25,64 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+#: Counters and versions restored from a snapshot: exact in a JSON number (a float64).
+MAX_COUNT = (1 << 53) - 1
+
+
+class SnapshotError(ValueError):
+    """A snapshot value of the wrong type or out of range; ``str()`` starts with its path."""
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a snapshot may hold")
+
+
+def mapping_field(d: Mapping[str, Any], key: str, *, path: str) -> Mapping[str, Any]:
+    v = d.get(key)
+    if not isinstance(v, Mapping):
+        raise SnapshotError(f"{path}.{key}: expected an object, got {type(v).__name__}")
+    return v
+
+
+def list_field(d: Mapping[str, Any], key: str, *, path: str, max_len: int) -> list[Any]:
+    v = d.get(key)
+    if not isinstance(v, list):
+        raise SnapshotError(f"{path}.{key}: expected a list, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise SnapshotError(f"{path}.{key}: {len(v)} entries exceed {max_len}")
+    return v
+
+
+def int_field(
+    d: Mapping[str, Any], key: str, *, path: str, lo: int = 0, hi: int = MAX_COUNT, default: int | None = None
+) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SnapshotError(f"{path}.{key}: expected an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise SnapshotError(f"{path}.{key}: {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def float_field(
+    d: Mapping[str, Any], key: str, *, path: str, lo: float = 0.0, hi: float, default: float | None = None
+) -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise SnapshotError(f"{path}.{key}: expected a number, got {type(v).__name__}")
+    f = float(v) if abs(v) < 1e308 else math.inf
+    if not (math.isfinite(f) and lo <= f <= hi):
+        raise SnapshotError(f"{path}.{key}: {v!r} is outside [{lo:g}, {hi:g}]")
+    return f
+
+
+def str_field(d: Mapping[str, Any], key: str, *, path: str, max_len: int, default: str | None = None) -> str:
+    v = d.get(key, default)
+    if not isinstance(v, str):
+        raise SnapshotError(f"{path}.{key}: expected a string, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise SnapshotError(f"{path}.{key}: longer than {max_len} characters")
+    return v
 
 
 def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
@@ -70,19 +133,30 @@ class SnapshotStore:
         except FileNotFoundError:
             return None
         try:
-            doc = json.loads(raw.decode("utf-8"))
-            if (
-                not isinstance(doc, dict)
-                or doc.get("format") != FORMAT_VERSION
-                or not isinstance(doc.get("state"), dict)
-            ):
-                raise ValueError(f"not a format-{FORMAT_VERSION} snapshot")
-        except (ValueError, UnicodeDecodeError) as e:
-            self.quarantine(f"unreadable: {e}")
+            doc = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+            if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
+                raise ValueError("not a sidecar snapshot (no state object)")
+            if doc.get("format") != FORMAT_VERSION:
+                raise ValueError(f"format {doc.get('format')!r}, this sidecar reads format {FORMAT_VERSION}")
+            saved_at = float_field(doc, "saved_at_s", path="snapshot", hi=1e11, default=0.0)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            self.quarantine(f"unreadable: {type(e).__name__}: {str(e)[:200]}")
             return None
-        self.last_saved_s = float(doc.get("saved_at_s", 0.0))
+        self.last_saved_s = saved_at
         state: dict[str, Any] = doc["state"]
         return state
+
+    def keep_copy(self, why: str) -> Path | None:
+        """Copy the snapshot aside (``.partial-<ts>``): parts of it were dropped on load, and the next
+        write replaces it."""
+        aside = self.path.with_name(f"{self.path.name}.partial-{int(self.clock())}")
+        try:
+            shutil.copyfile(self.path, aside)
+        except OSError as e:
+            log.warning("snapshot %s: %s; could not copy it aside (%s)", self.path, why, e)
+            return None
+        log.warning("snapshot %s: %s; the original is kept as %s", self.path, why, aside)
+        return aside
 
     def quarantine(self, why: str) -> Path | None:
         """Move the snapshot aside (``.corrupt-<ts>``) so the next start is clean."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,8 +31,43 @@ MAX_CLASSES_PER_STEP = 4096
 #: Prompt tokens one step can prefill: far beyond any scheduler's max_num_batched_tokens.
 MAX_PREFILL_TOKENS = 1 << 22
 PROTOCOL_VERSIONS = (0, 1)
-#: Nodes a policy document may hold once its YAML aliases are expanded.
+#: Hello strings and lists beyond any real engine's (a long model path, every method at every K).
+MAX_MODEL = 512
+MAX_ENGINE_VERSION = 128
+MAX_ARMS = 4 * (MAX_K + 1)
+MAX_COUNTERFACTUAL_METHODS = 8
+#: vLLM's max_num_seqs is in the hundreds; a batch of a million sequences is not an engine.
+MAX_BATCH_SIZE = 1 << 20
+#: A step is at least a microsecond (below that, tokens per second are meaningless: 5e-324 s would
+#: give an infinite goodput) and at most an hour (beyond that the learner's squared costs overflow).
+#: 0 means "not measured": the step is counted but not learned from.
+MIN_STEP_DURATION_S = 1e-6
+MAX_STEP_DURATION_S = 3600.0
+#: Engine clocks (monotonic or Unix seconds) and queue waits, with room for centuries of uptime.
+MAX_TIME_S = 1e11
+MAX_QUEUE_WAIT_S = 1e7
+MAX_QUEUE_LENGTH = 1 << 24
+#: Sequences and versions count batches and directives: 2^53 (exact in a JSON number, a float64)
+#: takes 285 years at a million a second. Beyond it, a counter is garbage, not a count.
+MAX_SEQUENCE = (1 << 53) - 1
+#: Steps one engine can drop between two batches: a day at 10k steps/s, and far below 2^63.
+MAX_DROPPED_STEPS = 1 << 30
 _METHODS = frozenset(m.value for m in Method)
+
+
+#: Control characters (C0, DEL, C1) and Unicode line breaks: in engine-supplied names they would
+#: forge log lines or break a metric label.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def has_control(text: str) -> bool:
+    return _CONTROL.search(text) is not None
+
+
+def escape_text(text: str) -> str:
+    """``text`` with each control character written as an escape (``\\n``, ``\\x00``): safe in a
+    log line or a label value."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class TelemetryError(ValueError):
@@ -57,6 +93,31 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
     if len(h.instance_id) > MAX_INSTANCE_ID:
         raise TelemetryError(
             "instance_id_too_long", f"hello.instance_id: longer than {MAX_INSTANCE_ID} characters"
+        )
+    for name in ("engine_id", "instance_id", "model", "engine_version"):
+        if has_control(getattr(h, name)):
+            raise TelemetryError(
+                "control_characters",
+                f"hello.{name}: holds control characters ({escape_text(getattr(h, name))[:80]})",
+            )
+    if len(h.model) > MAX_MODEL:
+        raise TelemetryError("model_too_long", f"hello.model: longer than {MAX_MODEL} characters")
+    if len(h.engine_version) > MAX_ENGINE_VERSION:
+        raise TelemetryError(
+            "engine_version_too_long", f"hello.engine_version: longer than {MAX_ENGINE_VERSION} characters"
+        )
+    if len(h.arms) > MAX_ARMS:
+        raise TelemetryError("too_many_arms", f"hello.arms: {len(h.arms)} arms exceed the limit {MAX_ARMS}")
+    if len(h.counterfactual_methods) > MAX_COUNTERFACTUAL_METHODS:
+        raise TelemetryError(
+            "too_many_counterfactual_methods",
+            f"hello.counterfactual_methods: {len(h.counterfactual_methods)} entries exceed the limit "
+            f"{MAX_COUNTERFACTUAL_METHODS}",
+        )
+    if h.max_batch_size > MAX_BATCH_SIZE:
+        raise TelemetryError(
+            "max_batch_size_out_of_range",
+            f"hello.max_batch_size: {h.max_batch_size} is beyond any engine (at most {MAX_BATCH_SIZE})",
         )
     if h.protocol_version not in PROTOCOL_VERSIONS:
         raise TelemetryError(
@@ -95,6 +156,7 @@ def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits
     per-request values of all columnar steps are checked together in one pass; only a bad batch pays
     for checking step by step, which names the first bad field as ``validate_step`` on each would.
     """
+    check_batch_header(batch)
     if len(batch.steps) > limits.max_steps_per_batch:
         raise TelemetryError(
             "too_many_steps",
@@ -116,6 +178,56 @@ def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits
         r if isinstance(r, StepObservation) else _finish_columns(r, engine, methods, checked=checked)
         for r in read
     ]
+
+
+def check_batch_header(batch: pb.StepReportBatch) -> None:
+    """The batch's own counters within their physical ranges (checked before the sequence is used)."""
+    if batch.sequence > MAX_SEQUENCE:
+        raise TelemetryError(
+            "sequence_out_of_range", f"reports.sequence: {batch.sequence} is beyond {MAX_SEQUENCE}"
+        )
+    if batch.dropped_steps > MAX_DROPPED_STEPS:
+        raise TelemetryError(
+            "dropped_steps_out_of_range",
+            f"reports.dropped_steps: {batch.dropped_steps} is beyond {MAX_DROPPED_STEPS}",
+        )
+
+
+#: (field, reason, upper bound) of a step's times, all finite and >= 0.
+_STEP_TIMES = (
+    ("time_s", "time_invalid", MAX_TIME_S),
+    ("duration_s", "duration_invalid", MAX_STEP_DURATION_S),
+    ("queue_wait_s", "queue_wait_invalid", MAX_QUEUE_WAIT_S),
+)
+
+
+def _check_step_scalars(step: pb.StepReport, where: str) -> None:
+    """A step's own numbers within their physical ranges (scheduled_k is informational, unread)."""
+    for name, reason, hi in _STEP_TIMES:
+        v = getattr(step, name)
+        if not (math.isfinite(v) and 0 <= v <= hi):
+            raise TelemetryError(reason, f"{where}.{name}: must be finite and in [0, {hi:g}], got {v!r}")
+    d = step.duration_s
+    if 0 < d < MIN_STEP_DURATION_S:
+        raise TelemetryError(
+            "duration_invalid",
+            f"{where}.duration_s: {d!r} is shorter than any step ({MIN_STEP_DURATION_S:g} s; 0: not measured)",
+        )
+    if step.prefill_tokens > MAX_PREFILL_TOKENS:
+        raise TelemetryError(
+            "prefill_tokens_invalid",
+            f"{where}.prefill_tokens: {step.prefill_tokens} is beyond any scheduler's token budget "
+            f"({MAX_PREFILL_TOKENS})",
+        )
+    if step.queue_length > MAX_QUEUE_LENGTH:
+        raise TelemetryError(
+            "queue_length_invalid", f"{where}.queue_length: {step.queue_length} is beyond {MAX_QUEUE_LENGTH}"
+        )
+    if step.directive_version > MAX_SEQUENCE:
+        raise TelemetryError(
+            "directive_version_invalid",
+            f"{where}.directive_version: {step.directive_version} is beyond {MAX_SEQUENCE}",
+        )
 
 
 def validate_step(
@@ -150,18 +262,7 @@ def _read_step(
     """A step in the rows form checked and converted, or one in the columnar form read and checked up
     to its per-request values (``_finish_columns`` checks those)."""
     where = f"steps[{index}]"
-    for name in ("time_s", "duration_s", "queue_wait_s"):
-        v = getattr(step, name)
-        if not math.isfinite(v) or v < 0:
-            raise TelemetryError(
-                f"{name.removesuffix('_s')}_invalid", f"{where}.{name}: must be finite and >= 0, got {v}"
-            )
-    if step.prefill_tokens > MAX_PREFILL_TOKENS:
-        raise TelemetryError(
-            "prefill_tokens_invalid",
-            f"{where}.prefill_tokens: {step.prefill_tokens} is beyond any scheduler's token budget "
-            f"({MAX_PREFILL_TOKENS})",
-        )
+    _check_step_scalars(step, where)
     columnar = step.HasField("columns")
     if columnar and len(step.requests):
         raise TelemetryError(
@@ -200,11 +301,7 @@ def _read_step(
                 reason,
                 f"{where}.requests[{j}].method: {r.method!r} is not one of the engine's ({', '.join(sorted(allowed))})",
             )
-        if len(r.traffic_class) > MAX_TRAFFIC_CLASS:
-            raise TelemetryError(
-                "traffic_class_too_long",
-                f"{where}.requests[{j}].traffic_class: longer than {MAX_TRAFFIC_CLASS} characters",
-            )
+        _check_class_name(r.traffic_class, f"{where}.requests[{j}].traffic_class")
         if len(r.request_id) > MAX_REQUEST_ID:
             raise TelemetryError(
                 "request_id_too_long",
@@ -264,10 +361,7 @@ def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
             f"{where}.classes: {len(classes)} classes exceed the limit {MAX_CLASSES_PER_STEP}",
         )
     for i, name in enumerate(classes):
-        if len(name) > MAX_TRAFFIC_CLASS:
-            raise TelemetryError(
-                "traffic_class_too_long", f"{where}.classes[{i}]: longer than {MAX_TRAFFIC_CLASS} characters"
-            )
+        _check_class_name(name, f"{where}.classes[{i}]")
     request_id = tuple(c.request_id)
     if request_id and max(map(len, request_id)) > MAX_REQUEST_ID:
         j = next(j for j, rid in enumerate(request_id) if len(rid) > MAX_REQUEST_ID)
@@ -286,6 +380,15 @@ def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
         drafted=np.fromiter(c.drafted, dtype=np.int64, count=n),
         accepted=np.fromiter(c.accepted, dtype=np.int64, count=n),
     )
+
+
+def _check_class_name(name: str, path: str) -> None:
+    if len(name) > MAX_TRAFFIC_CLASS:
+        raise TelemetryError("traffic_class_too_long", f"{path}: longer than {MAX_TRAFFIC_CLASS} characters")
+    if has_control(name):
+        raise TelemetryError(
+            "control_characters", f"{path}: holds control characters ({escape_text(name)[:80]})"
+        )
 
 
 def _bad_rows(

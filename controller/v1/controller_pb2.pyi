@@ -259,14 +259,16 @@ class PolicyInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., algorithm: _Optional[str] = ..., yaml: _Optional[str] = ..., revision: _Optional[int] = ..., source: _Optional[str] = ..., set_at_s: _Optional[float] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class ListPoliciesResponse(_message.Message):
-    __slots__ = ("presets", "active", "history")
+    __slots__ = ("presets", "active", "history", "truncated")
     PRESETS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     presets: _containers.RepeatedCompositeFieldContainer[PolicyInfo]
     active: _containers.RepeatedCompositeFieldContainer[PolicyInfo]
     history: _containers.RepeatedCompositeFieldContainer[PolicyInfo]
-    def __init__(self, presets: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., active: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, presets: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., active: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[PolicyInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -317,30 +319,42 @@ class EngineStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., connected: _Optional[bool] = ..., directive_version: _Optional[int] = ..., directive_age_s: _Optional[float] = ..., steps: _Optional[int] = ..., rejected: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., goodput_tok_s: _Optional[float] = ..., arms: _Optional[_Iterable[_Union[ArmChoice, _Mapping]]] = ..., policy: _Optional[str] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., available_arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., max_k: _Optional[int] = ..., observe_only: _Optional[bool] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("version", "uptime_s", "policy", "engines", "snapshot_path", "last_snapshot_s")
+    __slots__ = ("version", "uptime_s", "policy", "engines", "snapshot_path", "last_snapshot_s", "engines_total", "engines_truncated")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_PATH_FIELD_NUMBER: _ClassVar[int]
     LAST_SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     policy: PolicyInfo
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     snapshot_path: str
     last_snapshot_s: float
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., snapshot_path: _Optional[str] = ..., last_snapshot_s: _Optional[float] = ...) -> None: ...
+    engines_total: int
+    engines_truncated: bool
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., snapshot_path: _Optional[str] = ..., last_snapshot_s: _Optional[float] = ..., engines_total: _Optional[int] = ..., engines_truncated: _Optional[bool] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("offset", "limit")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    limit: int
+    def __init__(self, offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("engines",)
+    __slots__ = ("engines", "total", "next_offset")
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
-    def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...
+    total: int
+    next_offset: int
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., total: _Optional[int] = ..., next_offset: _Optional[int] = ...) -> None: ...
 
 class WatchDecisionsRequest(_message.Message):
     __slots__ = ("engine_id",)

@@ -22,6 +22,7 @@ context between neighbours whose difference the data cannot resolve.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -144,6 +145,8 @@ class GoodputModel(Learner):
         # and its covariance without the exploration scale (None: too few steps).
         self._fit: tuple[np.ndarray, np.ndarray | None] | None = None
         self._cov: np.ndarray | None = None
+        #: Cost-model updates refused because they would have made its statistics non-finite.
+        self.refused_updates = 0
 
     # -- learning ----------------------------------------------------------------------------------
 
@@ -157,12 +160,13 @@ class GoodputModel(Learner):
         x = _features(float(n), obs.k, obs.method, self._head, obs.prefill_tokens)
         y = obs.duration_s * 1e3
         ridge = self._ridge
-        self._xtx = g * (self._xtx - ridge) + ridge + np.outer(x, x)
-        self._xty = g * self._xty + x * y
-        self._yy = g * self._yy + y * y
-        self._w = g * self._w + 1.0
-        self._fit = None
-        self._params_of.clear()
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused, not warned about
+            self._commit_cost(
+                g * (self._xtx - ridge) + ridge + np.outer(x, x),
+                g * self._xty + x * y,
+                g * self._yy + y * y,
+                g * self._w + 1.0,
+            )
         b = self._batch.setdefault(bucket, np.zeros(2))
         b *= g
         b += (float(obs.batch_size), 1.0)
@@ -265,10 +269,21 @@ class GoodputModel(Learner):
         y = np.array([o.duration_s for o in steps]) * 1e3
         xw = x.T * w
         ridge = self._ridge
-        self._xtx = gs * (self._xtx - ridge) + ridge + xw @ x
-        self._xty = gs * self._xty + xw @ y
-        self._yy = gs * self._yy + float(w @ (y * y))
-        self._w = gs * self._w + float(w.sum())
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused, not warned about
+            self._commit_cost(
+                gs * (self._xtx - ridge) + ridge + xw @ x,
+                gs * self._xty + xw @ y,
+                gs * self._yy + float(w @ (y * y)),
+                gs * self._w + float(w.sum()),
+            )
+
+    def _commit_cost(self, xtx: np.ndarray, xty: np.ndarray, yy: float, w: float) -> None:
+        """Take the cost model's new statistics, unless any is not finite: then they are refused and
+        the model keeps what it had (NaN would poison every estimate, status and snapshot after it)."""
+        if not (np.isfinite(xtx).all() and np.isfinite(xty).all() and math.isfinite(yy) and math.isfinite(w)):
+            self.refused_updates += 1
+            return
+        self._xtx, self._xty, self._yy, self._w = xtx, xty, yy, w
         self._fit = None
         self._params_of.clear()
 
@@ -809,14 +824,21 @@ class GoodputModel(Learner):
         xty = np.asarray(state["xty"], dtype=np.float64)
         if xtx.shape != (_N_FEATURES, _N_FEATURES) or xty.shape != (_N_FEATURES,):
             raise ValueError("cost model state has the wrong shape")
-        self._acc, self._xtx, self._xty = acc, xtx, xty
-        self._fit = None
-        self._params_of.clear()
-        self._yy, self._w = float(state["yy"]), float(state["w"])
-        self._batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
-        self._mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}
-        self._head = bool(state.get("head", False))
+        yy, w = float(state["yy"]), float(state["w"])
+        batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
         rows = {c: np.asarray(v, dtype=np.float64) for c, v in state.get("ngram_rows", {}).items()}
         if any(v.shape != (4,) for v in rows.values()):
             raise ValueError("n-gram row statistics have the wrong shape")
+        mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}
+        shares = np.array([v for m in mix.values() for v in m.values()], dtype=np.float64)
+        arrays = [xtx, xty, np.array([yy, w]), shares, *acc.values(), *batch.values(), *rows.values()]
+        if not all(np.isfinite(a).all() for a in arrays) or yy < 0 or w < 0:
+            raise ValueError("learner state holds non-finite or negative statistics")
+        self._acc, self._xtx, self._xty = acc, xtx, xty
+        self._fit = None
+        self._params_of.clear()
+        self._yy, self._w = yy, w
+        self._batch = batch
+        self._mix = mix
+        self._head = bool(state.get("head", False))
         self._ngram_rows = rows

@@ -1,0 +1,81 @@
+"""The sidecar's hold on its state directory, and the one file it may remove there.
+
+What must hold: one sidecar per state directory (a second one would take over the engine socket and
+the endpoints file and write the same snapshot), enforced by an exclusive ``flock`` on
+``<state_dir>/sidecar.lock`` that the kernel releases when the process dies, kill -9 included; and a
+socket path is only ever unlinked when what is there is a socket (a stale one from an earlier run),
+never a regular file, directory or symlink a mistyped ``engine_listen`` happens to name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+from controller.config import ConfigError
+
+LOCK_NAME = "sidecar.lock"
+
+
+class StateDirLocked(OSError):
+    """Another live process holds the state directory."""
+
+
+class StateDirLock:
+    """An exclusive lock on a state directory, held until ``release`` (or the process ends)."""
+
+    def __init__(self, *, fd: int, path: Path) -> None:
+        self._fd: int | None = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, state_dir: Path) -> StateDirLock:
+        """Raises StateDirLocked when another sidecar holds ``state_dir``, OSError when it is unusable."""
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = state_dir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise StateDirLocked(
+                f"state_dir {state_dir} is in use by another sidecar"
+                + (f" (pid {holder})" if holder.isdigit() else "")
+                + "; give each sidecar its own state_dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(fd=fd, path=path)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+def remove_stale_socket(path: Path, *, field: str) -> None:
+    """Unlink ``path`` if it is a socket (left by an earlier run, it would block the bind). Anything
+    else there is refused with a ConfigError: the sidecar never deletes a file it did not make."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a symlink"
+            if stat.S_ISLNK(st.st_mode)
+            else "a file"
+        )
+        raise ConfigError(f"{path} exists and is {kind}, not a socket; refusing to remove it", field=field)
+    path.unlink()

@@ -1,0 +1,180 @@
+"""Snapshots are validated on load (issue 15, finding 2): valid JSON of the wrong shape, numbers
+beyond their range, NaN/Infinity and deep nesting never stop the sidecar from starting.
+
+A snapshot unusable as a whole (another format, a broken default policy or version counter) is moved
+aside and the start is clean; a bad engine entry, engine override or history entry is dropped alone,
+with a warning, the rest restored (the active policy first) and the original copied aside.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controller.sidecar import Sidecar
+from controller.v1 import controller_pb2 as pb
+from tests.integration.test_sidecar_grpc import TestEngine, hello
+from tests.reliability.test_snapshot_faults import _config, _with_state
+
+pytestmark = pytest.mark.integration
+
+Doc = dict[str, Any]
+
+
+def _edit(fn: Callable[[Doc], None]) -> Callable[[Path], None]:
+    def damage(p: Path) -> None:
+        doc = json.loads(p.read_text())
+        fn(doc)
+        p.write_text(json.dumps(doc))
+
+    return damage
+
+
+def _set(path: str, value: object) -> Callable[[Path], None]:
+    """Set a value at a dotted path of the document (``[]`` keys for engine ids)."""
+
+    def fn(doc: Doc) -> None:
+        *parents, last = path.split(".")
+        node: Any = doc
+        for k in parents:
+            node = node[k]
+        node[last] = value
+
+    return _edit(fn)
+
+
+def _raw(text: str) -> Callable[[Path], None]:
+    return lambda p: p.write_text(text)
+
+
+def _infinity_version(p: Path) -> None:
+    doc = json.loads(p.read_text())
+    doc["state"]["directive_version"] = 12345
+    p.write_text(json.dumps(doc).replace("12345", "Infinity"))
+
+
+WHOLE = {
+    "format-2": _set("format", 2),
+    "state-list": _set("state", []),
+    "policies-list": _set("state.policies", []),
+    "directive-version-2^64": _set("state.directive_version", 2**64),
+    "directive-version-string": _set("state.directive_version", "12"),
+    "directive-version-negative": _set("state.directive_version", -1),
+    "directive-version-infinity": _infinity_version,
+    "revision-2^70": _set("state.policies.default.current.revision", 2**70),
+    "revision-0": _set("state.policies.default.current.revision", 0),
+    "set-at-string": _set("state.policies.default.current.set_at_s", "yesterday"),
+    "fleet-version-float": _set("state.fleet_policy_version", 1.5),
+    "deep-nesting": _raw("[" * 100_000 + "]" * 100_000),
+    "nan-constant": _raw('{"format": 1, "saved_at_s": NaN, "state": {}}'),
+}
+
+
+@pytest.mark.parametrize("damage", list(WHOLE.values()), ids=list(WHOLE))
+async def test_an_unusable_snapshot_is_moved_aside_and_the_sidecar_starts_clean(
+    tmp_path: Path, damage: Callable[[Path], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = await _with_state(tmp_path)
+    damage(path)
+    broken = path.read_bytes()
+    caplog.set_level(logging.WARNING)
+    sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+    await sc.start()
+    try:
+        assert sc.engines() == {}
+        assert (sc.policy_store.default.spec.name, sc.policy_store.default.revision) == ("default", 1)
+        assert sc.directive_version == 0
+        aside = [p for p in path.parent.iterdir() if ".corrupt-" in p.name]
+        assert len(aside) == 1 and aside[0].read_bytes() == broken
+        assert "moved to" in caplog.text
+        await _attach_works(sc, "default")
+    finally:
+        await sc.stop()
+
+
+def _engine(doc: Doc, eid: str = "e1") -> Doc:
+    e: Doc = doc["state"]["engines"][eid]
+    return e
+
+
+def _second_engine(doc: Doc) -> None:
+    e2 = json.loads(json.dumps(_engine(doc)))
+    e2["info"]["engine_id"] = "e2"
+    doc["state"]["engines"]["e2"] = e2
+
+
+def _and_e2(fn: Callable[[Doc], None]) -> Callable[[Path], None]:
+    """Damage e1 of a snapshot that also holds a good engine e2."""
+
+    def both(doc: Doc) -> None:
+        _second_engine(doc)
+        fn(doc)
+
+    return _edit(both)
+
+
+def _override(revision: int) -> Callable[[Doc], None]:
+    def fn(doc: Doc) -> None:
+        cur = dict(doc["state"]["policies"]["default"]["current"], engine_id="e9", revision=revision)
+        doc["state"]["policies"]["engines"]["e9"] = {"current": cur, "history": []}
+
+    return fn
+
+
+PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
+    "engines-list": (_set("state.engines", []), set()),
+    "loop-list": (_and_e2(lambda d: _engine(d).update(loop=[])), {"e2"}),
+    "entry-string": (_and_e2(lambda d: d["state"]["engines"].update(e1="x")), {"e2"}),
+    "last-sequence-2^64": (_and_e2(lambda d: _engine(d).update(last_sequence=2**64)), {"e2"}),
+    "rejected-negative": (_and_e2(lambda d: _engine(d).update(rejected=-3)), {"e2"}),
+    "model-5k": (_and_e2(lambda d: _engine(d)["info"].update(model="m" * 5000)), {"e2"}),
+    "info-id-mismatch": (_and_e2(lambda d: _engine(d)["info"].update(engine_id="other")), {"e2"}),
+    "max-k-string": (_and_e2(lambda d: _engine(d)["info"].update(max_k="4")), {"e2"}),
+    "totals-steps-float": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(steps=1.5)), {"e2"}),
+    "totals-busy-huge": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(busy_s=1e300)), {"e2"}),
+    "override-revision-2^70": (_edit(_override(2**70)), {"e1"}),
+    "history-entry-bad": (
+        _edit(lambda d: d["state"]["policies"]["default"]["history"].append({"yaml": 5})),
+        {"e1"},
+    ),
+}
+
+
+@pytest.mark.parametrize(("damage", "kept"), list(PARTIAL.values()), ids=list(PARTIAL))
+async def test_a_bad_entry_is_dropped_alone_and_the_rest_restored(
+    tmp_path: Path, damage: Callable[[Path], None], kept: set[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = await _with_state(tmp_path)
+    damage(path)
+    broken = path.read_bytes()
+    caplog.set_level(logging.WARNING)
+    sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+    await sc.start()
+    try:
+        assert sc.policy_store.default.spec.name == "static-eagle3-2"  # the active policy first
+        assert set(sc.engines()) == kept
+        for eid in kept:
+            assert sc.engines()[eid].loop.totals.steps == 1
+        assert sc.policy_store.overrides() == {}
+        assert not [p for p in path.parent.iterdir() if ".corrupt-" in p.name]
+        (copy,) = [p for p in path.parent.iterdir() if ".partial-" in p.name]
+        assert copy.read_bytes() == broken
+        assert "dropped" in caplog.text
+        await _attach_works(sc, "static-eagle3-2")
+    finally:
+        await sc.stop()
+
+
+async def _attach_works(sc: Sidecar, policy: str) -> None:
+    eng = TestEngine(sc.engine_target, pb.EngineMessage(hello=hello("fresh")))
+    try:
+        d = await eng.directive()
+        assert d.policy == policy and 0 < d.version < 2**53
+    finally:
+        await eng.close()

@@ -1,0 +1,289 @@
+"""A bounded soak of a real ``controllerctl serve`` process (issue 15).
+
+For ``SPECCONTROL_SOAK_S`` seconds (default 60; ``pytest --soak-seconds N`` sets it too), at once:
+steady engines streaming reports, short-lived engines churning through more ids than ``max_engines``,
+garbage streams (invalid reports, forged names, raw bytes on the socket) and a ``policy set`` storm.
+Every cycle the storm pauses, one last policy is set and acknowledged, and the sidecar is killed with
+SIGKILL at once, then restarted.
+
+At the end the accounting is exact: for every steady engine, the sidecar's step count equals the
+steps the engine made minus those the engine knows were lost (batches the dead sidecar had
+acknowledged but not yet snapshotted: the engine sees the acknowledgement go back after the restart).
+The active policy is the last one set, /metrics holds only engines the sidecar holds, and no
+traceback was logged. There are no timing thresholds: only counts and identities are asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controller.embedded.core import EngineSettings
+from controller.embedded.engine import EmbeddedEngine, LinkSettings
+from controller.embedded.traffic import demo_traffic
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S, hello, step, until
+from tests.reliability.serve_process import Serve
+
+pytestmark = pytest.mark.integration
+
+STEADY = 3
+MAX_ENGINES = 8
+POLICIES = {
+    "storm-a": STATIC_EAGLE3_2.replace("name: static-eagle3-2", "name: storm-a"),
+    "storm-b": STATIC_EAGLE3_2.replace("name: static-eagle3-2", "name: storm-b"),
+}
+
+
+def soak_seconds(config: pytest.Config) -> float:
+    opt = config.getoption("--soak-seconds", default=None)
+    return float(opt if opt is not None else os.environ.get("SPECCONTROL_SOAK_S", "60"))
+
+
+class CountingEngine(EmbeddedEngine):
+    """An embedded engine that remembers each batch's size and counts the steps it lost: those of
+    batches a sidecar acknowledged, which a later acknowledgement (a restarted sidecar's) no longer
+    covers."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.batch_steps: dict[int, int] = {}
+        self.lost_steps = 0
+        self.ack_went_back = 0
+
+    def _keep(self, batch: pb.StepReportBatch) -> None:
+        self.batch_steps[batch.sequence] = len(batch.steps)
+        super()._keep(batch)
+
+    def _acknowledged(self, msg: pb.Directive) -> None:
+        before = self.stats.acked_sequence
+        if msg.HasField("acked_sequence") and msg.acked_sequence < before:
+            self.ack_went_back += 1
+            self.lost_steps += sum(
+                self.batch_steps.get(s, 0) for s in range(msg.acked_sequence + 1, before + 1)
+            )
+        super()._acknowledged(msg)
+
+
+def _garbage_messages(rng: random.Random, n: int) -> pb.EngineMessage:
+    """One invalid report batch (each must end its stream with INVALID_ARGUMENT)."""
+    s = step(t=1.0, accepted=[1, 1])
+    kind = rng.randrange(6)
+    batch = pb.StepReportBatch(sequence=1, steps=[s])
+    if kind == 0:
+        s.duration_s = rng.choice([1e154, 5e-324, float("nan"), float("inf"), -1.0])
+    elif kind == 1:
+        batch.sequence = (1 << 64) - 1
+    elif kind == 2:
+        batch.dropped_steps = (1 << 64) - 1
+    elif kind == 3:
+        s.requests[0].accepted = 9  # beyond drafted
+    elif kind == 4:
+        s.requests[0].traffic_class = "x\ny"
+    else:
+        s.queue_length = (1 << 32) - 1
+    return pb.EngineMessage(reports=batch)
+
+
+async def _garbage(target: str, rng: random.Random, n: int, sock: str) -> int:
+    """A few hostile streams; returns how many the sidecar refused."""
+    refused = 0
+    for _ in range(3):
+        h = hello(f"garbage-{n % 3}")
+        first = pb.EngineMessage(hello=h)
+        msgs = [first, _garbage_messages(rng, n)]
+        if rng.random() < 0.3:
+            h.engine_id = rng.choice(["g\nforged line", "g\x00nul", "x" * 200])
+            msgs = [first]
+        async with grpc.aio.insecure_channel(target) as ch:
+            call = pb_grpc.EngineServiceStub(ch).Attach(iter(msgs))  # type: ignore[no-untyped-call]
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                refused += e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Raw bytes that are not HTTP/2 at all.
+    with contextlib.suppress(OSError):
+        _, w = await asyncio.open_unix_connection(sock)
+        w.write(rng.randbytes(rng.randrange(1, 4096)))
+        await w.drain()
+        w.close()
+    return refused
+
+
+class Storm:
+    """``SetPolicy`` as fast as the rate limit lets through; remembers the last one acknowledged."""
+
+    def __init__(self) -> None:
+        self.admin = ""
+        self.last: tuple[str, int] | None = None
+        self.acknowledged = 0
+        self.limited = 0
+        self.running = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.n = 0
+
+    async def set_once(self) -> tuple[str, int]:
+        name = "storm-a" if self.n % 2 else "storm-b"
+        self.n += 1
+        async with grpc.aio.insecure_channel(self.admin) as ch:
+            admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
+            info = await admin.SetPolicy(pb.SetPolicyRequest(yaml=POLICIES[name], source=f"{name}.yaml"))
+        self.last = (info.name, info.revision)
+        self.acknowledged += 1
+        return self.last
+
+    async def run(self) -> None:
+        while True:
+            await self.running.wait()
+            self.idle.clear()
+            try:
+                await self.set_once()
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                self.limited += 1
+            finally:
+                self.idle.set()
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))  # short: sun_path is 108 bytes
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config) -> None:
+    seconds = soak_seconds(pytestconfig)
+    cycles = max(2, int(seconds // 20))
+    cycle_s = seconds / cycles
+    state = tmp_path / "state"
+    cfg = tmp_path / "sidecar.yaml"
+    sock = sock_dir / "engine.sock"
+    cfg.write_text(
+        f"engine_listen: unix://{sock}\n"
+        "admin_listen: 127.0.0.1:0\n"
+        "metrics_listen: 127.0.0.1:0\n"
+        f"state_dir: {state}\n"
+        "decision_tick_s: 0.05\n"
+        "snapshot_interval_s: 1.0\n"
+        "ack_interval_s: 0.05\n"
+        f"max_engines: {MAX_ENGINES}\n"
+        "max_policy_changes_per_s: 20\n"
+    )
+    log = tmp_path / "serve.log"
+    served = await asyncio.to_thread(Serve, cfg, state, log=log)
+    rng = random.Random(0)
+    link = LinkSettings(time_scale=1.0, flush_interval_s=0.02, backoff_initial_s=0.02, backoff_max_s=0.2)
+    steady = [
+        CountingEngine(
+            target=served.engine,
+            settings=EngineSettings(engine_id=f"steady-{i}"),
+            traffic=demo_traffic(seed=i, duration_s=seconds),
+            link=link,
+        )
+        for i in range(STEADY)
+    ]
+    storm = Storm()
+    storm.admin = served.admin
+    storm_task = asyncio.create_task(storm.run())
+    churned = refused = kills = 0
+    try:
+        for e in steady:
+            await e.start()
+        for cycle in range(cycles):
+            storm.running.set()
+            end = time.monotonic() + cycle_s
+            # Churn and garbage while the storm blows, and only while the steady engines run: once
+            # they finish they are idle, and churn would (rightly) evict them to make room.
+            while time.monotonic() < end and not any(e.done for e in steady):
+                churn = EmbeddedEngine(
+                    target=served.engine,
+                    settings=EngineSettings(engine_id=f"churn-{churned}"),
+                    traffic=demo_traffic(seed=1000 + churned, duration_s=0.5),
+                    link=link,
+                )
+                churned += 1
+                await churn.start()
+                refused += await _garbage(served.engine, rng, churned, str(sock))
+                await churn.wait()
+            storm.running.clear()
+            await storm.idle.wait()
+            if cycle == cycles - 1:
+                break
+            # One last acknowledged change, then SIGKILL at once: nothing may be lost.
+            last = await storm.set_once()
+            served.kill9()
+            kills += 1
+            connects = [e.stats.connects for e in steady]
+            served = await asyncio.to_thread(Serve, cfg, state, log=log)
+            storm.admin = served.admin
+            async with grpc.aio.insecure_channel(served.admin) as ch:
+                admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
+                got = await admin.GetPolicy(pb.GetPolicyRequest())
+                assert (got.name, got.revision) == last
+            # Steady engines back before any churn can take their place (restored engines are idle).
+            await until(lambda c=connects: all(e.stats.connects > n for e, n in zip(steady, c, strict=True)))  # type: ignore[misc]
+        for e in steady:
+            await asyncio.wait_for(e.wait(), seconds + WAIT_S * 4)
+        async with grpc.aio.insecure_channel(served.admin) as ch:
+            admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
+            engines: dict[str, pb.EngineStatus] = {}
+            offset = 0
+            while True:
+                page = await admin.ListEngines(pb.ListEnginesRequest(offset=offset))
+                engines.update({x.engine_id: x for x in page.engines})
+                offset = page.next_offset
+                if not offset:
+                    break
+            policy = await admin.GetPolicy(pb.GetPolicyRequest())
+        with urllib.request.urlopen(served.metrics, timeout=WAIT_S) as r:
+            metrics = r.read().decode()
+        rc = served.stop()
+    finally:
+        storm_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await storm_task
+        for e in steady:
+            await e.stop()
+        served.stop()
+
+    # Exact accounting per steady engine.
+    for e in steady:
+        eid = e.settings.engine_id
+        assert e.stats.dropped_steps == 0 and e.stats.evicted_steps == 0, eid
+        assert not e.outstanding, eid
+        assert engines[eid].steps == e.totals.steps - e.lost_steps, (eid, e.totals.steps, e.lost_steps)
+        assert e.ack_went_back <= kills
+    # The active policy is the last one set.
+    assert storm.last is not None and (policy.name, policy.revision) == storm.last
+    # /metrics holds only engines the sidecar holds, never more than max_engines of them.
+    labelled = {
+        line.split('engine="')[1].split('"')[0] for line in metrics.splitlines() if 'engine="' in line
+    }
+    assert labelled <= set(engines) and len(engines) <= MAX_ENGINES
+    assert "_created" not in metrics
+    out = log.read_text(errors="replace")
+    assert "Traceback" not in out and "forged line" not in out.replace("\\nforged line", "")
+    assert rc == 0 and kills == cycles - 1 and refused > 0 and churned > MAX_ENGINES
+    print(
+        f"\nsoak {seconds:.0f} s: {kills} kill -9, {churned} churned engines, {refused} garbage streams refused, "
+        f"{storm.acknowledged} policy sets ({storm.limited} rate-limited); steady steps "
+        f"{[e.totals.steps for e in steady]}, lost to kills {[e.lost_steps for e in steady]}"
+    )
