@@ -51,6 +51,7 @@ class Replayer:
         label: str = "",
         progress: Progress | None = None,
         loop_state: Mapping[str, Any] | None = None,
+        ngram_signal: bool = True,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -73,6 +74,8 @@ class Replayer:
         #: A ControlLoop state to start from (a warm start); the loop's state after ``run`` is kept.
         self.loop_state = loop_state
         self.final_state: dict[str, Any] | None = None
+        #: Show the policy the trace's ``ngram_proposal`` (False: replay as if the engine had no signal).
+        self.ngram_signal = ngram_signal
 
     def run(self) -> RunResult:
         tr, prof, eng = self.trace, self.profile, self.engine
@@ -100,6 +103,11 @@ class Replayer:
         for m in eng.methods:
             playable[METHOD_CODES[m]] = True
         e3_always = Method.EAGLE3 in eng.always_runs
+        # The n-gram proposer's match per position: the engine has it before drafting (causal), where
+        # it runs the proposer (an engine that drafts n-gram per request) and the trace recorded it.
+        proposal_all = (
+            tr.ngram_proposal if self.ngram_signal and Method.NGRAM in eng.methods and not batch_k else None
+        )
         pe_always = Method.P_EAGLE in eng.always_runs
 
         order = np.argsort(tr.arrival_s, kind="stable") if self.open_loop else np.arange(n)
@@ -156,6 +164,7 @@ class Replayer:
                 switches += sum(1 for c in loop.last_changes if c.before is not None)
 
             d = m_done
+            prop: np.ndarray | None = None
             if nd:
                 pos = m_base + d - 1
                 if batch_k:
@@ -171,7 +180,8 @@ class Replayer:
                         else np.ones(nd, dtype=np.int64)
                     )
                 else:
-                    methods, ks32 = fast.plan(directive, m_ids, m_cls, batch_size, max_k)
+                    prop = proposal_all[pos] if proposal_all is not None else None
+                    methods, ks32 = fast.plan(directive, m_ids, m_cls, batch_size, max_k, ngram_proposal=prop)
                     ks = ks32.astype(np.int64)
                     if per_request_k:
                         methods = np.where(ks > 0, primary, _OFF).astype(np.int8)
@@ -253,6 +263,7 @@ class Replayer:
                     request_id=tuple(m_ids),
                     counterfactual_depth=head_depth,
                     prefill_tokens=int(prompt_all[new_reqs].sum()) if take else 0,
+                    ngram_proposal=prop,
                 )
                 loop.observe(obs)
                 if not batch_k:
