@@ -64,6 +64,21 @@ def step_fields(step: pb.StepReport, n: int) -> dict[str, Any]:
     }
 
 
+def ngram_proposal_from_pb(step: pb.StepReport) -> np.ndarray | None:
+    """The step's n-gram proposals per request (int32), or None when not reported.
+
+    Columns: an empty ``ngram_proposal`` means not reported. Rows: each row's optional field; a step
+    reports it on every row or on none (validation checks), so the first row decides.
+    """
+    if step.HasField("columns"):
+        col = step.columns.ngram_proposal
+        return np.array(col, dtype=np.int32) if len(col) else None
+    reqs = step.requests
+    if not len(reqs) or not reqs[0].HasField("ngram_proposal"):
+        return None
+    return np.fromiter((r.ngram_proposal for r in reqs), dtype=np.int32, count=len(reqs))
+
+
 def observation_from_pb(step: pb.StepReport) -> StepObservation:
     """Columns from a (validated) StepReport, in either form (rows or columns)."""
     if step.HasField("columns"):
@@ -86,6 +101,7 @@ def observation_from_pb(step: pb.StepReport) -> StepObservation:
         counterfactual=cf,
         request_id=tuple(r.request_id for r in reqs),
         finished=np.fromiter((r.finished for r in reqs), dtype=bool, count=n),
+        ngram_proposal=ngram_proposal_from_pb(step),
     )
 
 
@@ -109,6 +125,7 @@ def _observation_from_columns(step: pb.StepReport) -> StepObservation:
         },
         request_id=tuple(c.request_id) if len(c.request_id) else ("",) * n,
         finished=np.array(c.finished, dtype=bool) if len(c.finished) else np.zeros(n, dtype=bool),
+        ngram_proposal=ngram_proposal_from_pb(step),
     )
 
 
@@ -157,10 +174,16 @@ def request_steps(
     accepted: Iterable[int],
     counterfactual: dict[str, Iterable[int]] | None = None,
     finished: Iterable[bool] | None = None,
+    ngram_proposal: Iterable[int] | None = None,
 ) -> list[pb.RequestStep]:
-    """RequestStep messages from columns (engines build reports with this)."""
+    """RequestStep messages from columns (engines build reports with this).
+
+    ``ngram_proposal``: per request, the n-gram proposer's draft length before the step drafted (0 = no
+    match); None when the engine runs no n-gram proposer (the field stays unset on every row).
+    """
     cf_cols = {m: list(v) for m, v in (counterfactual or {}).items()}
     fin = list(finished) if finished is not None else None
+    prop = [int(x) for x in ngram_proposal] if ngram_proposal is not None else None
     out = []
     for j, (rid, c, m, k, d, a) in enumerate(
         zip(request_ids, classes, methods, ks, drafted, accepted, strict=True)
@@ -176,6 +199,7 @@ def request_steps(
                 accepted=int(a),
                 counterfactual_accepted=cf,
                 finished=bool(fin[j]) if fin is not None else False,
+                ngram_proposal=prop[j] if prop is not None else None,
             )
         )
     return out
@@ -191,6 +215,7 @@ def request_columns(
     accepted: Iterable[int],
     counterfactual: dict[str, Iterable[int]] | None = None,
     finished: Iterable[bool] | None = None,
+    ngram_proposal: Iterable[int] | None = None,
 ) -> pb.RequestColumns:
     """The columnar form of ``request_steps`` (StepReport.columns); same arguments, same meaning."""
     index: dict[str, int] = {}
@@ -210,4 +235,5 @@ def request_columns(
             if any(x != NOT_SCORED for x in col)
         ],
         finished=[bool(x) for x in finished] if finished is not None else [],
+        ngram_proposal=[int(x) for x in ngram_proposal] if ngram_proposal is not None else [],
     )

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.convert import engine_info_from_hello, observation_from_pb, step_fields
+from controller.convert import (
+    engine_info_from_hello,
+    ngram_proposal_from_pb,
+    observation_from_pb,
+    step_fields,
+)
 from controller.v1 import controller_pb2 as pb
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
@@ -307,6 +312,17 @@ def _read_step(
                 "request_id_too_long",
                 f"{where}.requests[{j}].request_id: longer than {MAX_REQUEST_ID} characters",
             )
+        if r.HasField("ngram_proposal") != reqs[0].HasField("ngram_proposal"):
+            raise TelemetryError(
+                "ngram_proposal_partial",
+                f"{where}.requests[{j}].ngram_proposal: reported on some rows of the step but not this "
+                "one (every row or none)",
+            )
+        if r.ngram_proposal > engine.max_k:
+            raise TelemetryError(
+                "ngram_proposal_gt_max",
+                f"{where}.requests[{j}].ngram_proposal: {r.ngram_proposal} exceeds max_k {engine.max_k}",
+            )
         for m, v in r.counterfactual_accepted.items():
             if m not in _METHODS or m == Method.OFF.value:
                 raise TelemetryError(
@@ -348,6 +364,7 @@ def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
         ("drafted", c.drafted, False),
         ("accepted", c.accepted, False),
         ("finished", c.finished, True),
+        ("ngram_proposal", c.ngram_proposal, True),
     ):
         if len(col) != n and not (optional and len(col) == 0):
             raise TelemetryError(
@@ -488,6 +505,16 @@ def _finish_columns(
         if n and ((v > engine.max_k) | (v < NOT_SCORED)).any():
             _check_counterfactual(v, at, engine.max_k)
         counterfactual[Method(cf.method)] = v.astype(np.int32)
+    proposal = ngram_proposal_from_pb(step)
+    if proposal is not None and n and int(proposal.max()) > engine.max_k:
+        _first(
+            proposal > engine.max_k,
+            "ngram_proposal_gt_max",
+            where,
+            "ngram_proposal",
+            lambda j: f"{proposal[j]} exceeds max_k {engine.max_k}",
+            columns=True,
+        )
     names = tuple(x or "default" for x in classes)
     return StepObservation(
         **step_fields(step, n),
@@ -499,6 +526,7 @@ def _finish_columns(
         counterfactual=counterfactual,
         request_id=cols.request_id or ("",) * n,
         finished=np.fromiter(c.finished, dtype=bool, count=n) if len(c.finished) else np.zeros(n, dtype=bool),
+        ngram_proposal=proposal,
     )
 
 

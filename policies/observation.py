@@ -21,6 +21,8 @@ class StepObservation:
     its would-be accepted counts on the same rows, ``NOT_SCORED`` where the engine did not score it.
     A score is exact for drafts up to the method's ``counterfactual_depth`` (absent: the engine's max K;
     e.g. 1 for an EAGLE head's first position, which runs whether or not its draft is verified).
+    ``ngram_proposal``: per request, the draft length the n-gram proposer had before the step drafted
+    (0: no match, so n-gram could accept nothing there); None when the engine does not report it.
     """
 
     time_s: float
@@ -39,6 +41,7 @@ class StepObservation:
     counterfactual_depth: Mapping[Method, int] = field(default_factory=dict)
     #: Prompt tokens prefilled in the same step (chunked prefill); their time is in ``duration_s``.
     prefill_tokens: int = 0
+    ngram_proposal: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -66,6 +69,7 @@ class StepObservation:
         counterfactual: Mapping[Method, list[int] | np.ndarray] | None = None,
         request_id: list[str] | tuple[str, ...] = (),
         prefill_tokens: int = 0,
+        ngram_proposal: list[int] | np.ndarray | None = None,
     ) -> StepObservation:
         """Convenience constructor from lists (tests, adapters)."""
         if isinstance(method, np.ndarray):
@@ -87,4 +91,5 @@ class StepObservation:
             counterfactual=cf,
             request_id=tuple(request_id),
             prefill_tokens=prefill_tokens,
+            ngram_proposal=None if ngram_proposal is None else np.asarray(ngram_proposal, dtype=np.int32),
         )

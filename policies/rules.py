@@ -12,6 +12,16 @@ cut short by K says the copied span reaches ``s`` tokens past that position; aft
 ``e`` tokens the next draft can expect ``s - e`` more, and a draft cut short by K says the span goes
 on. The rule drafts n-gram with K set to that expected run while it is at least ``min_run`` tokens,
 and the planned arm otherwise: EAGLE-3 between spans, n-gram inside them, per request and per step.
+
+With the n-gram proposer's match (``ngram_proposal``: the draft length vLLM's n-gram proposer has for
+each request before this step drafts, 0 = no match; engines that do not report it pass None and the
+rule works as above), ``ngram_span`` never drafts n-gram where there is no match (it would accept 0)
+and drafts it at a match unless the span is known to end right there: where the expected run is
+known it keeps K = run (capped at the proposal); where the last scored draft says the position is
+past any span it knew of (a fresh match: a new copy span), it drafts the whole proposal (at most
+``fresh_k`` tokens when that is set). Between matches the planned arm drafts, with the slow loop's K
+for the class and batch bucket: EAGLE-3 (or P-EAGLE) where n-gram has nothing to offer. In the
+simulator a whole proposal beat the planned K at every concurrency tried (drift, c = 1/8/32).
 """
 
 from __future__ import annotations
@@ -39,6 +49,12 @@ RULES: dict[str, Mapping[str, Param]] = {
         ),
         "when_off": Param(1, "1: requests planned 'off' also draft n-gram inside a span; 0: never.", 0, 1),
         "alpha": Param(0.3, "Weight of the newest step in the per-request moving averages.", 0.01, 1.0),
+        "fresh_k": Param(
+            0,
+            "Longest n-gram draft at a fresh proposer match (0: the whole proposal; needs the signal).",
+            0,
+            64,
+        ),
     },
 }
 
@@ -63,7 +79,8 @@ class FastLoop:
         self._free: list[int] = []
         self._ewma = np.zeros((capacity, len(Method)))  # accepted tokens per step, per method
         self._steps = np.zeros(capacity, dtype=np.int64)
-        # Expected n-gram run at the request's next position (NaN: unknown), and the K it last drafted.
+        # Expected n-gram run at the request's next position (NaN: unknown; < 0: past the span it was
+        # scored in, 0 after a scored draft: the span ends there), and the K it last drafted.
         self._run = np.full(capacity, np.nan)
         self._k = np.zeros(capacity, dtype=np.int64)
         self._max_k = 0
@@ -103,8 +120,13 @@ class FastLoop:
         traffic_classes: Sequence[str],
         batch_size: int,
         max_k: int,
+        ngram_proposal: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Method codes and K for each request of the next step."""
+        """Method codes and K for each request of the next step.
+
+        ``ngram_proposal``: per request, the n-gram proposer's draft length at its current position
+        (0: no match), computed before this step drafts; None where the engine does not report it.
+        """
         n = len(request_ids)
         methods = np.empty(n, dtype=np.int8)
         ks = np.empty(n, dtype=np.int32)
@@ -127,11 +149,21 @@ class FastLoop:
         elif rule.kind == "ngram_span" and n:
             s = self.slots(request_ids)
             run = self._run[s]
-            switch = np.nan_to_num(run, nan=0.0) >= rule.params["min_run"]
+            known = np.nan_to_num(run, nan=0.0) >= rule.params["min_run"]
+            k_new = np.clip(np.nan_to_num(run, nan=1.0), 1, max_k)
+            if ngram_proposal is None:
+                switch = known
+            else:
+                prop = np.asarray(ngram_proposal)
+                fresh = (prop > 0) & (np.isnan(run) | (run < 0))
+                switch = (prop > 0) & (known | fresh)
+                fk = int(rule.params.get("fresh_k", 0))
+                k_new = np.where(fresh, float(fk if fk > 0 else max_k), k_new)
+                k_new = np.clip(np.minimum(k_new, np.maximum(prop, 1)), 1, max_k)
             if not int(rule.params["when_off"]):
                 switch &= methods != _OFF
             methods[switch] = _NGRAM
-            ks[switch] = np.clip(run[switch], 1, max_k).astype(np.int32)
+            ks[switch] = k_new[switch].astype(np.int32)
         if n and rule.kind != "none":
             self._max_k = max_k
             self._k[self.slots(request_ids)] = np.where(methods == _OFF, 0, ks)
@@ -179,7 +211,7 @@ class FastLoop:
             cut |= from_cf & (cf >= max_k)
         step = np.where(methods == _OFF, 0, accepted) + 1
         run = np.where(cut, float(max_k), score.astype(np.float64) - step)
-        self._run[s] = np.where(score == NOT_SCORED, np.nan, np.maximum(run, 0.0))
+        self._run[s] = np.where(score == NOT_SCORED, np.nan, run)
 
     def _mix(self, s: np.ndarray, col: np.ndarray, x: np.ndarray, alpha: float) -> None:
         old = self._ewma[s, col]

@@ -243,18 +243,35 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
 
 def cmd_trace_import(args: argparse.Namespace) -> int:
     from policies.arms import Method
-    from sim.importer import import_vllm_metrics
+    from sim.importer import import_token_ids, import_vllm_metrics
 
+    if (args.file is None) == (args.tokens is None):
+        _err("trace import: give a FILE of vLLM responses or --tokens FILE of token ids (one of them)")
+        return EXIT_USAGE
+    if args.tokens is None and (args.min_n, args.max_n, args.max_k) != (4, 5, 8):
+        _err("--min-n/--max-n/--max-k: only with --tokens")
+        return EXIT_USAGE
     try:
-        tr = import_vllm_metrics(args.file, method=Method(args.method))
-    except TraceError as e:
+        if args.tokens is not None:
+            tr = import_token_ids(args.tokens, min_n=args.min_n, max_n=args.max_n, max_k=args.max_k)
+        else:
+            tr = import_vllm_metrics(args.file, method=Method(args.method))
+    except ValueError as e:  # TraceError too: FILE:LINE: field: message
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_INVALID if isinstance(e, TraceError) else EXIT_USAGE
     write_trace(tr, args.out)
-    print(
-        f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens, max_k {tr.max_k} "
-        f"(counts censored at the recorded K)"
-    )
+    if args.tokens is not None:
+        assert tr.ngram_proposal is not None
+        matched = float((tr.ngram_proposal > 0).mean())
+        print(
+            f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens, max_k {tr.max_k}, "
+            f"n-gram match at {matched:.1%} of positions (min_n {args.min_n}, max_n {args.max_n})"
+        )
+    else:
+        print(
+            f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens, max_k {tr.max_k} "
+            f"(counts censored at the recorded K)"
+        )
     return 0
 
 
@@ -370,13 +387,24 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="output file (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_generate)
     p = ts.add_parser("import", help="a trace from vLLM responses with detailed per-request spec metrics")
-    p.add_argument("file", help="JSON Lines of vLLM responses (--per-request-spec-decode-metrics detailed)")
+    p.add_argument(
+        "file", nargs="?", help="JSON Lines of vLLM responses (--per-request-spec-decode-metrics detailed)"
+    )
     p.add_argument(
         "--method",
         default="eagle3",
         choices=["eagle3", "p_eagle", "ngram"],
         help="the drafting method the engine ran",
     )
+    p.add_argument(
+        "--tokens",
+        metavar="FILE",
+        help="instead: JSON Lines {prompt_token_ids, output_token_ids[, acc]} of greedy requests; "
+        "acc.ngram and ngram_proposal are computed exactly with vLLM's n-gram matcher",
+    )
+    p.add_argument("--min-n", type=int, default=4, help="with --tokens: shortest n-gram matched (vLLM: 4)")
+    p.add_argument("--max-n", type=int, default=5, help="with --tokens: longest n-gram matched (vLLM: 5)")
+    p.add_argument("--max-k", type=int, default=8, help="with --tokens: the trace's max_k (proposal cap)")
     p.add_argument("--out", required=True, help="output trace (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_import)
     p = ts.add_parser("record", help="record a trace from a running vLLM server (detailed spec metrics)")

@@ -1,4 +1,7 @@
-"""Import traces from vLLM's per-request speculative-decoding metrics.
+"""Import traces: from vLLM's per-request speculative-decoding metrics, or from greedy token ids.
+
+``import_token_ids`` computes n-gram's counts and proposals exactly (see ``ngram_columns``); the rest of
+this docstring is about ``import_vllm_metrics``.
 
 vLLM (``--per-request-spec-decode-metrics detailed``) returns, when a request finishes,
 ``metrics.speculative_decoding.per_step_accepted`` / ``per_step_drafted``: one entry per verify step.
@@ -15,14 +18,28 @@ an approximation of ``spectrace`` semantics, stated in its header ``meta``:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from policies.arms import Method
-from sim.trace import TRACE_METHODS, Trace, TraceError, _open_text
+from sim.trace import (
+    DEFAULT_LIMITS,
+    MAX_ARRIVAL_S,
+    MAX_COUNT,
+    MAX_K_LIMIT,
+    MAX_OUTPUT_TOKENS,
+    MAX_PROMPT_TOKENS,
+    TRACE_METHODS,
+    Trace,
+    TraceError,
+    TraceLimits,
+    _int_in,
+    _is_num,
+    load_json_line,
+    read_json_lines,
+)
 
 
 def _spec_metrics(obj: dict[str, Any]) -> Any:
@@ -49,7 +66,9 @@ def counts_from_steps(output_tokens: int, accepted: list[int], drafted: list[int
     return acc
 
 
-def import_vllm_metrics(path: str | Path, *, method: Method = Method.EAGLE3) -> Trace:
+def import_vllm_metrics(
+    path: str | Path, *, method: Method = Method.EAGLE3, limits: TraceLimits = DEFAULT_LIMITS
+) -> Trace:
     """A trace from JSON Lines of vLLM responses (completions or chat) carrying detailed spec metrics.
 
     Each line: a response object with ``usage.prompt_tokens``, ``usage.completion_tokens`` and
@@ -66,63 +85,55 @@ def import_vllm_metrics(path: str | Path, *, method: Method = Method.EAGLE3) -> 
     arrival: list[float] = []
     acc: list[np.ndarray] = []
     max_k = 1
-    try:
-        with _open_text(p) as f:
-            for lineno, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
+    src = str(p)
+    for lineno, text in read_json_lines(p, limits):
 
-                def fail(fld: str, msg: str, lineno: int = lineno) -> TraceError:
-                    return TraceError(msg, source=str(p), line=lineno, field=fld)
+        def fail(fld: str, msg: str, lineno: int = lineno) -> TraceError:
+            return TraceError(msg, source=src, line=lineno, field=fld)
 
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise fail("", f"invalid JSON: {e.msg} (column {e.colno})") from None
-                if not isinstance(obj, dict):
-                    raise fail("", "expected a JSON object (a vLLM response)")
-                usage = obj.get("usage")
-                if not isinstance(usage, dict):
-                    raise fail(
-                        "usage", "missing: the response needs usage.prompt_tokens and completion_tokens"
-                    )
-                n_out = usage.get("completion_tokens")
-                n_in = usage.get("prompt_tokens", 0)
-                if not isinstance(n_out, int) or n_out < 1:
-                    raise fail("usage.completion_tokens", f"expected an integer >= 1, got {n_out!r}")
-                if not isinstance(n_in, int) or n_in < 0:
-                    raise fail("usage.prompt_tokens", f"expected an integer >= 0, got {n_in!r}")
-                sd = _spec_metrics(obj)
-                if not isinstance(sd, dict):
-                    raise fail(
-                        "metrics.speculative_decoding",
-                        "missing (start vLLM with --per-request-spec-decode-metrics detailed)",
-                    )
-                pa, pd = sd.get("per_step_accepted"), sd.get("per_step_drafted")
-                ok = (
-                    isinstance(pa, list)
-                    and isinstance(pd, list)
-                    and len(pa) == len(pd)
-                    and all(isinstance(x, int) and x >= 0 for x in pa + pd)
-                )
-                if not ok:
-                    raise fail(
-                        "metrics.speculative_decoding.per_step_accepted",
-                        "per_step_accepted and per_step_drafted must be equal-length lists of integers "
-                        "(use --per-request-spec-decode-metrics detailed)",
-                    )
-                assert isinstance(pa, list) and isinstance(pd, list)
-                rid = obj.get("id", f"line{lineno}")
-                ids.append(str(rid) if str(rid) not in ids else f"{rid}-{lineno}")
-                classes.append(str(obj.get("traffic_class", obj.get("class", "default"))))
-                prompt.append(n_in)
-                out.append(n_out)
-                arr = obj.get("arrival_s")
-                arrival.append(float(arr) if isinstance(arr, int | float) else float("nan"))
-                acc.append(counts_from_steps(n_out, pa, pd))
-                max_k = max([max_k, *pd])
-    except OSError as e:
-        raise TraceError(f"cannot read: {e}", source=str(p)) from None
+        obj = load_json_line(text, source=src, line=lineno, limits=limits)
+        if not isinstance(obj, dict):
+            raise fail("", "expected a JSON object (a vLLM response)")
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            raise fail("usage", "missing: the response needs usage.prompt_tokens and completion_tokens")
+        n_out: Any = usage.get("completion_tokens")
+        n_in: Any = usage.get("prompt_tokens", 0)
+        if not _int_in(n_out, 1, MAX_OUTPUT_TOKENS):
+            raise fail(
+                "usage.completion_tokens", f"expected an integer 1..{MAX_OUTPUT_TOKENS}, got {n_out!r}"
+            )
+        if not _int_in(n_in, 0, MAX_PROMPT_TOKENS):
+            raise fail("usage.prompt_tokens", f"expected an integer 0..{MAX_PROMPT_TOKENS}, got {n_in!r}")
+        sd = _spec_metrics(obj)
+        if not isinstance(sd, dict):
+            raise fail(
+                "metrics.speculative_decoding",
+                "missing (start vLLM with --per-request-spec-decode-metrics detailed)",
+            )
+        pa, pd = sd.get("per_step_accepted"), sd.get("per_step_drafted")
+        ok = (
+            isinstance(pa, list)
+            and isinstance(pd, list)
+            and len(pa) == len(pd)
+            and all(_int_in(x, 0, MAX_K_LIMIT) for x in pa + pd)
+        )
+        if not ok:
+            raise fail(
+                "metrics.speculative_decoding.per_step_accepted",
+                f"per_step_accepted and per_step_drafted must be equal-length lists of integers "
+                f"0..{MAX_K_LIMIT} (use --per-request-spec-decode-metrics detailed)",
+            )
+        assert isinstance(pa, list) and isinstance(pd, list)
+        rid = obj.get("id", f"line{lineno}")
+        ids.append(str(rid) if str(rid) not in ids else f"{rid}-{lineno}")
+        classes.append(str(obj.get("traffic_class", obj.get("class", "default"))))
+        prompt.append(n_in)
+        out.append(n_out)
+        arr: Any = obj.get("arrival_s")
+        arrival.append(float(arr) if _is_num(arr) and 0 <= arr <= MAX_ARRIVAL_S else float("nan"))
+        acc.append(counts_from_steps(n_out, pa, pd))
+        max_k = max([max_k, *pd])
     if not ids:
         raise TraceError("no responses found", source=str(p))
     arrivals = np.array(arrival)
@@ -144,4 +155,155 @@ def import_vllm_metrics(path: str | Path, *, method: Method = Method.EAGLE3) -> 
             "note": "counts are exact below the recorded K and censored at it; K = 0 phases are not recorded",
         },
         name=p.name.removesuffix(".gz").removesuffix(".jsonl"),
+    )
+
+
+# -- exact n-gram counterfactuals from token ids -------------------------------------------------
+
+#: The longest n-gram draft scored per position (acc.ngram is capped here, as the generator's counts).
+NGRAM_HORIZON = MAX_K_LIMIT
+_TOKEN_ID_MAX = (1 << 31) - 1
+
+
+def ngram_columns(
+    prompt_ids: np.ndarray, output_ids: np.ndarray, *, min_n: int, max_n: int, max_k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(acc.ngram, ngram_proposal)`` of one greedy request, from its token ids.
+
+    At output position t the engine holds the prompt and output tokens 0..t. vLLM's matcher
+    (``controller.vllm.ngram.match_ngram``: the longest suffix n-gram of min_n..max_n tokens found
+    earlier, earliest occurrence) drafts the tokens that followed the match; the proposal is that
+    draft's length capped at ``max_k``, and the count is how many of its first ``NGRAM_HORIZON``
+    tokens equal the output tokens that really came next (exact under greedy decoding).
+    """
+    from controller.vllm.ngram import match_ngram  # the project's matcher; needs numpy only
+
+    tokens = np.concatenate([prompt_ids, output_ids]).astype(np.int32)
+    p, n = len(prompt_ids), len(output_ids)
+    acc = np.zeros(n, dtype=np.int32)
+    proposal = np.zeros(n, dtype=np.int32)
+    for t in range(n):
+        end = p + t + 1  # tokens the engine holds after output token t
+        draft = match_ngram(tokens[:end], min_n, max_n, 1 << 30, NGRAM_HORIZON)
+        if not len(draft):
+            continue
+        proposal[t] = min(len(draft), max_k)
+        nxt = tokens[end : end + len(draft)]
+        same = draft[: len(nxt)] == nxt
+        acc[t] = len(nxt) if same.all() else int(np.argmin(same))
+    return acc, proposal
+
+
+def _token_ids(v: Any, fld: str, fail: Any, *, min_len: int) -> np.ndarray:
+    if not isinstance(v, list) or len(v) < min_len:
+        raise fail(fld, f"required: a list of at least {min_len} token ids")
+    bad = next((i for i, x in enumerate(v) if not _int_in(x, 0, _TOKEN_ID_MAX)), None)
+    if bad is not None:
+        raise fail(f"{fld}[{bad}]", f"must be a token id 0..{_TOKEN_ID_MAX}, got {v[bad]!r}")
+    return np.asarray(v, dtype=np.int64)
+
+
+def import_token_ids(
+    path: str | Path,
+    *,
+    min_n: int = 4,
+    max_n: int = 5,
+    max_k: int = 8,
+    limits: TraceLimits = DEFAULT_LIMITS,
+) -> Trace:
+    """A trace with exact ``acc.ngram`` and ``ngram_proposal`` from JSON Lines of greedy token ids.
+
+    Each line: ``{"prompt_token_ids": [...], "output_token_ids": [...]}`` with optional ``id``,
+    ``class`` (or ``traffic_class``), ``arrival_s`` and ``acc`` (per-position counts of other methods,
+    e.g. ``{"eagle3": [...]}``, ``output_token_ids`` entries each; on every line or on none).
+    """
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"--min-n/--max-n: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+    if not 1 <= max_k <= MAX_K_LIMIT:
+        raise ValueError(f"--max-k: must be 1..{MAX_K_LIMIT}, got {max_k}")
+    p = Path(path)
+    src = str(p)
+    ids: list[str] = []
+    seen: set[str] = set()
+    classes: list[str] = []
+    prompt: list[int] = []
+    out: list[int] = []
+    arrival: list[float] = []
+    ngram: list[np.ndarray] = []
+    proposals: list[np.ndarray] = []
+    other: dict[Method, list[np.ndarray]] = {}
+    other_methods: tuple[Method, ...] | None = None
+    for lineno, text in read_json_lines(p, limits):
+
+        def fail(fld: str, msg: str, lineno: int = lineno) -> TraceError:
+            return TraceError(msg, source=src, line=lineno, field=fld)
+
+        obj = load_json_line(text, source=src, line=lineno, limits=limits)
+        if not isinstance(obj, dict):
+            raise fail("", "expected a JSON object with prompt_token_ids and output_token_ids")
+        pids = _token_ids(obj.get("prompt_token_ids"), "prompt_token_ids", fail, min_len=0)
+        oids = _token_ids(obj.get("output_token_ids"), "output_token_ids", fail, min_len=1)
+        if len(pids) > MAX_PROMPT_TOKENS or len(oids) > MAX_OUTPUT_TOKENS:
+            raise fail("output_token_ids", "request longer than the trace format's limits")
+        acc_raw = obj.get("acc", {})
+        if not isinstance(acc_raw, dict):
+            raise fail("acc", 'must be an object such as {"eagle3": [counts...]}')
+        methods = []
+        for key, v in acc_raw.items():
+            if key not in {m.value for m in TRACE_METHODS} or key == Method.NGRAM.value:
+                raise fail(f"acc.{key}", "unknown method (eagle3 or p_eagle; ngram is computed)")
+            if not isinstance(v, list) or len(v) != len(oids):
+                raise fail(f"acc.{key}", f"must be a list of {len(oids)} counts (one per output token)")
+            bad = next((i for i, x in enumerate(v) if not _int_in(x, 0, MAX_COUNT)), None)
+            if bad is not None:
+                raise fail(f"acc.{key}[{bad}]", f"must be an integer 0..{MAX_COUNT}, got {v[bad]!r}")
+            methods.append(Method(key))
+            other.setdefault(Method(key), []).append(np.asarray(v, dtype=np.int32))
+        ms = tuple(sorted(methods, key=lambda m: m.value))
+        if other_methods is None:
+            other_methods = ms
+        elif ms != other_methods:
+            raise fail(
+                "acc", f"methods {[m.value for m in ms]} differ from the first line's (all lines alike)"
+            )
+        rid = str(obj.get("id", f"line{lineno}"))
+        if rid in seen:
+            raise fail("id", f"duplicate id {rid!r}")
+        seen.add(rid)
+        ids.append(rid)
+        cls = obj.get("traffic_class", obj.get("class", "default"))
+        classes.append(str(cls) if cls else "default")
+        arr: Any = obj.get("arrival_s")
+        arrival.append(float(arr) if _is_num(arr) and 0 <= arr <= MAX_ARRIVAL_S else float("nan"))
+        prompt.append(len(pids))
+        out.append(len(oids))
+        a, prop = ngram_columns(pids, oids, min_n=min_n, max_n=max_n, max_k=max_k)
+        ngram.append(a)
+        proposals.append(prop)
+    if not ids:
+        raise TraceError("no requests found", source=src)
+    arrivals = np.array(arrival)
+    if np.isnan(arrivals).any():
+        arrivals[:] = np.nan  # all or none
+    methods_all = (*(other_methods or ()), Method.NGRAM)
+    acc = {m: np.concatenate(other[m]) for m in other_methods or ()}
+    acc[Method.NGRAM] = np.concatenate(ngram)
+    return Trace(
+        max_k=max_k,
+        methods=methods_all,
+        ids=tuple(ids),
+        classes=tuple(classes),
+        prompt_tokens=np.array(prompt, dtype=np.int64),
+        output_tokens=np.array(out, dtype=np.int64),
+        arrival_s=arrivals,
+        acc=acc,
+        meta={
+            "imported_from": "token ids (trace import --tokens)",
+            "source_file": p.name,
+            "ngram": {"min_n": min_n, "max_n": max_n},
+            "note": f"acc.ngram and ngram_proposal computed with vLLM's matcher; exact for greedy decoding; "
+            f"acc.ngram capped at {NGRAM_HORIZON}",
+        },
+        name=p.name.removesuffix(".gz").removesuffix(".jsonl"),
+        ngram_proposal=np.concatenate(proposals),
     )

@@ -67,6 +67,8 @@ class Step:
     #: Trace indices that finished with this step (decoders that ended, then one-token prefills).
     finished: np.ndarray
     duration_s: float
+    #: Per decoding request: the n-gram proposer's draft length the plan saw (None: no signal).
+    ngram_proposal: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -93,6 +95,7 @@ class StepKernel:
         engine: EngineModel,
         fast: FastLoop | None = None,
         max_k: int | None = None,
+        ngram_signal: bool = True,
     ) -> None:
         check_engine(trace, engine)
         self.trace = trace
@@ -123,6 +126,13 @@ class StepKernel:
             self._playable = playable_codes((engine.primary,))
         self._e3_always = Method.EAGLE3 in engine.always_runs
         self._pe_always = Method.P_EAGLE in engine.always_runs
+        # The n-gram proposer's match per position: the engine has it before drafting (causal), where
+        # it runs the proposer (an engine that drafts n-gram per request) and the trace recorded it.
+        self._proposal = (
+            trace.ngram_proposal
+            if ngram_signal and Method.NGRAM in engine.methods and not self._batch_k
+            else None
+        )
         # The running requests, as parallel arrays rebuilt only when membership changes.
         self._req = _EMPTY
         self._done = _EMPTY
@@ -147,6 +157,7 @@ class StepKernel:
         d = self._done
         prefill = int(self._prompt[admit].sum()) if take else 0
         max_k = self.max_k
+        prop: np.ndarray | None = None
         if nd:
             pos = self._m_base + d - 1
             remaining = self._m_out - d
@@ -161,7 +172,10 @@ class StepKernel:
                 else:
                     e = np.ones(nd, dtype=np.int64)
             else:
-                planned, ks32 = self.fast.plan(directive, self._ids, self._classes, batch_size, max_k)
+                prop = self._proposal[pos] if self._proposal is not None else None
+                planned, ks32 = self.fast.plan(
+                    directive, self._ids, self._classes, batch_size, max_k, ngram_proposal=prop
+                )
                 methods, ks = clamp_plan(
                     planned,
                     ks32.astype(np.int64),
@@ -218,6 +232,7 @@ class StepKernel:
             admitted=admit,
             prefill_tokens=prefill,
             finished=finished,
+            ngram_proposal=prop,
             duration_s=dt,
         )
 

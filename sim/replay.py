@@ -47,6 +47,7 @@ class Replayer:
         label: str = "",
         progress: Progress | None = None,
         loop_state: Mapping[str, Any] | None = None,
+        ngram_signal: bool = True,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -65,6 +66,8 @@ class Replayer:
         #: A ControlLoop state to start from (a warm start); the loop's state after ``run`` is kept.
         self.loop_state = loop_state
         self.final_state: dict[str, Any] | None = None
+        #: Show the policy the trace's ``ngram_proposal`` (False: replay as if the engine had no signal).
+        self.ngram_signal = ngram_signal
 
     def run(self) -> RunResult:
         tr, eng = self.trace, self.engine
@@ -72,7 +75,11 @@ class Replayer:
         if self.loop_state is not None:
             loop.load_state_dict(self.loop_state)
         kernel = StepKernel(
-            trace=tr, profile=self.profile, engine=eng, fast=FastLoop(capacity=max(64, 2 * self.concurrency))
+            trace=tr,
+            profile=self.profile,
+            engine=eng,
+            fast=FastLoop(capacity=max(64, 2 * self.concurrency)),
+            ngram_signal=self.ngram_signal,
         )
         n, C = tr.n, self.concurrency
         out_all = tr.output_tokens
@@ -147,6 +154,7 @@ class Replayer:
                     request_id=st.ids,
                     counterfactual_depth=kernel.counterfactual_depth,
                     prefill_tokens=st.prefill_tokens,
+                    ngram_proposal=st.ngram_proposal,
                 )
                 loop.observe(obs)
                 request_steps += nd

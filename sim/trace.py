@@ -6,6 +6,13 @@ array of would-be accepted counts for every output position of every request (re
 
 Methods given as ``{"alpha": [...]}`` (per-position conditional acceptance probabilities) are
 materialised into counts when the trace is read, with a seeded generator, so a replay is repeatable.
+
+``ngram_proposal`` (optional, on every request or on none) is the n-gram proposer's draft length at
+every position: 0 where it finds no match, so n-gram cannot accept there. It is what the engine
+knows *before* drafting, so a replay may show it to the policy; ``acc`` it may not.
+
+Reading is bounded (``TraceLimits``): file size, decompressed size, line length, JSON nesting and the
+physical range of every number are checked, and every breach is a ``FILE:LINE`` error.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import gzip
 import io
 import json
 import math
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +33,12 @@ from policies.arms import Method
 
 FORMAT_VERSION = 1
 MAX_K_LIMIT = 64
+#: Accepted counts are held in int32 and never exceed a request's output; a larger one is an error.
+MAX_COUNT = (1 << 31) - 1
+#: Physical ranges of a request's sizes (tokens) and arrival time (seconds, about 31 years).
+MAX_OUTPUT_TOKENS = 1 << 22
+MAX_PROMPT_TOKENS = 1 << 24
+MAX_ARRIVAL_S = 1e9
 #: Methods a trace may carry (``off`` drafts nothing, so it has no array).
 TRACE_METHODS: tuple[Method, ...] = (Method.EAGLE3, Method.P_EAGLE, Method.NGRAM)
 MAX_ERRORS = 50
@@ -53,6 +67,12 @@ class Trace:
     acc: Mapping[Method, np.ndarray]  # int32, flat over all output positions
     meta: Mapping[str, Any] = field(default_factory=dict)
     name: str = "trace"
+    #: int32, flat like ``acc``: the n-gram proposer's draft length per position (None: not recorded).
+    ngram_proposal: np.ndarray | None = None
+
+    @property
+    def has_ngram_proposal(self) -> bool:
+        return self.ngram_proposal is not None
 
     @property
     def n(self) -> int:
@@ -98,10 +118,34 @@ class Trace:
             acc={m: a[flat] for m, a in self.acc.items()},
             meta=dict(self.meta),
             name=name or self.name,
+            ngram_proposal=None if self.ngram_proposal is None else self.ngram_proposal[flat],
         )
 
 
 # -- reading -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceLimits:
+    """What a reader accepts before it refuses a file (each breach is a ``FILE:LINE`` error).
+
+    Defaults fit a trace of a million long requests; they exist so a hostile or broken file (a gzip
+    bomb, one 200 MB line, 100k nested brackets) costs bounded memory and time, not so real traces fail.
+    """
+
+    max_file_bytes: int = 4 << 30
+    max_decompressed_bytes: int = 16 << 30
+    max_line_bytes: int = 64 << 20
+    max_depth: int = 32
+
+    def __post_init__(self) -> None:
+        for f in ("max_file_bytes", "max_decompressed_bytes", "max_line_bytes", "max_depth"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"TraceLimits.{f}: must be an integer >= 1, got {v!r}")
+
+
+DEFAULT_LIMITS = TraceLimits()
 
 
 def _open_text(path: Path) -> IO[str]:
@@ -113,12 +157,106 @@ def _open_text(path: Path) -> IO[str]:
     return io.TextIOWrapper(raw, encoding="utf-8")
 
 
+def _depth_ok(text: str, max_depth: int) -> bool:
+    """Whether no bracket nests deeper than ``max_depth`` (strings skipped); before json.loads, whose
+    recursion would otherwise end in RecursionError."""
+    if text.count("[") + text.count("{") <= max_depth:
+        return True
+    depth = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > max_depth:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line of a JSON Lines file (gzip or plain), bounded.
+
+    Raises TraceError (``FILE:LINE``) when the file, its decompressed text or a line is over its
+    limit, and ``cannot read`` for I/O, gzip and UTF-8 errors. Use ``load_json_line`` on each line.
+    """
+    source = str(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise TraceError(f"cannot read: {e}", source=source) from None
+    if size > limits.max_file_bytes:
+        raise TraceError(f"file is {size} bytes, over the limit of {limits.max_file_bytes}", source=source)
+    lineno = 0
+    total = 0
+    try:
+        with _open_text(path) as f:
+            while True:
+                # readline(n) never holds more than n characters of one line in memory.
+                text = f.readline(limits.max_line_bytes + 1)
+                if not text:
+                    return
+                lineno += 1
+                total += len(text)
+                if total > limits.max_decompressed_bytes:
+                    raise TraceError(
+                        f"decompressed text exceeds the limit of {limits.max_decompressed_bytes} bytes",
+                        source=source,
+                        line=lineno,
+                    )
+                if len(text) > limits.max_line_bytes:
+                    raise TraceError(
+                        f"line longer than the limit of {limits.max_line_bytes} characters",
+                        source=source,
+                        line=lineno,
+                    )
+                if text.strip():
+                    yield lineno, text
+    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile, zlib.error) as e:
+        raise TraceError(f"cannot read: {e}", source=source) from None
+
+
+def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = DEFAULT_LIMITS) -> Any:
+    """One line's JSON value; TraceError (``FILE:LINE``) when invalid or nested too deep."""
+    if not _depth_ok(text, limits.max_depth):
+        raise TraceError(f"JSON nested deeper than {limits.max_depth} levels", source=source, line=line)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"invalid JSON: {e.msg} (column {e.colno})", source=source, line=line) from None
+    except RecursionError:  # a nesting the pre-check missed must still not escape as a traceback
+        raise TraceError("JSON nested too deeply", source=source, line=line) from None
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_num(v: Any) -> bool:
-    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(float(v))
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def _int_in(v: Any, lo: int, hi: int) -> bool:
+    return _is_int(v) and lo <= v <= hi
+
+
+def _bad_int_list(v: list[Any], lo: int, hi: int) -> int | None:
+    """Index of the first entry of ``v`` that is not an integer in lo..hi, or None."""
+    return next((i for i, x in enumerate(v) if not _int_in(x, lo, hi)), None)
 
 
 @dataclass(slots=True)
@@ -160,6 +298,20 @@ def _check_header(obj: Any, err: Any) -> _Header | None:
     if not isinstance(meta, dict):
         err("meta", "must be a JSON object")
         ok = False
+    elif "ngram" in meta:
+        ng = meta["ngram"]
+        if not isinstance(ng, dict):
+            err("meta.ngram", 'must be an object {"min_n": N, "max_n": M}')
+            ok = False
+        else:
+            lo: Any = ng.get("min_n")
+            hi: Any = ng.get("max_n")
+            if not _int_in(lo, 1, 1 << 16):
+                err("meta.ngram.min_n", f"required: an integer >= 1, got {lo!r}")
+                ok = False
+            elif not _int_in(hi, lo, 1 << 16):
+                err("meta.ngram.max_n", f"required: an integer >= min_n ({lo}), got {hi!r}")
+                ok = False
     return _Header(int(max_k), tuple(methods), dict(meta)) if ok else None
 
 
@@ -172,6 +324,7 @@ class _Request:
     arrival: float
     acc: dict[Method, list[int] | list[float]]  # counts, or alphas (floats) when ``alpha`` is set
     alpha: set[Method]
+    proposal: list[int] | None = None
 
 
 def _check_request(obj: Any, hdr: _Header, err: Any) -> _Request | None:
@@ -186,15 +339,15 @@ def _check_request(obj: Any, hdr: _Header, err: Any) -> _Request | None:
     if not isinstance(cls, str) or not cls:
         err("class", "must be a non-empty string")
     prompt: Any = obj.get("prompt_tokens", 0)
-    if not _is_int(prompt) or prompt < 0:
-        err("prompt_tokens", f"must be an integer >= 0, got {prompt!r}")
+    if not _int_in(prompt, 0, MAX_PROMPT_TOKENS):
+        err("prompt_tokens", f"must be an integer 0..{MAX_PROMPT_TOKENS}, got {prompt!r}")
     out: Any = obj.get("output_tokens")
-    if not _is_int(out) or out < 1:
-        err("output_tokens", f"required: an integer >= 1, got {out!r}")
+    if not _int_in(out, 1, MAX_OUTPUT_TOKENS):
+        err("output_tokens", f"required: an integer 1..{MAX_OUTPUT_TOKENS}, got {out!r}")
         out = None
     arrival: Any = obj.get("arrival_s")
-    if arrival is not None and (not _is_num(arrival) or arrival < 0):
-        err("arrival_s", f"must be a number >= 0, got {arrival!r}")
+    if arrival is not None and (not _is_num(arrival) or not 0 <= arrival <= MAX_ARRIVAL_S):
+        err("arrival_s", f"must be a number 0..{MAX_ARRIVAL_S:g}, got {arrival!r}")
     acc_raw = obj.get("acc")
     acc: dict[Method, Any] = {}
     alpha: set[Method] = set()
@@ -231,19 +384,61 @@ def _check_request(obj: Any, hdr: _Header, err: Any) -> _Request | None:
                 if out is not None and len(v) != out:
                     err(f, f"length {len(v)} != output_tokens {out}")
                 else:
-                    bad = [i for i, x in enumerate(v) if not _is_int(x) or x < 0]
-                    if bad:
-                        err(f"{f}[{bad[0]}]", f"must be an integer >= 0, got {v[bad[0]]!r}")
+                    bad_at = _bad_int_list(v, 0, MAX_COUNT)
+                    if bad_at is not None:
+                        err(f"{f}[{bad_at}]", f"must be an integer 0..{MAX_COUNT}, got {v[bad_at]!r}")
                     else:
                         acc[m] = v
             else:
                 err(f, 'must be a list of accepted counts or {"alpha": [...]}')
+    proposal = _check_proposal(obj.get("ngram_proposal"), out, acc, alpha, hdr, err)
     if err.count > n_before:
         return None
     assert isinstance(rid, str) and isinstance(out, int)
     return _Request(
-        rid, str(cls), int(prompt), out, float("nan") if arrival is None else float(arrival), acc, alpha
+        rid,
+        str(cls),
+        int(prompt),
+        out,
+        float("nan") if arrival is None else float(arrival),
+        acc,
+        alpha,
+        proposal,
     )
+
+
+def _check_proposal(
+    v: Any, out: int | None, acc: Mapping[Method, Any], alpha: set[Method], hdr: _Header, err: Any
+) -> list[int] | None:
+    """``ngram_proposal``: ``output_tokens`` integers 0..max_k, consistent with ``acc.ngram``.
+
+    n-gram drafts nothing where it proposes nothing, so it accepts 0 there; a proposal shorter than
+    max_k is the whole draft (the history ran out), so it accepts at most that many.
+    """
+    if v is None:
+        return None
+    f = "ngram_proposal"
+    if not isinstance(v, list):
+        err(f, f"must be a list of {out if out is not None else 'output_tokens'} integers 0..max_k")
+        return None
+    if out is not None and len(v) != out:
+        err(f, f"length {len(v)} != output_tokens {out}")
+        return None
+    bad = _bad_int_list(v, 0, hdr.max_k)
+    if bad is not None:
+        err(f"{f}[{bad}]", f"must be an integer 0..{hdr.max_k} (max_k), got {v[bad]!r}")
+        return None
+    ng = acc.get(Method.NGRAM)
+    if ng is not None and Method.NGRAM not in alpha:
+        over = next((t for t, (p, a) in enumerate(zip(v, ng, strict=True)) if p < hdr.max_k and a > p), None)
+        if over is not None:
+            err(
+                f"acc.ngram[{over}]",
+                f"{ng[over]} accepted, but ngram_proposal[{over}] = {v[over]}: n-gram cannot accept more "
+                "than it proposes",
+            )
+            return None
+    return v
 
 
 class _Errors:
@@ -266,28 +461,24 @@ class _Errors:
         self.errors.append(e)
 
 
-def _lines(path: Path, errs: _Errors) -> Iterator[tuple[int, Any]]:
-    try:
-        with _open_text(path) as f:
-            for lineno, text in enumerate(f, start=1):
-                errs.line = lineno
-                if not text.strip():
-                    continue
-                try:
-                    yield lineno, json.loads(text)
-                except json.JSONDecodeError as e:
-                    errs("", f"invalid JSON: {e.msg} (column {e.colno})")
-    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
-        raise TraceError(f"cannot read: {e}", source=str(path)) from None
+def _lines(path: Path, errs: _Errors, limits: TraceLimits) -> Iterator[tuple[int, Any]]:
+    for lineno, text in read_json_lines(path, limits):
+        errs.line = lineno
+        try:
+            yield lineno, load_json_line(text, source=errs.source, line=lineno, limits=limits)
+        except TraceError as e:
+            errs("", e.message)
 
 
-def _parse(path: Path, *, collect: bool) -> tuple[_Header | None, list[_Request], list[TraceError]]:
+def _parse(
+    path: Path, *, collect: bool, limits: TraceLimits = DEFAULT_LIMITS
+) -> tuple[_Header | None, list[_Request], list[TraceError]]:
     errs = _Errors(str(path), collect=collect)
     hdr: _Header | None = None
     reqs: list[_Request] = []
     seen: dict[str, int] = {}
     first = True
-    for lineno, obj in _lines(path, errs):
+    for lineno, obj in _lines(path, errs, limits):
         if first:
             first = False
             hdr = _check_header(obj, errs)
@@ -315,6 +506,14 @@ def _parse(path: Path, *, collect: bool) -> tuple[_Header | None, list[_Request]
         if any(has) and not all(has):
             errs.line = next(i for i, r in enumerate(reqs) if math.isnan(r.arrival)) + 2
             errs("arrival_s", "given on some requests but not on this one (all or none)")
+        has = [r.proposal is not None for r in reqs]
+        if any(has) and not all(has):
+            errs.line = seen[next(r.id for r in reqs if r.proposal is None)]
+            errs("ngram_proposal", "given on some requests but not on this one (all or none)")
+        if not errs.errors and all(r.output == 1 for r in reqs):
+            # Prefill makes each request's one token: no decode step would run, nothing to compare.
+            errs.line = seen[reqs[0].id]
+            errs("output_tokens", "every request has output_tokens 1: a replay needs one with >= 2")
     return hdr, reqs, errs.errors
 
 
@@ -331,20 +530,20 @@ def sample_counts(alpha: Sequence[float] | np.ndarray, n: int, rng: np.random.Ge
     return counts.astype(np.int32)
 
 
-def validate_trace(path: str | Path) -> list[TraceError]:
+def validate_trace(path: str | Path, *, limits: TraceLimits = DEFAULT_LIMITS) -> list[TraceError]:
     """Every problem found (up to ``MAX_ERRORS``), each with its line and field; empty when valid."""
     p = Path(path)
     try:
-        _, _, errors = _parse(p, collect=True)
+        _, _, errors = _parse(p, collect=True, limits=limits)
     except TraceError as e:
         return [e]
     return errors
 
 
-def read_trace(path: str | Path, *, seed: int = 0) -> Trace:
+def read_trace(path: str | Path, *, seed: int = 0, limits: TraceLimits = DEFAULT_LIMITS) -> Trace:
     """Read and validate a trace; raises TraceError at the first problem."""
     p = Path(path)
-    hdr, reqs, _ = _parse(p, collect=False)
+    hdr, reqs, _ = _parse(p, collect=False, limits=limits)
     assert hdr is not None
     rng = np.random.default_rng(seed)
     acc: dict[Method, np.ndarray] = {}
@@ -368,6 +567,11 @@ def read_trace(path: str | Path, *, seed: int = 0) -> Trace:
         acc=acc,
         meta=hdr.meta,
         name=name,
+        ngram_proposal=(
+            np.concatenate([np.asarray(r.proposal, dtype=np.int32) for r in reqs])
+            if reqs[0].proposal is not None
+            else None
+        ),
     )
 
 
@@ -393,6 +597,8 @@ def trace_lines(trace: Trace) -> Iterator[str]:
         rec["prompt_tokens"] = int(trace.prompt_tokens[i])
         rec["output_tokens"] = int(trace.output_tokens[i])
         rec["acc"] = {m.value: trace.acc[m][off[i] : off[i + 1]].tolist() for m in trace.methods}
+        if trace.ngram_proposal is not None:
+            rec["ngram_proposal"] = trace.ngram_proposal[off[i] : off[i + 1]].tolist()
         yield json.dumps(rec, separators=(",", ":"))
 
 

@@ -97,7 +97,7 @@ class StepReport(_message.Message):
     def __init__(self, time_s: _Optional[float] = ..., duration_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_length: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., scheduled_k: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ..., directive_version: _Optional[int] = ..., columns: _Optional[_Union[RequestColumns, _Mapping]] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestColumns(_message.Message):
-    __slots__ = ("request_id", "classes", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual", "finished")
+    __slots__ = ("request_id", "classes", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual", "finished", "ngram_proposal")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class RequestColumns(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     request_id: _containers.RepeatedScalarFieldContainer[str]
     classes: _containers.RepeatedScalarFieldContainer[str]
     traffic_class: _containers.RepeatedScalarFieldContainer[int]
@@ -116,7 +117,8 @@ class RequestColumns(_message.Message):
     accepted: _containers.RepeatedScalarFieldContainer[int]
     counterfactual: _containers.RepeatedCompositeFieldContainer[CounterfactualColumn]
     finished: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[str]] = ..., traffic_class: _Optional[_Iterable[int]] = ..., method: _Optional[_Iterable[int]] = ..., k: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[_Iterable[_Union[CounterfactualColumn, _Mapping]]] = ..., finished: _Optional[_Iterable[bool]] = ...) -> None: ...
+    ngram_proposal: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[str]] = ..., traffic_class: _Optional[_Iterable[int]] = ..., method: _Optional[_Iterable[int]] = ..., k: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[_Iterable[_Union[CounterfactualColumn, _Mapping]]] = ..., finished: _Optional[_Iterable[bool]] = ..., ngram_proposal: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CounterfactualColumn(_message.Message):
     __slots__ = ("method", "accepted")
@@ -127,7 +129,7 @@ class CounterfactualColumn(_message.Message):
     def __init__(self, method: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestStep(_message.Message):
-    __slots__ = ("request_id", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual_accepted", "finished")
+    __slots__ = ("request_id", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual_accepted", "finished", "ngram_proposal")
     class CounterfactualAcceptedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class RequestStep(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COUNTERFACTUAL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     traffic_class: str
     method: str
@@ -151,7 +154,8 @@ class RequestStep(_message.Message):
     accepted: int
     counterfactual_accepted: _containers.ScalarMap[str, int]
     finished: bool
-    def __init__(self, request_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., counterfactual_accepted: _Optional[_Mapping[str, int]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    ngram_proposal: int
+    def __init__(self, request_id: _Optional[str] = ..., traffic_class: _Optional[str] = ..., method: _Optional[str] = ..., k: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., counterfactual_accepted: _Optional[_Mapping[str, int]] = ..., finished: _Optional[bool] = ..., ngram_proposal: _Optional[int] = ...) -> None: ...
 
 class KRange(_message.Message):
     __slots__ = ("bs_min", "bs_max", "k")

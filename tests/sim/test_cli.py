@@ -36,7 +36,7 @@ def test_trace_validate_reports_file_line_field(tmp_path: Path, capsys: pytest.C
     )
     assert main(["trace", "validate", str(p)]) == 1
     err = capsys.readouterr().err
-    assert err == f"{p}:2: acc.ngram[1]: must be an integer >= 0, got 'x'\n"
+    assert err == f"{p}:2: acc.ngram[1]: must be an integer 0..2147483647, got 'x'\n"
 
 
 def test_replay_writes_the_result_json(hand_trace: Path, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 from policies.arms import Method
 from sim.costmodel import load_profile
 from sim.engines import ENGINES
-from sim.traffic import CLASSES, SCENARIOS, generate, run_lengths
+from sim.traffic import CLASSES, SCENARIOS, generate, generate_with_latent, run_lengths
 from sim.vectorised import replay_static
 
 PROFILE = load_profile("llama-3.1-8b-h100")
@@ -100,3 +100,30 @@ def test_scenarios() -> None:
 
     assert spread(noisy) > spread(base)
     assert set(CLASSES) >= {"chat", "code", "maths", "summarisation"}
+
+
+@pytest.mark.parametrize("scenario", ["chat", "code", "maths", "summarisation", "code-edit", "drift"])
+def test_the_ngram_signal_has_the_measured_rates(scenario: str) -> None:
+    """No match: n-gram accepts 0 everywhere; a match: >= 1 at 91-99 % of positions (real traces)."""
+    t = generate(scenario, n_requests=300, seed=4)
+    assert t.ngram_proposal is not None and t.meta["ngram"] == {"min_n": 4, "max_n": 5}
+    ng = t.acc[Method.NGRAM]
+    match = t.ngram_proposal > 0
+    assert set(np.unique(t.ngram_proposal).tolist()) == {0, t.max_k}
+    assert (ng[~match] == 0).all()
+    assert 0.91 <= float((ng[match] >= 1).mean()) <= 0.99
+    # Inside copy spans the proposer matches (all but, sometimes, a span's last position).
+    _, latent = generate_with_latent(scenario, n_requests=300, seed=4)
+    assert (match[latent.inside & (ng > 0)]).all()
+
+
+def test_the_signal_leaves_the_acceptance_counts_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proposal has its own random stream: without it every method's counts are the same."""
+    import sim.traffic
+
+    a = generate("mixed", n_requests=50, seed=9)
+    monkeypatch.setattr(sim.traffic, "ngram_proposals", lambda c, *_: np.zeros(len(c), np.int32))
+    b = generate("mixed", n_requests=50, seed=9)
+    assert b.ngram_proposal is not None and not b.ngram_proposal.any()
+    for m in a.methods:
+        assert a.acc[m].tolist() == b.acc[m].tolist()
