@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from policies.arms import Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop, Totals
+from policies.observation import StepObservation
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,8 @@ class Sidecar:
         self._fleet_version = 0
         #: model -> (engine, learned state) of the posteriors last shared.
         self._shared: dict[str, tuple[str, dict[str, Any]]] = {}
+        #: Called with (engine id, steps) for every applied batch (``serve --record-steps``).
+        self.step_sink: Callable[[str, Sequence[StepObservation]], None] | None = None
 
     # -- public surface --------------------------------------------------------------------------
 
@@ -434,6 +437,8 @@ class Sidecar:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
         st.loop.observe_many(observations)
         self.metrics.observe_steps(eid, observations)
+        if self.step_sink is not None:
+            self.step_sink(eid, observations)
 
     def reject(self, st: EngineState | None, e: TelemetryError) -> None:
         self.metrics.rejected.labels(e.reason).inc()

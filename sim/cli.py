@@ -1,4 +1,4 @@
-"""``controllerctl sim ...`` and ``controllerctl trace ...`` (registered into the controller's CLI).
+"""``controllerctl sim ...``, ``profile fit`` and ``trace ...`` (registered into the controller's CLI).
 
 Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file), a non-zero exit
 and no traceback; nothing is written when the input is bad.
@@ -202,6 +202,69 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile_fit(args: argparse.Namespace) -> int:
+    """Fit a profile to recorded steps; writes the YAML (and the residual plot) only when the fit holds."""
+    import yaml
+
+    from sim.costmodel import DRAFT_COSTS, DraftCost, parse_profile
+    from sim.fit import FitError, fit_best, render_profile, residual_plot
+    from sim.steplog import StepLogError, read_steps
+
+    try:
+        if not 0.5 <= args.level < 1.0:
+            raise _UsageError(f"--level: expected 0.5 <= level < 1, got {args.level}")
+        if args.prompt_tokens < 0:
+            raise _UsageError(f"--prompt-tokens: must be >= 0, got {args.prompt_tokens}")
+        engines = _engines(args.engine)
+        if len(engines) != 1:
+            raise _UsageError("--engine: one engine model")
+        base = load_profile(args.base)
+        steps = read_steps(args.steps)
+        costs: list[DraftCost] = list(DRAFT_COSTS) if args.draft_cost == "auto" else [args.draft_cost]
+        fit = fit_best(
+            steps,
+            draft_costs=costs,
+            base=base,
+            engine=engines[0],
+            prompt_tokens=args.prompt_tokens,
+            level=args.level,
+        )
+        name = args.name or Path(args.out).stem
+        text = render_profile(fit, name=name, base=base, model=args.model, hardware=args.hardware)
+        parse_profile(yaml.safe_load(text), source=args.out)  # what is written loads
+    except (StepLogError, FitError, ProfileError, _UsageError) as e:
+        _err(str(e))
+        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+    try:
+        Path(args.out).write_text(text, encoding="utf-8")
+        if args.plot:
+            residual_plot(fit, Path(args.plot))
+    except ImportError as e:
+        _err(f"--plot: needs matplotlib (pip install 'speccontrol[sim]'): {e}")
+        return EXIT_INVALID
+    except OSError as e:
+        _err(f"{args.out}: {e}")
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps({"profile": args.out, **fit.summary()}, indent=2))
+        return 0
+    print(f"{steps.n} steps from {args.steps}; draft cost {fit.draft_cost}", end="")
+    if fit.alternatives:
+        alts = ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in fit.alternatives.items())
+        print(f" (residual RMS: {alts})", end="")
+    print()
+    print(f"{'parameter':34} {'value':>12}  {int(fit.level * 100)} % interval")
+    for p in fit.params:
+        ci = f"[{p.ci_low:.4g}, {p.ci_high:.4g}]" if p.status == "fitted" else f"fixed: {p.note}"
+        print(f"{p.name:34} {p.value:12.5g}  {ci}")
+    print(
+        f"residual RMS {fit.rmse_s * 1e3:.4g} ms, R² {fit.r2:.4f}, "
+        f"median |error| {fit.median_abs_rel_error * 100:.2f} %"
+    )
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     print("scenarios:")
     for name, s in SCENARIOS.items():
@@ -357,6 +420,34 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_tune)
     p = ss.add_parser("list", help="scenarios, profiles and engine models")
     p.set_defaults(func=cmd_list)
+
+    prof = subparsers.add_parser("profile", help="cost-model profiles: fit one to recorded engine steps")
+    ps = prof.add_subparsers(dest="profile_command", required=True)
+    p = ps.add_parser("fit", help="least-squares step-time model from `serve --record-steps` telemetry")
+    p.add_argument("steps", help="a speccontrol-steps/1 file (JSON Lines, from serve --record-steps)")
+    p.add_argument("--out", required=True, help="the fitted profile YAML to write")
+    p.add_argument("--name", help="profile name (default: the --out file's stem)")
+    p.add_argument("--model", help="the model the steps ran (default: the base profile's)")
+    p.add_argument("--hardware", help="the hardware the steps ran on (default: the base profile's)")
+    p.add_argument(
+        "--base",
+        default=DEFAULT_PROFILE,
+        help="profile giving memory, prices and any parameter the steps cannot inform",
+    )
+    p.add_argument(
+        "--engine", default="stock-vllm", help=f"engine model the steps came from ({', '.join(ENGINES)})"
+    )
+    p.add_argument("--draft-cost", default="auto", choices=["auto", "per_forward", "per_draft"])
+    p.add_argument(
+        "--prompt-tokens",
+        type=float,
+        default=0.0,
+        help="mean prompt tokens per request, added to decoded tokens where steps lack kv_tokens",
+    )
+    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals")
+    p.add_argument("--plot", help="residual plot PNG to write")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON")
+    p.set_defaults(func=cmd_profile_fit)
 
     tr = subparsers.add_parser("trace", help="spectrace v1 files")
     ts = tr.add_subparsers(dest="trace_command", required=True)

@@ -39,8 +39,8 @@ class ProfileError(ValueError):
 
 
 #: How EAGLE-3 drafting is priced (``draft.eagle3.cost``); the first is the default.
-DRAFT_COSTS = ("per_forward", "per_draft")
 DraftCost = Literal["per_forward", "per_draft"]
+DRAFT_COSTS: tuple[DraftCost, ...] = ("per_forward", "per_draft")
 _X = TypeVar("_X", float, np.ndarray)
 
 
