@@ -59,6 +59,7 @@ class StepLog:
     prefill_tokens: np.ndarray
     kv_tokens: np.ndarray | None  # None unless every step reported them
     decoded_tokens: np.ndarray
+    time_s: np.ndarray  # the engine's clock at the end of each step
     row_step: np.ndarray  # the step of each request row
     method: np.ndarray  # int8 method codes
     k: np.ndarray
@@ -67,6 +68,26 @@ class StepLog:
     @property
     def n(self) -> int:
         return len(self.duration_s)
+
+    def select(self, keep: np.ndarray) -> StepLog:
+        """The steps where ``keep`` (one bool per step) holds, rows with them."""
+        keep = np.asarray(keep, dtype=bool)
+        rows = keep[self.row_step]
+        renumber = np.cumsum(keep) - 1
+        return StepLog(
+            source=self.source,
+            engine=tuple(e for e, k in zip(self.engine, keep, strict=True) if k),
+            duration_s=self.duration_s[keep],
+            batch=self.batch[keep],
+            prefill_tokens=self.prefill_tokens[keep],
+            kv_tokens=None if self.kv_tokens is None else self.kv_tokens[keep],
+            decoded_tokens=self.decoded_tokens[keep],
+            time_s=self.time_s[keep],
+            row_step=renumber[self.row_step[rows]],
+            method=self.method[rows],
+            k=self.k[rows],
+            accepted=self.accepted[rows],
+        )
 
     def emitted_tokens(self) -> int:
         """Tokens the steps emitted: accepted drafts plus one per request row."""
@@ -158,6 +179,13 @@ def _ints(d: dict[str, Any], key: str, where: str, n: int | None) -> list[int]:
     return v
 
 
+def _time(d: dict[str, Any], where: str) -> float:
+    v = d.get("time_s", 0.0)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise StepLogError(f"{where}: time_s: expected a finite number, got {v!r}")
+    return float(v)
+
+
 def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int], list[int]]:
     """Validates one line; returns (step fields, method codes, k, accepted)."""
     if not isinstance(d, dict):
@@ -189,6 +217,7 @@ def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int]
     fields = {
         "engine": eng,
         "duration_s": float(dur),
+        "time_s": _time(d, where),
         "batch": batch,
         "prefill_tokens": _int(d, "prefill_tokens", where),
         "kv_tokens": _int(d, "kv_tokens", where, null=True) if "kv_tokens" in d else None,
@@ -234,6 +263,7 @@ def read_steps(path: str | Path) -> StepLog:
         prefill_tokens=np.array([s["prefill_tokens"] for s in steps], dtype=np.int64),
         kv_tokens=None if any(x is None for x in kv) else np.array(kv, dtype=np.float64),
         decoded_tokens=np.array([s["decoded_tokens"] for s in steps], dtype=np.float64),
+        time_s=np.array([s["time_s"] for s in steps], dtype=np.float64),
         row_step=np.array(g, dtype=np.int64),
         method=np.array(method, dtype=np.int8),
         k=np.array(k, dtype=np.int64),

@@ -60,3 +60,28 @@ def test_a_failed_write_stops_recording_and_never_raises(caplog: pytest.LogCaptu
         rec("pod-1", [_obs(["a"], [2], [1], [False], 1.0)])
     assert rec.steps == 0
     assert "recording stopped after 0 steps" in caplog.text and caplog.text.count("/dev/full") == 1
+
+
+def test_select_keeps_the_chosen_steps_and_their_rows(tmp_path: Path) -> None:
+    path = tmp_path / "s.jsonl"
+    rec = StepRecorder(path=path)
+    rec(
+        "e",
+        [
+            _obs(
+                ["a", "b", "c"][: i % 3 + 1],
+                [i % 4] * (i % 3 + 1),
+                [0] * (i % 3 + 1),
+                [False] * (i % 3 + 1),
+                float(i),
+            )
+            for i in range(300)
+        ],
+    )
+    rec.close()
+    log = read_steps(path)
+    keep = (np.arange(log.n) % 7) < 3
+    sub = log.select(keep)
+    assert sub.n == int(keep.sum()) and sub.time_s.tolist() == log.time_s[keep].tolist()
+    assert np.bincount(sub.row_step).tolist() == np.bincount(log.row_step)[keep].tolist()
+    assert sub.k.tolist() == log.k[keep[log.row_step]].tolist()
