@@ -95,6 +95,18 @@ def prompts(n: int, max_tokens: int) -> list[Prompt]:
     return out
 
 
+def _entry_point(tmp: Path) -> Path:
+    """A directory holding only the plugin's ``vllm.general_plugins`` entry point (a dist-info), so the
+    vLLM virtualenv loads this checkout's plugin from PYTHONPATH without installing anything into it."""
+    d = tmp / "entry-point" / "speccontrol_bench-0.0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: speccontrol-bench\nVersion: 0.0\n")
+    (d / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nspeccontrol = controller.vllm.plugin:register\n"
+    )
+    return d.parent
+
+
 class Engine:
     """The sidecar and the vLLM server, started and stopped together."""
 
@@ -142,7 +154,7 @@ class Engine:
             "SPECCONTROL_PLUGIN": "1",
             "SPECCONTROL_SIDECAR": f"unix://{t}/engine.sock",
             "SPECCONTROL_ENGINE_ID": "tiny-bench",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{_entry_point(t)}",
         }
         spec = {
             "method": "ngram",
@@ -235,10 +247,11 @@ def run_engine(out: Path, n: int, max_tokens: int) -> None:
     try:
         eng.start()
         print("engine up; warming up and recording the trace at ngram:4", file=sys.stderr, flush=True)
-        eng.pin(f"ngram:{MAX_K}")
+        # The plugin attaches to the sidecar with the engine's first steps.
         record(
             base_url=eng.url, model="tiny", prompts=ps[:4], responses_path=out / "warmup.jsonl", concurrency=2
         )
+        eng.pin(f"ngram:{MAX_K}")
         record(
             base_url=eng.url,
             model="tiny",

@@ -105,3 +105,10 @@ def test_compare_sweep_over_traces_and_profiles_is_identical_on_local_and_ray(
     # The two draft-cost models price the same replay differently.
     thr = [c["runs"][-1]["concurrency"]["4"]["throughput_tok_s"] for c in cmps[:2]]
     assert thr[0] != thr[1]
+
+
+def test_replay_takes_one_trace_and_one_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["sim", "replay", "--scenario", "chat,drift", "--policy", "default", "--requests", "4"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "one trace or scenario and one profile" in err and err.count("\n") == 1
