@@ -285,12 +285,10 @@ def fit_steps(
             continue
         _, sv, vt = np.linalg.svd(J / norms, full_matrices=False)
         if sv[-1] < _COND**0.5 * sv[0]:
-            i = int(np.flatnonzero(free)[int(np.argmax(np.abs(vt[-1])))])
-            others = [
-                PARAMS[j]
-                for j in np.flatnonzero(free)
-                if j != i and abs(vt[-1][list(np.flatnonzero(free)).index(j)]) > 0.1
-            ]
+            fi = np.flatnonzero(free)
+            null = np.abs(vt[-1])  # the combination of columns that (almost) cancels
+            i = int(fi[int(np.argmax(null))])
+            others = [PARAMS[j] for pos, j in enumerate(fi) if j != i and null[pos] > 0.1]
             fix(
                 (i,),
                 f"collinear with {', '.join(others) or 'the others'} in these steps: base profile {base.name}",

@@ -214,3 +214,18 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "--level" in capsys.readouterr().err
     assert main(["profile", "fit", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p.yaml")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_collinear_parameters_are_fixed_and_named(tmp_path: Path) -> None:
+    """Every step drafts EAGLE-3 at K = 2: the per-forward constant moves with the target's constant
+    and draft tokens with batched tokens, so the steps cannot separate them."""
+    recs = synthetic(300, 11, kinds=("eagle3",))
+    for r in recs:
+        r["k"] = [2] * len(r["k"])
+        r["accepted"] = [min(a, 2) for a in r["accepted"]]
+        r["prefill_tokens"] = 0
+    steps = with_durations(tmp_path, recs, TRUE, noise_s=1e-4, seed=12, cost="per_forward")
+    fit = fit_steps(steps, base=BASE, engine=ENGINE)
+    fixed = {p.name: p.note for p in fit.params if p.status == "fixed"}
+    assert any("collinear with" in n for n in fixed.values()), fixed
+    assert fit.rmse_s == pytest.approx(1e-4, rel=0.15)  # what is fixed is absorbed by the rest
