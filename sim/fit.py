@@ -313,10 +313,10 @@ def fit_steps(
     cov = s2 * np.linalg.inv(J.T @ J)
     t = t_quantile(0.5 + level / 2.0, dof)
     params: list[Param] = []
-    fi = [int(x) for x in np.flatnonzero(free)]
+    free_idx = [int(x) for x in np.flatnonzero(free)]
     for i, name in enumerate(PARAMS):
         if free[i]:
-            j = fi.index(i)
+            j = free_idx.index(i)
             half = t * math.sqrt(max(float(cov[j, j]), 0.0)) * scale[i]
             params.append(
                 Param(name, float(theta[i]), float(theta[i] - half), float(theta[i] + half), "fitted")
