@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,sim]'
+	$(BIN)/python -m pip install -q -e '.[dev,sim,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)

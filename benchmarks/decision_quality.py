@@ -1,6 +1,7 @@
 """Decision quality: every algorithm and every static arm on the built-in scenarios, both engine models.
 
     python benchmarks/decision_quality.py [--requests 120] [--jobs 2] [--ngram-signal on|off] [--out FILE]
+        [--executor local|ray] [--address ADDRESS]
 
 For each scenario, concurrency and engine model it prints each policy's throughput as a ratio to the
 best single static arm *that engine can play* (stock vLLM: eagle3:1..8 and off; composite drafter:
@@ -10,7 +11,9 @@ its p99 TPOT. The load ramp (1 -> 32 -> 1) is an open-loop trace whose arrival r
 capped at 32 running requests: there are no oracles there, and the static arms are replayed stepwise.
 ``--ngram-signal off`` replays as if the engine did not report the n-gram proposer's match (the
 generated traces carry it; the policies see it only where the engine drafts n-gram per request).
-Progress goes to stderr. Prints figures; asserts nothing.
+Every replay is one job on ``--executor`` (a local process pool, or Ray: ``--address`` joins an
+existing cluster); jobs are seeded, so both give the same tables. Progress goes to stderr. Prints
+figures; asserts nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -34,6 +36,7 @@ from policies.arms import Arm  # noqa: E402
 from policies.spec import PolicySpec, parse_policy, static_policy  # noqa: E402
 from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
 from sim.engines import ENGINES, engine_for_arm  # noqa: E402
+from sim.executor import ExecutorError, make_executor  # noqa: E402
 from sim.oracle import compute_oracles, latent_oracle, per_step_oracle  # noqa: E402
 from sim.replay import Replayer  # noqa: E402
 from sim.run import RunResult  # noqa: E402
@@ -162,6 +165,11 @@ def _oracle_job(args: tuple[str, int, int, int]) -> dict[str, Any]:
     }
 
 
+def _any_job(item: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
+    kind, args = item
+    return _oracle_job(args) if kind == "oracle" else _job(args)  # type: ignore[arg-type]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=120, help="requests per closed-loop scenario")
@@ -181,7 +189,14 @@ def main() -> int:
         default="on",
         help="show policies the n-gram proposer's match (default on)",
     )
+    ap.add_argument("--executor", default="local", choices=["local", "ray"], help="where the jobs run")
+    ap.add_argument("--address", help="with --executor ray: an existing cluster (auto, ray://HOST:10001)")
     a = ap.parse_args()
+    try:
+        executor = make_executor(a.executor, jobs=a.jobs, address=a.address)
+    except ExecutorError as e:
+        print(e, file=sys.stderr)
+        return 2
     scenarios = [s for s in a.scenarios.split(",") if s]
     pols = [p for p in a.policies.split(",") if p]
     max_k = 8
@@ -209,15 +224,24 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     oracles: dict[tuple[str, int], dict[str, Any]] = {}
     total = len(jobs) + len(ojobs)
-    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
-        futs = [ex.submit(_oracle_job, j) for j in ojobs] + [ex.submit(_job, j) for j in jobs]
-        for i, f in enumerate(futs, 1):
-            r = f.result()
-            if "static" in r:
-                oracles[(r["scenario"], r["c"])] = r
-            else:
-                results.append(r)
-            print(f"[{i}/{total}] {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    done = 0
+
+    def progress(_: int, r: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done}/{total}] {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    items: list[tuple[str, tuple[Any, ...]]] = [("oracle", j) for j in ojobs] + [("run", j) for j in jobs]
+    try:
+        out = executor.map(_any_job, items, progress)
+    except ExecutorError as e:
+        print(e, file=sys.stderr)
+        return 1
+    for r in out:
+        if "static" in r:
+            oracles[(r["scenario"], r["c"])] = r
+        else:
+            results.append(r)
     lines = render(scenarios, pols, results, oracles, max_k, a)
     text = "\n".join(lines)
     print(text)

@@ -147,7 +147,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from controller.serve import main as serve_main
 
     try:
-        return serve_main(["--config", args.config] if args.config else [])
+        argv = ["--config", args.config] if args.config else []
+        if args.record_steps:
+            argv += ["--record-steps", args.record_steps]
+        return serve_main(argv)
     except ConfigError as e:  # found at start, e.g. an unreadable mqtt_password_file
         raise UserError(f"error: {e}") from None
 
@@ -417,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the sidecar")
     s.add_argument("--config", metavar="FILE", help="sidecar YAML config")
+    s.add_argument(
+        "--record-steps", metavar="FILE", help="append applied engine steps to FILE (for profile fit)"
+    )
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("demo", help="sidecar + simulated engines: adaptive vs static, live")

@@ -2,6 +2,8 @@
 
 On start it logs where it listens and writes ``<state_dir>/endpoints.json`` with the bound
 addresses (ephemeral ports resolved), which scripts and tests read instead of guessing ports.
+``--record-steps FILE`` appends every applied engine step to FILE (``sim.steplog``'s format) for
+``controllerctl profile fit``; a failed write stops the recording, never the sidecar.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from controller.config import ConfigError, SidecarConfig, load_config
 from controller.sidecar import Sidecar
@@ -22,9 +25,13 @@ from policies.spec import PolicyError
 log = logging.getLogger("controller.serve")
 
 
-async def serve(config: SidecarConfig) -> None:
+async def serve(config: SidecarConfig, *, record_steps: Path | None = None) -> None:
     """Serve until SIGTERM/SIGINT; the final snapshot is written on the way out."""
+    from sim.steplog import StepRecorder
+
     sidecar = Sidecar(config=config)
+    recorder = StepRecorder(path=record_steps) if record_steps is not None else None
+    sidecar.step_sink = recorder
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -52,6 +59,9 @@ async def serve(config: SidecarConfig) -> None:
         log.info("stopping: writing the final snapshot")
     finally:
         await sidecar.stop(snapshot=True)
+        if recorder is not None:
+            recorder.close()
+            log.info("recorded %d steps in %s", recorder.steps, recorder.path)
         with contextlib.suppress(OSError):
             endpoints.unlink()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -63,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="controllerctl serve", description="Run the speculation-control sidecar."
     )
     parser.add_argument("--config", metavar="FILE", help="sidecar YAML config (defaults serve without one)")
+    parser.add_argument(
+        "--record-steps", metavar="FILE", help="append applied engine steps to FILE (for profile fit)"
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
@@ -71,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, record_steps=Path(args.record_steps) if args.record_steps else None))
     except PolicyError as e:
         print(f"error: default_policy: {e}", file=sys.stderr)
         return 2

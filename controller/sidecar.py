@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -252,6 +252,8 @@ class Sidecar:
         #: model -> (engine, learned state) of the posteriors last shared.
         self._shared: dict[str, tuple[str, dict[str, Any]]] = {}
         self._lock: StateDirLock | None = None
+        #: Called with (engine id, steps) for every applied batch (``serve --record-steps``).
+        self.step_sink: Callable[[str, Sequence[StepObservation]], None] | None = None
 
     # -- public surface --------------------------------------------------------------------------
 
@@ -506,6 +508,8 @@ class Sidecar:
         observations = self._bound_classes(st, observations)
         st.loop.observe_many(observations)
         self.metrics.observe_steps(eid, observations)
+        if self.step_sink is not None:
+            self.step_sink(eid, observations)
 
     def _bound_classes(self, st: EngineState, observations: list[StepObservation]) -> list[StepObservation]:
         """The steps with every traffic class beyond the engine's first ``MAX_CLASSES_PER_ENGINE``

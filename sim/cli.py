@@ -1,4 +1,4 @@
-"""``controllerctl sim ...`` and ``controllerctl trace ...`` (registered into the controller's CLI).
+"""``controllerctl sim ...``, ``profile fit`` and ``trace ...`` (registered into the controller's CLI).
 
 Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file), a non-zero exit
 and no traceback; nothing is written when the input is bad.
@@ -13,15 +13,22 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from policies.spec import PolicyError, PolicySpec, parse_policy, static_policy
 from sim.autoscale_cli import add_parser as add_autoscale_parser
-from sim.costmodel import DEFAULT_PROFILE, ProfileError, load_profile, profile_names
-from sim.engines import ENGINES
+from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
+from sim.engines import ENGINES, EngineModel
 from sim.trace import Trace, TraceError, read_trace, validate_trace, write_trace
 from sim.traffic import SCENARIOS, generate
+
+if TYPE_CHECKING:
+    from sim.compare import Comparison
+    from sim.executor import ShippedPolicy
+    from sim.prices import Prices
+    from sim.progress import ProgressBar
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
@@ -67,14 +74,20 @@ def _concurrency(text: str) -> list[int]:
     return sorted(set(levels))
 
 
-def _load_trace(args: argparse.Namespace) -> Trace:
-    if args.trace:
-        return read_trace(args.trace, seed=args.seed)
-    if args.scenario not in SCENARIOS:
-        raise _UsageError(f"--scenario: unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
+def _scenario(name: str, args: argparse.Namespace) -> Trace:
+    if name not in SCENARIOS:
+        raise _UsageError(f"--scenario: unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
     if args.requests is not None and args.requests < 1:
         raise _UsageError(f"--requests: must be >= 1, got {args.requests}")
-    return generate(args.scenario, n_requests=args.requests, seed=args.seed)
+    return generate(name, n_requests=args.requests, seed=args.seed)
+
+
+def _load_traces(args: argparse.Namespace) -> list[Trace]:
+    """``--trace`` (repeatable for compare) or ``--scenario A,B``, in the order given."""
+    if args.trace:
+        paths = args.trace if isinstance(args.trace, list) else [args.trace]
+        return [read_trace(t, seed=args.seed) for t in paths]
+    return [_scenario(n.strip(), args) for n in args.scenario.split(",") if n.strip()]
 
 
 def _engines(text: str) -> list[Any]:
@@ -87,49 +100,112 @@ def _engines(text: str) -> list[Any]:
     return out
 
 
-def _run(args: argparse.Namespace, *, compare: bool) -> int:
+@dataclass(frozen=True, slots=True)
+class _Cell:
+    """One comparison of a sweep: everything a worker needs (picklable)."""
+
+    trace: Trace
+    profile: Profile
+    prices: Prices
+    policies: tuple[ShippedPolicy, ...]
+    engines: tuple[EngineModel, ...]
+    levels: tuple[int, ...]
+    open_loop: bool
+    oracle: bool
+    baselines: tuple[str, ...] | None
+    seed: int
+
+
+def _compare_cell(cell: _Cell, progress: ProgressBar | None = None) -> Comparison:
     from sim.compare import run_comparison
+
+    return run_comparison(
+        cell.trace,
+        cell.profile,
+        cell.prices,
+        policies=[p.spec() for p in cell.policies],
+        engines=cell.engines,
+        concurrency=cell.levels,
+        open_loop=cell.open_loop,
+        oracle=cell.oracle,
+        baselines=cell.baselines,
+        seed=cell.seed,
+        progress=progress,
+    )
+
+
+def _run(args: argparse.Namespace, *, compare: bool) -> int:
+    from sim.executor import ExecutorError, ExecutorUsageError, ShippedPolicy, make_executor
     from sim.prices import load_prices
     from sim.progress import ProgressBar
     from sim.report import write_json, write_report
 
     try:
         levels = _concurrency(args.concurrency)
-        profile = load_profile(args.profile)
+        profiles = [load_profile(n.strip()) for n in args.profile.split(",") if n.strip()]
         names = (args.policy or ["default", "epsilon-greedy"]) if compare else [args.policy]
         policies = [resolve_policy(n) for n in names]
         engines = _engines(args.engine)
-        trace = _load_trace(args)
-        if args.open_loop and not trace.has_arrivals:
-            raise _UsageError(
-                f"--open-loop: trace {trace.name!r} has no arrival_s (try --scenario load-ramp)"
-            )
+        traces = _load_traces(args)
+        if not compare and (len(traces) != 1 or len(profiles) != 1):
+            raise _UsageError("sim replay: one trace or scenario and one profile (sim compare takes several)")
+        if not profiles or not traces:
+            raise _UsageError("give at least one --profile and one --trace or --scenario")
+        for trace in traces:
+            if args.open_loop and not trace.has_arrivals:
+                raise _UsageError(
+                    f"--open-loop: trace {trace.name!r} has no arrival_s (try --scenario load-ramp)"
+                )
+        executor = make_executor(args.executor, jobs=args.jobs, address=args.address) if compare else None
         prices = load_prices()
     except (TraceError, PolicyError, ProfileError, _UsageError) as e:
         _err(str(e))
         return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
-    adaptive = sum(1 for p in policies if p.algorithm != "static") * len(engines)
-    bar = ProgressBar(
-        total=trace.total_output_tokens * max(adaptive, 1) * len(levels),
-        label="starting",
-        enabled=args.progress,
-    )
-    try:
-        cmp = run_comparison(
-            trace,
-            profile,
-            prices,
-            policies=policies,
-            engines=engines,
-            concurrency=levels,
+    except ExecutorError as e:
+        _err(str(e))
+        return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_INVALID
+    cells = [
+        _Cell(
+            trace=t,
+            profile=p,
+            prices=prices,
+            policies=tuple(ShippedPolicy.of(p) for p in policies),
+            engines=tuple(engines),
+            levels=tuple(levels),
             open_loop=args.open_loop,
             oracle=not args.no_oracle and not args.open_loop,
             baselines=("eagle3:3", "ngram:4") if compare else None,
             seed=args.seed,
-            progress=bar,
         )
-    except ValueError as e:
-        bar.close()
+        for t in traces
+        for p in profiles
+    ]
+    try:
+        if len(cells) == 1 and (executor is None or args.executor == "local"):
+            # One comparison: in this process, with progress in output tokens replayed.
+            adaptive = sum(1 for p in policies if p.algorithm != "static") * len(engines)
+            bar = ProgressBar(
+                total=traces[0].total_output_tokens * max(adaptive, 1) * len(levels),
+                label="starting",
+                enabled=args.progress,
+            )
+            try:
+                cmps = [_compare_cell(cells[0], bar)]
+            finally:
+                bar.close()
+        else:
+            assert executor is not None
+            bar = ProgressBar(total=len(cells), label=f"{len(cells)} comparisons", enabled=args.progress)
+
+            def done(i: int, c: Comparison) -> None:
+                bar.set_label(f"done: {c.trace.name} on {c.profile.name}")
+                bar.advance()
+
+            try:
+                cmps = executor.map(_compare_cell, cells, done)
+            finally:
+                bar.close()
+    except (ValueError, ExecutorError) as e:
         _err(str(e))
         return EXIT_INVALID
     hashseed = os.environ.get("PYTHONHASHSEED")
@@ -139,19 +215,34 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         + ("compare " if compare else "replay ")
         + " ".join(shlex.quote(a) for a in args.argv_tail)
     )
+    many = len(cmps) > 1
     if args.out:
         try:
-            paths = write_report(cmp, Path(args.out), command=command)
+            for cmp in cmps:
+                where = Path(args.out) / f"{cmp.trace.name}--{cmp.profile.name}" if many else Path(args.out)
+                paths = write_report(cmp, where, command=command)
+                print(f"wrote {', '.join(str(p) for p in paths)}")
         except ImportError as e:
             _err(f"--out: plots need matplotlib (pip install 'speccontrol[sim]'): {e}")
             return EXIT_INVALID
-        print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.json:
-        write_json(cmp, Path(args.json))
+        if many:
+            Path(args.json).write_text(json.dumps(_sweep_json(cmps), indent=2) + "\n", encoding="utf-8")
+        else:
+            write_json(cmps[0], Path(args.json))
         print(f"wrote {args.json}")
     if not args.out and not args.json:
-        print(json.dumps(cmp.to_json() if compare else cmp.result(cmp.entries[0]), indent=2))
+        if many:
+            print(json.dumps(_sweep_json(cmps), indent=2))
+        else:
+            cmp = cmps[0]
+            print(json.dumps(cmp.to_json() if compare else cmp.result(cmp.entries[0]), indent=2))
     return 0
+
+
+def _sweep_json(cmps: Sequence[Comparison]) -> dict[str, Any]:
+    """Several comparisons: each in the layout of a single one, traces outer, profiles inner."""
+    return {"comparisons": [c.to_json() for c in cmps]}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -163,6 +254,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from sim.executor import ExecutorError, ExecutorUsageError, make_executor
     from sim.tune import parse_grid, table, tune
 
     try:
@@ -176,29 +268,105 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if not grid:
             raise _UsageError("--param: give at least one NAME=V1,V2 to search")
         traces = [read_trace(t, seed=args.seed) for t in args.trace or []]
-        for name in (args.scenario or "").split(","):
-            if not name:
-                continue
-            if name not in SCENARIOS:
-                raise _UsageError(f"--scenario: unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
-            traces.append(generate(name, n_requests=args.requests, seed=args.seed))
+        traces += [_scenario(n.strip(), args) for n in (args.scenario or "").split(",") if n.strip()]
         if not traces:
             raise _UsageError("give --trace FILE and/or --scenario A,B")
         from sim.tune import with_params
 
         for v in itertools.product(*grid.values()):
             with_params(spec, dict(zip(grid, v, strict=True)))
+        executor = make_executor(args.executor, jobs=args.jobs, address=args.address)
     except (TraceError, PolicyError, ProfileError, _UsageError, ValueError) as e:
         _err(str(e))
         return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+    except ExecutorError as e:
+        _err(str(e))
+        return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_INVALID
     progress = (lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else None
-    cands = tune(spec, grid, traces, profile, engines[0], levels, seed=args.seed, progress=progress)
+    try:
+        cands = tune(
+            spec,
+            grid,
+            traces,
+            profile,
+            engines[0],
+            levels,
+            seed=args.seed,
+            progress=progress,
+            executor=executor,
+        )
+    except (ValueError, ExecutorError) as e:
+        _err(str(e))
+        return EXIT_INVALID
     print(table(cands))
     if args.out:
         from policies.spec import render_policy
 
         Path(args.out).write_text(render_policy(cands[0].spec), encoding="utf-8")
         print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_profile_fit(args: argparse.Namespace) -> int:
+    """Fit a profile to recorded steps; writes the YAML (and the residual plot) only when the fit holds."""
+    import yaml
+
+    from sim.costmodel import DRAFT_COSTS, DraftCost, parse_profile
+    from sim.fit import FitError, fit_best, render_profile, residual_plot
+    from sim.steplog import StepLogError, read_steps
+
+    try:
+        if not 0.5 <= args.level < 1.0:
+            raise _UsageError(f"--level: expected 0.5 <= level < 1, got {args.level}")
+        if args.prompt_tokens < 0:
+            raise _UsageError(f"--prompt-tokens: must be >= 0, got {args.prompt_tokens}")
+        engines = _engines(args.engine)
+        if len(engines) != 1:
+            raise _UsageError("--engine: one engine model")
+        base = load_profile(args.base)
+        steps = read_steps(args.steps)
+        costs: list[DraftCost] = list(DRAFT_COSTS) if args.draft_cost == "auto" else [args.draft_cost]
+        fit = fit_best(
+            steps,
+            draft_costs=costs,
+            base=base,
+            engine=engines[0],
+            prompt_tokens=args.prompt_tokens,
+            level=args.level,
+        )
+        name = args.name or Path(args.out).stem
+        text = render_profile(fit, name=name, base=base, model=args.model, hardware=args.hardware)
+        parse_profile(yaml.safe_load(text), source=args.out)  # what is written loads
+    except (StepLogError, FitError, ProfileError, _UsageError) as e:
+        _err(str(e))
+        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+    try:
+        Path(args.out).write_text(text, encoding="utf-8")
+        if args.plot:
+            residual_plot(fit, Path(args.plot))
+    except ImportError as e:
+        _err(f"--plot: needs matplotlib (pip install 'speccontrol[sim]'): {e}")
+        return EXIT_INVALID
+    except OSError as e:
+        _err(f"{args.out}: {e}")
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps({"profile": args.out, **fit.summary()}, indent=2))
+        return 0
+    print(f"{steps.n} steps from {args.steps}; draft cost {fit.draft_cost}", end="")
+    if fit.alternatives:
+        alts = ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in fit.alternatives.items())
+        print(f" (residual RMS: {alts})", end="")
+    print()
+    print(f"{'parameter':34} {'value':>12}  {int(fit.level * 100)} % interval")
+    for p in fit.params:
+        ci = f"[{p.ci_low:.4g}, {p.ci_high:.4g}]" if p.status == "fitted" else f"fixed: {p.note}"
+        print(f"{p.name:34} {p.value:12.5g}  {ci}")
+    print(
+        f"residual RMS {fit.rmse_s * 1e3:.4g} ms, R² {fit.r2:.4f}, "
+        f"median |error| {fit.median_abs_rel_error * 100:.2f} %"
+    )
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -309,10 +477,25 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     return 0 if tr.n else 1
 
 
+def _executor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--executor",
+        default="local",
+        choices=["local", "ray"],
+        help="where the sweep's jobs run: a local process pool, or Ray (pip install 'speccontrol[ray]')",
+    )
+    p.add_argument("--address", help="with --executor ray: an existing cluster (auto, ray://HOST:10001)")
+    p.add_argument("--jobs", type=int, default=None, help="workers (default: the CPU count)")
+
+
 def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="a spectrace v1 file (.jsonl or .jsonl.gz)")
-    src.add_argument("--scenario", help=f"a generated scenario ({', '.join(SCENARIOS)})")
+    if compare:
+        src.add_argument("--trace", action="append", help="a spectrace v1 file (repeatable)")
+        src.add_argument("--scenario", help=f"generated scenarios, comma-separated ({', '.join(SCENARIOS)})")
+    else:
+        src.add_argument("--trace", help="a spectrace v1 file (.jsonl or .jsonl.gz)")
+        src.add_argument("--scenario", help=f"a generated scenario ({', '.join(SCENARIOS)})")
     if compare:
         p.add_argument(
             "--policy",
@@ -322,8 +505,12 @@ def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     else:
         p.add_argument("--policy", required=True, help="policy file, preset name, or static:ARM")
     p.add_argument(
-        "--profile", default=DEFAULT_PROFILE, help=f"cost-model profile ({', '.join(profile_names())})"
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"cost-model profile{'s, comma-separated' if compare else ''} ({', '.join(profile_names())})",
     )
+    if compare:
+        _executor_args(p)
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument(
         "--engine",
@@ -371,9 +558,38 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--out", help="write the winning policy YAML here")
+    _executor_args(p)
     p.set_defaults(func=cmd_tune)
     p = ss.add_parser("list", help="scenarios, profiles and engine models")
     p.set_defaults(func=cmd_list)
+
+    prof = subparsers.add_parser("profile", help="cost-model profiles: fit one to recorded engine steps")
+    ps = prof.add_subparsers(dest="profile_command", required=True)
+    p = ps.add_parser("fit", help="least-squares step-time model from `serve --record-steps` telemetry")
+    p.add_argument("steps", help="a speccontrol-steps/1 file (JSON Lines, from serve --record-steps)")
+    p.add_argument("--out", required=True, help="the fitted profile YAML to write")
+    p.add_argument("--name", help="profile name (default: the --out file's stem)")
+    p.add_argument("--model", help="the model the steps ran (default: the base profile's)")
+    p.add_argument("--hardware", help="the hardware the steps ran on (default: the base profile's)")
+    p.add_argument(
+        "--base",
+        default=DEFAULT_PROFILE,
+        help="profile giving memory, prices and any parameter the steps cannot inform",
+    )
+    p.add_argument(
+        "--engine", default="stock-vllm", help=f"engine model the steps came from ({', '.join(ENGINES)})"
+    )
+    p.add_argument("--draft-cost", default="auto", choices=["auto", "per_forward", "per_draft"])
+    p.add_argument(
+        "--prompt-tokens",
+        type=float,
+        default=0.0,
+        help="mean prompt tokens per request, added to decoded tokens where steps lack kv_tokens",
+    )
+    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals")
+    p.add_argument("--plot", help="residual plot PNG to write")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON")
+    p.set_defaults(func=cmd_profile_fit)
 
     tr = subparsers.add_parser("trace", help="spectrace v1 files")
     ts = tr.add_subparsers(dest="trace_command", required=True)

@@ -7,8 +7,11 @@ A step's time is composed as in the simulator published with arXiv 2601.11580:
 * ``T_target`` is linear in the tokens held in the KV cache by the step's requests and in the tokens
   the step processes (sum of K + 1 over decoding requests, plus the prompts of requests prefilled in
   the step).
-* EAGLE-3 drafts sequentially: one draft forward per draft position, for the longest K in the batch.
-  The published draft fit was measured at k = 3 (``fit_k``), so one forward costs ``T_draft / fit_k``.
+* EAGLE-3 drafting is priced one of two ways (``draft.eagle3.cost``):
+  ``per_forward`` (default): sequential, one draft forward per draft position for the longest K in the
+  batch; the published draft fit was measured at k = 3 (``fit_k``), so one forward costs
+  ``T_draft / fit_k``. ``per_draft``: the whole draft priced once per step that drafts with EAGLE-3,
+  ``T_draft = a * kv + b * spec_tokens + c`` whatever K is, as the simulator of arXiv 2601.11580 does.
 * P-EAGLE drafts all K positions in one pass, costing ``pass_forwards`` EAGLE forwards.
 * n-gram drafting costs a fixed fraction of the verify time.
 * MoE targets read more expert weights the more tokens a step verifies: the expected fraction of
@@ -24,7 +27,7 @@ import importlib.resources
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 import yaml
@@ -34,6 +37,12 @@ from policies.arms import Method
 
 class ProfileError(ValueError):
     pass
+
+
+#: How EAGLE-3 drafting is priced (``draft.eagle3.cost``); the first is the default.
+DraftCost = Literal["per_forward", "per_draft"]
+DRAFT_COSTS: tuple[DraftCost, ...] = ("per_forward", "per_draft")
+_X = TypeVar("_X", float, np.ndarray)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,7 @@ class Profile:
     api_price_key: str
     moe: MoE | None = None
     sources: tuple[str, ...] = field(default_factory=tuple)
+    eagle3_cost: DraftCost = "per_forward"
 
     # -- step pricing (one step with floats, or many at once with arrays: the same arithmetic) --------
 
@@ -109,6 +119,16 @@ class Profile:
     def draft_forward_time(self, kv: np.ndarray, spec_tokens: np.ndarray) -> np.ndarray:
         """One sequential EAGLE draft forward over the batch."""
         return self.eagle3_draft(kv, spec_tokens) / self.fit_k
+
+    def eagle_draft_time(self, kv: _X, spec_tokens: _X, forwards: _X) -> _X:
+        """EAGLE-3 drafting in a step with ``forwards`` sequential forwards (0: none) over ``spec_tokens``
+        draft tokens: ``forwards`` x one forward (``per_forward``) or one whole draft (``per_draft``).
+        Floats or arrays alike (the stepwise and vectorised engines share it)."""
+        d = self.eagle3_draft
+        whole = d.kv_s_per_token * kv + d.batched_s_per_token * spec_tokens + d.const_s
+        if self.eagle3_cost == "per_draft":
+            return (forwards > 0) * whole  # type: ignore[return-value]
+        return forwards * (whole / self.fit_k)  # type: ignore[no-any-return]
 
     @overload
     def step_time(
@@ -162,7 +182,8 @@ class Profile:
         fwd = (
             d.kv_s_per_token * kv + d.batched_s_per_token * (eagle_spec + p_eagle_spec) + d.const_s
         ) / self.fit_k
-        t = t + eagle_forwards * fwd + p_eagle_passes * self.p_eagle_pass_forwards * fwd
+        e3 = self.eagle_draft_time(kv, eagle_spec + p_eagle_spec, eagle_forwards)
+        t = t + e3 + p_eagle_passes * self.p_eagle_pass_forwards * fwd
         return t + (ngram_rows > 0) * self.ngram_verify_fraction * verify
 
     def plain_step_time(self, batch: int, context: int) -> float:
@@ -199,6 +220,13 @@ def _linear(d: Mapping[str, Any], where: str, batched_key: str = "batched_s_per_
     return Linear(_num(d, "kv_s_per_token", where), _num(d, batched_key, where), _num(d, "const_s", where))
 
 
+def _draft_cost(e3: Mapping[str, Any], source: str) -> DraftCost:
+    v = e3.get("cost", DRAFT_COSTS[0])
+    if v == "per_forward" or v == "per_draft":
+        return v  # type: ignore[no-any-return]
+    raise ProfileError(f"{source}: draft.eagle3.cost: expected one of {', '.join(DRAFT_COSTS)}, got {v!r}")
+
+
 def parse_profile(data: Any, *, source: str) -> Profile:
     d = _map(data, source)
     try:
@@ -227,6 +255,7 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             target=_linear(_map(d.get("target"), f"{source}: target"), "target"),
             eagle3_draft=_linear(e3, "draft.eagle3", "spec_s_per_token"),
             fit_k=int(_num(e3, "fit_k", "draft.eagle3", lo=1)),
+            eagle3_cost=_draft_cost(e3, source),
             p_eagle_pass_forwards=_num(pe, "pass_forwards", "draft.p_eagle"),
             ngram_verify_fraction=_num(ng, "verify_fraction", "draft.ngram"),
             overhead_s=_num(d, "overhead_s", "profile"),

@@ -3,6 +3,10 @@
 Each candidate replays every (trace, concurrency) on the engine model; its score is the geometric mean
 of its throughput over the best static arm that engine can play on the same trace and concurrency.
 The table goes to stdout; the winning policy is written as YAML (``--out``).
+
+Every (candidate or static baseline, trace, concurrency) replay is one job on an executor
+(``sim.executor``: a local process pool or Ray); jobs are seeded and pure, so the result is the same on
+either and with any number of workers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from policies.rules import RULES
 from policies.spec import PolicySpec, parse_policy, render_policy
 from sim.costmodel import Profile
 from sim.engines import EngineModel
+from sim.executor import Executor, LocalExecutor, ShippedPolicy
 from sim.oracle import run_static_arms
 from sim.replay import Replayer
 from sim.trace import Trace
@@ -65,6 +70,21 @@ class Candidate:
         return float(np.exp(np.mean(np.log(self.ratios)))) if self.ratios else 0.0
 
 
+def _best_static(job: tuple[Trace, Profile, int, frozenset[str]]) -> float:
+    tr, profile, c, arms_ok = job
+    st = run_static_arms(tr, profile, c)
+    return max(r.throughput for a, r in st.items() if a in arms_ok)
+
+
+def _replay(job: tuple[Trace, Profile, EngineModel, ShippedPolicy, int, int]) -> float:
+    tr, profile, engine, policy, c, seed = job
+    return (
+        Replayer(trace=tr, profile=profile, engine=engine, policy=policy.spec(), concurrency=c, seed=seed)
+        .run()
+        .throughput
+    )
+
+
 def tune(
     spec: PolicySpec,
     grid: dict[str, list[float]],
@@ -75,29 +95,48 @@ def tune(
     *,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    executor: Executor | None = None,
 ) -> list[Candidate]:
-    """Every grid point, best first."""
-    arms_ok = {str(a) for a in engine.arms(max(t.max_k for t in traces))}
-    best: dict[tuple[int, int], float] = {}
-    for ti, tr in enumerate(traces):
-        for c in concurrency:
-            st = run_static_arms(tr, profile, c)
-            best[(ti, c)] = max(r.throughput for a, r in st.items() if a in arms_ok)
+    """Every grid point, best first. ``progress`` gets one line per finished job of the whole sweep."""
+    ex = executor or LocalExecutor()
+    arms_ok = frozenset(str(a) for a in engine.arms(max(t.max_k for t in traces)))
+    cells = [(ti, c) for ti in range(len(traces)) for c in concurrency]
     names = list(grid)
-    out: list[Candidate] = []
-    for combo in itertools.product(*(grid[n] for n in names)):
-        values = dict(zip(names, combo, strict=True))
-        cand = Candidate(values, with_params(spec, values), [])
-        for ti, tr in enumerate(traces):
-            for c in concurrency:
-                r = Replayer(
-                    trace=tr, profile=profile, engine=engine, policy=cand.spec, concurrency=c, seed=seed
-                ).run()
-                cand.ratios.append(r.throughput / best[(ti, c)])
-        if progress:
-            progress(f"{values}: {cand.score:.4f}")
-        out.append(cand)
-    return sorted(out, key=lambda x: -x.score)
+    cands = [
+        Candidate(values, with_params(spec, values), [])
+        for values in (
+            dict(zip(names, combo, strict=True)) for combo in itertools.product(*(grid[n] for n in names))
+        )
+    ]
+    total = len(cells) * (1 + len(cands))
+    done = 0
+
+    def tick(what: Callable[[int], str]) -> Callable[[int, float], None]:
+        def on_done(i: int, thr: float) -> None:
+            nonlocal done
+            done += 1
+            if progress:
+                progress(f"[{done}/{total}] {what(i)}: {thr:.1f} tok/s")
+
+        return on_done
+
+    best_jobs = [(traces[ti], profile, c, arms_ok) for ti, c in cells]
+    best_list = ex.map(_best_static, best_jobs, tick(lambda i: f"best static, {_cell(traces, cells[i])}"))
+    best = dict(zip(cells, best_list, strict=True))
+    jobs = [
+        (traces[ti], profile, engine, ShippedPolicy.of(cand.spec), c, seed)
+        for cand in cands
+        for ti, c in cells
+    ]
+    n = len(cells)
+    thr = ex.map(_replay, jobs, tick(lambda i: f"{cands[i // n].values}, {_cell(traces, cells[i % n])}"))
+    for j, cand in enumerate(cands):
+        cand.ratios = [thr[j * n + x] / best[cells[x]] for x in range(n)]
+    return sorted(cands, key=lambda x: -x.score)
+
+
+def _cell(traces: Sequence[Trace], cell: tuple[int, int]) -> str:
+    return f"{traces[cell[0]].name} at concurrency {cell[1]}"
 
 
 def table(cands: Sequence[Candidate]) -> str:

@@ -121,21 +121,47 @@ def price(
     prompt: np.ndarray,
 ) -> np.ndarray:
     """Seconds for each of ``n_steps`` steps from its decode rows (at steps ``g``) and prefills."""
+    return profile.step_time(
+        **step_features(
+            engine,
+            n_steps=n_steps,
+            g=g,
+            method=rows.method,
+            k=rows.k,
+            kv_rows=kv_rows,
+            prefill_g=prefill_g,
+            prompt=prompt,
+        )
+    )
+
+
+def step_features(
+    engine: EngineModel,
+    *,
+    n_steps: int,
+    g: np.ndarray,
+    method: np.ndarray,
+    k: np.ndarray,
+    kv_rows: np.ndarray,
+    prefill_g: np.ndarray,
+    prompt: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """``Profile.step_time``'s keywords for each of ``n_steps`` steps from its decode rows (method code,
+    K and KV tokens of each row, at steps ``g``) and its prefills (``prompt`` tokens at ``prefill_g``).
+    The simulator prices with it and ``sim.fit`` fits recorded steps with it, so both read steps alike."""
     G = n_steps
     count = np.bincount(g, minlength=G) + np.bincount(prefill_g, minlength=G)
     kv = np.bincount(g, weights=kv_rows, minlength=G)
-    batched = np.bincount(g, weights=rows.k + 1, minlength=G) + np.bincount(
-        prefill_g, weights=prompt, minlength=G
-    )
+    batched = np.bincount(g, weights=k + 1, minlength=G) + np.bincount(prefill_g, weights=prompt, minlength=G)
     zeros = np.zeros(G)
     spec: dict[Method, np.ndarray] = {}
     maxk: dict[Method, np.ndarray] = {}
     for m in (Method.EAGLE3, Method.P_EAGLE, Method.NGRAM):
-        sel = (rows.method == METHOD_CODES[m]) & (rows.k > 0)
+        sel = (method == METHOD_CODES[m]) & (k > 0)
         if not sel.any():
             spec[m], maxk[m] = zeros, zeros
             continue
-        gs, ks = g[sel], rows.k[sel]
+        gs, ks = g[sel], k[sel]
         spec[m] = np.bincount(gs, weights=ks, minlength=G)
         mk = np.zeros(G, dtype=np.int64)
         np.maximum.at(mk, gs, ks)
@@ -147,15 +173,15 @@ def price(
     pe_pass = (maxk[Method.P_EAGLE] > 0).astype(np.float64)
     if Method.P_EAGLE in engine.always_runs:
         pe_pass = any_row
-    return profile.step_time(
-        kv=kv,
-        batched=batched,
-        eagle_forwards=eagle_fwd,
-        eagle_spec=spec[Method.EAGLE3],
-        p_eagle_passes=pe_pass,
-        p_eagle_spec=spec[Method.P_EAGLE],
-        ngram_rows=maxk[Method.NGRAM],
-    )
+    return {
+        "kv": kv,
+        "batched": batched,
+        "eagle_forwards": eagle_fwd,
+        "eagle_spec": spec[Method.EAGLE3],
+        "p_eagle_passes": pe_pass,
+        "p_eagle_spec": spec[Method.P_EAGLE],
+        "ngram_rows": maxk[Method.NGRAM],
+    }
 
 
 def schedule_closed(

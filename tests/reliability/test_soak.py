@@ -28,10 +28,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from controller.embedded.traffic import demo_traffic
 
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from controller.embedded.traffic import demo_traffic
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S, hello, step, until

@@ -113,3 +113,100 @@ def test_derived_profiles_agree_with_the_anchor_points() -> None:
     h100 = load_profile("llama-3.3-70b-fp8-h100-tp2").plain_step_time(32, 1000)
     h200 = load_profile("llama-3.3-70b-fp8-h200").plain_step_time(32, 1000)
     assert h100 < h200 < 2 * h100
+
+
+def test_per_draft_profile_differs_from_the_published_one_only_in_the_draft_cost_key() -> None:
+    import dataclasses
+
+    base, pd = load_profile("llama-3.1-8b-h100"), load_profile("llama-3.1-8b-h100-per-draft")
+    assert (base.eagle3_cost, pd.eagle3_cost) == ("per_forward", "per_draft")
+    skip = {"name", "description", "derivation", "eagle3_cost"}
+    for f in dataclasses.fields(base):
+        if f.name not in skip:
+            assert getattr(base, f.name) == getattr(pd, f.name), f.name
+
+
+def _price(p: object, **kw: np.ndarray) -> np.ndarray:
+    args = {
+        "kv": np.zeros(1),
+        "batched": np.ones(1),
+        "eagle_forwards": np.zeros(1),
+        "eagle_spec": np.zeros(1),
+        "p_eagle_passes": np.zeros(1),
+        "p_eagle_spec": np.zeros(1),
+        "ngram_rows": np.zeros(1),
+    }
+    args.update(kw)
+    return p.step_time(**args)  # type: ignore[attr-defined,no-any-return]
+
+
+def test_per_draft_prices_the_whole_draft_once_and_per_forward_per_position() -> None:
+    base, pd = load_profile("llama-3.1-8b-h100"), load_profile("llama-3.1-8b-h100-per-draft")
+    d = base.eagle3_draft
+    kv = np.array([0.0, 8000.0, 8000.0, 64000.0, 64000.0])
+    B = np.array([1.0, 8.0, 8.0, 32.0, 32.0])
+    K = np.array([0.0, 1.0, 5.0, 3.0, 8.0])
+    spec = B * K
+    kw = {"kv": kv, "batched": B * (K + 1), "eagle_forwards": K, "eagle_spec": spec}
+    whole = d.kv_s_per_token * kv + d.batched_s_per_token * spec + d.const_s
+    plain = _price(base, kv=kv, batched=B * (K + 1))
+    np.testing.assert_allclose(_price(base, **kw) - plain, K * whole / 3, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(_price(pd, **kw) - plain, (K > 0) * whole, rtol=1e-12, atol=1e-15)
+    # At the published fit's k = 3 the two agree; below it per_draft costs more, above it less.
+    t_b, t_p = _price(base, **kw), _price(pd, **kw)
+    assert t_b[0] == t_p[0] and t_b[1] < t_p[1] and t_b[2] > t_p[2]
+    np.testing.assert_allclose(t_b[3], t_p[3], rtol=1e-12)
+    assert t_b[4] > t_p[4]
+    # The stepwise engine's float path prices the same, for both choices.
+    for p in (base, pd):
+        vec = _price(p, **kw)
+        for i in range(len(kv)):
+            one = p.step_time(
+                kv=float(kv[i]),
+                batched=float(B[i] * (K[i] + 1)),
+                eagle_forwards=float(K[i]),
+                eagle_spec=float(spec[i]),
+                p_eagle_passes=0.0,
+                p_eagle_spec=0.0,
+                ngram_rows=0.0,
+            )
+            assert one == pytest.approx(vec[i], rel=1e-12)
+
+
+def test_unknown_draft_cost_is_one_clear_error() -> None:
+    import yaml
+
+    from sim.costmodel import _profile_dir
+
+    data = yaml.safe_load((_profile_dir() / "llama-3.1-8b-h100.yaml").read_text(encoding="utf-8"))
+    data["draft"]["eagle3"]["cost"] = "per_token"
+    with pytest.raises(ProfileError, match=r"draft\.eagle3\.cost: expected one of per_forward, per_draft"):
+        parse_profile(data, source="x.yaml")
+    data["draft"]["eagle3"]["cost"] = "per_draft"
+    assert parse_profile(data, source="x.yaml").eagle3_cost == "per_draft"
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_per_draft_replays_stepwise_and_vectorised_alike_and_flat_in_k(k: int) -> None:
+    from policies.arms import Arm
+    from policies.spec import static_policy
+    from sim.engines import engine_for_arm
+    from sim.replay import Replayer
+    from sim.traffic import generate
+    from sim.vectorised import replay_static
+
+    tr = generate("code", n_requests=40, seed=5)
+    a = Arm.parse(f"eagle3:{k}")
+    eng = engine_for_arm(a)
+    base, pd = load_profile("llama-3.1-8b-h100"), load_profile("llama-3.1-8b-h100-per-draft")
+    v = replay_static(tr, method=a.method, k=a.k, concurrency=8, profile=pd, engine=eng)
+    s = Replayer(trace=tr, profile=pd, engine=eng, policy=static_policy(a), concurrency=8).run()
+    np.testing.assert_allclose(s.finish_s, v.finish_s, rtol=1e-12)
+    vb = replay_static(tr, method=a.method, k=a.k, concurrency=8, profile=base, engine=eng)
+    # Same steps, priced differently: cheaper drafts per_draft above k = 3, dearer below; at 3 only the
+    # steps whose K is cut short by a request's last tokens cost more per_draft.
+    assert v.steps == vb.steps
+    if k == 3:
+        assert 0.99 * vb.throughput < v.throughput <= vb.throughput
+    else:
+        assert (v.throughput > vb.throughput) == (k > 3)

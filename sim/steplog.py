@@ -1,0 +1,276 @@
+"""Step telemetry files (``speccontrol-steps/1``): what ``serve --record-steps`` writes, ``profile fit`` reads.
+
+JSON Lines, one engine step per line, in the order the sidecar applied them::
+
+    {"engine": "pod-1", "time_s": 12.5, "duration_s": 0.0123, "batch": 8, "prefill_tokens": 0,
+     "kv_tokens": null, "decoded_tokens": 1830, "method": ["eagle3", ...], "k": [3, ...],
+     "accepted": [2, ...]}
+
+* ``duration_s``: the step's wall time (draft + verify + overhead), > 0.
+* ``batch``: running requests; ``method``/``k``/``accepted``: one entry per reported request (the
+  method whose draft was verified, ``off`` for none).
+* ``prefill_tokens``: prompt tokens computed in the same step (0: none or unknown).
+* ``kv_tokens``: tokens in the KV cache of the step's requests when the engine reports them, else null.
+  The wire protocol does not carry them, so the sidecar writes null and ``decoded_tokens``: the tokens
+  its requests had emitted in earlier reported steps (known exactly from request ids; prompts excluded).
+
+Reading validates every line and names the first bad one as ``FILE:LINE: field: message``; nothing is
+returned for a bad file. Writing never raises into the sidecar: a failed write is logged once and the
+recorder stops (the engine's reports are still applied).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from policies.arms import METHOD_CODES, Method
+from policies.observation import StepObservation
+
+log = logging.getLogger(__name__)
+
+FORMAT = "speccontrol-steps/1"
+#: Requests whose emitted tokens the recorder remembers per engine (oldest forgotten first).
+MAX_TRACKED_REQUESTS = 100_000
+_NAMES = {code: m.value for m, code in METHOD_CODES.items()}
+_MAX_K = 64
+
+
+class StepLogError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StepLog:
+    """Recorded steps as columns: per step (``n`` entries) and per request row (``rows`` entries)."""
+
+    source: str
+    engine: tuple[str, ...]
+    duration_s: np.ndarray
+    batch: np.ndarray
+    prefill_tokens: np.ndarray
+    kv_tokens: np.ndarray | None  # None unless every step reported them
+    decoded_tokens: np.ndarray
+    time_s: np.ndarray  # the engine's clock at the end of each step
+    row_step: np.ndarray  # the step of each request row
+    method: np.ndarray  # int8 method codes
+    k: np.ndarray
+    accepted: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.duration_s)
+
+    def select(self, keep: np.ndarray) -> StepLog:
+        """The steps where ``keep`` (one bool per step) holds, rows with them."""
+        keep = np.asarray(keep, dtype=bool)
+        rows = keep[self.row_step]
+        renumber = np.cumsum(keep) - 1
+        return StepLog(
+            source=self.source,
+            engine=tuple(e for e, k in zip(self.engine, keep, strict=True) if k),
+            duration_s=self.duration_s[keep],
+            batch=self.batch[keep],
+            prefill_tokens=self.prefill_tokens[keep],
+            kv_tokens=None if self.kv_tokens is None else self.kv_tokens[keep],
+            decoded_tokens=self.decoded_tokens[keep],
+            time_s=self.time_s[keep],
+            row_step=renumber[self.row_step[rows]],
+            method=self.method[rows],
+            k=self.k[rows],
+            accepted=self.accepted[rows],
+        )
+
+    def emitted_tokens(self) -> int:
+        """Tokens the steps emitted: accepted drafts plus one per request row."""
+        return int(self.accepted.sum()) + len(self.accepted)
+
+
+def step_record(
+    engine: str, obs: StepObservation, *, decoded_tokens: int, kv_tokens: int | None = None
+) -> dict[str, Any]:
+    """One line of the file for one applied step."""
+    return {
+        "engine": engine,
+        "time_s": obs.time_s,
+        "duration_s": obs.duration_s,
+        "batch": obs.batch_size,
+        "prefill_tokens": obs.prefill_tokens,
+        "kv_tokens": kv_tokens,
+        "decoded_tokens": decoded_tokens,
+        "method": [_NAMES[int(c)] for c in obs.method],
+        "k": [int(x) for x in obs.k],
+        "accepted": [int(x) for x in obs.accepted],
+    }
+
+
+class StepRecorder:
+    """Appends applied steps to a ``speccontrol-steps/1`` file; call it as ``recorder(engine_id, steps)``."""
+
+    def __init__(self, *, path: Path) -> None:
+        self.path = path
+        self.steps = 0
+        self._file: IO[str] | None = path.open("a", encoding="utf-8")
+        self._emitted: dict[str, OrderedDict[str, int]] = {}
+
+    def __call__(self, engine: str, observations: Iterable[StepObservation]) -> None:
+        if self._file is None:
+            return
+        seen = self._emitted.setdefault(engine, OrderedDict())
+        lines = []
+        for obs in observations:
+            decoded = 0
+            for j, rid in enumerate(obs.request_id):
+                if not rid:
+                    continue
+                decoded += seen.get(rid, 0)
+                seen[rid] = seen.get(rid, 0) + int(obs.accepted[j]) + 1
+                if obs.finished is not None and obs.finished[j]:
+                    del seen[rid]
+            while len(seen) > MAX_TRACKED_REQUESTS:
+                seen.popitem(last=False)
+            lines.append(json.dumps(step_record(engine, obs, decoded_tokens=decoded), separators=(",", ":")))
+        try:
+            self._file.write("".join(line + "\n" for line in lines))
+            self._file.flush()
+            self.steps += len(lines)
+        except OSError as e:
+            log.error("--record-steps %s: %s; recording stopped after %d steps", self.path, e, self.steps)
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            f, self._file = self._file, None
+            try:
+                f.close()
+            except OSError as e:
+                log.error("--record-steps %s: %s", self.path, e)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, null: bool = False) -> int | None:
+    v = d.get(key)
+    if v is None and null and key in d:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise StepLogError(f"{where}: {key}: expected an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _ints(d: dict[str, Any], key: str, where: str, n: int | None) -> list[int]:
+    v = d.get(key)
+    if not isinstance(v, list):
+        raise StepLogError(f"{where}: {key}: expected a list, got {type(v).__name__}")
+    if n is not None and len(v) != n:
+        raise StepLogError(f"{where}: {key}: expected {n} entries (one per method), got {len(v)}")
+    for i, x in enumerate(v):
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= _MAX_K:
+            raise StepLogError(f"{where}: {key}[{i}]: expected an integer 0..{_MAX_K}, got {x!r}")
+    return v
+
+
+def _time(d: dict[str, Any], where: str) -> float:
+    v = d.get("time_s", 0.0)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise StepLogError(f"{where}: time_s: expected a finite number, got {v!r}")
+    return float(v)
+
+
+def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int], list[int]]:
+    """Validates one line; returns (step fields, method codes, k, accepted)."""
+    if not isinstance(d, dict):
+        raise StepLogError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    eng = d.get("engine", "")
+    if not isinstance(eng, str):
+        raise StepLogError(f"{where}: engine: expected a string, got {eng!r}")
+    dur = d.get("duration_s")
+    if isinstance(dur, bool) or not isinstance(dur, int | float) or not math.isfinite(dur) or dur <= 0:
+        raise StepLogError(f"{where}: duration_s: expected a finite number > 0, got {dur!r}")
+    methods = d.get("method")
+    if not isinstance(methods, list):
+        raise StepLogError(f"{where}: method: expected a list, got {type(methods).__name__}")
+    codes = []
+    for i, m in enumerate(methods):
+        try:
+            codes.append(METHOD_CODES[Method(m)])
+        except (ValueError, TypeError):
+            known = ", ".join(x.value for x in Method)
+            raise StepLogError(f"{where}: method[{i}]: unknown method {m!r} (known: {known})") from None
+    ks = _ints(d, "k", where, len(codes))
+    acc = _ints(d, "accepted", where, len(codes))
+    for i, (a, k) in enumerate(zip(acc, ks, strict=True)):
+        if a > k:
+            raise StepLogError(f"{where}: accepted[{i}]: {a} accepted of a draft of k = {k}")
+    batch = _int(d, "batch", where) or 0
+    if batch < len(codes):
+        raise StepLogError(f"{where}: batch: {batch} running but {len(codes)} requests reported")
+    fields = {
+        "engine": eng,
+        "duration_s": float(dur),
+        "time_s": _time(d, where),
+        "batch": batch,
+        "prefill_tokens": _int(d, "prefill_tokens", where),
+        "kv_tokens": _int(d, "kv_tokens", where, null=True) if "kv_tokens" in d else None,
+        "decoded_tokens": _int(d, "decoded_tokens", where) if "decoded_tokens" in d else 0,
+    }
+    return fields, codes, ks, acc
+
+
+def read_steps(path: str | Path) -> StepLog:
+    """Reads and validates a step file; raises StepLogError naming FILE:LINE: field on the first fault."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise StepLogError(f"{p}: cannot read: {e}") from None
+    steps: list[dict[str, Any]] = []
+    g: list[int] = []
+    method: list[int] = []
+    k: list[int] = []
+    acc: list[int] = []
+    for ln, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{p}:{ln}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise StepLogError(f"{where}: invalid JSON: {e.msg}") from None
+        fields, codes, ks, a = parse_step(d, where)
+        g.extend([len(steps)] * len(codes))
+        steps.append(fields)
+        method.extend(codes)
+        k.extend(ks)
+        acc.extend(a)
+    if not steps:
+        raise StepLogError(f"{p}: no steps (an empty file)")
+    kv = [s["kv_tokens"] for s in steps]
+    return StepLog(
+        source=str(p),
+        engine=tuple(s["engine"] for s in steps),
+        duration_s=np.array([s["duration_s"] for s in steps], dtype=np.float64),
+        batch=np.array([s["batch"] for s in steps], dtype=np.int64),
+        prefill_tokens=np.array([s["prefill_tokens"] for s in steps], dtype=np.int64),
+        kv_tokens=None if any(x is None for x in kv) else np.array(kv, dtype=np.float64),
+        decoded_tokens=np.array([s["decoded_tokens"] for s in steps], dtype=np.float64),
+        time_s=np.array([s["time_s"] for s in steps], dtype=np.float64),
+        row_step=np.array(g, dtype=np.int64),
+        method=np.array(method, dtype=np.int8),
+        k=np.array(k, dtype=np.int64),
+        accepted=np.array(acc, dtype=np.int64),
+    )
+
+
+def write_steps(path: str | Path, records: Sequence[dict[str, Any]]) -> None:
+    """Writes step records (``step_record`` layout) as a file (tests and benchmarks)."""
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
