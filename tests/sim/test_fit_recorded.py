@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from controller.embedded.traffic import demo_traffic
-
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
-from sim.costmodel import load_profile
+from controller.embedded.workload import demo_workload
+from sim.costmodel import DEFAULT_PROFILE, load_profile
 from sim.engines import ENGINES
 from sim.fit import features
 from sim.steplog import read_steps
@@ -56,7 +55,7 @@ def test_recorded_run_round_trips_through_profile_fit(tmp_path: Path) -> None:
         engine = EmbeddedEngine(
             target=target,
             settings=EngineSettings(engine_id="rec"),
-            traffic=demo_traffic(seed=3, duration_s=12.0),
+            workload=demo_workload(seed=3, duration_s=12.0),
             link=LinkSettings(time_scale=0.0, flush_interval_s=0.01, await_directive_s=5.0),
         )
 
@@ -100,5 +99,6 @@ def test_recorded_run_round_trips_through_profile_fit(tmp_path: Path) -> None:
     pred = prof.step_time(**features(steps, ENGINES["stock-vllm-ngram"], prompt_tokens=400))
     rel = np.abs(pred - steps.duration_s) / steps.duration_s
     assert float(np.median(rel)) < 0.02 and res["r2"] > 0.98
-    # The engine's verify cost per batched token (2.10e-5 s) is recovered within 10 %.
-    assert prof.target.batched_s_per_token == pytest.approx(2.10103129e-05, rel=0.1)
+    # The engine's verify cost per batched token (its profile's) is recovered within 10 %.
+    truth = load_profile(DEFAULT_PROFILE).target.batched_s_per_token
+    assert prof.target.batched_s_per_token == pytest.approx(truth, rel=0.1)
