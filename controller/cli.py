@@ -379,8 +379,19 @@ def cmd_engines(args: argparse.Namespace) -> int:
 # -- parser ----------------------------------------------------------------------------------------------
 
 
+def package_version() -> str:
+    """The installed speccontrol version (``0+unknown`` when run from a tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("speccontrol")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
+    p.add_argument("--version", action="version", version=f"controllerctl {package_version()}")
     p.add_argument(
         "--admin",
         default=os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN,
