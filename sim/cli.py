@@ -1,7 +1,9 @@
 """``controllerctl sim ...`` and ``controllerctl trace ...`` (registered into the controller's CLI).
 
-Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file), a non-zero exit
-and no traceback; nothing is written when the input is bad.
+Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file) and no
+traceback; exit 2 for usage and input errors (bad flags, an invalid trace, policy or profile), exit 1
+for runtime errors (a run that fails, a server that cannot be reached), as in ``controllerctl``.
+Nothing is written when the input is bad, and a run that needs matplotlib checks for it first.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sim.engines import ENGINES
 from sim.trace import Trace, TraceError, read_trace, validate_trace, write_trace
 from sim.traffic import SCENARIOS, generate
 
-EXIT_INVALID = 1
+EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 
 
@@ -67,6 +69,16 @@ def _concurrency(text: str) -> list[int]:
     return sorted(set(levels))
 
 
+def _need_matplotlib(flag: str) -> None:
+    """Before a long run whose report needs plots: fail now, not after the run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise _UsageError(
+            f"{flag}: the report's plots need matplotlib (pip install 'speccontrol[sim]'), or use --json"
+        ) from None
+
+
 def _load_trace(args: argparse.Namespace) -> Trace:
     if args.trace:
         return read_trace(args.trace, seed=args.seed)
@@ -105,9 +117,11 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
                 f"--open-loop: trace {trace.name!r} has no arrival_s (try --scenario load-ramp)"
             )
         prices = load_prices()
+        if args.out:
+            _need_matplotlib("--out")
     except (TraceError, PolicyError, ProfileError, _UsageError) as e:
         _err(str(e))
-        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+        return EXIT_USAGE
     adaptive = sum(1 for p in policies if p.algorithm != "static") * len(engines)
     bar = ProgressBar(
         total=trace.total_output_tokens * max(adaptive, 1) * len(levels),
@@ -131,7 +145,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
     except ValueError as e:
         bar.close()
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_RUNTIME
     hashseed = os.environ.get("PYTHONHASHSEED")
     command = (
         (f"PYTHONHASHSEED={hashseed} " if hashseed else "")
@@ -144,7 +158,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
             paths = write_report(cmp, Path(args.out), command=command)
         except ImportError as e:
             _err(f"--out: plots need matplotlib (pip install 'speccontrol[sim]'): {e}")
-            return EXIT_INVALID
+            return EXIT_RUNTIME
         print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.json:
         write_json(cmp, Path(args.json))
@@ -190,15 +204,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
             with_params(spec, dict(zip(grid, v, strict=True)))
     except (TraceError, PolicyError, ProfileError, _UsageError, ValueError) as e:
         _err(str(e))
-        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+        return EXIT_USAGE
     progress = (lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else None
     cands = tune(spec, grid, traces, profile, engines[0], levels, seed=args.seed, progress=progress)
     print(table(cands))
     if args.out:
-        from policies.spec import render_policy
+        from sim.tune import render_tuned
 
-        Path(args.out).write_text(render_policy(cands[0].spec), encoding="utf-8")
-        print(f"wrote {args.out}")
+        Path(args.out).write_text(render_tuned(cands[0]), encoding="utf-8")
+        print(f"wrote {args.out} (policy {cands[0].spec.name}-tuned)")
     return 0
 
 
@@ -225,7 +239,7 @@ def cmd_trace_validate(args: argparse.Namespace) -> int:
             bad += 1
         else:
             print(f"{f}: ok")
-    return EXIT_INVALID if bad else 0
+    return EXIT_USAGE if bad else 0
 
 
 def cmd_trace_generate(args: argparse.Namespace) -> int:
@@ -249,7 +263,10 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         tr = import_vllm_metrics(args.file, method=Method(args.method))
     except TraceError as e:
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_USAGE
+    except UnicodeDecodeError:
+        _err(f"{args.file}: not UTF-8 text (expected JSON Lines of vLLM responses)")
+        return EXIT_USAGE
     write_trace(tr, args.out)
     print(
         f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens, max_k {tr.max_k} "
@@ -267,7 +284,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts, default_class=args.traffic_class, max_tokens=args.max_tokens)
     except TraceError as e:
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_USAGE
     bar = ProgressBar(total=len(prompts), label="recording")
     try:
         tr, failures, responses = record_trace(
@@ -281,7 +298,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         )
     except TraceError as e:
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_RUNTIME
     finally:
         bar.close()
     write_trace(tr, args.out)

@@ -175,7 +175,9 @@ def _divisor(query: str) -> int:
 def test_keda_scales_on_the_simulators_two_signals() -> None:
     docs = render("overlays/keda")
     so = one(docs, "ScaledObject")
-    assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "speccontrol-autoscaling"]
+    assert not [
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "speccontrol-autoscaling"
+    ]
     triggers = {t["name"]: t for t in so["spec"]["triggers"]}
     assert set(triggers) == {"queue-wait", "slot-utilisation"}
     params = keda_params()

@@ -43,7 +43,11 @@ def _require(env: str, what: str) -> None:
 
 def _hadolint() -> str:
     path = shutil.which("hadolint") or next(
-        (str(p) for p in (Path(sys.executable).parent / "hadolint", ROOT / ".venv/bin/hadolint") if p.exists()),
+        (
+            str(p)
+            for p in (Path(sys.executable).parent / "hadolint", ROOT / ".venv/bin/hadolint")
+            if p.exists()
+        ),
         None,
     )
     if path is None:
@@ -157,7 +161,9 @@ def replay_pip_steps(dockerfile: Path, root: Path, venv: Path) -> None:
                 r"connection (refused|error)|name resolution",
                 out.stderr,
             ):
-                _require("SPECCONTROL_REQUIRE_DEPLOY_TOOLS", f"package index unreachable: {out.stderr[-300:]}")
+                _require(
+                    "SPECCONTROL_REQUIRE_DEPLOY_TOOLS", f"package index unreachable: {out.stderr[-300:]}"
+                )
             assert out.returncode == 0, f"{dockerfile}: RUN {args}\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
 
 
@@ -179,7 +185,12 @@ def test_sidecar_image_install_serves(tmp_path: Path) -> None:
     work.mkdir()
     env = _clean_env()
     version = subprocess.run(
-        [str(bin_ / "controllerctl"), "--version"], capture_output=True, text=True, cwd=work, env=env, timeout=60
+        [str(bin_ / "controllerctl"), "--version"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env=env,
+        timeout=60,
     )
     assert version.returncode == 0 and version.stdout.startswith("controllerctl 0."), version
     # The module comes from the virtualenv, not from this checkout.
