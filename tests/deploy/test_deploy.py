@@ -269,6 +269,58 @@ def test_monitoring_labels_are_configurable(tmp_path: Path) -> None:
             assert "release" not in labels
 
 
+def with_component(tmp_path: Path, component: str) -> list[dict[str, Any]]:
+    """The base with one of deploy/components, rendered as a user's overlay would."""
+    overlay = tmp_path / component
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(DEPLOY / "base", overlay)],
+                "components": [os.path.relpath(DEPLOY / "components" / component, overlay)],
+            }
+        )
+    )
+    out = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_observe_only_component_leaves_vllm_alone_and_feeds_the_sidecar(tmp_path: Path) -> None:
+    from controller.cli import build_parser
+    from controller.vllm.settings import enabled
+
+    docs = with_component(tmp_path, "observe-only")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    engine, observer = pod["containers"]
+    assert not enabled({e["name"]: e.get("value") or "" for e in engine["env"]})  # the plugin is inert
+    args = build_parser().parse_args([*observer["command"][1:], *observer["args"]])
+    assert args.func.__name__ == "cmd_observe"
+    spec = json.loads(
+        next(a for a in engine["args"] if a.startswith("--speculative-config=")).split("=", 1)[1]
+    )
+    assert (args.method, args.max_k) == (spec["method"], spec["num_speculative_tokens"])
+    port = next(p["containerPort"] for p in engine["ports"] if p["name"] == "http")
+    assert args.metrics_url == f"http://127.0.0.1:{port}/metrics"
+    cfg = parse_config(one(docs, "ConfigMap")["data"]["sidecar.yaml"])
+    assert args.sidecar == cfg.engine_listen
+    assert any(m["mountPath"] == "/run/speccontrol" for m in observer["volumeMounts"])
+    assert args.engine_id == "$(POD_NAME)" and observer["env"][0]["name"] == "POD_NAME"
+
+
+def test_composite_component_sets_what_per_request_drafting_needs(tmp_path: Path) -> None:
+    docs = with_component(tmp_path, "composite")
+    engine = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    # Synchronous scheduling and the V1 runner: otherwise the plugin falls back to the K table only.
+    assert "--no-async-scheduling" in engine["args"] and env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert env["SPECCONTROL_PLUGIN"] == "1"
+    base_engine = one(render("base"), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--no-async-scheduling" not in base_engine["args"]
+
+
 def test_pods_run_the_images_built_here() -> None:
     pod = one(render("base"), "Deployment")["spec"]["template"]["spec"]
     (sidecar,) = pod["initContainers"]
