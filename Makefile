@@ -6,7 +6,7 @@ PROTOC   = $(BIN)/python -m grpc_tools.protoc
 PROTOS  := proto/controller/v1/controller.proto
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv deps demo test test-fast test-unit lint lint-images typecheck proto proto-check clean
+.PHONY: venv deps demo test test-fast test-unit lint lint-images typecheck proto proto-check results clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,11 @@ proto-check: $(STAMP)
 	  if ! cmp -s $$tmp/controller/v1/$$f controller/v1/$$f; then \
 	    echo "proto-check: controller/v1/$$f is out of date with proto/ (run 'make proto')"; rm -rf $$tmp; exit 1; fi; \
 	done; rm -rf $$tmp; echo "proto-check: generated stubs match proto/"
+
+# Every published simulator figure (README blocks, docs/decision-quality.md, docs/example-report,
+# autoscaling); tens of minutes, not part of `make test`. See scripts/results.sh.
+results: $(STAMP)
+	BIN=$(BIN) scripts/results.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
