@@ -190,8 +190,10 @@ def test_keda_scales_on_the_simulators_two_signals() -> None:
     assert hpa.target_utilisation is not None and float(util["threshold"]) == hpa.target_utilisation
     assert _divisor(util["query"]) == max_num_seqs(docs)
     for t in triggers.values():
-        # Value: desired = ceil(current * mean / target), the ratio rule sim/autoscale.py applies.
-        assert t["metricType"] == "Value" and t["metadata"]["serverAddress"] == params["serverAddress"]
+        # AverageValue of a sum over pods: desired = ceil(sum / target) = ceil(current * mean / target),
+        # the ratio rule sim/autoscale.py applies.
+        assert t["metricType"] == "AverageValue" and t["metadata"]["query"].startswith("sum(")
+        assert t["metadata"]["serverAddress"] == params["serverAddress"]
         assert "PARAM" not in json.dumps(t)
 
 
