@@ -83,16 +83,13 @@ def autoscale_sentence(doc: dict[str, Any]) -> str:
     except (KeyError, TypeError) as e:
         raise ResultsError(f"{AUTOSCALE.name}: missing replica.{e}") from None
 
-    def reached(t: float | None, who: str) -> str:
-        return (
-            f"{who} reached 95 % of steady goodput in {t:g} s"
-            if t is not None
-            else f"{who} had not within the measured run"
-        )
-
+    warm = f"in {warm_t:g} s" if warm_t is not None else "not within the measured run"
+    cold = (
+        f"a cold one in {cold_t:g} s" if cold_t is not None else "a cold one had not within the measured run"
+    )
     return (
-        f"{reached(warm_t, 'a replica started with shared posteriors')}; "
-        f"{reached(cold_t, 'a cold one')} (mean efficiency over its first minute {cold_e:.2f} cold vs {warm_e:.2f} warm)."
+        f"a replica started with shared posteriors reached 95 % of steady goodput {warm}; {cold} "
+        f"(mean efficiency over its first minute {cold_e:.2f} cold vs {warm_e:.2f} warm)."
     )
 
 

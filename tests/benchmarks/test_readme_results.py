@@ -29,7 +29,7 @@ def test_a_changed_result_changes_the_readme() -> None:
     assert "| drift (goal ≥ 1.20) | " in changed and "| 9.999 |" in changed
     cold = copy.deepcopy(doc)
     cold["replica"]["time_to_95pct_s"]["cold"] = 42.0
-    assert "a cold one reached 95 % of steady goodput in 42 s" in rr.updated_readme(readme, md, cold)
+    assert "; a cold one in 42 s (mean efficiency" in rr.updated_readme(readme, md, cold)
 
 
 def test_missing_rows_and_markers_are_named() -> None:
