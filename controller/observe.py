@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -144,7 +145,7 @@ def _apportion(weights: np.ndarray, n: int) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class ObserverSettings:
-    """Where to read and where to report; what the engine was started with."""
+    """Where to read and where to report; what the engine was started with; how hard to retry."""
 
     metrics_url: str
     engine_target: str
@@ -156,6 +157,31 @@ class ObserverSettings:
     interval_s: float = 5.0
     #: Only samples with this model_name label (None: all).
     model_name: str | None = None
+    #: Consecutive failures (of the scrape, or of reaching the sidecar) tolerated before giving up.
+    retries: int = 10
+    #: The first retry waits this long; each further one twice as long, at most ``backoff_max_s``.
+    backoff_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.metrics_url.startswith(("http://", "https://")):
+            raise ValueError(f"metrics_url: expected http://host:port/metrics, got {self.metrics_url!r}")
+        if not 1 <= self.max_k <= 64:
+            raise ValueError(f"max_k: must be 1..64, got {self.max_k}")
+        if not (math.isfinite(self.interval_s) and 0 < self.interval_s <= 3600):
+            raise ValueError(f"interval_s: must be in (0, 3600] seconds, got {self.interval_s}")
+        if not 0 <= self.retries <= 1_000_000:
+            raise ValueError(f"retries: must be 0..1000000, got {self.retries}")
+        if not (0 < self.backoff_s <= self.backoff_max_s <= 3600):
+            raise ValueError("backoff: need 0 < backoff_s <= backoff_max_s <= 3600")
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th consecutive failure (1-based)."""
+        return float(min(self.backoff_max_s, self.backoff_s * 2 ** min(failures - 1, 32)))
+
+
+class ObserverError(RuntimeError):
+    """The observer gave up: /metrics or the sidecar stayed unreachable, or the sidecar refused it."""
 
 
 def scrape(url: str, *, timeout_s: float = 5.0) -> str:
@@ -166,16 +192,32 @@ def scrape(url: str, *, timeout_s: float = 5.0) -> str:
     return body.decode("utf-8", "replace")
 
 
+def _reason(e: BaseException) -> str:
+    """One line for a scrape error (urllib nests the interesting part in ``reason``)."""
+    inner = getattr(e, "reason", None)
+    text = str(inner if inner is not None else e) or type(e).__name__
+    return text.splitlines()[0]
+
+
+_RETRYABLE_RPC = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+
+
 async def run_observer(
     settings: ObserverSettings,
     *,
     on_directive: Callable[[Directive], None] | None = None,
+    on_status: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     clock: Callable[[], float] = time.time,
 ) -> int:
     """Scrape every interval and stream what changed to the sidecar as an observe-only engine.
 
-    Returns the number of observations sent. The directives that come back are recommendations.
+    Returns the number of observations sent. The directives that come back are recommendations;
+    ``on_directive`` hears only those that follow data (the first directive after attaching is the
+    policy's prior, not a recommendation). ``on_status`` hears, one line each, when /metrics or the
+    sidecar cannot be reached (and the retry), when they are back, and when there is no data yet.
+    A scrape or a connection that keeps failing ``settings.retries`` times in a row raises
+    ObserverError; so does a sidecar that refuses the observer.
     """
     import grpc
 
@@ -184,58 +226,128 @@ async def run_observer(
     from controller.v1 import controller_pb2_grpc as rpc
 
     s = settings
+    say = on_status or (lambda m: log.warning("%s", m))
     arms = (*(Arm(s.method, k) for k in range(1, s.max_k + 1)), OFF)
     info = EngineInfo(s.engine_id, s.model, s.max_k, arms, Granularity.BATCH_STEP)
     hello = hello_from_engine_info(info, engine_version="observe-only: vllm /metrics")
     hello.observe_only = True
     hello.instance_id = uuid.uuid4().hex
     stop = stop or asyncio.Event()
-    outbox: asyncio.Queue[pb.EngineMessage | None] = asyncio.Queue(maxsize=64)
-    await outbox.put(pb.EngineMessage(hello=hello))
     sent = 0
+    seq = 0
+    prev: VllmCounters | None = None
+    scrape_failures = 0
+    connect_failures = 0
+    said_no_data = False
 
-    async def messages() -> AsyncIterator[pb.EngineMessage]:
-        while True:
-            m = await outbox.get()
-            if m is None:
-                return
-            yield m
+    async def pause(seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
 
-    async def produce() -> None:
-        nonlocal sent
+    async def produce(outbox: asyncio.Queue[pb.EngineMessage | None]) -> None:
+        nonlocal sent, seq, prev, scrape_failures, said_no_data
         loop = asyncio.get_running_loop()
-        prev: VllmCounters | None = None
-        seq = 0
         while not stop.is_set():
             try:
                 text = await loop.run_in_executor(None, scrape, s.metrics_url)
                 cur = parse_metrics(text, time_s=clock(), model=s.model_name)
             except (OSError, ValueError) as e:
-                log.warning("observe: cannot read %s: %s", s.metrics_url, e)
-                cur = None
-            if cur is not None and prev is not None:
-                obs = observation_between(prev, cur, method=s.method)
-                if obs is not None:
-                    seq += 1
-                    await outbox.put(
-                        pb.EngineMessage(reports=pb.StepReportBatch(sequence=seq, steps=_reports(obs)))
-                    )
-                    sent += 1
-            prev = cur if cur is not None else prev
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), s.interval_s)
-        await outbox.put(None)
+                scrape_failures += 1
+                if scrape_failures > s.retries:
+                    raise ObserverError(
+                        f"cannot read {s.metrics_url} ({_reason(e)}); gave up after "
+                        f"{scrape_failures} attempts in a row"
+                    ) from None
+                delay = s.backoff(scrape_failures)
+                say(
+                    f"cannot read {s.metrics_url}: {_reason(e)}; retry {scrape_failures} of {s.retries} "
+                    f"in {delay:g} s"
+                )
+                await pause(delay)
+                continue
+            if scrape_failures:
+                say(f"reading {s.metrics_url} again")
+                scrape_failures = 0
+            obs = observation_between(prev, cur, method=s.method) if prev is not None else None
+            prev = cur
+            if obs is not None:
+                seq += 1
+                await outbox.put(
+                    pb.EngineMessage(reports=pb.StepReportBatch(sequence=seq, steps=_reports(obs)))
+                )
+                sent += 1
+                said_no_data = False
+            elif sent == 0 and not said_no_data and cur.drafts == 0:
+                said_no_data = True
+                say(
+                    f"no speculative decoding counters in {s.metrics_url} yet (vllm:spec_decode_num_drafts_total "
+                    "is absent or 0: is vLLM serving with --speculative-config?); no recommendation without data"
+                )
+            await pause(s.interval_s)
 
-    async with grpc.aio.insecure_channel(s.engine_target) as channel:
-        stub = rpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
-        producer = asyncio.create_task(produce())
+    async def session() -> bool:
+        """One Attach stream until stop (True) or a stream error (raised). False: it ended early."""
+        outbox: asyncio.Queue[pb.EngineMessage | None] = asyncio.Queue(maxsize=64)
+        await outbox.put(pb.EngineMessage(hello=hello))
+
+        async def messages() -> AsyncIterator[pb.EngineMessage]:
+            while True:
+                m = await outbox.get()
+                if m is None:
+                    return
+                yield m
+
+        async with grpc.aio.insecure_channel(s.engine_target) as channel:
+            stub = rpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
+
+            async def consume() -> None:
+                nonlocal connect_failures
+                async for d in stub.Attach(messages()):
+                    if connect_failures:
+                        say(f"attached to the sidecar at {s.engine_target} again")
+                    connect_failures = 0
+                    if on_directive is not None and sent > 0:
+                        on_directive(directive_from_pb(d))
+
+            producer = asyncio.create_task(produce(outbox))
+            consumer = asyncio.create_task(consume())
+            stopper = asyncio.create_task(stop.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {producer, consumer, stopper}, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for t in (producer, consumer, stopper):
+                    t.cancel()
+                await asyncio.gather(producer, consumer, stopper, return_exceptions=True)
+            for t in (producer, consumer):
+                if t in done and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            return stop.is_set()
+
+    while not stop.is_set():
         try:
-            async for d in stub.Attach(messages()):
-                if on_directive is not None:
-                    on_directive(directive_from_pb(d))
-        finally:
-            stop.set()
-            await producer
+            if await session():
+                break
+            detail = "the sidecar closed the stream"
+        except grpc.aio.AioRpcError as e:
+            detail = (e.details() or e.code().name).splitlines()[0]
+            if e.code().name not in _RETRYABLE_RPC:
+                raise ObserverError(
+                    f"the sidecar at {s.engine_target} refused the observer: {e.code().name.lower()}: {detail}"
+                ) from None
+        connect_failures += 1
+        if connect_failures > s.retries:
+            raise ObserverError(
+                f"cannot reach the sidecar at {s.engine_target} ({detail}); gave up after "
+                f"{connect_failures} attempts in a row"
+            )
+        delay = s.backoff(connect_failures)
+        say(
+            f"sidecar at {s.engine_target} unreachable: {detail}; retry {connect_failures} of {s.retries} "
+            f"in {delay:g} s"
+        )
+        await pause(delay)
     return sent
 
 

@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
-from controller.config import ConfigError, SidecarConfig, load_config
+from controller.config import ConfigError, SidecarConfig, load_config, parse_address
 from controller.sidecar import Sidecar
 from controller.snapshot import write_json_atomic
+from controller.state_dir import StateDirLocked
 from policies.spec import PolicyError
 
 log = logging.getLogger("controller.serve")
@@ -91,10 +94,47 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # found at bind time (a socket path naming something else)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # the state dir held by another sidecar, a port taken, ...
+    except StateDirLocked as e:  # the state dir held by another sidecar
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (OSError, RuntimeError) as e:  # grpc reports a failed bind as RuntimeError
+        taken = taken_addresses(config)
+        if taken:
+            print(
+                "error: cannot listen: "
+                + "; ".join(f"{field} {addr} is taken (another sidecar?)" for field, addr in taken)
+                + " (set another port in the config, or 0 for any free port)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 1
     return 0
+
+
+def taken_addresses(config: SidecarConfig) -> list[tuple[str, str]]:
+    """The configured TCP listen addresses that something else holds: ``(field, address)``.
+
+    Asked after a failed start, so that the error names the port rather than grpc's "Failed to bind"."""
+    out = []
+    for field, value in (
+        ("engine_listen", config.engine_address),
+        ("admin_listen", config.admin_listen),
+        ("metrics_listen", config.metrics_listen),
+    ):
+        addr = parse_address(value, field=field) if value else ""
+        if isinstance(addr, str) or addr[1] == 0:  # a Unix socket, none, or any free port
+            continue
+        host, port = addr
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    out.append((field, value))
+    return out
 
 
 if __name__ == "__main__":

@@ -320,6 +320,9 @@ class Sidecar:
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             # Streams per connection; engines use one each, a flood of them is refused by gRPC.
             ("grpc.max_concurrent_streams", 256),
+            # grpc sets SO_REUSEPORT by default: a second sidecar on a taken port would share it
+            # silently (and steal half the connections) instead of failing to start.
+            ("grpc.so_reuseport", 0),
         ]
         engine_name = pb.DESCRIPTOR.services_by_name["EngineService"].full_name
         admin_name = pb.DESCRIPTOR.services_by_name["AdminService"].full_name

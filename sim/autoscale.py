@@ -273,11 +273,17 @@ def plot(series: Sequence[tuple[str, FleetSeries]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-    for label, s in series:
-        axes[0].step(s.t_s, s.replicas, where="post", label=f"{label}: pods")
-        axes[0].step(s.t_s, s.ready, where="post", linestyle=":", label=f"{label}: ready")
-        axes[1].plot(s.t_s, s.queue_wait_s, label=label)
-        axes[2].plot(s.t_s, s.p99_e2e_s, label=label)
+    # One colour and line style per start (cold, warm) on every panel, so the two never blur together.
+    looks = {"cold": ("tab:blue", "-"), "warm": ("tab:orange", "--")}
+    for i, (label, s) in enumerate(series):
+        color, style = looks.get(label, (f"C{i + 2}", "-."))
+        kw = {"color": color, "linestyle": style, "linewidth": 1.6}
+        axes[0].step(s.t_s, s.replicas, where="post", label=f"{label}: pods", **kw)
+        axes[0].step(
+            s.t_s, s.ready, where="post", color=color, linestyle=":", linewidth=1.0, label=f"{label}: ready"
+        )
+        axes[1].plot(s.t_s, s.queue_wait_s, label=label, **kw)
+        axes[2].plot(s.t_s, s.p99_e2e_s, label=label, **kw)
     axes[0].set_ylabel("replicas")
     axes[1].set_ylabel("queue wait (s)")
     axes[2].set_ylabel("p99 e2e, 60 s (s)")
@@ -285,7 +291,7 @@ def plot(series: Sequence[tuple[str, FleetSeries]], path: str) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Load triples: HPA on speccontrol_queue_wait_seconds, warm vs cold replicas")
+    fig.suptitle("Load triples: HPA on queue wait and slot utilisation, warm vs cold replicas")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -78,6 +78,15 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
     except (ValueError, OSError) as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return 2
+    if args.out:
+        try:
+            import matplotlib  # noqa: F401  (checked before the run, not after it)
+        except ImportError:
+            print(
+                "--out: the plot needs matplotlib (pip install 'speccontrol[sim]'), or use --json",
+                file=sys.stderr,
+            )
+            return 2
     print("measuring one replica: cold and warm replays of the policy ...", file=sys.stderr)
     replica = measure_replica(
         policy=policy, profile=profile, engine=ENGINES[args.engine], concurrency=args.concurrency

@@ -1,7 +1,9 @@
 """``controllerctl sim ...``, ``profile fit`` and ``trace ...`` (registered into the controller's CLI).
 
-Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file), a non-zero exit
-and no traceback; nothing is written when the input is bad.
+Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file) and no
+traceback; exit 2 for usage and input errors (bad flags, an invalid trace, policy or profile), exit 1
+for runtime errors (a run that fails, a server that cannot be reached), as in ``controllerctl``.
+Nothing is written when the input is bad, and a run that needs matplotlib checks for it first.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from sim.prices import Prices
     from sim.progress import ProgressBar
 
-EXIT_INVALID = 1
+EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 
 
@@ -72,6 +74,16 @@ def _concurrency(text: str) -> list[int]:
     if not levels or any(c < 1 or c > 4096 for c in levels):
         raise _UsageError(f"--concurrency: levels must be 1..4096, got {text!r}")
     return sorted(set(levels))
+
+
+def _need_matplotlib(flag: str) -> None:
+    """Before a long run whose report needs plots: fail now, not after the run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise _UsageError(
+            f"{flag}: the report's plots need matplotlib (pip install 'speccontrol[sim]'), or use --json"
+        ) from None
 
 
 def _scenario(name: str, args: argparse.Namespace) -> Trace:
@@ -158,12 +170,14 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
                 )
         executor = make_executor(args.executor, jobs=args.jobs, address=args.address) if compare else None
         prices = load_prices()
+        if args.out:
+            _need_matplotlib("--out")
     except (TraceError, PolicyError, ProfileError, _UsageError) as e:
         _err(str(e))
-        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+        return EXIT_USAGE
     except ExecutorError as e:
         _err(str(e))
-        return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_INVALID
+        return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_RUNTIME
     cells = [
         _Cell(
             trace=t,
@@ -207,7 +221,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
                 bar.close()
     except (ValueError, ExecutorError) as e:
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_RUNTIME
     hashseed = os.environ.get("PYTHONHASHSEED")
     command = (
         (f"PYTHONHASHSEED={hashseed} " if hashseed else "")
@@ -224,7 +238,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
                 print(f"wrote {', '.join(str(p) for p in paths)}")
         except ImportError as e:
             _err(f"--out: plots need matplotlib (pip install 'speccontrol[sim]'): {e}")
-            return EXIT_INVALID
+            return EXIT_USAGE
     if args.json:
         if many:
             Path(args.json).write_text(json.dumps(_sweep_json(cmps), indent=2) + "\n", encoding="utf-8")
@@ -278,10 +292,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         executor = make_executor(args.executor, jobs=args.jobs, address=args.address)
     except (TraceError, PolicyError, ProfileError, _UsageError, ValueError) as e:
         _err(str(e))
-        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+        return EXIT_USAGE
     except ExecutorError as e:
         _err(str(e))
-        return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_INVALID
+        return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_RUNTIME
     progress = (lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else None
     try:
         cands = tune(
@@ -297,13 +311,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
     except (ValueError, ExecutorError) as e:
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_RUNTIME
     print(table(cands))
     if args.out:
-        from policies.spec import render_policy
+        from sim.tune import render_tuned
 
-        Path(args.out).write_text(render_policy(cands[0].spec), encoding="utf-8")
-        print(f"wrote {args.out}")
+        Path(args.out).write_text(render_tuned(cands[0]), encoding="utf-8")
+        print(f"wrote {args.out} (policy {cands[0].spec.name}-tuned)")
     return 0
 
 
@@ -339,17 +353,17 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
         parse_profile(yaml.safe_load(text), source=args.out)  # what is written loads
     except (StepLogError, FitError, ProfileError, _UsageError) as e:
         _err(str(e))
-        return EXIT_USAGE if isinstance(e, _UsageError) else EXIT_INVALID
+        return EXIT_USAGE
     try:
         Path(args.out).write_text(text, encoding="utf-8")
         if args.plot:
             residual_plot(fit, Path(args.plot))
     except ImportError as e:
         _err(f"--plot: needs matplotlib (pip install 'speccontrol[sim]'): {e}")
-        return EXIT_INVALID
+        return EXIT_USAGE
     except OSError as e:
         _err(f"{args.out}: {e}")
-        return EXIT_INVALID
+        return EXIT_RUNTIME
     if args.json:
         print(json.dumps({"profile": args.out, **fit.summary()}, indent=2))
         return 0
@@ -393,7 +407,7 @@ def cmd_trace_validate(args: argparse.Namespace) -> int:
             bad += 1
         else:
             print(f"{f}: ok")
-    return EXIT_INVALID if bad else 0
+    return EXIT_USAGE if bad else 0
 
 
 def cmd_trace_generate(args: argparse.Namespace) -> int:
@@ -424,9 +438,12 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
             tr = import_token_ids(args.tokens, min_n=args.min_n, max_n=args.max_n, max_k=args.max_k)
         else:
             tr = import_vllm_metrics(args.file, method=Method(args.method))
+    except UnicodeDecodeError:  # before ValueError, which it is
+        _err(f"{args.tokens or args.file}: not UTF-8 text (expected JSON Lines)")
+        return EXIT_USAGE
     except ValueError as e:  # TraceError too: FILE:LINE: field: message
         _err(str(e))
-        return EXIT_INVALID if isinstance(e, TraceError) else EXIT_USAGE
+        return EXIT_USAGE
     write_trace(tr, args.out)
     if args.tokens is not None:
         assert tr.ngram_proposal is not None
@@ -452,7 +469,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts, default_class=args.traffic_class, max_tokens=args.max_tokens)
     except TraceError as e:
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_USAGE
     bar = ProgressBar(total=len(prompts), label="recording")
     try:
         tr, failures, responses = record_trace(
@@ -466,7 +483,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         )
     except TraceError as e:
         _err(str(e))
-        return EXIT_INVALID
+        return EXIT_RUNTIME
     finally:
         bar.close()
     write_trace(tr, args.out)

@@ -199,8 +199,16 @@ def plot_all(cmp: Comparison, out_dir: Path) -> list[str]:
             if r is None:
                 continue
             _arm_axes(axes[2 * i][0], axes[2 * i + 1][0], r, e.label)
+            for t_b, name in phase_boundaries(r):
+                for ax in (axes[2 * i][0], axes[2 * i + 1][0]):
+                    ax.axvline(t_b, color="grey", linestyle="--", linewidth=0.8)
+                axes[2 * i][0].annotate(
+                    name, (t_b, 1.0), xycoords=("data", "axes fraction"), fontsize=7, va="bottom", ha="left"
+                )
         axes[-1][0].set_xlabel("virtual time (s)")
-        fig.suptitle(f"Arm and acceptance over time, concurrency {c_mid}")
+        fig.suptitle(
+            f"Arm and acceptance over time, concurrency {c_mid} (dashed: starts of the per-phase oracle's quarters)"
+        )
         fig.tight_layout()
         name = "arms_over_time.png"
         fig.savefig(out_dir / name, dpi=90)
@@ -209,15 +217,18 @@ def plot_all(cmp: Comparison, out_dir: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for e in cmp.entries:
-        cs = sorted(e.runs)
+        cs = sorted(c for c in e.runs if c in cmp.no_spec)
         if len(cs) < 2:
             continue
         style = "--" if e.kind == "static" else (":" if e.kind == "oracle" else "-")
-        ax.plot(cs, [e.runs[c].throughput for c in cs], style, marker="o", label=e.label)
+        ratios = [e.runs[c].throughput / cmp.no_spec[c].throughput for c in cs]
+        ax.plot(cs, ratios, style, marker="o", label=e.label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("Throughput vs concurrency")
+    ax.set_xticks(cmp.concurrency, [str(c) for c in cmp.concurrency])
+    ax.set_xlabel("concurrency (log2)")
+    ax.set_ylabel("throughput / no speculation")
+    ax.set_title("Throughput as a ratio to no speculation vs concurrency")
     ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -247,6 +258,15 @@ def plot_all(cmp: Comparison, out_dir: Path) -> list[str]:
     plt.close(fig)
     names.append(name)
     return names
+
+
+def phase_boundaries(r: RunResult, parts: int = 4) -> list[tuple[float, str]]:
+    """Where each quarter of the trace (the per-phase oracle's phases, by request order) starts: the
+    submit time of its first request in this run."""
+    n = len(r.submit_s)
+    return [
+        (float(r.submit_s[i * n // parts]), f"phase {i + 1}/{parts}") for i in range(1, parts) if n >= parts
+    ]
 
 
 def _arm_axes(ax_arm: Any, ax_acc: Any, r: RunResult, label: str) -> None:

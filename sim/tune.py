@@ -2,7 +2,8 @@
 
 Each candidate replays every (trace, concurrency) on the engine model; its score is the geometric mean
 of its throughput over the best static arm that engine can play on the same trace and concurrency.
-The table goes to stdout; the winning policy is written as YAML (``--out``).
+The table goes to stdout; the winning policy is written as YAML (``--out``) under a new name
+(``<name>-tuned``) with the values it won with in its description, integers written as integers.
 
 Every (candidate or static baseline, trace, concurrency) replay is one job on an executor
 (``sim.executor``: a local process pool or Ray); jobs are seeded and pure, so the result is the same on
@@ -137,6 +138,30 @@ def tune(
 
 def _cell(traces: Sequence[Trace], cell: tuple[int, int]) -> str:
     return f"{traces[cell[0]].name} at concurrency {cell[1]}"
+
+
+def render_tuned(cand: Candidate) -> str:
+    """The candidate as a policy document: renamed ``<name>-tuned``, its grid values in the description,
+    integral numbers written as integers (``min_run: 3``, not ``3.0``). It parses back to the same policy."""
+    import yaml
+
+    spec = cand.spec
+    chosen = ", ".join(f"{k}={v:g}" for k, v in cand.values.items())
+    name = f"{spec.name[:122]}-tuned"
+    described = f"{spec.description} Tuned by controllerctl sim tune: {chosen}.".strip()
+    doc = yaml.safe_load(render_policy(replace(spec, name=name, description=described)))
+    text: str = yaml.safe_dump(_integral(doc), sort_keys=False)
+    return text
+
+
+def _integral(doc: Any) -> Any:
+    if isinstance(doc, dict):
+        return {k: _integral(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_integral(v) for v in doc]
+    if isinstance(doc, float) and doc.is_integer() and abs(doc) < 2**53:
+        return int(doc)
+    return doc
 
 
 def table(cands: Sequence[Candidate]) -> str:

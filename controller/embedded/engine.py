@@ -136,10 +136,15 @@ class EmbeddedEngine:
             self._task = asyncio.create_task(self.run(), name=f"engine-{self.settings.engine_id}")
 
     async def wait(self) -> None:
-        """Until the traffic schedule has run out (or the engine was stopped)."""
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Until the traffic schedule has run out (or the engine was stopped).
+
+        A cancellation of the caller propagates (Ctrl-C must stop the demo); only the engine's own
+        cancellation (``stop``) ends the wait quietly."""
+        task = self._task
+        if task is not None:
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
 
     async def stop(self) -> None:
         if self._task is not None:

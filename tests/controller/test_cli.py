@@ -1,9 +1,13 @@
+import json
 import socket
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from controller.cli import build_parser, main
+from controller.cli import _dump, build_parser, main
+from controller.v1 import controller_pb2 as pb
 
 BROKEN = """apiVersion: speccontrol/v1
 kind: Policy
@@ -149,3 +153,30 @@ def test_serve_with_an_unreadable_mqtt_password_file(
     err = capsys.readouterr().err
     assert "mqtt_password_file: cannot read" in err and err.count("\n") == 1
     assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
+# -- --json numbers ----------------------------------------------------------------------------------
+
+
+U64 = st.integers(min_value=0, max_value=2**64 - 1)
+
+
+@given(revision=U64, version=U64, steps=st.lists(U64, max_size=5))
+def test_json_int64_fields_are_numbers_at_every_size(revision: int, version: int, steps: list[int]) -> None:
+    status = pb.Status(
+        policy=pb.PolicyInfo(name="p", revision=revision),
+        engines=[
+            pb.EngineStatus(engine_id=f"e{i}", steps=s, directive_version=version)
+            for i, s in enumerate(steps)
+        ],
+    )
+    doc = _dump(status)
+    assert doc["policy"]["revision"] == revision and isinstance(doc["policy"]["revision"], int)
+    assert [e["steps"] for e in doc["engines"]] == steps
+    assert all(e["directive_version"] == version for e in doc["engines"])
+    assert json.loads(json.dumps(doc)) == doc  # plain JSON, numbers unquoted
+
+
+def test_json_keeps_strings_strings() -> None:
+    doc = _dump(pb.PolicyInfo(name="123", revision=7))
+    assert doc["name"] == "123" and doc["revision"] == 7

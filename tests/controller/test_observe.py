@@ -5,8 +5,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from controller.observe import VllmCounters, observation_between, parse_metrics
+from controller.observe import ObserverSettings, VllmCounters, observation_between, parse_metrics
 from policies.arms import Method
 
 CAPTURE = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
@@ -49,3 +51,35 @@ def test_nothing_verified_or_a_counter_reset_gives_nothing() -> None:
 def test_garbage_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="not Prometheus text"):
         parse_metrics("vllm:x{ 1 2 3", time_s=0.0)
+
+
+@given(
+    base=st.floats(min_value=0.001, max_value=10),
+    cap=st.floats(min_value=10, max_value=3600),
+    failures=st.lists(st.integers(min_value=1, max_value=10_000), min_size=2, max_size=20),
+)
+def test_backoff_doubles_and_is_capped(base: float, cap: float, failures: list[int]) -> None:
+    s = ObserverSettings(
+        metrics_url="http://127.0.0.1:1/metrics", engine_target="127.0.0.1:1", engine_id="e", backoff_s=base,
+        backoff_max_s=cap,
+    )  # fmt: skip
+    delays = [s.backoff(n) for n in sorted(failures)]
+    assert delays == sorted(delays) and all(base <= d <= cap for d in delays)
+    assert s.backoff(1) == base and s.backoff(2) == min(cap, 2 * base)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("metrics_url", "vllm:8000/metrics", "metrics_url"),
+        ("max_k", 0, "max_k"),
+        ("interval_s", float("nan"), "interval_s"),
+        ("retries", -1, "retries"),
+        ("backoff_s", 0.0, "backoff"),
+    ],
+)
+def test_bad_settings_name_the_field(field: str, value: object, says: str) -> None:
+    opts: dict[str, object] = {"metrics_url": "http://h:1/metrics", "engine_target": "h:1", "engine_id": "e"}
+    opts[field] = value
+    with pytest.raises(ValueError, match=says):
+        ObserverSettings(**opts)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from controller.config import parse_address, parse_config
 from controller.fleet import FleetMetrics
 from controller.metrics import SidecarMetrics
 from controller.v1 import controller_pb2 as pb
+from sim.autoscale import HpaSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -150,6 +151,192 @@ def test_hpa_targets_the_metric_the_adapter_serves() -> None:
     assert hpa["spec"]["minReplicas"] >= 1
 
 
+# -- the autoscalers match the simulator ---------------------------------------------------------
+
+
+def keda_params() -> dict[str, str]:
+    doc = yaml.safe_load((DEPLOY / "overlays/keda/params.yaml").read_text())
+    data: dict[str, str] = doc["data"]
+    return data
+
+
+def max_num_seqs(docs: list[dict[str, Any]]) -> int:
+    engine = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    (flag,) = [a for a in engine["args"] if a.startswith("--max-num-seqs=")]
+    return int(flag.split("=", 1)[1])
+
+
+def _divisor(query: str) -> int:
+    m = re.search(r"\)\s*/\s*(\d+)\s*'?$", query.strip())
+    assert m, f"no slot divisor in {query!r}"
+    return int(m.group(1))
+
+
+def test_keda_scales_on_the_simulators_two_signals() -> None:
+    docs = render("overlays/keda")
+    so = one(docs, "ScaledObject")
+    assert not [
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "speccontrol-autoscaling"
+    ]
+    triggers = {t["name"]: t for t in so["spec"]["triggers"]}
+    assert set(triggers) == {"queue-wait", "slot-utilisation"}
+    params = keda_params()
+    hpa = HpaSettings()
+    assert triggers["queue-wait"]["metadata"]["query"] == params["queueWaitQuery"]
+    assert float(triggers["queue-wait"]["metadata"]["threshold"]) == hpa.target_queue_wait_s
+    assert "speccontrol:queue_wait_seconds:max" in params["queueWaitQuery"]
+    util = triggers["slot-utilisation"]["metadata"]
+    assert util["query"] == params["utilisationQuery"] and "vllm:num_requests_running" in util["query"]
+    assert hpa.target_utilisation is not None and float(util["threshold"]) == hpa.target_utilisation
+    assert _divisor(util["query"]) == max_num_seqs(docs)
+    for t in triggers.values():
+        # AverageValue of a sum over pods: desired = ceil(sum / target) = ceil(current * mean / target),
+        # the ratio rule sim/autoscale.py applies.
+        assert t["metricType"] == "AverageValue" and t["metadata"]["query"].startswith("sum(")
+        assert t["metadata"]["serverAddress"] == params["serverAddress"]
+        assert "PARAM" not in json.dumps(t)
+
+
+def test_keda_params_are_the_only_place_to_edit(tmp_path: Path) -> None:
+    """An overlay that changes params.yaml changes the rendered triggers (nothing else hard-codes them)."""
+    overlay = tmp_path / "mine"
+    shutil.copytree(DEPLOY / "overlays" / "keda", overlay)
+    rel = os.path.relpath(DEPLOY / "base", overlay)
+    kust = (overlay / "kustomization.yaml").read_text().replace("../../base", rel)
+    (overlay / "kustomization.yaml").write_text(kust)
+    params = yaml.safe_load((overlay / "params.yaml").read_text())
+    params["data"]["queueWaitQuery"] = 'avg(speccontrol:queue_wait_seconds:max{namespace="llm"})'
+    params["data"]["utilisationThreshold"] = "0.7"
+    (overlay / "params.yaml").write_text(yaml.safe_dump(params))
+    out = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    so = one([d for d in yaml.safe_load_all(out.stdout) if d], "ScaledObject")
+    triggers = {t["name"]: t["metadata"] for t in so["spec"]["triggers"]}
+    assert triggers["queue-wait"]["query"] == 'avg(speccontrol:queue_wait_seconds:max{namespace="llm"})'
+    assert triggers["slot-utilisation"]["threshold"] == "0.7"
+
+
+def test_hpa_scales_on_the_simulators_two_signals() -> None:
+    docs = render("overlays/hpa")
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    targets = {
+        m["pods"]["metric"]["name"]: float(m["pods"]["target"]["averageValue"].removesuffix("m")) / 1000
+        for m in hpa["spec"]["metrics"]
+    }
+    sim = HpaSettings()
+    assert targets == {
+        "speccontrol_queue_wait_seconds": sim.target_queue_wait_s,
+        "vllm_slot_utilisation": sim.target_utilisation,
+    }
+    values = yaml.safe_load((DEPLOY / "overlays/hpa/prometheus-adapter-values.yaml").read_text())
+    (util,) = [r for r in values["rules"]["custom"] if r["name"]["as"] == "vllm_slot_utilisation"]
+    assert "vllm:num_requests_running" in util["seriesQuery"]
+    assert _divisor(util["metricsQuery"]) == max_num_seqs(docs)
+
+
+def test_monitoring_labels_are_configurable(tmp_path: Path) -> None:
+    base = render("base")
+    for kind in ("PodMonitor", "PrometheusRule"):
+        for d in (d for d in base if d["kind"] == kind):
+            assert d["metadata"]["labels"]["release"] == "prometheus"
+    # An overlay sets the label its Prometheus selects by, for the monitoring objects only.
+    overlay = tmp_path / "mine"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(DEPLOY / "base", overlay)],
+                "labels": [
+                    {
+                        "pairs": {"release": "kps"},
+                        "fields": [
+                            {"kind": k, "path": "metadata/labels", "create": True}
+                            for k in ("PodMonitor", "PrometheusRule")
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    out = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for d in docs:
+        labels = d["metadata"].get("labels", {})
+        if d["kind"] in ("PodMonitor", "PrometheusRule"):
+            assert labels["release"] == "kps"
+        else:
+            assert "release" not in labels
+
+
+def with_component(tmp_path: Path, component: str) -> list[dict[str, Any]]:
+    """The base with one of deploy/components, rendered as a user's overlay would."""
+    overlay = tmp_path / component
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(DEPLOY / "base", overlay)],
+                "components": [os.path.relpath(DEPLOY / "components" / component, overlay)],
+            }
+        )
+    )
+    out = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_observe_only_component_leaves_vllm_alone_and_feeds_the_sidecar(tmp_path: Path) -> None:
+    from controller.cli import build_parser
+    from controller.vllm.settings import enabled
+
+    docs = with_component(tmp_path, "observe-only")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    engine, observer = pod["containers"]
+    assert not enabled({e["name"]: e.get("value") or "" for e in engine["env"]})  # the plugin is inert
+    args = build_parser().parse_args([*observer["command"][1:], *observer["args"]])
+    assert args.func.__name__ == "cmd_observe"
+    spec = json.loads(
+        next(a for a in engine["args"] if a.startswith("--speculative-config=")).split("=", 1)[1]
+    )
+    assert (args.method, args.max_k) == (spec["method"], spec["num_speculative_tokens"])
+    port = next(p["containerPort"] for p in engine["ports"] if p["name"] == "http")
+    assert args.metrics_url == f"http://127.0.0.1:{port}/metrics"
+    cfg = parse_config(one(docs, "ConfigMap")["data"]["sidecar.yaml"])
+    assert args.sidecar == cfg.engine_listen
+    assert any(m["mountPath"] == "/run/speccontrol" for m in observer["volumeMounts"])
+    assert args.engine_id == "$(POD_NAME)" and observer["env"][0]["name"] == "POD_NAME"
+
+
+def test_composite_component_sets_what_per_request_drafting_needs(tmp_path: Path) -> None:
+    docs = with_component(tmp_path, "composite")
+    engine = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    # Synchronous scheduling and the V1 runner: otherwise the plugin falls back to the K table only.
+    assert "--no-async-scheduling" in engine["args"] and env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert env["SPECCONTROL_PLUGIN"] == "1"
+    base_engine = one(render("base"), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--no-async-scheduling" not in base_engine["args"]
+
+
+def test_pods_run_the_images_built_here() -> None:
+    pod = one(render("base"), "Deployment")["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    assert sidecar["image"].split(":")[0].endswith("speccontrol-sidecar")
+    assert engine["image"].split(":")[0].endswith("speccontrol-vllm")
+    vllm_base = (DEPLOY / "images/vllm/Dockerfile").read_text().split("\nFROM ", 1)[1].split()[0]
+    # speccontrol-vllm:<vLLM version>-<speccontrol version>, built FROM vllm/vllm-openai:v<vLLM version>.
+    assert vllm_base == "vllm/vllm-openai:v" + engine["image"].split(":")[1].split("-")[0]
+    # The sidecar image runs as the user the pod's securityContext names.
+    assert "USER 1000:1000" in (DEPLOY / "images/sidecar/Dockerfile").read_text()
+    assert sidecar["securityContext"]["runAsUser"] == 1000
+
+
 def test_pod_wiring() -> None:
     docs = render("base")
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
@@ -173,7 +360,8 @@ def test_pod_wiring() -> None:
         for m in engine["volumeMounts"]
     )
     env = {e["name"]: e.get("value") for e in engine["env"]}
-    assert "speccontrol" in env["VLLM_PLUGINS"].split(",")
+    # SPECCONTROL_PLUGIN, not VLLM_PLUGINS (a VLLM_PLUGINS list disables every plugin it leaves out).
+    assert env["SPECCONTROL_PLUGIN"] == "1" and "VLLM_PLUGINS" not in env
     assert env["SPECCONTROL_SIDECAR"] == cfg.engine_listen
     # Probes use the sidecar's gRPC health service on its admin port.
     admin = parse_address(cfg.admin_listen, field="admin_listen")
@@ -189,9 +377,17 @@ def test_pod_wiring() -> None:
         for ep in pm["spec"]["podMetricsEndpoints"]:
             assert ep["port"] in ports
         assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels(docs).items()
-    svc = one(docs, "Service")
-    assert svc["spec"]["selector"].items() <= pod_labels(docs).items()
-    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports.keys()
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        assert svc["spec"]["selector"].items() <= pod_labels(docs).items()
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports.keys()
+    # The API is load-balanced; the admin port is not (each pod's sidecar has its own state): it is
+    # reachable per pod through a headless Service.
+    api = one(docs, "Service", "vllm")
+    assert api.get("spec", {}).get("clusterIP") != "None"
+    assert {p["targetPort"] for p in api["spec"]["ports"]} == {"http"}
+    admin_svc = one(docs, "Service", "vllm-admin")
+    assert admin_svc["spec"]["clusterIP"] == "None"
+    assert {p["targetPort"] for p in admin_svc["spec"]["ports"]} == {"admin"}
 
 
 def pod_labels(docs: list[dict[str, Any]]) -> dict[str, str]:
@@ -289,8 +485,7 @@ def used_names() -> dict[str, set[str]]:
     exprs += [a["expr"] for a in dash["annotations"]["list"]]
     exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
     uses["dashboard"] = {m for e in exprs for m in _METRIC.findall(e)}
-    keda = yaml.safe_load((DEPLOY / "overlays/keda/scaledobject.yaml").read_text())
-    uses["keda"] = {m for t in keda["spec"]["triggers"] for m in _METRIC.findall(t["metadata"]["query"])}
+    uses["keda"] = {m for q in keda_params().values() for m in _METRIC.findall(q)}
     adapter = (DEPLOY / "overlays/hpa/prometheus-adapter-values.yaml").read_text()
     uses["adapter"] = set(_METRIC.findall(adapter))
     return uses

@@ -1,6 +1,7 @@
 """The observe-only adapter: a vLLM /metrics endpoint (served over real HTTP) fed to a real sidecar."""
 
 import asyncio
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,7 +12,7 @@ import pytest
 
 from controller.cli import _engine_rows
 from controller.config import SidecarConfig
-from controller.observe import ObserverSettings, run_observer
+from controller.observe import ObserverError, ObserverSettings, run_observer
 from controller.sidecar import Sidecar
 from policies.arms import Method
 from policies.directive import Directive
@@ -45,18 +46,21 @@ class Counters:
         return "\n".join(["# TYPE vllm:spec_decode_num_drafts_total counter", *lines]) + "\n"
 
 
-@pytest.fixture
-def metrics_url() -> Iterator[str]:
-    counters = Counters()
+def _serve(counters: Counters, *, fail_first: int = 0, body: str | None = None) -> Iterator[str]:
+    calls = [0]
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = counters.text().encode()
+            calls[0] += 1
+            if calls[0] <= fail_first:
+                self.send_error(503, "warming up")
+                return
+            data = (body if body is not None else counters.text()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(data)
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -65,6 +69,11 @@ def metrics_url() -> Iterator[str]:
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}/metrics"
     srv.shutdown()
+
+
+@pytest.fixture
+def metrics_url() -> Iterator[str]:
+    yield from _serve(Counters())
 
 
 async def test_observer_feeds_the_sidecar_which_recommends(metrics_url: str, tmp_path: Path) -> None:
@@ -91,7 +100,7 @@ async def test_observer_feeds_the_sidecar_which_recommends(metrics_url: str, tmp
     try:
         for _ in range(400):
             st = sidecar.engines().get("plain-vllm")
-            if st is not None and st.loop.totals.steps >= 50:
+            if st is not None and st.loop.totals.steps >= 50 and got:
                 break
             await asyncio.sleep(0.02)
         st = sidecar.engines()["plain-vllm"]
@@ -113,3 +122,103 @@ async def test_observer_feeds_the_sidecar_which_recommends(metrics_url: str, tmp
         sent = await asyncio.wait_for(task, 10)
         await sidecar.stop(snapshot=False)
     assert sent >= 2
+
+
+# -- unreachable /metrics or sidecar: retries with backoff, clear messages, no recommendation without data
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def sidecar(tmp_path: Path) -> Any:
+    sc = Sidecar(
+        config=SidecarConfig(
+            engine_listen="127.0.0.1:0",
+            admin_listen="127.0.0.1:0",
+            metrics_listen="",
+            state_dir=str(tmp_path),
+        )
+    )
+    await sc.start()
+    yield sc
+    await sc.stop(snapshot=False)
+
+
+def _settings(metrics: str, target: str, **kw: Any) -> ObserverSettings:
+    opts: dict[str, Any] = {"interval_s": 0.05, "retries": 3, "backoff_s": 0.01, "backoff_max_s": 0.04}
+    opts.update(kw)
+    return ObserverSettings(metrics_url=metrics, engine_target=target, engine_id="plain-vllm", **opts)
+
+
+async def test_unreachable_metrics_retries_with_backoff_then_gives_up(sidecar: Sidecar) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/metrics"
+    said: list[str] = []
+    got: list[Directive] = []
+    with pytest.raises(ObserverError, match=r"cannot read http://127\.0\.0\.1:\d+/metrics .*gave up after 4"):
+        await asyncio.wait_for(
+            run_observer(
+                _settings(url, sidecar.engine_target), on_status=said.append, on_directive=got.append
+            ),
+            30,
+        )
+    retries = [m for m in said if m.startswith(f"cannot read {url}")]
+    assert [m.rsplit(" in ", 1)[1] for m in retries] == ["0.01 s", "0.02 s", "0.04 s"]  # doubling, capped
+    assert all("refused" in m for m in retries), retries
+    assert got == []  # no data: no recommendation
+
+
+async def test_unreachable_sidecar_retries_then_gives_up(metrics_url: str) -> None:
+    target = f"127.0.0.1:{_closed_port()}"
+    said: list[str] = []
+    with pytest.raises(ObserverError, match=f"cannot reach the sidecar at {target} .*gave up after 4"):
+        await asyncio.wait_for(run_observer(_settings(metrics_url, target), on_status=said.append), 60)
+    assert len([m for m in said if m.startswith(f"sidecar at {target} unreachable")]) == 3
+
+
+async def test_metrics_that_come_back_are_read_again(sidecar: Sidecar) -> None:
+    said: list[str] = []
+    stop = asyncio.Event()
+    for url in _serve(Counters(), fail_first=2):
+        task = asyncio.create_task(
+            run_observer(_settings(url, sidecar.engine_target), on_status=said.append, stop=stop)
+        )
+        for _ in range(500):
+            if sidecar.engines().get("plain-vllm") and sidecar.engines()["plain-vllm"].loop.totals.steps:
+                break
+            await asyncio.sleep(0.02)
+        stop.set()
+        sent = await asyncio.wait_for(task, 10)
+    assert sent >= 1
+    assert any("HTTP Error 503" in m or "warming up" in m for m in said), said
+    assert f"reading {url} again" in said
+
+
+async def test_no_spec_counters_no_recommendation(sidecar: Sidecar) -> None:
+    said: list[str] = []
+    got: list[Directive] = []
+    stop = asyncio.Event()
+    plain = 'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+    for url in _serve(Counters(), body=plain):
+        task = asyncio.create_task(
+            run_observer(
+                _settings(url, sidecar.engine_target),
+                on_status=said.append,
+                on_directive=got.append,
+                stop=stop,
+            )
+        )
+        for _ in range(500):  # attached, and several scrapes done
+            st = sidecar.engines().get("plain-vllm")
+            if st is not None and said:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        stop.set()
+        sent = await asyncio.wait_for(task, 10)
+    assert sent == 0 and got == []
+    (msg,) = said  # said once, not every interval
+    assert "no speculative decoding counters" in msg and "no recommendation without data" in msg

@@ -34,7 +34,7 @@ def test_trace_validate_reports_file_line_field(tmp_path: Path, capsys: pytest.C
         HEADER,
         {"id": "a", "output_tokens": 2, "acc": {"eagle3": [1, 0], "ngram": [0, "x"]}},
     )
-    assert main(["trace", "validate", str(p)]) == 1
+    assert main(["trace", "validate", str(p)]) == 2
     err = capsys.readouterr().err
     assert err == f"{p}:2: acc.ngram[1]: must be an integer 0..2147483647, got 'x'\n"
 
@@ -135,7 +135,7 @@ def test_bad_input_is_one_line_and_nothing_written(
 
 def test_bad_trace_on_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = write_lines(tmp_path / "t.jsonl", HEADER, '{"id": 3}')
-    assert main(["sim", "replay", "--trace", str(p), "--policy", "default"]) == 1
+    assert main(["sim", "replay", "--trace", str(p), "--policy", "default"]) == 2
     assert capsys.readouterr().err.startswith(f"{p}:2: id: ")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import demo_workload

@@ -57,6 +57,6 @@ def test_trace_import_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["trace", "import", str(src), "--out", str(out)]) == 0
     assert read_trace(out).n == 1
     src.write_text(json.dumps(CAPTURED) + "\n" + json.dumps(bad) + "\n")
-    assert main(["trace", "import", str(src), "--out", str(tmp_path / "no.jsonl")]) == 1
+    assert main(["trace", "import", str(src), "--out", str(tmp_path / "no.jsonl")]) == 2
     assert not (tmp_path / "no.jsonl").exists()
     assert capsys.readouterr().err.startswith(f"{src}:2: metrics.speculative_decoding: missing")

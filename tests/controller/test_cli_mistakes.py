@@ -1,0 +1,284 @@
+"""Plausible user mistakes against the real ``controllerctl`` (a subprocess): one line, no traceback.
+
+The contract (controller/cli.py, sim/cli.py): exit 2 for usage and input errors, 1 for runtime errors
+(unreachable sidecar, unwritable output), 130 for Ctrl-C; stderr never holds a Python traceback.
+MISTAKES lists each mistake with the exit code and what the message must name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CTL = str(Path(sys.executable).parent / "controllerctl")
+BINARY = bytes(range(256)) * 4  # not UTF-8, not YAML, not JSON
+
+
+def ctl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CTL, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
+    )
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def no_traceback(out: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr[-3000:]
+
+
+@dataclass(frozen=True)
+class Mistake:
+    name: str
+    argv: tuple[str, ...]
+    code: int
+    says: str  # a substring stderr must hold (FILE is replaced by the scratch file's path)
+
+
+def _mistakes() -> list[Mistake]:
+    closed = f"127.0.0.1:{_closed_port()}"
+    return [
+        Mistake("no command", (), 2, "usage:"),
+        Mistake("unknown command", ("frobnicate",), 2, "invalid choice"),
+        Mistake("unknown flag", ("status", "--jsn"), 2, "unrecognized arguments"),
+        Mistake("policy file is binary", ("policy", "validate", "FILE"), 2, "FILE"),
+        Mistake(
+            "policy file missing", ("policy", "validate", "/nonexistent/p.yaml"), 2, "/nonexistent/p.yaml"
+        ),
+        Mistake("unknown preset", ("policy", "set", "no-such-preset"), 2, "no-such-preset"),
+        Mistake(
+            "sidecar unreachable",
+            ("--admin", closed, "--timeout", "2", "status"),
+            1,
+            "cannot reach the sidecar",
+        ),
+        Mistake(
+            "sidecar unreachable, json", ("--admin", closed, "--timeout", "2", "engines", "--json"), 1, closed
+        ),
+        Mistake("demo --seconds nan", ("demo", "--seconds", "nan"), 2, "--seconds"),
+        Mistake("demo --seconds inf", ("demo", "--seconds", "inf"), 2, "--seconds"),
+        Mistake("demo --seconds -1", ("demo", "--seconds", "-1"), 2, "--seconds"),
+        Mistake("demo --seconds word", ("demo", "--seconds", "soon"), 2, "invalid float value"),
+        Mistake("sidecar config is binary", ("serve", "--config", "FILE"), 2, "FILE"),
+        Mistake("config validate binary", ("config", "validate", "FILE"), 2, "FILE"),
+        Mistake(
+            "config reference unwritable",
+            ("config", "reference", "--out", "/nonexistent/c.md"),
+            1,
+            "/nonexistent/c.md",
+        ),
+        Mistake("trace validate binary", ("trace", "validate", "FILE"), 2, "FILE"),
+        Mistake(
+            "replay a binary trace", ("sim", "replay", "--trace", "FILE", "--policy", "default"), 2, "FILE"
+        ),
+        Mistake(
+            "replay an unknown scenario",
+            ("sim", "replay", "--scenario", "nope", "--policy", "default"),
+            2,
+            "nope",
+        ),
+        Mistake(
+            "replay an unknown policy", ("sim", "replay", "--scenario", "chat", "--policy", "nope"), 2, "nope"
+        ),
+        Mistake(
+            "bad concurrency",
+            ("sim", "compare", "--scenario", "chat", "--concurrency", "0"),
+            2,
+            "--concurrency",
+        ),
+        Mistake(
+            "trace generate unwritable",
+            ("trace", "generate", "--scenario", "chat", "--requests", "3", "--out", "/nonexistent/t.jsonl"),
+            1,
+            "/nonexistent/t.jsonl",
+        ),
+        Mistake(
+            "trace import binary", ("trace", "import", "FILE", "--out", "/tmp/never-written.jsonl"), 2, "FILE"
+        ),
+        Mistake("autoscale unknown engine", ("sim", "autoscale", "--engine", "nope"), 2, "nope"),
+        Mistake(
+            "tune without a grid", ("sim", "tune", "--policy", "default", "--scenario", "chat"), 2, "--param"
+        ),
+        Mistake(
+            "observe a non-http URL",
+            ("observe", "--metrics-url", "ftp://x/metrics", "--sidecar", closed, "--engine-id", "e"),
+            2,
+            "metrics-url",
+        ),
+        Mistake(
+            "observe: /metrics unreachable",
+            (
+                "observe",
+                "--metrics-url",
+                f"http://127.0.0.1:{_closed_port()}/metrics",
+                "--sidecar",
+                closed,
+                "--engine-id",
+                "e",
+                "--retries",
+                "1",
+                "--interval",
+                "0.1",
+            ),
+            1,
+            "gave up after 2 attempts",
+        ),
+    ]
+
+
+MISTAKES = _mistakes()
+
+
+@pytest.mark.parametrize("m", MISTAKES, ids=[m.name for m in MISTAKES])
+def test_mistake(m: Mistake, tmp_path: Path) -> None:
+    scratch = tmp_path / "input.bin"
+    scratch.write_bytes(BINARY)
+    out = ctl(*(a.replace("FILE", str(scratch)) for a in m.argv))
+    no_traceback(out)
+    assert out.returncode == m.code, (out.returncode, out.stderr[-2000:])
+    assert m.says.replace("FILE", str(scratch)) in out.stderr, out.stderr[-2000:]
+    assert not Path("/tmp/never-written.jsonl").exists()
+
+
+def test_version() -> None:
+    out = ctl("--version")
+    assert out.returncode == 0 and out.stdout.startswith("controllerctl 0.")
+
+
+def test_a_closed_pipe_is_quiet() -> None:
+    # The reader is gone before controllerctl writes (`controllerctl ... | head -0`).
+    p = subprocess.Popen(
+        [CTL, "config", "reference"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_compare_checks_for_matplotlib_before_the_run(tmp_path: Path) -> None:
+    fake = tmp_path / "nompl" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('matplotlib is not installed here')\n")
+    env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    t0 = time.monotonic()
+    out = ctl("sim", "compare", "--scenario", "chat", "--out", str(tmp_path / "report"), env=env)
+    no_traceback(out)
+    assert out.returncode == 2 and "matplotlib" in out.stderr and "--json" in out.stderr
+    assert not (tmp_path / "report").exists()
+    # Nothing ran: no progress, no result (the check comes before the replay, not after it).
+    assert out.stdout == "" and time.monotonic() - t0 < 120
+
+
+def test_tune_writes_integers_as_integers_under_a_new_name(tmp_path: Path) -> None:
+    dest = tmp_path / "tuned.yaml"
+    out = ctl(
+        "sim", "tune", "--policy", "default", "--scenario", "chat", "--requests", "12",
+        "--concurrency", "1", "--param", "rule.min_run=2,3", "--out", str(dest), timeout=300,
+    )  # fmt: skip
+    no_traceback(out)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = dest.read_text()
+    doc = yaml.safe_load(text)
+    assert doc["metadata"]["name"] == "default-tuned"
+    assert "rule.min_run=" in doc["metadata"]["description"]
+    assert isinstance(doc["spec"]["rule"]["params"]["min_run"], int)
+    assert isinstance(doc["spec"]["algorithm"]["params"]["memory_steps"], int)
+    assert not any(line.rstrip().endswith(".0") for line in text.splitlines()), text
+    assert ctl("policy", "validate", str(dest)).returncode == 0
+
+
+# -- against a running sidecar ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[str]:
+    state = tmp_path / "state"
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(f"state_dir: {state}\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n")
+    p = subprocess.Popen(
+        [CTL, "serve", "--config", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    try:
+        endpoints = state / "endpoints.json"
+        for _ in range(300):  # bounded: 30 s
+            if endpoints.exists() or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert endpoints.exists(), p.stderr.read().decode() if p.stderr else ""
+        yield str(json.loads(endpoints.read_text())["admin"])
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+
+
+def test_policy_set_refuses_an_unknown_engine(sidecar: str) -> None:
+    out = ctl("--admin", sidecar, "policy", "set", "static-off", "--engine", "pod-typo")
+    no_traceback(out)
+    assert out.returncode == 2 and "no engine 'pod-typo' has attached" in out.stderr, out.stderr
+    # Nothing changed: the engine has no policy of its own.
+    listed = json.loads(ctl("--admin", sidecar, "policy", "list", "--json").stdout)
+    assert [p for p in listed["active"] if p["engine_id"]] == []
+
+
+def test_json_numbers_are_numbers(sidecar: str) -> None:
+    doc = json.loads(ctl("--admin", sidecar, "policy", "get", "--json").stdout)
+    assert isinstance(doc["revision"], int) and doc["revision"] >= 1
+    status = json.loads(ctl("--admin", sidecar, "status", "--json").stdout)
+    assert isinstance(status["uptime_s"], int | float) and isinstance(status["policy"]["revision"], int)
+
+
+def test_serve_names_the_port_that_is_taken(tmp_path: Path, sidecar: str) -> None:
+    cfg = tmp_path / "second.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'second'}\nadmin_listen: {sidecar}\nmetrics_listen: ''\n")
+    out = ctl("serve", "--config", str(cfg), timeout=60)
+    no_traceback(out)
+    assert out.returncode == 1
+    assert f"admin_listen {sidecar} is taken" in out.stderr, out.stderr
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_demo_stops_on_ctrl_c(presses: int) -> None:
+    p = subprocess.Popen(
+        [CTL, "demo", "--seconds", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert p.stdout is not None
+    try:
+        for _ in range(200):  # the demo is running once it prints its live lines (bounded)
+            line = p.stdout.readline()
+            if "t=" in line or not line:
+                break
+        for _ in range(presses):
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    # 130 (handled), or killed by the second SIGINT itself (the default action once interrupted).
+    assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-2000:])
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
