@@ -201,7 +201,7 @@ def test_a_bad_line_is_named_file_line_field_and_nothing_is_written(
     with path.open("a") as f:
         f.write(line + "\n")
     out = tmp_path / "p.yaml"
-    assert main(["profile", "fit", str(path), "--out", str(out)]) == 1
+    assert main(["profile", "fit", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{path}:51: ") and message in err and err.count("\n") == 1
     assert not out.exists()
@@ -212,7 +212,7 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     write_steps(path, synthetic(50, 1))
     assert main(["profile", "fit", str(path), "--out", str(tmp_path / "p.yaml"), "--level", "1.5"]) == 2
     assert "--level" in capsys.readouterr().err
-    assert main(["profile", "fit", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p.yaml")]) == 1
+    assert main(["profile", "fit", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
 

@@ -133,7 +133,7 @@ def test_bad_lines_are_file_line_errors(
     tmp_path: Path, row: dict[str, object], field: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     src = _write(tmp_path / "bad.jsonl", {"prompt_token_ids": [1], "output_token_ids": [2, 3]}, row)
-    assert main(["trace", "import", "--tokens", str(src), "--out", str(tmp_path / "o.jsonl")]) == 1
+    assert main(["trace", "import", "--tokens", str(src), "--out", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{src}:2: {field}: "), err
     assert not (tmp_path / "o.jsonl").exists()
