@@ -27,5 +27,7 @@ if [ ! -f "$STAMP" ]; then
 fi
 # The project itself (the plugin's entry point lives in its metadata): refreshed every run.
 "$VLLM_VENV/bin/pip" install -q --no-deps -e .
-"$VLLM_VENV/bin/pip" install -q grpcio protobuf numpy pyyaml prometheus-client >/dev/null
+# grpcio-health-checking: the sidecar the plugin benchmark starts with this Python; pytest and
+# hypothesis: the kernel tests run here too, compiled with the numba vLLM ships.
+"$VLLM_VENV/bin/pip" install -q grpcio grpcio-health-checking protobuf numpy pyyaml prometheus-client pytest hypothesis >/dev/null
 VLLM_VENV="$VLLM_VENV" SPECCONTROL_REQUIRE_VLLM=1 "$TEST_PY" -m pytest -q -p no:cacheprovider tests/e2e "$@"

@@ -15,6 +15,7 @@ from policies.arms import METHOD_CODES, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, KRange, PlanEntry
 from policies.engine import EngineInfo, Granularity
+from policies.jit import kernel
 from policies.rules import FastLoop
 
 _OFF = METHOD_CODES[Method.OFF]
@@ -109,33 +110,70 @@ class Controls:
         self._table_key, self._table = key, table
         return table
 
-    def plan(self, d: Directive, request_ids: Sequence[str], classes: Sequence[str], batch_size: int) -> Plan:
-        """The fast loop's choice for each request's next draft."""
-        methods, ks = self.fast.plan(d, request_ids, classes, batch_size, self.engine.max_k)
-        if not self.composite:
-            # Only the configured method (or nothing) can be drafted without the composite drafter.
-            methods = np.where(methods == _OFF, _OFF, self._method_code).astype(np.int8)
-        else:
-            allowed = (methods == _OFF) | (methods == _NGRAM) | (methods == self._method_code)
-            methods = np.where(allowed, methods, self._method_code).astype(np.int8)
-        ks = np.where(methods == _OFF, 0, ks).astype(np.int32)
-        methods = np.where(ks == 0, _OFF, methods).astype(np.int8)
+    def plan(
+        self,
+        d: Directive,
+        request_ids: Sequence[str],
+        classes: Sequence[str],
+        batch_size: int,
+        *,
+        slots: np.ndarray | None = None,
+    ) -> Plan:
+        """The fast loop's choice for each request's next draft (``slots``: the fast loop's, if known)."""
+        methods, ks = self.fast.plan(d, request_ids, classes, batch_size, self.engine.max_k, slots=slots)
+        _restrict(methods, ks, self._method_code, self.composite)
         return Plan(methods, ks)
 
     def choose_drafts(
         self,
         plan: Plan,
         configured: Sequence[Sequence[int]],
-        ngram: Sequence[np.ndarray | None],
+        ngram: Sequence[Sequence[int]],
+        ngram_len: np.ndarray,
     ) -> list[list[int]]:
-        """Per request: the configured drafter's draft, the n-gram draft or nothing, cut to its K."""
-        out: list[list[int]] = []
-        for j, (m, k) in enumerate(zip(plan.method.tolist(), plan.k.tolist(), strict=True)):
-            if m == _OFF or k <= 0:
-                out.append([])
-            elif m == _NGRAM and self.composite:
-                d = ngram[j]
-                out.append([] if d is None else d[:k].tolist())
-            else:
-                out.append(list(configured[j][:k]))
-        return out
+        """Per request: the configured drafter's draft, the n-gram draft (``ngram[j][:ngram_len[j]]``)
+        or nothing, cut to its K."""
+        src, n = _sources(plan.method, plan.k, np.asarray(ngram_len, dtype=np.int64), self.composite)
+        return [
+            (list(c[:k]) if s == _CONFIGURED else list(g[:k])) if s else []
+            for s, k, c, g in zip(src.tolist(), n.tolist(), configured, ngram, strict=True)
+        ]
+
+
+_NONE, _CONFIGURED, _NGRAM_DRAFT = 0, 1, 2
+
+
+@kernel
+def _restrict(methods: np.ndarray, ks: np.ndarray, configured: int, composite: bool) -> None:
+    """In place: only the configured method, n-gram (composite drafter) or nothing; K 0 is off."""
+    for j in range(len(methods)):
+        m = int(methods[j])
+        if not composite:
+            # Only the configured method (or nothing) can be drafted without the composite drafter.
+            m = _OFF if m == _OFF else configured
+        elif m != _OFF and m != _NGRAM and m != configured:
+            m = configured
+        k = 0 if m == _OFF else int(ks[j])
+        methods[j] = _OFF if k == 0 else m
+        ks[j] = k
+
+
+@kernel
+def _sources(
+    methods: np.ndarray, ks: np.ndarray, ngram_len: np.ndarray, composite: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, which draft it gets (none, configured, n-gram) and how many of its tokens."""
+    src = np.zeros(len(methods), dtype=np.int64)
+    n = np.zeros(len(methods), dtype=np.int64)
+    for j in range(len(methods)):
+        m = int(methods[j])
+        k = int(ks[j])
+        if m == _OFF or k <= 0:
+            continue
+        if m == _NGRAM and composite:
+            src[j] = _NGRAM_DRAFT
+            n[j] = min(k, int(ngram_len[j]))
+        else:
+            src[j] = _CONFIGURED
+            n[j] = k
+    return src, n

@@ -22,6 +22,7 @@ once) and leaves vLLM's behaviour as configured: a plugin bug must never stop se
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -34,10 +35,12 @@ import numpy as np
 from controller.convert import hello_from_engine_info
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.link import SidecarLink
-from controller.vllm.ngram import Matcher, NgramScorer, match_ngram
+from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
+from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
 from policies.arms import METHOD_CODES, Arm, Method
+from policies.jit import compiling
 from policies.observation import NOT_SCORED
 
 log = logging.getLogger("speccontrol.vllm")
@@ -56,21 +59,6 @@ def configured_method(spec: Any) -> Method | None:
     return None
 
 
-def _vllm_matcher() -> Matcher:
-    try:
-        from vllm.v1.spec_decode import ngram_proposer  # type: ignore[import-not-found]
-
-        find = ngram_proposer._find_longest_matched_ngram_and_propose_tokens
-    except ImportError:  # pragma: no cover - depends on the vLLM build
-        return match_ngram
-
-    def m(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
-        return find(tokens, min_n, max_n, max_model_len, k)  # type: ignore[no-any-return]
-
-    m(np.arange(8, dtype=np.int32) % 3, 1, 3, 1 << 20, 4)  # compile now, not in the first step
-    return m
-
-
 class EngineHooks:
     """The plugin's state for one scheduler."""
 
@@ -80,7 +68,7 @@ class EngineHooks:
         settings: PluginSettings,
         controls: Controls,
         link: SidecarLink,
-        scorer: NgramScorer | None,
+        scorer: NgramIndex | None,
         method: Method,
         trace: TextIO | None = None,
         wall: Callable[[], float] = time.time,
@@ -94,8 +82,7 @@ class EngineHooks:
         self.trace = trace
         self.wall, self.perf = wall, perf
         self.directive = controls.safe
-        self._classes: dict[str, str] = {}
-        self._verifying: dict[str, tuple[int, int]] = {}  # request -> (method code, K) of its pending draft
+        self.rows = RequestTable(configured=method, max_k=controls.engine.max_k)
         self._t0 = 0.0
         self._queue_len = 0
         self._queue_wait = 0.0
@@ -148,12 +135,11 @@ class EngineHooks:
             credentials=settings.credentials(),
         )
         scorer = (
-            NgramScorer(
+            NgramIndex(
                 max_k=max_k,
                 min_n=settings.ngram_min,
                 max_n=settings.ngram_max,
                 max_model_len=int(vc.model_config.max_model_len),
-                matcher=_vllm_matcher(),
             )
             if composite
             else None
@@ -170,6 +156,7 @@ class EngineHooks:
             settings=settings, controls=controls, link=link, scorer=scorer, method=method, trace=trace
         )
         hooks.original_lookup = scheduler.dynamic_sd_lookup
+        hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
         log.info(
             "speccontrol: engine %s attached to %s (%s, max K %d, %s)",
@@ -211,83 +198,84 @@ class EngineHooks:
 
     def after_update(self, scheduler: Any, scheduler_output: Any, mro: Any, requests: dict[str, Any]) -> None:
         sampled = mro.sampled_token_ids
-        index = mro.req_id_to_index
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        ids: list[str] = []
-        classes: list[str] = []
-        rows: list[tuple[int, int, int, int, int, bool]] = []
-        live = scheduler.requests
-        for rid, req in requests.items():
-            if req is None or not sampled:
-                continue
-            i = index.get(rid)
-            gen = sampled[i] if i is not None and i < len(sampled) else []
-            if not gen:
-                continue  # a prefill chunk: nothing sampled
-            spec = spec_tokens.get(rid)
-            drafted = len(spec) if spec else 0
-            accepted = max(len(gen) - 1, 0) if drafted else 0
-            code, k = self._verifying.pop(rid, (self._method_code if drafted else _OFF, drafted))
-            if drafted == 0 and code != _NGRAM:
-                code, k = _OFF, 0
-            k = max(k, drafted)
-            finished = rid not in live or req.is_finished()
-            cf = NOT_SCORED
-            if self.scorer is not None:
-                if rid in self.scorer:
-                    cf = self.scorer.extend(rid, gen)
-                else:
-                    self.scorer.start(rid, req._all_token_ids)
-                if code == _NGRAM:
-                    cf = NOT_SCORED  # verified, not counterfactual
-                cf = min(cf, self.controls.engine.max_k)
-            cls = self._classes.get(rid)
-            if cls is None:
-                cls = self._classes[rid] = self._traffic_class(req)
-            ids.append(rid)
-            classes.append(cls)
-            rows.append((code, k, drafted, accepted, cf, finished))
+        n_sampled = len(sampled) if sampled else 0
+        index = mro.req_id_to_index.get
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens.get
+        live = scheduler.requests.get
+        # The rows: requests that sampled this step (a prefill chunk samples nothing).
+        ids = [
+            rid
+            for rid, req in requests.items()
+            if req is not None and (i := index(rid, n_sampled)) < n_sampled and sampled[i]
+        ]
+        gens = [sampled[index(rid)] for rid in ids]
+        n = len(ids)
+        fast = self.controls.fast
+        slots = fast.slots(ids)
+        rows = self.rows
+        fresh = rows.admit(slots)
+        if fresh:  # new requests: their class, and the n-gram index takes their whole history
+            for j in fresh:
+                s = int(slots[j])
+                req = requests[ids[j]]
+                rows.set_class(s, self._traffic_class(req))
+                if self.scorer is not None:
+                    self.scorer.start(s, req._all_token_ids)
+        lens = np.fromiter(map(len, gens), dtype=np.int64, count=n)
+        drafted = np.fromiter((len(spec_tokens(rid) or ()) for rid in ids), dtype=np.int64, count=n)
+        finished = np.fromiter(
+            ((r := live(rid)) is None or r.is_finished() for rid in ids), dtype=np.bool_, count=n
+        )
+        if self.scorer is not None:
+            new = gens
+            if fresh:  # a new request's tokens are in the history it started with
+                new = list(gens)
+                for j in fresh:
+                    new[j] = []
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, new), dtype=np.int64, count=n), out=offsets[1:])
+            tokens = np.fromiter(itertools.chain.from_iterable(new), dtype=np.int32, count=int(offsets[-1]))
+            cf = self.scorer.step(slots, tokens, offsets, ~finished)
+        else:
+            cf = np.full(n, NOT_SCORED, dtype=np.int32)
+        methods, ks, accepted = rows.columns(slots, lens, drafted, cf)
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
         # A decode row schedules one token plus its draft; anything beyond that is prompt (a prefill
         # chunk), whose time is in this step's duration too.
         prefill = sum(
-            max(n - 1 - len(spec_tokens.get(rid) or ()), 0)
-            for rid, n in scheduler_output.num_scheduled_tokens.items()
+            max(t - 1 - len(spec_tokens(rid) or ()), 0)
+            for rid, t in scheduler_output.num_scheduled_tokens.items()
         )
-        cols = np.array(rows, dtype=np.int32).reshape(-1, 6)
-        methods = cols[:, 0].astype(np.int8)
-        finished_col = cols[:, 5].astype(bool)
         rec = StepRecord(
             time_s=now,
             duration_s=duration,
-            batch_size=max(len(scheduler_output.num_scheduled_tokens), len(ids)),
+            batch_size=max(len(scheduler_output.num_scheduled_tokens), n),
             queue_length=self._queue_len,
             queue_wait_s=self._queue_wait,
             scheduled_k=int(scheduler_output.num_spec_tokens_to_schedule or 0),
             directive_version=self.directive.version,
             request_id=tuple(ids),
-            traffic_class=tuple(classes),
+            class_names=rows.class_names,
+            class_index=rows.class_index(slots),
             method=methods,
-            k=cols[:, 1],
-            drafted=cols[:, 2],
-            accepted=cols[:, 3],
-            cf_ngram=cols[:, 4],
-            finished=finished_col,
+            k=ks,
+            drafted=drafted.astype(np.int32),
+            accepted=accepted,
+            cf_ngram=cf,
+            finished=finished,
             prefill_tokens=int(prefill),
         )
-        if ids:
-            counterfactual = {Method.NGRAM: rec.cf_ngram} if self.scorer is not None else {}
+        if n:
+            counterfactual = {Method.NGRAM: cf} if self.scorer is not None else {}
             alpha = float(self.directive.rule.params.get("alpha", 0.3))
-            self.controls.fast.feedback(list(ids), methods, rec.accepted, counterfactual, alpha=alpha)
-        for j, rid in enumerate(ids):
-            if finished_col[j]:
-                self._release(rid)
-            elif self.scorer is not None:
-                self.scorer.propose(rid)
+            fast.feedback(ids, methods, accepted, counterfactual, alpha=alpha, slots=slots)
+        if finished.any():
+            for j in np.flatnonzero(finished).tolist():
+                self._release(ids[j])
         for rid in scheduler_output.finished_req_ids:
             self._release(rid)
-        if not ids and not scheduler_output.total_num_scheduled_tokens:
+        if not n and not scheduler_output.total_num_scheduled_tokens:
             return  # an idle step: nothing ran
         self.link.offer(rec)
         if self.trace is not None:
@@ -300,22 +288,53 @@ class EngineHooks:
         return str(c)[:64] if c else "default"
 
     def _release(self, rid: str) -> None:
-        self._classes.pop(rid, None)
-        self._verifying.pop(rid, None)
-        self.controls.fast.release(rid)
-        if self.scorer is not None:
-            self.scorer.release(rid)
+        s = self.controls.fast.release(rid)
+        if s is not None:
+            self.rows.release(s)
+            if self.scorer is not None:
+                self.scorer.release(s)
 
     # -- update_draft_token_ids (synchronous scheduling) -----------------------------------------
 
     def choose_drafts(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        classes = [self._classes.get(r, "default") for r in req_ids]
-        plan = self.controls.plan(self.directive, req_ids, classes, len(req_ids))
-        ngram = [self.scorer.draft(r) for r in req_ids] if self.scorer is not None else [None] * len(req_ids)
-        chosen = self.controls.choose_drafts(plan, drafts, ngram)
-        for rid, m, k in zip(req_ids, plan.method.tolist(), plan.k.tolist(), strict=True):
-            self._verifying[rid] = (m, k)
+        slots = self.controls.fast.slots(req_ids)
+        self.rows.admit(slots, mark=False)
+        plan = self.controls.plan(
+            self.directive, req_ids, self.rows.classes(slots), len(req_ids), slots=slots
+        )
+        if self.scorer is not None:
+            rows, lens = self.scorer.drafts(slots)
+            chosen = self.controls.choose_drafts(plan, drafts, rows.tolist(), lens)
+        else:
+            chosen = self.controls.choose_drafts(plan, drafts, drafts, np.zeros(len(req_ids), dtype=np.int64))
+        self.rows.planned(slots, plan.method, plan.k)
         return chosen
+
+    def warm_up(self) -> None:
+        """Run every step kernel once on a throwaway state, so numba compiles before serving."""
+        if not compiling():
+            return
+        t = time.perf_counter()
+        method, max_k = self.method, self.controls.engine.max_k
+        ctl = Controls(engine=self.controls.engine, method=method, safe_default=Arm(method, max_k),
+                       composite=self.controls.composite, capacity=4)  # fmt: skip
+        rows = RequestTable(configured=method, max_k=max_k, capacity=4)
+        ids = ["a", "b"]
+        slots = ctl.fast.slots(ids)
+        plan = ctl.plan(ctl.safe, ids, ["default"] * 2, 2, slots=slots)
+        ctl.choose_drafts(plan, [[1], [2]], [[1], [2]], np.ones(2, dtype=np.int64))
+        rows.planned(slots, plan.method, plan.k)
+        cf = np.full(2, NOT_SCORED, dtype=np.int32)
+        methods, _, accepted = rows.columns(slots, np.ones(2, dtype=np.int64), np.ones(2, dtype=np.int64), cf)
+        ctl.fast.feedback(ids, methods, accepted, {Method.NGRAM: cf}, slots=slots)
+        if self.scorer is not None:
+            ix = NgramIndex(max_k=max_k, min_n=self.scorer.min_n, max_n=self.scorer.max_n, capacity=4)
+            ix.start(0, np.arange(8, dtype=np.int32) % 3)
+            ix.step(
+                slots[:1], np.array([1], dtype=np.int32), np.array([0, 1], dtype=np.int64), np.ones(1, bool)
+            )
+            ix.release(0)
+        log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
     def close(self) -> None:
         self.link.close()

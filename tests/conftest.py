@@ -1,0 +1,20 @@
+"""Fixtures shared across the suite: the two ways a step kernel runs (policies/jit.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from policies import jit
+
+
+@pytest.fixture(params=["python", "numba"])
+def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with the kernels as plain Python, then compiled (where numba is importable)."""
+    compiled = request.param == "numba"
+    if compiled and not jit.numba_available():
+        pytest.skip("numba is not installed here (the vLLM environment has it: see test_kernels_in_vllm_env)")
+    jit.use_numba(compiled)
+    yield request.param
+    jit.use_numba(None)
