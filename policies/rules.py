@@ -58,6 +58,53 @@ _NO_RULE, _MARGIN, _SPAN = 0, 1, 2
 _RULE_CODES = {"none": _NO_RULE, "ngram_margin": _MARGIN, "ngram_span": _SPAN}
 
 
+def rule_args(directive: Directive) -> tuple[int, float, float]:
+    """The directive's rule as ``plan_row`` reads it: (code, p0, p1)."""
+    rule = directive.rule
+    code = _RULE_CODES[rule.kind]
+    p = rule.params
+    if code == _MARGIN:
+        return code, float(p["margin"]), float(p["warmup_steps"])
+    if code == _SPAN:
+        return code, float(p["min_run"]), float(p["when_off"])
+    return code, 0.0, 0.0
+
+
+@kernel
+def plan_row(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    i: int,
+    m: int,
+    k: int,
+    rule: int,
+    p0: float,
+    p1: float,
+    max_k: int,
+) -> tuple[int, int]:
+    """The rule's override of slot ``i``'s planned (method, K); records the K drafted.
+
+    ngram_margin (p0 margin, p1 warm-up steps): n-gram where its average leads the planned method's
+    by the margin. ngram_span (p0 min_run, p1 when_off): n-gram, K = the expected run, inside a span."""
+    if rule == _NO_RULE:
+        return m, k
+    if rule == _MARGIN:
+        ng = float(ewma[i, _NGRAM])
+        planned = float(ewma[i, m])
+        lead = (not math.isnan(ng)) and ng >= (0.0 if math.isnan(planned) else planned) + p0
+        if int(steps[i]) >= p1 and lead and m != _OFF and k > 0:
+            m = _NGRAM
+    elif rule == _SPAN:
+        r = float(run[i])
+        if not math.isnan(r) and r >= p0 and (p1 != 0 or m != _OFF):
+            m = _NGRAM
+            k = int(min(max(r, 1.0), float(max_k)))
+    last_k[i] = 0 if m == _OFF else k
+    return m, k
+
+
 @kernel
 def _plan_rule(
     ewma: np.ndarray,
@@ -72,34 +119,61 @@ def _plan_rule(
     p1: float,
     max_k: int,
 ) -> None:
-    """The rule's override of each request's planned (method, K), in place; records the K drafted.
-
-    ngram_margin (p0 margin, p1 warm-up steps): n-gram where its average leads the planned method's
-    by the margin. ngram_span (p0 min_run, p1 when_off): n-gram, K = the expected run, inside a span."""
     for j in range(len(s)):
-        i = int(s[j])
-        m = int(methods[j])
-        k = int(ks[j])
-        if rule == _MARGIN:
-            ng = float(ewma[i, _NGRAM])
-            planned = float(ewma[i, m])
-            lead = (not math.isnan(ng)) and ng >= (0.0 if math.isnan(planned) else planned) + p0
-            if int(steps[i]) >= p1 and lead and m != _OFF and k > 0:
-                m = _NGRAM
-        elif rule == _SPAN:
-            r = float(run[i])
-            if not math.isnan(r) and r >= p0 and (p1 != 0 or m != _OFF):
-                m = _NGRAM
-                k = int(min(max(r, 1.0), float(max_k)))
+        m, k = plan_row(ewma, steps, run, last_k, int(s[j]), int(methods[j]), int(ks[j]), rule, p0, p1, max_k)
         methods[j] = m
         ks[j] = k
-        last_k[i] = 0 if m == _OFF else k
 
 
 @kernel
 def _mix(ewma: np.ndarray, i: int, m: int, x: float, alpha: float) -> None:
     old = float(ewma[i, m])
     ewma[i, m] = x if math.isnan(old) else (1 - alpha) * old + alpha * x
+
+
+@kernel
+def feedback_row(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    i: int,
+    m: int,
+    a: int,
+    cf_codes: np.ndarray,
+    cf: np.ndarray,
+    j: int,
+    cf_mixed: np.ndarray,
+    ngram_row: int,
+    alpha: float,
+    max_k: int,
+) -> None:
+    """Slot ``i``'s verified (method ``m``, ``a`` accepted) and counterfactual (``cf[:, j]``) counts
+    into its averages, and its expected n-gram run at its next position (see ``ngram_span``;
+    skipped until a rule recorded a K)."""
+    steps[i] += 1
+    if m != _OFF:
+        _mix(ewma, i, m, float(a), alpha)
+    for c in range(len(cf_codes)):
+        x = int(cf[c, j])
+        if cf_mixed[c] and x != NOT_SCORED:
+            _mix(ewma, i, int(cf_codes[c]), float(x), alpha)
+    if max_k <= 0:
+        return
+    ng = m == _NGRAM
+    score = a if ng else NOT_SCORED
+    cut = ng and a >= int(last_k[i])  # the draft ended at K, not at a rejection
+    if ngram_row >= 0 and not ng:
+        x = int(cf[ngram_row, j])
+        if x != NOT_SCORED:
+            score = x
+            cut = x >= max_k
+    if score == NOT_SCORED:
+        run[i] = math.nan
+    elif cut:
+        run[i] = float(max_k)
+    else:
+        run[i] = max(float(score - (0 if m == _OFF else a) - 1), 0.0)
 
 
 @kernel
@@ -118,35 +192,9 @@ def _feedback(
     alpha: float,
     max_k: int,
 ) -> None:
-    """One step's verified and counterfactual counts into the averages, and each request's expected
-    n-gram run at its next position (see ``ngram_span``; skipped until a rule recorded a K)."""
     for j in range(len(s)):
-        i = int(s[j])
-        m = int(methods[j])
-        a = int(accepted[j])
-        steps[i] += 1
-        if m != _OFF:
-            _mix(ewma, i, m, float(a), alpha)
-        for c in range(len(cf_codes)):
-            x = int(cf[c, j])
-            if cf_mixed[c] and x != NOT_SCORED:
-                _mix(ewma, i, int(cf_codes[c]), float(x), alpha)
-        if max_k <= 0:
-            continue
-        ng = m == _NGRAM
-        score = a if ng else NOT_SCORED
-        cut = ng and a >= int(last_k[i])  # the draft ended at K, not at a rejection
-        if ngram_row >= 0 and not ng:
-            x = int(cf[ngram_row, j])
-            if x != NOT_SCORED:
-                score = x
-                cut = x >= max_k
-        if score == NOT_SCORED:
-            run[i] = math.nan
-        elif cut:
-            run[i] = float(max_k)
-        else:
-            run[i] = max(float(score - (0 if m == _OFF else a) - 1), 0.0)
+        feedback_row(ewma, steps, run, last_k, int(s[j]), int(methods[j]), int(accepted[j]), cf_codes, cf, j,
+                     cf_mixed, ngram_row, alpha, max_k)  # fmt: skip
 
 
 class FastLoop:
@@ -233,14 +281,8 @@ class FastLoop:
             )
             methods = pairs[:, 0].astype(np.int8)
             ks = np.ascontiguousarray(pairs[:, 1])
-        rule = directive.rule
-        code = _RULE_CODES[rule.kind]
+        code, p0, p1 = rule_args(directive)
         if n and code != _NO_RULE:
-            p = rule.params
-            if code == _MARGIN:
-                p0, p1 = float(p["margin"]), float(p["warmup_steps"])
-            else:
-                p0, p1 = float(p["min_run"]), float(p["when_off"])
             self._max_k = max_k
             slots = self.slots(request_ids) if slots is None else slots  # first: it may grow the arrays
             _plan_rule(self._ewma, self._steps, self._run, self._k, slots, methods, ks, code, p0, p1, max_k)
@@ -287,6 +329,24 @@ class FastLoop:
             float(alpha),
             self._max_k,
         )
+
+    @property
+    def capacity(self) -> int:
+        return len(self._steps)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The per-slot state for a caller's own kernel (``plan_row`` / ``feedback_row``): the moving
+        averages (slot x method code), steps, expected n-gram run, and last K drafted. Arrays are
+        replaced when the loop grows (call ``slots`` first)."""
+        return self._ewma, self._steps, self._run, self._k
+
+    def note_max_k(self, max_k: int) -> None:
+        """A caller that runs ``plan_row`` itself records the engine's max K here (see ``plan``)."""
+        self._max_k = max_k
+
+    @property
+    def max_k(self) -> int:
+        return self._max_k
 
     def estimate(self, request_id: str, method: Method) -> float:
         s = self._slot.get(request_id)

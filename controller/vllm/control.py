@@ -134,27 +134,49 @@ class Controls:
         """Per request: the configured drafter's draft, the n-gram draft (``ngram[j][:ngram_len[j]]``)
         or nothing, cut to its K."""
         src, n = _sources(plan.method, plan.k, np.asarray(ngram_len, dtype=np.int64), self.composite)
-        return [
-            (list(c[:k]) if s == _CONFIGURED else list(g[:k])) if s else []
-            for s, k, c, g in zip(src.tolist(), n.tolist(), configured, ngram, strict=True)
-        ]
+        return pick_drafts(src, n, configured, ngram)
+
+
+def pick_drafts(
+    src: np.ndarray, n: np.ndarray, configured: Sequence[Sequence[int]], ngram: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Per request the first ``n[j]`` tokens of the draft ``src[j]`` names (see ``source_row``)."""
+    return [
+        (list(c[:k]) if s == _CONFIGURED else list(g[:k])) if s else []
+        for s, k, c, g in zip(src.tolist(), n.tolist(), configured, ngram, strict=True)
+    ]
 
 
 _NONE, _CONFIGURED, _NGRAM_DRAFT = 0, 1, 2
 
 
 @kernel
+def restrict_row(m: int, k: int, configured: int, composite: bool) -> tuple[int, int]:
+    """Only the configured method, n-gram (composite drafter) or nothing; K 0 is off."""
+    if not composite:
+        # Only the configured method (or nothing) can be drafted without the composite drafter.
+        m = _OFF if m == _OFF else configured
+    elif m != _OFF and m != _NGRAM and m != configured:
+        m = configured
+    k = 0 if m == _OFF else k
+    return (_OFF if k == 0 else m), k
+
+
+@kernel
+def source_row(m: int, k: int, ngram_len: int, composite: bool) -> tuple[int, int]:
+    """Which draft a request gets (none, configured, n-gram) and how many of its tokens."""
+    if m == _OFF or k <= 0:
+        return _NONE, 0
+    if m == _NGRAM and composite:
+        return _NGRAM_DRAFT, min(k, ngram_len)
+    return _CONFIGURED, k
+
+
+@kernel
 def _restrict(methods: np.ndarray, ks: np.ndarray, configured: int, composite: bool) -> None:
-    """In place: only the configured method, n-gram (composite drafter) or nothing; K 0 is off."""
     for j in range(len(methods)):
-        m = int(methods[j])
-        if not composite:
-            # Only the configured method (or nothing) can be drafted without the composite drafter.
-            m = _OFF if m == _OFF else configured
-        elif m != _OFF and m != _NGRAM and m != configured:
-            m = configured
-        k = 0 if m == _OFF else int(ks[j])
-        methods[j] = _OFF if k == 0 else m
+        m, k = restrict_row(int(methods[j]), int(ks[j]), configured, composite)
+        methods[j] = m
         ks[j] = k
 
 
@@ -162,18 +184,8 @@ def _restrict(methods: np.ndarray, ks: np.ndarray, configured: int, composite: b
 def _sources(
     methods: np.ndarray, ks: np.ndarray, ngram_len: np.ndarray, composite: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per request, which draft it gets (none, configured, n-gram) and how many of its tokens."""
     src = np.zeros(len(methods), dtype=np.int64)
     n = np.zeros(len(methods), dtype=np.int64)
     for j in range(len(methods)):
-        m = int(methods[j])
-        k = int(ks[j])
-        if m == _OFF or k <= 0:
-            continue
-        if m == _NGRAM and composite:
-            src[j] = _NGRAM_DRAFT
-            n[j] = min(k, int(ngram_len[j]))
-        else:
-            src[j] = _CONFIGURED
-            n[j] = k
+        src[j], n[j] = source_row(int(methods[j]), int(ks[j]), int(ngram_len[j]), composite)
     return src, n

@@ -22,7 +22,6 @@ once) and leaves vLLM's behaviour as configured: a plugin bug must never stop se
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import socket
@@ -34,6 +33,7 @@ import numpy as np
 
 from controller.convert import hello_from_engine_info
 from controller.vllm.control import Controls, engine_info
+from controller.vllm.hotpath import ACCEPTED, CF, CLASS, DRAFTED, METHOD, K, StepKernel
 from controller.vllm.link import SidecarLink
 from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
@@ -41,7 +41,6 @@ from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.jit import compiling
-from policies.observation import NOT_SCORED
 
 log = logging.getLogger("speccontrol.vllm")
 
@@ -83,6 +82,7 @@ class EngineHooks:
         self.wall, self.perf = wall, perf
         self.directive = controls.safe
         self.rows = RequestTable(configured=method, max_k=controls.engine.max_k)
+        self.kernels = StepKernel(controls=controls, rows=self.rows, scorer=scorer)
         self._t0 = 0.0
         self._queue_len = 0
         self._queue_wait = 0.0
@@ -208,37 +208,21 @@ class EngineHooks:
             for rid, req in requests.items()
             if req is not None and (i := index(rid, n_sampled)) < n_sampled and sampled[i]
         ]
-        gens = [sampled[index(rid)] for rid in ids]
         n = len(ids)
-        fast = self.controls.fast
-        slots = fast.slots(ids)
-        rows = self.rows
-        fresh = rows.admit(slots)
-        if fresh:  # new requests: their class, and the n-gram index takes their whole history
-            for j in fresh:
-                s = int(slots[j])
-                req = requests[ids[j]]
-                rows.set_class(s, self._traffic_class(req))
-                if self.scorer is not None:
-                    self.scorer.start(s, req._all_token_ids)
-        lens = np.fromiter(map(len, gens), dtype=np.int64, count=n)
+        gens = [sampled[index(rid)] for rid in ids]
         drafted = np.fromiter((len(spec_tokens(rid) or ()) for rid in ids), dtype=np.int64, count=n)
         finished = np.fromiter(
             ((r := live(rid)) is None or r.is_finished() for rid in ids), dtype=np.bool_, count=n
         )
-        if self.scorer is not None:
-            new = gens
-            if fresh:  # a new request's tokens are in the history it started with
-                new = list(gens)
-                for j in fresh:
-                    new[j] = []
-            offsets = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(np.fromiter(map(len, new), dtype=np.int64, count=n), out=offsets[1:])
-            tokens = np.fromiter(itertools.chain.from_iterable(new), dtype=np.int32, count=int(offsets[-1]))
-            cf = self.scorer.step(slots, tokens, offsets, ~finished)
-        else:
-            cf = np.full(n, NOT_SCORED, dtype=np.int32)
-        methods, ks, accepted = rows.columns(slots, lens, drafted, cf)
+
+        def start(j: int, slot: int) -> None:  # a request the plugin has not seen
+            req = requests[ids[j]]
+            self.rows.set_class(slot, self._traffic_class(req))
+            if self.scorer is not None:
+                self.scorer.start(slot, req._all_token_ids)
+
+        alpha = float(self.directive.rule.params.get("alpha", 0.3))
+        cols, _ = self.kernels.after_update(ids, gens, drafted, finished, alpha, start)
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
         # A decode row schedules one token plus its draft; anything beyond that is prompt (a prefill
@@ -256,20 +240,16 @@ class EngineHooks:
             scheduled_k=int(scheduler_output.num_spec_tokens_to_schedule or 0),
             directive_version=self.directive.version,
             request_id=tuple(ids),
-            class_names=rows.class_names,
-            class_index=rows.class_index(slots),
-            method=methods,
-            k=ks,
-            drafted=drafted.astype(np.int32),
-            accepted=accepted,
-            cf_ngram=cf,
+            class_names=self.rows.class_names,
+            class_index=cols[CLASS],
+            method=cols[METHOD],
+            k=cols[K],
+            drafted=cols[DRAFTED],
+            accepted=cols[ACCEPTED],
+            cf_ngram=cols[CF],
             finished=finished,
             prefill_tokens=int(prefill),
         )
-        if n:
-            counterfactual = {Method.NGRAM: cf} if self.scorer is not None else {}
-            alpha = float(self.directive.rule.params.get("alpha", 0.3))
-            fast.feedback(ids, methods, accepted, counterfactual, alpha=alpha, slots=slots)
         if finished.any():
             for j in np.flatnonzero(finished).tolist():
                 self._release(ids[j])
@@ -297,21 +277,11 @@ class EngineHooks:
     # -- update_draft_token_ids (synchronous scheduling) -----------------------------------------
 
     def choose_drafts(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        slots = self.controls.fast.slots(req_ids)
-        self.rows.admit(slots, mark=False)
-        plan = self.controls.plan(
-            self.directive, req_ids, self.rows.classes(slots), len(req_ids), slots=slots
-        )
-        if self.scorer is not None:
-            rows, lens = self.scorer.drafts(slots)
-            chosen = self.controls.choose_drafts(plan, drafts, rows.tolist(), lens)
-        else:
-            chosen = self.controls.choose_drafts(plan, drafts, drafts, np.zeros(len(req_ids), dtype=np.int64))
-        self.rows.planned(slots, plan.method, plan.k)
-        return chosen
+        return self.kernels.choose(self.directive, req_ids, drafts)
 
     def warm_up(self) -> None:
-        """Run every step kernel once on a throwaway state, so numba compiles before serving."""
+        """Run every step kernel once on throwaway state, so numba compiles before serving (growth
+        paths included: a tiny arena and a table past half load)."""
         if not compiling():
             return
         t = time.perf_counter()
@@ -319,21 +289,21 @@ class EngineHooks:
         ctl = Controls(engine=self.controls.engine, method=method, safe_default=Arm(method, max_k),
                        composite=self.controls.composite, capacity=4)  # fmt: skip
         rows = RequestTable(configured=method, max_k=max_k, capacity=4)
-        ids = ["a", "b"]
-        slots = ctl.fast.slots(ids)
-        plan = ctl.plan(ctl.safe, ids, ["default"] * 2, 2, slots=slots)
-        ctl.choose_drafts(plan, [[1], [2]], [[1], [2]], np.ones(2, dtype=np.int64))
-        rows.planned(slots, plan.method, plan.k)
-        cf = np.full(2, NOT_SCORED, dtype=np.int32)
-        methods, _, accepted = rows.columns(slots, np.ones(2, dtype=np.int64), np.ones(2, dtype=np.int64), cf)
-        ctl.fast.feedback(ids, methods, accepted, {Method.NGRAM: cf}, slots=slots)
+        ix = None
         if self.scorer is not None:
             ix = NgramIndex(max_k=max_k, min_n=self.scorer.min_n, max_n=self.scorer.max_n, capacity=4)
-            ix.start(0, np.arange(8, dtype=np.int32) % 3)
-            ix.step(
-                slots[:1], np.array([1], dtype=np.int32), np.array([0, 1], dtype=np.int64), np.ones(1, bool)
-            )
-            ix.release(0)
+            ix._pool = ix._pool[:8]
+        k = StepKernel(controls=ctl, rows=rows, scorer=ix)
+        history = (np.arange(3000) % 1009).tolist()
+
+        def start(j: int, slot: int) -> None:
+            rows.set_class(slot, "default")
+            if ix is not None:
+                ix.start(slot, history)
+
+        for _ in range(2):
+            k.after_update(["a"], [[1]], np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.bool_), 0.3, start)
+            k.choose(ctl.safe, ["a"], [[1] * max_k])
         log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
     def close(self) -> None:

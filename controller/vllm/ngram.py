@@ -193,7 +193,7 @@ def _propose(
 
 
 @kernel
-def _room(
+def room(
     state: np.ndarray,
     pool: np.ndarray,
     table: np.ndarray,
@@ -257,7 +257,7 @@ def _start(
     size = np.full(1, len(tokens), dtype=np.int64)
     state[s, LEN] = 0
     state[s, CAP] = 0
-    if not _room(state, pool, table, meta, one, size, max_n - min_n + 1):
+    if not room(state, pool, table, meta, one, size, max_n - min_n + 1):
         state[s, LEN] = -1
         return False
     state[s, INDEXED] = 0
@@ -289,36 +289,56 @@ def _step(
     score its pending draft into ``cf[j]``, and draft anew where ``propose[j]``. False (and nothing
     changed) when the arena or the table needs room first."""
     sizes = offsets[1:] - offsets[:-1]
-    if not _room(state, pool, table, meta, slots, sizes, max_n - min_n + 1):
+    if not room(state, pool, table, meta, slots, sizes, max_n - min_n + 1):
         return False
     for j in range(len(slots)):
-        s = int(slots[j])
-        a = int(offsets[j])
-        b = int(offsets[j + 1])
-        _append(state, pool, meta, s, tokens, a, b)
-        total = int(state[s, LEN])
-        _index_to(state, pool, table, meta, s, total - 1, min_n, max_n)
-        score = NOT_SCORED
-        plen = int(state[s, PEND_LEN])
-        if plen >= 0 and b > a:
-            ps = int(state[s, PEND_START])
-            seen = min(total, ps + plen) - ps
-            base = int(state[s, BASE])
-            prefix = 0
-            while prefix < seen and pending[s, prefix] == pool[base + ps + prefix]:
-                prefix += 1
-            if prefix < seen or seen == plen:
-                state[s, PEND_LEN] = -1
-                score = prefix
-        cf[j] = score
-        if propose[j]:
-            d = _propose(state, pool, table, meta, drafts, s, min_n, max_n, max_model_len)
-            if int(state[s, PEND_LEN]) < 0:  # an empty draft scores 0: n-gram would have drafted nothing
-                for i in range(d):
-                    pending[s, i] = drafts[s, i]
-                state[s, PEND_START] = total
-                state[s, PEND_LEN] = d
+        cf[j] = step_row(state, pool, table, meta, drafts, pending, int(slots[j]), tokens, int(offsets[j]),
+                         int(offsets[j + 1]), propose[j], min_n, max_n, max_model_len)  # fmt: skip
     return True
+
+
+@kernel
+def step_row(
+    state: np.ndarray,
+    pool: np.ndarray,
+    table: np.ndarray,
+    meta: np.ndarray,
+    drafts: np.ndarray,
+    pending: np.ndarray,
+    s: int,
+    tokens: np.ndarray,
+    a: int,
+    b: int,
+    propose: bool,
+    min_n: int,
+    max_n: int,
+    max_model_len: int,
+) -> int:
+    """Slot ``s`` takes ``tokens[a:b]`` (``room`` said yes); returns the counterfactual count they
+    resolved (NOT_SCORED: none) and drafts anew if ``propose``."""
+    _append(state, pool, meta, s, tokens, a, b)
+    total = int(state[s, LEN])
+    _index_to(state, pool, table, meta, s, total - 1, min_n, max_n)
+    score = NOT_SCORED
+    plen = int(state[s, PEND_LEN])
+    if plen >= 0 and b > a:
+        ps = int(state[s, PEND_START])
+        seen = min(total, ps + plen) - ps
+        base = int(state[s, BASE])
+        prefix = 0
+        while prefix < seen and pending[s, prefix] == pool[base + ps + prefix]:
+            prefix += 1
+        if prefix < seen or seen == plen:
+            state[s, PEND_LEN] = -1
+            score = prefix
+    if propose:
+        d = _propose(state, pool, table, meta, drafts, s, min_n, max_n, max_model_len)
+        if int(state[s, PEND_LEN]) < 0:  # an empty draft scores 0: n-gram would have drafted nothing
+            for i in range(d):
+                pending[s, i] = drafts[s, i]
+            state[s, PEND_START] = total
+            state[s, PEND_LEN] = d
+    return score
 
 
 @kernel
@@ -393,6 +413,16 @@ class NgramIndex:
     def capacity(self) -> int:
         return len(self._state)
 
+    def reserve(self, capacity: int) -> None:
+        """Room for slots below ``capacity``."""
+        if capacity > len(self._state):
+            self._grow_slots(capacity)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(state, pool, table, meta, drafts, pending) for a caller's own kernel (``room`` then
+        ``step_row``); replaced when they grow (``reserve``, ``make_room``)."""
+        return self._state, self._pool, self._table, self._meta, self._drafts, self._pending
+
     def live(self, slot: int) -> bool:
         return 0 <= slot < len(self._state) and int(self._state[slot, LEN]) >= 0
 
@@ -407,7 +437,7 @@ class NgramIndex:
         self.release(slot)
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
         while not _start(self._state, self._pool, self._table, self._meta, slot, arr, self.min_n, self.max_n):
-            self._make_room()
+            self.make_room()
 
     def step(
         self, slots: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, propose: np.ndarray
@@ -432,7 +462,7 @@ class NgramIndex:
             self.max_n,
             self.max_model_len,
         ):
-            self._make_room()
+            self.make_room()
         return cf
 
     def draft(self, slot: int) -> np.ndarray:
@@ -470,8 +500,8 @@ class NgramIndex:
             arr[:old] = getattr(self, name)
             setattr(self, name, arr)
 
-    def _make_room(self) -> None:
-        """Compact or grow the arena, and rebuild or grow the table, to what the refused call needs."""
+    def make_room(self) -> None:
+        """After ``room`` said no: compact or grow the arena, and rebuild or grow the table, to what the refused call needs."""
         st, meta = self._state, self._meta
         live = st[:, LEN] >= 0
         held = int(st[live, CAP].sum())

@@ -28,6 +28,25 @@ DEFAULT_CLASS = "default"
 
 
 @kernel
+def columns_row(
+    verifying: np.ndarray, s: int, sampled: int, drafted: int, cf: int, configured: int, max_k: int
+) -> tuple[int, int, int, int]:
+    """(method, K, accepted, counterfactual) of slot ``s``'s verified step (see ``RequestTable.columns``)."""
+    code = int(verifying[s, 0])
+    k = int(verifying[s, 1])
+    verifying[s, 0] = -1
+    if code < 0:  # no plan recorded: the engine's own drafter, as scheduled
+        code = configured if drafted else _OFF
+        k = drafted
+    if drafted == 0 and code != _NGRAM:
+        code = _OFF
+        k = 0
+    if code == _NGRAM:
+        cf = NOT_SCORED  # verified, not counterfactual
+    return code, max(k, drafted), (max(sampled - 1, 0) if drafted else 0), min(cf, max_k)
+
+
+@kernel
 def _columns(
     verifying: np.ndarray,
     slots: np.ndarray,
@@ -37,30 +56,14 @@ def _columns(
     configured: int,
     max_k: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Method, K and accepted count per row; ``cf`` made final in place (see ``RequestTable.columns``)."""
     n = len(slots)
     method = np.empty(n, dtype=np.int8)
     ks = np.empty(n, dtype=np.int32)
     accepted = np.empty(n, dtype=np.int32)
     for j in range(n):
-        s = int(slots[j])
-        d = int(drafted[j])
-        code = int(verifying[s, 0])
-        k = int(verifying[s, 1])
-        verifying[s, 0] = -1
-        if code < 0:  # no plan recorded: the engine's own drafter, as scheduled
-            code = configured if d else _OFF
-            k = d
-        if d == 0 and code != _NGRAM:
-            code = _OFF
-            k = 0
-        method[j] = code
-        ks[j] = max(k, d)
-        accepted[j] = max(int(sampled[j]) - 1, 0) if d else 0
-        c = int(cf[j])
-        if code == _NGRAM:
-            c = NOT_SCORED  # verified, not counterfactual
-        cf[j] = min(c, max_k)
+        method[j], ks[j], accepted[j], cf[j] = columns_row(
+            verifying, int(slots[j]), int(sampled[j]), int(drafted[j]), int(cf[j]), configured, max_k
+        )
     return method, ks, accepted
 
 
@@ -84,8 +87,21 @@ class RequestTable:
     def admit(self, slots: np.ndarray, *, mark: bool = True) -> list[int]:
         """The positions of slots not admitted before (room is made for them; they read as: default
         class, no plan); ``mark``: they count as admitted from now on (until released)."""
-        if len(slots) and int(slots.max()) >= len(self._class):
-            n = max(int(slots.max()) + 1, 2 * len(self._class))
+        if len(slots):
+            self.reserve(int(slots.max()) + 1)
+        fresh = np.flatnonzero(~self._live[slots])
+        if mark and len(fresh):
+            self._live[slots[fresh]] = True
+        return fresh.tolist()  # type: ignore[no-any-return]
+
+    @property
+    def capacity(self) -> int:
+        return len(self._class)
+
+    def reserve(self, capacity: int) -> None:
+        """Room for slots below ``capacity``."""
+        if capacity > len(self._class):
+            n = max(capacity, 2 * len(self._class))
             cls = np.zeros(n, dtype=np.int32)
             cls[: len(self._class)] = self._class
             ver = np.full((n, 2), -1, dtype=np.int64)
@@ -93,10 +109,11 @@ class RequestTable:
             live = np.zeros(n, dtype=np.bool_)
             live[: len(self._live)] = self._live
             self._class, self._verifying, self._live = cls, ver, live
-        fresh = np.flatnonzero(~self._live[slots])
-        if mark and len(fresh):
-            self._live[slots[fresh]] = True
-        return fresh.tolist()  # type: ignore[no-any-return]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per slot, for a caller's own kernel (``columns_row``): the pending (method, K), the class
+        index, whether admitted. Arrays are replaced by ``reserve``."""
+        return self._verifying, self._class, self._live
 
     def set_class(self, slot: int, name: str) -> None:
         """A new request's class (names beyond ``max_classes`` distinct ones count as the default)."""
