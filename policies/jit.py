@@ -88,6 +88,6 @@ def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
             g[n] = k.compiled
         fn = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
     try:
-        return numba.njit(cache=True, nogil=True)(fn)  # type: ignore[no-any-return]
+        return numba.njit(cache=True)(fn)  # type: ignore[no-any-return]
     except RuntimeError:  # no writable cache location: compile in memory
-        return numba.njit(nogil=True)(fn)  # type: ignore[no-any-return]
+        return numba.njit(fn)  # type: ignore[no-any-return]
