@@ -14,7 +14,9 @@ def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test with the kernels as plain Python, then compiled (where numba is importable)."""
     compiled = request.param == "numba"
     if compiled and not jit.numba_available():
-        pytest.skip("numba is not installed here (the vLLM environment has it: see test_kernels_in_vllm_env)")
+        pytest.skip(
+            "numba is not installed here (tests/e2e/test_kernels_compiled.py runs these in the vLLM environment)"
+        )
     jit.use_numba(compiled)
     yield request.param
     jit.use_numba(None)

@@ -166,3 +166,22 @@ def test_index_drafts_and_scores_as_the_rescan(
                 ref.propose(min_n, max_n, max_model_len, max_k)
                 assert ix.draft(slot).tolist() == ref.draft
     assert len(ix) == len(refs)
+
+
+def test_index_drafts_as_vllms_own_matcher() -> None:
+    """Where vLLM is installed: the index's drafts equal vLLM's prompt-lookup matcher's."""
+    proposer = pytest.importorskip("vllm.v1.spec_decode.ngram_proposer")
+    find = proposer._find_longest_matched_ngram_and_propose_tokens
+    rng = np.random.default_rng(7)
+    for case in range(300):
+        min_n, max_n, k = int(rng.integers(1, 3)), int(rng.integers(2, 5)), int(rng.integers(1, 8))
+        max_n = max(min_n, max_n)
+        tokens = rng.integers(0, (3, 20, 50_000)[case % 3], int(rng.integers(1, 400))).astype(np.int32)
+        ix = NgramIndex(max_k=k, min_n=min_n, max_n=max_n, capacity=1)
+        cut = int(rng.integers(0, len(tokens)))
+        ix.start(0, tokens[:cut])
+        rest = tokens[cut:]
+        for a in range(0, max(len(rest), 1), 3):
+            one(ix, 0, rest[a : a + 3].tolist())
+            want = find(tokens[: cut + len(rest[: a + 3])], min_n, max_n, 1 << 20, k)
+            assert ix.draft(0).tolist() == np.asarray(want).tolist(), f"case {case}"
