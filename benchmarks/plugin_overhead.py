@@ -16,6 +16,11 @@ GIL), the median over the decode steps, and the composite / K-table-only ratio. 
 "composite-async" where the engine ran async scheduling with the composite drafter).
 
     .venv-vllm/bin/python benchmarks/plugin_overhead.py [--json FILE] [--history 2000] [--tokens 96]
+    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400]
+
+``--scripted`` times the same hooks on a scripted scheduler in this process (no engine, no sidecar:
+nothing else competes for the core or the GIL, so it isolates the plugin's own code), K-table-only
+and composite, ``--tokens`` decode steps each; the same JSON.
 
 Exit 1 (with the reason) when the sidecar does not come up or a child fails.
 """
@@ -46,6 +51,7 @@ for k, v in {
 }.items():
     os.environ.setdefault(k, v)
 
+BATCHED_TOKENS = 8192  # max_num_batched_tokens: the prompts' prefill takes batch * history / this steps
 HOOKS = ("before_schedule", "after_schedule", "before_update", "after_update", "choose_drafts")
 SIDECAR_START_S = 120.0
 CHILD_TIMEOUT_S = 1200.0
@@ -60,7 +66,7 @@ def _engine(model: Path, head: Path, max_len: int) -> Any:
         dtype="bfloat16",
         max_model_len=max_len,
         max_num_seqs=32,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=BATCHED_TOKENS,
         enforce_eager=True,
         seed=0,
         speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 4},
@@ -120,7 +126,7 @@ class HookClock:
         """Medians and means (µs) over the steps after the first ``skip``, clock cost taken out."""
         out = {}
         for key, xs, cost in (("wall", self.wall, self.overhead_wall), ("cpu", self.cpu, self.overhead_cpu)):
-            per = sorted(x - len(HOOKS) * cost for x in (xs[skip:] if len(xs) > 2 * skip else xs))
+            per = sorted(x - len(HOOKS) * cost for x in xs[skip:])
             out[f"{key}_median"] = per[len(per) // 2] * 1e6 if per else 0.0
             out[f"{key}_mean"] = sum(per) / len(per) * 1e6 if per else 0.0
         return out
@@ -161,8 +167,8 @@ def _run(llm: Any, batch: int, history: int, tokens: int, clock: HookClock) -> d
     out: dict[str, Any] = {
         "steps": n_steps[0],
         "step_us": wall / max(n_steps[0], 1) * 1e6,
-        # Decode steps only: the batch's first steps prefill (and start each request's n-gram index).
-        **clock.per_step(skip=batch),
+        # Decode steps only: the first steps prefill (and start each request's n-gram index).
+        **clock.per_step(skip=-(-batch * history // BATCHED_TOKENS) + 2),
         "cpu_us_by_hook": {h: round(v / max(len(clock.cpu), 1) * 1e6, 1) for h, v in clock.by_hook.items()},
     }
     hooks = getattr(sched, "_speccontrol", None)
@@ -183,6 +189,92 @@ def _child(tmp: Path, mode: str, batches: list[int], history: int, tokens: int) 
     llm = _engine(tmp / "model" / "target", tmp / "model" / "eagle3", history + tokens + 64)
     res = {b: _run(llm, b, history, tokens, clock) for b in batches}
     (tmp / f"{mode}.json").write_text(json.dumps(res))
+
+
+def _scripted(batch: int, history: int, steps: int, composite: bool) -> dict[str, float]:
+    """The hooks on a scripted scheduler (no engine: nothing else competes for the core or the GIL),
+    ``steps`` decode steps of ``batch`` requests with ``history``-token histories, 1-3 tokens a step."""
+    import random
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    from controller.vllm.control import Controls, engine_info
+    from controller.vllm.engine_hooks import EngineHooks
+    from controller.vllm.ngram import NgramIndex
+    from controller.vllm.settings import PluginSettings
+    from policies.arms import Arm, Method
+    from policies.directive import Directive, KRange, PlanEntry
+    from policies.rules import validate_rule
+
+    max_k = 4
+    directive = Directive(version=1, policy="bench", reason="", ttl_s=0, issued_at_s=0, k_table=(KRange(1, 0, max_k),),
+                          method=Method.EAGLE3, plan=(PlanEntry("*", 1, 0, Arm(Method.EAGLE3, 3)),),
+                          rule=validate_rule("ngram_span", {}))  # fmt: skip
+    info = engine_info(engine_id="bench", model="m", method=Method.EAGLE3, max_k=max_k, max_batch_size=32,
+                       composite=composite)  # fmt: skip
+    ctl = Controls(
+        engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, max_k), composite=composite
+    )
+    link = NS(offer=lambda rec: True, fresh_directive=lambda: directive)
+    hooks = EngineHooks(settings=PluginSettings(sidecar="unix:///unused"), controls=ctl, link=link,  # type: ignore[arg-type]
+                        scorer=NgramIndex(max_k=max_k) if composite else None, method=Method.EAGLE3)  # fmt: skip
+    hooks.warm_up()
+    rng = random.Random(0)
+    ids = [f"req-{i}" for i in range(batch)]
+    reqs = {r: NS(_all_token_ids=[rng.randrange(1900) for _ in range(history)], sampling_params=None,
+                  arrival_time=0.0, is_finished=lambda: False) for r in ids}  # fmt: skip
+    sched = NS(requests=reqs, waiting=[], dynamic_sd_lookup=None)
+    drafts: dict[str, list[int]] = {r: [] for r in ids}
+    clock = HookClock()
+    clock.install()
+    for step in range(steps + 10):
+        clock.on = step >= 10
+        so = NS(scheduled_new_reqs=[], num_scheduled_tokens={r: 1 + len(drafts[r]) for r in ids},
+                scheduled_spec_decode_tokens={r: d for r, d in drafts.items() if d}, finished_req_ids=(),
+                total_num_scheduled_tokens=batch, num_spec_tokens_to_schedule=max_k)  # fmt: skip
+        hooks.before_schedule(sched)
+        hooks.after_schedule(sched, so)
+        before = hooks.before_update(sched, so)
+        gens = [[rng.randrange(1900) for _ in range(rng.randint(1, 3))] for _ in ids]
+        mro = NS(sampled_token_ids=gens, req_id_to_index={r: i for i, r in enumerate(ids)})
+        hooks.after_update(sched, so, mro, before)
+        drafts = dict(zip(ids, hooks.choose_drafts(ids, [[7] * max_k for _ in ids]), strict=True))
+    return clock.per_step(skip=0) | {
+        "steps": float(steps),
+        "history": float(np.mean([len(r._all_token_ids) for r in reqs.values()])),
+    }
+
+
+def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
+    from policies.jit import compiling
+
+    how = "compiled" if compiling() else "plain Python (numba not importable)"
+    print(
+        f"scripted scheduler, kernels {how}, {args.history}-token histories, {args.tokens} steps",
+        file=sys.stderr,
+    )
+    res = {(b, c): _scripted(b, args.history, args.tokens, c) for b in batches for c in (False, True)}
+    print(
+        f"{'batch':>5} {'K-table hooks µs':>17} {'composite hooks µs':>19} {'ratio':>6} {'composite wall µs':>18}"
+    )
+    for b in batches:
+        kt, c = res[(b, False)], res[(b, True)]
+        print(f"{b:>5} {kt['cpu_median']:>17.1f} {c['cpu_median']:>19.1f} {c['cpu_median'] / max(kt['cpu_median'], 1e-9):>6.2f} "
+              f"{c['wall_median']:>18.1f}")  # fmt: skip
+    if args.json:
+        doc = {
+            "us_per_step": {str(b): round(res[(b, True)]["cpu_median"], 1) for b in batches},
+            "history_tokens": args.history,
+            "mode": "composite-sync",
+            "statistic": "CPU time in the hooks per step, median; scripted scheduler, no engine",
+            "wall_us_per_step": {str(b): round(res[(b, True)]["wall_median"], 1) for b in batches},
+            "baseline_k_table_us_per_step": {
+                str(b): round(res[(b, False)]["cpu_median"], 1) for b in batches
+            },
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
 
 
 def _start_sidecar(tmp: Path) -> subprocess.Popen[bytes]:
@@ -211,6 +303,9 @@ def main() -> int:
     ap.add_argument("--history", type=int, default=2000, help="prompt tokens per request")
     ap.add_argument("--tokens", type=int, default=96, help="decoded tokens per request")
     ap.add_argument("--batches", default="8,32")
+    ap.add_argument(
+        "--scripted", action="store_true", help="time the hooks on a scripted scheduler (no vLLM, seconds)"
+    )
     ap.add_argument("--json", metavar="FILE", help="write {us_per_step, history_tokens, mode, ...} here")
     ap.add_argument("--child", choices=("without", "k-table", "composite"), help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -221,6 +316,8 @@ def main() -> int:
         ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
     if args.history < 1 or args.tokens < 8 or not all(0 < b <= 32 for b in batches):
         ap.error("need --history >= 1, --tokens >= 8 and batches in 1..32")
+    if args.scripted:
+        return _scripted_main(args, batches)
     if args.child:
         _child(Path(args.tmp), args.child, batches, args.history, args.tokens)
         return 0
