@@ -14,6 +14,8 @@ Everything the plugin does happens in the engine-core process, between steps:
   request's next draft and the scheduler receives, per request, the EAGLE draft, the n-gram draft
   (vLLM's n-gram matcher on the same tokens) or nothing, cut to that request's K.
 
+The per-request work of both update hooks runs as one compiled batch kernel each (``hotpath.py``).
+
 Because the choice is made where the scheduler holds the drafts, no per-request choice has to travel
 to the worker process. Any exception in a hook disables the plugin for the engine's lifetime (logged
 once) and leaves vLLM's behaviour as configured: a plugin bug must never stop serving.
@@ -22,7 +24,9 @@ once) and leaves vLLM's behaviour as configured: a plugin bug must never stop se
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import operator
 import os
 import socket
 import time
@@ -39,13 +43,11 @@ from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
-from policies.arms import METHOD_CODES, Arm, Method
+from policies.arms import Arm, Method
 from policies.jit import compiling
 
 log = logging.getLogger("speccontrol.vllm")
-
-_OFF = METHOD_CODES[Method.OFF]
-_NGRAM = METHOD_CODES[Method.NGRAM]
+_is_finished = operator.methodcaller("is_finished")
 
 
 def configured_method(spec: Any) -> Method | None:
@@ -86,7 +88,6 @@ class EngineHooks:
         self._t0 = 0.0
         self._queue_len = 0
         self._queue_wait = 0.0
-        self._method_code = METHOD_CODES[method]
         self.original_lookup: list[int] | None = None
 
     @classmethod
@@ -200,8 +201,7 @@ class EngineHooks:
         sampled = mro.sampled_token_ids
         n_sampled = len(sampled) if sampled else 0
         index = mro.req_id_to_index.get
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens.get
-        live = scheduler.requests.get
+        spec = scheduler_output.scheduled_spec_decode_tokens
         # The rows: requests that sampled this step (a prefill chunk samples nothing).
         ids = [
             rid
@@ -210,10 +210,11 @@ class EngineHooks:
         ]
         n = len(ids)
         gens = [sampled[index(rid)] for rid in ids]
-        drafted = np.fromiter((len(spec_tokens(rid) or ()) for rid in ids), dtype=np.int64, count=n)
+        # Per-request reads through map (C loops): the step's budget has no room for Python frames per request.
+        drafted = np.fromiter(map(len, map(spec.get, ids, itertools.repeat(()))), dtype=np.int64, count=n)
         finished = np.fromiter(
-            ((r := live(rid)) is None or r.is_finished() for rid in ids), dtype=np.bool_, count=n
-        )
+            map(_is_finished, map(requests.__getitem__, ids)), dtype=np.bool_, count=n
+        ) | ~np.fromiter(map(scheduler.requests.__contains__, ids), dtype=np.bool_, count=n)
 
         def start(j: int, slot: int) -> None:  # a request the plugin has not seen
             req = requests[ids[j]]
@@ -226,11 +227,10 @@ class EngineHooks:
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
         # A decode row schedules one token plus its draft; anything beyond that is prompt (a prefill
-        # chunk), whose time is in this step's duration too.
-        prefill = sum(
-            max(t - 1 - len(spec_tokens(rid) or ()), 0)
-            for rid, t in scheduler_output.num_scheduled_tokens.items()
-        )
+        # chunk), whose time is in this step's duration too. (vLLM trims a row's draft to what it
+        # schedules, so no row holds less than its one token plus its draft.)
+        scheduled = scheduler_output.num_scheduled_tokens
+        prefill = max(sum(scheduled.values()) - len(scheduled) - sum(map(len, spec.values())), 0)
         rec = StepRecord(
             time_s=now,
             duration_s=duration,
