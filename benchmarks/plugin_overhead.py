@@ -1,11 +1,28 @@
-"""The vLLM plugin's cost per engine step, at batch 8 and 32, composite drafter and fast loop on.
+"""The vLLM plugin's cost per engine step at batch 8 and 32, measured inside its hooks on the engine thread.
 
-Runs with the vLLM virtualenv's Python, in one process: the same tiny EAGLE-3 engine (K max 4) first
-without the plugin, then with it attached to a real sidecar running the default policy (its n-gram
-span rule on). The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the plugin's own hook
-time can be measured directly, besides the end-to-end step time of both engines.
+Runs with the vLLM virtualenv's Python. One tiny EAGLE-3 engine (K max 4, dummy weights) per child
+process, engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the hooks can be timed where
+they run; every request starts from a ``--history``-token prompt (2,000 by default) and decodes
+``--tokens`` more. Three children in one run:
 
-    .venv-vllm/bin/python benchmarks/plugin_overhead.py [--tokens 128]
+* ``without``: no plugin (the engine's own step time, for scale);
+* ``k-table``: the plugin in its K-table-only mode (``SPECCONTROL_COMPOSITE=0``): the baseline;
+* ``composite``: the plugin with the composite drafter (EAGLE-3 and n-gram per request) and the
+  default policy's n-gram span rule, attached to a real sidecar.
+
+The plugin's cost of a step is the engine thread's CPU time in its hooks between two schedules
+(the wall time is reported beside it: on a busy machine it mostly measures waits for a core or the
+GIL), the median over the decode steps, and the composite / K-table-only ratio. The mode says what ran: "composite-sync" (synchronous scheduling;
+"composite-async" where the engine ran async scheduling with the composite drafter).
+
+    .venv-vllm/bin/python benchmarks/plugin_overhead.py [--json FILE] [--history 2000] [--tokens 96]
+    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400]
+
+``--scripted`` times the same hooks on a scripted scheduler in this process (no engine, no sidecar:
+nothing else competes for the core or the GIL, so it isolates the plugin's own code), K-table-only
+and composite, ``--tokens`` decode steps each; the same JSON.
+
+Exit 1 (with the reason) when the sidecar does not come up or a child fails.
 """
 
 from __future__ import annotations
@@ -24,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 for k, v in {
-    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -34,143 +51,344 @@ for k, v in {
 }.items():
     os.environ.setdefault(k, v)
 
+BATCHED_TOKENS = 8192  # max_num_batched_tokens: the prompts' prefill takes batch * history / this steps
+HOOKS = ("before_schedule", "after_schedule", "before_update", "after_update", "choose_drafts")
+SIDECAR_START_S = 120.0
+CHILD_TIMEOUT_S = 1200.0
 
-def _engine(model: Path, head: Path) -> Any:
+
+def _engine(model: Path, head: Path, max_len: int) -> Any:
     from vllm import LLM
 
-    llm = LLM(
+    return LLM(
         model=str(model),
         load_format="dummy",
         dtype="bfloat16",
-        max_model_len=1024,
+        max_model_len=max_len,
         max_num_seqs=32,
-        max_num_batched_tokens=2048,
+        max_num_batched_tokens=BATCHED_TOKENS,
         enforce_eager=True,
         seed=0,
         speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 4},
     )
-    return llm
 
 
-def _run(llm: Any, batch: int, tokens: int, timed: dict[str, float]) -> dict[str, float]:
+class HookClock:
+    """Time in the plugin's hooks, summed per engine step (a step starts at ``before_schedule``): wall
+    time, and the engine thread's CPU time (which leaves out the time the thread waited for a core or
+    for the GIL: on a busy machine the wall time mostly measures the neighbours). The clocks' own
+    cost, measured at install, is taken out."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.by_hook: dict[str, float] = dict.fromkeys(HOOKS, 0.0)  # CPU seconds per hook while on
+        self.on = False
+        self.overhead_wall = self.overhead_cpu = 0.0
+
+    def install(self) -> None:
+        from controller.vllm.engine_hooks import EngineHooks
+
+        for name in HOOKS:
+            orig = getattr(EngineHooks, name)
+            setattr(EngineHooks, name, self._wrap(orig, name))
+        # The wrapper's own cost per hook call (two reads of each clock), on a no-op.
+        probe = self._wrap(lambda _h: None, "probe")
+        self.on = True
+        self.wall.append(0.0)
+        self.cpu.append(0.0)
+        n = 2000
+        for _ in range(n):
+            probe(None)
+        self.overhead_wall, self.overhead_cpu = self.wall.pop() / n, self.cpu.pop() / n
+        self.on = False
+
+    def _wrap(self, orig: Any, name: str) -> Any:
+        def wrapped(hooks: Any, *a: Any, **kw: Any) -> Any:
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return orig(hooks, *a, **kw)
+            finally:
+                if self.on:
+                    if name == "before_schedule":
+                        self.wall.append(0.0)
+                        self.cpu.append(0.0)
+                    if self.wall:
+                        dc = time.thread_time() - c
+                        self.cpu[-1] += dc
+                        if name in self.by_hook:
+                            self.by_hook[name] += dc
+                        self.wall[-1] += time.perf_counter() - t
+
+        return wrapped
+
+    def per_step(self, skip: int) -> dict[str, float]:
+        """Medians and means (µs) over the steps after the first ``skip``, clock cost taken out."""
+        out = {}
+        for key, xs, cost in (("wall", self.wall, self.overhead_wall), ("cpu", self.cpu, self.overhead_cpu)):
+            per = sorted(x - len(HOOKS) * cost for x in xs[skip:])
+            out[f"{key}_median"] = per[len(per) // 2] * 1e6 if per else 0.0
+            out[f"{key}_mean"] = sum(per) / len(per) * 1e6 if per else 0.0
+        return out
+
+
+def _run(llm: Any, batch: int, history: int, tokens: int, clock: HookClock) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    sched: Any = llm.llm_engine.engine_core.engine_core.scheduler
-    steps = [0]
+    core: Any = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    n_steps = [0]
     orig = sched.update_from_output
 
     def counted(*a: Any, **kw: Any) -> Any:
-        steps[0] += 1
+        n_steps[0] += 1
         return orig(*a, **kw)
 
     sched.update_from_output = counted
-    prompts = [f"{i} alpha beta gamma delta alpha beta gamma delta" for i in range(batch)]
+    # Token-id prompts of exactly ``history`` tokens, distinct per request; a repeating phrase in each
+    # so n-gram has something to match, as in real prompts.
+    prompts = [
+        {"prompt_token_ids": [(7 * i + j * (j % 5 + 1)) % 1900 + 10 for j in range(history)]}
+        for i in range(batch)
+    ]
     sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    for key in timed:
-        timed[key] = 0.0
-    steps[0] = 0
+    # Prefill outside the measurement: the cost asked for is the decode step's.
+    clock.wall.clear()
+    clock.cpu.clear()
+    clock.by_hook = dict.fromkeys(HOOKS, 0.0)
+    n_steps[0] = 0
     t0 = time.perf_counter()
+    clock.on = True
     llm.generate(prompts, sp, use_tqdm=False)
+    clock.on = False
     wall = time.perf_counter() - t0
-    n = steps[0]
-    out = {
-        "steps": n,
-        "step_us": wall / n * 1e6,
-        "plugin_us": sum(timed.values()) / n * 1e6 if timed else 0.0,
-    }
     sched.update_from_output = orig
+    out: dict[str, Any] = {
+        "steps": n_steps[0],
+        "step_us": wall / max(n_steps[0], 1) * 1e6,
+        # Decode steps only: the first steps prefill (and start each request's n-gram index).
+        **clock.per_step(skip=-(-batch * history // BATCHED_TOKENS) + 2),
+        "cpu_us_by_hook": {h: round(v / max(len(clock.cpu), 1) * 1e6, 1) for h, v in clock.by_hook.items()},
+    }
     hooks = getattr(sched, "_speccontrol", None)
     if hooks is not None:
         out["link_dropped"] = hooks.link.stats().dropped_steps
+        out["composite"] = bool(hooks.controls.composite)
+        out["async"] = bool(getattr(core.vllm_config.scheduler_config, "async_scheduling", False))
     return out
 
 
-def _time_hooks(timed: dict[str, float]) -> None:
-    from controller.vllm.engine_hooks import EngineHooks
-
-    for name in ("before_schedule", "after_schedule", "before_update", "after_update", "choose_drafts"):
-        timed[name] = 0.0
-        orig = getattr(EngineHooks, name)
-
-        def wrapped(self: Any, *a: Any, _o: Any = orig, _n: str = name, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return _o(self, *a, **kw)
-            finally:
-                timed[_n] += time.perf_counter() - t
-
-        setattr(EngineHooks, name, wrapped)
-
-
-def _child(tmp: Path, mode: str, batches: list[int], tokens: int) -> None:
-    timed: dict[str, float] = {}
-    if mode == "with":
+def _child(tmp: Path, mode: str, batches: list[int], history: int, tokens: int) -> None:
+    clock = HookClock()
+    if mode != "without":
         from controller.vllm.plugin import register
 
         register()
-        _time_hooks(timed)
-    llm = _engine(tmp / "model" / "target", tmp / "model" / "eagle3")
-    res = {b: _run(llm, b, tokens, timed) for b in batches}
+        clock.install()
+    llm = _engine(tmp / "model" / "target", tmp / "model" / "eagle3", history + tokens + 64)
+    res = {b: _run(llm, b, history, tokens, clock) for b in batches}
     (tmp / f"{mode}.json").write_text(json.dumps(res))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--batches", default="8,32")
-    ap.add_argument("--child", choices=("with", "without"))
-    ap.add_argument("--tmp")
-    args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    if args.child:
-        _child(Path(args.tmp), args.child, batches, args.tokens)
-        return
-    tmp = Path(tempfile.mkdtemp(prefix="plugin-bench-"))
-    from tests.e2e.tiny_model import build
+def _scripted(batch: int, history: int, steps: int, composite: bool) -> dict[str, float]:
+    """The hooks on a scripted scheduler (no engine: nothing else competes for the core or the GIL),
+    ``steps`` decode steps of ``batch`` requests with ``history``-token histories, 1-3 tokens a step."""
+    import random
+    from types import SimpleNamespace as NS
 
-    build(tmp / "model")
-    child = [
-        sys.executable,
-        __file__,
-        "--tmp",
-        str(tmp),
-        "--tokens",
-        str(args.tokens),
-        "--batches",
-        args.batches,
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "SPECCONTROL_PLUGIN"}
-    subprocess.run([*child, "--child", "without"], env=env, check=True)
+    import numpy as np
 
+    from controller.vllm.control import Controls, engine_info
+    from controller.vllm.engine_hooks import EngineHooks
+    from controller.vllm.ngram import NgramIndex
+    from controller.vllm.settings import PluginSettings
+    from policies.arms import Arm, Method
+    from policies.directive import Directive, KRange, PlanEntry
+    from policies.rules import validate_rule
+
+    max_k = 4
+    directive = Directive(version=1, policy="bench", reason="", ttl_s=0, issued_at_s=0, k_table=(KRange(1, 0, max_k),),
+                          method=Method.EAGLE3, plan=(PlanEntry("*", 1, 0, Arm(Method.EAGLE3, 3)),),
+                          rule=validate_rule("ngram_span", {}))  # fmt: skip
+    info = engine_info(engine_id="bench", model="m", method=Method.EAGLE3, max_k=max_k, max_batch_size=32,
+                       composite=composite)  # fmt: skip
+    ctl = Controls(
+        engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, max_k), composite=composite
+    )
+    link = NS(offer=lambda rec: True, fresh_directive=lambda: directive)
+    hooks = EngineHooks(settings=PluginSettings(sidecar="unix:///unused"), controls=ctl, link=link,  # type: ignore[arg-type]
+                        scorer=NgramIndex(max_k=max_k) if composite else None, method=Method.EAGLE3)  # fmt: skip
+    hooks.warm_up()
+    rng = random.Random(0)
+    ids = [f"req-{i}" for i in range(batch)]
+    reqs = {r: NS(_all_token_ids=[rng.randrange(1900) for _ in range(history)], sampling_params=None,
+                  arrival_time=0.0, is_finished=lambda: False) for r in ids}  # fmt: skip
+    sched = NS(requests=reqs, waiting=[], dynamic_sd_lookup=None)
+    drafts: dict[str, list[int]] = {r: [] for r in ids}
+    clock = HookClock()
+    clock.install()
+    for step in range(steps + 10):
+        clock.on = step >= 10
+        so = NS(scheduled_new_reqs=[], num_scheduled_tokens={r: 1 + len(drafts[r]) for r in ids},
+                scheduled_spec_decode_tokens={r: d for r, d in drafts.items() if d}, finished_req_ids=(),
+                total_num_scheduled_tokens=batch, num_spec_tokens_to_schedule=max_k)  # fmt: skip
+        hooks.before_schedule(sched)
+        hooks.after_schedule(sched, so)
+        before = hooks.before_update(sched, so)
+        gens = [[rng.randrange(1900) for _ in range(rng.randint(1, 3))] for _ in ids]
+        mro = NS(sampled_token_ids=gens, req_id_to_index={r: i for i, r in enumerate(ids)})
+        hooks.after_update(sched, so, mro, before)
+        drafts = dict(zip(ids, hooks.choose_drafts(ids, [[7] * max_k for _ in ids]), strict=True))
+    return clock.per_step(skip=0) | {
+        "steps": float(steps),
+        "history": float(np.mean([len(r._all_token_ids) for r in reqs.values()])),
+    }
+
+
+def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
+    from policies.jit import compiling
+
+    how = "compiled" if compiling() else "plain Python (numba not importable)"
+    print(
+        f"scripted scheduler, kernels {how}, {args.history}-token histories, {args.tokens} steps",
+        file=sys.stderr,
+    )
+    res = {(b, c): _scripted(b, args.history, args.tokens, c) for b in batches for c in (False, True)}
+    print(
+        f"{'batch':>5} {'K-table hooks µs':>17} {'composite hooks µs':>19} {'ratio':>6} {'composite wall µs':>18}"
+    )
+    for b in batches:
+        kt, c = res[(b, False)], res[(b, True)]
+        print(f"{b:>5} {kt['cpu_median']:>17.1f} {c['cpu_median']:>19.1f} {c['cpu_median'] / max(kt['cpu_median'], 1e-9):>6.2f} "
+              f"{c['wall_median']:>18.1f}")  # fmt: skip
+    if args.json:
+        doc = {
+            "us_per_step": {str(b): round(res[(b, True)]["cpu_median"], 1) for b in batches},
+            "history_tokens": args.history,
+            "mode": "composite-sync",
+            "statistic": "CPU time in the hooks per step, median; scripted scheduler, no engine",
+            "wall_us_per_step": {str(b): round(res[(b, True)]["wall_median"], 1) for b in batches},
+            "baseline_k_table_us_per_step": {
+                str(b): round(res[(b, False)]["cpu_median"], 1) for b in batches
+            },
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def _start_sidecar(tmp: Path) -> subprocess.Popen[bytes]:
     cfg = tmp / "sidecar.yaml"
     cfg.write_text(
         f"engine_listen: unix://{tmp}/e.sock\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n"
         f"state_dir: {tmp}/state\ndefault_policy: default\n"
     )
-    sidecar = subprocess.Popen([sys.executable, "-m", "controller.serve", "--config", str(cfg)], cwd=ROOT)
+    log = open(tmp / "sidecar.log", "wb")  # noqa: SIM115
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "controller.serve", "--config", str(cfg)], cwd=ROOT, stdout=log, stderr=log
+    )
+    deadline = time.monotonic() + SIDECAR_START_S
+    while not (tmp / "state" / "endpoints.json").exists():
+        if sidecar.poll() is not None or time.monotonic() > deadline:
+            sidecar.kill()
+            tail = (tmp / "sidecar.log").read_text(errors="replace")[-2000:]
+            why = f"exited with {sidecar.returncode}" if sidecar.returncode is not None else "did not come up"
+            raise RuntimeError(f"the sidecar {why} within {SIDECAR_START_S:.0f} s; its log ends:\n{tail}")
+        time.sleep(0.1)
+    return sidecar
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--history", type=int, default=2000, help="prompt tokens per request")
+    ap.add_argument("--tokens", type=int, default=96, help="decoded tokens per request")
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument(
+        "--scripted", action="store_true", help="time the hooks on a scripted scheduler (no vLLM, seconds)"
+    )
+    ap.add_argument("--json", metavar="FILE", help="write {us_per_step, history_tokens, mode, ...} here")
+    ap.add_argument("--child", choices=("without", "k-table", "composite"), help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = ap.parse_args()
     try:
-        while not (tmp / "state" / "endpoints.json").exists():
-            time.sleep(0.1)
-        env.update({"SPECCONTROL_PLUGIN": "1", "SPECCONTROL_SIDECAR": f"unix://{tmp}/e.sock"})
-        subprocess.run([*child, "--child", "with"], env=env, check=True)
-    finally:
-        sidecar.terminate()
-        sidecar.wait(10)
-    results = {
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
+    if args.history < 1 or args.tokens < 8 or not all(0 < b <= 32 for b in batches):
+        ap.error("need --history >= 1, --tokens >= 8 and batches in 1..32")
+    if args.scripted:
+        return _scripted_main(args, batches)
+    if args.child:
+        _child(Path(args.tmp), args.child, batches, args.history, args.tokens)
+        return 0
+    tmp = Path(tempfile.mkdtemp(prefix="plugin-bench-"))
+    from tests.e2e.tiny_model import build
+
+    build(tmp / "model")
+    child = [sys.executable, __file__, "--tmp", str(tmp), "--tokens", str(args.tokens), "--history",
+             str(args.history), "--batches", args.batches]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECCONTROL_PLUGIN", "SPECCONTROL_COMPOSITE")}
+    try:
+        print("plugin_overhead: engine without the plugin ...", file=sys.stderr, flush=True)
+        subprocess.run([*child, "--child", "without"], env=env, check=True, timeout=CHILD_TIMEOUT_S)
+        sidecar = _start_sidecar(tmp)
+        try:
+            env.update({"SPECCONTROL_PLUGIN": "1", "SPECCONTROL_SIDECAR": f"unix://{tmp}/e.sock"})
+            for mode, composite in (("k-table", "0"), ("composite", "1")):
+                print(f"plugin_overhead: engine with the plugin ({mode}) ...", file=sys.stderr, flush=True)
+                run_env = {**env, "SPECCONTROL_COMPOSITE": composite}
+                subprocess.run([*child, "--child", mode], env=run_env, check=True, timeout=CHILD_TIMEOUT_S)
+        finally:
+            sidecar.terminate()
+            sidecar.wait(10)
+    except (RuntimeError, subprocess.SubprocessError) as e:
+        print(f"plugin_overhead: {e}", file=sys.stderr)
+        return 1
+    res = {
         m: {int(b): r for b, r in json.loads((tmp / f"{m}.json").read_text()).items()}
-        for m in ("without", "with")
+        for m in ("without", "k-table", "composite")
     }
-    print(json.dumps(results, indent=1))
+    comp = res["composite"]
+    if not all(r.get("composite") for r in comp.values()):
+        print("plugin_overhead: the composite drafter did not run (see the engine log)", file=sys.stderr)
+        return 1
+    mode = "composite-async" if all(r.get("async") for r in comp.values()) else "composite-sync"
     print(
-        f"\n{'batch':>5}  {'steps':>6}  {'step µs (no plugin)':>20}  {'step µs (plugin)':>17}  {'plugin hooks µs/step':>21}"
+        f"{'batch':>5} {'steps':>6} {'engine step µs':>15} {'K-table hooks µs':>17} "
+        f"{'composite hooks µs':>19} {'ratio':>6} {'composite wall µs':>18}"
     )
     for b in batches:
-        w, p = results["without"][b], results["with"][b]
+        w, kt, c = res["without"][b], res["k-table"][b], comp[b]
+        ratio = c["cpu_median"] / max(kt["cpu_median"], 1e-9)
         print(
-            f"{b:>5}  {p['steps']:>6.0f}  {w['step_us']:>20.0f}  {p['step_us']:>17.0f}  {p['plugin_us']:>21.1f}"
+            f"{b:>5} {c['steps']:>6} {w['step_us']:>15.0f} {kt['cpu_median']:>17.1f} "
+            f"{c['cpu_median']:>19.1f} {ratio:>6.2f} {c['wall_median']:>18.1f}"
         )
+    print(
+        f"({mode}, {args.history}-token prompts; hooks: engine-thread CPU µs per decode step, median; "
+        "wall: the same in wall time, waits for a core or the GIL included; ratio: composite / "
+        "K-table-only, same run; engine step: wall time per step without the plugin)"
+    )
+    if args.json:
+        per_batch = {
+            name: {str(b): round(res[m][b][key], 1) for b in batches}
+            for name, m, key in (
+                ("us_per_step", "composite", "cpu_median"),
+                ("wall_us_per_step", "composite", "wall_median"),
+                ("baseline_k_table_us_per_step", "k-table", "cpu_median"),
+                ("engine_step_us_without_plugin", "without", "step_us"),
+            )
+        }
+        doc = {
+            "us_per_step": per_batch["us_per_step"],
+            "history_tokens": args.history,
+            "mode": mode,
+            "statistic": "engine-thread CPU time in the hooks per decode step, median",
+            **{k: v for k, v in per_batch.items() if k != "us_per_step"},
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

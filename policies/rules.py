@@ -26,6 +26,7 @@ simulator a whole proposal beat the planned K at every concurrency tried (drift,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.directive import Directive, RequestRule
+from policies.jit import kernel
 from policies.observation import NOT_SCORED
 from policies.params import Param, resolve
 
@@ -68,6 +70,168 @@ def validate_rule(kind: str, params: Mapping[str, Any], where: str = "rule") -> 
     return RequestRule(kind, resolve(RULES[kind], params, f"{where}.params"))
 
 
+_NO_RULE, _MARGIN, _SPAN = 0, 1, 2
+_RULE_CODES = {"none": _NO_RULE, "ngram_margin": _MARGIN, "ngram_span": _SPAN}
+
+
+def rule_args(directive: Directive) -> tuple[int, float, float, float]:
+    """The directive's rule as ``plan_row`` reads it: (code, p0, p1, p2)."""
+    rule = directive.rule
+    code = _RULE_CODES[rule.kind]
+    p = rule.params
+    if code == _MARGIN:
+        return code, float(p["margin"]), float(p["warmup_steps"]), 0.0
+    if code == _SPAN:
+        return code, float(p["min_run"]), float(p["when_off"]), float(p.get("fresh_k", 0))
+    return code, 0.0, 0.0, 0.0
+
+
+@kernel
+def plan_row(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    i: int,
+    m: int,
+    k: int,
+    rule: int,
+    p0: float,
+    p1: float,
+    p2: float,
+    prop: int,
+    max_k: int,
+) -> tuple[int, int]:
+    """The rule's override of slot ``i``'s planned (method, K); records the K drafted.
+
+    ngram_margin (p0 margin, p1 warm-up steps): n-gram where its average leads the planned method's
+    by the margin. ngram_span (p0 min_run, p1 when_off, p2 fresh_k): n-gram, K = the expected run,
+    inside a span; ``prop`` is the n-gram proposer's draft length here (0: no match, < 0: not
+    reported), which gates the switch and opens fresh spans (see the module's docstring)."""
+    if rule == _NO_RULE:
+        return m, k
+    if rule == _MARGIN:
+        ng = float(ewma[i, _NGRAM])
+        planned = float(ewma[i, m])
+        lead = (not math.isnan(ng)) and ng >= (0.0 if math.isnan(planned) else planned) + p0
+        if int(steps[i]) >= p1 and lead and m != _OFF and k > 0:
+            m = _NGRAM
+    elif rule == _SPAN:
+        r = float(run[i])
+        unknown = math.isnan(r)
+        known = (not unknown) and r >= p0
+        k_new = min(max(1.0 if unknown else r, 1.0), float(max_k))
+        if prop < 0:
+            switch = known
+        else:
+            fresh = prop > 0 and (unknown or r < 0)
+            switch = prop > 0 and (known or fresh)
+            if fresh:
+                k_new = p2 if p2 > 0 else float(max_k)
+            k_new = min(max(min(k_new, float(max(prop, 1))), 1.0), float(max_k))
+        if switch and (p1 != 0 or m != _OFF):
+            m = _NGRAM
+            k = int(k_new)
+    last_k[i] = 0 if m == _OFF else k
+    return m, k
+
+
+@kernel
+def _plan_rule(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    s: np.ndarray,
+    methods: np.ndarray,
+    ks: np.ndarray,
+    rule: int,
+    p0: float,
+    p1: float,
+    p2: float,
+    proposal: np.ndarray,
+    max_k: int,
+) -> None:
+    for j in range(len(s)):
+        m, k = plan_row(ewma, steps, run, last_k, int(s[j]), int(methods[j]), int(ks[j]), rule, p0, p1, p2,
+                        int(proposal[j]), max_k)  # fmt: skip
+        methods[j] = m
+        ks[j] = k
+
+
+@kernel
+def _mix(ewma: np.ndarray, i: int, m: int, x: float, alpha: float) -> None:
+    old = float(ewma[i, m])
+    ewma[i, m] = x if math.isnan(old) else (1 - alpha) * old + alpha * x
+
+
+@kernel
+def feedback_row(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    i: int,
+    m: int,
+    a: int,
+    cf_codes: np.ndarray,
+    cf: np.ndarray,
+    j: int,
+    cf_mixed: np.ndarray,
+    ngram_row: int,
+    alpha: float,
+    max_k: int,
+) -> None:
+    """Slot ``i``'s verified (method ``m``, ``a`` accepted) and counterfactual (``cf[:, j]``) counts
+    into its averages, and its expected n-gram run at its next position (see ``ngram_span``;
+    skipped until a rule recorded a K)."""
+    steps[i] += 1
+    if m != _OFF:
+        _mix(ewma, i, m, float(a), alpha)
+    for c in range(len(cf_codes)):
+        x = int(cf[c, j])
+        if cf_mixed[c] and x != NOT_SCORED:
+            _mix(ewma, i, int(cf_codes[c]), float(x), alpha)
+    if max_k <= 0:
+        return
+    ng = m == _NGRAM
+    score = a if ng else NOT_SCORED
+    cut = ng and a >= int(last_k[i])  # the draft ended at K, not at a rejection
+    if ngram_row >= 0 and not ng:
+        x = int(cf[ngram_row, j])
+        if x != NOT_SCORED:
+            score = x
+            cut = x >= max_k
+    if score == NOT_SCORED:
+        run[i] = math.nan
+    elif cut:
+        run[i] = float(max_k)
+    else:
+        # < 0: the position is past the span this draft was scored in (a match here is a fresh span).
+        run[i] = float(score - (0 if m == _OFF else a) - 1)
+
+
+@kernel
+def _feedback(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    s: np.ndarray,
+    methods: np.ndarray,
+    accepted: np.ndarray,
+    cf_codes: np.ndarray,
+    cf: np.ndarray,
+    cf_mixed: np.ndarray,
+    ngram_row: int,
+    alpha: float,
+    max_k: int,
+) -> None:
+    for j in range(len(s)):
+        feedback_row(ewma, steps, run, last_k, int(s[j]), int(methods[j]), int(accepted[j]), cf_codes, cf, j,
+                     cf_mixed, ngram_row, alpha, max_k)  # fmt: skip
+
+
 class FastLoop:
     """Per-request state and the rule, as the engine runs them each step.
 
@@ -79,27 +243,34 @@ class FastLoop:
         self._free: list[int] = []
         self._ewma = np.zeros((capacity, len(Method)))  # accepted tokens per step, per method
         self._steps = np.zeros(capacity, dtype=np.int64)
-        # Expected n-gram run at the request's next position (NaN: unknown; < 0: past the span it was
-        # scored in, 0 after a scored draft: the span ends there), and the K it last drafted.
+        # Expected n-gram run at the request's next position (NaN: unknown), and the K it last drafted.
         self._run = np.full(capacity, np.nan)
         self._k = np.zeros(capacity, dtype=np.int64)
         self._max_k = 0
 
     def slots(self, request_ids: Sequence[str]) -> np.ndarray:
-        out = np.empty(len(request_ids), dtype=np.int64)
-        for j, rid in enumerate(request_ids):
-            s = self._slot.get(rid)
-            if s is None:
-                s = self._free.pop() if self._free else len(self._slot)
-                if s >= len(self._steps):
-                    self._grow()
-                self._slot[rid] = s
-                self._ewma[s] = np.nan
-                self._steps[s] = 0
-                self._run[s] = np.nan
-                self._k[s] = 0
-            out[j] = s
-        return out
+        """Each request's slot (a new request gets a free one, its state reset)."""
+        get = self._slot.get
+        found = [get(rid, -1) for rid in request_ids]
+        if -1 in found:
+            for j, rid in enumerate(request_ids):
+                if found[j] < 0:
+                    found[j] = self._new_slot(rid)
+        return np.array(found, dtype=np.int64)
+
+    def _new_slot(self, rid: str) -> int:
+        s = self._slot.get(rid)  # a request listed twice gets one slot
+        if s is not None:
+            return s
+        s = self._free.pop() if self._free else len(self._slot)
+        if s >= len(self._steps):
+            self._grow()
+        self._slot[rid] = s
+        self._ewma[s] = np.nan
+        self._steps[s] = 0
+        self._run[s] = np.nan
+        self._k[s] = 0
+        return s
 
     def _grow(self) -> None:
         n = len(self._steps)
@@ -108,10 +279,12 @@ class FastLoop:
         self._run = np.concatenate([self._run, np.full(n, np.nan)])
         self._k = np.concatenate([self._k, np.zeros(n, dtype=np.int64)])
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> int | None:
+        """Forget a request; returns the slot it held (None: it held none)."""
         s = self._slot.pop(request_id, None)
         if s is not None:
             self._free.append(s)
+        return s
 
     def plan(
         self,
@@ -120,53 +293,46 @@ class FastLoop:
         traffic_classes: Sequence[str],
         batch_size: int,
         max_k: int,
+        *,
+        slots: np.ndarray | None = None,
         ngram_proposal: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Method codes and K for each request of the next step.
+        """Method codes and K for each request of the next step (``slots``: ``self.slots(request_ids)``
+        where the caller has it already).
 
         ``ngram_proposal``: per request, the n-gram proposer's draft length at its current position
         (0: no match), computed before this step drafts; None where the engine does not report it.
         """
         n = len(request_ids)
-        methods = np.empty(n, dtype=np.int8)
-        ks = np.empty(n, dtype=np.int32)
         by_class: dict[str, tuple[int, int]] = {}
-        for j, c in enumerate(traffic_classes):
-            mk = by_class.get(c)
-            if mk is None:
-                arm = directive.arm_for(c, batch_size)
-                mk = by_class[c] = (METHOD_CODES[arm.method], min(arm.k, max_k))
-            methods[j], ks[j] = mk
-        rule = directive.rule
-        if rule.kind == "ngram_margin" and n:
-            s = self.slots(request_ids)
-            ng = self._ewma[s, _NGRAM]
-            planned = self._ewma[s, methods.astype(np.int64)]
-            ready = self._steps[s] >= int(rule.params["warmup_steps"])
-            lead = np.nan_to_num(ng, nan=-np.inf) >= np.nan_to_num(planned, nan=0.0) + rule.params["margin"]
-            switch = ready & lead & (methods != _OFF) & (ks > 0)
-            methods[switch] = _NGRAM
-        elif rule.kind == "ngram_span" and n:
-            s = self.slots(request_ids)
-            run = self._run[s]
-            known = np.nan_to_num(run, nan=0.0) >= rule.params["min_run"]
-            k_new = np.clip(np.nan_to_num(run, nan=1.0), 1, max_k)
-            if ngram_proposal is None:
-                switch = known
-            else:
-                prop = np.asarray(ngram_proposal)
-                fresh = (prop > 0) & (np.isnan(run) | (run < 0))
-                switch = (prop > 0) & (known | fresh)
-                fk = int(rule.params.get("fresh_k", 0))
-                k_new = np.where(fresh, float(fk if fk > 0 else max_k), k_new)
-                k_new = np.clip(np.minimum(k_new, np.maximum(prop, 1)), 1, max_k)
-            if not int(rule.params["when_off"]):
-                switch &= methods != _OFF
-            methods[switch] = _NGRAM
-            ks[switch] = k_new[switch].astype(np.int32)
-        if n and rule.kind != "none":
+
+        def arm(c: str) -> tuple[int, int]:
+            a = directive.arm_for(c, batch_size)
+            mk = by_class[c] = (METHOD_CODES[a.method], min(a.k, max_k))
+            return mk
+
+        if n and len(set(traffic_classes)) == 1:
+            m0, k0 = arm(traffic_classes[0])
+            methods = np.full(n, m0, dtype=np.int8)
+            ks = np.full(n, k0, dtype=np.int32)
+        else:
+            pairs = np.array([by_class.get(c) or arm(c) for c in traffic_classes], dtype=np.int32).reshape(
+                n, 2
+            )
+            methods = pairs[:, 0].astype(np.int8)
+            ks = np.ascontiguousarray(pairs[:, 1])
+        code, p0, p1, p2 = rule_args(directive)
+        if n and code != _NO_RULE:
             self._max_k = max_k
-            self._k[self.slots(request_ids)] = np.where(methods == _OFF, 0, ks)
+            slots = self.slots(request_ids) if slots is None else slots  # first: it may grow the arrays
+            prop = (
+                np.full(n, -1, dtype=np.int64)
+                if ngram_proposal is None
+                else np.asarray(ngram_proposal, dtype=np.int64)
+            )
+            _plan_rule(
+                self._ewma, self._steps, self._run, self._k, slots, methods, ks, code, p0, p1, p2, prop, max_k
+            )
         return methods, ks
 
     def feedback(
@@ -177,45 +343,57 @@ class FastLoop:
         counterfactual: Mapping[Method, np.ndarray],
         alpha: float = 0.3,
         depth: Mapping[Method, int] | None = None,
+        *,
+        slots: np.ndarray | None = None,
     ) -> None:
         """Fold one step's verified and counterfactual accepted counts into the moving averages.
 
         Counterfactuals with a limited ``depth`` (e.g. an EAGLE head's first position) are not on the
         same scale as full drafts, so they stay out of the averages the rule compares.
         """
-        if not len(request_ids):
+        n = len(request_ids)
+        if not n:
             return
-        s = self.slots(request_ids)
-        self._steps[s] += 1
-        verified = methods != _OFF
-        self._mix(s[verified], methods[verified].astype(np.int64), accepted[verified], alpha)
-        for m, cf in counterfactual.items():
-            if depth and m in depth:
-                continue
-            ok = cf != NOT_SCORED
-            col = np.full(int(ok.sum()), METHOD_CODES[m], dtype=np.int64)
-            self._mix(s[ok], col, cf[ok], alpha)
-        self._span(s, methods, np.asarray(accepted), counterfactual.get(Method.NGRAM))
+        codes = np.array([METHOD_CODES[m] for m in counterfactual], dtype=np.int64)
+        mixed = np.array([not (depth and m in depth) for m in counterfactual], dtype=np.bool_)
+        cf = np.empty((len(codes), n), dtype=np.int64)
+        for row, v in enumerate(counterfactual.values()):
+            cf[row] = v
+        ngram_row = list(counterfactual).index(Method.NGRAM) if Method.NGRAM in counterfactual else -1
+        slots = self.slots(request_ids) if slots is None else slots  # first: it may grow the arrays
+        _feedback(
+            self._ewma,
+            self._steps,
+            self._run,
+            self._k,
+            slots,
+            np.asarray(methods, dtype=np.int64),
+            np.asarray(accepted, dtype=np.int64),
+            codes,
+            cf,
+            mixed,
+            ngram_row,
+            float(alpha),
+            self._max_k,
+        )
 
-    def _span(self, s: np.ndarray, methods: np.ndarray, accepted: np.ndarray, cf: np.ndarray | None) -> None:
-        """The expected n-gram run at each request's next position (see ``ngram_span``)."""
-        max_k = self._max_k
-        if max_k <= 0:
-            return
-        ng = methods == _NGRAM
-        score = np.where(ng, accepted, NOT_SCORED)
-        cut = ng & (accepted >= self._k[s])  # the draft ended at K, not at a rejection
-        if cf is not None:
-            from_cf = ~ng & (cf != NOT_SCORED)
-            score = np.where(from_cf, cf, score)
-            cut |= from_cf & (cf >= max_k)
-        step = np.where(methods == _OFF, 0, accepted) + 1
-        run = np.where(cut, float(max_k), score.astype(np.float64) - step)
-        self._run[s] = np.where(score == NOT_SCORED, np.nan, run)
+    @property
+    def capacity(self) -> int:
+        return len(self._steps)
 
-    def _mix(self, s: np.ndarray, col: np.ndarray, x: np.ndarray, alpha: float) -> None:
-        old = self._ewma[s, col]
-        self._ewma[s, col] = np.where(np.isnan(old), x, (1 - alpha) * old + alpha * x)
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The per-slot state for a caller's own kernel (``plan_row`` / ``feedback_row``): the moving
+        averages (slot x method code), steps, expected n-gram run, and last K drafted. Arrays are
+        replaced when the loop grows (call ``slots`` first)."""
+        return self._ewma, self._steps, self._run, self._k
+
+    def note_max_k(self, max_k: int) -> None:
+        """A caller that runs ``plan_row`` itself records the engine's max K here (see ``plan``)."""
+        self._max_k = max_k
+
+    @property
+    def max_k(self) -> int:
+        return self._max_k
 
     def estimate(self, request_id: str, method: Method) -> float:
         s = self._slot.get(request_id)

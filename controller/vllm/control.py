@@ -14,7 +14,8 @@ import numpy as np
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
-from policies.engine_rules import clamp_plan, playable_codes, safe_default_directive
+from policies.engine_rules import safe_default_directive
+from policies.jit import kernel
 from policies.rules import FastLoop
 
 _OFF = METHOD_CODES[Method.OFF]
@@ -73,7 +74,7 @@ class Controls:
         self.fast = FastLoop(capacity=capacity)
         self._table_key: tuple[int, str] | None = None
         self._table: list[int] = []
-        self._playable = playable_codes((method, Method.NGRAM) if composite else (method,))
+        self._method_code = METHOD_CODES[method]
 
     def in_force(self, fresh: Directive | None) -> Directive:
         return self.safe if fresh is None else fresh
@@ -94,29 +95,82 @@ class Controls:
         self._table_key, self._table = key, table
         return table
 
-    def plan(self, d: Directive, request_ids: Sequence[str], classes: Sequence[str], batch_size: int) -> Plan:
-        """The fast loop's choice for each request's next draft."""
-        methods, ks = self.fast.plan(d, request_ids, classes, batch_size, self.engine.max_k)
-        # Without the composite drafter only the configured method (or nothing) can be drafted.
-        methods, ks = clamp_plan(
-            methods, ks, playable=self._playable, fallback=self.method, max_k=self.engine.max_k
-        )
+    def plan(
+        self,
+        d: Directive,
+        request_ids: Sequence[str],
+        classes: Sequence[str],
+        batch_size: int,
+        *,
+        slots: np.ndarray | None = None,
+    ) -> Plan:
+        """The fast loop's choice for each request's next draft (``slots``: the fast loop's, if known)."""
+        methods, ks = self.fast.plan(d, request_ids, classes, batch_size, self.engine.max_k, slots=slots)
+        _restrict(methods, ks, self._method_code, self.composite)
         return Plan(methods, ks)
 
     def choose_drafts(
         self,
         plan: Plan,
         configured: Sequence[Sequence[int]],
-        ngram: Sequence[np.ndarray | None],
+        ngram: Sequence[Sequence[int]],
+        ngram_len: np.ndarray,
     ) -> list[list[int]]:
-        """Per request: the configured drafter's draft, the n-gram draft or nothing, cut to its K."""
-        out: list[list[int]] = []
-        for j, (m, k) in enumerate(zip(plan.method.tolist(), plan.k.tolist(), strict=True)):
-            if m == _OFF or k <= 0:
-                out.append([])
-            elif m == _NGRAM and self.composite:
-                d = ngram[j]
-                out.append([] if d is None else d[:k].tolist())
-            else:
-                out.append(list(configured[j][:k]))
-        return out
+        """Per request: the configured drafter's draft, the n-gram draft (``ngram[j][:ngram_len[j]]``)
+        or nothing, cut to its K."""
+        src, n = _sources(plan.method, plan.k, np.asarray(ngram_len, dtype=np.int64), self.composite)
+        return pick_drafts(src, n, configured, ngram)
+
+
+def pick_drafts(
+    src: np.ndarray, n: np.ndarray, configured: Sequence[Sequence[int]], ngram: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Per request the first ``n[j]`` tokens of the draft ``src[j]`` names (see ``source_row``)."""
+    return [
+        (list(c[:k]) if s == _CONFIGURED else list(g[:k])) if s else []
+        for s, k, c, g in zip(src.tolist(), n.tolist(), configured, ngram, strict=True)
+    ]
+
+
+_NONE, _CONFIGURED, _NGRAM_DRAFT = 0, 1, 2
+
+
+@kernel
+def restrict_row(m: int, k: int, configured: int, composite: bool) -> tuple[int, int]:
+    """Only the configured method, n-gram (composite drafter) or nothing; K 0 is off."""
+    if not composite:
+        # Only the configured method (or nothing) can be drafted without the composite drafter.
+        m = _OFF if m == _OFF else configured
+    elif m != _OFF and m != _NGRAM and m != configured:
+        m = configured
+    k = 0 if m == _OFF else k
+    return (_OFF if k == 0 else m), k
+
+
+@kernel
+def source_row(m: int, k: int, ngram_len: int, composite: bool) -> tuple[int, int]:
+    """Which draft a request gets (none, configured, n-gram) and how many of its tokens."""
+    if m == _OFF or k <= 0:
+        return _NONE, 0
+    if m == _NGRAM and composite:
+        return _NGRAM_DRAFT, min(k, ngram_len)
+    return _CONFIGURED, k
+
+
+@kernel
+def _restrict(methods: np.ndarray, ks: np.ndarray, configured: int, composite: bool) -> None:
+    for j in range(len(methods)):
+        m, k = restrict_row(int(methods[j]), int(ks[j]), configured, composite)
+        methods[j] = m
+        ks[j] = k
+
+
+@kernel
+def _sources(
+    methods: np.ndarray, ks: np.ndarray, ngram_len: np.ndarray, composite: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    src = np.zeros(len(methods), dtype=np.int64)
+    n = np.zeros(len(methods), dtype=np.int64)
+    for j in range(len(methods)):
+        src[j], n[j] = source_row(int(methods[j]), int(ks[j]), int(ngram_len[j]), composite)
+    return src, n

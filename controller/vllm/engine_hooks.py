@@ -14,6 +14,8 @@ Everything the plugin does happens in the engine-core process, between steps:
   request's next draft and the scheduler receives, per request, the EAGLE draft, the n-gram draft
   (vLLM's n-gram matcher on the same tokens) or nothing, cut to that request's K.
 
+The per-request work of both update hooks runs as one compiled batch kernel each (``hotpath.py``).
+
 Because the choice is made where the scheduler holds the drafts, no per-request choice has to travel
 to the worker process. Any exception in a hook disables the plugin for the engine's lifetime (logged
 once) and leaves vLLM's behaviour as configured: a plugin bug must never stop serving.
@@ -22,7 +24,9 @@ once) and leaves vLLM's behaviour as configured: a plugin bug must never stop se
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import operator
 import os
 import socket
 import time
@@ -33,17 +37,17 @@ import numpy as np
 
 from controller.convert import hello_from_engine_info
 from controller.vllm.control import Controls, engine_info
+from controller.vllm.hotpath import ACCEPTED, CF, CLASS, DRAFTED, METHOD, K, StepKernel
 from controller.vllm.link import SidecarLink
-from controller.vllm.ngram import Matcher, NgramScorer, match_ngram
+from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
+from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
-from policies.arms import METHOD_CODES, Arm, Method
-from policies.observation import NOT_SCORED
+from policies.arms import Arm, Method
+from policies.jit import compiling
 
 log = logging.getLogger("speccontrol.vllm")
-
-_OFF = METHOD_CODES[Method.OFF]
-_NGRAM = METHOD_CODES[Method.NGRAM]
+_is_finished = operator.methodcaller("is_finished")
 
 
 def configured_method(spec: Any) -> Method | None:
@@ -56,21 +60,6 @@ def configured_method(spec: Any) -> Method | None:
     return None
 
 
-def _vllm_matcher() -> Matcher:
-    try:
-        from vllm.v1.spec_decode import ngram_proposer  # type: ignore[import-not-found]
-
-        find = ngram_proposer._find_longest_matched_ngram_and_propose_tokens
-    except ImportError:  # pragma: no cover - depends on the vLLM build
-        return match_ngram
-
-    def m(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
-        return find(tokens, min_n, max_n, max_model_len, k)  # type: ignore[no-any-return]
-
-    m(np.arange(8, dtype=np.int32) % 3, 1, 3, 1 << 20, 4)  # compile now, not in the first step
-    return m
-
-
 class EngineHooks:
     """The plugin's state for one scheduler."""
 
@@ -80,7 +69,7 @@ class EngineHooks:
         settings: PluginSettings,
         controls: Controls,
         link: SidecarLink,
-        scorer: NgramScorer | None,
+        scorer: NgramIndex | None,
         method: Method,
         trace: TextIO | None = None,
         wall: Callable[[], float] = time.time,
@@ -94,12 +83,11 @@ class EngineHooks:
         self.trace = trace
         self.wall, self.perf = wall, perf
         self.directive = controls.safe
-        self._classes: dict[str, str] = {}
-        self._verifying: dict[str, tuple[int, int]] = {}  # request -> (method code, K) of its pending draft
+        self.rows = RequestTable(configured=method, max_k=controls.engine.max_k)
+        self.kernels = StepKernel(controls=controls, rows=self.rows, scorer=scorer)
         self._t0 = 0.0
         self._queue_len = 0
         self._queue_wait = 0.0
-        self._method_code = METHOD_CODES[method]
         self.original_lookup: list[int] | None = None
 
     @classmethod
@@ -148,12 +136,11 @@ class EngineHooks:
             credentials=settings.credentials(),
         )
         scorer = (
-            NgramScorer(
+            NgramIndex(
                 max_k=max_k,
                 min_n=settings.ngram_min,
                 max_n=settings.ngram_max,
                 max_model_len=int(vc.model_config.max_model_len),
-                matcher=_vllm_matcher(),
             )
             if composite
             else None
@@ -170,6 +157,7 @@ class EngineHooks:
             settings=settings, controls=controls, link=link, scorer=scorer, method=method, trace=trace
         )
         hooks.original_lookup = scheduler.dynamic_sd_lookup
+        hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
         log.info(
             "speccontrol: engine %s attached to %s (%s, max K %d, %s)",
@@ -211,83 +199,63 @@ class EngineHooks:
 
     def after_update(self, scheduler: Any, scheduler_output: Any, mro: Any, requests: dict[str, Any]) -> None:
         sampled = mro.sampled_token_ids
-        index = mro.req_id_to_index
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        ids: list[str] = []
-        classes: list[str] = []
-        rows: list[tuple[int, int, int, int, int, bool]] = []
-        live = scheduler.requests
-        for rid, req in requests.items():
-            if req is None or not sampled:
-                continue
-            i = index.get(rid)
-            gen = sampled[i] if i is not None and i < len(sampled) else []
-            if not gen:
-                continue  # a prefill chunk: nothing sampled
-            spec = spec_tokens.get(rid)
-            drafted = len(spec) if spec else 0
-            accepted = max(len(gen) - 1, 0) if drafted else 0
-            code, k = self._verifying.pop(rid, (self._method_code if drafted else _OFF, drafted))
-            if drafted == 0 and code != _NGRAM:
-                code, k = _OFF, 0
-            k = max(k, drafted)
-            finished = rid not in live or req.is_finished()
-            cf = NOT_SCORED
+        n_sampled = len(sampled) if sampled else 0
+        index = mro.req_id_to_index.get
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        # The rows: requests that sampled this step (a prefill chunk samples nothing).
+        ids = [
+            rid
+            for rid, req in requests.items()
+            if req is not None and (i := index(rid, n_sampled)) < n_sampled and sampled[i]
+        ]
+        n = len(ids)
+        gens = [sampled[index(rid)] for rid in ids]
+        # Per-request reads through map (C loops): the step's budget has no room for Python frames per request.
+        drafted = np.fromiter(map(len, map(spec.get, ids, itertools.repeat(()))), dtype=np.int64, count=n)
+        finished = np.fromiter(
+            map(_is_finished, map(requests.__getitem__, ids)), dtype=np.bool_, count=n
+        ) | ~np.fromiter(map(scheduler.requests.__contains__, ids), dtype=np.bool_, count=n)
+
+        def start(j: int, slot: int) -> None:  # a request the plugin has not seen
+            req = requests[ids[j]]
+            self.rows.set_class(slot, self._traffic_class(req))
             if self.scorer is not None:
-                if rid in self.scorer:
-                    cf = self.scorer.extend(rid, gen)
-                else:
-                    self.scorer.start(rid, req._all_token_ids)
-                if code == _NGRAM:
-                    cf = NOT_SCORED  # verified, not counterfactual
-                cf = min(cf, self.controls.engine.max_k)
-            cls = self._classes.get(rid)
-            if cls is None:
-                cls = self._classes[rid] = self._traffic_class(req)
-            ids.append(rid)
-            classes.append(cls)
-            rows.append((code, k, drafted, accepted, cf, finished))
+                self.scorer.start(slot, req._all_token_ids)
+
+        alpha = float(self.directive.rule.params.get("alpha", 0.3))
+        cols, _ = self.kernels.after_update(ids, gens, drafted, finished, alpha, start)
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
         # A decode row schedules one token plus its draft; anything beyond that is prompt (a prefill
-        # chunk), whose time is in this step's duration too.
-        prefill = sum(
-            max(n - 1 - len(spec_tokens.get(rid) or ()), 0)
-            for rid, n in scheduler_output.num_scheduled_tokens.items()
-        )
-        cols = np.array(rows, dtype=np.int32).reshape(-1, 6)
-        methods = cols[:, 0].astype(np.int8)
-        finished_col = cols[:, 5].astype(bool)
+        # chunk), whose time is in this step's duration too. (vLLM trims a row's draft to what it
+        # schedules, so no row holds less than its one token plus its draft.)
+        scheduled = scheduler_output.num_scheduled_tokens
+        prefill = max(sum(scheduled.values()) - len(scheduled) - sum(map(len, spec.values())), 0)
         rec = StepRecord(
             time_s=now,
             duration_s=duration,
-            batch_size=max(len(scheduler_output.num_scheduled_tokens), len(ids)),
+            batch_size=max(len(scheduler_output.num_scheduled_tokens), n),
             queue_length=self._queue_len,
             queue_wait_s=self._queue_wait,
             scheduled_k=int(scheduler_output.num_spec_tokens_to_schedule or 0),
             directive_version=self.directive.version,
             request_id=tuple(ids),
-            traffic_class=tuple(classes),
-            method=methods,
-            k=cols[:, 1],
-            drafted=cols[:, 2],
-            accepted=cols[:, 3],
-            cf_ngram=cols[:, 4],
-            finished=finished_col,
+            class_names=self.rows.class_names,
+            class_index=cols[CLASS],
+            method=cols[METHOD],
+            k=cols[K],
+            drafted=cols[DRAFTED],
+            accepted=cols[ACCEPTED],
+            cf_ngram=cols[CF],
+            finished=finished,
             prefill_tokens=int(prefill),
         )
-        if ids:
-            counterfactual = {Method.NGRAM: rec.cf_ngram} if self.scorer is not None else {}
-            alpha = float(self.directive.rule.params.get("alpha", 0.3))
-            self.controls.fast.feedback(list(ids), methods, rec.accepted, counterfactual, alpha=alpha)
-        for j, rid in enumerate(ids):
-            if finished_col[j]:
-                self._release(rid)
-            elif self.scorer is not None:
-                self.scorer.propose(rid)
+        if finished.any():
+            for j in np.flatnonzero(finished).tolist():
+                self._release(ids[j])
         for rid in scheduler_output.finished_req_ids:
             self._release(rid)
-        if not ids and not scheduler_output.total_num_scheduled_tokens:
+        if not n and not scheduler_output.total_num_scheduled_tokens:
             return  # an idle step: nothing ran
         self.link.offer(rec)
         if self.trace is not None:
@@ -300,22 +268,43 @@ class EngineHooks:
         return str(c)[:64] if c else "default"
 
     def _release(self, rid: str) -> None:
-        self._classes.pop(rid, None)
-        self._verifying.pop(rid, None)
-        self.controls.fast.release(rid)
-        if self.scorer is not None:
-            self.scorer.release(rid)
+        s = self.controls.fast.release(rid)
+        if s is not None:
+            self.rows.release(s)
+            if self.scorer is not None:
+                self.scorer.release(s)
 
     # -- update_draft_token_ids (synchronous scheduling) -----------------------------------------
 
     def choose_drafts(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        classes = [self._classes.get(r, "default") for r in req_ids]
-        plan = self.controls.plan(self.directive, req_ids, classes, len(req_ids))
-        ngram = [self.scorer.draft(r) for r in req_ids] if self.scorer is not None else [None] * len(req_ids)
-        chosen = self.controls.choose_drafts(plan, drafts, ngram)
-        for rid, m, k in zip(req_ids, plan.method.tolist(), plan.k.tolist(), strict=True):
-            self._verifying[rid] = (m, k)
-        return chosen
+        return self.kernels.choose(self.directive, req_ids, drafts)
+
+    def warm_up(self) -> None:
+        """Run every step kernel once on throwaway state, so numba compiles before serving (growth
+        paths included: a tiny arena and a table past half load)."""
+        if not compiling():
+            return
+        t = time.perf_counter()
+        method, max_k = self.method, self.controls.engine.max_k
+        ctl = Controls(engine=self.controls.engine, method=method, safe_default=Arm(method, max_k),
+                       composite=self.controls.composite, capacity=4)  # fmt: skip
+        rows = RequestTable(configured=method, max_k=max_k, capacity=4)
+        ix = None
+        if self.scorer is not None:
+            ix = NgramIndex(max_k=max_k, min_n=self.scorer.min_n, max_n=self.scorer.max_n, capacity=4)
+            ix._pool = ix._pool[:8]
+        k = StepKernel(controls=ctl, rows=rows, scorer=ix)
+        history = (np.arange(3000) % 1009).tolist()
+
+        def start(j: int, slot: int) -> None:
+            rows.set_class(slot, "default")
+            if ix is not None:
+                ix.start(slot, history)
+
+        for _ in range(2):
+            k.after_update(["a"], [[1]], np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.bool_), 0.3, start)
+            k.choose(ctl.safe, ["a"], [[1] * max_k])
+        log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
     def close(self) -> None:
         self.link.close()

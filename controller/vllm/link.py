@@ -2,7 +2,8 @@
 
 The engine step calls ``offer`` (never blocks: a full queue drops the step and counts it) and
 ``directive`` (a lock-free read of the latest directive and when it arrived). One background thread
-owns the stream: it sends the Hello, batches queued steps into ``StepReportBatch`` messages, stores
+owns the stream: it sends the Hello, every ``flush_s`` batches the queued steps into ``StepReportBatch``
+messages (the engine step never wakes it: ``offer`` is one deque append), stores
 every Directive it receives, and reconnects with backoff when the sidecar goes away.
 
 Sequences run across streams for this engine process (``Hello.instance_id``). A sidecar that
@@ -13,7 +14,6 @@ and resend the rest after a reconnect, so a lost stream neither loses nor double
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -81,7 +81,11 @@ class SidecarLink:
         self.flush_s = flush_s
         self.backoff_s = backoff_s
         self.clock = clock
-        self._queue: queue.Queue[StepRecord] = queue.Queue(maxsize=queue_size)
+        # Steps waiting for the sender. A deque (append/popleft are atomic), not a queue.Queue: the
+        # engine step must not wake the sender thread (a lock release and a GIL hand-off per step
+        # cost more than the plugin's whole step); the sender drains it every flush_s instead.
+        self._queue: deque[StepRecord] = deque()
+        self.queue_size = queue_size
         self._latest: Received | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,12 +101,11 @@ class SidecarLink:
     # -- engine side (called from the engine step; must stay cheap) -----------------------------
 
     def offer(self, record: StepRecord) -> bool:
-        try:
-            self._queue.put_nowait(record)
-            return True
-        except queue.Full:
+        if len(self._queue) >= self.queue_size:
             self._dropped += 1
             return False
+        self._queue.append(record)
+        return True
 
     def directive(self) -> Received | None:
         return self._latest
@@ -232,18 +235,12 @@ class SidecarLink:
             self.resent_batches += 1
             yield pb.EngineMessage(reports=batch)
         while not done.is_set() and not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=self.flush_s)
-            except queue.Empty:
+            if not self._queue:
+                done.wait(self.flush_s)
                 continue
-            steps = [first]
-            deadline = time.monotonic() + self.flush_s
-            while len(steps) < self.batch_max:
-                left = deadline - time.monotonic()
-                try:
-                    steps.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            steps: list[StepRecord] = []
+            while self._queue and len(steps) < self.batch_max:
+                steps.append(self._queue.popleft())
             self._sequence += 1
             dropped = self._dropped - self._dropped_reported
             self._dropped_reported += dropped

@@ -1,8 +1,9 @@
 """One engine step as the plugin records it: cheap to build in the step, converted to protobuf later.
 
-The engine step only fills numpy columns; the background sender turns them into a ``StepReport`` (in
-its columnar form, which the sidecar reads in one pass) so protobuf work never lands on the engine's
-critical path.
+The engine step only fills numpy columns (traffic classes as indices into the plugin's class table,
+no Python object per request but the id); the background sender turns them into a ``StepReport`` (in
+its columnar form, which the sidecar reads in one pass, naming only the classes the step uses) so
+protobuf work never lands on the engine's critical path.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class StepRecord:
     scheduled_k: int
     directive_version: int
     request_id: tuple[str, ...]
-    traffic_class: tuple[str, ...]
+    #: Each request's traffic class: ``class_names[class_index[j]]`` (the table may name more classes).
+    class_names: tuple[str, ...]
+    class_index: np.ndarray
     method: np.ndarray  # int8 method codes of the verified draft
     k: np.ndarray
     drafted: np.ndarray
@@ -39,8 +42,8 @@ class StepRecord:
 
     def to_pb(self) -> pb.StepReport:
         """The step in the columnar wire form (``StepReport.columns``): one packed field per column."""
-        index: dict[str, int] = {}
-        class_idx = [index.setdefault(c, len(index)) for c in self.traffic_class]
+        used, class_idx = np.unique(self.class_index, return_inverse=True)
+        names = self.class_names
         # A counterfactual nobody scored is left out, as the per-request rows leave the map entry out.
         scored = bool((self.cf_ngram != NOT_SCORED).any())
         return pb.StepReport(
@@ -52,8 +55,8 @@ class StepRecord:
             scheduled_k=self.scheduled_k,
             columns=pb.RequestColumns(
                 request_id=self.request_id,
-                classes=list(index),
-                traffic_class=class_idx,
+                classes=[names[i] for i in used.tolist()],
+                traffic_class=class_idx.tolist(),
                 method=self.method.tolist(),
                 k=self.k.tolist(),
                 drafted=self.drafted.tolist(),
@@ -82,7 +85,7 @@ class StepRecord:
             "reqs": [
                 {
                     "id": rid,
-                    "class": self.traffic_class[j],
+                    "class": self.class_names[int(self.class_index[j])],
                     "method": METHODS_BY_CODE[int(self.method[j])].value,
                     "k": int(self.k[j]),
                     "drafted": int(self.drafted[j]),

@@ -73,8 +73,8 @@ def test_plan_per_class_and_drafts_cut_to_k() -> None:
     p = c.plan(d, ["a", "b", "c"], ["code", "chat", "bulk"], 3)
     assert p.method.tolist() == [N, E, OFF] and p.k.tolist() == [2, 3, 0]
     eagle = [[1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]]
-    ngram = [np.array([9, 8, 7]), np.array([6]), None]
-    assert c.choose_drafts(p, eagle, ngram) == [[9, 8], [2, 2, 2], []]
+    ngram = [[9, 8, 7, 0], [6, 0, 0, 0], [0, 0, 0, 0]]
+    assert c.choose_drafts(p, eagle, ngram, np.array([3, 1, 0])) == [[9, 8], [2, 2, 2], []]
 
 
 def test_without_composite_ngram_plan_falls_back_to_configured_method() -> None:

@@ -56,7 +56,7 @@ def _serve(fake: FakeSidecar, target: str) -> grpc.Server:
 def _record(i: int) -> StepRecord:
     return StepRecord(
         time_s=float(i), duration_s=0.01, batch_size=1, queue_length=0, queue_wait_s=0.0, scheduled_k=2,
-        directive_version=1, request_id=(f"r{i}",), traffic_class=("code",),
+        directive_version=1, request_id=(f"r{i}",), class_names=("code",), class_index=np.zeros(1, dtype=np.int32),
         method=np.array([0], dtype=np.int8), k=np.array([2], dtype=np.int32),
         drafted=np.array([2], dtype=np.int32), accepted=np.array([1], dtype=np.int32),
         cf_ngram=np.array([2], dtype=np.int32), finished=np.array([False]),

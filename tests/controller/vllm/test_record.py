@@ -26,7 +26,8 @@ def record(cf: list[int]) -> StepRecord:
     codes = [METHOD_CODES[m] for m in (Method.EAGLE3, Method.NGRAM, Method.OFF, Method.EAGLE3)]
     return StepRecord(
         time_s=5.0, duration_s=0.02, batch_size=6, queue_length=3, queue_wait_s=0.1, scheduled_k=2,
-        directive_version=7, request_id=("a", "b", "c", "d"), traffic_class=("chat", "code", "chat", ""),
+        directive_version=7, request_id=("a", "b", "c", "d"), class_names=("default", "chat", "code", ""),
+        class_index=np.array([1, 2, 1, 3], dtype=np.int32),
         method=np.array(codes, dtype=np.int8), k=np.array([2, 4, 0, 2], dtype=np.int32),
         drafted=np.array([2, 4, 0, 1], dtype=np.int32), accepted=np.array([1, 3, 0, 1], dtype=np.int32),
         cf_ngram=np.array(cf, dtype=np.int32), finished=np.array([False, True, False, False]),
@@ -39,7 +40,7 @@ def as_rows(r: StepRecord) -> pb.StepReport:
         time_s=r.time_s, duration_s=r.duration_s, batch_size=r.batch_size, queue_length=r.queue_length,
         queue_wait_s=r.queue_wait_s, scheduled_k=r.scheduled_k, directive_version=r.directive_version,
         requests=request_steps(
-            request_ids=r.request_id, classes=r.traffic_class,
+            request_ids=r.request_id, classes=[r.class_names[i] for i in r.class_index],
             methods=[METHODS_BY_CODE[int(c)].value for c in r.method], ks=r.k, drafted=r.drafted,
             accepted=r.accepted, counterfactual={"ngram": r.cf_ngram}, finished=r.finished,
         ),

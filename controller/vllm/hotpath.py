@@ -1,0 +1,238 @@
+"""The plugin's per-step work as one compiled batch kernel per hook.
+
+``update_from_output`` (``StepKernel.after_update``): for every request that sampled this step, the
+n-gram index takes its new tokens, scores its pending draft and drafts anew (``ngram.step_row``),
+the report's columns are read off the plan recorded for the verified draft (``rows.columns_row``),
+and the fast loop folds in the feedback (``rules.feedback_row``). ``update_draft_token_ids``
+(``StepKernel.choose``): per request its class's planned arm, the rule's override
+(``rules.plan_row``), what this engine can draft (``control.restrict_row``) and which draft it gets
+(``control.source_row``). The row functions are the same ones the batch APIs (``FastLoop``,
+``Controls``, ``NgramIndex``, ``RequestTable``) loop over, so each behaviour is written once; these
+kernels only fuse them, so a step costs one dispatch per hook and no Python object per request
+(request ids aside).
+
+What must hold: a step's results equal those of the batch APIs called one after another (tested
+against them); a kernel that cannot proceed (a request it has not seen, or no room in the n-gram
+index) says so before changing anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from controller.vllm.control import Controls, pick_drafts, restrict_row, source_row
+from controller.vllm.ngram import DRAFT_LEN, NgramIndex, room, step_row
+from controller.vllm.rows import RequestTable, columns_row
+from policies.arms import METHOD_CODES, Method
+from policies.directive import Directive
+from policies.jit import kernel
+from policies.observation import NOT_SCORED
+from policies.rules import feedback_row, plan_row, rule_args
+
+_OK, _UNSEEN, _NO_ROOM = 0, -1, -2
+#: Rows of the after-update output: the report's columns.
+METHOD, K, DRAFTED, ACCEPTED, CF, CLASS = range(6)
+
+
+@kernel
+def _after_update(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    verifying: np.ndarray,
+    cls: np.ndarray,
+    live: np.ndarray,
+    state: np.ndarray,
+    pool: np.ndarray,
+    table: np.ndarray,
+    meta: np.ndarray,
+    drafts: np.ndarray,
+    pending: np.ndarray,
+    slots: np.ndarray,
+    sampled: np.ndarray,
+    drafted: np.ndarray,
+    finished: np.ndarray,
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    out: np.ndarray,
+    ngram: np.ndarray,
+    params: np.ndarray,
+    alpha: float,
+) -> int:
+    """params: scoring (0/1), configured method code, max K, the fast loop's max K, min_n, max_n,
+    max_model_len. ``ngram`` is ``[NGRAM code]`` when scoring, else empty."""
+    scoring = params[0] != 0
+    configured, max_k, fl_max_k = int(params[1]), int(params[2]), int(params[3])
+    min_n, max_n, max_model_len = int(params[4]), int(params[5]), int(params[6])
+    n = len(slots)
+    for j in range(n):
+        if not live[slots[j]]:
+            return _UNSEEN
+    if scoring and not room(state, pool, table, meta, slots, offsets[1:] - offsets[:-1], max_n - min_n + 1):
+        return _NO_ROOM
+    mixed = np.ones(len(ngram), dtype=np.bool_)
+    cf_rows = out[CF : CF + 1]
+    ngram_row = 0 if scoring else -1
+    for j in range(n):
+        s = int(slots[j])
+        c = NOT_SCORED
+        if scoring:
+            c = step_row(state, pool, table, meta, drafts, pending, s, tokens, int(offsets[j]),
+                         int(offsets[j + 1]), not finished[j], min_n, max_n, max_model_len)  # fmt: skip
+        d = int(drafted[j])
+        m, k, a, c = columns_row(verifying, s, int(sampled[j]), d, c, configured, max_k)
+        out[METHOD, j] = m
+        out[K, j] = k
+        out[DRAFTED, j] = d
+        out[ACCEPTED, j] = a
+        out[CF, j] = c
+        out[CLASS, j] = cls[s]
+        feedback_row(ewma, steps, run, last_k, s, m, a, ngram, cf_rows, j, mixed, ngram_row, alpha, fl_max_k)
+    return _OK
+
+
+@kernel
+def _choose(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    verifying: np.ndarray,
+    cls: np.ndarray,
+    class_arm: np.ndarray,
+    state: np.ndarray,
+    slots: np.ndarray,
+    out: np.ndarray,
+    params: np.ndarray,
+    p0: float,
+    p1: float,
+    p2: float,
+) -> None:
+    """params: rule code, max K, configured method code, composite (0/1), scoring (0/1).
+    ``class_arm[c]``: class c's planned (method, K). out rows: draft source, its length."""
+    rule, max_k, configured = int(params[0]), int(params[1]), int(params[2])
+    composite, scoring = params[3] != 0, params[4] != 0
+    for j in range(len(slots)):
+        s = int(slots[j])
+        c = int(cls[s])
+        # The n-gram proposer's match is not passed to the rule here yet (-1: not reported).
+        m, k = plan_row(ewma, steps, run, last_k, s, int(class_arm[c, 0]), int(class_arm[c, 1]), rule, p0, p1,
+                        p2, -1, max_k)  # fmt: skip
+        m, k = restrict_row(m, k, configured, composite)
+        verifying[s, 0] = m
+        verifying[s, 1] = k
+        out[0, j], out[1, j] = source_row(m, k, int(state[s, DRAFT_LEN]) if scoring else 0, composite)
+
+
+class StepKernel:
+    """The hooks' per-step calls into the fused kernels, over the fast loop's slots."""
+
+    def __init__(self, *, controls: Controls, rows: RequestTable, scorer: NgramIndex | None) -> None:
+        self.controls = controls
+        self.fast = controls.fast
+        self.rows = rows
+        self.scorer = scorer
+        self._ngram = np.array([METHOD_CODES[Method.NGRAM]] if scorer is not None else [], dtype=np.int64)
+        self._arms_for: tuple[Directive | None, int, int] = (None, 0, 0)
+        self._class_arm = np.zeros((1, 2), dtype=np.int64)
+        self._no_state = np.zeros((0, 8), dtype=np.int64)
+        sc = scorer
+        self._update_params = np.array(
+            [sc is not None, rows.configured, rows.max_k, 0, sc.min_n if sc is not None else 1, sc.max_n if sc is not None else 1,
+             sc.max_model_len if sc is not None else 0],
+            dtype=np.int64,
+        )  # fmt: skip
+
+    def _reserve(self) -> None:
+        cap = self.fast.capacity
+        if self.rows.capacity < cap:
+            self.rows.reserve(cap)
+        if self.scorer is not None and self.scorer.capacity < cap:
+            self.scorer.reserve(cap)
+
+    def after_update(
+        self,
+        ids: Sequence[str],
+        gens: Sequence[Sequence[int]],
+        drafted: np.ndarray,
+        finished: np.ndarray,
+        alpha: float,
+        start: Any,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's columns (rows METHOD..CLASS of an int32 array) and slots, for requests ``ids``
+        that sampled ``gens`` after drafts of ``drafted`` tokens. ``start(j, slot)`` is called for a
+        request the hooks have not seen: it admits the slot (class, n-gram history)."""
+        n = len(ids)
+        slots = self.fast.slots(ids)
+        self._reserve()
+        sampled = np.fromiter(map(len, gens), dtype=np.int64, count=n)
+        new: Sequence[Sequence[int]] = gens
+        out = np.empty((6, n), dtype=np.int32)
+        sc = self.scorer
+        params = self._update_params
+        params[3] = self.fast.max_k
+        while True:
+            if sc is not None:
+                offsets = np.zeros(n + 1, dtype=np.int64)
+                np.cumsum(np.fromiter(map(len, new), dtype=np.int64, count=n), out=offsets[1:])
+                tokens = np.fromiter(
+                    itertools.chain.from_iterable(new), dtype=np.int32, count=int(offsets[-1])
+                )
+                ng = sc.arrays()
+            else:
+                offsets = np.zeros(n + 1, dtype=np.int64)
+                tokens = np.zeros(0, dtype=np.int32)
+                ng = (self._no_state, tokens, self._no_state, np.zeros(4, dtype=np.int64), out, out)
+            status = _after_update(*self.fast.arrays(), *self.rows.arrays(), *ng, slots, sampled, drafted, finished,
+                                   tokens, offsets, out, self._ngram, params, alpha)  # fmt: skip
+            if status == _OK:
+                return out, slots
+            if status == _UNSEEN:
+                fresh = self.rows.admit(slots)
+                new = list(new)
+                for j in fresh:
+                    start(j, int(slots[j]))
+                    new[j] = ()  # a new request's tokens are in the history it started with
+            elif sc is not None:
+                sc.make_room()
+
+    def choose(
+        self, directive: Directive, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """Per request the draft to verify next (the configured drafter's, n-gram's or none, cut to
+        its K); the plan is recorded for the step that verifies it."""
+        n = len(req_ids)
+        slots = self.fast.slots(req_ids)
+        self._reserve()
+        max_k = self.controls.engine.max_k
+        rule, p0, p1, p2 = rule_args(directive)
+        if rule:
+            self.fast.note_max_k(max_k)
+        out = np.empty((2, n), dtype=np.int64)
+        verifying, cls, _ = self.rows.arrays()
+        sc = self.scorer
+        params = np.array(
+            [rule, max_k, self.rows.configured, self.controls.composite, sc is not None], dtype=np.int64
+        )
+        _choose(*self.fast.arrays(), verifying, cls, self._arms(directive, n), sc.arrays()[0] if sc is not None else self._no_state,
+                slots, out, params, p0, p1, p2)  # fmt: skip
+        ngram = sc.drafts(slots)[0].tolist() if sc is not None else drafts
+        return pick_drafts(out[0], out[1], drafts, ngram)
+
+    def _arms(self, directive: Directive, batch_size: int) -> np.ndarray:
+        """Each known class's planned (method code, K) at this batch size (cached)."""
+        names = self.rows.class_names
+        d, b, n = self._arms_for
+        if d is not directive or b != batch_size or n != len(names):
+            max_k = self.controls.engine.max_k
+            arms = [directive.arm_for(c, batch_size) for c in names]
+            self._class_arm = np.array(
+                [(METHOD_CODES[a.method], min(a.k, max_k)) for a in arms], dtype=np.int64
+            )
+            self._arms_for = (directive, batch_size, len(names))
+        return self._class_arm

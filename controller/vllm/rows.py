@@ -1,0 +1,162 @@
+"""Per-request bookkeeping the plugin keeps between hooks, in arrays indexed by the fast loop's slots.
+
+For each live request: its traffic class (an index into a table of class names that only grows,
+bounded by ``max_classes``), and the method and K of the draft the composite drafter handed the
+scheduler, until that draft is verified. ``columns`` turns one step's verified counts into the
+report's columns in one kernel call, with no Python object per request.
+
+What must hold: a request's planned (method, K) is read once, by the step that verifies its draft
+(or dropped when the request leaves); the columns equal what the per-request rule gives (see
+``columns``), whatever order requests arrive and leave in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from policies.arms import METHOD_CODES, Method
+from policies.jit import kernel
+from policies.observation import NOT_SCORED
+
+log = logging.getLogger("speccontrol.vllm")
+
+_OFF = METHOD_CODES[Method.OFF]
+_NGRAM = METHOD_CODES[Method.NGRAM]
+DEFAULT_CLASS = "default"
+
+
+@kernel
+def columns_row(
+    verifying: np.ndarray, s: int, sampled: int, drafted: int, cf: int, configured: int, max_k: int
+) -> tuple[int, int, int, int]:
+    """(method, K, accepted, counterfactual) of slot ``s``'s verified step (see ``RequestTable.columns``)."""
+    code = int(verifying[s, 0])
+    k = int(verifying[s, 1])
+    verifying[s, 0] = -1
+    if code < 0:  # no plan recorded: the engine's own drafter, as scheduled
+        code = configured if drafted else _OFF
+        k = drafted
+    if drafted == 0 and code != _NGRAM:
+        code = _OFF
+        k = 0
+    if code == _NGRAM:
+        cf = NOT_SCORED  # verified, not counterfactual
+    return code, max(k, drafted), (max(sampled - 1, 0) if drafted else 0), min(cf, max_k)
+
+
+@kernel
+def _columns(
+    verifying: np.ndarray,
+    slots: np.ndarray,
+    sampled: np.ndarray,
+    drafted: np.ndarray,
+    cf: np.ndarray,
+    configured: int,
+    max_k: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = len(slots)
+    method = np.empty(n, dtype=np.int8)
+    ks = np.empty(n, dtype=np.int32)
+    accepted = np.empty(n, dtype=np.int32)
+    for j in range(n):
+        method[j], ks[j], accepted[j], cf[j] = columns_row(
+            verifying, int(slots[j]), int(sampled[j]), int(drafted[j]), int(cf[j]), configured, max_k
+        )
+    return method, ks, accepted
+
+
+class RequestTable:
+    """Classes and pending plans of the requests in slots 0..capacity-1 (the fast loop's slots)."""
+
+    def __init__(
+        self, *, configured: Method, max_k: int, capacity: int = 64, max_classes: int = 1024
+    ) -> None:
+        self.configured = METHOD_CODES[configured]
+        self.max_k = max_k
+        self.max_classes = max_classes
+        self._class_ids: dict[str, int] = {DEFAULT_CLASS: 0}
+        #: Class names by index; replaced (never mutated) when one is added, so a record can hold it.
+        self.class_names: tuple[str, ...] = (DEFAULT_CLASS,)
+        self._full = False
+        self._class = np.zeros(capacity, dtype=np.int32)
+        self._verifying = np.full((capacity, 2), -1, dtype=np.int64)
+        self._live = np.zeros(capacity, dtype=np.bool_)
+
+    def admit(self, slots: np.ndarray, *, mark: bool = True) -> list[int]:
+        """The positions of slots not admitted before (room is made for them; they read as: default
+        class, no plan); ``mark``: they count as admitted from now on (until released)."""
+        if len(slots):
+            self.reserve(int(slots.max()) + 1)
+        fresh = np.flatnonzero(~self._live[slots])
+        if mark and len(fresh):
+            self._live[slots[fresh]] = True
+        return fresh.tolist()  # type: ignore[no-any-return]
+
+    @property
+    def capacity(self) -> int:
+        return len(self._class)
+
+    def reserve(self, capacity: int) -> None:
+        """Room for slots below ``capacity``."""
+        if capacity > len(self._class):
+            n = max(capacity, 2 * len(self._class))
+            cls = np.zeros(n, dtype=np.int32)
+            cls[: len(self._class)] = self._class
+            ver = np.full((n, 2), -1, dtype=np.int64)
+            ver[: len(self._verifying)] = self._verifying
+            live = np.zeros(n, dtype=np.bool_)
+            live[: len(self._live)] = self._live
+            self._class, self._verifying, self._live = cls, ver, live
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per slot, for a caller's own kernel (``columns_row``): the pending (method, K), the class
+        index, whether admitted. Arrays are replaced by ``reserve``."""
+        return self._verifying, self._class, self._live
+
+    def set_class(self, slot: int, name: str) -> None:
+        """A new request's class (names beyond ``max_classes`` distinct ones count as the default)."""
+        i = self._class_ids.get(name)
+        if i is None:
+            if len(self.class_names) >= self.max_classes:
+                if not self._full:
+                    self._full = True
+                    log.warning("speccontrol: more than %d traffic classes; further ones count as %r",
+                                self.max_classes, DEFAULT_CLASS)  # fmt: skip
+                i = 0
+            else:
+                i = self._class_ids[name] = len(self.class_names)
+                self.class_names = (*self.class_names, name)
+        self._class[slot] = i
+
+    def class_index(self, slots: np.ndarray) -> np.ndarray:
+        out: np.ndarray = self._class[slots]
+        return out
+
+    def classes(self, slots: np.ndarray) -> list[str]:
+        names = self.class_names
+        return [names[i] for i in self._class[slots].tolist()]
+
+    def planned(self, slots: np.ndarray, methods: np.ndarray, ks: np.ndarray) -> None:
+        """The (method, K) of the drafts just handed to the scheduler, read back when verified."""
+        self._verifying[slots, 0] = methods
+        self._verifying[slots, 1] = ks
+
+    def release(self, slot: int) -> None:
+        self._verifying[slot] = -1
+        self._class[slot] = 0
+        self._live[slot] = False
+
+    def columns(
+        self, slots: np.ndarray, sampled: np.ndarray, drafted: np.ndarray, cf: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One step's (method int8, K int32, accepted int32) columns for requests that sampled
+        ``sampled[j]`` tokens after a draft of ``drafted[j]``; ``cf`` (int32, n-gram's counterfactual)
+        is made final in place.
+
+        Per row: the plan recorded for the draft (consumed), or, without one, the configured method
+        at the drafted length; a row that drafted nothing is off unless n-gram was planned (it drafted
+        nothing there); K is at least the drafted length; accepted is sampled - 1 where a draft was
+        verified; a verified n-gram draft has no counterfactual; counts are capped at max K."""
+        return _columns(self._verifying, slots, sampled, drafted, cf, self.configured, self.max_k)  # type: ignore[no-any-return]

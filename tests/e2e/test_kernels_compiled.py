@@ -1,0 +1,41 @@
+"""The step kernels compiled with the numba vLLM ships, in vLLM's own environment.
+
+The project's environment need not have numba (the kernels then run as plain Python, the path the
+rest of the suite tests); the plugin runs compiled inside vLLM. This runs the kernel tests there:
+every ``kernels``-parametrised test in both modes, and the index against vLLM's own matcher.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+
+def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
+    if not VLLM_PY.exists():
+        if os.environ.get("SPECCONTROL_REQUIRE_VLLM"):
+            pytest.fail(f"the vLLM virtualenv {VLLM_PY.parent.parent} is missing")
+        pytest.skip(f"the vLLM virtualenv {VLLM_PY.parent.parent} is missing")
+    files = [
+        "tests/controller/vllm/test_ngram.py",
+        "tests/controller/vllm/test_hotpath.py",
+        "tests/policies/test_rules.py",
+        "tests/policies/test_jit.py",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    # Nothing skipped for want of numba or vLLM: the compiled path and vLLM's matcher both ran.
+    assert "numba is not installed" not in out and "could not import" not in out, out[-4000:]

@@ -1,0 +1,46 @@
+"""Kernels run the same compiled or not, and the switch between the two."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies import jit
+
+
+@jit.kernel
+def _inner(x: np.ndarray, i: int) -> int:
+    return int(x[i]) * 3
+
+
+@jit.kernel
+def _outer(x: np.ndarray, out: np.ndarray) -> int:
+    total = 0
+    for i in range(len(x)):
+        out[i] = _inner(x, i)  # a kernel calling a kernel: bound compiled, or called as Python
+        total += int(out[i])
+    return total
+
+
+@pytest.mark.usefixtures("kernels")
+def test_a_kernel_calling_a_kernel_gives_the_same_results() -> None:
+    x = np.array([1, -2, 2**40], dtype=np.int64)
+    out = np.zeros(3, dtype=np.int64)
+    assert _outer(x, out) == 3 * (1 - 2 + 2**40)
+    assert out.tolist() == [3, -6, 3 * 2**40]
+
+
+def test_the_switch_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        jit.use_numba(False)
+        assert not jit.compiling()
+        assert _outer(np.array([2], dtype=np.int64), np.zeros(1, dtype=np.int64)) == 6
+        assert _outer.compiled is _outer.fn  # ran as written
+        monkeypatch.setenv("SPECCONTROL_NUMBA", "0")
+        jit.use_numba(None)
+        assert not jit.compiling()
+        monkeypatch.setenv("SPECCONTROL_NUMBA", "1")
+        jit.use_numba(None)
+        assert jit.compiling() == jit.numba_available()
+    finally:
+        jit.use_numba(None)
