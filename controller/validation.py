@@ -22,6 +22,8 @@ from policies.spec import PolicyError, PolicySpec, parse_policy
 
 MAX_ENGINE_ID = 128
 MAX_INSTANCE_ID = 128
+#: Hello.plugin_mode is a short sentence ("K table only: <reason>"); longer is a broken engine.
+MAX_PLUGIN_MODE = 512
 MAX_K = 64
 MAX_TRAFFIC_CLASS = 64
 MAX_REQUEST_ID = 256
@@ -57,6 +59,10 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
     if len(h.instance_id) > MAX_INSTANCE_ID:
         raise TelemetryError(
             "instance_id_too_long", f"hello.instance_id: longer than {MAX_INSTANCE_ID} characters"
+        )
+    if len(h.plugin_mode) > MAX_PLUGIN_MODE:
+        raise TelemetryError(
+            "plugin_mode_too_long", f"hello.plugin_mode: longer than {MAX_PLUGIN_MODE} characters"
         )
     if h.protocol_version not in PROTOCOL_VERSIONS:
         raise TelemetryError(

@@ -32,31 +32,32 @@ from typing import Any, TextIO
 import numpy as np
 
 from controller.convert import hello_from_engine_info
+from controller.vllm import compat
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.link import SidecarLink
+from controller.vllm.mode import (
+    PER_REQUEST_COMPOSITE,
+    configured_method,
+    is_async,
+    k_table_only_reason,
+    plugin_mode,
+)
 from controller.vllm.ngram import Matcher, NgramScorer, match_ngram
 from controller.vllm.record import StepRecord
 from controller.vllm.settings import PluginSettings
+from controller.vllm.worker import NGRAM_ROWS_ATTR
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.observation import NOT_SCORED
 
-log = logging.getLogger("speccontrol.vllm")
+log = logging.getLogger("vllm.speccontrol")
 
 _OFF = METHOD_CODES[Method.OFF]
 _NGRAM = METHOD_CODES[Method.NGRAM]
+#: SchedulerOutput attribute (async scheduling): request -> (method code, K) of the drafts it verifies.
+VERIFYING_ATTR = "speccontrol_verifying"
 
 
-def configured_method(spec: Any) -> Method | None:
-    """The controller's name for the engine's drafting method, None when the plugin cannot drive it."""
-    m = str(getattr(spec, "method", ""))
-    if m in ("eagle", "eagle3"):
-        return Method.P_EAGLE if getattr(spec, "parallel_drafting", False) else Method.EAGLE3
-    if m == "ngram":
-        return Method.NGRAM
-    return None
-
-
-def _vllm_matcher() -> Matcher:
+def vllm_matcher() -> Matcher:
     try:
         from vllm.v1.spec_decode import ngram_proposer  # type: ignore[import-not-found]
 
@@ -101,6 +102,11 @@ class EngineHooks:
         self._queue_wait = 0.0
         self._method_code = METHOD_CODES[method]
         self.original_lookup: list[int] | None = None
+        #: "per-request composite" or "K table only: <reason>" (Hello.plugin_mode).
+        self.mode = PER_REQUEST_COMPOSITE
+        #: Async scheduling with the worker-side merge: plans are made when placeholders are sized.
+        self.async_composite = False
+        self._planned: dict[str, tuple[int, int]] = {}  # request -> (method code, K) of its next draft
 
     @classmethod
     def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
@@ -113,19 +119,17 @@ class EngineHooks:
         if method is None:
             log.warning("speccontrol: drafting method %r is not supported; plugin inactive", spec.method)
             return None
-        sync = not bool(getattr(vc.scheduler_config, "async_scheduling", False))
-        greedy = str(getattr(spec, "draft_sample_method", "greedy")) == "greedy"
-        v1_runner = not bool(getattr(vc, "use_v2_model_runner", False))
-        composite = settings.composite and method is not Method.NGRAM and sync and greedy and v1_runner
-        if settings.composite and method is not Method.NGRAM and not composite:
-            log.warning(
-                "speccontrol: composite drafting off (needs synchronous scheduling %s, greedy draft "
-                "sampling %s, the V1 model runner %s); only the K table is controlled",
-                sync,
-                greedy,
-                v1_runner,
-            )
         max_k = int(spec.num_speculative_tokens)
+        async_sched = is_async(vc)
+        reason = k_table_only_reason(settings=settings, method=method, vllm_config=vc)
+        if reason is None and async_sched:
+            bad = compat.problems(compat.V1_WORKER_POINTS, version=None)
+            if bad:
+                reason = "async scheduling, and the V1 model runner does not match: " + "; ".join(bad)
+        composite = reason is None
+        mode = plugin_mode(reason)
+        if not composite and method is not Method.NGRAM and settings.composite:
+            log.warning("speccontrol: composite drafting off: %s; only the K table is controlled", reason)
         names = vc.model_config.served_model_name
         model = str(names[0] if isinstance(names, list | tuple) else names or vc.model_config.model)
         info = engine_info(
@@ -138,7 +142,7 @@ class EngineHooks:
         )
         import vllm  # type: ignore[import-not-found]
 
-        hello = hello_from_engine_info(info, engine_version=f"vllm {vllm.__version__}")
+        hello = hello_from_engine_info(info, engine_version=f"vllm {vllm.__version__}", plugin_mode=mode)
         link = SidecarLink(
             target=settings.sidecar,
             hello=hello,
@@ -153,7 +157,7 @@ class EngineHooks:
                 min_n=settings.ngram_min,
                 max_n=settings.ngram_max,
                 max_model_len=int(vc.model_config.max_model_len),
-                matcher=_vllm_matcher(),
+                matcher=vllm_matcher(),
             )
             if composite
             else None
@@ -169,15 +173,19 @@ class EngineHooks:
         hooks = cls(
             settings=settings, controls=controls, link=link, scorer=scorer, method=method, trace=trace
         )
+        hooks.mode = mode
+        hooks.async_composite = composite and async_sched
         hooks.original_lookup = scheduler.dynamic_sd_lookup
         link.start()
         log.info(
-            "speccontrol: engine %s attached to %s (%s, max K %d, %s)",
+            "speccontrol: engine %s attached to %s (%s, max K %d, %s, %s scheduling, plugin mode: %s)",
             info.engine_id,
             settings.sidecar,
             method.value,
             max_k,
             info.granularity.name,
+            "async" if async_sched else "synchronous",
+            mode,
         )
         return hooks
 
@@ -206,6 +214,9 @@ class EngineHooks:
 
     def before_update(self, scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
         """The Request objects of this step (the update frees finished ones)."""
+        planned = getattr(scheduler_output, VERIFYING_ATTR, None)
+        if planned:
+            self._verifying.update(planned)  # async: what was planned for the drafts verified now
         reqs = scheduler.requests
         return {rid: reqs.get(rid) for rid in scheduler_output.num_scheduled_tokens}
 
@@ -302,6 +313,7 @@ class EngineHooks:
     def _release(self, rid: str) -> None:
         self._classes.pop(rid, None)
         self._verifying.pop(rid, None)
+        self._planned.pop(rid, None)
         self.controls.fast.release(rid)
         if self.scorer is not None:
             self.scorer.release(rid)
@@ -317,20 +329,66 @@ class EngineHooks:
             self._verifying[rid] = (m, k)
         return chosen
 
+    # -- AsyncScheduler._update_after_schedule (async scheduling) ------------------------------
+
+    def size_placeholders(self, scheduler: Any, scheduler_output: Any) -> None:
+        """Each request's next draft: its own number of ``-1`` placeholders (its K) and, for the
+        worker, which requests get the n-gram draft (``NGRAM_ROWS_ATTR`` on the scheduler output).
+
+        The plan made here is verified in the next step that schedules the request; it travels on
+        that step's output (``VERIFYING_ATTR``), because with the batch queue the update of step N
+        can run after step N+1 was scheduled."""
+        so = scheduler_output
+        planned = self._planned
+        setattr(
+            so,
+            VERIFYING_ATTR,
+            {rid: planned.pop(rid) for rid in so.scheduled_spec_decode_tokens if rid in planned},
+        )
+        reqs = scheduler.requests
+        ids = [
+            rid for rid in so.num_scheduled_tokens if (r := reqs.get(rid)) is not None and r.spec_token_ids
+        ]
+        if not ids:
+            setattr(so, NGRAM_ROWS_ATTR, frozenset())
+            return
+        classes = [self._classes.get(r, "default") for r in ids]
+        plan = self.controls.plan(self.directive, ids, classes, len(so.num_scheduled_tokens))
+        ngram: list[str] = []
+        for rid, m, k in zip(ids, plan.method.tolist(), plan.k.tolist(), strict=True):
+            req = reqs[rid]
+            slots = len(req.spec_token_ids)
+            k = min(k, slots)
+            if k != slots:
+                req.spec_token_ids = [-1] * k  # a new list: vLLM shares one placeholder list
+            planned[rid] = (m if k else _OFF, k)
+            if k and m == _NGRAM:
+                ngram.append(rid)
+        setattr(so, NGRAM_ROWS_ATTR, frozenset(ngram))
+
     def close(self) -> None:
         self.link.close()
         if self.trace is not None:
             self.trace.close()
 
 
-def install(settings: PluginSettings) -> None:
-    """Patch the V1 Scheduler (idempotent). Only the engine-core process builds a Scheduler."""
+def install(settings: PluginSettings) -> bool:
+    """Patch the V1 Scheduler (idempotent); False, with one log line, when vLLM is outside the tested
+    range or a patch point differs (nothing is patched then). Only the engine-core process builds a
+    Scheduler, so only it attaches."""
+    with contextlib.suppress(Exception):
+        if getattr(compat.resolve(compat.SCHEDULER_CLASS), "_speccontrol_patched", False):
+            return True  # our own wrappers no longer have vLLM's signatures
+    bad = compat.problems(compat.INSTALL_POINTS, version=compat.installed_version())
+    if bad:
+        log.error("speccontrol: plugin not installed, vLLM left unpatched: %s", "; ".join(bad))
+        return False
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
     from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
     from vllm.v1.outputs import DraftTokenIds  # type: ignore[import-not-found]
 
-    if getattr(Scheduler, "_speccontrol_patched", False):
-        return
     orig_init = Scheduler.__init__
+    orig_after_async = AsyncScheduler._update_after_schedule
     orig_schedule = Scheduler.schedule
     orig_update = Scheduler.update_from_output
     orig_drafts = Scheduler.update_draft_token_ids
@@ -398,9 +456,21 @@ def install(settings: PluginSettings) -> None:
                 _disable(self, "update_draft_token_ids")
         orig_drafts(self, draft_token_ids)
 
+    def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
+        orig_after_async(self, scheduler_output)
+        h = self._speccontrol
+        if h is not None and h.async_composite:
+            try:
+                h.size_placeholders(self, scheduler_output)
+            except Exception:
+                _disable(self, "_update_after_schedule")
+                setattr(scheduler_output, NGRAM_ROWS_ATTR, frozenset())
+
     Scheduler.__init__ = __init__  # type: ignore[method-assign]
     Scheduler.schedule = schedule  # type: ignore[method-assign]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     Scheduler.update_draft_token_ids = update_draft_token_ids  # type: ignore[method-assign]
+    AsyncScheduler._update_after_schedule = _update_after_schedule  # type: ignore[method-assign]
     Scheduler._speccontrol_patched = True  # type: ignore[attr-defined]
     log.info("speccontrol: scheduler hooks installed (pid %d)", os.getpid())
+    return True

