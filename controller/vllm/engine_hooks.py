@@ -36,6 +36,7 @@ from controller.vllm import compat
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.link import SidecarLink
 from controller.vllm.mode import (
+    NGRAM_ROWS_ATTR,
     PER_REQUEST_COMPOSITE,
     configured_method,
     is_async,
@@ -45,7 +46,6 @@ from controller.vllm.mode import (
 from controller.vllm.ngram import Matcher, NgramScorer, match_ngram
 from controller.vllm.record import StepRecord
 from controller.vllm.settings import PluginSettings
-from controller.vllm.worker import NGRAM_ROWS_ATTR
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.observation import NOT_SCORED
 
@@ -55,6 +55,24 @@ _OFF = METHOD_CODES[Method.OFF]
 _NGRAM = METHOD_CODES[Method.NGRAM]
 #: SchedulerOutput attribute (async scheduling): request -> (method code, K) of the drafts it verifies.
 VERIFYING_ATTR = "speccontrol_verifying"
+
+
+def fixed_table_reason(vllm_config: Any, lookup: list[int] | None) -> str | None:
+    """Why the plugin must leave vLLM's K table alone (None: it may swap it).
+
+    The table is swapped only in an engine vLLM started with ``num_speculative_tokens_per_batch_size``
+    (so vLLM set up dynamic K: per-K CUDA graphs, the PIECEWISE override, uniform-decode padding) and
+    never with data parallelism, where ranks choosing different K diverge and deadlock (vLLM drops the
+    schedule under DP for that reason)."""
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    if dp > 1:
+        return f"data parallel size {dp}: every rank must draft the same K per step"
+    if lookup is None:
+        return (
+            "the engine was not started with speculative_config.num_speculative_tokens_per_batch_size, "
+            "so vLLM did not prepare dynamic K"
+        )
+    return None
 
 
 def vllm_matcher() -> Matcher:
@@ -106,6 +124,8 @@ class EngineHooks:
         self.mode = PER_REQUEST_COMPOSITE
         #: Async scheduling with the worker-side merge: plans are made when placeholders are sized.
         self.async_composite = False
+        #: Whether the scheduler's K table may be swapped (see ``fixed_table_reason``).
+        self.swap_table = True
         self._planned: dict[str, tuple[int, int]] = {}  # request -> (method code, K) of its next draft
 
     @classmethod
@@ -128,6 +148,17 @@ class EngineHooks:
                 reason = "async scheduling, and the V1 model runner does not match: " + "; ".join(bad)
         composite = reason is None
         mode = plugin_mode(reason)
+        fixed = fixed_table_reason(vc, scheduler.dynamic_sd_lookup)
+        if fixed is not None and not composite:
+            log.error(
+                "speccontrol: refused, plugin inactive (vLLM runs as configured): %s, and without the "
+                "composite drafter (%s) there is nothing else to control",
+                fixed,
+                reason,
+            )
+            return None
+        schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None) or ()
+        table_ks = frozenset(int(entry[2]) for entry in schedule) or None
         if not composite and method is not Method.NGRAM and settings.composite:
             log.warning("speccontrol: composite drafting off: %s; only the K table is controlled", reason)
         names = vc.model_config.served_model_name
@@ -139,6 +170,7 @@ class EngineHooks:
             max_k=max_k,
             max_batch_size=int(vc.scheduler_config.max_num_seqs),
             composite=composite,
+            table_ks=table_ks,
         )
         import vllm  # type: ignore[import-not-found]
 
@@ -168,12 +200,14 @@ class EngineHooks:
             safe_default=settings.safe_default or Arm(method, max_k),
             composite=composite,
             capacity=int(vc.scheduler_config.max_num_seqs) * 2,
+            table_ks=table_ks,
         )
         trace = open(settings.trace_path, "a", buffering=1) if settings.trace_path else None  # noqa: SIM115
         hooks = cls(
             settings=settings, controls=controls, link=link, scorer=scorer, method=method, trace=trace
         )
         hooks.mode = mode
+        hooks.swap_table = fixed is None
         hooks.async_composite = composite and async_sched
         hooks.original_lookup = scheduler.dynamic_sd_lookup
         link.start()
@@ -187,6 +221,8 @@ class EngineHooks:
             "async" if async_sched else "synchronous",
             mode,
         )
+        if fixed is not None:
+            log.warning("speccontrol: the K table stays as vLLM set it (%s); K is cut per request", fixed)
         return hooks
 
     # -- schedule ---------------------------------------------------------------------------------
@@ -194,7 +230,8 @@ class EngineHooks:
     def before_schedule(self, scheduler: Any) -> None:
         self._t0 = self.perf()
         self.directive = self.controls.in_force(self.link.fresh_directive())
-        scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
+        if self.swap_table:
+            scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
 
     def after_schedule(self, scheduler: Any, out: Any) -> None:
         self._queue_len = len(scheduler.waiting)

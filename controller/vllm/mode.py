@@ -15,6 +15,9 @@ from policies.arms import Method
 #: Hello.plugin_mode values: composite drafting on, or why only the K table is controlled.
 PER_REQUEST_COMPOSITE = "per-request composite"
 K_TABLE_ONLY = "K table only"
+#: SchedulerOutput attribute (async scheduling): the request ids whose next draft, proposed in the
+#: worker in this step, is n-gram's. Pickled to the worker with the output.
+NGRAM_ROWS_ATTR = "speccontrol_ngram_rows"
 
 
 def configured_method(spec: Any) -> Method | None:
@@ -42,7 +45,13 @@ def k_table_only_reason(*, settings: PluginSettings, method: Method, vllm_config
     if str(getattr(vc.speculative_config, "draft_sample_method", "greedy")) != "greedy":
         return "probabilistic draft sampling (EAGLE's draft probabilities would pair with n-gram tokens)"
     if bool(getattr(vc, "use_v2_model_runner", False)):
-        return "the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1)"
+        if not settings.v2_composite:
+            return (
+                "the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1; SPECCONTROL_V2_COMPOSITE=1 "
+                "enables the experimental V2 merge)"
+            )
+        if not is_async(vc):
+            return "the V2 model runner with synchronous scheduling (the V2 merge needs async scheduling)"
     return None
 
 

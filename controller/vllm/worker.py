@@ -25,14 +25,12 @@ from typing import Any
 import numpy as np
 
 from controller.vllm import compat
-from controller.vllm.mode import configured_method, is_async, k_table_only_reason
+from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
 from controller.vllm.ngram import Matcher, NgramScorer
 from controller.vllm.settings import PluginSettings
+from controller.vllm.v2 import install_v2_runner
 
 log = logging.getLogger("vllm.speccontrol")
-
-#: SchedulerOutput attribute: the request ids whose next draft (proposed in this step) is n-gram's.
-NGRAM_ROWS_ATTR = "speccontrol_ngram_rows"
 
 
 class DraftMerger:
@@ -138,25 +136,48 @@ def install_worker_hook(settings: PluginSettings, *, matcher: Callable[[], Match
     orig = WorkerWrapperBase.init_device
 
     def init_device(self: Any, *a: Any, **kw: Any) -> Any:
+        vc = getattr(self, "vllm_config", None)
+        v2 = bool(getattr(vc, "use_v2_model_runner", False))
+        if v2:
+            _guarded(_v2_runner_for, vc, settings)  # before the runner (and its speculator) is built
         out = orig(self, *a, **kw)
-        try:
-            _runner_for(getattr(self, "vllm_config", None), settings, matcher)
-        except Exception as e:  # the worker serves on with EAGLE's drafts
-            log.error(
-                "speccontrol: worker-side composite drafting not installed: %s: %s", type(e).__name__, e
-            )
+        if not v2:
+            _guarded(_runner_for, vc, settings, matcher)
         return out
 
     WorkerWrapperBase.init_device = init_device
     WorkerWrapperBase._speccontrol_patched = True
 
 
-def _runner_for(vc: Any, settings: PluginSettings, matcher: Callable[[], Matcher]) -> None:
+def _guarded(fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # the worker serves on with EAGLE's drafts
+        log.error("speccontrol: worker-side composite drafting not installed: %s: %s", type(e).__name__, e)
+
+
+def _wanted(vc: Any, settings: PluginSettings) -> Any:
+    """The speculative config when this engine runs the worker-side merge (async composite), else None."""
     spec = getattr(vc, "speculative_config", None)
     method = configured_method(spec) if spec is not None else None
     if spec is None or method is None or not is_async(vc):
-        return  # synchronous scheduling: the engine core chooses drafts, nothing to do here
+        return None  # synchronous scheduling: the engine core chooses drafts, nothing to do here
     if k_table_only_reason(settings=settings, method=method, vllm_config=vc) is not None:
+        return None
+    return spec
+
+
+def _v2_runner_for(vc: Any, settings: PluginSettings) -> None:
+    if _wanted(vc, settings) is None:
+        return
+    why = install_v2_runner(ngram_min=settings.ngram_min, ngram_max=settings.ngram_max)
+    if why is not None:
+        log.error("speccontrol: V2 composite drafting not installed: %s", why)
+
+
+def _runner_for(vc: Any, settings: PluginSettings, matcher: Callable[[], Matcher]) -> None:
+    spec = _wanted(vc, settings)
+    if spec is None:
         return
     bad = compat.problems(compat.V1_WORKER_POINTS, version=None)
     if bad:

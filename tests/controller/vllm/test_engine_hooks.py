@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 
 from controller.vllm.control import Controls, engine_info
-from controller.vllm.engine_hooks import VERIFYING_ATTR, EngineHooks
-from controller.vllm.mode import k_table_only_reason, plugin_mode
+from controller.vllm.engine_hooks import VERIFYING_ATTR, EngineHooks, fixed_table_reason
+from controller.vllm.mode import NGRAM_ROWS_ATTR, k_table_only_reason, plugin_mode
 from controller.vllm.ngram import NgramScorer
 from controller.vllm.record import StepRecord
 from controller.vllm.settings import PluginSettings
-from controller.vllm.worker import NGRAM_ROWS_ATTR
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, KRange, PlanEntry
@@ -201,3 +200,30 @@ def test_plugin_mode_says_why(change: dict[str, Any], reason: str | None) -> Non
     else:
         assert got is not None and got.startswith(reason)
         assert plugin_mode(got) == f"K table only: {got}"
+
+
+@pytest.mark.parametrize(
+    ("dp", "lookup", "says"),
+    [
+        (1, [4] * 9, None),
+        (2, [4] * 9, "data parallel size 2: every rank must draft the same K per step"),
+        (4, None, "data parallel size 4"),
+        (1, None, "not started with speculative_config.num_speculative_tokens_per_batch_size"),
+    ],
+)
+def test_k_table_swapped_only_where_vllm_prepared_it(
+    dp: int, lookup: list[int] | None, says: str | None
+) -> None:
+    vc = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=dp))
+    got = fixed_table_reason(vc, lookup)
+    assert got is None if says is None else (got is not None and says in got)
+
+
+def test_fixed_table_is_never_swapped() -> None:
+    h, _ = _hooks(_directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 2)), k=2))
+    h.swap_table = False
+    s = FakeAsyncScheduler([Req("a", "chat")])
+    vllm_table = s.dynamic_sd_lookup
+    s.schedule(h)
+    assert s.dynamic_sd_lookup is vllm_table
+    assert len(s.requests["a"].spec_token_ids) == 2  # K still cut per request
