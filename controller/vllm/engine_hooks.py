@@ -46,6 +46,7 @@ from controller.vllm.mode import (
 from controller.vllm.ngram import Matcher, NgramScorer, match_ngram
 from controller.vllm.record import StepRecord
 from controller.vllm.settings import PluginSettings
+from controller.vllm.v2 import V2_POINTS
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.observation import NOT_SCORED
 
@@ -143,9 +144,11 @@ class EngineHooks:
         async_sched = is_async(vc)
         reason = k_table_only_reason(settings=settings, method=method, vllm_config=vc)
         if reason is None and async_sched:
-            bad = compat.problems(compat.V1_WORKER_POINTS, version=None)
+            v2 = bool(getattr(vc, "use_v2_model_runner", False))
+            bad = compat.problems(V2_POINTS if v2 else compat.V1_WORKER_POINTS, version=None)
             if bad:
-                reason = "async scheduling, and the V1 model runner does not match: " + "; ".join(bad)
+                runner = "V2" if v2 else "V1"
+                reason = f"async scheduling, and the {runner} model runner does not match: " + "; ".join(bad)
         composite = reason is None
         mode = plugin_mode(reason)
         fixed = fixed_table_reason(vc, scheduler.dynamic_sd_lookup)

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.e2e.harness import ENGINE_ARGS, ENGINE_ENV, prompt
+from tests.e2e.harness import ENGINE_ARGS, ENGINE_ENV, prompt, speculative_config
 
 
 def main(argv: list[str]) -> None:
@@ -26,11 +26,7 @@ def main(argv: list[str]) -> None:
 
     llm = LLM(
         model=str(model / "target"),
-        speculative_config={
-            "method": "eagle3",
-            "model": str(model / "eagle3"),
-            "num_speculative_tokens": max_k,
-        },
+        speculative_config=speculative_config(model, max_k),
         **ENGINE_ARGS,  # type: ignore[arg-type]
     )
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

