@@ -395,6 +395,7 @@ def _engine_rows(engines: Sequence[pb.EngineStatus]) -> str:
                 f"{e.goodput_tok_s:.0f}",
                 _GRANULARITY.get(int(e.granularity), "?"),
                 "recommends only" if e.observe_only else "applies",
+                e.plugin_mode or "-",
                 arms or "-",
             ]
         )
@@ -409,6 +410,7 @@ def _engine_rows(engines: Sequence[pb.EngineStatus]) -> str:
         "goodput",
         "granularity",
         "control",
+        "plugin mode",
         "arms",
     ]
     return _table(head, rows)

@@ -37,7 +37,7 @@ def engine_info_from_hello(h: pb.Hello) -> EngineInfo:
     )
 
 
-def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "") -> pb.Hello:
+def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "", plugin_mode: str = "") -> pb.Hello:
     return pb.Hello(
         engine_id=e.engine_id,
         model=e.model,
@@ -49,6 +49,7 @@ def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "") -> pb.Hel
         counterfactual_methods=[m.value for m in e.counterfactual_methods],
         p_eagle_partial_k_safe=e.p_eagle_partial_k_safe,
         protocol_version=1,
+        plugin_mode=plugin_mode,
     )
 
 

@@ -52,7 +52,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
         try:
             session = self.sidecar.attach(
-                info, instance_id=first.hello.instance_id, observe_only=first.hello.observe_only
+                info,
+                instance_id=first.hello.instance_id,
+                observe_only=first.hello.observe_only,
+                plugin_mode=first.hello.plugin_mode,
             )
         except TelemetryError as e:
             self.sidecar.reject(None, e)

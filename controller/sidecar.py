@@ -117,6 +117,8 @@ class EngineState:
     #: and the steps whose other classes were pooled into "default".
     classes: set[str] = field(default_factory=lambda: {"default"})
     classes_pooled: int = 0
+    #: Hello.plugin_mode of the last attach ("" when the engine is not the vLLM plugin).
+    plugin_mode: str = ""
 
     @property
     def connected(self) -> bool:
@@ -389,7 +391,9 @@ class Sidecar:
 
     # -- engines (called by EngineService) -------------------------------------------------------
 
-    def attach(self, info: EngineInfo, *, instance_id: str = "", observe_only: bool = False) -> Session:
+    def attach(
+        self, info: EngineInfo, *, instance_id: str = "", observe_only: bool = False, plugin_mode: str = ""
+    ) -> Session:
         """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines."""
         st = self._engines.get(info.engine_id)
         now = self.clock()
@@ -411,6 +415,7 @@ class Sidecar:
             st.bucket = TokenBucket(rate=rate, burst=burst, clock=time.monotonic)
         st.last_seen = now
         st.observe_only = observe_only
+        st.plugin_mode = plugin_mode
         q: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=STREAM_QUEUE)
         st.streams.append(q)
         self.metrics.set_connected(info.engine_id, True)
@@ -419,11 +424,12 @@ class Sidecar:
         if st.directive is not None and st.directive is before:
             _put_latest(q, st.directive)  # nothing new for the others: this stream still needs one
         log.info(
-            "engine %s attached (%s, max_k %d%s)",
+            "engine %s attached (%s, max_k %d%s%s)",
             info.engine_id,
             info.model,
             info.max_k,
             f", instance {instance_id}, acked {st.last_sequence}" if instance_id else "",
+            f", plugin mode: {plugin_mode}" if plugin_mode else "",
         )
         return Session(st, q, instance_id=instance_id)
 
@@ -803,6 +809,7 @@ class Sidecar:
             available_arms=[arm_to_pb(a) for a in st.info.arms],
             max_k=st.info.max_k,
             observe_only=st.observe_only,
+            plugin_mode=st.plugin_mode,
         )
 
     def policy_info(self, rec: PolicyRecord) -> pb.PolicyInfo:

@@ -28,6 +28,8 @@ from policies.spec import PolicyError, PolicySpec, parse_policy
 
 MAX_ENGINE_ID = 128
 MAX_INSTANCE_ID = 128
+#: Hello.plugin_mode is a short sentence ("K table only: <reason>"); longer is a broken engine.
+MAX_PLUGIN_MODE = 512
 MAX_K = 64
 MAX_TRAFFIC_CLASS = 64
 MAX_REQUEST_ID = 256
@@ -99,7 +101,7 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
         raise TelemetryError(
             "instance_id_too_long", f"hello.instance_id: longer than {MAX_INSTANCE_ID} characters"
         )
-    for name in ("engine_id", "instance_id", "model", "engine_version"):
+    for name in ("engine_id", "instance_id", "model", "engine_version", "plugin_mode"):
         if has_control(getattr(h, name)):
             raise TelemetryError(
                 "control_characters",
@@ -123,6 +125,10 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
         raise TelemetryError(
             "max_batch_size_out_of_range",
             f"hello.max_batch_size: {h.max_batch_size} is beyond any engine (at most {MAX_BATCH_SIZE})",
+        )
+    if len(h.plugin_mode) > MAX_PLUGIN_MODE:
+        raise TelemetryError(
+            "plugin_mode_too_long", f"hello.plugin_mode: longer than {MAX_PLUGIN_MODE} characters"
         )
     if h.protocol_version not in PROTOCOL_VERSIONS:
         raise TelemetryError(

@@ -35,7 +35,7 @@ class Arm(_message.Message):
     def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("engine_id", "model", "max_k", "arms", "granularity", "max_batch_size", "engine_version", "counterfactual_methods", "p_eagle_partial_k_safe", "protocol_version", "instance_id", "observe_only")
+    __slots__ = ("engine_id", "model", "max_k", "arms", "granularity", "max_batch_size", "engine_version", "counterfactual_methods", "p_eagle_partial_k_safe", "protocol_version", "instance_id", "observe_only", "plugin_mode")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class Hello(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_MODE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     max_k: int
@@ -60,7 +61,8 @@ class Hello(_message.Message):
     protocol_version: int
     instance_id: str
     observe_only: bool
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., max_k: _Optional[int] = ..., arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., max_batch_size: _Optional[int] = ..., engine_version: _Optional[str] = ..., counterfactual_methods: _Optional[_Iterable[str]] = ..., p_eagle_partial_k_safe: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., observe_only: _Optional[bool] = ...) -> None: ...
+    plugin_mode: str
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., max_k: _Optional[int] = ..., arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., max_batch_size: _Optional[int] = ..., engine_version: _Optional[str] = ..., counterfactual_methods: _Optional[_Iterable[str]] = ..., p_eagle_partial_k_safe: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., instance_id: _Optional[str] = ..., observe_only: _Optional[bool] = ..., plugin_mode: _Optional[str] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
     __slots__ = ("sequence", "steps", "dropped_steps")
@@ -289,7 +291,7 @@ class ArmChoice(_message.Message):
     def __init__(self, context: _Optional[str] = ..., arm: _Optional[_Union[Arm, _Mapping]] = ..., goodput_tok_s: _Optional[float] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "model", "connected", "directive_version", "directive_age_s", "steps", "rejected", "acceptance_rate", "goodput_tok_s", "arms", "policy", "granularity", "available_arms", "max_k", "observe_only")
+    __slots__ = ("engine_id", "model", "connected", "directive_version", "directive_age_s", "steps", "rejected", "acceptance_rate", "goodput_tok_s", "arms", "policy", "granularity", "available_arms", "max_k", "observe_only", "plugin_mode")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +307,7 @@ class EngineStatus(_message.Message):
     AVAILABLE_ARMS_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_MODE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     connected: bool
@@ -320,7 +323,8 @@ class EngineStatus(_message.Message):
     available_arms: _containers.RepeatedCompositeFieldContainer[Arm]
     max_k: int
     observe_only: bool
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., connected: _Optional[bool] = ..., directive_version: _Optional[int] = ..., directive_age_s: _Optional[float] = ..., steps: _Optional[int] = ..., rejected: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., goodput_tok_s: _Optional[float] = ..., arms: _Optional[_Iterable[_Union[ArmChoice, _Mapping]]] = ..., policy: _Optional[str] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., available_arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., max_k: _Optional[int] = ..., observe_only: _Optional[bool] = ...) -> None: ...
+    plugin_mode: str
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., connected: _Optional[bool] = ..., directive_version: _Optional[int] = ..., directive_age_s: _Optional[float] = ..., steps: _Optional[int] = ..., rejected: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., goodput_tok_s: _Optional[float] = ..., arms: _Optional[_Iterable[_Union[ArmChoice, _Mapping]]] = ..., policy: _Optional[str] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., available_arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., max_k: _Optional[int] = ..., observe_only: _Optional[bool] = ..., plugin_mode: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("version", "uptime_s", "policy", "engines", "snapshot_path", "last_snapshot_s", "engines_total", "engines_truncated")

@@ -6,7 +6,7 @@ Pure: the vLLM hooks feed it request ids, classes and drafts, and copy its answe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,16 +22,29 @@ _OFF = METHOD_CODES[Method.OFF]
 _NGRAM = METHOD_CODES[Method.NGRAM]
 
 
-def engine_arms(method: Method, max_k: int, *, composite: bool) -> tuple[Arm, ...]:
-    """The arms an engine configured with ``method`` can apply live."""
-    arms = [Arm(method, k) for k in range(1, max_k + 1)]
+def engine_arms(
+    method: Method, max_k: int, *, composite: bool, table_ks: Collection[int] | None = None
+) -> tuple[Arm, ...]:
+    """The arms an engine configured with ``method`` can apply live. Without the composite drafter
+    only the K values of the engine's start-up table (``table_ks``; None: every K) can be played."""
+    ks = list(range(1, max_k + 1))
+    if table_ks is not None and not composite:
+        ks = sorted(k for k in set(table_ks) if 1 <= k <= max_k)
+    arms = [Arm(method, k) for k in ks]
     if composite and method is not Method.NGRAM:
         arms += [Arm(Method.NGRAM, k) for k in range(1, max_k + 1)]
     return (*arms, Arm(Method.OFF, 0))
 
 
 def engine_info(
-    *, engine_id: str, model: str, method: Method, max_k: int, max_batch_size: int, composite: bool
+    *,
+    engine_id: str,
+    model: str,
+    method: Method,
+    max_k: int,
+    max_batch_size: int,
+    composite: bool,
+    table_ks: Collection[int] | None = None,
 ) -> EngineInfo:
     """REQUEST_METHOD with n-gram counterfactuals when the composite drafter is active; otherwise
     BATCH_STEP with the configured method's arms (the scheduler's K table is all it can change)."""
@@ -39,7 +52,7 @@ def engine_info(
         engine_id=engine_id,
         model=model,
         max_k=max_k,
-        arms=engine_arms(method, max_k, composite=composite),
+        arms=engine_arms(method, max_k, composite=composite, table_ks=table_ks),
         granularity=Granularity.REQUEST_METHOD if composite else Granularity.BATCH_STEP,
         max_batch_size=max_batch_size,
         counterfactual_methods=(Method.NGRAM,) if composite and method is not Method.NGRAM else (),
@@ -66,6 +79,7 @@ class Controls:
         safe_default: Arm,
         composite: bool,
         capacity: int = 1024,
+        table_ks: Collection[int] | None = None,
     ) -> None:
         self.engine = engine
         self.method = method
@@ -75,6 +89,9 @@ class Controls:
         self._table_key: tuple[int, str] | None = None
         self._table: list[int] = []
         self._method_code = METHOD_CODES[method]
+        #: The K values vLLM prepared at start-up (num_speculative_tokens_per_batch_size); a table
+        #: K between them is raised to the next one (the composite drafter cuts drafts per request).
+        self._table_ks = sorted({k for k in table_ks if 0 < k <= engine.max_k}) if table_ks else []
 
     def in_force(self, fresh: Directive | None) -> Directive:
         return self.safe if fresh is None else fresh
@@ -92,6 +109,9 @@ class Controls:
         table = [d.k_for_batch(bs, mk) if bs else mk for bs in range(n + 1)]
         if self.method is Method.P_EAGLE:
             table = [mk if k > 0 else 0 for k in table]
+        elif self._table_ks:
+            top = self._table_ks[-1]
+            table = [k if k <= 0 else next((t for t in self._table_ks if t >= k), top) for k in table]
         self._table_key, self._table = key, table
         return table
 

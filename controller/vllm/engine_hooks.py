@@ -36,28 +36,66 @@ from typing import Any, TextIO
 import numpy as np
 
 from controller.convert import hello_from_engine_info
+from controller.vllm import compat
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.hotpath import ACCEPTED, CF, CLASS, DRAFTED, METHOD, K, StepKernel
 from controller.vllm.link import SidecarLink
-from controller.vllm.ngram import NgramIndex
+from controller.vllm.mode import (
+    NGRAM_ROWS_ATTR,
+    PER_REQUEST_COMPOSITE,
+    configured_method,
+    is_async,
+    k_table_only_reason,
+    plugin_mode,
+)
+from controller.vllm.ngram import Matcher, NgramIndex, match_ngram
 from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
-from policies.arms import Arm, Method
+from controller.vllm.v2 import V2_POINTS
+from policies.arms import METHOD_CODES, Arm, Method
 from policies.jit import compiling
 
-log = logging.getLogger("speccontrol.vllm")
+log = logging.getLogger("vllm.speccontrol")
 _is_finished = operator.methodcaller("is_finished")
 
+_OFF = METHOD_CODES[Method.OFF]
+_NGRAM = METHOD_CODES[Method.NGRAM]
+#: SchedulerOutput attribute (async scheduling): request -> (method code, K) of the drafts it verifies.
+VERIFYING_ATTR = "speccontrol_verifying"
 
-def configured_method(spec: Any) -> Method | None:
-    """The controller's name for the engine's drafting method, None when the plugin cannot drive it."""
-    m = str(getattr(spec, "method", ""))
-    if m in ("eagle", "eagle3"):
-        return Method.P_EAGLE if getattr(spec, "parallel_drafting", False) else Method.EAGLE3
-    if m == "ngram":
-        return Method.NGRAM
+
+def fixed_table_reason(vllm_config: Any, lookup: list[int] | None) -> str | None:
+    """Why the plugin must leave vLLM's K table alone (None: it may swap it).
+
+    The table is swapped only in an engine vLLM started with ``num_speculative_tokens_per_batch_size``
+    (so vLLM set up dynamic K: per-K CUDA graphs, the PIECEWISE override, uniform-decode padding) and
+    never with data parallelism, where ranks choosing different K diverge and deadlock (vLLM drops the
+    schedule under DP for that reason)."""
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    if dp > 1:
+        return f"data parallel size {dp}: every rank must draft the same K per step"
+    if lookup is None:
+        return (
+            "the engine was not started with speculative_config.num_speculative_tokens_per_batch_size, "
+            "so vLLM did not prepare dynamic K"
+        )
     return None
+
+
+def vllm_matcher() -> Matcher:
+    try:
+        from vllm.v1.spec_decode import ngram_proposer  # type: ignore[import-not-found]
+
+        find = ngram_proposer._find_longest_matched_ngram_and_propose_tokens
+    except ImportError:  # pragma: no cover - depends on the vLLM build
+        return match_ngram
+
+    def m(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
+        return find(tokens, min_n, max_n, max_model_len, k)  # type: ignore[no-any-return]
+
+    m(np.arange(8, dtype=np.int32) % 3, 1, 3, 1 << 20, 4)  # compile now, not in the first step
+    return m
 
 
 class EngineHooks:
@@ -89,6 +127,13 @@ class EngineHooks:
         self._queue_len = 0
         self._queue_wait = 0.0
         self.original_lookup: list[int] | None = None
+        #: "per-request composite" or "K table only: <reason>" (Hello.plugin_mode).
+        self.mode = PER_REQUEST_COMPOSITE
+        #: Async scheduling with the worker-side merge: plans are made when placeholders are sized.
+        self.async_composite = False
+        #: Whether the scheduler's K table may be swapped (see ``fixed_table_reason``).
+        self.swap_table = True
+        self._planned: dict[str, tuple[int, int]] = {}  # request -> (method code, K) of its next draft
 
     @classmethod
     def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
@@ -101,19 +146,30 @@ class EngineHooks:
         if method is None:
             log.warning("speccontrol: drafting method %r is not supported; plugin inactive", spec.method)
             return None
-        sync = not bool(getattr(vc.scheduler_config, "async_scheduling", False))
-        greedy = str(getattr(spec, "draft_sample_method", "greedy")) == "greedy"
-        v1_runner = not bool(getattr(vc, "use_v2_model_runner", False))
-        composite = settings.composite and method is not Method.NGRAM and sync and greedy and v1_runner
-        if settings.composite and method is not Method.NGRAM and not composite:
-            log.warning(
-                "speccontrol: composite drafting off (needs synchronous scheduling %s, greedy draft "
-                "sampling %s, the V1 model runner %s); only the K table is controlled",
-                sync,
-                greedy,
-                v1_runner,
-            )
         max_k = int(spec.num_speculative_tokens)
+        async_sched = is_async(vc)
+        reason = k_table_only_reason(settings=settings, method=method, vllm_config=vc)
+        if reason is None and async_sched:
+            v2 = bool(getattr(vc, "use_v2_model_runner", False))
+            bad = compat.problems(V2_POINTS if v2 else compat.V1_WORKER_POINTS, version=None)
+            if bad:
+                runner = "V2" if v2 else "V1"
+                reason = f"async scheduling, and the {runner} model runner does not match: " + "; ".join(bad)
+        composite = reason is None
+        mode = plugin_mode(reason)
+        fixed = fixed_table_reason(vc, scheduler.dynamic_sd_lookup)
+        if fixed is not None and not composite:
+            log.error(
+                "speccontrol: refused, plugin inactive (vLLM runs as configured): %s, and without the "
+                "composite drafter (%s) there is nothing else to control",
+                fixed,
+                reason,
+            )
+            return None
+        schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None) or ()
+        table_ks = frozenset(int(entry[2]) for entry in schedule) or None
+        if not composite and method is not Method.NGRAM and settings.composite:
+            log.warning("speccontrol: composite drafting off: %s; only the K table is controlled", reason)
         names = vc.model_config.served_model_name
         model = str(names[0] if isinstance(names, list | tuple) else names or vc.model_config.model)
         info = engine_info(
@@ -123,10 +179,11 @@ class EngineHooks:
             max_k=max_k,
             max_batch_size=int(vc.scheduler_config.max_num_seqs),
             composite=composite,
+            table_ks=table_ks,
         )
         import vllm  # type: ignore[import-not-found]
 
-        hello = hello_from_engine_info(info, engine_version=f"vllm {vllm.__version__}")
+        hello = hello_from_engine_info(info, engine_version=f"vllm {vllm.__version__}", plugin_mode=mode)
         link = SidecarLink(
             target=settings.sidecar,
             hello=hello,
@@ -151,22 +208,30 @@ class EngineHooks:
             safe_default=settings.safe_default or Arm(method, max_k),
             composite=composite,
             capacity=int(vc.scheduler_config.max_num_seqs) * 2,
+            table_ks=table_ks,
         )
         trace = open(settings.trace_path, "a", buffering=1) if settings.trace_path else None  # noqa: SIM115
         hooks = cls(
             settings=settings, controls=controls, link=link, scorer=scorer, method=method, trace=trace
         )
+        hooks.mode = mode
+        hooks.swap_table = fixed is None
+        hooks.async_composite = composite and async_sched
         hooks.original_lookup = scheduler.dynamic_sd_lookup
         hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
         log.info(
-            "speccontrol: engine %s attached to %s (%s, max K %d, %s)",
+            "speccontrol: engine %s attached to %s (%s, max K %d, %s, %s scheduling, plugin mode: %s)",
             info.engine_id,
             settings.sidecar,
             method.value,
             max_k,
             info.granularity.name,
+            "async" if async_sched else "synchronous",
+            mode,
         )
+        if fixed is not None:
+            log.warning("speccontrol: the K table stays as vLLM set it (%s); K is cut per request", fixed)
         return hooks
 
     # -- schedule ---------------------------------------------------------------------------------
@@ -174,7 +239,8 @@ class EngineHooks:
     def before_schedule(self, scheduler: Any) -> None:
         self._t0 = self.perf()
         self.directive = self.controls.in_force(self.link.fresh_directive())
-        scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
+        if self.swap_table:
+            scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
 
     def after_schedule(self, scheduler: Any, out: Any) -> None:
         self._queue_len = len(scheduler.waiting)
@@ -194,6 +260,12 @@ class EngineHooks:
 
     def before_update(self, scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
         """The Request objects of this step (the update frees finished ones)."""
+        planned = getattr(scheduler_output, VERIFYING_ATTR, None)
+        if planned:  # async: what was planned for the drafts verified now
+            slots = self.controls.fast.slots(list(planned))
+            self.rows.reserve(int(slots.max()) + 1)
+            mk = np.array(list(planned.values()), dtype=np.int64).reshape(-1, 2)
+            self.rows.planned(slots, mk[:, 0], mk[:, 1])
         reqs = scheduler.requests
         return {rid: reqs.get(rid) for rid in scheduler_output.num_scheduled_tokens}
 
@@ -273,6 +345,7 @@ class EngineHooks:
             self.rows.release(s)
             if self.scorer is not None:
                 self.scorer.release(s)
+        self._planned.pop(rid, None)
 
     # -- update_draft_token_ids (synchronous scheduling) -----------------------------------------
 
@@ -306,20 +379,68 @@ class EngineHooks:
             k.choose(ctl.safe, ["a"], [[1] * max_k])
         log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
+    # -- AsyncScheduler._update_after_schedule (async scheduling) ------------------------------
+
+    def size_placeholders(self, scheduler: Any, scheduler_output: Any) -> None:
+        """Each request's next draft: its own number of ``-1`` placeholders (its K) and, for the
+        worker, which requests get the n-gram draft (``NGRAM_ROWS_ATTR`` on the scheduler output).
+
+        The plan made here is verified in the next step that schedules the request; it travels on
+        that step's output (``VERIFYING_ATTR``), because with the batch queue the update of step N
+        can run after step N+1 was scheduled."""
+        so = scheduler_output
+        planned = self._planned
+        setattr(
+            so,
+            VERIFYING_ATTR,
+            {rid: planned.pop(rid) for rid in so.scheduled_spec_decode_tokens if rid in planned},
+        )
+        reqs = scheduler.requests
+        ids = [
+            rid for rid in so.num_scheduled_tokens if (r := reqs.get(rid)) is not None and r.spec_token_ids
+        ]
+        if not ids:
+            setattr(so, NGRAM_ROWS_ATTR, frozenset())
+            return
+        slots = self.controls.fast.slots(ids)
+        self.rows.reserve(int(slots.max()) + 1)
+        classes = self.rows.classes(slots)
+        plan = self.controls.plan(self.directive, ids, classes, len(so.num_scheduled_tokens), slots=slots)
+        ngram: list[str] = []
+        for rid, m, k in zip(ids, plan.method.tolist(), plan.k.tolist(), strict=True):
+            req = reqs[rid]
+            room = len(req.spec_token_ids)
+            k = min(k, room)
+            if k != room:
+                req.spec_token_ids = [-1] * k  # a new list: vLLM shares one placeholder list
+            planned[rid] = (m if k else _OFF, k)
+            if k and m == _NGRAM:
+                ngram.append(rid)
+        setattr(so, NGRAM_ROWS_ATTR, frozenset(ngram))
+
     def close(self) -> None:
         self.link.close()
         if self.trace is not None:
             self.trace.close()
 
 
-def install(settings: PluginSettings) -> None:
-    """Patch the V1 Scheduler (idempotent). Only the engine-core process builds a Scheduler."""
+def install(settings: PluginSettings) -> bool:
+    """Patch the V1 Scheduler (idempotent); False, with one log line, when vLLM is outside the tested
+    range or a patch point differs (nothing is patched then). Only the engine-core process builds a
+    Scheduler, so only it attaches."""
+    with contextlib.suppress(Exception):
+        if getattr(compat.resolve(compat.SCHEDULER_CLASS), "_speccontrol_patched", False):
+            return True  # our own wrappers no longer have vLLM's signatures
+    bad = compat.problems(compat.INSTALL_POINTS, version=compat.installed_version())
+    if bad:
+        log.error("speccontrol: plugin not installed, vLLM left unpatched: %s", "; ".join(bad))
+        return False
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
     from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
     from vllm.v1.outputs import DraftTokenIds  # type: ignore[import-not-found]
 
-    if getattr(Scheduler, "_speccontrol_patched", False):
-        return
     orig_init = Scheduler.__init__
+    orig_after_async = AsyncScheduler._update_after_schedule
     orig_schedule = Scheduler.schedule
     orig_update = Scheduler.update_from_output
     orig_drafts = Scheduler.update_draft_token_ids
@@ -387,9 +508,21 @@ def install(settings: PluginSettings) -> None:
                 _disable(self, "update_draft_token_ids")
         orig_drafts(self, draft_token_ids)
 
+    def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
+        orig_after_async(self, scheduler_output)
+        h = self._speccontrol
+        if h is not None and h.async_composite:
+            try:
+                h.size_placeholders(self, scheduler_output)
+            except Exception:
+                _disable(self, "_update_after_schedule")
+                setattr(scheduler_output, NGRAM_ROWS_ATTR, frozenset())
+
     Scheduler.__init__ = __init__  # type: ignore[method-assign]
     Scheduler.schedule = schedule  # type: ignore[method-assign]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     Scheduler.update_draft_token_ids = update_draft_token_ids  # type: ignore[method-assign]
+    AsyncScheduler._update_after_schedule = _update_after_schedule  # type: ignore[method-assign]
     Scheduler._speccontrol_patched = True  # type: ignore[attr-defined]
     log.info("speccontrol: scheduler hooks installed (pid %d)", os.getpid())
+    return True

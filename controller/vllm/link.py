@@ -29,7 +29,7 @@ from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.vllm.record import StepRecord
 from policies.directive import Directive
 
-log = logging.getLogger("speccontrol.vllm")
+log = logging.getLogger("vllm.speccontrol")
 
 
 @dataclass(frozen=True, slots=True)

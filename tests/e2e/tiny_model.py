@@ -2,12 +2,14 @@
 
 vLLM loads them with ``load_format=dummy``. Run with the vLLM virtualenv's Python (needs
 ``tokenizers``): ``python -m tests.e2e.tiny_model OUT_DIR`` writes ``OUT_DIR/target`` and
-``OUT_DIR/eagle3``. Head dim 32: vLLM's CPU attention supports 32, 64, 80 and up.
+``OUT_DIR/eagle3``. Head dim 32: vLLM's CPU attention supports 32, 64, 80 and up;
+``SPECCONTROL_E2E_HEAD_DIM`` overrides it (scripts/gpu_check.sh uses 64, which every GPU backend has).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,14 +22,15 @@ _WORDS = _TEXT.split(" ")
 
 
 def _layers(n: int) -> dict[str, object]:
+    head_dim = int(os.environ.get("SPECCONTROL_E2E_HEAD_DIM", "32"))
     return {
         "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
+        "hidden_size": 4 * head_dim,
+        "intermediate_size": 8 * head_dim,
         "num_hidden_layers": n,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 32,
+        "head_dim": head_dim,
         "vocab_size": VOCAB,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,

@@ -99,3 +99,36 @@ def test_rule_moves_a_request_to_ngram_from_its_feedback() -> None:
         )
     p = c.plan(d, ids, ["x", "x"], 2)
     assert p.method.tolist() == [N, E]
+
+
+def test_table_only_uses_the_k_values_vllm_prepared() -> None:
+    """Started with num_speculative_tokens_per_batch_size, vLLM prepared only those K: a table K in
+    between is raised to the next prepared one (the composite drafter cuts drafts per request), 0 stays
+    0, and without the composite drafter only the prepared K are offered as arms."""
+    info = engine_info(
+        engine_id="e",
+        model="m",
+        method=Method.EAGLE3,
+        max_k=4,
+        max_batch_size=8,
+        composite=True,
+        table_ks={2, 4},
+    )
+    c = Controls(
+        engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, 4), composite=True, table_ks={2, 4}
+    )
+    d = _directive(
+        table=(KRange(1, 1, 1), KRange(2, 2, 2), KRange(3, 3, 3), KRange(4, 4, 4), KRange(5, 0, 0))
+    )
+    assert c.k_table(d) == [4, 2, 2, 4, 4, 0, 0, 0, 0]
+    assert [str(a) for a in info.arms][:4] == ["eagle3:1", "eagle3:2", "eagle3:3", "eagle3:4"]
+    table_only = engine_info(
+        engine_id="e",
+        model="m",
+        method=Method.EAGLE3,
+        max_k=4,
+        max_batch_size=8,
+        composite=False,
+        table_ks={0, 2, 4},
+    )
+    assert [str(a) for a in table_only.arms] == ["eagle3:2", "eagle3:4", "off"]

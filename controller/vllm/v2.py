@@ -1,0 +1,150 @@
+"""Composite drafting on vLLM's V2 model runner (the GPU default): a speculator wrapper that merges
+n-gram drafts into EAGLE-3's by a per-request mask. EXPERIMENTAL, opt-in (``SPECCONTROL_V2_COMPOSITE=1``)
+and NOT YET RUN ON A GPU: unit-tested against fakes only; ``scripts/gpu_check.sh`` runs it for real.
+
+The V2 runner keeps drafts on the device (``RequestState.draft_tokens``) and builds one speculator
+(``init_speculator``). The wrapper lets EAGLE propose unchanged (its draft state stays consistent),
+asks vLLM's GPU n-gram speculator for its drafts on the same batch, and returns
+``where(mask[idx_mapping, None], ngram, eagle)``: ``mask`` is indexed by request-state slot and set each
+step from the scheduler output (``worker.NGRAM_ROWS_ATTR``). What must hold: rows of requests not on
+n-gram are EAGLE's, bit for bit; a dummy (warm-up / CUDA-graph capture) run returns EAGLE's drafts; any
+error disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through.
+The GPU n-gram speculator needs the dense device token history, which the V2 runner keeps only for an
+n-gram engine: the install turns it on (``max_num_seqs x max_model_len x 4`` bytes of device memory).
+Its no-match rows repeat the last sampled token (verified and rejected, as vLLM's own n-gram does).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from controller.vllm import compat
+from controller.vllm.mode import NGRAM_ROWS_ATTR
+
+log = logging.getLogger("vllm.speccontrol")
+
+V2_POINTS: tuple[compat.PatchPoint, ...] = (
+    compat.PatchPoint(
+        "vllm.v1.worker.gpu.model_runner", "init_speculator", ("vllm_config", "device", "req_states")
+    ),
+    compat.PatchPoint(
+        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", ("self", "scheduler_output")
+    ),
+    compat.PatchPoint("vllm.v1.worker.gpu.states", "RequestState.__init__", ("self", "max_num_reqs")),
+    compat.PatchPoint(
+        "vllm.v1.worker.gpu.spec_decode.ngram.speculator",
+        "NgramGPUSpeculator.__init__",
+        ("self", "vllm_config", "device", "req_states"),
+    ),
+)
+
+
+def merge_by_mask(eagle: Any, ngram: Any, mask: Any, idx_mapping: Any, where: Callable[..., Any]) -> Any:
+    """Row ``i`` is ``ngram[i]`` where ``mask[idx_mapping[i]]``, else ``eagle[i]`` (torch or numpy)."""
+    width = eagle.shape[1]
+    return where(mask[idx_mapping][:, None], ngram[:, :width], eagle)
+
+
+class CompositeSpeculator:
+    """Stands in for the V2 runner's EAGLE speculator; everything but ``propose`` is EAGLE's own."""
+
+    def __init__(
+        self,
+        *,
+        eagle: Any,
+        ngram: Any,
+        mask: Any,
+        req_id_to_index: Mapping[str, int],
+        where: Callable[..., Any],
+    ) -> None:
+        self._eagle = eagle
+        self._ngram = ngram
+        self._where = where
+        #: One flag per request-state slot (device memory in the engine).
+        self.mask = mask
+        self._slots = req_id_to_index  # the runner's live request -> slot map
+        self._rows: Collection[str] = ()
+        self._broken = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._eagle, name)
+
+    def set_ngram_requests(self, scheduler_output: Any) -> None:
+        """The requests the scheduler put on n-gram for the drafts proposed in this step."""
+        self._rows = getattr(scheduler_output, NGRAM_ROWS_ATTR, None) or ()
+
+    def propose(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        drafts = self._eagle.propose(input_batch, *args, **kwargs)
+        if not self._rows or self._broken or kwargs.get("dummy_run", False):
+            return drafts
+        try:
+            # Slots resolved now: the step's new requests got theirs after set_ngram_requests.
+            slots = [self._slots[r] for r in self._rows if r in self._slots]
+            self.mask[:] = False
+            if slots:
+                self.mask[slots] = True
+            ngram = self._ngram.propose(input_batch, *args, **kwargs)
+            return merge_by_mask(drafts, ngram, self.mask, input_batch.idx_mapping, self._where)
+        except Exception:
+            log.exception("speccontrol: V2 n-gram merge failed; disabled (EAGLE drafts pass through)")
+            self._broken = True
+            return drafts
+
+
+def install_v2_runner(*, ngram_min: int, ngram_max: int) -> str | None:
+    """Patch the V2 runner for composite drafting; the reason it cannot, or None. Call in the worker
+    process before the runner is built (``WorkerWrapperBase.init_device`` runs first)."""
+    bad = compat.problems(V2_POINTS, version=None)
+    if bad:
+        return "; ".join(bad)
+    import torch  # type: ignore[import-not-found]
+    from vllm.v1.worker.gpu import model_runner, states  # type: ignore[import-not-found]
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import (  # type: ignore[import-not-found]
+        NgramGPUSpeculator,
+    )
+
+    if getattr(model_runner, "_speccontrol_patched", False):
+        return None
+    orig_init_speculator = model_runner.init_speculator
+    orig_state_init = states.RequestState.__init__
+    orig_execute = model_runner.GPUModelRunner.execute_model
+
+    def state_init(self: Any, *a: Any, **kw: Any) -> None:
+        kw["use_dense_all_token_ids"] = True  # the GPU n-gram speculator reads it
+        orig_state_init(self, *a, **kw)
+
+    def init_speculator(vllm_config: Any, device: Any, req_states: Any) -> Any:
+        eagle = orig_init_speculator(vllm_config, device, req_states)
+        spec = vllm_config.speculative_config
+        if not spec.use_eagle():
+            return eagle
+        vc = copy.copy(vllm_config)
+        vc.speculative_config = copy.copy(spec)
+        vc.speculative_config.prompt_lookup_min = ngram_min
+        vc.speculative_config.prompt_lookup_max = ngram_max
+        mask = torch.zeros(req_states.max_num_reqs, dtype=torch.bool, device=device)
+        return CompositeSpeculator(
+            eagle=eagle,
+            ngram=NgramGPUSpeculator(vc, device, req_states),
+            mask=mask,
+            req_id_to_index=req_states.req_id_to_index,
+            where=torch.where,
+        )
+
+    def execute_model(self: Any, scheduler_output: Any, *a: Any, **kw: Any) -> Any:
+        sp = self.speculator
+        if isinstance(sp, CompositeSpeculator):
+            sp.set_ngram_requests(scheduler_output)
+        return orig_execute(self, scheduler_output, *a, **kw)
+
+    states.RequestState.__init__ = state_init
+    model_runner.init_speculator = init_speculator
+    model_runner.GPUModelRunner.execute_model = execute_model
+    model_runner._speccontrol_patched = True
+    log.warning(
+        "speccontrol: V2 runner composite drafting installed (experimental, SPECCONTROL_V2_COMPOSITE=1)"
+    )
+    return None

@@ -1,0 +1,261 @@
+"""Composite drafting in the worker (V1 model runner), for async scheduling.
+
+Under async scheduling the drafts never reach the scheduler (it only hands out ``-1`` placeholders),
+so the choice between EAGLE and n-gram is made where the drafts are: the engine-core hooks size each
+request's placeholders to its own K and name the requests on n-gram in an attribute of the
+``SchedulerOutput`` (``NGRAM_ROWS_ATTR``, pickled to the worker with it); the wrapped
+``GPUModelRunner.propose_draft_token_ids`` lets EAGLE propose unmodified (its draft state stays
+consistent whatever is verified) and then overwrites the rows of n-gram requests with the n-gram draft.
+
+What must hold: the merge only ever replaces whole rows of requests named in the attribute; a row
+whose n-gram draft is empty keeps EAGLE's draft (the scheduler has already reserved its slots); any
+exception disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through.
+Each request's token history is kept here from its prompt plus every token the runner sampled
+(rejected positions are ``-1``, partial-prefill rows are discarded), exactly the tokens the n-gram
+matcher in the engine core sees one step later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from controller.vllm import compat
+from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
+from controller.vllm.ngram import Matcher, NgramScorer
+from controller.vllm.settings import PluginSettings
+from controller.vllm.v2 import install_v2_runner
+
+log = logging.getLogger("vllm.speccontrol")
+
+
+class DraftMerger:
+    """Per-request token histories in the worker, and the n-gram rows merged into a draft matrix."""
+
+    def __init__(self, *, max_k: int, min_n: int, max_n: int, max_model_len: int, matcher: Matcher) -> None:
+        self._ngram = NgramScorer(
+            max_k=max_k, min_n=min_n, max_n=max_n, max_model_len=max_model_len, matcher=matcher
+        )
+
+    def __len__(self) -> int:
+        return len(self._ngram)
+
+    def observe(
+        self,
+        req_ids: Sequence[str],
+        sampled: Sequence[Sequence[int]],
+        discarded: Sequence[bool],
+        known_tokens: Callable[[str], Sequence[int] | None],
+        finished: Iterable[str] = (),
+        restarted: Iterable[str] = (),
+    ) -> None:
+        """One step's sampled tokens, row ``i`` for ``req_ids[i]`` (negative ids are rejected slots).
+
+        ``known_tokens(rid)``: the request's tokens before this step (prompt plus outputs) when first
+        seen; None when they are unknown (prompt embeddings): the request is then never on n-gram.
+        ``restarted``: requests resumed after preemption (their history is rebuilt)."""
+        for rid in finished:
+            self._ngram.release(rid)
+        for rid in restarted:
+            self._ngram.release(rid)
+        for rid, row, skip in zip(req_ids, sampled, discarded, strict=True):
+            if skip:
+                continue  # a partial prefill: what it "sampled" is thrown away
+            new = [int(t) for t in row if t >= 0]
+            if rid not in self._ngram:
+                base = known_tokens(rid)
+                if base is None:
+                    continue
+                self._ngram.start(rid, [int(t) for t in base if t >= 0])
+            self._ngram.extend(rid, new)
+
+    def merge(
+        self, req_ids: Sequence[str], drafts: np.ndarray, ngram_rows: Collection[str]
+    ) -> np.ndarray | None:
+        """``drafts`` (rows x K) with n-gram requests' rows replaced; None when no row changes.
+
+        An n-gram draft shorter than K is padded with its last token: the scheduler verifies at most
+        the request's own K slots, and a padded token is only verified after its predecessors were
+        accepted."""
+        if not ngram_rows or drafts.ndim != 2 or drafts.shape[1] == 0:
+            return None
+        width = drafts.shape[1]
+        out: np.ndarray | None = None
+        for i, rid in enumerate(req_ids):
+            if rid not in ngram_rows or rid not in self._ngram:
+                continue
+            d = self._ngram.propose(rid)[:width]
+            if len(d) == 0:
+                continue
+            if out is None:
+                out = drafts.copy()
+            out[i, : len(d)] = d
+            out[i, len(d) :] = d[-1]
+        return out
+
+
+def _rows(sampled: Any) -> list[list[int]]:
+    if isinstance(sampled, list):
+        return [list(r) for r in sampled]
+    return [list(r) for r in sampled.tolist()]
+
+
+def _discarded(runner: Any, n: int) -> list[bool]:
+    mask = getattr(runner, "discard_request_mask", None)
+    arr = getattr(mask, "np", None)
+    if arr is None:
+        return [False] * n
+    return [bool(x) for x in arr[:n]]
+
+
+def _known_tokens(runner: Any) -> Callable[[str], Sequence[int] | None]:
+    def known(rid: str) -> Sequence[int] | None:
+        st = runner.requests.get(rid)
+        prompt = getattr(st, "prompt_token_ids", None)
+        if prompt is None:
+            return None
+        return [*prompt, *(getattr(st, "output_token_ids", None) or ())]
+
+    return known
+
+
+def install_worker_hook(settings: PluginSettings, *, matcher: Callable[[], Matcher]) -> None:
+    """Wrap ``WorkerWrapperBase.init_device`` (idempotent; the caller checked it, see
+    ``compat.INSTALL_POINTS``): once the worker and its model runner exist in this process, patch the V1
+    runner when the engine runs async scheduling with composite drafting. Runs in whichever process
+    hosts the worker (the engine core with the in-process executor, else each worker process), and
+    imports nothing heavy before vLLM's own worker initialisation."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase  # type: ignore[import-not-found]
+
+    if getattr(WorkerWrapperBase, "_speccontrol_patched", False):
+        return
+    orig = WorkerWrapperBase.init_device
+
+    def init_device(self: Any, *a: Any, **kw: Any) -> Any:
+        vc = getattr(self, "vllm_config", None)
+        v2 = bool(getattr(vc, "use_v2_model_runner", False))
+        if v2:
+            _guarded(_v2_runner_for, vc, settings)  # before the runner (and its speculator) is built
+        out = orig(self, *a, **kw)
+        if not v2:
+            _guarded(_runner_for, vc, settings, matcher)
+        return out
+
+    WorkerWrapperBase.init_device = init_device
+    WorkerWrapperBase._speccontrol_patched = True
+
+
+def _guarded(fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # the worker serves on with EAGLE's drafts
+        log.error("speccontrol: worker-side composite drafting not installed: %s: %s", type(e).__name__, e)
+
+
+def _wanted(vc: Any, settings: PluginSettings) -> Any:
+    """The speculative config when this engine runs the worker-side merge (async composite), else None."""
+    spec = getattr(vc, "speculative_config", None)
+    method = configured_method(spec) if spec is not None else None
+    if spec is None or method is None or not is_async(vc):
+        return None  # synchronous scheduling: the engine core chooses drafts, nothing to do here
+    if k_table_only_reason(settings=settings, method=method, vllm_config=vc) is not None:
+        return None
+    return spec
+
+
+def _v2_runner_for(vc: Any, settings: PluginSettings) -> None:
+    if _wanted(vc, settings) is None:
+        return
+    why = install_v2_runner(ngram_min=settings.ngram_min, ngram_max=settings.ngram_max)
+    if why is not None:
+        log.error("speccontrol: V2 composite drafting not installed: %s", why)
+
+
+def _runner_for(vc: Any, settings: PluginSettings, matcher: Callable[[], Matcher]) -> None:
+    spec = _wanted(vc, settings)
+    if spec is None:
+        return
+    bad = compat.problems(compat.V1_WORKER_POINTS, version=None)
+    if bad:
+        log.error("speccontrol: worker-side composite drafting not installed: %s", "; ".join(bad))
+        return
+    install_v1_runner(
+        max_k=int(spec.num_speculative_tokens),
+        min_n=settings.ngram_min,
+        max_n=settings.ngram_max,
+        matcher=matcher,
+    )
+
+
+def install_v1_runner(*, max_k: int, min_n: int, max_n: int, matcher: Callable[[], Matcher]) -> None:
+    """Wrap ``GPUModelRunner.propose_draft_token_ids`` (idempotent). The caller has checked the symbol
+    (``compat.V1_WORKER_POINTS``). ``matcher`` is called once per runner, on its first draft."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # type: ignore[import-not-found]
+
+    if getattr(GPUModelRunner, "_speccontrol_patched", False):
+        return
+    orig = GPUModelRunner.propose_draft_token_ids
+
+    def propose_draft_token_ids(
+        self: Any, scheduler_output: Any, sampled_token_ids: Any, *a: Any, **kw: Any
+    ) -> Any:
+        drafts = orig(self, scheduler_output, sampled_token_ids, *a, **kw)
+        state = self.__dict__.get("_speccontrol_merger", 0)
+        if state is None:
+            return drafts  # disabled after an error
+        try:
+            if state == 0:
+                state = self._speccontrol_merger = DraftMerger(
+                    max_k=max_k,
+                    min_n=min_n,
+                    max_n=max_n,
+                    max_model_len=int(self.max_model_len),
+                    matcher=matcher(),
+                )
+            return _merge_step(self, state, scheduler_output, sampled_token_ids, drafts)
+        except Exception:
+            log.exception(
+                "speccontrol: worker-side n-gram merge failed; disabled (EAGLE drafts pass through)"
+            )
+            self._speccontrol_merger = None
+            return drafts
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._speccontrol_patched = True
+    log.info(
+        "speccontrol: V1 model runner hook installed (worker-side composite drafting, pid %d)", os.getpid()
+    )
+
+
+def _merge_step(runner: Any, merger: DraftMerger, so: Any, sampled: Any, drafts: Any) -> Any:
+    req_ids = list(runner.input_batch.req_ids)
+    rows = _rows(sampled)[: len(req_ids)]
+    cached = getattr(so, "scheduled_cached_reqs", None)
+    merger.observe(
+        req_ids[: len(rows)],
+        rows,
+        _discarded(runner, len(rows)),
+        _known_tokens(runner),
+        finished=getattr(so, "finished_req_ids", ()) or (),
+        restarted=getattr(cached, "resumed_req_ids", ()) or (),
+    )
+    ngram_rows = getattr(so, NGRAM_ROWS_ATTR, None)
+    if not ngram_rows:
+        return drafts
+    if isinstance(drafts, list):
+        width = max((len(d) for d in drafts), default=0)
+        if width == 0 or any(len(d) != width for d in drafts):
+            return drafts
+        merged = merger.merge(req_ids[: len(drafts)], np.asarray(drafts, dtype=np.int64), ngram_rows)
+        return drafts if merged is None else merged.tolist()
+    host = drafts.cpu().numpy()
+    merged = merger.merge(req_ids[: host.shape[0]], host, ngram_rows)
+    if merged is None:
+        return drafts
+    import torch  # type: ignore[import-not-found]
+
+    return torch.from_numpy(merged).to(device=drafts.device, dtype=drafts.dtype)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Composite drafting on a GPU: the async-scheduling end-to-end test (tests/e2e/test_vllm_async.py) with
+# the V1 and with the V2 model runner, on a tiny Llama-shaped target and EAGLE-3 head with dummy weights
+# built locally (tests/e2e/tiny_model.py, head dim 64). Downloads nothing. Target: under 5 minutes.
+#
+# NOT YET RUN ON A GPU: no GPU machine was available when it was written (see docs/vllm-plugin.md).
+#
+#   VLLM_VENV  a virtualenv with CUDA vLLM 0.32.x or 0.33.x and this project's runtime dependencies
+#              (grpcio, protobuf, numpy, pyyaml, prometheus-client, tokenizers); default .venv-vllm-gpu
+#   TEST_PY    the test interpreter (pytest and the project's dependencies); default .venv/bin/python,
+#              else the vLLM virtualenv's
+# Extra arguments go to pytest. Exit 0: both runners passed; 1: a check failed; 2: nothing to run on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VLLM_VENV=${VLLM_VENV:-.venv-vllm-gpu}
+if [ ! -x "$VLLM_VENV/bin/python" ]; then
+  echo "gpu_check: $VLLM_VENV/bin/python is missing (a CUDA vLLM 0.32/0.33 virtualenv; this script installs nothing)" >&2
+  exit 2
+fi
+TEST_PY=${TEST_PY:-.venv/bin/python}
+[ -x "$TEST_PY" ] || TEST_PY="$VLLM_VENV/bin/python"
+if ! nvidia-smi -L; then
+  echo "gpu_check: no NVIDIA GPU visible" >&2
+  exit 2
+fi
+"$VLLM_VENV/bin/python" -c 'import vllm; print("gpu_check: vllm", vllm.__version__)' || exit 2
+export VLLM_VENV SPECCONTROL_REQUIRE_VLLM=1 SPECCONTROL_E2E_GPU=1 SPECCONTROL_E2E_HEAD_DIM=64
+# The V2 merge is experimental and opt-in; the V1 run ignores the flag.
+export SPECCONTROL_V2_COMPOSITE=1
+status=0
+for v2 in 0 1; do
+  echo "gpu_check: async scheduling, V$((v2 + 1)) model runner"
+  # The sidecar-kill test waits out a TTL; the sync CPU e2e and the CPU async run cover it.
+  if ! VLLM_USE_V2_MODEL_RUNNER=$v2 timeout 140 "$TEST_PY" -m pytest -q -p no:cacheprovider \
+      tests/e2e/test_vllm_async.py -k "not sidecar_killed" --basetemp "/tmp/gpu_check_v$((v2 + 1))" "$@"; then
+    echo "gpu_check: FAILED with the V$((v2 + 1)) runner; logs in /tmp/gpu_check_v$((v2 + 1))/*/vllm.log" >&2
+    status=1
+  fi
+done
+exit $status

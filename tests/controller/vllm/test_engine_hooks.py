@@ -1,0 +1,229 @@
+"""The engine-core hooks under async scheduling, driven by a fake AsyncScheduler in vLLM's batch-queue
+order (schedule N+1 runs before the update of step N): each request's placeholders are sized to its own
+K, n-gram requests are named for the worker, and every verified draft is reported with the method and
+K it was planned with, not a later plan."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from controller.vllm.control import Controls, engine_info
+from controller.vllm.engine_hooks import VERIFYING_ATTR, EngineHooks, fixed_table_reason
+from controller.vllm.mode import NGRAM_ROWS_ATTR, k_table_only_reason, plugin_mode
+from controller.vllm.ngram import NgramIndex
+from controller.vllm.record import StepRecord
+from controller.vllm.settings import PluginSettings
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
+from policies.context import ANY_CLASS
+from policies.directive import Directive, KRange, PlanEntry
+
+MAX_K = 4
+SETTINGS = PluginSettings(sidecar="unix:///tmp/none.sock")
+
+
+class FakeLink:
+    def __init__(self, directive: Directive) -> None:
+        self.d = directive
+        self.records: list[StepRecord] = []
+
+    def fresh_directive(self) -> Directive:
+        return self.d
+
+    def offer(self, rec: StepRecord) -> bool:
+        self.records.append(rec)
+        return True
+
+
+class Req:
+    def __init__(self, rid: str, cls: str) -> None:
+        self.request_id = rid
+        self._all_token_ids = [1, 2, 3, 1, 2, 3]
+        self.spec_token_ids: list[int] = []
+        self.sampling_params = types.SimpleNamespace(extra_args={"traffic_class": cls})
+        self.arrival_time = 0.0
+
+    def is_finished(self) -> bool:
+        return False
+
+
+class FakeAsyncScheduler:
+    """Just what the hooks read: requests, waiting, and vLLM's placeholder step (K from the table)."""
+
+    def __init__(self, reqs: Sequence[Req]) -> None:
+        self.requests = {r.request_id: r for r in reqs}
+        self.waiting: list[Any] = []
+        self.dynamic_sd_lookup: list[int] = [MAX_K] * 9
+
+    def schedule(self, hooks: EngineHooks) -> Any:
+        hooks.before_schedule(self)
+        ids = list(self.requests)
+        so = types.SimpleNamespace(
+            num_scheduled_tokens={r: 1 + len(self.requests[r].spec_token_ids) for r in ids},
+            scheduled_spec_decode_tokens={
+                r: list(q.spec_token_ids) for r, q in self.requests.items() if q.spec_token_ids
+            },
+            scheduled_new_reqs=[],
+            finished_req_ids=set(),
+            total_num_scheduled_tokens=len(ids),
+            num_spec_tokens_to_schedule=self.dynamic_sd_lookup[len(ids)],
+        )
+        placeholders = [-1] * so.num_spec_tokens_to_schedule
+        for r in ids:  # AsyncScheduler._update_after_schedule: one shared placeholder list
+            self.requests[r].spec_token_ids = placeholders
+        hooks.size_placeholders(self, so)
+        hooks.after_schedule(self, so)
+        return so
+
+    def update(self, hooks: EngineHooks, so: Any, accepted: int = 1) -> None:
+        reqs = hooks.before_update(self, so)
+        ids = list(so.num_scheduled_tokens)
+        mro = types.SimpleNamespace(
+            sampled_token_ids=[[7] * (1 + min(accepted, len(so.scheduled_spec_decode_tokens.get(r, ()))))
+                               for r in ids],
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+        )  # fmt: skip
+        hooks.after_update(self, so, mro, reqs)
+
+
+def _hooks(directive: Directive) -> tuple[EngineHooks, FakeLink]:
+    info = engine_info(
+        engine_id="e", model="m", method=Method.EAGLE3, max_k=MAX_K, max_batch_size=8, composite=True
+    )
+    controls = Controls(
+        engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, MAX_K), composite=True
+    )
+    link = FakeLink(directive)
+    h = EngineHooks(
+        settings=SETTINGS, controls=controls, link=link,  # type: ignore[arg-type]
+        scorer=NgramIndex(max_k=MAX_K), method=Method.EAGLE3,
+    )  # fmt: skip
+    h.async_composite = True
+    return h, link
+
+
+def _directive(version: int, *plan: PlanEntry, k: int = MAX_K) -> Directive:
+    return Directive(
+        version=version, policy="p", reason="", ttl_s=0, issued_at_s=0, k_table=(KRange(1, 0, k),),
+        method=Method.EAGLE3, plan=plan,
+    )  # fmt: skip
+
+
+def _rows(link: FakeLink) -> list[tuple[int, str, str, int, int]]:
+    return [
+        (i, rid, METHODS_BY_CODE[int(r.method[j])].value, int(r.k[j]), int(r.drafted[j]))
+        for i, r in enumerate(link.records)
+        for j, rid in enumerate(r.request_id)
+    ]
+
+
+def test_placeholders_sized_per_request_and_ngram_rows_named() -> None:
+    d = _directive(
+        1,
+        PlanEntry("code", 1, 0, Arm(Method.NGRAM, 2)),
+        PlanEntry("bulk", 1, 0, Arm(Method.OFF, 0)),
+        PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 3)),
+    )
+    h, link = _hooks(d)
+    s = FakeAsyncScheduler([Req("a", "code"), Req("b", "chat"), Req("c", "bulk")])
+    so = s.schedule(h)
+    s.update(h, so)  # the first update teaches the hooks each request's class
+    pending = [s.schedule(h)]
+    for _ in range(300):  # batch queue: schedule N+1, then update N
+        pending.append(s.schedule(h))
+        s.update(h, pending.pop(0))
+    last = pending[-1]
+    assert {r: len(q.spec_token_ids) for r, q in s.requests.items()} == {"a": 2, "b": 3, "c": 0}
+    assert getattr(last, NGRAM_ROWS_ATTR) == frozenset({"a"})
+    ngram, eagle = METHOD_CODES[Method.NGRAM], METHOD_CODES[Method.EAGLE3]
+    assert getattr(last, VERIFYING_ATTR) == {"a": (ngram, 2), "b": (eagle, 3)}  # c drafts nothing
+    rows = _rows(link)[6:]
+    assert len(rows) > 800
+    want = {"a": ("ngram", 2, 2), "b": ("eagle3", 3, 3), "c": ("off", 0, 0)}
+    assert all((m, k, dr) == want[rid] for _, rid, m, k, dr in rows), rows[:9]
+
+
+def test_reports_the_plan_each_draft_was_made_with_across_a_change() -> None:
+    h, link = _hooks(_directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 4))))
+    s = FakeAsyncScheduler([Req(f"r{i}", "chat") for i in range(8)])
+    pending = [s.schedule(h)]
+    plans: list[dict[str, tuple[int, int]]] = []
+    for step in range(200):
+        if step == 100:
+            link.d = _directive(2, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 1)))
+        pending.append(s.schedule(h))
+        plans.append(dict(getattr(pending[0], VERIFYING_ATTR)))
+        s.update(h, pending.pop(0))
+    # Each record carries exactly the plan its scheduler output carried (never the newer one).
+    for rec, plan in zip(link.records, plans, strict=True):
+        for j, rid in enumerate(rec.request_id):
+            code, k = plan.get(rid, (int(rec.method[j]), int(rec.drafted[j])))
+            assert (int(rec.method[j]), int(rec.k[j])) == (code, k)
+            assert int(rec.drafted[j]) == k
+    seen = [(m, k) for _, _, m, k, _ in _rows(link)]
+    first_ngram = seen.index(("ngram", 1))
+    assert set(seen[8:first_ngram]) == {("eagle3", 4)} and set(seen[first_ngram:]) == {("ngram", 1)}
+
+
+def test_table_k_caps_the_plan() -> None:
+    h, _ = _hooks(_directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 4)), k=2))
+    s = FakeAsyncScheduler([Req("a", "chat")])
+    s.dynamic_sd_lookup = [2] * 9  # what vLLM's table gives; the plan cannot exceed its placeholders
+    s.schedule(h)
+    assert len(s.requests["a"].spec_token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"composite": False}, "switched off (SPECCONTROL_COMPOSITE=0)"),
+        ({"method": Method.NGRAM}, "the engine drafts with n-gram only"),
+        ({"sample": "probabilistic"}, "probabilistic draft sampling"),
+        ({"v2": True}, "the V2 model runner"),
+        ({}, None),
+        ({"async": True}, None),
+    ],
+)
+def test_plugin_mode_says_why(change: dict[str, Any], reason: str | None) -> None:
+    vc = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(draft_sample_method=change.get("sample", "greedy")),
+        use_v2_model_runner=change.get("v2", False),
+        scheduler_config=types.SimpleNamespace(async_scheduling=change.get("async", False)),
+    )
+    settings = PluginSettings(sidecar="unix:///tmp/x.sock", composite=change.get("composite", True))
+    got = k_table_only_reason(settings=settings, method=change.get("method", Method.EAGLE3), vllm_config=vc)
+    if reason is None:
+        assert got is None and plugin_mode(got) == "per-request composite"
+    else:
+        assert got is not None and got.startswith(reason)
+        assert plugin_mode(got) == f"K table only: {got}"
+
+
+@pytest.mark.parametrize(
+    ("dp", "lookup", "says"),
+    [
+        (1, [4] * 9, None),
+        (2, [4] * 9, "data parallel size 2: every rank must draft the same K per step"),
+        (4, None, "data parallel size 4"),
+        (1, None, "not started with speculative_config.num_speculative_tokens_per_batch_size"),
+    ],
+)
+def test_k_table_swapped_only_where_vllm_prepared_it(
+    dp: int, lookup: list[int] | None, says: str | None
+) -> None:
+    vc = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=dp))
+    got = fixed_table_reason(vc, lookup)
+    assert got is None if says is None else (got is not None and says in got)
+
+
+def test_fixed_table_is_never_swapped() -> None:
+    h, _ = _hooks(_directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 2)), k=2))
+    h.swap_table = False
+    s = FakeAsyncScheduler([Req("a", "chat")])
+    vllm_table = s.dynamic_sd_lookup
+    s.schedule(h)
+    assert s.dynamic_sd_lookup is vllm_table
+    assert len(s.requests["a"].spec_token_ids) == 2  # K still cut per request

@@ -1,0 +1,90 @@
+"""The V2-runner speculator wrapper against fakes (numpy arrays stand in for device tensors; the merge
+is the same ``where(mask[idx_mapping, None], ngram, eagle)`` the engine runs with torch)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller.vllm.mode import NGRAM_ROWS_ATTR
+from controller.vllm.v2 import CompositeSpeculator, merge_by_mask
+
+K = 4
+
+
+class FakeSpeculator:
+    def __init__(self, fill: int, width: int = K) -> None:
+        self.fill, self.width = fill, width
+        self.calls: list[dict[str, Any]] = []
+        self.draft_token_confidence_probs = "eagle's own attribute"
+
+    def propose(self, input_batch: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        self.calls.append(kwargs)
+        n = len(input_batch.idx_mapping)
+        return np.arange(n * self.width).reshape(n, self.width) % 7 + self.fill
+
+
+def _batch(slots: list[int]) -> Any:
+    return types.SimpleNamespace(idx_mapping=np.array(slots, dtype=np.int64))
+
+
+def _wrapper(
+    slots: dict[str, int], ngram_width: int = K
+) -> tuple[CompositeSpeculator, FakeSpeculator, FakeSpeculator]:
+    eagle, ngram = FakeSpeculator(100), FakeSpeculator(200, ngram_width)
+    w = CompositeSpeculator(
+        eagle=eagle, ngram=ngram, mask=np.zeros(16, dtype=bool), req_id_to_index=slots, where=np.where
+    )
+    return w, eagle, ngram
+
+
+def test_rows_on_ngram_by_slot_others_eagle_bit_for_bit() -> None:
+    slots = {"a": 3, "b": 0, "c": 9}
+    w, eagle, ngram = _wrapper(slots)
+    batch = _batch([9, 3, 0])  # batch row i -> request-state slot
+    w.set_ngram_requests(types.SimpleNamespace(**{NGRAM_ROWS_ATTR: frozenset({"a", "gone"})}))
+    out = w.propose(batch, "attn", num_speculative_tokens=K)
+    e = eagle.propose(batch)
+    n = ngram.propose(batch)
+    assert out[1].tolist() == n[1].tolist()  # a (slot 3) is batch row 1
+    assert out[0].tolist() == e[0].tolist() and out[2].tolist() == e[2].tolist()
+    assert ngram.calls[0] == {"num_speculative_tokens": K}  # same arguments as EAGLE's
+    assert w.draft_token_confidence_probs == "eagle's own attribute"  # everything else is EAGLE's
+
+
+def test_no_ngram_rows_dummy_runs_and_errors_pass_eagle_through() -> None:
+    w, eagle, ngram = _wrapper({"a": 1})
+    batch = _batch([1])
+    assert w.propose(batch).tolist() == eagle.propose(batch).tolist() and not ngram.calls
+    w.set_ngram_requests(types.SimpleNamespace(**{NGRAM_ROWS_ATTR: frozenset({"a"})}))
+    assert w.propose(batch, dummy_run=True).tolist() == eagle.propose(batch).tolist() and not ngram.calls
+
+    def boom(*a: Any, **kw: Any) -> Any:
+        raise RuntimeError("kernel failed")
+
+    ngram.propose = boom  # type: ignore[method-assign]
+    assert w.propose(batch).tolist() == eagle.propose(batch).tolist()
+    ngram.propose = FakeSpeculator(200).propose  # type: ignore[method-assign]
+    assert w.propose(batch).tolist() == eagle.propose(batch).tolist()  # stays off after an error
+
+
+def test_wider_ngram_drafts_are_cut_to_eagles_width() -> None:
+    w, _, _ = _wrapper({"a": 0}, ngram_width=K + 2)
+    w.set_ngram_requests(types.SimpleNamespace(**{NGRAM_ROWS_ATTR: frozenset({"a"})}))
+    assert w.propose(_batch([0])).shape == (1, K)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 8), st.data())
+def test_merge_by_mask_property(n: int, k: int, data: st.DataObject) -> None:
+    slots = data.draw(st.permutations(list(range(128))))[:n]
+    mask = np.array(data.draw(st.lists(st.booleans(), min_size=128, max_size=128)))
+    eagle = np.random.default_rng(n).integers(0, 1000, (n, k))
+    ngram = eagle + 1000
+    out = merge_by_mask(eagle, ngram, mask, np.array(slots), np.where)
+    for i, s in enumerate(slots):
+        assert out[i].tolist() == (ngram if mask[s] else eagle)[i].tolist()
