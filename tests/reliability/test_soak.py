@@ -28,10 +28,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from controller.embedded.traffic import demo_traffic
 
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
+from controller.embedded.workload import demo_workload
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S, hello, step, until
@@ -146,6 +146,17 @@ class Storm:
         self.acknowledged += 1
         return self.last
 
+    async def set_when_allowed(self) -> tuple[str, int]:
+        """One change that gets through: the storm may have emptied the rate limiter's bucket."""
+        for _ in range(200):  # 10 s at most; the bucket refills at 20 changes/s
+            try:
+                return await self.set_once()
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                self.limited += 1
+                await asyncio.sleep(0.05)
+        raise AssertionError("policy set refused for 10 s after the storm stopped")
+
     async def run(self) -> None:
         while True:
             await self.running.wait()
@@ -195,7 +206,7 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
         CountingEngine(
             target=served.engine,
             settings=EngineSettings(engine_id=f"steady-{i}"),
-            traffic=demo_traffic(seed=i, duration_s=seconds),
+            workload=demo_workload(seed=i, duration_s=seconds),
             link=link,
         )
         for i in range(STEADY)
@@ -216,7 +227,7 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
                 churn = EmbeddedEngine(
                     target=served.engine,
                     settings=EngineSettings(engine_id=f"churn-{churned}"),
-                    traffic=demo_traffic(seed=1000 + churned, duration_s=0.5),
+                    workload=demo_workload(seed=1000 + churned, duration_s=0.5),
                     link=link,
                 )
                 churned += 1
@@ -228,7 +239,7 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
             if cycle == cycles - 1:
                 break
             # One last acknowledged change, then SIGKILL at once: nothing may be lost.
-            last = await storm.set_once()
+            last = await storm.set_when_allowed()
             served.kill9()
             kills += 1
             connects = [e.stats.connects for e in steady]
