@@ -89,7 +89,9 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     # live switch inside one request
     v_e2 = stack.set_policy("pin-eagle-2", "eagle3:4")
     result: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: result.update(stack.complete(1200, "switch")))
+    # Long enough (prompt + 1,800 of max_model_len 2,048) that the n-gram pin, set through a fresh
+    # controllerctl process once EAGLE steps show, reaches the request before it ends.
+    t = threading.Thread(target=lambda: result.update(stack.complete(1800, "switch")))
     t.start()
     wait_for(
         lambda: any(r["method"] == "eagle3" and r["drafted"] for r in stack.rows()[-5:]), 120, "eagle steps"
@@ -98,6 +100,10 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     t.join(300)
     rows = _req_rows(stack, result)
     methods = [r["method"] for r in rows if r["drafted"]]
+    assert "ngram" in methods, (
+        f"no n-gram draft in the request: {len(methods)} drafted steps under directive versions "
+        f"{sorted({r['dv'] for r in rows})}, n-gram pin at {v_ng}"
+    )
     first_ng = methods.index("ngram")
     assert "eagle3" in methods[:first_ng] and set(methods[first_ng:]) == {"ngram"}, methods
     # n-gram drafts only under a directive newer than the EAGLE pin (the sidecar may have issued more
