@@ -71,7 +71,7 @@ class Comparison:
         return b
 
     def result(self, e: Entry) -> dict[str, Any]:
-        """One run in the fixed layout of DESIGN.md ("Simulation result JSON")."""
+        """One run in the fixed layout of docs/simulator.md (result JSON)."""
         return {
             "policy": e.policy,
             "profile": self.profile.name,

@@ -25,7 +25,7 @@ def _f(v: Any, nd: int = 1) -> str:
 
 def write_json(cmp: Comparison, path: Path) -> None:
     data = cmp.to_json()
-    # A single run is written as the one object of DESIGN.md; a comparison as {"runs": [...]}.
+    # A single run is written as the one object of docs/simulator.md ("result JSON"); a comparison as {"runs": [...]}.
     out: dict[str, Any] = data["runs"][0] if len(data["runs"]) == 1 else data
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(out, indent=2, allow_nan=False, default=_nan_none) + "\n", encoding="utf-8")

@@ -80,7 +80,7 @@ def metrics_block(
     cost_usd_per_1m: float,
     oracle_throughput: float | None,
 ) -> dict[str, Any]:
-    """The per-concurrency block of the result JSON (keys fixed by DESIGN.md)."""
+    """The per-concurrency block of the result JSON (keys fixed in docs/simulator.md)."""
     lat = run.latency()
     thr = run.throughput
     block: dict[str, Any] = {
