@@ -26,6 +26,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")  # absolute paths stay absolute
 VLLM_PY = VLLM_VENV / "bin" / "python"
+
+
+def skip_module_without_vllm() -> None:
+    """Skip the calling test module when the vLLM virtualenv is missing, unless CI requires it."""
+    import pytest
+
+    if not VLLM_PY.exists() and not os.environ.get("SPECCONTROL_REQUIRE_VLLM"):
+        pytest.skip(
+            f"the vLLM virtualenv {VLLM_VENV} is missing (make e2e-vllm builds it; "
+            "SPECCONTROL_REQUIRE_VLLM=1 turns this skip into a failure)",
+            allow_module_level=True,
+        )
+
+
 START_TIMEOUT_S = 240.0
 #: Pins other than the kill tests': on 2 busy cores the sidecar can be starved for seconds (vLLM's
 #: CPU threads spin), and a 4 s TTL then lapses between refreshes.

@@ -10,14 +10,9 @@ import subprocess
 
 import pytest
 
-from tests.e2e.harness import ROOT, VLLM_PY, VLLM_VENV
+from tests.e2e.harness import ROOT, VLLM_PY, skip_module_without_vllm
 
-if not VLLM_PY.exists() and not os.environ.get("SPECCONTROL_REQUIRE_VLLM"):
-    pytest.skip(
-        f"the vLLM virtualenv {VLLM_VENV} is missing (make e2e-vllm builds it; "
-        "SPECCONTROL_REQUIRE_VLLM=1 turns this skip into a failure)",
-        allow_module_level=True,
-    )
+skip_module_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -10,7 +10,6 @@ the sidecar, with the directive version in force) and the sidecar's status. No t
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,14 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import VLLM_PY, VLLM_VENV, Stack, running_stack, wait_for
+from tests.e2e.harness import Stack, running_stack, skip_module_without_vllm, wait_for
 
-if not VLLM_PY.exists() and not os.environ.get("SPECCONTROL_REQUIRE_VLLM"):
-    pytest.skip(
-        f"the vLLM virtualenv {VLLM_VENV} is missing (make e2e-vllm builds it; "
-        "SPECCONTROL_REQUIRE_VLLM=1 turns this skip into a failure)",
-        allow_module_level=True,
-    )
+skip_module_without_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
