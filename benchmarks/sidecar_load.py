@@ -93,8 +93,8 @@ def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str, pr
 
 
 def _batch(seq: int, steps: int, batch: int, t: float, *, rows: bool = False) -> Any:
-    from controller.convert import request_columns, request_steps
     from controller.v1 import controller_pb2 as pb
+    from controller.wire.codec import request_columns, request_steps
 
     cols: dict[str, Any] = dict(
         request_ids=[f"r{i}" for i in range(batch)],

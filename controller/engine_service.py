@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from controller.convert import directive_to_pb
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import TelemetryError, validate_hello
+from controller.wire.convert import directive_to_pb
 
 if TYPE_CHECKING:
     from controller.sidecar import Session, Sidecar

@@ -221,9 +221,9 @@ async def run_observer(
     """
     import grpc
 
-    from controller.convert import directive_from_pb, hello_from_engine_info
     from controller.v1 import controller_pb2 as pb
     from controller.v1 import controller_pb2_grpc as rpc
+    from controller.wire.convert import directive_from_pb, hello_from_engine_info
 
     s = settings
     say = on_status or (lambda m: log.warning("%s", m))
@@ -353,8 +353,8 @@ async def run_observer(
 
 def _reports(obs: StepObservation) -> list[Any]:
     """The interval's rows as engine steps of ``batch_size`` rows each (what a real engine reports)."""
-    from controller.convert import request_steps
     from controller.v1 import controller_pb2 as pb
+    from controller.wire.codec import request_steps
 
     n, b = obs.n, max(1, obs.batch_size)
     out = []

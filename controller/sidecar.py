@@ -27,7 +27,6 @@ import controller
 from controller.admin_service import AdminService
 from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
 from controller.config import MAX_UNIX_PATH, ConfigError, SidecarConfig, is_local_address, parse_address
-from controller.convert import arm_to_pb, directive_to_pb
 from controller.engine_service import EngineService
 from controller.fleet import FleetLink
 from controller.limits import TokenBucket
@@ -57,6 +56,7 @@ from controller.validation import (
     validate_batch,
     validate_hello,
 )
+from controller.wire.convert import arm_to_pb, directive_to_pb
 from policies.arms import Arm
 from policies.directive import Directive
 from policies.engine import EngineInfo

@@ -14,13 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.convert import (
-    engine_info_from_hello,
-    ngram_proposal_from_pb,
-    observation_from_pb,
-    step_fields,
-)
 from controller.v1 import controller_pb2 as pb
+from controller.wire.codec import ngram_proposal_from_pb, observation_from_pb, step_fields
+from controller.wire.convert import engine_info_from_hello
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
 from policies.observation import NOT_SCORED, StepObservation

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import grpc
 
 from controller.auth import ClientTLS, channel_credentials, channel_options
-from controller.convert import directive_from_pb, hello_from_engine_info
 from controller.embedded.core import ENGINE_VERSION, EngineCore, EngineSettings, EngineTotals
 from controller.embedded.workload import Workload
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.wire.convert import directive_from_pb, hello_from_engine_info
 from sim.costmodel import Profile
 
 log = logging.getLogger(__name__)

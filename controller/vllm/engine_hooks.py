@@ -35,7 +35,6 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from controller.convert import hello_from_engine_info
 from controller.vllm import compat
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.hotpath import ACCEPTED, CF, CLASS, DRAFTED, METHOD, K, StepKernel
@@ -53,6 +52,7 @@ from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
 from controller.vllm.v2 import V2_POINTS
+from controller.wire.convert import hello_from_engine_info
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.jit import compiling
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from controller.convert import directive_from_pb
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.vllm.record import StepRecord
+from controller.wire.convert import directive_from_pb
 from policies.directive import Directive
 
 log = logging.getLogger("vllm.speccontrol")

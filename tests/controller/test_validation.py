@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from controller.convert import request_steps
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, TelemetryError, validate_batch, validate_hello
+from controller.wire.codec import request_steps
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo
 

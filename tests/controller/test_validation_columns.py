@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.convert import observation_from_pb, request_columns
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, TelemetryError, validate_batch, validate_step
+from controller.wire.codec import observation_from_pb, request_columns
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.engine import EngineInfo
 from policies.observation import StepObservation

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.convert import observation_from_pb, request_steps
 from controller.v1 import controller_pb2 as pb
 from controller.validation import MAX_PREFILL_TOKENS, TelemetryError, validate_batch
+from controller.wire.codec import observation_from_pb, request_steps
 from tests.controller.test_validation_columns import DEFAULT_LIMITS, ENGINE, step
 
 

@@ -14,11 +14,11 @@ import pytest
 
 from controller.cli import main
 from controller.config import SidecarConfig
-from controller.convert import hello_from_engine_info
 from controller.sidecar import Sidecar
 from controller.vllm.control import engine_info
 from controller.vllm.link import SidecarLink
 from controller.vllm.mode import plugin_mode
+from controller.wire.convert import hello_from_engine_info
 from policies.arms import Method
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.convert import request_steps
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.wire.codec import request_steps
 
 pytestmark = pytest.mark.integration
 

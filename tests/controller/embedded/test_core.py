@@ -3,9 +3,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from controller.convert import observation_from_pb
 from controller.embedded.core import EngineCore, EngineSettings
 from controller.embedded.workload import Phase, Schedule, build_workload
+from controller.wire.codec import observation_from_pb
 from policies.arms import METHODS_BY_CODE, Arm, Method
 from policies.directive import Directive
 from policies.engine_rules import safe_default_directive

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from controller.convert import request_steps
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, validate_step
 from controller.vllm.record import StepRecord
+from controller.wire.codec import request_steps
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
 from policies.engine import EngineInfo, Granularity
 from policies.observation import NOT_SCORED
-from tests.controller.test_convert_columns import same_observation
+from tests.controller.wire.test_codec import same_observation
 
 ENGINE = EngineInfo(
     "e", "m", 4, tuple(Arm.parse(a) for a in ("eagle3:2", "ngram:4", "off")), Granularity.REQUEST_METHOD

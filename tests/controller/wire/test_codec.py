@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.convert import observation_from_pb, request_columns, request_steps
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, validate_batch
+from controller.wire.codec import observation_from_pb, request_columns, request_steps
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.engine import EngineInfo
 from policies.observation import StepObservation
@@ -113,7 +113,7 @@ def test_the_columns_carry_the_values() -> None:
 
 def test_proto_method_codes_match_the_policies_codes() -> None:
     # The proto documents the codes by hand; they must stay the numpy codes StepObservation uses.
-    text = (Path(__file__).resolve().parents[2] / "proto/controller/v1/controller.proto").read_text()
+    text = (Path(__file__).resolve().parents[3] / "proto/controller/v1/controller.proto").read_text()
     assert "0 = eagle3, 1 = p_eagle, 2 = ngram, 3 = off." in text
     assert [m.value for m in sorted(METHOD_CODES, key=METHOD_CODES.__getitem__)] == [
         "eagle3",

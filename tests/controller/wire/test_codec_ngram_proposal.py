@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.convert import ngram_proposal_from_pb, observation_from_pb, request_columns, request_steps
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, TelemetryError, validate_batch
+from controller.wire.codec import ngram_proposal_from_pb, observation_from_pb, request_columns, request_steps
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo
 
