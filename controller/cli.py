@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -32,7 +31,9 @@ from controller.auth import ClientTLS
 from controller.client import AdminClient
 from controller.config import FLEET_NAME_RE
 from controller.v1 import controller_pb2 as pb
+from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
+from sim.cli import register as register_sim_commands
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -121,7 +122,6 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def read_policy(name_or_path: str) -> tuple[str, str, PolicySpec]:
     """``(yaml, source, spec)`` for a file path or a preset name; raises UserError (exit 2)."""
-    from controller.presets import resolve_policy_text
     from controller.validation import parse_policy_checked
 
     try:
@@ -343,7 +343,7 @@ def cmd_policy_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_list(args: argparse.Namespace) -> int:
-    from controller.presets import preset_names, preset_text
+    from policies.presets import preset_names, preset_text
 
     presets: list[dict[str, Any]] = []
     for name in preset_names():
@@ -596,17 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file", metavar="FILE")
     s.set_defaults(func=cmd_config_validate)
 
-    _register_plugins(sub)
+    register_sim_commands(sub)  # sim, profile, trace
     return p
-
-
-def _register_plugins(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``sim`` and ``trace`` come from the simulator package when it is installed."""
-    try:
-        register = importlib.import_module("sim.cli").register
-    except (ImportError, AttributeError):
-        return
-    register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,8 @@ from controller.config import SidecarConfig
 from controller.embedded.core import DEFAULT_ARMS, EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import Workload, demo_workload
-from controller.presets import load_preset
 from controller.sidecar import Sidecar
+from policies.presets import load_preset
 from policies.spec import PolicySpec, render_policy, static_policy
 
 ADAPTIVE = "adaptive"

@@ -32,7 +32,6 @@ from controller.fleet import FleetLink
 from controller.limits import TokenBucket
 from controller.metrics import MetricsServer, SidecarMetrics
 from controller.policy_store import PolicyRecord, PolicyStore
-from controller.presets import resolve_policy_text
 from controller.snapshot import (
     MAX_COUNT,
     SnapshotError,
@@ -62,6 +61,7 @@ from policies.directive import Directive
 from policies.engine import EngineInfo
 from policies.loop import ControlLoop, Totals
 from policies.observation import StepObservation
+from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 log = logging.getLogger(__name__)

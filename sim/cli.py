@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policies.spec import PolicyError, PolicySpec, parse_policy, static_policy
+from policies.presets import resolve_policy as resolve_named_policy
+from policies.spec import PolicyError, PolicySpec, static_policy
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
 from sim.engines import ENGINES, EngineModel
@@ -51,19 +52,7 @@ def resolve_policy(name_or_path: str) -> PolicySpec:
             return static_policy(name_or_path.removeprefix("static:"))
         except ValueError as e:
             raise PolicyError(str(e), source=name_or_path) from None
-    p = Path(name_or_path)
-    if p.is_file():
-        return parse_policy(p.read_text(encoding="utf-8"), source=str(p))
-    try:
-        from controller.presets import resolve_policy as presets_resolve
-    except ImportError:  # the controller package is optional for the simulator
-        import importlib.resources
-
-        lib = importlib.resources.files("policies") / "library" / f"{name_or_path}.yaml"
-        if not lib.is_file():
-            raise PolicyError("no such policy file or preset", source=name_or_path) from None
-        return parse_policy(lib.read_text(encoding="utf-8"), source=f"preset:{name_or_path}")
-    return presets_resolve(name_or_path)
+    return resolve_named_policy(name_or_path)
 
 
 def _concurrency(text: str) -> list[int]:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from policies.arms import Method
+from policies.prompt_lookup import match_ngram
 from sim.trace import (
     DEFAULT_LIMITS,
     MAX_ARRIVAL_S,
@@ -171,13 +172,11 @@ def ngram_columns(
     """``(acc.ngram, ngram_proposal)`` of one greedy request, from its token ids.
 
     At output position t the engine holds the prompt and output tokens 0..t. vLLM's matcher
-    (``controller.vllm.ngram.match_ngram``: the longest suffix n-gram of min_n..max_n tokens found
+    (``policies.prompt_lookup.match_ngram``: the longest suffix n-gram of min_n..max_n tokens found
     earlier, earliest occurrence) drafts the tokens that followed the match; the proposal is that
     draft's length capped at ``max_k``, and the count is how many of its first ``NGRAM_HORIZON``
     tokens equal the output tokens that really came next (exact under greedy decoding).
     """
-    from controller.vllm.ngram import match_ngram  # the project's matcher; needs numpy only
-
     tokens = np.concatenate([prompt_ids, output_ids]).astype(np.int32)
     p, n = len(prompt_ids), len(output_ids)
     acc = np.zeros(n, dtype=np.int32)

@@ -47,7 +47,7 @@ from controller.vllm.mode import (
     k_table_only_reason,
     plugin_mode,
 )
-from controller.vllm.ngram import Matcher, NgramIndex, match_ngram
+from controller.vllm.ngram import Matcher, NgramIndex
 from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
@@ -55,6 +55,7 @@ from controller.vllm.v2 import V2_POINTS
 from controller.wire.convert import hello_from_engine_info
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.jit import compiling
+from policies.prompt_lookup import match_ngram
 
 log = logging.getLogger("vllm.speccontrol")
 _is_finished = operator.methodcaller("is_finished")

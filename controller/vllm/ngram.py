@@ -8,9 +8,10 @@ picks n-gram, and, where another method was verified, it is scored against the t
 
 The rule is vLLM's prompt lookup (``_find_longest_matched_ngram_and_propose_tokens``): the longest
 suffix n-gram of ``min_n..max_n`` tokens that occurred earlier, its earliest occurrence; the draft is
-the (at most k) tokens that followed it. ``match_ngram`` states it directly (a rescan of the whole
-history, the reference the tests hold the index to). ``NgramIndex`` gives the same drafts from an
-incremental index, so a step costs O(new tokens), not O(history), for the whole batch in one kernel:
+the (at most k) tokens that followed it. ``policies.prompt_lookup.match_ngram`` states it directly (a
+rescan of the whole history, the reference the tests hold the index to). ``NgramIndex`` gives the
+same drafts from an incremental index, so a step costs O(new tokens), not O(history), for the whole
+batch in one kernel:
 
 * every request has a slot (the fast loop's); its tokens live in one shared arena (``pool``), in a
   region that moves (doubling) when it fills up; the arena is compacted when it runs out;
@@ -33,26 +34,10 @@ import numpy as np
 
 from policies.jit import kernel
 from policies.observation import NOT_SCORED
+from policies.prompt_lookup import match_ngram
 
 #: (tokens, min_n, max_n, max_model_len, k) -> draft
 Matcher = Callable[[np.ndarray, int, int, int, int], np.ndarray]
-
-
-def match_ngram(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
-    """vLLM's prompt-lookup rule: the longest suffix n-gram (min_n..max_n) seen earlier, earliest
-    occurrence first; the draft is the (at most k) tokens that followed it."""
-    total = len(tokens)
-    k = min(k, max_model_len - total)
-    if total < min_n or k <= 0:
-        return tokens[:0]
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        # A match must end before the last token (it cannot be the suffix itself).
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
-        hits = np.flatnonzero((windows == tokens[total - n :]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n
-            return tokens[start : start + min(k, total - start)]
-    return tokens[:0]
 
 
 # Per-slot state columns (int64).

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from controller.policy_store import NoPreviousPolicy, PolicyStore
-from controller.presets import load_preset, preset_names, preset_text, resolve_policy
+from policies.presets import load_preset, preset_text
 from policies.spec import PolicyError
 
 
@@ -70,12 +70,3 @@ def test_history_is_bounded() -> None:
         s.set(preset_text("static-off"), source="off")
     assert len(s.history()) == 3
     assert s.default.revision == 11
-
-
-def test_presets() -> None:
-    assert {"default", "static-off", "epsilon-greedy"} <= set(preset_names())
-    assert resolve_policy("static-off").name == "static-off"
-    with pytest.raises(PolicyError, match=r"unknown policy preset 'nope' \(presets: default, "):
-        resolve_policy("nope")
-    with pytest.raises(PolicyError, match="no such policy file"):
-        resolve_policy("missing.yaml")

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.presets import preset_text
 from controller.v1 import controller_pb2 as pb
 from controller.validation import (
     MAX_BATCH_SIZE,
@@ -28,6 +27,7 @@ from controller.validation import (
     validate_hello,
 )
 from policies.loop import ControlLoop
+from policies.presets import preset_text
 from policies.spec import parse_policy
 from tests.controller.test_validation import ENGINE, check, hello, req, step
 from tests.controller.test_validation_columns import cols

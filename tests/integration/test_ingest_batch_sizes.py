@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.presets import preset_names, preset_text
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.wire.codec import request_columns, request_steps
+from policies.presets import preset_names, preset_text
 from tests.integration.test_sidecar_grpc import TestEngine, until
 
 pytestmark = pytest.mark.integration

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.presets import load_preset, preset_names
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop
 from policies.observation import StepObservation
+from policies.presets import load_preset, preset_names
 
 ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:3", "eagle3:4", "ngram:4", "off"))
 

@@ -17,13 +17,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.presets import preset_text, resolve_policy_text
 from controller.sidecar import MAX_CLASSES_PER_ENGINE, Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import MAX_SEQUENCE
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo
+from policies.presets import preset_text, resolve_policy_text
 from policies.spec import MAX_DOCUMENT_BYTES, PolicyError
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, TestEngine, hello, step, until
 

@@ -21,7 +21,7 @@ import pytest
 from controller.validation import Limits, validate_step
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.engine_hooks import EngineHooks
-from controller.vllm.ngram import NgramIndex, match_ngram
+from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
@@ -29,6 +29,7 @@ from policies.arms import METHOD_CODES, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, KRange, PlanEntry
 from policies.observation import NOT_SCORED
+from policies.prompt_lookup import match_ngram
 from policies.rules import validate_rule
 
 pytestmark = pytest.mark.usefixtures("kernels")

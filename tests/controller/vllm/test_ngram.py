@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.vllm.ngram import NgramIndex, match_ngram
+from controller.vllm.ngram import NgramIndex
 from policies.observation import NOT_SCORED
+from policies.prompt_lookup import match_ngram
 
 pytestmark = pytest.mark.usefixtures("kernels")
 

@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.vllm.ngram import match_ngram
 from controller.vllm.worker import DraftMerger
+from policies.prompt_lookup import match_ngram
 
 K = 4
 

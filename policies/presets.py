@@ -1,6 +1,9 @@
-"""The built-in policy presets (``policies/library/*.yaml``), read as package resources.
+"""The built-in policy presets (``policies/library/*.yaml``) and naming a policy by preset or file.
 
-``policies`` stays free of I/O, so reading the library lives here.
+The presets are package data, read through ``importlib.resources`` (no path outside the package). A
+policy file the user names is read here too, and only here, bounded to the document limit, so the
+sidecar, ``controllerctl`` and the simulator resolve a name the same way. Nothing else in ``policies``
+reads anything.
 """
 
 from __future__ import annotations

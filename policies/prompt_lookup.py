@@ -1,0 +1,29 @@
+"""vLLM's n-gram (prompt-lookup) drafting rule, stated directly: a pure function of the token history.
+
+The plugin's incremental index (``controller.vllm.ngram.NgramIndex``) must give the same drafts, and
+the simulator's trace importer scores n-gram counterfactuals with it, so the rule lives below both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def match_ngram(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
+    """vLLM's prompt-lookup rule: the longest suffix n-gram (min_n..max_n) seen earlier, earliest
+    occurrence first; the draft is the (at most k) tokens that followed it."""
+    total = len(tokens)
+    k = min(k, max_model_len - total)
+    if total < min_n or k <= 0:
+        return tokens[:0]
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        # A match must end before the last token (it cannot be the suffix itself).
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
+        hits = np.flatnonzero((windows == tokens[total - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[0]) + n
+            return tokens[start : start + min(k, total - start)]
+    return tokens[:0]
+
+
+__all__ = ["match_ngram"]

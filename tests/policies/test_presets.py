@@ -1,0 +1,29 @@
+"""The built-in presets and naming a policy by preset or file (policies/presets.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from policies.presets import load_preset, preset_names, preset_text, resolve_policy
+from policies.spec import PolicyError
+
+
+def test_presets() -> None:
+    assert {"default", "static-off", "epsilon-greedy"} <= set(preset_names())
+    assert resolve_policy("static-off").name == "static-off"
+    with pytest.raises(PolicyError, match=r"unknown policy preset 'nope' \(presets: default, "):
+        resolve_policy("nope")
+    with pytest.raises(PolicyError, match="no such policy file"):
+        resolve_policy("missing.yaml")
+
+
+def test_every_preset_parses_and_a_file_wins_over_a_preset(tmp_path: Path) -> None:
+    for name in preset_names():
+        assert load_preset(name).name == name
+    f = tmp_path / "mine.yaml"
+    f.write_text(preset_text("static-off").replace("name: static-off", "name: mine"), encoding="utf-8")
+    assert resolve_policy(str(f)).name == "mine"
+    with pytest.raises(PolicyError, match="unknown policy preset"):
+        load_preset("../default")
