@@ -6,10 +6,10 @@ they come). The step loop never waits on the link: reports go to a bounded queue
 and counted, when it is full. When the sidecar goes away the link reconnects with backoff while the
 engine keeps serving on its last directive, then on its safe default once that expires.
 
-Nothing is counted twice or lost in a reconnect: sequences run across streams for this engine
-instance (``Hello.instance_id``), sent batches stay in a bounded buffer until a directive
-acknowledges them (``acked_sequence``), and after a reconnect the link resends what the sidecar has
-not acknowledged; the sidecar drops any it had already applied.
+Nothing is counted twice or lost in a reconnect: the protocol (sequences across streams for this
+engine instance, ``Hello.instance_id``; sent batches kept until a directive acknowledges them and
+resent after a reconnect) is ``controller.wire.link.LinkCore``'s, the same the vLLM plugin's thread
+drives; the sidecar drops any batch it had already applied.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -30,7 +29,8 @@ from controller.embedded.core import ENGINE_VERSION, EngineCore, EngineSettings,
 from controller.embedded.workload import Workload
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
-from controller.wire.convert import directive_from_pb, hello_from_engine_info
+from controller.wire.convert import hello_from_engine_info
+from controller.wire.link import LinkCore, LinkStats
 from sim.costmodel import Profile
 
 log = logging.getLogger(__name__)
@@ -76,18 +76,6 @@ class LinkSettings:
             )
 
 
-@dataclass(slots=True)
-class LinkStats:
-    connects: int = 0
-    disconnects: int = 0
-    sent_steps: int = 0
-    dropped_steps: int = 0
-    bad_directives: int = 0
-    resent_batches: int = 0
-    evicted_steps: int = 0
-    acked_sequence: int = 0
-
-
 class EmbeddedEngine:
     """A simulated engine attached to a sidecar at ``target``; ``start()``/``stop()`` or ``run()``."""
 
@@ -107,19 +95,18 @@ class EmbeddedEngine:
         self.settings = settings
         self.link = link or LinkSettings()
         self.core = EngineCore(settings=settings, workload=workload, profile=profile, clock=clock)
-        self.stats = LinkStats()
-        self._queue: asyncio.Queue[pb.StepReport] | None = None
-        self._dropped_unreported = 0
+        self.wire: LinkCore[pb.StepReport] = LinkCore(
+            encode=_as_is, queue_steps=self.link.send_queue_steps, resend_steps=self.link.resend_steps
+        )
+        #: Set when a step is queued: wakes the sender (made in ``run``, on the running loop).
+        self._queued: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._first_directive: asyncio.Event | None = None
         self.instance_id = ""
-        self._sequence = 0
-        #: Sent, not yet acknowledged: (sequence, batch), oldest first.
-        self._unacked: deque[pb.StepReportBatch] = deque()
-        self._unacked_steps = 0
-        #: Whether the sidecar acknowledges reports (its directives carry ``acked_sequence``).
-        self._acks = False
-        self._pending: list[pb.StepReport] = []
+
+    @property
+    def stats(self) -> LinkStats:
+        return self.wire.stats()
 
     @property
     def totals(self) -> EngineTotals:
@@ -155,7 +142,7 @@ class EmbeddedEngine:
 
     async def run(self) -> None:
         """Step through the whole schedule while keeping a link to the sidecar; returns when done."""
-        self._queue = asyncio.Queue(maxsize=self.link.send_queue_steps)
+        self._queued = asyncio.Event()
         self._first_directive = asyncio.Event()
         self.instance_id = uuid.uuid4().hex
         link = asyncio.create_task(self._link_loop(), name=f"engine-link-{self.settings.engine_id}")
@@ -173,17 +160,13 @@ class EmbeddedEngine:
     # -- steps ---------------------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        assert self._queue is not None
+        assert self._queued is not None
         scale = self.link.time_scale
         loop = asyncio.get_running_loop()
         start = loop.time()
         while not self.core.done:
-            report = self.core.step()
-            try:
-                self._queue.put_nowait(report)
-            except asyncio.QueueFull:
-                self._dropped_unreported += 1
-                self.stats.dropped_steps += 1
+            if self.wire.offer(self.core.step()):
+                self._queued.set()
             if scale > 0:
                 # Pace against the virtual clock, so time spent computing is not added on top.
                 delay = start + self.core.totals.virtual_s * scale - loop.time()
@@ -193,7 +176,6 @@ class EmbeddedEngine:
 
     async def _drain(self, *, timeout: float) -> None:
         """Give the link a moment to send the last reports and hear that the sidecar has them."""
-        assert self._queue is not None
         deadline = asyncio.get_running_loop().time() + timeout
         while self.outstanding and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
@@ -201,12 +183,7 @@ class EmbeddedEngine:
     @property
     def outstanding(self) -> bool:
         """Reports not yet sent, or (with a sidecar that acknowledges) not yet acknowledged."""
-        assert self._queue is not None
-        return not self._queue.empty() or bool(self._pending) or bool(self._unacked)
-
-    @property
-    def unacked_batches(self) -> int:
-        return len(self._unacked)
+        return self.wire.outstanding
 
     # -- link ----------------------------------------------------------------------------------------
 
@@ -214,6 +191,7 @@ class EmbeddedEngine:
         backoff = self.link.backoff_initial_s
         while True:
             ok = False
+            self.wire.opened()
             try:
                 ok = await self._attach_once()
             except asyncio.CancelledError:
@@ -222,7 +200,8 @@ class EmbeddedEngine:
                 log.info("engine %s: link lost: %s", self.settings.engine_id, e.code().name)
             except Exception:
                 log.exception("engine %s: link failed", self.settings.engine_id)
-            self.stats.disconnects += 1
+            finally:
+                self.wire.closed()
             backoff = self.link.backoff_initial_s if ok else min(backoff * 2, self.link.backoff_max_s)
             await asyncio.sleep(backoff)
 
@@ -239,70 +218,42 @@ class EmbeddedEngine:
         async with channel:
             stub = pb_grpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
             call = stub.Attach(self._messages(ready))
-            self.stats.connects += 1
             async for msg in call:
-                self._acknowledged(msg)
-                ready.set()
                 try:
-                    d = directive_from_pb(msg)
+                    d = self.wire.received(msg)
                 except ValueError as e:
-                    self.stats.bad_directives += 1
                     log.warning("engine %s: ignoring a bad directive: %s", self.settings.engine_id, e)
                     continue
+                finally:
+                    ready.set()  # after the acknowledgement: the sender resumes from it
                 self.core.receive(d)
                 got_directive = True
                 if self._first_directive is not None:
                     self._first_directive.set()
         return got_directive
 
-    def _acknowledged(self, msg: pb.Directive) -> None:
-        """Forget the batches the sidecar has applied."""
-        self._acks = msg.HasField("acked_sequence")
-        if not self._acks:
-            return
-        acked = msg.acked_sequence
-        self.stats.acked_sequence = acked
-        while self._unacked and self._unacked[0].sequence <= acked:
-            self._unacked_steps -= len(self._unacked.popleft().steps)
-
-    def _keep(self, batch: pb.StepReportBatch) -> None:
-        if not self._acks:
-            return
-        self._unacked.append(batch)
-        self._unacked_steps += len(batch.steps)
-        while self._unacked_steps > self.link.resend_steps and len(self._unacked) > 1:
-            old = self._unacked.popleft()
-            self._unacked_steps -= len(old.steps)
-            self.stats.evicted_steps += len(old.steps)
-
     async def _messages(self, ready: asyncio.Event) -> AsyncIterator[pb.EngineMessage]:
-        assert self._queue is not None
+        queued = self._queued
+        assert queued is not None
         hello = hello_from_engine_info(self.settings.info(), engine_version=ENGINE_VERSION)
         hello.instance_id = self.instance_id
         yield pb.EngineMessage(hello=hello)
         # The first directive says what the sidecar already has; resend only the rest.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ready.wait(), self.link.ack_wait_s)
-        if not self._acks:
-            self._unacked.clear()
-            self._unacked_steps = 0
-        for batch in list(self._unacked):
-            self.stats.resent_batches += 1
+        for batch in self.wire.resume():
             yield pb.EngineMessage(reports=batch)
-        q = self._queue
-        pending = self._pending  # taken from the queue, not yet in a batch: survives a lost stream
         while True:
-            if not pending:
-                pending.append(await q.get())
+            if not self.wire.queued:
+                queued.clear()
+                await queued.wait()
+                continue
             if self.link.flush_interval_s > 0:
                 await asyncio.sleep(self.link.flush_interval_s)
-            while len(pending) < self.link.max_steps_per_batch and not q.empty():
-                pending.append(q.get_nowait())
-            steps = pending[:]
-            pending.clear()
-            self._sequence += 1
-            dropped, self._dropped_unreported = self._dropped_unreported, 0
-            self.stats.sent_steps += len(steps)
-            batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
-            self._keep(batch)
-            yield pb.EngineMessage(reports=batch)
+            out = self.wire.next_batch(self.link.max_steps_per_batch)
+            if out is not None:
+                yield pb.EngineMessage(reports=out)
+
+
+def _as_is(report: pb.StepReport) -> pb.StepReport:
+    return report

@@ -40,10 +40,10 @@ async def test_vllm_link_resends_what_a_cut_stream_lost(tmp_path: Path) -> None:
                 await asyncio.sleep(0.001)
             proxy.cut()
         await until(lambda: "v" in sc.engines() and sc.engines()["v"].loop.totals.steps == n)
-        await until(lambda: link.unacked_batches() == 0)
+        await until(lambda: link.stats().unacked_batches == 0)
         assert sc.engines()["v"].loop.totals.steps == n == 200
         assert sc.engines()["v"].loop.totals.accepted == n  # one accepted token per record
-        assert link.stats().dropped_steps == 0 and link.evicted_steps == 0
+        assert link.stats().dropped_steps == 0 and link.stats().evicted_steps == 0
         assert sc.registry.get_sample_value("speccontrol_lost_report_batches_total", {"engine": "v"}) in (
             None,
             0.0,

@@ -1,0 +1,214 @@
+"""The engine side of the link protocol, without I/O: queue, batch, sequence, keep, acknowledge, resend.
+
+Both engine links drive one ``LinkCore``: the vLLM plugin's sender thread (``controller.vllm.link``)
+and the demo engine's asyncio task (``controller.embedded.engine``). The driver owns the stream and
+tells the core what happened; the core decides what to send. One stream's life::
+
+    core.opened()                      # a new Attach stream; the driver sends the Hello
+    d = core.received(msg)             # every Directive: its ack, then it decoded (ValueError: bad)
+    for batch in core.resume(): ...    # after the stream's first directive (or the ack wait): resend
+    batch = core.next_batch(max_steps) # then repeatedly: queued steps as one batch (None: none queued)
+    core.closed()                      # the stream ended, however it ended
+
+and at any time, from the engine: ``core.offer(step)`` (never blocks; a full queue drops the step and
+counts it, and the next batch reports the count in ``dropped_steps``).
+
+What must hold:
+
+* Sequences start at 1 and increase by one per batch for the life of the core (they run across
+  streams: the sidecar keys them by ``Hello.instance_id``); a resent batch keeps its number.
+* While the sidecar acknowledges (its directives carry ``acked_sequence``), every batch is kept from
+  ``next_batch`` until a directive acknowledges it, and ``resume`` returns the kept ones, oldest first,
+  so a lost stream neither loses nor (the sidecar drops sequences it has applied) double-counts a step.
+  A sidecar that does not acknowledge gets nothing kept and nothing resent.
+* The keep buffer holds at most ``resend_steps`` steps (but always the newest batch); older batches are
+  forgotten and counted in ``LinkStats.evicted_steps``. The send queue holds at most ``queue_steps``.
+  So every offered step is sent once, resent while unacknowledged, or counted as dropped or evicted.
+* Thread safety: ``offer`` may run on the engine's thread concurrently with the rest (a deque append,
+  no lock, so the engine step never waits on the link); every other method holds one lock and never
+  blocks on I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from controller.v1 import controller_pb2 as pb
+from controller.wire.convert import directive_from_pb
+from policies.directive import Directive
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStats:
+    """A snapshot of one engine link's counters (since the link was made)."""
+
+    #: A stream is open and has delivered a directive.
+    connected: bool
+    #: Streams opened, streams that delivered a first directive, streams ended.
+    connects: int
+    attaches: int
+    disconnects: int
+    #: Steps put in batches (resends not counted again), dropped by a full queue, forgotten unacknowledged.
+    sent_steps: int
+    dropped_steps: int
+    evicted_steps: int
+    #: Directives received and applied; received but invalid (ignored).
+    directives: int
+    bad_directives: int
+    #: Batches sent again after a reconnect; the highest sequence the sidecar acknowledged.
+    resent_batches: int
+    acked_sequence: int
+    #: Batches kept for a resend now and their steps; steps queued, not yet in a batch.
+    unacked_batches: int
+    unacked_steps: int
+    queued_steps: int
+
+
+class LinkCore(Generic[T]):
+    """One engine's link protocol state (see the module docstring for the call order).
+
+    ``encode`` turns a queued step into its ``StepReport`` when it goes into a batch (off the engine's
+    critical path); ``queue_steps`` bounds the send queue, ``resend_steps`` the keep buffer.
+    """
+
+    def __init__(self, *, encode: Callable[[T], pb.StepReport], queue_steps: int, resend_steps: int) -> None:
+        if queue_steps < 1 or resend_steps < 1:
+            raise ValueError(
+                f"link: queue_steps and resend_steps must be >= 1, got {queue_steps}, {resend_steps}"
+            )
+        self._encode = encode
+        self.queue_steps = queue_steps
+        self.resend_steps = resend_steps
+        self._lock = threading.Lock()
+        # A deque, not a queue.Queue: append and popleft are atomic, so ``offer`` takes no lock.
+        self._queue: deque[T] = deque()
+        self._dropped = 0  # written by ``offer`` only
+        self._dropped_reported = 0
+        self._sequence = 0
+        self._unacked: deque[pb.StepReportBatch] = deque()
+        self._unacked_steps = 0
+        self._acks = False
+        self._acked = 0
+        self._connected = False
+        self._connects = 0
+        self._attaches = 0
+        self._disconnects = 0
+        self._sent = 0
+        self._evicted = 0
+        self._directives = 0
+        self._bad_directives = 0
+        self._resent = 0
+
+    # -- engine side -------------------------------------------------------------------------------
+
+    def offer(self, step: T) -> bool:
+        """Queue a step for the next batch; False (and counted) when the queue is full."""
+        if len(self._queue) >= self.queue_steps:
+            self._dropped += 1
+            return False
+        self._queue.append(step)
+        return True
+
+    # -- stream events -----------------------------------------------------------------------------
+
+    def opened(self) -> None:
+        """A new stream: the driver sends the Hello next."""
+        with self._lock:
+            self._connects += 1
+
+    def received(self, msg: pb.Directive) -> Directive:
+        """A directive arrived: applies its acknowledgement and returns it decoded. Raises ValueError
+        (counted in ``bad_directives``; the acknowledgement still applies) when it is invalid."""
+        with self._lock:
+            self._acks = msg.HasField("acked_sequence")
+            if self._acks:
+                self._acked = msg.acked_sequence
+                while self._unacked and self._unacked[0].sequence <= msg.acked_sequence:
+                    self._unacked_steps -= len(self._unacked.popleft().steps)
+            if not self._connected:
+                self._connected = True
+                self._attaches += 1
+            try:
+                d = directive_from_pb(msg)
+            except ValueError:
+                self._bad_directives += 1
+                raise
+            self._directives += 1
+            return d
+
+    def resume(self) -> list[pb.StepReportBatch]:
+        """What to resend on this stream before new batches (call once, after the stream's first
+        directive or after waiting for it in vain): the kept batches, oldest first; none (and the
+        buffer cleared) when the sidecar does not acknowledge."""
+        with self._lock:
+            if not self._acks:
+                self._unacked.clear()
+                self._unacked_steps = 0
+            out = list(self._unacked)
+            self._resent += len(out)
+            return out
+
+    def next_batch(self, max_steps: int) -> pb.StepReportBatch | None:
+        """Up to ``max_steps`` queued steps as the next batch (kept while the sidecar acknowledges);
+        None when nothing is queued."""
+        with self._lock:
+            if not self._queue:
+                return None
+            n = min(max_steps, len(self._queue))
+            steps = [self._encode(self._queue.popleft()) for _ in range(n)]
+            self._sequence += 1
+            dropped = self._dropped - self._dropped_reported
+            self._dropped_reported += dropped
+            batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
+            self._sent += n
+            if self._acks:
+                self._unacked.append(batch)
+                self._unacked_steps += n
+                while self._unacked_steps > self.resend_steps and len(self._unacked) > 1:
+                    old = len(self._unacked.popleft().steps)
+                    self._unacked_steps -= old
+                    self._evicted += old
+            return batch
+
+    def closed(self) -> None:
+        """The stream ended (cancelled, failed or closed by the sidecar)."""
+        with self._lock:
+            self._connected = False
+            self._disconnects += 1
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Steps waiting for a batch."""
+        return len(self._queue)
+
+    @property
+    def outstanding(self) -> bool:
+        """Steps not yet sent, or (with a sidecar that acknowledges) sent but not acknowledged."""
+        return bool(self._queue) or bool(self._unacked)
+
+    def stats(self) -> LinkStats:
+        with self._lock:
+            return LinkStats(
+                connected=self._connected,
+                connects=self._connects,
+                attaches=self._attaches,
+                disconnects=self._disconnects,
+                sent_steps=self._sent,
+                dropped_steps=self._dropped,
+                evicted_steps=self._evicted,
+                directives=self._directives,
+                bad_directives=self._bad_directives,
+                resent_batches=self._resent,
+                acked_sequence=self._acked,
+                unacked_batches=len(self._unacked),
+                unacked_steps=self._unacked_steps,
+                queued_steps=len(self._queue),
+            )

@@ -1,0 +1,272 @@
+"""The I/O-free link protocol core: any interleaving of offers, sends, deliveries, acknowledgements,
+disconnects and reconnects neither loses nor duplicates a step, and the buffers stay bounded.
+
+The sidecar here is a model of the real one's rule (apply a batch whose sequence is above the last
+applied, acknowledge the last applied); the stream is a FIFO whose undelivered tail a disconnect loses.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller.v1 import controller_pb2 as pb
+from controller.wire.link import LinkCore
+
+
+def _step(i: int) -> pb.StepReport:
+    return pb.StepReport(directive_version=i)  # the step's id rides in a field the test owns
+
+
+def _directive(acked: int | None, version: int = 1) -> pb.Directive:
+    d = pb.Directive(version=version, policy="p", ttl_s=30.0, method="eagle3")
+    if acked is not None:
+        d.acked_sequence = acked
+    return d
+
+
+@dataclass
+class World:
+    """A core, a stream and a model sidecar."""
+
+    core: LinkCore[int]
+    acks: bool
+    offered: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    applied: list[int] = field(default_factory=list)
+    reported_dropped: int = 0
+    last_applied: int = 0
+    transit: list[pb.StepReportBatch] = field(default_factory=list)
+    open: bool = False
+    resumed: bool = False
+    first_sends: list[int] = field(default_factory=list)  # sequences of new (not resent) batches
+
+    def offer(self) -> None:
+        i = len(self.offered) + 1
+        self.offered.append(i)
+        if self.core.offer(i):
+            self.accepted.append(i)
+
+    def connect(self) -> None:
+        if not self.open:
+            self.core.opened()
+            self.open, self.resumed = True, False
+
+    def directive(self) -> None:
+        if not self.open:
+            return
+        d = self.core.received(_directive(self.last_applied if self.acks else None))
+        assert d.version == 1
+        if not self.resumed:
+            self.resumed = True
+            self.transit.extend(self.core.resume())
+
+    def send(self, n: int) -> None:
+        if self.open and self.resumed:
+            b = self.core.next_batch(n)
+            if b is not None:
+                assert 1 <= len(b.steps) <= n
+                self.first_sends.append(b.sequence)
+                self.transit.append(b)
+
+    def deliver(self) -> None:
+        if not self.transit:
+            return
+        b = self.transit.pop(0)
+        if b.sequence > self.last_applied:  # the sidecar's rule: drop what it has applied
+            self.applied.extend(s.directive_version for s in b.steps)
+            self.reported_dropped += b.dropped_steps
+            self.last_applied = b.sequence
+
+    def disconnect(self) -> None:
+        if self.open:
+            self.transit.clear()  # what was not delivered is lost with the stream
+            self.core.closed()
+            self.open = False
+
+    def settle(self) -> None:
+        """Reconnect and run until everything is sent and acknowledged (or nothing is left to do)."""
+        self.disconnect()
+        self.connect()
+        self.directive()
+        for _ in range(10_000):
+            self.send(1 << 30)
+            while self.transit:
+                self.deliver()
+            self.directive()
+            if not self.core.outstanding:
+                break
+        assert not self.core.outstanding or not self.acks
+
+    def check_bounds(self) -> None:
+        s = self.core.stats()
+        assert s.queued_steps <= self.core.queue_steps
+        assert s.unacked_steps <= self.core.resend_steps or s.unacked_batches == 1
+        assert s.unacked_batches <= s.unacked_steps
+        if not self.acks:
+            assert s.unacked_batches == 0
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["offer", "offer", "offer", "send", "deliver", "directive", "disconnect", "connect"]),
+        st.integers(1, 8),
+    ),
+    max_size=300,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    OPS,
+    st.booleans(),
+    st.integers(1, 40),
+    st.integers(1, 40),
+)
+def test_no_step_lost_or_duplicated(ops: list[tuple[str, int]], acks: bool, queue: int, keep: int) -> None:
+    w = World(core=LinkCore(encode=_step, queue_steps=queue, resend_steps=keep), acks=acks)
+    for op, n in ops:
+        if op == "offer":
+            for _ in range(n):
+                w.offer()
+        elif op == "send":
+            w.send(n)
+        else:
+            getattr(w, op)()
+        w.check_bounds()
+    w.settle()
+    s = w.core.stats()
+    # Never twice, and only steps that were accepted, in the order they were offered.
+    assert len(set(w.applied)) == len(w.applied)
+    assert set(w.applied) <= set(w.accepted)
+    assert w.applied == sorted(w.applied)
+    # Every offered step is accepted or counted as dropped; sequences count new batches one by one.
+    assert len(w.accepted) + s.dropped_steps == len(w.offered)
+    assert w.first_sends == list(range(1, len(w.first_sends) + 1))
+    assert s.sent_steps == len(w.accepted)
+    missing = len(w.accepted) - len(w.applied)
+    if acks:
+        # What the sidecar never got was forgotten for want of room, and counted so.
+        assert missing <= s.evicted_steps
+        if s.evicted_steps == 0:
+            assert missing == 0 and w.reported_dropped == s.dropped_steps
+        assert s.acked_sequence == w.last_applied
+    else:
+        assert s.evicted_steps == 0 and s.resent_batches == 0
+
+
+def test_resend_after_a_lost_stream_keeps_the_sequences() -> None:
+    core: LinkCore[int] = LinkCore(encode=_step, queue_steps=100, resend_steps=100)
+    core.opened()
+    core.received(_directive(0))
+    assert core.resume() == []
+    for i in range(1, 7):
+        core.offer(i)
+    a, b = core.next_batch(3), core.next_batch(3)
+    assert a is not None and b is not None and (a.sequence, b.sequence) == (1, 2)
+    core.received(_directive(1))  # the sidecar applied the first batch only
+    core.closed()
+    core.opened()
+    core.received(_directive(1))
+    again = core.resume()
+    assert [x.sequence for x in again] == [2] and [s.directive_version for s in again[0].steps] == [4, 5, 6]
+    core.offer(7)
+    c = core.next_batch(10)
+    assert c is not None and c.sequence == 3
+    s = core.stats()
+    assert (s.connects, s.attaches, s.disconnects, s.resent_batches, s.acked_sequence) == (2, 2, 1, 1, 1)
+    assert s.connected
+    core.received(_directive(3))
+    assert not core.outstanding and core.stats().unacked_batches == 0
+
+
+def test_a_full_queue_drops_and_the_next_batch_reports_the_count() -> None:
+    core: LinkCore[int] = LinkCore(encode=_step, queue_steps=4, resend_steps=100)
+    assert [core.offer(i) for i in range(6)] == [True] * 4 + [False] * 2
+    b = core.next_batch(256)
+    assert b is not None and len(b.steps) == 4 and b.dropped_steps == 2
+    core.offer(9)
+    b2 = core.next_batch(256)
+    assert b2 is not None and b2.dropped_steps == 0
+    assert core.next_batch(256) is None
+    assert core.stats().dropped_steps == 2
+
+
+def test_eviction_keeps_the_newest_batch_and_counts_the_rest() -> None:
+    core: LinkCore[int] = LinkCore(encode=_step, queue_steps=10_000, resend_steps=5)
+    core.opened()
+    core.received(_directive(0))
+    for i in range(300):
+        core.offer(i)
+    while core.next_batch(4) is not None:
+        pass
+    s = core.stats()
+    assert s.unacked_steps <= 5 and s.evicted_steps == 300 - s.unacked_steps
+    core.offer(1)
+    big = LinkCore(encode=_step, queue_steps=100, resend_steps=2)
+    big.opened()
+    big.received(_directive(0))
+    for i in range(10):
+        big.offer(i)
+    assert big.next_batch(10) is not None
+    assert big.stats().unacked_batches == 1 and big.stats().unacked_steps == 10  # bigger than the bound
+
+
+def test_a_sidecar_that_does_not_acknowledge_gets_no_resend() -> None:
+    core: LinkCore[int] = LinkCore(encode=_step, queue_steps=100, resend_steps=100)
+    core.opened()
+    core.received(_directive(0))
+    core.offer(1)
+    assert core.next_batch(5) is not None and core.stats().unacked_batches == 1
+    core.closed()
+    core.opened()
+    core.received(_directive(None))  # an older sidecar: no acked_sequence
+    assert core.resume() == [] and not core.outstanding
+
+
+def test_an_invalid_directive_raises_counts_and_still_acknowledges() -> None:
+    core: LinkCore[int] = LinkCore(encode=_step, queue_steps=100, resend_steps=100)
+    core.opened()
+    core.received(_directive(0))
+    core.offer(1)
+    assert core.next_batch(5) is not None
+    bad = _directive(1)
+    bad.method = "warp-drive"
+    with pytest.raises(ValueError):
+        core.received(bad)
+    s = core.stats()
+    assert (s.bad_directives, s.directives, s.unacked_batches, s.acked_sequence) == (1, 1, 0, 1)
+
+
+def test_bad_bounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="queue_steps and resend_steps"):
+        LinkCore(encode=_step, queue_steps=0, resend_steps=1)
+
+
+def test_offers_from_another_thread_are_all_accounted_for() -> None:
+    """The engine thread offers while the sender batches: every step is sent once or counted dropped."""
+    core: LinkCore[int] = LinkCore(encode=_step, queue_steps=512, resend_steps=1 << 20)
+    core.opened()
+    core.received(_directive(0))
+    total = 20_000
+    seen: list[int] = []
+
+    def engine() -> None:
+        for i in range(total):
+            core.offer(i)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    while t.is_alive() or core.queued:
+        b = core.next_batch(64)
+        if b is not None:
+            seen.extend(s.directive_version for s in b.steps)
+    t.join()
+    s = core.stats()
+    assert len(seen) == len(set(seen)) == s.sent_steps
+    assert s.sent_steps + s.dropped_steps == total
+    assert seen == sorted(seen)
