@@ -37,6 +37,7 @@ from controller.embedded.core import DEFAULT_ARMS, EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import Workload, demo_workload
 from controller.sidecar import Sidecar
+from policies.context import Context
 from policies.presets import load_preset
 from policies.spec import PolicySpec, render_policy, static_policy
 
@@ -135,7 +136,7 @@ async def _watch(admin: AdminClient, engine: EmbeddedEngine, say: _Printer) -> N
             arm = "off" if c.arm.method == "off" else f"{c.arm.method}:{c.arm.k}"
             before = current.get(c.context)
             current[c.context] = arm
-            bucket = c.context.partition("/")[0]
+            bucket = Context.parse(c.context).bucket
             if before is None or before == arm or c.goodput_tok_s <= 0 or not _bucket_holds(bucket, batch):
                 continue
             first = pending.get(c.context, (before, arm))[0]

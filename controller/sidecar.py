@@ -689,7 +689,7 @@ class Sidecar:
             st.loop_version = loop.version
             st.directive = replace(d, version=self._version)
             st.sent_at = now
-            arms = loop.current_arms()
+            arms = {ctx.key: a for ctx, a in loop.current_arms().items()}
             self.metrics.set_directive(eid, version=self._version, issued_at=d.issued_at_s, arms=arms)
             st.acked_pushed = st.last_sequence
             for q in st.streams:
@@ -780,7 +780,7 @@ class Sidecar:
     def _arm_choices(self, st: EngineState) -> list[pb.ArmChoice]:
         est = st.loop.estimates()
         return [
-            pb.ArmChoice(context=ctx, arm=arm_to_pb(a), goodput_tok_s=est.get(ctx, {}).get(a, 0.0))
+            pb.ArmChoice(context=ctx.key, arm=arm_to_pb(a), goodput_tok_s=est.get(ctx, {}).get(a, 0.0))
             for ctx, a in st.loop.current_arms().items()
         ]
 

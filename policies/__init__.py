@@ -4,7 +4,7 @@ No I/O, no asyncio, no gRPC: a policy is a deterministic function of its inputs 
 """
 
 from policies.arms import OFF, Arm, Method
-from policies.context import BatchBuckets, context_key
+from policies.context import BatchBuckets, Context
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop, Totals
@@ -17,6 +17,7 @@ __all__ = [
     "OFF",
     "Arm",
     "BatchBuckets",
+    "Context",
     "ControlLoop",
     "Directive",
     "EngineInfo",
@@ -30,7 +31,6 @@ __all__ = [
     "RequestRule",
     "StepObservation",
     "Totals",
-    "context_key",
     "parse_policy",
     "render_policy",
     "static_policy",

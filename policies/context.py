@@ -1,4 +1,10 @@
-"""Contexts: what a choice may depend on (batch-size bucket x traffic class)."""
+"""Contexts: what a choice may depend on (batch-size bucket x traffic class).
+
+Inside ``policies`` a context is a ``Context``; its string form (``"2-4/code"``, the bucket label, a
+slash, the class) is made by ``Context.key`` and read back by ``Context.parse`` only where contexts
+leave the process: metrics, status, snapshots and the wire. Contexts sort as their string forms do, so
+an order written into a directive or a snapshot does not depend on which form was sorted.
+"""
 
 from __future__ import annotations
 
@@ -62,6 +68,43 @@ class BatchBuckets:
         return cls(tuple(bounds))
 
 
-def context_key(bucket_label: str, traffic_class: str) -> str:
-    """The string form used in metrics, status and snapshots, e.g. ``"2-4/code"``."""
-    return f"{bucket_label}/{traffic_class}"
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Context:
+    """One bandit problem of the slow loop: a batch bucket (its label, e.g. ``"2-4"``) and a traffic
+    class (``"*"``, ``ANY_CLASS``, pools every request of the bucket)."""
+
+    bucket: str
+    traffic_class: str = ANY_CLASS
+
+    def __post_init__(self) -> None:
+        for name in ("bucket", "traffic_class"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"context {name}: expected a non-empty string, got {v!r}")
+        if "/" in self.bucket:
+            raise ValueError(f"context bucket: a bucket label has no '/', got {self.bucket!r}")
+
+    @property
+    def key(self) -> str:
+        """The string form used in metrics, status, snapshots and on the wire, e.g. ``"2-4/code"``."""
+        return f"{self.bucket}/{self.traffic_class}"
+
+    def __str__(self) -> str:
+        return self.key
+
+    def __lt__(self, other: Context) -> bool:
+        return self.key < other.key
+
+    @property
+    def pooled(self) -> bool:
+        """Whether this is the bucket's context over all classes."""
+        return self.traffic_class == ANY_CLASS
+
+    @classmethod
+    def parse(cls, text: str) -> Context:
+        """The context of a string form (``"2-4/code"``); the class may itself hold a ``/``.
+        Raises ValueError naming the text when it is not ``BUCKET/CLASS``."""
+        bucket, sep, traffic_class = text.partition("/") if isinstance(text, str) else ("", "", "")
+        if not sep:
+            raise ValueError(f"context {text!r}: expected BUCKET/CLASS, e.g. '2-4/code'")
+        return cls(bucket=bucket, traffic_class=traffic_class)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from policies.arms import Arm
+from policies.context import Context
 from policies.params import Param
 
 SLO_FIELDS: dict[str, Param] = {
@@ -173,7 +174,7 @@ class ExplorationBudget:
     max_share: float
     high_load_batch: int
     #: Per context: decisions taken, and how many of them explored.
-    counts: dict[str, list[int]] = field(default_factory=dict)
+    counts: dict[Context, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_params(cls, p: Mapping[str, Any]) -> ExplorationBudget:
@@ -186,7 +187,7 @@ class ExplorationBudget:
         _, hi = bucket_range
         return hi == 0 or hi >= self.high_load_batch
 
-    def permit(self, ctx: str, exploratory: bool) -> bool:
+    def permit(self, ctx: Context, exploratory: bool) -> bool:
         """Count one decision in ``ctx``; False when an exploratory one would exceed the budget."""
         c = self.counts.setdefault(ctx, [0, 0])
         c[0] += 1
@@ -197,13 +198,13 @@ class ExplorationBudget:
             return True
         return False
 
-    def explored(self, ctx: str) -> tuple[int, int]:
+    def explored(self, ctx: Context) -> tuple[int, int]:
         """(exploratory decisions, all decisions) in ``ctx``."""
         c = self.counts.get(ctx, [0, 0])
         return c[1], c[0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"counts": {k: list(v) for k, v in self.counts.items()}}
+        return {"counts": {k.key: list(v) for k, v in self.counts.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.counts = {str(k): [int(v[0]), int(v[1])] for k, v in state.get("counts", {}).items()}
+        self.counts = {Context.parse(k): [int(v[0]), int(v[1])] for k, v in state.get("counts", {}).items()}

@@ -19,7 +19,7 @@ import numpy as np
 
 from policies.algorithms import REGISTRY, Learner
 from policies.arms import METHODS_BY_CODE, Arm, Method
-from policies.context import ANY_CLASS, context_key
+from policies.context import ANY_CLASS, Context
 from policies.directive import Directive, KRange, PlanEntry
 from policies.drift import DriftMonitor
 from policies.engine import EngineInfo, Granularity
@@ -63,7 +63,7 @@ class Totals:
 class Change:
     """One context's arm change at a decision."""
 
-    context: str
+    context: Context
     before: Arm | None
     after: Arm
     estimate: float
@@ -100,7 +100,7 @@ class ControlLoop:
         self.totals = Totals()
         self.rounds = 0
         self.version = 0
-        self._ctx: dict[str, _Ctx] = {}
+        self._ctx: dict[Context, _Ctx] = {}
         self._last_decision: float | None = None
         self._directive: Directive | None = None
         self.last_changes: tuple[Change, ...] = ()
@@ -162,13 +162,13 @@ class ControlLoop:
         if self.drift is not None:
             self._watch_drift(obs)
             self._apply_alarms()
-        self._accumulate(context_key(bucket, ANY_CLASS), arm[known], tokens[known], share)
+        self._accumulate(Context(bucket=bucket), arm[known], tokens[known], share)
         if self._learn_classes:
             classes = np.asarray(obs.traffic_class)
             for c in sorted(set(obs.traffic_class)):
                 rows = known & (classes == c)
                 if rows.any():
-                    self._accumulate(context_key(bucket, c), arm[rows], tokens[rows], share)
+                    self._accumulate(Context(bucket=bucket, traffic_class=c), arm[rows], tokens[rows], share)
 
     def observe_many(self, observations: Sequence[StepObservation]) -> None:
         """``observe`` on each step in order (one report batch), with one learner update for them all.
@@ -235,20 +235,20 @@ class ControlLoop:
         all_known = len(learn) == len(steps) and bool(known.all())
         for label in dict.fromkeys(label_of[i] for i in learn):
             if row_label is None and all_known:  # the usual batch: every row counts, one bucket
-                self._accumulate(context_key(label, ANY_CLASS), arm, tokens, share)
+                self._accumulate(Context(bucket=label), arm, tokens, share)
                 if classes is not None:
                     for c in sorted(set(classes.tolist())):
                         rows_c = classes == c
-                        self._accumulate(context_key(label, c), arm[rows_c], tokens[rows_c], share[rows_c])
+                        ctx = Context(bucket=label, traffic_class=c)
+                        self._accumulate(ctx, arm[rows_c], tokens[rows_c], share[rows_c])
                 continue
             in_bucket = known if row_label is None else known & (row_label == label)
-            self._accumulate(
-                context_key(label, ANY_CLASS), arm[in_bucket], tokens[in_bucket], share[in_bucket]
-            )
+            self._accumulate(Context(bucket=label), arm[in_bucket], tokens[in_bucket], share[in_bucket])
             if classes is not None:
                 for c in sorted(set(classes[in_bucket].tolist())):
                     rows_c = in_bucket & (classes == c)
-                    self._accumulate(context_key(label, c), arm[rows_c], tokens[rows_c], share[rows_c])
+                    ctx = Context(bucket=label, traffic_class=c)
+                    self._accumulate(ctx, arm[rows_c], tokens[rows_c], share[rows_c])
 
     def _label(self, batch_size: int) -> str:
         """The batch bucket's label for a batch size (memoised: the buckets never change)."""
@@ -303,7 +303,9 @@ class ControlLoop:
             self.learner.on_drift(cls, method, float(self.spec.drift["shrink"]))
         self._alarms.clear()
 
-    def _accumulate(self, ctx: str, arm: np.ndarray, tokens: np.ndarray, share: float | np.ndarray) -> None:
+    def _accumulate(
+        self, ctx: Context, arm: np.ndarray, tokens: np.ndarray, share: float | np.ndarray
+    ) -> None:
         """``share``: each row's share of its step's engine time (one value when all rows share a step)."""
         c = self._context(ctx)
         n = len(self.arms)
@@ -317,7 +319,7 @@ class ControlLoop:
         else:
             c.acc.time_s += rows * share
 
-    def _context(self, ctx: str) -> _Ctx:
+    def _context(self, ctx: Context) -> _Ctx:
         c = self._ctx.get(ctx)
         if c is None:
             c = self._ctx[ctx] = _Ctx(arm=-1, since=-np.inf)
@@ -336,29 +338,30 @@ class ControlLoop:
         self.rounds += 1
         changes: list[Change] = []
         for b in range(len(self.spec.buckets)):
-            self._context(context_key(self.spec.buckets.label(b), ANY_CLASS))
-        joint: dict[str, int] = {}
-        greedy_joint: dict[str, int] = {}
+            self._context(Context(bucket=self.spec.buckets.label(b)))
+        joint: dict[Context, int] = {}
+        greedy_joint: dict[Context, int] = {}
         allowed_in: dict[str, list[int]] = {}
         high_load: set[str] = set()
         for b in range(len(self.spec.buckets)):
             label = self.spec.buckets.label(b)
-            prefix = f"{label}/"
-            keys = [k for k in self._ctx if k.startswith(prefix)]
+            keys = [k for k in self._ctx if k.bucket == label]
             playing = max((self.arms[self._ctx[k].arm].k for k in keys if self._ctx[k].arm >= 0), default=0)
             cap = self.tpot_guard.update(label, playing)
             allowed = self.tpot_guard.restrict(self.arms, self._allowed, cap)
             allowed_in[label] = allowed
-            classes = [c for c in (k[len(prefix) :] for k in keys) if c != ANY_CLASS]
+            classes = [k.traffic_class for k in keys if not k.pooled]
             plan = self.learner.plan_bucket(label, classes, allowed)
             if plan:
-                joint.update({context_key(label, c): i for c, i in plan.items()})
+                joint.update({Context(bucket=label, traffic_class=c): i for c, i in plan.items()})
             if self.budget.applies(self.spec.buckets.range(b)):
                 high_load.add(label)
             # The greedy plan serves the exploration budget and the contexts idle this round.
             greedy_plan = self.learner.plan_bucket(label, classes, allowed, sample=False)
             if greedy_plan:
-                greedy_joint.update({context_key(label, c): i for c, i in greedy_plan.items()})
+                greedy_joint.update(
+                    {Context(bucket=label, traffic_class=c): i for c, i in greedy_plan.items()}
+                )
         self.totals.tpot_trips = self.tpot_guard.trips
         for key, c in sorted(self._ctx.items()):
             acc = c.acc
@@ -370,7 +373,7 @@ class ControlLoop:
                 self.learner.observe_round(key, acc.rows, acc.tokens)
                 c.acc = None
                 c.rounds += 1
-            label = key.partition("/")[0]
+            label = key.bucket
             allowed = allowed_in.get(label, self._allowed)
             forced = c.arm >= 0 and c.arm not in allowed  # the TPOT guard excluded the current arm
             if c.arm >= 0 and now - c.since < self.spec.min_dwell_s and not forced:
@@ -419,14 +422,13 @@ class ControlLoop:
         for b in range(len(spec.buckets)):
             lo, hi = spec.buckets.range(b)
             label = spec.buckets.label(b)
-            pooled = self.arms[self._ctx[context_key(label, ANY_CLASS)].arm]
+            pooled = self.arms[self._ctx[Context(bucket=label)].arm]
             bucket_k = pooled.k
             if eng.per_request:
                 plan.append(PlanEntry(ANY_CLASS, lo, hi, pooled))
-                prefix = f"{label}/"
                 for key, c in sorted(self._ctx.items()):
-                    cls = key[len(prefix) :]
-                    if key.startswith(prefix) and cls != ANY_CLASS and c.arm >= 0:
+                    cls = key.traffic_class
+                    if key.bucket == label and not key.pooled and c.arm >= 0:
                         arm = self.arms[c.arm]
                         # A class on the bucket's own arm needs no entry ("*" covers it): a class
                         # seen for the first time then changes nothing and issues no new version.
@@ -455,11 +457,11 @@ class ControlLoop:
     def directive(self) -> Directive | None:
         return self._directive
 
-    def current_arms(self) -> dict[str, Arm]:
+    def current_arms(self) -> dict[Context, Arm]:
         return {k: self.arms[c.arm] for k, c in sorted(self._ctx.items()) if c.arm >= 0}
 
-    def estimates(self) -> dict[str, dict[Arm, float]]:
-        out: dict[str, dict[Arm, float]] = {}
+    def estimates(self) -> dict[Context, dict[Arm, float]]:
+        out: dict[Context, dict[Arm, float]] = {}
         for key in sorted(self._ctx):
             m = self.learner.estimates(key)
             out[key] = {a: float(m[i]) for i, a in enumerate(self.arms) if not np.isnan(m[i])}
@@ -476,7 +478,7 @@ class ControlLoop:
             "rounds": self.rounds,
             "version": self.version,
             "totals": {f: getattr(self.totals, f) for f in Totals.__dataclass_fields__},
-            "contexts": {k: {"arm": c.arm, "rounds": c.rounds} for k, c in self._ctx.items()},
+            "contexts": {k.key: {"arm": c.arm, "rounds": c.rounds} for k, c in self._ctx.items()},
             "learner": self.learner.state_dict(),
             "rng": self.rng.bit_generator.state,
             "guards": {
@@ -496,7 +498,7 @@ class ControlLoop:
         self.version = int(state["version"])
         self.totals = Totals(**state["totals"])
         self._ctx = {
-            k: _Ctx(arm=int(v["arm"]), since=-np.inf, rounds=int(v["rounds"]))
+            Context.parse(k): _Ctx(arm=int(v["arm"]), since=-np.inf, rounds=int(v["rounds"]))
             for k, v in state["contexts"].items()
         }
         self.rng.bit_generator.state = state["rng"]

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from policies.arms import Arm, Method
+from policies.context import Context
 from policies.observation import StepObservation
 from policies.params import Param
 
@@ -65,22 +66,22 @@ class Learner(ABC):
         self.arms = tuple(arms)
         self.params = dict(params)
         self.rng = rng
-        self.tables: dict[str, ArmTable] = {}
+        self.tables: dict[Context, ArmTable] = {}
 
-    def table(self, ctx: str) -> ArmTable:
+    def table(self, ctx: Context) -> ArmTable:
         t = self.tables.get(ctx)
         if t is None:
             t = self.tables[ctx] = ArmTable(len(self.arms))
         return t
 
-    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+    def update(self, ctx: Context, rewards: Mapping[int, float]) -> None:
         """One round in ``ctx``: ``rewards`` maps arm index to its mean goodput in the round."""
         t = self.table(ctx)
         self._before_round(t)
         for i, r in rewards.items():
             t.add(i, r, 1.0)
 
-    def observe_round(self, ctx: str, rows: np.ndarray, tokens: np.ndarray) -> None:  # noqa: B027
+    def observe_round(self, ctx: Context, rows: np.ndarray, tokens: np.ndarray) -> None:  # noqa: B027
         """Optional hook, after ``update``: request-steps each arm drafted in ``ctx`` this round, and the
         tokens they emitted (arrays over ``arms``)."""
 
@@ -119,27 +120,27 @@ class Learner(ABC):
         """
         idx = [i for i, a in enumerate(self.arms) if a.method is method]
         for ctx, t in self.tables.items():
-            if idx and ctx.partition("/")[2] == cls:
+            if idx and ctx.traffic_class == cls:
                 t.n[idx] *= keep
                 t.s[idx] *= keep
                 t.q[idx] *= keep
 
     @abstractmethod
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         """Index of the arm to play next in ``ctx``."""
 
-    def estimates(self, ctx: str) -> np.ndarray:
+    def estimates(self, ctx: Context) -> np.ndarray:
         """Current goodput estimate per arm (NaN where unobserved)."""
         return self.table(ctx).means()
 
     def switch_check(
         self,
-        ctx: str,
+        ctx: Context,
         allowed: Sequence[int],
         current: int,
         new: int,
         *,
-        others: Mapping[str, int] | None = None,
+        others: Mapping[Context, int] | None = None,
     ) -> tuple[float, float] | None:
         """(predicted goodput gain of ``new`` over ``current``, the margin it must beat), in tok/s;
         ``others``: the arm in play in every other context (learners that plan a bucket jointly judge
@@ -152,10 +153,12 @@ class Learner(ABC):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"tables": {c: t.to_json() for c, t in self.tables.items()}}
+        return {"tables": {c.key: t.to_json() for c, t in self.tables.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.tables = {c: ArmTable.from_json(t, len(self.arms)) for c, t in state["tables"].items()}
+        self.tables = {
+            Context.parse(c): ArmTable.from_json(t, len(self.arms)) for c, t in state["tables"].items()
+        }
 
 
 def greedy(means: np.ndarray, allowed: Sequence[int]) -> int:

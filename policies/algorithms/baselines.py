@@ -18,7 +18,7 @@ import numpy as np
 
 from policies.algorithms.base import Learner
 from policies.arms import METHOD_CODES, OFF, Arm, Method
-from policies.context import ANY_CLASS
+from policies.context import ANY_CLASS, Context
 from policies.observation import StepObservation
 from policies.params import Param
 
@@ -56,9 +56,8 @@ def parse_schedule(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def bucket_batch(ctx: str) -> int:
+def bucket_batch(label: str) -> int:
     """The batch size a bucket label stands for (its upper bound; the lower one for the open bucket)."""
-    label = ctx.partition("/")[0]
     if label.endswith("+"):
         return int(label[:-1])
     return int(label.rpartition("-")[2])
@@ -76,8 +75,8 @@ class BatchSchedule(Learner):
         self.table_ = parse_schedule(str(self.params["schedule"]))
         self.method = Method(str(self.params["method"]))
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
-        b = bucket_batch(ctx)
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
+        b = bucket_batch(ctx.bucket)
         k = next((kk for lo, hi, kk in self.table_ if b >= lo and (hi == 0 or b <= hi)), 0)
         return _nearest(self.arms, Arm(self.method, k) if k > 0 else OFF, allowed)
 
@@ -106,7 +105,7 @@ class SpeculationGate(Learner):
         ):
             self.closed = True
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         return _nearest(self.arms, OFF if self.closed else self.arm, allowed)
 
     def state_dict(self) -> dict[str, Any]:
@@ -147,8 +146,8 @@ class NgramFallback(Learner):
             if len(w) == w.maxlen and float(np.mean(w)) < float(self.params["threshold"]):
                 self.fell_back.add(c)
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
-        cls = ctx.partition("/")[2] or ANY_CLASS
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
+        cls = ctx.traffic_class
         method = Method.NGRAM if cls in self.fell_back else Method.EAGLE3
         return _nearest(self.arms, Arm(method, int(self.params["k"])), allowed)
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from policies.algorithms.base import ArmTable, Learner, greedy
+from policies.context import Context
 from policies.params import Param
 
 
@@ -19,7 +20,7 @@ class EpsilonGreedy(Learner):
     def _before_round(self, t: ArmTable) -> None:
         t.decay(float(self.params["discount"]))
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         if self.rng.random() < float(self.params["epsilon"]):
             return int(allowed[int(self.rng.integers(len(allowed)))])
         return greedy(self.table(ctx).means(), allowed)

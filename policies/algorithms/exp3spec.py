@@ -14,6 +14,7 @@ import numpy as np
 
 from policies.algorithms.base import Learner
 from policies.arms import Arm
+from policies.context import Context
 from policies.params import Param
 
 
@@ -25,12 +26,12 @@ class EXP3Spec(Learner):
 
     def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
         super().__init__(arms=arms, params=params, rng=rng)
-        self._loss: dict[str, np.ndarray] = {}
-        self._p: dict[str, np.ndarray] = {}
-        self._t: dict[str, int] = {}
-        self._top: dict[str, float] = {}
+        self._loss: dict[Context, np.ndarray] = {}
+        self._p: dict[Context, np.ndarray] = {}
+        self._t: dict[Context, int] = {}
+        self._top: dict[Context, float] = {}
 
-    def _probs(self, ctx: str, allowed: Sequence[int]) -> np.ndarray:
+    def _probs(self, ctx: Context, allowed: Sequence[int]) -> np.ndarray:
         loss = self._loss.setdefault(ctx, np.zeros(len(self.arms)))
         idx = np.asarray(allowed)
         k = len(idx)
@@ -42,12 +43,12 @@ class EXP3Spec(Learner):
         p[idx] = w / w.sum()
         return p
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         p = self._probs(ctx, allowed)
         self._p[ctx] = p
         return int(self.rng.choice(len(self.arms), p=p))
 
-    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+    def update(self, ctx: Context, rewards: Mapping[int, float]) -> None:
         super().update(ctx, rewards)
         loss = self._loss.setdefault(ctx, np.zeros(len(self.arms)))
         p = self._p.get(ctx)
@@ -58,19 +59,21 @@ class EXP3Spec(Learner):
             loss[i] += (1.0 - min(max(r / top, 0.0), 1.0) if top > 0 else 1.0) / pi
         self._t[ctx] = self._t.get(ctx, 0) + 1
 
-    def estimates(self, ctx: str) -> np.ndarray:
+    def estimates(self, ctx: Context) -> np.ndarray:
         return self.table(ctx).means()
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "loss": {c: v.tolist() for c, v in self._loss.items()},
-            "t": dict(self._t),
-            "top": dict(self._top),
+            "loss": {c.key: v.tolist() for c, v in self._loss.items()},
+            "t": {c.key: v for c, v in self._t.items()},
+            "top": {c.key: v for c, v in self._top.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self._loss = {c: np.asarray(v, dtype=np.float64) for c, v in state.get("loss", {}).items()}
-        self._t = {c: int(v) for c, v in state.get("t", {}).items()}
-        self._top = {c: float(v) for c, v in state.get("top", {}).items()}
+        self._loss = {
+            Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("loss", {}).items()
+        }
+        self._t = {Context.parse(c): int(v) for c, v in state.get("t", {}).items()}
+        self._top = {Context.parse(c): float(v) for c, v in state.get("top", {}).items()}

@@ -30,7 +30,7 @@ import numpy as np
 
 from policies.algorithms.base import Learner
 from policies.arms import METHOD_CODES, Arm, Method
-from policies.context import ANY_CLASS, context_key
+from policies.context import ANY_CLASS, Context
 from policies.observation import NOT_SCORED, StepObservation
 from policies.params import Param
 
@@ -122,7 +122,7 @@ class GoodputModel(Learner):
         # Per context: discounted request-steps, those drafted with n-gram, and the n-gram ones' emitted
         # and verified tokens. Where the plan has no n-gram arm they are the per-request rule's rows
         # (see ``plan_bucket``).
-        self._ngram_rows: dict[str, np.ndarray] = {}
+        self._ngram_rows: dict[Context, np.ndarray] = {}
         self._round_keep = float(np.exp(-1.0 / float(self.params["rule_memory_rounds"])))
         # The arms as columns, for pricing them all at once.
         self._arm_k = np.array([a.k for a in self.arms], dtype=np.int64)
@@ -422,10 +422,10 @@ class GoodputModel(Learner):
         t[0] += trials
         t[1] += wins
 
-    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+    def update(self, ctx: Context, rewards: Mapping[int, float]) -> None:
         """Round rewards are implied by the models; nothing else to learn from them."""
 
-    def observe_round(self, ctx: str, rows: np.ndarray, tokens: np.ndarray) -> None:
+    def observe_round(self, ctx: Context, rows: np.ndarray, tokens: np.ndarray) -> None:
         """How many of a context's request-steps each arm drafted this round, and what they emitted."""
         ng = self._ngram
         n_ng = rows[ng]
@@ -510,15 +510,14 @@ class GoodputModel(Learner):
         lo = lo.rstrip("+")
         return (float(lo) + float(hi)) / 2 if hi else float(lo)
 
-    def _goodputs(self, ctx: str, idx: Sequence[int], sample: bool) -> np.ndarray:
-        bucket, _, cls = ctx.partition("/")
-        batch = self._batch_size(bucket)
+    def _goodputs(self, ctx: Context, idx: Sequence[int], sample: bool) -> np.ndarray:
+        batch = self._batch_size(ctx.bucket)
         theta = self._theta(sample)
         cost = self._costs(theta, batch, np.asarray(idx, dtype=np.int64))
-        out: np.ndarray = batch * (1.0 + self._accepted(cls or ANY_CLASS, idx, sample)) / (cost / 1e3)
+        out: np.ndarray = batch * (1.0 + self._accepted(ctx.traffic_class, idx, sample)) / (cost / 1e3)
         return out
 
-    def _rule_rows(self, ctx: str) -> tuple[float, float, float]:
+    def _rule_rows(self, ctx: Context) -> tuple[float, float, float]:
         """Share of a context's rows drafted with n-gram, and their mean emitted and verified tokens."""
         r = self._ngram_rows.get(ctx)
         if r is None or r[0] <= 0 or r[1] <= 0:
@@ -579,7 +578,7 @@ class GoodputModel(Learner):
     ) -> np.ndarray:
         """Each class's arm (positions in ``arms``), by coordinate ascent on the step's goodput."""
         ng = (
-            np.array([self._rule_rows(context_key(bucket, c)) for c in classes])
+            np.array([self._rule_rows(Context(bucket=bucket, traffic_class=c)) for c in classes])
             if by_rule
             else np.zeros((len(classes), 3))
         )
@@ -651,11 +650,11 @@ class GoodputModel(Learner):
         # of the mean observed step so no arm looks free.
         return 0.1 * float(self._xty[0] / self._xtx[0, 0]) if self._xtx[0, 0] > 1 else 1e-3
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         idx = list(allowed)
         return int(idx[int(np.argmax(self._goodputs(ctx, idx, sample=True)))])
 
-    def estimates(self, ctx: str) -> np.ndarray:
+    def estimates(self, ctx: Context) -> np.ndarray:
         if self._w == 0:
             return np.full(len(self.arms), np.nan)
         return self._goodputs(ctx, list(range(len(self.arms))), sample=False)
@@ -683,7 +682,7 @@ class GoodputModel(Learner):
             w = np.array([mix.get(c, 0.0) for c in classes])
             share = w / w.sum() if w.sum() > 0 else np.full(len(classes), 1.0 / len(classes))
         ng = (
-            np.array([self._rule_rows(context_key(bucket, c)) for c in classes])
+            np.array([self._rule_rows(Context(bucket=bucket, traffic_class=c)) for c in classes])
             if by_rule
             else np.zeros((len(classes), 3))
         )
@@ -751,12 +750,12 @@ class GoodputModel(Learner):
 
     def switch_check(
         self,
-        ctx: str,
+        ctx: Context,
         allowed: Sequence[int],
         current: int,
         new: int,
         *,
-        others: Mapping[str, int] | None = None,
+        others: Mapping[Context, int] | None = None,
     ) -> tuple[float, float] | None:
         """The predicted (greedy) gain of ``new`` over ``current`` in the bucket's step goodput, with
         the bucket's other classes on their arms in play (``others``, by context), and the margin it
@@ -768,8 +767,7 @@ class GoodputModel(Learner):
         floor = float(self.params["switch_floor"])
         if (z <= 0 and floor <= 0) or self._w == 0:
             return None
-        bucket, _, cls = ctx.partition("/")
-        cls = cls or ANY_CLASS
+        bucket, cls = ctx.bucket, ctx.traffic_class
         if not self._settled(cls, new):
             return None  # as an unestimated arm: it has to be tried before it can be judged
         by_rule = not bool(self._ngram[np.asarray(list(allowed), dtype=np.int64)].any())
@@ -777,9 +775,9 @@ class GoodputModel(Learner):
             classes, assign = [ANY_CLASS], np.array([current], dtype=np.int64)
         else:
             peers = {
-                k.partition("/")[2]: i
+                k.traffic_class: i
                 for k, i in (others or {}).items()
-                if k.partition("/")[0] == bucket and k.partition("/")[2] not in (ANY_CLASS, cls)
+                if k.bucket == bucket and k.traffic_class not in (ANY_CLASS, cls)
             }
             classes = [cls, *sorted(peers)]
             assign = np.array([current, *(peers[c] for c in classes[1:])], dtype=np.int64)
@@ -809,7 +807,7 @@ class GoodputModel(Learner):
             "batch": {b: v.tolist() for b, v in self._batch.items()},
             "mix": self._mix,
             "head": self._head,
-            "ngram_rows": {c: v.tolist() for c, v in self._ngram_rows.items()},
+            "ngram_rows": {c.key: v.tolist() for c, v in self._ngram_rows.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -826,7 +824,9 @@ class GoodputModel(Learner):
             raise ValueError("cost model state has the wrong shape")
         yy, w = float(state["yy"]), float(state["w"])
         batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
-        rows = {c: np.asarray(v, dtype=np.float64) for c, v in state.get("ngram_rows", {}).items()}
+        rows = {
+            Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("ngram_rows", {}).items()
+        }
         if any(v.shape != (4,) for v in rows.values()):
             raise ValueError("n-gram row statistics have the wrong shape")
         mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}

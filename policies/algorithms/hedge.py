@@ -16,7 +16,7 @@ import numpy as np
 
 from policies.algorithms.base import Learner
 from policies.arms import METHOD_CODES, Arm
-from policies.context import ANY_CLASS
+from policies.context import ANY_CLASS, Context
 from policies.observation import NOT_SCORED, StepObservation
 from policies.params import Param
 
@@ -33,10 +33,10 @@ class Hedge(Learner):
         self._codes = np.array([METHOD_CODES[a.method] for a in self.arms])
         self._ks = np.array([a.k for a in self.arms])
         # Per context since the last round: tokens and rows per arm (full information), time per row.
-        self._tok: dict[str, np.ndarray] = {}
-        self._rows: dict[str, np.ndarray] = {}
-        self._time: dict[str, np.ndarray] = {}
-        self._cum: dict[str, np.ndarray] = {}
+        self._tok: dict[Context, np.ndarray] = {}
+        self._rows: dict[Context, np.ndarray] = {}
+        self._time: dict[Context, np.ndarray] = {}
+        self._cum: dict[Context, np.ndarray] = {}
 
     def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
         n = obs.n
@@ -46,7 +46,7 @@ class Hedge(Learner):
         classes = np.asarray(obs.traffic_class)
         for c in (ANY_CLASS, *(sorted(set(obs.traffic_class)) if per_class else ())):
             rows = np.ones(n, dtype=bool) if c == ANY_CLASS else classes == c
-            key = f"{bucket}/{c}"
+            key = Context(bucket=bucket, traffic_class=c)
             tok = self._tok.setdefault(key, np.zeros(len(self.arms)))
             cnt = self._rows.setdefault(key, np.zeros(len(self.arms)))
             tm = self._time.setdefault(key, np.zeros((2, len(self.arms))))
@@ -72,7 +72,7 @@ class Hedge(Learner):
                     tok[j] += float(np.sum(vals)) + len(vals)
                     cnt[j] += len(vals)
 
-    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+    def update(self, ctx: Context, rewards: Mapping[int, float]) -> None:
         super().update(ctx, rewards)
         tok, cnt, tm = self._tok.pop(ctx, None), self._rows.pop(ctx, None), self._time.get(ctx)
         if tok is None or cnt is None or tm is None:
@@ -91,7 +91,7 @@ class Hedge(Learner):
             cum += np.where(seen, g / top, 0.0)
         tm *= 0.5  # time per row is slow to change; keep half of it across rounds
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         idx = np.asarray(allowed)
         cum = self._cum.get(ctx, np.zeros(len(self.arms)))[idx]
         z = float(self.params["eta"]) * cum
@@ -99,8 +99,10 @@ class Hedge(Learner):
         return int(idx[int(self.rng.choice(len(idx), p=w / w.sum()))])
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "cum": {c: v.tolist() for c, v in self._cum.items()}}
+        return {**super().state_dict(), "cum": {c.key: v.tolist() for c, v in self._cum.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self._cum = {c: np.asarray(v, dtype=np.float64) for c, v in state.get("cum", {}).items()}
+        self._cum = {
+            Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("cum", {}).items()
+        }

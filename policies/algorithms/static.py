@@ -9,6 +9,7 @@ import numpy as np
 
 from policies.algorithms.base import Learner
 from policies.arms import Arm
+from policies.context import Context
 from policies.params import Param
 
 
@@ -22,7 +23,7 @@ class Static(Learner):
         super().__init__(arms=arms, params=params, rng=rng)
         self.arm = Arm.parse(str(self.params["arm"]))
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         for i in allowed:
             if self.arms[i] == self.arm:
                 return i

@@ -12,6 +12,7 @@ from typing import ClassVar
 import numpy as np
 
 from policies.algorithms.base import ArmTable, Learner
+from policies.context import Context
 from policies.params import Param
 
 
@@ -28,7 +29,7 @@ class DiscountedThompson(Learner):
     def _before_round(self, t: ArmTable) -> None:
         t.decay(float(self.params["discount"]))
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         t = self.table(ctx)
         idx = np.asarray(allowed)
         n, s, q = t.n[idx], t.s[idx], t.q[idx]

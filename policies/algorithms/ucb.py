@@ -15,6 +15,7 @@ import numpy as np
 
 from policies.algorithms.base import Learner
 from policies.arms import Arm, Method
+from policies.context import Context
 from policies.params import Param
 
 
@@ -35,7 +36,7 @@ class UCB1(Learner):
         "c": Param(1.0, "Scale of the confidence bonus (1: UCB1 as published).", 0.0, 10.0),
     }
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         t = self.table(ctx)
         return _ucb_pick(t.n, t.s, allowed, float(self.params["c"]), float(t.n.sum()))
 
@@ -49,9 +50,9 @@ class SlidingWindowUCB(Learner):
 
     def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
         super().__init__(arms=arms, params=params, rng=rng)
-        self._hist: dict[str, deque[tuple[int, float]]] = {}
+        self._hist: dict[Context, deque[tuple[int, float]]] = {}
 
-    def update(self, ctx: str, rewards: Mapping[int, float]) -> None:
+    def update(self, ctx: Context, rewards: Mapping[int, float]) -> None:
         h = self._hist.setdefault(ctx, deque(maxlen=int(self.params["window"])))
         for i, r in rewards.items():
             h.append((i, r))
@@ -62,7 +63,7 @@ class SlidingWindowUCB(Learner):
         for i, r in h:
             t.add(i, r, 1.0)
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         t = self.table(ctx)
         return _ucb_pick(t.n, t.s, allowed, float(self.params["c"]), float(t.n.sum()))
 
@@ -70,7 +71,7 @@ class SlidingWindowUCB(Learner):
         """The window is the statistic: drop the drifted arms' rounds (their newest ``keep`` share stays)."""
         idx = {i for i, a in enumerate(self.arms) if a.method is method}
         for ctx, h in self._hist.items():
-            if not idx or ctx.partition("/")[2] != cls:
+            if not idx or ctx.traffic_class != cls:
                 continue
             rows = [(i, r) for i, r in h if i in idx]
             kept = set(range(len(rows) - int(len(rows) * keep), len(rows)))
@@ -92,11 +93,12 @@ class SlidingWindowUCB(Learner):
                 t.add(i, r, 1.0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "hist": {c: list(map(list, h)) for c, h in self._hist.items()}}
+        return {**super().state_dict(), "hist": {c.key: list(map(list, h)) for c, h in self._hist.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         w = int(self.params["window"])
         self._hist = {
-            c: deque(((int(i), float(r)) for i, r in h), maxlen=w) for c, h in state.get("hist", {}).items()
+            Context.parse(c): deque(((int(i), float(r)) for i, r in h), maxlen=w)
+            for c, h in state.get("hist", {}).items()
         }

@@ -14,6 +14,7 @@ from typing import ClassVar
 import numpy as np
 
 from policies.algorithms.base import Learner
+from policies.context import Context
 from policies.params import Param
 
 
@@ -24,7 +25,7 @@ class UCBSpec(Learner):
         "range": Param(1.0, "L: the range of the scaled reward (the radius scale).", 0.01, 100.0),
     }
 
-    def select(self, ctx: str, allowed: Sequence[int]) -> int:
+    def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         t = self.table(ctx)
         for i in allowed:
             if t.n[i] <= 0:

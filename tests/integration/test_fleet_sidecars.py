@@ -22,6 +22,7 @@ from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import validate_hello
+from policies.context import Context
 from policies.loop import ControlLoop
 from policies.spec import parse_policy
 from tests.integration.test_fleet_mqtt import Mosquitto, _binary
@@ -93,7 +94,7 @@ def learned(sc: Sidecar) -> bool:
         return False
     loop = ControlLoop(spec=parse_policy(LEARNING), engine=validate_hello(hello("probe")))
     loop.load_state_dict(shared)
-    return bool(loop.estimates().get("1/*"))
+    return bool(loop.estimates().get(Context.parse("1/*")))
 
 
 def sample(sc: Sidecar, name: str, **labels: str) -> float:
@@ -182,7 +183,7 @@ async def test_fleet_policy_warm_start_and_broker_restart(
 
     # Engine ea learns; its sidecar shares the posteriors (eb sends nothing, so b has none to share).
     t, deadline = 1.0, time.monotonic() + WAIT_S
-    while not a.engines()["ea"].loop.estimates().get("1/*"):
+    while not a.engines()["ea"].loop.estimates().get(Context.parse("1/*")):
         assert time.monotonic() < deadline, f"no estimates: {a.engines()['ea'].loop.estimates()}"
         for _ in range(5):
             t += 0.05
@@ -200,7 +201,7 @@ async def test_fleet_policy_warm_start_and_broker_restart(
     assert dc.policy == "fleet-learn"
     warm = c.engines()["ec"].loop
     assert warm.totals.steps == 0  # no report sent: what it knows came from the fleet
-    assert warm.estimates().get("1/*"), warm.estimates()
+    assert warm.estimates().get(Context.parse("1/*")), warm.estimates()
 
     # The broker dies: nobody crashes and local control goes on without it.
     mosquitto.kill()

@@ -1,7 +1,21 @@
+"""Batch buckets, and ``Context``: its string form, order, validation, and snapshots that predate it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from policies.context import BatchBuckets
+from policies.arms import Arm, Method
+from policies.context import ANY_CLASS, BatchBuckets, Context
+from policies.engine import EngineInfo, Granularity
+from policies.loop import ControlLoop
+from policies.observation import StepObservation
+from policies.presets import load_preset
 
 
 def test_default_buckets_match_design() -> None:
@@ -16,3 +30,89 @@ def test_default_buckets_match_design() -> None:
 def test_invalid_bounds(bounds: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="batch buckets"):
         BatchBuckets(bounds)
+
+
+# -- Context: the typed (bucket, class) of a bandit problem ----------------------------------------
+
+_LABELS = st.text(alphabet=st.characters(blacklist_characters="/", blacklist_categories=("Cs",)), min_size=1)
+_CLASSES = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1)
+
+
+@given(bucket=_LABELS, traffic_class=_CLASSES)
+def test_context_string_form_round_trips(bucket: str, traffic_class: str) -> None:
+    ctx = Context(bucket=bucket, traffic_class=traffic_class)
+    assert ctx.key == f"{bucket}/{traffic_class}" == str(ctx)
+    assert Context.parse(ctx.key) == ctx
+    assert ctx.pooled == (traffic_class == ANY_CLASS)
+
+
+@given(st.lists(st.tuples(_LABELS, _CLASSES), min_size=2, max_size=20))
+def test_contexts_sort_as_their_string_forms(pairs: list[tuple[str, str]]) -> None:
+    ctxs = [Context(bucket=b, traffic_class=c) for b, c in pairs]
+    assert [c.key for c in sorted(ctxs)] == sorted(c.key for c in ctxs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bucket": ""}, "context bucket: expected a non-empty string"),
+        ({"bucket": "2-4", "traffic_class": ""}, "context traffic_class: expected a non-empty string"),
+        ({"bucket": "2/4"}, "context bucket: a bucket label has no '/'"),
+        ({"bucket": 4}, "context bucket: expected a non-empty string, got 4"),
+    ],
+)
+def test_invalid_contexts_name_the_field(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Context(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["", "2-4", "/code", "2-4/"])
+def test_parse_refuses_what_is_not_bucket_slash_class(text: str) -> None:
+    with pytest.raises(ValueError, match="context"):
+        Context.parse(text)
+
+
+# -- snapshots written before contexts were typed --------------------------------------------------
+
+#: Loop snapshots (string context keys throughout) written by the code before ``Context`` existed
+#: (commit 51af80b), from the feed in ``_fed_loop``, one per preset.
+OLD_STATES = Path(__file__).parent / "data" / "loop_states_string_contexts.json"
+_ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:4", "ngram:4", "off"))
+_ENGINE = EngineInfo("e1", "m", 4, _ARMS, Granularity.REQUEST_METHOD)
+
+
+def _fed_loop(preset: str) -> ControlLoop:
+    """400 steps of 1-39 requests of two classes over every arm, a decision after each."""
+    loop = ControlLoop(spec=load_preset(preset), engine=_ENGINE, seed=3)
+    rng = np.random.default_rng(0)
+    t = 0.0
+    for i in range(400):
+        arm = _ARMS[i % len(_ARMS)]
+        n = int(rng.integers(1, 40))
+        acc = rng.integers(0, arm.k + 1, n) if arm.k else np.zeros(n, int)
+        obs = StepObservation.build(
+            time_s=t,
+            duration_s=0.01 + 0.0005 * n,
+            traffic_class=[("code", "chat")[j % 2] for j in range(n)],
+            method=[arm.method] * n,
+            k=[arm.k] * n,
+            drafted=[arm.k] * n,
+            accepted=acc.tolist(),
+            counterfactual={Method.NGRAM: rng.integers(0, 5, n).tolist()},
+        )
+        loop.observe(obs)
+        t += 0.05
+        loop.decide(t)
+    return loop
+
+
+@pytest.mark.parametrize("preset", sorted(json.loads(OLD_STATES.read_text(encoding="utf-8"))))
+def test_old_snapshots_load_and_the_same_feed_gives_the_same_snapshot(preset: str) -> None:
+    old = json.loads(OLD_STATES.read_text(encoding="utf-8"))[preset]
+    loop = ControlLoop(spec=load_preset(preset), engine=_ENGINE, seed=3)
+    loop.load_state_dict(old)
+    assert json.dumps(loop.state_dict(), sort_keys=True) == json.dumps(old, sort_keys=True)
+    assert all(isinstance(k, Context) for k in loop.current_arms())
+    assert loop.decide(1000.0).plan
+    fresh = _fed_loop(preset).state_dict()
+    assert json.dumps(fresh, sort_keys=True) == json.dumps(old, sort_keys=True)

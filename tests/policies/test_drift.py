@@ -5,6 +5,7 @@ import pytest
 
 from policies.algorithms import GoodputModel
 from policies.arms import Arm, Method
+from policies.context import Context
 from policies.drift import DRIFT_FIELDS, PageHinkley
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop
@@ -104,7 +105,7 @@ def test_tabular_learner_forgets_the_drifted_arms_only() -> None:
         loop.observe(eagle_step(rng, 0.8))
         loop.observe(off_row)
         loop.decide(float(r))
-    table = loop.learner.tables["5-8/*"]
+    table = loop.learner.tables[Context.parse("5-8/*")]
     e4, off = loop.arms.index(Arm.parse("eagle3:4")), loop.arms.index(Arm.parse("off"))
     assert table.n[e4] > 0 and table.n[off] > 0
     off_weight = table.n[off]

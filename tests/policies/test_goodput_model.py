@@ -9,7 +9,7 @@ import pytest
 
 from policies.algorithms import GoodputModel
 from policies.arms import Arm, Method
-from policies.context import ANY_CLASS
+from policies.context import ANY_CLASS, Context
 from policies.observation import NOT_SCORED, StepObservation
 
 ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:4", "ngram:2", "ngram:4", "off"))
@@ -89,8 +89,8 @@ def test_speculation_stops_at_a_batch_size_never_seen() -> None:
             for _ in range(20):
                 m.observe_step(steps(rng, arm, batch, 0.3), "2-4", per_class=False)
     m._batch["33+"] = np.array([64.0, 1.0])
-    small = ARMS[m.select("1/*", range(len(ARMS)))]  # type: ignore[arg-type]
-    large = ARMS[m.select("33+/*", range(len(ARMS)))]  # type: ignore[arg-type]
+    small = ARMS[m.select(Context.parse("1/*"), range(len(ARMS)))]  # type: ignore[arg-type]
+    large = ARMS[m.select(Context.parse("33+/*"), range(len(ARMS)))]  # type: ignore[arg-type]
     assert small.method is Method.EAGLE3
     assert large == Arm.parse("off")
 
@@ -146,7 +146,7 @@ def test_state_round_trips() -> None:
         m.observe_step(steps(rng, Arm.parse("eagle3:2"), 4, 0.5, ngram_cf=1), "2-4", per_class=True)
     again = model()
     again.load_state_dict(json.loads(json.dumps(m.state_dict())))
-    assert np.allclose(again.estimates("2-4/chat"), m.estimates("2-4/chat"))
+    assert np.allclose(again.estimates(Context.parse("2-4/chat")), m.estimates(Context.parse("2-4/chat")))
 
 
 def test_wrong_shaped_state_is_refused() -> None:
@@ -214,7 +214,7 @@ def test_rows_the_rule_drafts_with_ngram_shorten_the_planned_eagle_draft() -> No
         rows[[ARMS.index(a) for a in trained]] = 60 * e
         rows[ARMS.index(Arm.parse("ngram:4"))] = 60 * len(trained) * ngram_rows
         tokens[ARMS.index(Arm.parse("ngram:4"))] = 5 * 60 * len(trained) * ngram_rows
-        for ctx in ("5-8/*", "5-8/chat"):
+        for ctx in (Context.parse("5-8/*"), Context.parse("5-8/chat")):
             m.observe_round(ctx, rows, tokens)
         return m
 

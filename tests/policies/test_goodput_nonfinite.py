@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from policies.arms import Method
+from policies.context import Context
 from policies.observation import StepObservation
 from tests.policies.test_goodput_model import model
 
@@ -33,7 +34,7 @@ def _obs(duration_s: float, n: int = 4) -> StepObservation:
 
 def _finite(m: object) -> None:
     json.dumps(m.state_dict(), allow_nan=False)  # type: ignore[attr-defined]
-    for ctx in ("1-1/*", "2-4/chat"):
+    for ctx in (Context.parse("1-1/*"), Context.parse("2-4/chat")):
         est = m.estimates(ctx)  # type: ignore[attr-defined]
         assert np.isfinite(est).all(), est
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from policies.arms import Arm
+from policies.context import Context
 from policies.engine import EngineInfo
 from policies.guards import ExplorationBudget, TpotGuard, keeps_current
 from policies.loop import ControlLoop
@@ -61,12 +62,14 @@ def run_boundary(
     for r in range(1, rounds + 1):
         arms = loop.current_arms()
         for batch in (8, 9):
-            bucket = "5-8/*" if batch == 8 else "9-16/*"
+            bucket = Context.parse("5-8/*") if batch == 8 else Context.parse("9-16/*")
             arm = arms[bucket]
             loop.observe(step(arm, batch, truth[arm] * (1 + 0.01 * rng.standard_normal())))
         loop.decide(float(r))
         if r > 10:  # after every arm was tried
-            switches += sum(c.context in ("5-8/*", "9-16/*") for c in loop.last_changes)
+            switches += sum(
+                c.context in (Context.parse("5-8/*"), Context.parse("9-16/*")) for c in loop.last_changes
+            )
     return loop, switches
 
 
@@ -81,15 +84,15 @@ def test_hysteresis_prevents_flip_flop_between_arms_within_the_margin() -> None:
 def test_hysteresis_still_switches_to_a_clear_winner() -> None:
     loop, _ = run_boundary(0.05, 50, {E2: 1000.0, E4: 1010.0})
     rng = np.random.default_rng(9)
-    current = loop.current_arms()["5-8/*"]
+    current = loop.current_arms()[Context.parse("5-8/*")]
     other = E4 if current == E2 else E2
     truth = {current: 600.0, other: 1000.0}  # the arm in play lost 40 %
     for r in range(51, 80):
         for batch in (8, 9):
-            arm = loop.current_arms()["5-8/*" if batch == 8 else "9-16/*"]
+            arm = loop.current_arms()[Context.parse("5-8/*") if batch == 8 else Context.parse("9-16/*")]
             loop.observe(step(arm, batch, truth[arm] * (1 + 0.01 * rng.standard_normal())))
         loop.decide(float(r))
-    assert loop.current_arms()["5-8/*"] == other
+    assert loop.current_arms()[Context.parse("5-8/*")] == other
 
 
 def test_tpot_guard_unit() -> None:
@@ -118,18 +121,18 @@ def test_tpot_guard_caps_a_bucket_above_the_slo_and_lifts_the_cap_below_it() -> 
     for arm, g in ((E1, 500.0), (E2, 600.0), (OFF, 300.0), (E4, 900.0)):
         loop.observe(step(arm, 8, g))
     loop.decide(0.0)
-    assert loop.current_arms()["5-8/*"] == E4
+    assert loop.current_arms()[Context.parse("5-8/*")] == E4
     for _ in range(8):
         loop.observe(step(E4, 8, 8 / 0.060, accepted=0))
     p99 = loop.tpot_guard.p99("5-8")
     assert p99 is not None and p99 > 40
     loop.decide(3.0)  # min_dwell_s is 100: only the guard may force this switch
-    assert loop.tpot_guard.cap("5-8") == 4 and loop.current_arms()["5-8/*"].k < 4
+    assert loop.tpot_guard.cap("5-8") == 4 and loop.current_arms()[Context.parse("5-8/*")].k < 4
     assert loop.totals.tpot_trips == 1
     assert loop.decide(3.0).k_for_batch(8, 4) < 4
     # Under the cap the steps are short: 20 ms per token, well under 0.9 x 40 ms.
     for _ in range(8):
-        loop.observe(step(loop.current_arms()["5-8/*"], 8, 8 / 0.020, accepted=0))
+        loop.observe(step(loop.current_arms()[Context.parse("5-8/*")], 8, 8 / 0.020, accepted=0))
     loop.decide(4.0)
     assert loop.tpot_guard.cap("5-8") is None
 
@@ -137,8 +140,8 @@ def test_tpot_guard_caps_a_bucket_above_the_slo_and_lifts_the_cap_below_it() -> 
 def test_exploration_budget_unit() -> None:
     b = ExplorationBudget(max_share=0.1, high_load_batch=32)
     assert b.applies((17, 32)) and b.applies((33, 0)) and not b.applies((9, 16))
-    allowed = [b.permit("c", exploratory=True) for _ in range(100)]
-    assert sum(allowed) == 10 and b.explored("c") == (10, 100)
+    allowed = [b.permit(Context.parse("33+/*"), exploratory=True) for _ in range(100)]
+    assert sum(allowed) == 10 and b.explored(Context.parse("33+/*")) == (10, 100)
     assert not ExplorationBudget(max_share=1.0, high_load_batch=32).applies((33, 0))
 
 
@@ -160,22 +163,22 @@ def test_exploration_budget_limits_exploratory_choices_at_high_load(share: float
         loop.observe(step(arm, 32, g))
         loop.observe(step(arm, 8, g))
     loop.decide(0.0)
-    off_greedy = {"17-32/*": 0, "5-8/*": 0}
+    off_greedy = {Context.parse("17-32/*"): 0, Context.parse("5-8/*"): 0}
     rounds = 400
     for r in range(1, rounds + 1):
         arms = loop.current_arms()
-        loop.observe(step(arms["17-32/*"], 32, truth[arms["17-32/*"]]))
-        loop.observe(step(arms["5-8/*"], 8, truth[arms["5-8/*"]]))
+        loop.observe(step(arms[Context.parse("17-32/*")], 32, truth[arms[Context.parse("17-32/*")]]))
+        loop.observe(step(arms[Context.parse("5-8/*")], 8, truth[arms[Context.parse("5-8/*")]]))
         loop.decide(float(r))
         for key in off_greedy:
             off_greedy[key] += loop.current_arms()[key] != E2
     if share < 1.0:
-        explored, decisions = loop.budget.explored("17-32/*")
+        explored, decisions = loop.budget.explored(Context.parse("17-32/*"))
         assert explored <= share * decisions
-        assert off_greedy["17-32/*"] <= share * rounds
+        assert off_greedy[Context.parse("17-32/*")] <= share * rounds
         assert loop.totals.exploration_denied > 0
     else:
         # No budget: epsilon 0.5 over 4 arms leaves the greedy arm about 3/8 of the rounds.
-        assert off_greedy["17-32/*"] > 0.25 * rounds
+        assert off_greedy[Context.parse("17-32/*")] > 0.25 * rounds
     # Below the high-load batch size the learner explores freely either way.
-    assert off_greedy["5-8/*"] > 0.25 * rounds
+    assert off_greedy[Context.parse("5-8/*")] > 0.25 * rounds

@@ -23,6 +23,7 @@ from policies.algorithms import (
     UCBSpec,
 )
 from policies.arms import OFF, Arm, Method
+from policies.context import Context
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.observation import StepObservation
 from policies.rules import FastLoop
@@ -43,9 +44,9 @@ def play(lr: Learner, seed: int, rounds: int, flip_at: int | None = None) -> np.
     picks = np.empty(rounds, dtype=int)
     for r in range(rounds):
         means = AFTER if flip_at is not None and r >= flip_at else BEFORE
-        i = lr.select("1/*", [0, 1])
+        i = lr.select(Context.parse("1/*"), [0, 1])
         picks[r] = i
-        lr.update("1/*", {i: float(rng.normal(means[i], NOISE))})
+        lr.update(Context.parse("1/*"), {i: float(rng.normal(means[i], NOISE))})
     return picks
 
 
@@ -91,9 +92,9 @@ def test_same_seed_same_choices() -> None:
 
 def test_static_plays_its_arm_or_the_nearest() -> None:
     s = learner(Static, 0, arm="ngram:4")
-    assert ARMS[s.select("c", [0, 1])] == Arm.parse("ngram:4")
+    assert ARMS[s.select(Context.parse("1/*"), [0, 1])] == Arm.parse("ngram:4")
     s = learner(Static, 0, arm="ngram:2")
-    assert ARMS[s.select("c", [0, 1])] == Arm.parse("ngram:4")
+    assert ARMS[s.select(Context.parse("1/*"), [0, 1])] == Arm.parse("ngram:4")
 
 
 def test_registry_names() -> None:
@@ -120,17 +121,17 @@ def test_hedge_learns_from_counterfactual_rows_it_never_played() -> None:
     assert isinstance(h, Hedge)
     for _ in range(30):
         h.observe_step(obs(Method.EAGLE3, 3, [0, 0, 0, 0], ngram_cf=[4, 4, 4, 4]), "1", False)
-        h.update("1/*", {0: 100.0})
-    picks = [h.select("1/*", [0, 1]) for _ in range(50)]
+        h.update(Context.parse("1/*"), {0: 100.0})
+    picks = [h.select(Context.parse("1/*"), [0, 1]) for _ in range(50)]
     assert np.mean(picks) >= 0.9
 
 
 def test_batch_schedule_follows_its_table_per_bucket() -> None:
     arms = (*(Arm(Method.EAGLE3, k) for k in range(1, 9)), OFF)
     s = learner(BatchSchedule, 0, arms=arms, schedule="1-16:5,17-32:4,33+:0")
-    assert arms[s.select("1/*", range(len(arms)))] == Arm(Method.EAGLE3, 5)  # type: ignore[arg-type]
-    assert arms[s.select("17-32/*", range(len(arms)))] == Arm(Method.EAGLE3, 4)  # type: ignore[arg-type]
-    assert arms[s.select("33+/*", range(len(arms)))] == OFF  # type: ignore[arg-type]
+    assert arms[s.select(Context.parse("1/*"), range(len(arms)))] == Arm(Method.EAGLE3, 5)  # type: ignore[arg-type]
+    assert arms[s.select(Context.parse("17-32/*"), range(len(arms)))] == Arm(Method.EAGLE3, 4)  # type: ignore[arg-type]
+    assert arms[s.select(Context.parse("33+/*"), range(len(arms)))] == OFF  # type: ignore[arg-type]
 
 
 def test_speculation_gate_closes_for_good() -> None:
@@ -138,12 +139,12 @@ def test_speculation_gate_closes_for_good() -> None:
     g = learner(SpeculationGate, 0, arms=arms, window=4, threshold=0.3)
     for _ in range(3):
         g.observe_step(obs(Method.EAGLE3, 3, [0, 0]), "1", False)
-    assert arms[g.select("1/*", [0, 1])] == Arm.parse("eagle3:3")  # window not full yet
+    assert arms[g.select(Context.parse("1/*"), [0, 1])] == Arm.parse("eagle3:3")  # window not full yet
     g.observe_step(obs(Method.EAGLE3, 3, [0, 0]), "1", False)
-    assert arms[g.select("1/*", [0, 1])] == OFF
+    assert arms[g.select(Context.parse("1/*"), [0, 1])] == OFF
     for _ in range(10):
         g.observe_step(obs(Method.EAGLE3, 3, [3, 3]), "1", False)
-    assert arms[g.select("1/*", [0, 1])] == OFF
+    assert arms[g.select(Context.parse("1/*"), [0, 1])] == OFF
 
 
 def test_ngram_fallback_switches_the_class_that_stops_accepting() -> None:
@@ -151,11 +152,11 @@ def test_ngram_fallback_switches_the_class_that_stops_accepting() -> None:
     f = learner(NgramFallback, 0, arms=arms, window=3, threshold=0.5)
     for _ in range(3):
         f.observe_step(obs(Method.EAGLE3, 3, [3, 3]), "1", True)
-    assert arms[f.select("1/chat", [0, 1, 2])] == Arm.parse("eagle3:3")
+    assert arms[f.select(Context.parse("1/chat"), [0, 1, 2])] == Arm.parse("eagle3:3")
     for _ in range(3):
         f.observe_step(obs(Method.EAGLE3, 3, [0, 1]), "1", True)
-    assert arms[f.select("1/chat", [0, 1, 2])] == Arm.parse("ngram:3")
-    assert arms[f.select("1/code", [0, 1, 2])] == Arm.parse("eagle3:3")
+    assert arms[f.select(Context.parse("1/chat"), [0, 1, 2])] == Arm.parse("ngram:3")
+    assert arms[f.select(Context.parse("1/code"), [0, 1, 2])] == Arm.parse("eagle3:3")
 
 
 def test_every_learner_round_trips_its_state() -> None:
@@ -164,7 +165,9 @@ def test_every_learner_round_trips_its_state() -> None:
         play(a, 1, 20)
         b = learner(cls, 1, **({"arm": "eagle3:3"} if name == "static" else {}))
         b.load_state_dict(a.state_dict())
-        assert np.allclose(a.estimates("1/*"), b.estimates("1/*"), equal_nan=True), name
+        assert np.allclose(
+            a.estimates(Context.parse("1/*")), b.estimates(Context.parse("1/*")), equal_nan=True
+        ), name
 
 
 def span_directive() -> Directive:

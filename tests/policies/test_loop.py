@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from policies.arms import Arm, Method
+from policies.context import Context
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop
 from policies.observation import StepObservation
@@ -62,7 +63,7 @@ def test_goodput_is_the_reward_not_acceptance() -> None:
     loop.observe(step(Arm.parse("eagle3:4"), [4] * 8, ["default"] * 8, duration=0.050))
     loop.observe(step(Arm.parse("eagle3:1"), [1] * 8, ["default"] * 8, duration=0.010))
     loop.decide(1.0)
-    est = loop.estimates()["5-8/*"]
+    est = loop.estimates()[Context.parse("5-8/*")]
     assert est[Arm.parse("eagle3:4")] == pytest.approx(5 * 8 / 0.050)
     assert est[Arm.parse("eagle3:1")] == pytest.approx(2 * 8 / 0.010)
     assert est[Arm.parse("eagle3:1")] > est[Arm.parse("eagle3:4")]
@@ -76,15 +77,19 @@ def test_per_class_contexts_only_for_request_granular_engines() -> None:
         loop.decide(0.0)
         loop.observe(obs)
         loop.decide(1.0)
-    assert {"2-4/code", "2-4/chat", "2-4/*"} <= set(composite.current_arms())
-    assert not any(k.endswith(("/code", "/chat")) for k in stock.current_arms())
+    assert {Context.parse("2-4/code"), Context.parse("2-4/chat"), Context.parse("2-4/*")} <= set(
+        composite.current_arms()
+    )
+    assert not any(k.traffic_class in ("code", "chat") for k in stock.current_arms())
     d = composite.directive
     assert d is not None and {e.traffic_class for e in d.plan} <= {"*", "code", "chat"}
     arms = composite.current_arms()
     for cls in ("code", "chat"):
         # Every class gets its context's arm, through its own entry or the bucket's "*".
-        assert d.arm_for(cls, 2) == arms[f"2-4/{cls}"]
-    assert all(e.arm != arms["2-4/*"] for e in d.plan if e.traffic_class != "*" and e.covers(2))
+        assert d.arm_for(cls, 2) == arms[Context(bucket="2-4", traffic_class=cls)]
+    assert all(
+        e.arm != arms[Context.parse("2-4/*")] for e in d.plan if e.traffic_class != "*" and e.covers(2)
+    )
 
 
 def test_a_class_on_the_bucket_arm_issues_no_new_version() -> None:
@@ -92,7 +97,7 @@ def test_a_class_on_the_bucket_arm_issues_no_new_version() -> None:
     d1 = loop.decide(0.0)
     loop.observe(step(Arm.parse("eagle3:2"), [1, 1], ["code", "chat"]))
     d2 = loop.decide(5.0)
-    assert d2.version == d1.version and "2-4/code" in loop.current_arms()
+    assert d2.version == d1.version and Context.parse("2-4/code") in loop.current_arms()
 
 
 def test_learns_the_better_method_per_class() -> None:
@@ -111,8 +116,8 @@ def test_learns_the_better_method_per_class() -> None:
             acc = min(arm.k, goodness.get((cls, arm.method), 0))
             loop.observe(step(arm, [acc, acc], [cls, cls], duration=0.01 + 0.002 * arm.k))
     arms = loop.current_arms()
-    assert arms["2-4/code"] == Arm.parse("ngram:4")
-    assert arms["2-4/chat"].method is Method.EAGLE3
+    assert arms[Context.parse("2-4/code")] == Arm.parse("ngram:4")
+    assert arms[Context.parse("2-4/chat")].method is Method.EAGLE3
 
 
 def test_min_dwell_holds_a_context_until_it_elapses() -> None:
@@ -182,7 +187,7 @@ def test_each_round_hands_the_learner_request_steps_and_tokens_per_arm() -> None
     loop = ControlLoop(
         spec=parse_policy(policy("goodput_model", contexts="{per_class: true}")), engine=COMPOSITE
     )
-    seen: dict[str, tuple[list[float], list[float]]] = {}
+    seen: dict[Context, tuple[list[float], list[float]]] = {}
     loop.learner.observe_round = lambda ctx, rows, tokens: seen.__setitem__(  # type: ignore[method-assign]
         ctx, (rows.tolist(), tokens.tolist())
     )
@@ -193,6 +198,14 @@ def test_each_round_hands_the_learner_request_steps_and_tokens_per_arm() -> None
         loop.observe(step(Arm.parse("ngram:4"), [4], ["code"]))
     loop.decide(10.0)
     # Two-row steps fall in bucket 2-4, one-row steps in bucket 1.
-    assert seen["2-4/*"][0][e2] == 6 and sum(seen["2-4/*"][0]) == 6 and seen["2-4/*"][1][e2] == 3 * (2 + 3)
-    assert seen["1/*"][0][ng4] == 3 and sum(seen["1/*"][0]) == 3 and seen["1/*"][1][ng4] == 3 * 5
-    assert seen["2-4/code"][0][e2] == 3 and seen["1/code"][0][ng4] == 3
+    assert (
+        seen[Context.parse("2-4/*")][0][e2] == 6
+        and sum(seen[Context.parse("2-4/*")][0]) == 6
+        and seen[Context.parse("2-4/*")][1][e2] == 3 * (2 + 3)
+    )
+    assert (
+        seen[Context.parse("1/*")][0][ng4] == 3
+        and sum(seen[Context.parse("1/*")][0]) == 3
+        and seen[Context.parse("1/*")][1][ng4] == 3 * 5
+    )
+    assert seen[Context.parse("2-4/code")][0][e2] == 3 and seen[Context.parse("1/code")][0][ng4] == 3

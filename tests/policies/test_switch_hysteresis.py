@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from policies.arms import Arm, Method
+from policies.context import Context
 from policies.guards import keeps_current
 from policies.spec import PolicySpec, parse_policy
 from sim.costmodel import load_profile
@@ -61,14 +62,14 @@ def test_the_margin_is_learnt_from_the_posteriors_and_shrinks_with_confidence() 
     i3, i4 = arms.index(Arm(Method.EAGLE3, 3)), arms.index(Arm(Method.EAGLE3, 4))
     allowed = list(range(len(arms)))
     learner.params = {**learner.params, "switch_floor": 0.0}
-    gain, margin = learner.switch_check("2-4/*", allowed, i3, i4)
+    gain, margin = learner.switch_check(Context.parse("2-4/*"), allowed, i3, i4)
     assert np.isfinite(gain) and margin > 0
     # Fewer standard errors: a smaller margin; none and no floor: no opinion at all.
     learner.params = {**learner.params, "switch_confidence": 0.5}
-    _, smaller = learner.switch_check("2-4/*", allowed, i3, i4)
+    _, smaller = learner.switch_check(Context.parse("2-4/*"), allowed, i3, i4)
     assert smaller < margin
     learner.params = {**learner.params, "switch_confidence": 0.0, "switch_floor": 0.0}
-    assert learner.switch_check("2-4/*", allowed, i3, i4) is None
+    assert learner.switch_check(Context.parse("2-4/*"), allowed, i3, i4) is None
 
 
 def test_an_arm_with_unseen_draft_positions_is_not_held_back() -> None:
@@ -79,7 +80,7 @@ def test_an_arm_with_unseen_draft_positions_is_not_held_back() -> None:
     # EAGLE-3 is never verified at this load, so eagle3:8 is unsettled and may be tried.
     i3, i8 = arms.index(Arm(Method.EAGLE3, 3)), arms.index(Arm(Method.EAGLE3, 8))
     learner.params = {**learner.params, "switch_settled_trials": 1e6}
-    assert learner.switch_check("2-4/*", list(range(len(arms))), i3, i8) is None
+    assert learner.switch_check(Context.parse("2-4/*"), list(range(len(arms))), i3, i8) is None
 
 
 def test_fewer_switches_on_a_drift_at_the_same_goodput() -> None:
