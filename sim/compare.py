@@ -62,6 +62,14 @@ class Comparison:
             oracle_throughput=o.throughput if o is not None else None,
         )
         b["engine"] = run.engine
+        best = self.best_static_of_engine(run.engine, c)
+        if best is not None:
+            arm, thr = best[0], best[1].throughput
+            b["best_static_of_engine"] = {
+                "arm": arm,
+                "throughput_tok_s": round(thr, 3),
+                "ratio": round(run.throughput / thr, 4) if thr > 0 else None,
+            }
         if o is not None:
             by_kind: dict[str, Any] = {}
             for kind, thr in o.throughputs().items():
@@ -69,6 +77,19 @@ class Comparison:
             by_kind["best_static"]["arm"] = o.best_static[0]
             b["oracle"]["by_kind"] = by_kind
         return b
+
+    def best_static_of_engine(self, engine: str, c: int) -> tuple[str, RunResult] | None:
+        """The best single static arm the engine model ``engine`` can play, at concurrency ``c``.
+
+        The baseline of the README and docs/decision-quality.md: the arms that engine loads
+        (``EngineModel.arms``), not every arm of the trace (the oracles' best static arm may be one the
+        engine cannot play, e.g. P-EAGLE for the composite drafter). None in open loop (no static arm
+        replays there) and for the oracles' own entries.
+        """
+        o, model = self.oracles.get(c), ENGINES.get(engine)
+        if o is None or model is None:
+            return None
+        return best_static_among(o.static, model.arms(self.trace.max_k))
 
     def result(self, e: Entry) -> dict[str, Any]:
         """One run in the fixed layout of docs/simulator.md (result JSON)."""
@@ -91,6 +112,16 @@ class Comparison:
             "open_loop": self.open_loop,
             "runs": [self.result(e) for e in self.entries],
         }
+
+
+def best_static_among(static: dict[str, RunResult], arms: Sequence[Arm]) -> tuple[str, RunResult] | None:
+    """The highest-throughput run of ``static`` (arm label -> run) among ``arms``; None if none ran."""
+    playable = {str(a) for a in arms}
+    runs = {label: r for label, r in static.items() if label in playable}
+    if not runs:
+        return None
+    label = max(runs, key=lambda k: runs[k].throughput)
+    return label, runs[label]
 
 
 def _policy_label(spec: PolicySpec, engine: EngineModel) -> str:

@@ -1,0 +1,65 @@
+"""sim compare's headline baseline: the best static arm the run's engine model can play (as the README)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.cli import resolve_policy
+from sim.compare import Comparison, best_static_among, run_comparison
+from sim.costmodel import load_profile
+from sim.engines import ENGINES
+from sim.oracle import static_arms
+from sim.prices import load_prices
+from sim.report import markdown
+from sim.traffic import generate
+
+
+@pytest.fixture(scope="module")
+def drift() -> Comparison:
+    # drift carries P-EAGLE, which the oracles' best static arm may pick but no engine below can play.
+    trace = generate("drift", n_requests=40, seed=3)
+    return run_comparison(
+        trace,
+        load_profile("llama-3.1-8b-h100"),
+        load_prices(),
+        policies=[resolve_policy("default"), resolve_policy("static:eagle3:3")],
+        concurrency=(1, 8),
+    )
+
+
+def test_baseline_ranges_over_the_engines_arms_only(drift: Comparison) -> None:
+    seen = set()
+    for e in drift.entries:
+        for c, run in e.runs.items():
+            block = drift.block(run, c)
+            if e.engine not in ENGINES:  # the oracles' own rows have no engine model
+                assert "best_static_of_engine" not in block
+                continue
+            seen.add(e.engine)
+            playable = {str(a) for a in ENGINES[e.engine].arms(drift.trace.max_k)}
+            candidates = {a: r.throughput for a, r in drift.oracles[c].static.items() if a in playable}
+            best = block["best_static_of_engine"]
+            assert best["arm"] in playable
+            assert best["throughput_tok_s"] == pytest.approx(max(candidates.values()), abs=1e-3)
+            assert best["ratio"] == pytest.approx(run.throughput / max(candidates.values()), rel=1e-3)
+            # A narrower set of arms never gives a higher baseline than the oracles' best static arm.
+            assert best["ratio"] >= block["oracle"]["by_kind"]["best_static"]["ratio"] - 1e-4
+    assert {"composite", "stock-vllm"} <= seen
+
+
+def test_report_states_the_baseline_in_its_header(drift: Comparison) -> None:
+    md = markdown(drift)
+    assert "best single static arm *that run's engine model can play*" in md
+    row = next(line for line in md.splitlines() if line.startswith("| default @ composite |"))
+    best = drift.block(next(e for e in drift.entries if e.label == "default @ composite").runs[1], 1)
+    cell = row.split("|")[3].strip()
+    assert cell == f"{best['best_static_of_engine']['ratio']:.3f} ({best['best_static_of_engine']['arm']})"
+
+
+def test_best_static_among_skips_arms_that_did_not_run(drift: Comparison) -> None:
+    static = drift.oracles[1].static
+    arms = static_arms(drift.trace)
+    assert best_static_among({}, arms) is None
+    label, run = best_static_among(static, arms)  # type: ignore[misc]
+    assert run.throughput == max(r.throughput for r in static.values())
+    assert label == drift.oracles[1].best_static[0]
