@@ -46,12 +46,12 @@ def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str, pr
     from prometheus_client import CollectorRegistry
 
     from controller.config import SidecarConfig
-    from controller.sidecar import Sidecar
+    from controller.server import SidecarServer
 
     lat: list[float] = []
 
     async def run() -> None:
-        sc = Sidecar(
+        sc = SidecarServer(
             config=SidecarConfig(
                 engine_listen="127.0.0.1:0",
                 admin_listen="127.0.0.1:0",

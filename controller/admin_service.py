@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from controller.policy_store import MAX_SOURCE, NoPreviousPolicy, PolicyRecord
+from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import MAX_ENGINE_ID, escape_text, has_control
 from policies.presets import preset_names, preset_text
 from policies.spec import PolicyError, parse_policy
-
-if TYPE_CHECKING:
-    from controller.sidecar import Sidecar
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 

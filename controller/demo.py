@@ -36,7 +36,7 @@ from controller.config import SidecarConfig
 from controller.embedded.core import DEFAULT_ARMS, EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import Workload, demo_workload
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer
 from policies.context import Context
 from policies.presets import load_preset
 from policies.spec import PolicySpec, render_policy, static_policy
@@ -186,7 +186,7 @@ async def run_demo(
             snapshot_interval_s=3600.0,
             decision_tick_s=0.05,
         )
-        sidecar = Sidecar(config=config)
+        sidecar = SidecarServer(config=config)
         await sidecar.start()
         try:
             async with AdminClient(target=sidecar.admin_target) as admin:

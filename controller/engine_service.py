@@ -10,17 +10,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 
+from controller.sidecar import EngineSession, Sidecar
+from controller.streams import StreamEnd, put_latest
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import TelemetryError, validate_hello
 from controller.wire.convert import directive_to_pb
-
-if TYPE_CHECKING:
-    from controller.sidecar import Session, Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +32,6 @@ class EngineService(pb_grpc.EngineServiceServicer):
         request_iterator: AsyncIterator[pb.EngineMessage],
         context: grpc.aio.ServicerContext[pb.EngineMessage, pb.Directive],
     ) -> None:
-        from controller.sidecar import StreamEnd
-
         it = request_iterator.__aiter__()
         try:
             first = await it.__anext__()
@@ -80,9 +76,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 await reader
             self.sidecar.detach(session)
 
-    async def _read(self, it: AsyncIterator[pb.EngineMessage], session: Session) -> None:
-        from controller.sidecar import StreamEnd, _put_latest
-
+    async def _read(self, it: AsyncIterator[pb.EngineMessage], session: EngineSession) -> None:
         end = StreamEnd()
         try:
             async for msg in it:
@@ -107,4 +101,4 @@ class EngineService(pb_grpc.EngineServiceServicer):
             )
             end = StreamEnd(TelemetryError("internal", "the sidecar failed to process a report"))
         # The end must reach the writer even if directives are queued: drop them, they are stale.
-        _put_latest(session.queue, end)
+        put_latest(session.queue, end)

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from controller.config import ConfigError, SidecarConfig, load_config, parse_address
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer
 from controller.snapshot import write_json_atomic
 from controller.state_dir import StateDirLocked
 from policies.spec import PolicyError
@@ -32,7 +32,7 @@ async def serve(config: SidecarConfig, *, record_steps: Path | None = None) -> N
     """Serve until SIGTERM/SIGINT; the final snapshot is written on the way out."""
     from sim.steplog import StepRecorder
 
-    sidecar = Sidecar(config=config)
+    sidecar = SidecarServer(config=config)
     recorder = StepRecorder(path=record_steps) if record_steps is not None else None
     sidecar.step_sink = recorder
     stop = asyncio.Event()

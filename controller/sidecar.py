@@ -1,59 +1,45 @@
-"""The sidecar: engines attach over gRPC, their telemetry feeds one ControlLoop each, directives go back.
+"""The sidecar's registry and decisions: engines attach, their telemetry feeds one ControlLoop each,
+directives go back on their streams; policies are set, rolled back and written through.
 
-``Sidecar`` owns the state (policies, engines, the directive version counter), the two gRPC servers
-(engine and admin), the metrics endpoint and one supervised background task that runs the decision
-tick and the periodic snapshot. The gRPC services are thin adapters over its methods.
+``Sidecar`` holds the state (policies, engines, the directive version counter) and binds nothing: it
+is built and driven in-process (``open``, ``attach``, ``ingest``, ``tick``, ``set_policy``, ``close``),
+which is what ``controller.server.SidecarServer`` does from its gRPC services and background task.
+What must hold: every directive version is strictly greater than any sent before (also across a
+restart); a policy change is on disk before it is acknowledged; one engine's broken loop is reset
+alone and never breaks status, snapshots or other engines; the registry never grows past
+``max_engines``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 import controller
-from controller.admin_service import AdminService
-from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
-from controller.config import MAX_UNIX_PATH, ConfigError, SidecarConfig, is_local_address, parse_address
-from controller.engine_service import EngineService
+from controller.config import SidecarConfig
 from controller.fleet import FleetLink
 from controller.limits import TokenBucket
-from controller.metrics import MetricsServer, SidecarMetrics
+from controller.metrics import SidecarMetrics
 from controller.policy_store import PolicyRecord, PolicyStore
-from controller.snapshot import (
-    MAX_COUNT,
-    SnapshotError,
-    SnapshotStore,
-    float_field,
-    int_field,
-    mapping_field,
-    str_field,
-)
-from controller.state_dir import StateDirLock, remove_stale_socket
+from controller.snapshot import SnapshotStore
+from controller.state import SavedEngine, load_state, oneline, report_problems, state_to_json
+from controller.state_dir import StateDirLock
+from controller.streams import EngineStreams, Session, StreamEnd, put_latest
 from controller.v1 import controller_pb2 as pb
-from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import (
-    MAX_INSTANCE_ID,
-    MAX_SEQUENCE,
     Limits,
     TelemetryError,
     check_batch_header,
-    escape_text,
     parse_policy_checked,
     validate_batch,
-    validate_hello,
 )
 from controller.wire.convert import arm_to_pb, directive_to_pb
 from policies.arms import Arm
@@ -66,10 +52,6 @@ from policies.spec import PolicyError, PolicySpec, parse_policy
 
 log = logging.getLogger(__name__)
 
-#: A clean shutdown saves the exact version counter; after a crash the last periodic snapshot may be
-#: behind what was sent, so the counter skips ahead by this much to stay strictly increasing.
-CRASH_VERSION_GAP = 1_000_000
-STREAM_QUEUE = 16
 #: Distinct traffic classes one engine's loop learns about; later ones are pooled into "default".
 MAX_CLASSES_PER_ENGINE = 256
 #: Contexts listed per engine in status (each is one class x batch bucket it learned about).
@@ -77,37 +59,19 @@ MAX_STATUS_CONTEXTS = 256
 WATCH_QUEUE = 256
 #: Bursts of policy changes allowed before ``max_policy_changes_per_s`` applies.
 POLICY_CHANGE_BURST = 10.0
-#: How long start() waits for the broker's retained policy and posteriors, so engines that attach
-#: right after start get the fleet's policy and a warm start. A broker that is down costs this once.
-FLEET_SYNC_S = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEnd:
-    """Ends an Attach stream: the engine closed it (``error`` None) or sent something invalid."""
-
-    error: TelemetryError | None = None
-
-
-StreamItem = Directive | StreamEnd
 
 
 @dataclass(eq=False, slots=True)
 class EngineState:
     info: EngineInfo
     loop: ControlLoop
-    streams: list[asyncio.Queue[StreamItem]] = field(default_factory=list)
+    #: Its open streams and the report sequences of the instance that sends on them.
+    link: EngineStreams = field(default_factory=EngineStreams)
     #: The sidecar-stamped directive last sent (None until the engine first attaches).
     directive: Directive | None = None
     loop_version: int = -1
     sent_at: float = 0.0
     rejected: int = 0
-    #: The engine process whose reports ``last_sequence`` counts (Hello.instance_id; "" for none).
-    instance_id: str = ""
-    #: The highest report sequence applied (or refused for good) for ``instance_id``.
-    last_sequence: int = 0
-    #: ``last_sequence`` as of the last directive pushed to the streams (what the engine knows).
-    acked_pushed: int = 0
     last_seen: float = 0.0
     bucket: TokenBucket | None = None
     #: The engine said it cannot apply directives (an observe-only adapter): status shows them as
@@ -122,99 +86,32 @@ class EngineState:
 
     @property
     def connected(self) -> bool:
-        return bool(self.streams)
-
-
-@dataclass(eq=False, slots=True)
-class Session:
-    """One Attach stream.
-
-    With an ``instance_id``, sequences count per engine instance across streams (``engine`` holds
-    them); without one (older engines), per stream (the session holds them).
-    """
-
-    engine: EngineState
-    queue: asyncio.Queue[StreamItem]
-    instance_id: str = ""
-    last_sequence: int = 0
+        return self.link.connected
 
     @property
-    def _tracker(self) -> EngineState | Session:
-        e = self.engine
-        return e if self.instance_id and e.instance_id == self.instance_id else self
+    def instance_id(self) -> str:
+        return self.link.instance_id
 
     @property
-    def acked_sequence(self) -> int:
-        """What to acknowledge on this stream: the highest sequence applied or refused for good."""
-        return self._tracker.last_sequence
+    def last_sequence(self) -> int:
+        return self.link.last_sequence
 
+    @last_sequence.setter
+    def last_sequence(self, value: int) -> None:
+        self.link.last_sequence = value
 
-def info_to_json(e: EngineInfo) -> dict[str, Any]:
-    return {
-        "engine_id": e.engine_id,
-        "model": e.model,
-        "max_k": e.max_k,
-        "arms": [str(a) for a in e.arms],
-        "granularity": int(e.granularity),
-        "max_batch_size": e.max_batch_size,
-        "counterfactual_methods": [m.value for m in e.counterfactual_methods],
-        "p_eagle_partial_k_safe": e.p_eagle_partial_k_safe,
-    }
-
-
-def info_from_json(d: Mapping[str, Any]) -> EngineInfo:
-    """An engine description from a snapshot, checked as its Hello was. Raises TelemetryError or
-    SnapshotError."""
-    try:
-        hello = pb.Hello(
-            engine_id=d["engine_id"],
-            model=d["model"],
-            max_k=d["max_k"],
-            arms=[arm_to_pb(Arm.parse(a)) for a in d["arms"]],
-            granularity=d["granularity"],
-            max_batch_size=d["max_batch_size"],
-            counterfactual_methods=d["counterfactual_methods"],
-            p_eagle_partial_k_safe=d["p_eagle_partial_k_safe"],
-            protocol_version=1,
+    def saved(self) -> SavedEngine:
+        return SavedEngine(
+            info=self.info,
+            loop=self.loop.state_dict(),
+            totals=self.loop.totals,
+            rejected=self.rejected,
+            instance_id=self.link.instance_id,
+            last_sequence=self.link.last_sequence,
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise SnapshotError(f"info: {type(e).__name__}: {e}") from None
-    return validate_hello(hello)
 
 
-def totals_from_json(d: Mapping[str, Any], *, path: str) -> Totals:
-    """A loop's lifetime counters from a snapshot, each in range. Raises SnapshotError."""
-    values: dict[str, Any] = {}
-    for f in fields(Totals):
-        if f.type in (float, "float"):
-            values[f.name] = float_field(d, f.name, path=path, hi=float(MAX_COUNT), default=0.0)
-        else:
-            values[f.name] = int_field(d, f.name, path=path, default=0)
-    return Totals(**values)
-
-
-def _oneline(text: str, limit: int = 300) -> str:
-    """Text for one log line: control characters escaped, length bounded."""
-    return escape_text(text)[:limit]
-
-
-def _put_latest(q: asyncio.Queue[Any], item: Any) -> None:
-    """Enqueue without waiting; when full, the oldest item goes (only the newest directive matters)."""
-    while True:
-        try:
-            q.put_nowait(item)
-            return
-        except asyncio.QueueFull:
-            with contextlib.suppress(asyncio.QueueEmpty):
-                q.get_nowait()
-
-
-def _client_target(listen: str, port: int) -> str:
-    addr = parse_address(listen, field="listen")
-    if isinstance(addr, str):
-        return f"unix://{addr}"
-    host = addr[0] if addr[0] not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+EngineSession = Session[EngineState]
 
 
 class Sidecar:
@@ -238,17 +135,9 @@ class Sidecar:
         self._engines: dict[str, EngineState] = {}
         self._version = 0
         self._watchers: list[tuple[str, asyncio.Queue[pb.Decision]]] = []
-        self._engine_server: grpc.aio.Server | None = None
-        self._admin_server: grpc.aio.Server | None = None
-        self._metrics_server: MetricsServer | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._engine_target = ""
-        self._admin_target = ""
-        self._metrics_url = ""
         self._started_at = 0.0
-        self._last_snapshot_attempt = 0.0
-        self._last_posteriors = 0.0
-        #: The fleet link (None when ``mqtt_url`` is empty) and the version of the fleet policy applied.
+        #: The fleet link (None when ``mqtt_url`` is empty; the server starts it) and the version of
+        #: the fleet policy applied.
         self.fleet: FleetLink | None = None
         self._fleet_version = 0
         #: model -> (engine, learned state) of the posteriors last shared.
@@ -258,19 +147,6 @@ class Sidecar:
         self.step_sink: Callable[[str, Sequence[StepObservation]], None] | None = None
 
     # -- public surface --------------------------------------------------------------------------
-
-    @property
-    def engine_target(self) -> str:
-        return self._engine_target
-
-    @property
-    def admin_target(self) -> str:
-        return self._admin_target
-
-    @property
-    def metrics_url(self) -> str:
-        """``http://host:port/metrics``, or ``""`` when metrics are disabled."""
-        return self._metrics_url
 
     @property
     def policy_store(self) -> PolicyStore:
@@ -285,96 +161,23 @@ class Sidecar:
     def directive_version(self) -> int:
         return self._version
 
-    async def start(self) -> None:
-        """Restore the snapshot, join the fleet, bind the servers and start the background task.
-
-        The fleet link is started before the servers so that the first engines find the fleet's
-        policy and posteriors in place; a broker that cannot be reached delays the start by
-        ``FLEET_SYNC_S`` at most and never prevents it (the link keeps retrying in the background).
-        """
+    def open(self) -> None:
+        """Take the state directory and restore the snapshot. Raises StateDirLocked/OSError."""
         self._started_at = self.clock()
-        broker = self.config.broker_settings()  # reads the password file: fails before anything starts
         self._lock = StateDirLock.acquire(Path(self.config.state_dir))
         try:
             self._restore()
         except BaseException:
             self._release_lock()
             raise
-        if broker is not None:
-            self.fleet = FleetLink(
-                broker=broker,
-                fleet=self.config.fleet,
-                node_id=self.config.fleet_node_id,
-                registry=self.registry,
-                policy_version=self._fleet_version,
-                on_policy=self._on_fleet_policy,
-                clock=self.clock,
-            )
-            await self.fleet.start()
-            if not await self.fleet.wait_synced(FLEET_SYNC_S):
-                log.warning(
-                    "fleet link: not synced with %s after %.0f s; serving with the local policy",
-                    broker.describe(),
-                    FLEET_SYNC_S,
-                )
-        opts = [
-            ("grpc.max_receive_message_length", self.config.max_message_bytes),
-            ("grpc.max_send_message_length", self.config.max_message_bytes),
-            # Streams per connection; engines use one each, a flood of them is refused by gRPC.
-            ("grpc.max_concurrent_streams", 256),
-            # grpc sets SO_REUSEPORT by default: a second sidecar on a taken port would share it
-            # silently (and steal half the connections) instead of failing to start.
-            ("grpc.so_reuseport", 0),
-        ]
-        engine_name = pb.DESCRIPTOR.services_by_name["EngineService"].full_name
-        admin_name = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
-        token = self.config.admin_token()  # like the broker password: a bad file fails the start
-        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = []
-        if token:
-            local = is_local_address(self.config.admin_listen, field="admin_listen")
-            guarded = MUTATING_METHODS if local else MUTATING_METHODS | READ_METHODS
-            interceptors.append(TokenInterceptor(token=token, guarded=guarded, on_reject=self._auth_rejected))
-        elif not is_local_address(self.config.admin_listen, field="admin_listen"):
-            log.info("admin API on %s: clients authenticate with mTLS", self.config.admin_listen)
-        self._engine_server = grpc.aio.server(options=opts)
-        pb_grpc.add_EngineServiceServicer_to_server(EngineService(self), self._engine_server)  # type: ignore[no-untyped-call]
-        self._admin_server = grpc.aio.server(options=opts, interceptors=interceptors)
-        pb_grpc.add_AdminServiceServicer_to_server(AdminService(self), self._admin_server)  # type: ignore[no-untyped-call]
-        for server, name in ((self._engine_server, engine_name), (self._admin_server, admin_name)):
-            hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
-            await hs.set("", health_pb2.HealthCheckResponse.SERVING)
-            await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-            reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        try:
-            self._engine_target = self._bind(self._engine_server, "engine")
-            self._admin_target = self._bind(self._admin_server, "admin")
-            await self._engine_server.start()
-            await self._admin_server.start()
-            if self.config.metrics_listen:
-                addr = parse_address(self.config.metrics_listen, field="metrics_listen")
-                assert not isinstance(addr, str)  # SidecarConfig rejects unix addresses for metrics
-                self._metrics_server = MetricsServer(registry=self.registry, host=addr[0], port=addr[1])
-                self._metrics_url = self._metrics_server.start()
-        except BaseException:
-            await self._close_servers()
-            await self._stop_fleet()
-            self._release_lock()
-            raise
-        self._task = asyncio.create_task(self._run(), name="sidecar-tick")
-        self._task.add_done_callback(self._task_done)
 
-    async def stop(self, *, snapshot: bool = True) -> None:
-        await self._stop_fleet()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    def end_streams(self) -> None:
+        """Tell every open stream to end (the engines reconnect to whoever serves next)."""
         for st in self._engines.values():
-            for q in st.streams:
-                _put_latest(q, StreamEnd())
-        await self._close_servers()
+            st.link.push(StreamEnd())
+
+    def close(self, *, snapshot: bool = True) -> None:
+        """Write the final (clean) snapshot and let go of the state directory."""
         if snapshot and self._store is not None:
             self.save_snapshot(clean=True)
         self._release_lock()
@@ -384,16 +187,11 @@ class Sidecar:
         if lock is not None:
             lock.release()
 
-    async def _stop_fleet(self) -> None:
-        fleet, self.fleet = self.fleet, None
-        if fleet is not None:
-            await fleet.stop()
-
     # -- engines (called by EngineService) -------------------------------------------------------
 
     def attach(
         self, info: EngineInfo, *, instance_id: str = "", observe_only: bool = False, plugin_mode: str = ""
-    ) -> Session:
+    ) -> EngineSession:
         """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines."""
         st = self._engines.get(info.engine_id)
         now = self.clock()
@@ -405,10 +203,6 @@ class Sidecar:
             old = st.loop.totals
             st.info, st.loop, st.loop_version = info, self._new_loop(info), -1
             st.loop.totals = old
-        if instance_id and instance_id != st.instance_id:
-            # A new engine process: its sequences start again. (A restored snapshot names the
-            # instance it last heard, so the same process re-attaching after a restart keeps its count.)
-            st.instance_id, st.last_sequence, st.acked_pushed = instance_id, 0, 0
         if st.bucket is None:
             rate = self.config.max_engine_steps_per_s
             burst = max(rate * self.config.telemetry_burst_s, float(self.config.max_steps_per_batch))
@@ -416,13 +210,12 @@ class Sidecar:
         st.last_seen = now
         st.observe_only = observe_only
         st.plugin_mode = plugin_mode
-        q: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=STREAM_QUEUE)
-        st.streams.append(q)
+        q = st.link.open(instance_id)
         self.metrics.set_connected(info.engine_id, True)
         before = st.directive
         self._decide(st, now)
         if st.directive is not None and st.directive is before:
-            _put_latest(q, st.directive)  # nothing new for the others: this stream still needs one
+            put_latest(q, st.directive)  # nothing new for the others: this stream still needs one
         log.info(
             "engine %s attached (%s, max_k %d%s%s)",
             info.engine_id,
@@ -431,7 +224,7 @@ class Sidecar:
             f", instance {instance_id}, acked {st.last_sequence}" if instance_id else "",
             f", plugin mode: {plugin_mode}" if plugin_mode else "",
         )
-        return Session(st, q, instance_id=instance_id)
+        return Session(st, st.link, q, instance_id=instance_id)
 
     def _make_room(self) -> None:
         """At ``max_engines``, forget the engine unheard longest; refuse when all are connected."""
@@ -468,14 +261,13 @@ class Sidecar:
         log.info("engine %s: warm start from the fleet's posteriors for %s", info.engine_id, info.model)
         return loop
 
-    def detach(self, session: Session) -> None:
+    def detach(self, session: EngineSession) -> None:
         st = session.engine
-        with contextlib.suppress(ValueError):
-            st.streams.remove(session.queue)
+        st.link.close(session.queue)
         self.metrics.set_connected(st.info.engine_id, st.connected)
         log.info("engine %s detached", st.info.engine_id)
 
-    def ingest(self, session: Session, batch: pb.StepReportBatch) -> None:
+    def ingest(self, session: EngineSession, batch: pb.StepReportBatch) -> None:
         """Validate a report batch, then feed it to the engine's loop. Raises TelemetryError.
 
         A batch is applied at most once per engine instance: one at or below the last sequence is a
@@ -488,15 +280,12 @@ class Sidecar:
         except TelemetryError as e:
             self.reject(st, e)
             raise
-        seq = batch.sequence
-        tracker = session._tracker
-        if seq and seq <= tracker.last_sequence:
+        lost = session.sequences.admit(batch.sequence)
+        if lost is None:
             self.metrics.duplicates.labels(eid).inc()
             return
-        if seq:
-            if tracker.last_sequence and seq > tracker.last_sequence + 1:
-                self.metrics.lost_batches.labels(eid).inc(seq - tracker.last_sequence - 1)
-            tracker.last_sequence = seq
+        if lost:
+            self.metrics.lost_batches.labels(eid).inc(lost)
         st.last_seen = self.clock()
         if st.bucket is not None and not st.bucket.take(len(batch.steps)):
             # Refused without ending the stream: a reconnect would only bring the same flood back.
@@ -552,10 +341,6 @@ class Sidecar:
         if st is not None:
             st.rejected += 1
         log.warning("rejected telemetry%s: %s: %s", f" from {st.info.engine_id}" if st else "", e.reason, e)
-
-    def _auth_rejected(self, method: str, why: str) -> None:
-        self.admin_rejected(why)
-        log.warning("admin %s refused: %s", method, why.replace("_", " "))
 
     def admin_rejected(self, reason: str) -> None:
         self.metrics.rejected_admin.labels(reason).inc()
@@ -691,19 +476,15 @@ class Sidecar:
             st.sent_at = now
             arms = {ctx.key: a for ctx, a in loop.current_arms().items()}
             self.metrics.set_directive(eid, version=self._version, issued_at=d.issued_at_s, arms=arms)
-            st.acked_pushed = st.last_sequence
-            for q in st.streams:
-                _put_latest(q, st.directive)
+            st.link.push(st.directive)
             self._notify(st)
             self._publish_state(st, arms)
         elif now - st.sent_at >= st.directive.ttl_s / 3 or (
-            st.last_sequence > st.acked_pushed and now - st.sent_at >= self.config.ack_interval_s
+            st.link.ack_pending and now - st.sent_at >= self.config.ack_interval_s
         ):
             # A refresh keeps the TTL from lapsing and tells the engine which batches it may forget.
             st.sent_at = now
-            st.acked_pushed = st.last_sequence
-            for q in st.streams:
-                _put_latest(q, st.directive)
+            st.link.push(st.directive)
 
     def _publish_state(self, st: EngineState, arms: Mapping[str, Arm]) -> None:
         if self.fleet is None or st.directive is None:
@@ -773,7 +554,7 @@ class Sidecar:
         )
         for eid, q in self._watchers:
             if not eid or eid == st.info.engine_id:
-                _put_latest(q, msg)
+                put_latest(q, msg)
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -858,22 +639,13 @@ class Sidecar:
     # -- snapshots -------------------------------------------------------------------------------
 
     def state(self, *, clean: bool = False) -> dict[str, Any]:
-        return {
-            "directive_version": self._version,
-            "fleet_policy_version": self._fleet_version,
-            "clean": clean,
-            "policies": self.policy_store.to_json(),
-            "engines": {
-                eid: {
-                    "info": info_to_json(st.info),
-                    "loop": st.loop.state_dict(),
-                    "rejected": st.rejected,
-                    "instance_id": st.instance_id,
-                    "last_sequence": st.last_sequence,
-                }
-                for eid, st in self._engines.items()
-            },
-        }
+        return state_to_json(
+            policies=self.policy_store,
+            directive_version=self._version,
+            fleet_policy_version=self._fleet_version,
+            engines={eid: st.saved() for eid, st in self._engines.items()},
+            clean=clean,
+        )
 
     def save_snapshot(self, *, clean: bool = False) -> bool:
         """Write the state now (on the caller's thread). False when it could not be written."""
@@ -886,9 +658,16 @@ class Sidecar:
             ok = self.snapshots.save(state)
             if not ok and self._reset_unsaveable():
                 ok = self.snapshots.save(self.state(clean=clean))
-        return self._snapshot_done(ok)
+        return self.snapshot_done(ok)
 
-    def _snapshot_done(self, ok: bool) -> bool:
+    async def save_snapshot_async(self) -> bool:
+        """``save_snapshot`` with the write on a worker thread (the state is collected here)."""
+        ok = await asyncio.to_thread(self.snapshots.save, self.state())
+        if not ok and self._reset_unsaveable():
+            ok = await asyncio.to_thread(self.snapshots.save, self.state())
+        return self.snapshot_done(ok)
+
+    def snapshot_done(self, ok: bool) -> bool:
         if ok:
             self.metrics.last_snapshot.set(self.snapshots.last_saved_s)
         else:
@@ -915,45 +694,21 @@ class Sidecar:
         aside and the start is clean; a bad engine entry, override or history entry is dropped alone
         (the original file is copied aside) and the rest restored.
         """
-        state = self.snapshots.load()
-        if state is not None:
-            problems: list[str] = []
-            try:
-                self._restore_from(state, problems)
-            except (PolicyError, SnapshotError) as e:
-                self.snapshots.quarantine(f"cannot be restored: {_oneline(str(e))}")
-                self._engines.clear()
-                self._version = self._fleet_version = 0
-            else:
-                for p in problems:
-                    log.warning("snapshot %s: %s", self.snapshots.path, _oneline(p))
-                if problems:
-                    self.snapshots.keep_copy(f"{len(problems)} entries dropped on restore")
-                return
-        text, source = resolve_policy_text(self.config.default_policy)
-        self._store = PolicyStore(default=parse_policy(text, source=source), source=source, clock=self.clock)
-
-    def _restore_from(self, state: Mapping[str, Any], problems: list[str]) -> None:
-        """Raises SnapshotError/PolicyError when the snapshot as a whole is unusable; appends a line
-        to ``problems`` for each entry dropped."""
-        self._store = PolicyStore.from_json(
-            mapping_field(state, "policies", path="state"), clock=self.clock, problems=problems
-        )
-        saved = int_field(state, "directive_version", path="state", hi=MAX_COUNT - CRASH_VERSION_GAP)
-        self._version = saved if state.get("clean") is True else saved + CRASH_VERSION_GAP
-        self._fleet_version = int_field(state, "fleet_policy_version", path="state", default=0)
-        engines = state.get("engines", {})
-        if not isinstance(engines, Mapping):
-            problems.append(
-                f"state.engines: expected an object, got {type(engines).__name__}; no engine restored"
+        saved = load_state(self.snapshots, clock=self.clock)
+        if saved is None:
+            text, source = resolve_policy_text(self.config.default_policy)
+            self._store = PolicyStore(
+                default=parse_policy(text, source=source), source=source, clock=self.clock
             )
-            engines = {}
-        for eid, e in engines.items():
-            at = f"state.engines[{eid!r}]"
+            return
+        self._store = saved.policies
+        self._version = saved.directive_version
+        self._fleet_version = saved.fleet_policy_version
+        for eid, e in saved.engines.items():
             try:
-                self._engines[eid] = self._engine_from_json(eid, e, at)
-            except (SnapshotError, PolicyError, TelemetryError, ValueError) as err:
-                problems.append(f"{at}: {err}; engine dropped")
+                self._engines[eid] = self._engine_from_saved(e)
+            except (PolicyError, ValueError) as err:
+                saved.problems.append(f"state.engines[{eid!r}]: {err}; engine dropped")
         log.info(
             "restored snapshot %s: policy %s revision %d, %d engines, directive version %d",
             self.snapshots.path,
@@ -962,107 +717,26 @@ class Sidecar:
             len(self._engines),
             self._version,
         )
+        report_problems(self.snapshots, saved.problems)
 
-    def _engine_from_json(self, eid: str, e: Any, at: str) -> EngineState:
-        """One engine's saved state, checked like a Hello and a report. Raises SnapshotError,
-        TelemetryError or ValueError."""
-        if not isinstance(e, Mapping):
-            raise SnapshotError(f"{at}: expected an object, got {type(e).__name__}")
-        info = info_from_json(mapping_field(e, "info", path=at))
-        if info.engine_id != eid:
-            raise SnapshotError(f"{at}.info.engine_id: {info.engine_id!r} is not the entry's id")
-        ls = mapping_field(e, "loop", path=at)
-        totals = totals_from_json(mapping_field(ls, "totals", path=f"{at}.loop"), path=f"{at}.loop.totals")
-        loop = self._new_loop(info)
-        if ls.get("policy") == loop.spec.name:
+    def _engine_from_saved(self, e: SavedEngine) -> EngineState:
+        """An engine's restored state: its loop's statistics when its policy is still the one saved,
+        its counters always. Raises ValueError when the engine cannot run its policy."""
+        loop = self._new_loop(e.info)
+        if e.loop.get("policy") == loop.spec.name:
             try:
-                loop.load_state_dict(ls)
+                loop.load_state_dict(e.loop)
             except (ValueError, KeyError, TypeError, IndexError) as err:
-                log.warning("engine %s: statistics not restored (%s); totals kept", eid, _oneline(str(err)))
-                loop = self._new_loop(info)
-        loop.totals = totals
-        return EngineState(
-            info,
-            loop,
-            rejected=int_field(e, "rejected", path=at, default=0),
-            instance_id=str_field(e, "instance_id", path=at, max_len=MAX_INSTANCE_ID, default=""),
-            last_sequence=int_field(e, "last_sequence", path=at, hi=MAX_SEQUENCE, default=0),
-        )
-
-    # -- background ------------------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        self._last_snapshot_attempt = self._last_posteriors = self.clock()
-        while True:
-            await asyncio.sleep(self.config.decision_tick_s)
-            try:
-                self.tick()
-                now = self.clock()
-                if (
-                    self.fleet is not None
-                    and now - self._last_posteriors >= self.config.posteriors_interval_s
-                ):
-                    self._last_posteriors = now
-                    self.publish_posteriors()
-                if now - self._last_snapshot_attempt >= self.config.snapshot_interval_s:
-                    self._last_snapshot_attempt = now
-                    ok = await asyncio.to_thread(self.snapshots.save, self.state())
-                    if not ok and self._reset_unsaveable():
-                        ok = await asyncio.to_thread(self.snapshots.save, self.state())
-                    self._snapshot_done(ok)
-            except Exception:
-                log.exception("sidecar tick failed; continuing")
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("sidecar background task died", exc_info=task.exception())
-
-    def _bind(self, server: grpc.aio.Server, side: str) -> str:
-        """Listen on the engine or admin address; a Unix socket gets ``engine_socket_mode``."""
-        cfg = self.config
-        listen = cfg.listen_address(side)
-        addr = parse_address(listen, field=f"{side}_listen")
-        if isinstance(addr, str):
-            if len(addr.encode()) > MAX_UNIX_PATH:
-                raise ConfigError(
-                    f"socket path {addr} is longer than {MAX_UNIX_PATH} bytes; use a shorter path",
-                    field=f"{side}_listen",
+                log.warning(
+                    "engine %s: statistics not restored (%s); totals kept",
+                    e.info.engine_id,
+                    oneline(str(err)),
                 )
-            parent = Path(addr).parent
-            if not parent.exists():
-                parent.mkdir(parents=True, mode=0o700)
-            remove_stale_socket(Path(addr), field=f"{side}_listen")
-            target = f"unix://{addr}"
-            # The socket is created by the bind: a tight umask closes the window before the chmod.
-            old = os.umask(0o177)
-            try:
-                server.add_insecure_port(target)
-            finally:
-                os.umask(old)
-            os.chmod(addr, cfg.engine_socket_mode)
-            return target
-        host, port = addr
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        cert = getattr(cfg, f"{side}_tls_cert_file")
-        if cert:
-            creds = server_credentials(
-                cert_file=cert,
-                key_file=getattr(cfg, f"{side}_tls_key_file"),
-                client_ca_file=getattr(cfg, f"{side}_tls_client_ca_file"),
-                field=side,
-            )
-            bound = server.add_secure_port(where, creds)
-        else:
-            bound = server.add_insecure_port(where)
-        if bound == 0:
-            raise OSError(f"cannot listen on {listen}")
-        return _client_target(listen, bound)
-
-    async def _close_servers(self) -> None:
-        for server in (self._engine_server, self._admin_server):
-            if server is not None:
-                await server.stop(grace=0.5)
-        self._engine_server = self._admin_server = None
-        if self._metrics_server is not None:
-            self._metrics_server.stop()
-            self._metrics_server = None
+                loop = self._new_loop(e.info)
+        loop.totals = e.totals
+        return EngineState(
+            e.info,
+            loop,
+            link=EngineStreams(instance_id=e.instance_id, last_sequence=e.last_sequence),
+            rejected=e.rejected,
+        )

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, TelemetryError, validate_batch, validate_hello
 from tests.integration.test_sidecar_grpc import hello

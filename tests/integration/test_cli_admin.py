@@ -13,7 +13,7 @@ from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import demo_workload
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.cli import main as controllerctl
 from controller.config import SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import validate_hello

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.wire.codec import request_columns, request_steps

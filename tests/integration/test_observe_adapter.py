@@ -13,7 +13,7 @@ import pytest
 from controller.cli import _engine_rows
 from controller.config import SidecarConfig
 from controller.observe import ObserverError, ObserverSettings, run_observer
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from policies.arms import Method
 from policies.directive import Directive
 

@@ -14,7 +14,7 @@ import pytest
 
 from controller.cli import main
 from controller.config import SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.vllm.control import engine_info
 from controller.vllm.link import SidecarLink
 from controller.vllm.mode import plugin_mode

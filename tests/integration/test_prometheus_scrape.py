@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from controller.config import SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from policies.arms import Method
 from policies.observation import StepObservation
 

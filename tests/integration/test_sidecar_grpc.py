@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.wire.codec import request_steps
@@ -378,7 +378,7 @@ async def test_unix_socket_listener(tmp_path: Path) -> None:
 
 
 async def test_versions_skip_ahead_after_an_unclean_stop(tmp_path: Path) -> None:
-    from controller.sidecar import CRASH_VERSION_GAP
+    from controller.state import CRASH_VERSION_GAP
 
     a = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
     await a.start()

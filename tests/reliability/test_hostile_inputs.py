@@ -17,7 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.sidecar import MAX_CLASSES_PER_ENGINE, Sidecar
+from controller.server import SidecarServer as Sidecar
+from controller.sidecar import MAX_CLASSES_PER_ENGINE
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import MAX_SEQUENCE

@@ -20,7 +20,7 @@ from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import demo_workload
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from tests.integration.test_sidecar_grpc import WAIT_S, TestEngine, hello, step, until
 from tests.reliability.proxy import CuttableProxy

@@ -19,7 +19,7 @@ from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import demo_workload
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from tests.integration.test_restart import Served

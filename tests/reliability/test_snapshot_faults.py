@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, TestEngine, hello, step, until
 

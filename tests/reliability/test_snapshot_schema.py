@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from tests.integration.test_sidecar_grpc import TestEngine, hello
 from tests.reliability.test_snapshot_faults import _config, _with_state

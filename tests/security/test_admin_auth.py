@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from controller.auth import ClientTLS
 from controller.client import AdminClient
 from controller.config import ConfigError, SidecarConfig
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S
 from tests.security.certs import Certs, make_certs
 

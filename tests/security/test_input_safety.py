@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.client import AdminClient
 from controller.config import ConfigError, SidecarConfig, parse_config
-from controller.sidecar import Sidecar
+from controller.server import SidecarServer as Sidecar
 from policies.spec import PolicyError, parse_policy
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2
 

@@ -1,0 +1,259 @@
+"""The sidecar served: the engine and admin gRPC servers (TLS, token auth, health, reflection), the
+metrics endpoint, the fleet link, and the background task (decision tick, posteriors, snapshots).
+
+``SidecarServer`` is a ``Sidecar`` bound to its sockets. What must hold: ``start`` either serves on
+every configured address or leaves nothing behind (servers closed, fleet stopped, state directory
+released); a Unix socket is created with ``engine_socket_mode`` and no window in which it is wider;
+a broker that is down delays the start by ``FLEET_SYNC_S`` at most and never prevents it; the
+background task survives any failure of one tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from controller.admin_service import AdminService
+from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
+from controller.config import MAX_UNIX_PATH, ConfigError, SidecarConfig, is_local_address, parse_address
+from controller.engine_service import EngineService
+from controller.fleet import FleetLink
+from controller.metrics import MetricsServer
+from controller.sidecar import Sidecar
+from controller.state_dir import remove_stale_socket
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+#: How long start() waits for the broker's retained policy and posteriors, so engines that attach
+#: right after start get the fleet's policy and a warm start. A broker that is down costs this once.
+FLEET_SYNC_S = 2.0
+
+
+def client_target(listen: str, port: int) -> str:
+    """The address a client dials for a server bound on ``listen`` (its port resolved to ``port``)."""
+    addr = parse_address(listen, field="listen")
+    if isinstance(addr, str):
+        return f"unix://{addr}"
+    host = addr[0] if addr[0] not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class SidecarServer(Sidecar):
+    """The sidecar on its engine, admin and metrics addresses."""
+
+    def __init__(
+        self,
+        *,
+        config: SidecarConfig,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(config=config, registry=registry, clock=clock)
+        self._engine_server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._engine_target = ""
+        self._admin_target = ""
+        self._metrics_url = ""
+        self._last_snapshot_attempt = 0.0
+        self._last_posteriors = 0.0
+
+    @property
+    def engine_target(self) -> str:
+        return self._engine_target
+
+    @property
+    def admin_target(self) -> str:
+        return self._admin_target
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://host:port/metrics``, or ``""`` when metrics are disabled."""
+        return self._metrics_url
+
+    async def start(self) -> None:
+        """Restore the snapshot, join the fleet, bind the servers and start the background task.
+
+        The fleet link is started before the servers so that the first engines find the fleet's
+        policy and posteriors in place; a broker that cannot be reached delays the start by
+        ``FLEET_SYNC_S`` at most and never prevents it (the link keeps retrying in the background).
+        """
+        broker = self.config.broker_settings()  # reads the password file: fails before anything starts
+        self.open()
+        if broker is not None:
+            self.fleet = FleetLink(
+                broker=broker,
+                fleet=self.config.fleet,
+                node_id=self.config.fleet_node_id,
+                registry=self.registry,
+                policy_version=self.fleet_policy_version,
+                on_policy=self._on_fleet_policy,
+                clock=self.clock,
+            )
+            await self.fleet.start()
+            if not await self.fleet.wait_synced(FLEET_SYNC_S):
+                log.warning(
+                    "fleet link: not synced with %s after %.0f s; serving with the local policy",
+                    broker.describe(),
+                    FLEET_SYNC_S,
+                )
+        try:
+            await self._serve()
+        except BaseException:
+            await self._close_servers()
+            await self._stop_fleet()
+            self.close(snapshot=False)
+            raise
+        self._task = asyncio.create_task(self._run(), name="sidecar-tick")
+        self._task.add_done_callback(self._task_done)
+
+    async def _serve(self) -> None:
+        opts = [
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.max_send_message_length", self.config.max_message_bytes),
+            # Streams per connection; engines use one each, a flood of them is refused by gRPC.
+            ("grpc.max_concurrent_streams", 256),
+            # grpc sets SO_REUSEPORT by default: a second sidecar on a taken port would share it
+            # silently (and steal half the connections) instead of failing to start.
+            ("grpc.so_reuseport", 0),
+        ]
+        engine_name = pb.DESCRIPTOR.services_by_name["EngineService"].full_name
+        admin_name = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+        token = self.config.admin_token()  # like the broker password: a bad file fails the start
+        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = []
+        if token:
+            local = is_local_address(self.config.admin_listen, field="admin_listen")
+            guarded = MUTATING_METHODS if local else MUTATING_METHODS | READ_METHODS
+            interceptors.append(TokenInterceptor(token=token, guarded=guarded, on_reject=self._auth_rejected))
+        elif not is_local_address(self.config.admin_listen, field="admin_listen"):
+            log.info("admin API on %s: clients authenticate with mTLS", self.config.admin_listen)
+        self._engine_server = grpc.aio.server(options=opts)
+        pb_grpc.add_EngineServiceServicer_to_server(EngineService(self), self._engine_server)  # type: ignore[no-untyped-call]
+        self._admin_server = grpc.aio.server(options=opts, interceptors=interceptors)
+        pb_grpc.add_AdminServiceServicer_to_server(AdminService(self), self._admin_server)  # type: ignore[no-untyped-call]
+        for server, name in ((self._engine_server, engine_name), (self._admin_server, admin_name)):
+            hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
+            await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+            await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+            reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self._engine_target = self._bind(self._engine_server, "engine")
+        self._admin_target = self._bind(self._admin_server, "admin")
+        await self._engine_server.start()
+        await self._admin_server.start()
+        if self.config.metrics_listen:
+            addr = parse_address(self.config.metrics_listen, field="metrics_listen")
+            assert not isinstance(addr, str)  # SidecarConfig rejects unix addresses for metrics
+            self._metrics_server = MetricsServer(registry=self.registry, host=addr[0], port=addr[1])
+            self._metrics_url = self._metrics_server.start()
+
+    async def stop(self, *, snapshot: bool = True) -> None:
+        await self._stop_fleet()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.end_streams()
+        await self._close_servers()
+        self.close(snapshot=snapshot)
+
+    async def _stop_fleet(self) -> None:
+        fleet, self.fleet = self.fleet, None
+        if fleet is not None:
+            await fleet.stop()
+
+    def _auth_rejected(self, method: str, why: str) -> None:
+        self.admin_rejected(why)
+        log.warning("admin %s refused: %s", method, why.replace("_", " "))
+
+    # -- background ------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        self._last_snapshot_attempt = self._last_posteriors = self.clock()
+        while True:
+            await asyncio.sleep(self.config.decision_tick_s)
+            try:
+                self.tick()
+                now = self.clock()
+                if (
+                    self.fleet is not None
+                    and now - self._last_posteriors >= self.config.posteriors_interval_s
+                ):
+                    self._last_posteriors = now
+                    self.publish_posteriors()
+                if now - self._last_snapshot_attempt >= self.config.snapshot_interval_s:
+                    self._last_snapshot_attempt = now
+                    await self.save_snapshot_async()
+            except Exception:
+                log.exception("sidecar tick failed; continuing")
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sidecar background task died", exc_info=task.exception())
+
+    # -- sockets ---------------------------------------------------------------------------------
+
+    def _bind(self, server: grpc.aio.Server, side: str) -> str:
+        """Listen on the engine or admin address; a Unix socket gets ``engine_socket_mode``."""
+        cfg = self.config
+        listen = cfg.listen_address(side)
+        addr = parse_address(listen, field=f"{side}_listen")
+        if isinstance(addr, str):
+            if len(addr.encode()) > MAX_UNIX_PATH:
+                raise ConfigError(
+                    f"socket path {addr} is longer than {MAX_UNIX_PATH} bytes; use a shorter path",
+                    field=f"{side}_listen",
+                )
+            parent = Path(addr).parent
+            if not parent.exists():
+                parent.mkdir(parents=True, mode=0o700)
+            remove_stale_socket(Path(addr), field=f"{side}_listen")
+            target = f"unix://{addr}"
+            # The socket is created by the bind: a tight umask closes the window before the chmod.
+            old = os.umask(0o177)
+            try:
+                server.add_insecure_port(target)
+            finally:
+                os.umask(old)
+            os.chmod(addr, cfg.engine_socket_mode)
+            return target
+        host, port = addr
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        cert = getattr(cfg, f"{side}_tls_cert_file")
+        if cert:
+            creds = server_credentials(
+                cert_file=cert,
+                key_file=getattr(cfg, f"{side}_tls_key_file"),
+                client_ca_file=getattr(cfg, f"{side}_tls_client_ca_file"),
+                field=side,
+            )
+            bound = server.add_secure_port(where, creds)
+        else:
+            bound = server.add_insecure_port(where)
+        if bound == 0:
+            raise OSError(f"cannot listen on {listen}")
+        return client_target(listen, bound)
+
+    async def _close_servers(self) -> None:
+        for server in (self._engine_server, self._admin_server):
+            if server is not None:
+                await server.stop(grace=0.5)
+        self._engine_server = self._admin_server = None
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None

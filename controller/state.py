@@ -1,0 +1,212 @@
+"""The sidecar's saved state: what a snapshot holds, written out and read back checked.
+
+What must hold: ``state_to_json`` writes the policies, the directive version counter, the fleet policy
+version and per engine its description, control-loop state, counters and report sequence; ``parse_state``
+checks every value read back (a field path names any bad one). A snapshot whose policies or counters are
+unusable raises (the caller moves the file aside and starts clean); a bad engine entry is dropped alone
+and named in ``problems``, the rest is kept. After a crash the version counter skips ahead by
+``CRASH_VERSION_GAP`` so directives stay strictly increasing. No I/O here but through ``SnapshotStore``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from controller.policy_store import PolicyStore
+from controller.snapshot import (
+    MAX_COUNT,
+    SnapshotError,
+    SnapshotStore,
+    float_field,
+    int_field,
+    mapping_field,
+    str_field,
+)
+from controller.v1 import controller_pb2 as pb
+from controller.validation import MAX_INSTANCE_ID, MAX_SEQUENCE, TelemetryError, escape_text, validate_hello
+from controller.wire.convert import arm_to_pb
+from policies.arms import Arm
+from policies.engine import EngineInfo
+from policies.loop import Totals
+from policies.spec import PolicyError
+
+log = logging.getLogger(__name__)
+
+#: A clean shutdown saves the exact version counter; after a crash the last periodic snapshot may be
+#: behind what was sent, so the counter skips ahead by this much to stay strictly increasing.
+CRASH_VERSION_GAP = 1_000_000
+
+
+def oneline(text: str, limit: int = 300) -> str:
+    """Text for one log line: control characters escaped, length bounded."""
+    return escape_text(text)[:limit]
+
+
+def info_to_json(e: EngineInfo) -> dict[str, Any]:
+    return {
+        "engine_id": e.engine_id,
+        "model": e.model,
+        "max_k": e.max_k,
+        "arms": [str(a) for a in e.arms],
+        "granularity": int(e.granularity),
+        "max_batch_size": e.max_batch_size,
+        "counterfactual_methods": [m.value for m in e.counterfactual_methods],
+        "p_eagle_partial_k_safe": e.p_eagle_partial_k_safe,
+    }
+
+
+def info_from_json(d: Mapping[str, Any]) -> EngineInfo:
+    """An engine description from a snapshot, checked as its Hello was. Raises TelemetryError or
+    SnapshotError."""
+    try:
+        hello = pb.Hello(
+            engine_id=d["engine_id"],
+            model=d["model"],
+            max_k=d["max_k"],
+            arms=[arm_to_pb(Arm.parse(a)) for a in d["arms"]],
+            granularity=d["granularity"],
+            max_batch_size=d["max_batch_size"],
+            counterfactual_methods=d["counterfactual_methods"],
+            p_eagle_partial_k_safe=d["p_eagle_partial_k_safe"],
+            protocol_version=1,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SnapshotError(f"info: {type(e).__name__}: {e}") from None
+    return validate_hello(hello)
+
+
+def totals_from_json(d: Mapping[str, Any], *, path: str) -> Totals:
+    """A loop's lifetime counters from a snapshot, each in range. Raises SnapshotError."""
+    values: dict[str, Any] = {}
+    for f in fields(Totals):
+        if f.type in (float, "float"):
+            values[f.name] = float_field(d, f.name, path=path, hi=float(MAX_COUNT), default=0.0)
+        else:
+            values[f.name] = int_field(d, f.name, path=path, default=0)
+    return Totals(**values)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedEngine:
+    """One engine as a snapshot holds it, every field checked."""
+
+    info: EngineInfo
+    #: The control loop's ``state_dict`` (loaded only when its policy is still the engine's).
+    loop: Mapping[str, Any]
+    totals: Totals
+    rejected: int = 0
+    instance_id: str = ""
+    last_sequence: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "info": info_to_json(self.info),
+            "loop": dict(self.loop),
+            "rejected": self.rejected,
+            "instance_id": self.instance_id,
+            "last_sequence": self.last_sequence,
+        }
+
+    @classmethod
+    def from_json(cls, eid: str, e: Any, *, path: str) -> SavedEngine:
+        """Raises SnapshotError or TelemetryError naming ``path``."""
+        if not isinstance(e, Mapping):
+            raise SnapshotError(f"{path}: expected an object, got {type(e).__name__}")
+        info = info_from_json(mapping_field(e, "info", path=path))
+        if info.engine_id != eid:
+            raise SnapshotError(f"{path}.info.engine_id: {info.engine_id!r} is not the entry's id")
+        loop = mapping_field(e, "loop", path=path)
+        return cls(
+            info=info,
+            loop=loop,
+            totals=totals_from_json(
+                mapping_field(loop, "totals", path=f"{path}.loop"), path=f"{path}.loop.totals"
+            ),
+            rejected=int_field(e, "rejected", path=path, default=0),
+            instance_id=str_field(e, "instance_id", path=path, max_len=MAX_INSTANCE_ID, default=""),
+            last_sequence=int_field(e, "last_sequence", path=path, hi=MAX_SEQUENCE, default=0),
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class SavedState:
+    """The sidecar's state as a snapshot holds it."""
+
+    policies: PolicyStore
+    #: The directive version counter to continue from (already past ``CRASH_VERSION_GAP`` after a crash).
+    directive_version: int
+    fleet_policy_version: int = 0
+    engines: dict[str, SavedEngine] = field(default_factory=dict)
+    #: One line per entry dropped on load.
+    problems: list[str] = field(default_factory=list)
+
+
+def state_to_json(
+    *,
+    policies: PolicyStore,
+    directive_version: int,
+    fleet_policy_version: int,
+    engines: Mapping[str, SavedEngine],
+    clean: bool,
+) -> dict[str, Any]:
+    return {
+        "directive_version": directive_version,
+        "fleet_policy_version": fleet_policy_version,
+        "clean": clean,
+        "policies": policies.to_json(),
+        "engines": {eid: e.to_json() for eid, e in engines.items()},
+    }
+
+
+def parse_state(state: Mapping[str, Any], *, clock: Callable[[], float] = time.time) -> SavedState:
+    """Raises SnapshotError/PolicyError when the snapshot as a whole is unusable; a bad engine entry,
+    override or history entry is dropped and named in ``problems``."""
+    problems: list[str] = []
+    store = PolicyStore.from_json(
+        mapping_field(state, "policies", path="state"), clock=clock, problems=problems
+    )
+    saved = int_field(state, "directive_version", path="state", hi=MAX_COUNT - CRASH_VERSION_GAP)
+    out = SavedState(
+        policies=store,
+        directive_version=saved if state.get("clean") is True else saved + CRASH_VERSION_GAP,
+        fleet_policy_version=int_field(state, "fleet_policy_version", path="state", default=0),
+        problems=problems,
+    )
+    engines = state.get("engines", {})
+    if not isinstance(engines, Mapping):
+        problems.append(
+            f"state.engines: expected an object, got {type(engines).__name__}; no engine restored"
+        )
+        engines = {}
+    for eid, e in engines.items():
+        at = f"state.engines[{eid!r}]"
+        try:
+            out.engines[eid] = SavedEngine.from_json(eid, e, path=at)
+        except (SnapshotError, PolicyError, TelemetryError, ValueError) as err:
+            problems.append(f"{at}: {err}; engine dropped")
+    return out
+
+
+def load_state(snapshots: SnapshotStore, *, clock: Callable[[], float] = time.time) -> SavedState | None:
+    """The state the snapshot file holds, or None when there is none or it cannot be restored as a
+    whole (the file is then moved aside)."""
+    state = snapshots.load()
+    if state is None:
+        return None
+    try:
+        return parse_state(state, clock=clock)
+    except (PolicyError, SnapshotError) as e:
+        snapshots.quarantine(f"cannot be restored: {oneline(str(e))}")
+        return None
+
+
+def report_problems(snapshots: SnapshotStore, problems: list[str]) -> None:
+    """Log each entry dropped on restore and keep a copy of the original file (the next write replaces it)."""
+    for p in problems:
+        log.warning("snapshot %s: %s", snapshots.path, oneline(p))
+    if problems:
+        snapshots.keep_copy(f"{len(problems)} entries dropped on restore")

@@ -1,0 +1,129 @@
+"""Engine streams: the queues the sidecar writes directives to, and the report sequences it acknowledges.
+
+What must hold: a report batch is applied at most once per engine instance (a batch at or below the
+last sequence is a resend); an engine process (``Hello.instance_id``) keeps its count across its
+streams and across a sidecar restart, an engine without one counts per stream; a stream queue holds
+only the newest items (a slow stream never blocks the sidecar), and its end always gets through.
+This module knows nothing of gRPC or of the control loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from controller.validation import TelemetryError
+from policies.directive import Directive
+
+#: Items a stream queue holds; when full the oldest goes (only the newest directive matters).
+STREAM_QUEUE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """Ends an Attach stream: the engine closed it (``error`` None) or sent something invalid."""
+
+    error: TelemetryError | None = None
+
+
+StreamItem = Directive | StreamEnd
+
+
+def put_latest(q: asyncio.Queue[Any], item: Any) -> None:
+    """Enqueue without waiting; when full, the oldest item goes (only the newest directive matters)."""
+    while True:
+        try:
+            q.put_nowait(item)
+            return
+        except asyncio.QueueFull:
+            with contextlib.suppress(asyncio.QueueEmpty):
+                q.get_nowait()
+
+
+@dataclass(eq=False, slots=True)
+class Sequences:
+    """The report sequence count of one tracker (an engine instance, or one stream)."""
+
+    #: The highest report sequence applied (or refused for good).
+    last_sequence: int = 0
+
+    def admit(self, seq: int) -> int | None:
+        """Count ``seq`` in: None when it is a resend (at or below the last one), else how many
+        sequences were skipped before it. Sequence 0 means "unnumbered" and is always admitted."""
+        if not seq:
+            return 0
+        last = self.last_sequence
+        if seq <= last:
+            return None
+        self.last_sequence = seq
+        return seq - last - 1 if last else 0
+
+
+@dataclass(eq=False, slots=True)
+class EngineStreams(Sequences):
+    """One engine's open streams, and the sequences of the engine instance that sends on them."""
+
+    queues: list[asyncio.Queue[StreamItem]] = field(default_factory=list)
+    #: The engine process whose reports ``last_sequence`` counts (Hello.instance_id; "" for none).
+    instance_id: str = ""
+    #: ``last_sequence`` as of the last directive pushed to the streams (what the engine knows).
+    acked_pushed: int = 0
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.queues)
+
+    def open(self, instance_id: str) -> asyncio.Queue[StreamItem]:
+        """A queue for a new stream. A new engine process starts its sequences again (the same
+        process re-attaching, also after a sidecar restart, keeps its count)."""
+        if instance_id and instance_id != self.instance_id:
+            self.instance_id, self.last_sequence, self.acked_pushed = instance_id, 0, 0
+        q: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=STREAM_QUEUE)
+        self.queues.append(q)
+        return q
+
+    def close(self, q: asyncio.Queue[StreamItem]) -> None:
+        with contextlib.suppress(ValueError):
+            self.queues.remove(q)
+
+    def push(self, item: StreamItem) -> None:
+        """Send ``item`` on every open stream; a directive also acknowledges what was applied so far."""
+        if isinstance(item, Directive):
+            self.acked_pushed = self.last_sequence
+        for q in self.queues:
+            put_latest(q, item)
+
+    @property
+    def ack_pending(self) -> bool:
+        """Batches were applied since the engine was last told."""
+        return self.last_sequence > self.acked_pushed
+
+
+E = TypeVar("E")
+
+
+@dataclass(eq=False, slots=True)
+class Session(Generic[E]):
+    """One Attach stream of ``engine`` (whose ``streams`` hold ``queue``).
+
+    With an ``instance_id``, sequences count per engine instance across streams (``streams`` holds
+    them); without one (older engines), per stream (the session holds them).
+    """
+
+    engine: E
+    streams: EngineStreams
+    queue: asyncio.Queue[StreamItem]
+    instance_id: str = ""
+    own: Sequences = field(default_factory=Sequences)
+
+    @property
+    def sequences(self) -> Sequences:
+        s = self.streams
+        return s if self.instance_id and s.instance_id == self.instance_id else self.own
+
+    @property
+    def acked_sequence(self) -> int:
+        """What to acknowledge on this stream: the highest sequence applied or refused for good."""
+        return self.sequences.last_sequence
