@@ -1,0 +1,275 @@
+"""The sidecar's registry and decisions driven in-process: no socket is bound, time is a fake clock.
+
+Covers attach, ingest (sequences, duplicates, gaps), decisions and refreshes, policy set and rollback
+(written through to the snapshot), eviction at ``max_engines``, and the snapshot round trip (clean and
+after a crash), plus a property test of the at-most-once accounting over random resend patterns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from controller.config import SidecarConfig
+from controller.convert import request_steps
+from controller.policy_store import NoPreviousPolicy
+from controller.presets import preset_text
+from controller.sidecar import EngineSession, Sidecar
+from controller.state import CRASH_VERSION_GAP
+from controller.state_dir import StateDirLocked
+from controller.streams import StreamEnd
+from controller.v1 import controller_pb2 as pb
+from controller.validation import TelemetryError, validate_hello
+from policies.directive import Directive
+from policies.engine import EngineInfo
+from policies.spec import PolicyError
+
+T = TypeVar("T")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def info(engine_id: str) -> EngineInfo:
+    arms = [pb.Arm(method="eagle3", k=k) for k in (1, 2, 3, 4)] + [pb.Arm(method="off")]
+    return validate_hello(
+        pb.Hello(
+            engine_id=engine_id,
+            model="tiny",
+            max_k=4,
+            arms=arms,
+            granularity=pb.GRANULARITY_BATCH_STEP,
+            max_batch_size=64,
+            protocol_version=1,
+        )
+    )
+
+
+def batch(seq: int, n_steps: int, *, t0: float = 1.0, n: int = 4, k: int = 2) -> pb.StepReportBatch:
+    steps = [
+        pb.StepReport(
+            time_s=t0 + 0.02 * i,
+            duration_s=0.02,
+            batch_size=n,
+            queue_length=1,
+            scheduled_k=k,
+            requests=request_steps(
+                request_ids=[f"r{j}" for j in range(n)],
+                classes=["default"] * n,
+                methods=["eagle3"] * n,
+                ks=[k] * n,
+                drafted=[k] * n,
+                accepted=[(i + j) % (k + 1) for j in range(n)],
+            ),
+        )
+        for i in range(n_steps)
+    ]
+    return pb.StepReportBatch(sequence=seq, steps=steps)
+
+
+def make(tmp_path: Path, clock: Clock, *, max_engines: int = 1024) -> Sidecar:
+    cfg = SidecarConfig(
+        state_dir=str(tmp_path / "state"), max_policy_changes_per_s=1000.0, max_engines=max_engines
+    )
+    return Sidecar(config=cfg, registry=CollectorRegistry(), clock=clock)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path, clock: Clock) -> Iterator[Sidecar]:
+    sc = make(tmp_path, clock)
+    sc.open()
+    try:
+        yield sc
+    finally:
+        sc.close(snapshot=False)
+
+
+def drain(q: asyncio.Queue[T]) -> list[T]:
+    out: list[T] = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def sample(sc: Sidecar, name: str, **labels: str) -> float:
+    return sc.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_attach_pushes_a_first_directive_without_any_socket(sidecar: Sidecar) -> None:
+    s = sidecar.attach(info("e1"), instance_id="a" * 32)
+    [d] = drain(s.queue)
+    assert isinstance(d, Directive) and d.version == 1 == sidecar.directive_version
+    st_ = sidecar.engines()["e1"]
+    assert st_.connected and st_.instance_id == "a" * 32 and st_.last_sequence == 0
+    sidecar.detach(s)
+    assert not sidecar.engines()["e1"].connected
+
+
+def test_ingest_applies_each_batch_once_and_counts_gaps(sidecar: Sidecar) -> None:
+    s = sidecar.attach(info("e1"), instance_id="a" * 32)
+    for seq in (1, 2, 2, 1, 5, 6):  # two resends, then 3 and 4 never arrive
+        sidecar.ingest(s, batch(seq, 10))
+    st_ = sidecar.engines()["e1"]
+    assert st_.loop.totals.steps == 40 and st_.loop.totals.request_steps == 160
+    assert s.acked_sequence == 6 == st_.last_sequence
+    assert sample(sidecar, "speccontrol_duplicate_reports_total", engine="e1") == 2
+    assert sample(sidecar, "speccontrol_lost_report_batches_total", engine="e1") == 2
+
+
+def test_a_stream_without_instance_counts_its_own_sequences(sidecar: Sidecar) -> None:
+    first = sidecar.attach(info("old"))
+    sidecar.ingest(first, batch(1, 3))
+    sidecar.detach(first)
+    again = sidecar.attach(info("old"))
+    sidecar.ingest(again, batch(1, 3))  # a new stream starts at 1: not a duplicate
+    assert sidecar.engines()["old"].loop.totals.steps == 6
+    assert again.acked_sequence == 1
+
+
+def test_invalid_batch_is_refused_and_counted_without_changing_the_loop(sidecar: Sidecar) -> None:
+    s = sidecar.attach(info("e1"))
+    bad = batch(1, 2)
+    bad.steps[1].duration_s = float("nan")
+    with pytest.raises(TelemetryError):
+        sidecar.ingest(s, bad)
+    st_ = sidecar.engines()["e1"]
+    assert st_.loop.totals.steps == 0 and st_.rejected == 1
+
+
+def test_tick_refreshes_before_the_ttl_and_versions_only_grow(sidecar: Sidecar, clock: Clock) -> None:
+    s = sidecar.attach(info("e1"))
+    [first] = drain(s.queue)
+    assert isinstance(first, Directive)
+    clock.now += first.ttl_s / 3 + 0.01
+    sidecar.tick()
+    [again] = drain(s.queue)
+    assert isinstance(again, Directive) and again.version >= first.version
+    versions = [first.version]
+    for i in range(200):
+        sidecar.ingest(s, batch(i + 1, 5, t0=clock.now))
+        clock.now += 0.05
+        sidecar.tick()
+        versions += [d.version for d in drain(s.queue) if isinstance(d, Directive)]
+    assert versions == sorted(versions) and sidecar.engines()["e1"].loop.totals.steps == 1000
+
+
+def test_set_policy_and_rollback_switch_the_loops_and_write_through(sidecar: Sidecar) -> None:
+    s = sidecar.attach(info("e1"))
+    sidecar.ingest(s, batch(0, 20))
+    before = sidecar.engines()["e1"].loop.spec.name
+    rec = sidecar.set_policy(preset_text("static-eagle3-3"), source="unit.yaml")
+    st_ = sidecar.engines()["e1"]
+    assert st_.loop.spec.name == rec.spec.name == "static-eagle3-3"
+    assert st_.loop.totals.steps == 20  # counters survive a policy switch
+    ds = [d for d in drain(s.queue) if isinstance(d, Directive)]
+    assert ds[-1].policy == "static-eagle3-3"
+    saved = json.loads(sidecar.snapshots.path.read_text())["state"]["policies"]
+    assert "static-eagle3-3" in json.dumps(saved)  # on disk before set_policy returned
+    with pytest.raises(PolicyError):
+        sidecar.set_policy("algorithm: nonsense\n", source="bad.yaml")
+    assert sidecar.engines()["e1"].loop.spec.name == "static-eagle3-3"
+    sidecar.rollback_policy()
+    assert sidecar.engines()["e1"].loop.spec.name == before
+    with pytest.raises(NoPreviousPolicy):
+        sidecar.rollback_policy("nobody")
+
+
+def test_a_full_registry_forgets_the_engine_unheard_longest(tmp_path: Path, clock: Clock) -> None:
+    sc = make(tmp_path, clock, max_engines=3)
+    sc.open()
+    try:
+        sessions: dict[str, EngineSession] = {}
+        for i in range(3):
+            clock.now += 1
+            sessions[f"e{i}"] = sc.attach(info(f"e{i}"))
+        with pytest.raises(TelemetryError, match="3 engines"):
+            sc.attach(info("e3"))
+        sc.detach(sessions["e1"])
+        sc.detach(sessions["e0"])
+        sc.attach(info("e3"))
+        assert sorted(sc.engines()) == ["e1", "e2", "e3"]  # e0 was heard first
+    finally:
+        sc.close(snapshot=False)
+
+
+def test_snapshot_round_trip_restores_engines_sequences_and_policy(tmp_path: Path, clock: Clock) -> None:
+    sc = make(tmp_path, clock)
+    sc.open()
+    sessions = [sc.attach(info(f"e{i}"), instance_id=f"{i}" * 32) for i in range(5)]
+    for i, s in enumerate(sessions):
+        for seq in range(1, 3 + i):
+            sc.ingest(s, batch(seq, 7))
+    sc.set_policy(preset_text("static-eagle3-3"), source="unit.yaml")
+    sc.tick()
+    version = sc.directive_version
+    want = {eid: (e.loop.totals, e.instance_id, e.last_sequence) for eid, e in sc.engines().items()}
+    with pytest.raises(StateDirLocked):
+        make(tmp_path, clock).open()  # one sidecar per state directory
+    sc.end_streams()
+    assert all(isinstance(drain(s.queue)[-1], StreamEnd) for s in sessions)
+    sc.close(snapshot=True)
+
+    clean = make(tmp_path, clock)
+    clean.open()
+    got = {eid: (e.loop.totals, e.instance_id, e.last_sequence) for eid, e in clean.engines().items()}
+    assert got == want and clean.directive_version == version
+    assert clean.policy_store.default.spec.name == "static-eagle3-3"
+    assert not any(e.connected for e in clean.engines().values())
+    s = clean.attach(info("e2"), instance_id="2" * 32)  # the same process: its count goes on
+    clean.ingest(s, batch(4, 7))
+    assert clean.engines()["e2"].loop.totals.steps == want["e2"][0].steps
+    clean.ingest(s, batch(5, 7))
+    assert clean.engines()["e2"].loop.totals.steps == want["e2"][0].steps + 7
+    clean.save_snapshot()  # periodic (not clean): a crash after it skips versions ahead
+    clean._release_lock()  # as a kill -9 would: no final snapshot
+
+    crashed = make(tmp_path, clock)
+    crashed.open()
+    try:
+        assert crashed.directive_version == clean.directive_version + CRASH_VERSION_GAP
+    finally:
+        crashed.close(snapshot=False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seqs=st.lists(st.integers(1, 60), min_size=1, max_size=120),
+    sizes=st.lists(st.integers(1, 16), min_size=60, max_size=60),
+)
+def test_each_sequence_is_applied_at_most_once(
+    tmp_path_factory: pytest.TempPathFactory, seqs: list[int], sizes: list[int]
+) -> None:
+    sc = make(tmp_path_factory.mktemp("p"), Clock())
+    sc.open()
+    try:
+        s = sc.attach(info("e1"), instance_id="p" * 32)
+        applied, high, dups = 0, 0, 0
+        for seq in seqs:
+            sc.ingest(s, batch(seq, sizes[seq - 1]))
+            if seq > high:
+                applied, high = applied + sizes[seq - 1], seq
+            else:
+                dups += 1
+        assert sc.engines()["e1"].loop.totals.steps == applied
+        assert s.acked_sequence == high
+        assert sample(sc, "speccontrol_duplicate_reports_total", engine="e1") == dups
+    finally:
+        sc.close(snapshot=False)
