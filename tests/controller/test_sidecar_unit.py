@@ -19,17 +19,17 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.convert import request_steps
 from controller.policy_store import NoPreviousPolicy
-from controller.presets import preset_text
 from controller.sidecar import EngineSession, Sidecar
 from controller.state import CRASH_VERSION_GAP
 from controller.state_dir import StateDirLocked
 from controller.streams import StreamEnd
 from controller.v1 import controller_pb2 as pb
 from controller.validation import TelemetryError, validate_hello
+from controller.wire.codec import request_steps
 from policies.directive import Directive
 from policies.engine import EngineInfo
+from policies.presets import preset_text
 from policies.spec import PolicyError
 
 T = TypeVar("T")
