@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from controller.config import ConfigError
+from controller.errors import ConfigError
 
 AUTH_HEADER = "authorization"
 ADMIN_SERVICE = "/controller.v1.AdminService/"

@@ -133,7 +133,8 @@ def read_policy(name_or_path: str) -> tuple[str, str, PolicySpec]:
 
 def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
     """The bearer token (``--token-file`` or ``$SPECCONTROL_ADMIN_TOKEN``) and TLS settings."""
-    from controller.config import ConfigError, read_secret_file
+    from controller.config import read_secret_file
+    from controller.errors import ConfigError
 
     token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
     if args.token_file:
@@ -181,7 +182,7 @@ def _admin_call(args: argparse.Namespace, fn: Callable[[AdminClient], Awaitable[
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from controller.config import ConfigError
+    from controller.errors import ConfigError
     from controller.serve import main as serve_main
 
     try:
@@ -456,7 +457,8 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from controller.config import ConfigError, load_config
+    from controller.config import load_config
+    from controller.errors import ConfigError
 
     try:
         cfg = load_config(args.file)

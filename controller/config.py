@@ -6,7 +6,6 @@ Every field has a default, so the sidecar serves with no file at all. Errors rea
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
@@ -16,6 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from controller.errors import ConfigError
+from controller.wire.address import is_local_address, parse_address
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -29,54 +31,6 @@ MAX_UNIX_PATH = 107
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FLEET_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _NODE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; ``str()`` reads ``source:line: field: message``."""
-
-    def __init__(
-        self, message: str, *, source: str = "<config>", line: int | None = None, field: str = ""
-    ) -> None:
-        self.message, self.source, self.line, self.field = message, source, line, field
-        where = source if line is None else f"{source}:{line}"
-        super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
-
-
-def parse_address(value: str, *, field: str) -> tuple[str, int] | str:
-    """``host:port`` -> (host, port); ``unix:/path`` or ``unix:///path`` -> the path. Raises ConfigError."""
-    if value.startswith("unix:"):
-        path = value[len("unix:") :]
-        path = path[2:] if path.startswith("//") else path
-        if not path or not path.startswith("/"):
-            raise ConfigError(
-                "unix socket address needs an absolute path, e.g. unix:///run/sc.sock", field=field
-            )
-        return path
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"expected 'host:port' or 'unix:///path', got {value!r}", field=field)
-    if not 0 <= int(port) <= 65535:
-        raise ConfigError(f"port must be 0..65535 (0: any free port), got {port}", field=field)
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host:
-        raise ConfigError(f"missing host in {value!r} (use 0.0.0.0 for every interface)", field=field)
-    return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (not for ``0.0.0.0``: that is every interface)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def is_local_address(value: str, *, field: str) -> bool:
-    """A Unix socket or a loopback TCP address: only processes on this host can connect."""
-    addr = parse_address(value, field=field)
-    return isinstance(addr, str) or is_loopback(addr[0])
 
 
 def read_secret_file(path: str, *, field: str) -> str:

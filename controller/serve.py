@@ -19,10 +19,12 @@ import socket
 import sys
 from pathlib import Path
 
-from controller.config import ConfigError, SidecarConfig, load_config, parse_address
+from controller.config import SidecarConfig, load_config
+from controller.errors import ConfigError
 from controller.server import SidecarServer
 from controller.snapshot import write_json_atomic
 from controller.state_dir import StateDirLocked
+from controller.wire.address import parse_address
 from policies.spec import PolicyError
 
 log = logging.getLogger("controller.serve")

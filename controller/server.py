@@ -26,14 +26,16 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin_service import AdminService
 from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
-from controller.config import MAX_UNIX_PATH, ConfigError, SidecarConfig, is_local_address, parse_address
+from controller.config import MAX_UNIX_PATH, SidecarConfig
 from controller.engine_service import EngineService
+from controller.errors import ConfigError
 from controller.fleet import FleetLink
 from controller.metrics import MetricsServer
 from controller.sidecar import Sidecar
 from controller.state_dir import remove_stale_socket
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+from controller.wire.address import is_local_address, parse_address
 
 log = logging.getLogger(__name__)
 

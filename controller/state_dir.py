@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from controller.config import ConfigError
+from controller.errors import ConfigError
 
 LOCK_NAME = "sidecar.lock"
 

@@ -135,3 +135,28 @@ def test_checks_see_what_they_forbid(tmp_path: Path) -> None:
     assert list(_imports("policies.m", p, {"controller.sidecar"})) == [(2, "controller.sidecar")]
     with pytest.raises(ValueError):
         _module_name(tmp_path / "x.py")
+
+
+def _reachable(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        for t in graph.get(todo.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
+
+
+def test_the_plugin_does_not_import_the_sidecar() -> None:
+    """The vLLM plugin (controller.vllm) reaches only the wire layer and the pure packages: not the
+    sidecar's config, server or state, directly or through another module."""
+    graph, _ = _graph()
+    plugin = [m for m in graph if m == "controller.vllm" or m.startswith("controller.vllm.")]
+    reached = {m for m in _reachable(graph, plugin) if m not in plugin}
+    sidecar_side = sorted(
+        m
+        for m in reached
+        if m.startswith("controller.") and not m.startswith(("controller.wire", "controller.v1"))
+    )
+    assert sidecar_side == ["controller.auth", "controller.errors"], sidecar_side

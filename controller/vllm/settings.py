@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import grpc
 
 from controller.auth import ClientTLS, channel_credentials
-from controller.config import ConfigError, is_loopback, parse_address
+from controller.errors import ConfigError
+from controller.wire.address import is_loopback, parse_address
 from policies.arms import Arm
 
 PLUGIN_NAME = "speccontrol"

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import ConfigError, SidecarConfig, load_config, parse_address, parse_config
+from controller.config import SidecarConfig, load_config, parse_config
+from controller.errors import ConfigError
 
 
 def test_defaults_need_no_file() -> None:
@@ -81,15 +82,6 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_empty_file_gives_defaults() -> None:
     assert parse_config("", source="c.yaml") == SidecarConfig()
-
-
-def test_parse_address() -> None:
-    assert parse_address("0.0.0.0:0", field="x") == ("0.0.0.0", 0)
-    assert parse_address("[::1]:50061", field="x") == ("::1", 50061)
-    assert parse_address("unix:///tmp/s.sock", field="x") == "/tmp/s.sock"
-    assert parse_address("unix:/tmp/s.sock", field="x") == "/tmp/s.sock"
-    with pytest.raises(ConfigError, match="absolute path"):
-        parse_address("unix:rel.sock", field="x")
 
 
 def test_fleet_link_settings(tmp_path: Path) -> None:

@@ -20,10 +20,11 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from controller.config import parse_address, parse_config
+from controller.config import parse_config
 from controller.fleet import FleetMetrics
 from controller.metrics import SidecarMetrics
 from controller.v1 import controller_pb2 as pb
+from controller.wire.address import parse_address
 from sim.autoscale import HpaSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from controller._mqtt import BrokerSettings, Received
-from controller.config import ConfigError, parse_config
+from controller.config import parse_config
+from controller.errors import ConfigError
 from controller.fleet import PAYLOAD_VERSION, FleetLink, MalformedPayload, Topics, decode, policy_from
 from controller.validation import parse_policy_checked
 from policies.spec import PolicyError, parse_policy, render_policy

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from controller.auth import ClientTLS
 from controller.client import AdminClient
-from controller.config import ConfigError, SidecarConfig
+from controller.config import SidecarConfig
+from controller.errors import ConfigError
 from controller.server import SidecarServer as Sidecar
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S
 from tests.security.certs import Certs, make_certs

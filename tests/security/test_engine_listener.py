@@ -12,10 +12,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.auth import ClientTLS
-from controller.config import ConfigError, SidecarConfig
+from controller.config import SidecarConfig
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import demo_workload
+from controller.errors import ConfigError
 from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc

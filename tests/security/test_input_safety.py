@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from controller.client import AdminClient
-from controller.config import ConfigError, SidecarConfig, parse_config
+from controller.config import SidecarConfig, parse_config
+from controller.errors import ConfigError
 from controller.server import SidecarServer as Sidecar
 from policies.spec import PolicyError, parse_policy
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2

@@ -1,0 +1,48 @@
+"""The sidecar's addresses as both ends write them: ``host:port`` or ``unix:///path``.
+
+Shared by the sidecar's configuration (its listeners) and the vLLM plugin (``SPECCONTROL_SIDECAR``), so
+the plugin never imports the sidecar's config. A bad address raises ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from controller.errors import ConfigError
+
+
+def parse_address(value: str, *, field: str) -> tuple[str, int] | str:
+    """``host:port`` -> (host, port); ``unix:/path`` or ``unix:///path`` -> the path. Raises ConfigError."""
+    if value.startswith("unix:"):
+        path = value[len("unix:") :]
+        path = path[2:] if path.startswith("//") else path
+        if not path or not path.startswith("/"):
+            raise ConfigError(
+                "unix socket address needs an absolute path, e.g. unix:///run/sc.sock", field=field
+            )
+        return path
+    host, sep, port = value.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()):  # "²".isdigit(), and int() refuses it
+        raise ConfigError(f"expected 'host:port' or 'unix:///path', got {value!r}", field=field)
+    if not 0 <= int(port) <= 65535:
+        raise ConfigError(f"port must be 0..65535 (0: any free port), got {port}", field=field)
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host:
+        raise ConfigError(f"missing host in {value!r} (use 0.0.0.0 for every interface)", field=field)
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (not for ``0.0.0.0``: that is every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_address(value: str, *, field: str) -> bool:
+    """A Unix socket or a loopback TCP address: only processes on this host can connect."""
+    addr = parse_address(value, field=field)
+    return isinstance(addr, str) or is_loopback(addr[0])

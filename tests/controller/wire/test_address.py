@@ -1,0 +1,56 @@
+"""Sidecar addresses as the sidecar's config and the plugin read them: forms, edges and errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controller.errors import ConfigError
+from controller.wire.address import is_local_address, is_loopback, parse_address
+
+
+def test_parse_address() -> None:
+    assert parse_address("0.0.0.0:0", field="x") == ("0.0.0.0", 0)
+    assert parse_address("[::1]:50061", field="x") == ("::1", 50061)
+    assert parse_address("unix:///tmp/s.sock", field="x") == "/tmp/s.sock"
+    assert parse_address("unix:/tmp/s.sock", field="x") == "/tmp/s.sock"
+    assert parse_address("localhost:65535", field="x") == ("localhost", 65535)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("unix:rel.sock", "absolute path"),
+        ("unix:", "absolute path"),
+        ("localhost", "host:port"),
+        ("localhost:http", "host:port"),
+        ("localhost:65536", "port must be 0..65535"),
+        (":50061", "missing host"),
+        ("localhost:²", "host:port"),  # a digit to isdigit(), not to int()
+        ("localhost:٣", "host:port"),
+    ],
+)
+def test_bad_addresses_name_the_field(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as e:
+        parse_address(value, field="SPECCONTROL_SIDECAR")
+    assert e.value.field == "SPECCONTROL_SIDECAR" and "SPECCONTROL_SIDECAR" in str(e.value)
+
+
+def test_loopback() -> None:
+    assert is_loopback("localhost") and is_loopback("127.0.0.1") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    assert is_local_address("unix:///run/sc.sock", field="x") and is_local_address("127.0.0.1:1", field="x")
+    assert not is_local_address("0.0.0.0:50061", field="x")
+
+
+@given(st.text(max_size=40))
+def test_any_text_parses_or_raises_config_error(value: str) -> None:
+    try:
+        out = parse_address(value, field="f")
+    except ConfigError as e:
+        assert str(e).startswith("<config>: f: ")
+    else:
+        assert (isinstance(out, str) and out.startswith("/")) or (
+            isinstance(out, tuple) and 0 <= out[1] <= 65535
+        )
