@@ -520,7 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("demo", help="sidecar + simulated engines: adaptive vs static, live")
-    s.add_argument("--seconds", type=float, default=20.0, metavar="N", help="seconds of traffic (default 20)")
+    s.add_argument(
+        "--seconds",
+        type=float,
+        default=40.0,
+        metavar="N",
+        help="seconds of an engine's traffic, played at twice real time (default 40)",
+    )
     s.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
     s.add_argument("--json", action="store_true", help="print the result as JSON only")
     s.add_argument("--plot", metavar="FILE", help="also draw goodput over time per engine (PNG)")

@@ -10,10 +10,13 @@ no speculation included. The workload drifts as a user would recognise: chat alo
 (copy-heavy) for a small team, maths under heavy load, then summarisation of long documents.
 Goodput is tokens per virtual second of each engine, all measured in this run.
 
-The demo compresses time: a few virtual seconds stand for a traffic phase that would last minutes.
-So that the default policy gets as many decision rounds per phase as it would in production, its
-decision interval and dwell are shortened by ``DEMO_SPEEDUP`` and its discount is re-timed to keep
-the same memory in seconds (``discount ** (1 / DEMO_SPEEDUP)`` per round). Nothing else changes.
+The demo compresses time twice. Its engines play ``DEMO_TIME_SCALE`` wall seconds per virtual second
+(twice real time: 40 s of an H100's traffic in about 20 s), and a few virtual seconds stand for a
+traffic phase that would last minutes. So that the default policy gets as many decision rounds per
+phase as it would in production, its decision interval and dwell are shortened by ``DEMO_SPEEDUP``
+(in virtual time; the sidecar's clock is wall time, so by ``DEMO_SPEEDUP / DEMO_TIME_SCALE`` on it)
+and its discount is re-timed to keep the same memory in seconds (``discount ** (1 / speedup)`` per
+round). Nothing else changes.
 
 The live lines are one per phase and one per real change of the adaptive engine's arms (a context
 of the batch size in play that had an arm before), at most one line per ``CHANGE_LINE_S`` of wall
@@ -45,7 +48,10 @@ ADAPTIVE = "adaptive"
 #: Every arm the demo engine can play, no speculation first.
 STATIC_ARMS: tuple[str, ...] = ("off", *(str(a) for a in DEFAULT_ARMS if a.speculates))
 DEMO_SPEEDUP = 5.0
-DEFAULT_SECONDS = 20.0
+#: Wall seconds per virtual second of the engines (0.5: twice real time).
+DEMO_TIME_SCALE = 0.5
+#: Virtual seconds of traffic (about DEFAULT_SECONDS * DEMO_TIME_SCALE of wall time).
+DEFAULT_SECONDS = 40.0
 #: Wall seconds between two live lines about arm changes.
 CHANGE_LINE_S = 1.0
 
@@ -168,7 +174,7 @@ async def run_demo(
     seconds: float = DEFAULT_SECONDS,
     seed: int = 0,
     out: TextIO | None = sys.stdout,
-    time_scale: float = 1.0,
+    time_scale: float = DEMO_TIME_SCALE,
 ) -> dict[str, Any]:
     """Run the demo; returns the result document (what ``--json`` prints). Live lines go to ``out``."""
     if seconds <= 0:
@@ -176,7 +182,9 @@ async def run_demo(
     say = _Printer(out)
     wall0 = time.monotonic()
     workload = demo_workload(seed=seed, duration_s=seconds)
-    adaptive_spec = demo_policy()
+    # The policy's clock is the sidecar's (wall time); its rounds are meant per virtual second.
+    speedup = DEMO_SPEEDUP / time_scale if time_scale > 0 else DEMO_SPEEDUP
+    adaptive_spec = demo_policy(speedup=speedup)
     with tempfile.TemporaryDirectory(prefix="speccontrol-demo-") as state_dir:
         config = SidecarConfig(
             engine_listen="127.0.0.1:0",
@@ -185,14 +193,14 @@ async def run_demo(
             state_dir=state_dir,
             snapshot_interval_s=3600.0,
             decision_tick_s=0.05,
+            # One policy per engine is set up front, more than the default burst of changes.
+            max_policy_changes_per_s=1000.0,
         )
         sidecar = SidecarServer(config=config)
         await sidecar.start()
         try:
             async with AdminClient(target=sidecar.admin_target) as admin:
-                await admin.set_policy(
-                    render_policy(adaptive_spec), source=f"demo: default x{DEMO_SPEEDUP:g}"
-                )
+                await admin.set_policy(render_policy(adaptive_spec), source=f"demo: default x{speedup:g}")
                 for arm in STATIC_ARMS:
                     spec = static_policy(arm)
                     await admin.set_policy(render_policy(spec), source=spec.name, engine_id=engine_name(arm))
@@ -209,7 +217,8 @@ async def run_demo(
                 }
                 say(
                     f"speccontrol demo: sidecar {sidecar.engine_target}, {len(engines)} simulated engines, "
-                    f"{seconds:g} s of traffic (seed {seed}); live arms of the '{ADAPTIVE}' engine:"
+                    f"{seconds:g} s of traffic at {1 / time_scale if time_scale > 0 else 0:g}x real time (seed {seed}); "
+                    f"live arms of the '{ADAPTIVE}' engine:"
                 )
                 side = [
                     asyncio.create_task(_watch(admin, engines[ADAPTIVE], say)),

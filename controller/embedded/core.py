@@ -30,9 +30,11 @@ from sim.engines import ENGINES, EngineModel
 from sim.kernel import StepKernel
 
 ENGINE_VERSION = "embedded-sim 0.2"
+#: The most draft tokens the demo engine drafts (vLLM's num_speculative_tokens).
+MAX_K = 8
 DEFAULT_ARMS: tuple[Arm, ...] = (
-    *(Arm(Method.EAGLE3, k) for k in range(1, 5)),
-    *(Arm(Method.NGRAM, k) for k in range(1, 5)),
+    *(Arm(Method.EAGLE3, k) for k in range(1, MAX_K + 1)),
+    *(Arm(Method.NGRAM, k) for k in range(1, MAX_K + 1)),
     Arm(Method.OFF, 0),
 )
 #: vLLM's start-up configuration in the demo: EAGLE-3 with three draft tokens.
@@ -46,7 +48,7 @@ ENGINE_MODEL: EngineModel = replace(ENGINES["composite"], head_first_position=Fa
 class EngineSettings:
     engine_id: str
     model: str = "llama-3.1-8b-instruct (simulated)"
-    max_k: int = 4
+    max_k: int = MAX_K
     arms: tuple[Arm, ...] = DEFAULT_ARMS
     #: What the engine does before its first directive and after one expires (its start-up config).
     safe_default: Arm = SAFE_DEFAULT

@@ -155,10 +155,23 @@ def build_workload(schedule: Schedule, *, profile: Profile, seed: int = 0, max_k
         output_tokens=np.concatenate([t.output_tokens for t in parts]),
         arrival_s=np.full(sum(t.n for t in parts), np.nan),
         acc={m: np.concatenate([t.acc[m] for t in parts]) for m in METHODS},
-        meta={"generator": "controller.embedded.workload", "seed": seed},
+        # The n-gram proposer's match, which the per-request rule reads as the plugin's engine does.
+        ngram_proposal=_concat_proposals(parts),
+        meta={"generator": "controller.embedded.workload", "seed": seed, **_ngram_meta(parts)},
         name="demo",
     )
     return Workload(schedule=schedule, trace=trace, seed=seed, first=first, count=tuple(t.n for t in parts))
+
+
+def _concat_proposals(parts: Sequence[Trace]) -> np.ndarray | None:
+    if any(t.ngram_proposal is None for t in parts):
+        return None
+    return np.concatenate([t.ngram_proposal for t in parts if t.ngram_proposal is not None])
+
+
+def _ngram_meta(parts: Sequence[Trace]) -> dict[str, object]:
+    ngram = parts[0].meta.get("ngram")
+    return {"ngram": ngram} if ngram is not None else {}
 
 
 #: The demo's drift, one a user recognises: chat alone, then code editing (copy-heavy) for a team,
@@ -178,7 +191,7 @@ def demo_workload(
     seed: int = 0,
     duration_s: float = 20.0,
     profile: Profile | None = None,
-    max_k: int = 4,
+    max_k: int = 8,
     phases: Sequence[Phase] | None = None,
 ) -> Workload:
     """The demo's schedule (or ``phases``) stretched to ``duration_s``, on ``profile`` (default: 8B)."""

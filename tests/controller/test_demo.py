@@ -54,7 +54,7 @@ def _result() -> dict:  # type: ignore[type-arg]
 def test_every_static_arm_of_the_engine_and_no_speculation_are_played() -> None:
     assert STATIC_ARMS[0] == "off"
     assert {a.partition(":")[0] for a in STATIC_ARMS} == {"off", "eagle3", "ngram"}
-    assert len(STATIC_ARMS) == len(set(STATIC_ARMS)) == 9
+    assert len(STATIC_ARMS) == len(set(STATIC_ARMS)) == 17
 
 
 def test_table_has_ratios_per_engine_and_per_phase() -> None:
@@ -63,7 +63,7 @@ def test_table_has_ratios_per_engine_and_per_phase() -> None:
     assert "vs best static" in lines[0]
     ratio_row = next(line for line in lines if line.startswith("adaptive / best"))
     assert "0.500" in ratio_row and "1.000" in ratio_row
-    assert "worst phase: 0.500" in out and "best static ngram-4" in out
+    assert "worst phase: 0.500" in out and "best static ngram-8" in out
 
 
 def test_plot_draws_a_png(tmp_path: Path) -> None:

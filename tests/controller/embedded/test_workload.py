@@ -65,3 +65,18 @@ def test_empty_schedule_and_bad_max_k_are_rejected() -> None:
         Schedule(())
     with pytest.raises(ValueError, match="max_k"):
         build_workload(Schedule((Phase(1.0, {"chat": 1.0}, 1),)), profile=PROFILE, max_k=0)
+
+
+def test_the_workload_carries_the_ngram_proposers_match_of_every_phase() -> None:
+    # The plugin's engine knows the proposer's match before drafting; the demo engine must too, or
+    # the per-request rule runs blind and the demo understates the composite drafter.
+    w = demo_workload(seed=0, duration_s=8.0)
+    prop = w.trace.ngram_proposal
+    assert prop is not None and len(prop) == int(w.trace.output_tokens.sum())
+    assert w.trace.meta["ngram"] == {"min_n": 4, "max_n": 5}
+    assert 0 <= prop.min() and prop.max() <= w.max_k
+    # Every phase's pool has matches (copy spans) and positions without one.
+    for i in range(len(w.schedule.phases)):
+        lo, hi = w.trace.offsets[w.first[i]], w.trace.offsets[w.first[i] + w.count[i]]
+        assert (prop[lo:hi] > 0).any() and (prop[lo:hi] == 0).any()
+    assert w.max_k == 8
