@@ -87,7 +87,8 @@ class GoodputModel(Learner):
         ),
         "switch_settled_trials": Param(
             50.0,
-            "Discounted trials every draft position of an arm needs before a switch to it is held back.",
+            "Discounted trials every draft position of an arm needs, and steps the cost model needs along "
+            "a switch's direction, before a switch to it is held back.",
             0.0,
             1e6,
         ),
@@ -748,6 +749,23 @@ class GoodputModel(Learner):
             return need <= 0
         return bool((t[0][self._drafts[arm]] >= need).all())
 
+    def _cost_settled(self, batch: float, current: int, new: int) -> bool:
+        """Whether the cost model has seen enough steps along the direction in which ``new``'s step
+        differs from ``current``'s: ``switch_settled_trials`` (discounted) steps' worth. An engine that
+        has only ever played one K (a K table, where K is the batch's) has never seen the draft-pass
+        coefficient vary; the posterior spread along it is the ridge prior's, so without this the value
+        hysteresis would hold back every switch that would identify it and keep the first K forever.
+        With ``n`` steps at each of two feature vectors, ``d' (X'X)^-1 d`` is about ``2 / n``."""
+        need = float(self.params["switch_settled_trials"])
+        if need <= 0:
+            return True
+        x = self._arm_features(batch, np.array([current, new], dtype=np.int64))
+        d = x[1] - x[0]
+        if not d.any():
+            return True
+        spread = float(d @ np.linalg.solve(self._xtx, d))
+        return spread * need <= 2.0
+
     def switch_check(
         self,
         ctx: Context,
@@ -768,7 +786,7 @@ class GoodputModel(Learner):
         if (z <= 0 and floor <= 0) or self._w == 0:
             return None
         bucket, cls = ctx.bucket, ctx.traffic_class
-        if not self._settled(cls, new):
+        if not self._settled(cls, new) or not self._cost_settled(self._batch_size(bucket), current, new):
             return None  # as an unestimated arm: it has to be tried before it can be judged
         by_rule = not bool(self._ngram[np.asarray(list(allowed), dtype=np.int64)].any())
         if cls == ANY_CLASS:

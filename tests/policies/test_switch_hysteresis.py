@@ -99,3 +99,30 @@ def test_fewer_switches_on_a_drift_at_the_same_goodput() -> None:
     on, off = runs["on"], runs["off"]
     assert on.switches < off.switches
     assert on.throughput > 0.95 * off.throughput
+
+
+def test_a_k_table_engine_leaves_its_first_k_when_another_is_better() -> None:
+    # A K-table engine plays one K per batch, so the cost model never sees the draft-pass coefficient
+    # vary until a switch happens; the value hysteresis must not hold back the switch that would
+    # identify it (it did: the stock engine stayed near its first K at c = 32, 0.92 x best static).
+    from policies.spec import static_policy
+    from sim.engines import engine_for_arm
+
+    tr = generate("chat", n_requests=300, seed=3)
+    best = max(
+        Replayer(
+            trace=tr,
+            profile=PROFILE,
+            engine=engine_for_arm(Arm(Method.EAGLE3, k)),
+            policy=static_policy(f"eagle3:{k}"),
+            concurrency=32,
+            seed=0,
+        )
+        .run()
+        .throughput
+        for k in (3, 4, 5)
+    )
+    r = Replayer(
+        trace=tr, profile=PROFILE, engine=ENGINES["stock-vllm"], policy=_default(), concurrency=32, seed=0
+    ).run()
+    assert r.throughput >= 0.95 * best
