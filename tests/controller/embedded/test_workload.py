@@ -74,7 +74,7 @@ def test_the_workload_carries_the_ngram_proposers_match_of_every_phase() -> None
     prop = w.trace.ngram_proposal
     assert prop is not None and len(prop) == int(w.trace.output_tokens.sum())
     assert w.trace.meta["ngram"] == {"min_n": 4, "max_n": 5}
-    assert 0 <= prop.min() and prop.max() <= w.max_k
+    assert prop.min() >= 0 and prop.max() <= w.max_k
     # Every phase's pool has matches (copy spans) and positions without one.
     for i in range(len(w.schedule.phases)):
         lo, hi = w.trace.offsets[w.first[i]], w.trace.offsets[w.first[i] + w.count[i]]
