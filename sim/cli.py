@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controller.vllm.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from policies.presets import resolve_policy as resolve_named_policy
 from policies.spec import PolicyError, PolicySpec, static_policy
 from sim.autoscale_cli import add_parser as add_autoscale_parser
@@ -459,6 +460,9 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     except TraceError as e:
         _err(str(e))
         return EXIT_USAGE
+    if not 1 <= args.min_n <= args.max_n <= 63:
+        _err(f"--min-n/--max-n: need 1 <= min_n <= max_n <= 63, got {args.min_n}, {args.max_n}")
+        return EXIT_USAGE
     bar = ProgressBar(total=len(prompts), label="recording")
     try:
         tr, failures, responses = record_trace(
@@ -469,6 +473,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
             method=Method(args.method),
             concurrency=max(1, args.concurrency),
             on_done=lambda _: bar.advance(),
+            ngram=(args.min_n, args.max_n),
         )
     except TraceError as e:
         _err(str(e))
@@ -476,9 +481,15 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     write_trace(tr, args.out)
+    signal = (
+        f"n-gram match at {float((tr.ngram_proposal > 0).mean()):.1%} of positions (min_n {args.min_n}, "
+        f"max_n {args.max_n})"
+        if tr.ngram_proposal is not None
+        else "no n-gram proposals: the server returned no token ids"
+    )
     print(
         f"wrote {args.out}: {tr.n} requests ({failures} failed), {tr.total_output_tokens} output tokens, "
-        f"max_k {tr.max_k}; responses kept in {responses} (counts censored at the recorded K)"
+        f"max_k {tr.max_k}; {signal}; responses kept in {responses} (counts censored at the recorded K)"
     )
     return 0 if tr.n else 1
 
@@ -639,6 +650,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
+    p.add_argument(
+        "--min-n", type=int, default=DEFAULT_MIN_N,
+        help="shortest n-gram of the proposals (the engine's SPECCONTROL_NGRAM_MIN; plugin default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-n", type=int, default=DEFAULT_MAX_N,
+        help="longest n-gram of the proposals (the engine's SPECCONTROL_NGRAM_MAX; plugin default %(default)s)",
+    )  # fmt: skip
     p.add_argument("--out", required=True, help="output trace (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_record)
 

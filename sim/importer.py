@@ -67,14 +67,32 @@ def counts_from_steps(output_tokens: int, accepted: list[int], drafted: list[int
     return acc
 
 
+def _response_token_ids(obj: dict[str, Any]) -> tuple[Any, Any]:
+    """(prompt token ids, output token ids) of a response asked with ``return_token_ids`` (None where
+    absent): the completions API puts both on the choice, the chat API the prompt's on the response."""
+    choices = obj.get("choices")
+    c = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    return c.get("prompt_token_ids", obj.get("prompt_token_ids")), c.get("token_ids")
+
+
 def import_vllm_metrics(
-    path: str | Path, *, method: Method = Method.EAGLE3, limits: TraceLimits = DEFAULT_LIMITS
+    path: str | Path,
+    *,
+    method: Method = Method.EAGLE3,
+    limits: TraceLimits = DEFAULT_LIMITS,
+    ngram: tuple[int, int] | None = None,
 ) -> Trace:
     """A trace from JSON Lines of vLLM responses (completions or chat) carrying detailed spec metrics.
 
     Each line: a response object with ``usage.prompt_tokens``, ``usage.completion_tokens`` and
     ``metrics.speculative_decoding.per_step_accepted/per_step_drafted``; optional ``id``,
     ``traffic_class`` (or ``class``) and ``arrival_s`` fields are carried over.
+
+    ``ngram`` = (min_n, max_n): where every response also carries its token ids (``return_token_ids``),
+    the trace gets ``ngram_proposal`` (and ``meta.ngram``) computed from them with the matcher the
+    plugin runs (see ``ngram_columns``), the signal the engine reports per step; a trace recorded with
+    n-gram drafting then takes its ``acc.ngram`` from the token ids too (exact, where the engine's counts
+    are censored at the recorded K and could disagree with the proposal inside an accepted run).
     """
     if method not in TRACE_METHODS:
         raise TraceError(f"cannot import method {method.value!r}", source=str(path))
@@ -85,6 +103,7 @@ def import_vllm_metrics(
     out: list[int] = []
     arrival: list[float] = []
     acc: list[np.ndarray] = []
+    token_ids: list[tuple[np.ndarray, np.ndarray] | None] = []
     max_k = 1
     src = str(p)
     for lineno, text in read_json_lines(p, limits):
@@ -135,11 +154,42 @@ def import_vllm_metrics(
         arrival.append(float(arr) if _is_num(arr) and 0 <= arr <= MAX_ARRIVAL_S else float("nan"))
         acc.append(counts_from_steps(n_out, pa, pd))
         max_k = max([max_k, *pd])
+        if ngram is not None:
+            pids, oids = _response_token_ids(obj)
+            if pids is None or oids is None:
+                token_ids.append(None)
+            else:
+                pid = _token_ids(pids, "choices[0].prompt_token_ids", fail, min_len=0)
+                oid = _token_ids(oids, "choices[0].token_ids", fail, min_len=1)
+                if len(oid) != n_out:
+                    raise fail(
+                        "choices[0].token_ids",
+                        f"{len(oid)} token ids, but usage.completion_tokens is {n_out}",
+                    )
+                token_ids.append((pid, oid))
     if not ids:
         raise TraceError("no responses found", source=str(p))
     arrivals = np.array(arrival)
     if np.isnan(arrivals).any():
         arrivals[:] = np.nan  # all or none
+    meta: dict[str, Any] = {
+        "imported_from": "vllm per-request spec decode metrics (detailed)",
+        "source_file": p.name,
+        "censored_at_recorded_k": True,
+        "note": "counts are exact below the recorded K and censored at it; K = 0 phases are not recorded",
+    }
+    proposal = None
+    if ngram is not None and token_ids and all(t is not None for t in token_ids):
+        cols = [
+            ngram_columns(*t, min_n=ngram[0], max_n=ngram[1], max_k=max_k) for t in token_ids if t is not None
+        ]
+        proposal = np.concatenate([prop for _, prop in cols])
+        meta["ngram"] = {"min_n": ngram[0], "max_n": ngram[1]}
+        if method is Method.NGRAM:
+            acc = [a for a, _ in cols]
+            meta["note"] += (
+                f"; acc.ngram computed from the token ids (exact for greedy decoding, capped at {NGRAM_HORIZON})"
+            )
     return Trace(
         max_k=max_k,
         methods=(method,),
@@ -149,13 +199,9 @@ def import_vllm_metrics(
         output_tokens=np.array(out, dtype=np.int64),
         arrival_s=arrivals,
         acc={method: np.concatenate(acc)},
-        meta={
-            "imported_from": "vllm per-request spec decode metrics (detailed)",
-            "source_file": p.name,
-            "censored_at_recorded_k": True,
-            "note": "counts are exact below the recorded K and censored at it; K = 0 phases are not recorded",
-        },
+        meta=meta,
         name=p.name.removesuffix(".gz").removesuffix(".jsonl"),
+        ngram_proposal=proposal,
     )
 
 

@@ -4,7 +4,10 @@ Each prompt is sent to ``/v1/completions`` (greedy, the traffic class in ``vllm_
 run with ``--per-request-spec-decode-metrics detailed`` so every response carries its per-step accepted
 and drafted counts. Responses are kept as JSON Lines beside the trace (``<out>.responses.jsonl``) and
 converted with the importer, so the K-censoring rules are the importer's (see ``sim/importer.py``):
-counts are exact below the recorded K and censored at it; record at a fixed K > 0.
+counts are exact below the recorded K and censored at it; record at a fixed K > 0. Responses also carry
+their token ids (``return_token_ids``), from which the importer computes each position's n-gram proposal
+(``ngram_proposal``, with the plugin's n-gram sizes: pass the engine's ``SPECCONTROL_NGRAM_MIN/MAX``),
+the signal the plugin reports per step.
 
 Prompt file: JSON Lines of ``{"prompt": "...", "class": "code", "max_tokens": 256}`` (class and
 max_tokens optional), or plain text with one prompt per line.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from controller.vllm.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from policies.arms import Method
 from sim.importer import import_vllm_metrics
 from sim.trace import Trace, TraceError
@@ -108,6 +112,7 @@ def record(
             "prompt": p.text,
             "max_tokens": p.max_tokens,
             "temperature": 0.0,
+            "return_token_ids": True,
             "vllm_xargs": {"traffic_class": p.traffic_class},
         }
         try:
@@ -140,8 +145,10 @@ def record_trace(
     method: Method,
     concurrency: int = 4,
     on_done: Callable[[int], None] | None = None,
+    ngram: tuple[int, int] = (DEFAULT_MIN_N, DEFAULT_MAX_N),
 ) -> tuple[Trace, int, Path]:
-    """Record responses and convert them; returns the trace, the failed requests and the responses file."""
+    """Record responses and convert them; returns the trace, the failed requests and the responses file.
+    ``ngram``: the (min_n, max_n) of the n-gram proposals computed from the responses' token ids."""
     responses = out.with_name(out.name.removesuffix(".gz").removesuffix(".jsonl") + ".responses.jsonl")
     failures = record(
         base_url=base_url,
@@ -151,4 +158,4 @@ def record_trace(
         concurrency=concurrency,
         on_done=on_done,
     )
-    return import_vllm_metrics(responses, method=method), failures, responses
+    return import_vllm_metrics(responses, method=method, ngram=ngram), failures, responses

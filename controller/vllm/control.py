@@ -123,9 +123,13 @@ class Controls:
         batch_size: int,
         *,
         slots: np.ndarray | None = None,
+        ngram_proposal: np.ndarray | None = None,
     ) -> Plan:
-        """The fast loop's choice for each request's next draft (``slots``: the fast loop's, if known)."""
-        methods, ks = self.fast.plan(d, request_ids, classes, batch_size, self.engine.max_k, slots=slots)
+        """The fast loop's choice for each request's next draft (``slots``: the fast loop's, if known;
+        ``ngram_proposal``: each request's n-gram proposal, -1 where unknown, None: not reported)."""
+        methods, ks = self.fast.plan(
+            d, request_ids, classes, batch_size, self.engine.max_k, slots=slots, ngram_proposal=ngram_proposal
+        )
         _restrict(methods, ks, self._method_code, self.composite)
         return Plan(methods, ks)
 

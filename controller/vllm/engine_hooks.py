@@ -37,7 +37,7 @@ import numpy as np
 
 from controller.vllm import compat
 from controller.vllm.control import Controls, engine_info
-from controller.vllm.hotpath import ACCEPTED, CF, CLASS, DRAFTED, METHOD, K, StepKernel
+from controller.vllm.hotpath import ACCEPTED, CF, CLASS, DRAFTED, METHOD, PROPOSAL, K, StepKernel
 from controller.vllm.link import SidecarLink
 from controller.vllm.mode import (
     NGRAM_ROWS_ATTR,
@@ -62,7 +62,8 @@ _is_finished = operator.methodcaller("is_finished")
 
 _OFF = METHOD_CODES[Method.OFF]
 _NGRAM = METHOD_CODES[Method.NGRAM]
-#: SchedulerOutput attribute (async scheduling): request -> (method code, K) of the drafts it verifies.
+#: SchedulerOutput attribute (async scheduling): request -> (method code, K, n-gram proposal) of the
+#: drafts it verifies (proposal -1: unknown when planned).
 VERIFYING_ATTR = "speccontrol_verifying"
 
 
@@ -134,7 +135,8 @@ class EngineHooks:
         self.async_composite = False
         #: Whether the scheduler's K table may be swapped (see ``fixed_table_reason``).
         self.swap_table = True
-        self._planned: dict[str, tuple[int, int]] = {}  # request -> (method code, K) of its next draft
+        #: request -> (method code, K, n-gram proposal) of its next draft
+        self._planned: dict[str, tuple[int, int, int]] = {}
 
     @classmethod
     def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
@@ -265,8 +267,8 @@ class EngineHooks:
         if planned:  # async: what was planned for the drafts verified now
             slots = self.controls.fast.slots(list(planned))
             self.rows.reserve(int(slots.max()) + 1)
-            mk = np.array(list(planned.values()), dtype=np.int64).reshape(-1, 2)
-            self.rows.planned(slots, mk[:, 0], mk[:, 1])
+            mk = np.array(list(planned.values()), dtype=np.int64).reshape(-1, 3)
+            self.rows.planned(slots, mk[:, 0], mk[:, 1], mk[:, 2])
         reqs = scheduler.requests
         return {rid: reqs.get(rid) for rid in scheduler_output.num_scheduled_tokens}
 
@@ -320,6 +322,7 @@ class EngineHooks:
             drafted=cols[DRAFTED],
             accepted=cols[ACCEPTED],
             cf_ngram=cols[CF],
+            ngram_proposal=cols[PROPOSAL] if self.scorer is not None else None,
             finished=finished,
             prefill_tokens=int(prefill),
         )
@@ -406,15 +409,19 @@ class EngineHooks:
         slots = self.controls.fast.slots(ids)
         self.rows.reserve(int(slots.max()) + 1)
         classes = self.rows.classes(slots)
-        plan = self.controls.plan(self.directive, ids, classes, len(so.num_scheduled_tokens), slots=slots)
+        proposal = self.kernels.proposals(slots)
+        plan = self.controls.plan(
+            self.directive, ids, classes, len(so.num_scheduled_tokens), slots=slots, ngram_proposal=proposal
+        )
         ngram: list[str] = []
-        for rid, m, k in zip(ids, plan.method.tolist(), plan.k.tolist(), strict=True):
+        props = proposal.tolist() if proposal is not None else [-1] * len(ids)
+        for rid, m, k, p in zip(ids, plan.method.tolist(), plan.k.tolist(), props, strict=True):
             req = reqs[rid]
             room = len(req.spec_token_ids)
             k = min(k, room)
             if k != room:
                 req.spec_token_ids = [-1] * k  # a new list: vLLM shares one placeholder list
-            planned[rid] = (m if k else _OFF, k)
+            planned[rid] = (m if k else _OFF, k, p)
             if k and m == _NGRAM:
                 ngram.append(rid)
         setattr(so, NGRAM_ROWS_ATTR, frozenset(ngram))

@@ -5,7 +5,8 @@ n-gram index takes its new tokens, scores its pending draft and drafts anew (``n
 the report's columns are read off the plan recorded for the verified draft (``rows.columns_row``),
 and the fast loop folds in the feedback (``rules.feedback_row``). ``update_draft_token_ids``
 (``StepKernel.choose``): per request its class's planned arm, the rule's override
-(``rules.plan_row``), what this engine can draft (``control.restrict_row``) and which draft it gets
+(``rules.plan_row``, which sees the request's n-gram proposal: the length of the draft the index has
+for it, computed from tokens the engine already has, so causal), what this engine can draft (``control.restrict_row``) and which draft it gets
 (``control.source_row``). The row functions are the same ones the batch APIs (``FastLoop``,
 ``Controls``, ``NgramIndex``, ``RequestTable``) loop over, so each behaviour is written once; these
 kernels only fuse them, so a step costs one dispatch per hook and no Python object per request
@@ -25,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from controller.vllm.control import Controls, pick_drafts, restrict_row, source_row
-from controller.vllm.ngram import DRAFT_LEN, NgramIndex, room, step_row
-from controller.vllm.rows import RequestTable, columns_row
+from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, room, step_row
+from controller.vllm.rows import PLAN_K, PLAN_METHOD, PLAN_PROPOSAL, RequestTable, columns_row
 from policies.arms import METHOD_CODES, Method
 from policies.directive import Directive
 from policies.jit import kernel
@@ -34,8 +35,8 @@ from policies.observation import NOT_SCORED
 from policies.rules import feedback_row, plan_row, rule_args
 
 _OK, _UNSEEN, _NO_ROOM = 0, -1, -2
-#: Rows of the after-update output: the report's columns.
-METHOD, K, DRAFTED, ACCEPTED, CF, CLASS = range(6)
+#: Rows of the after-update output: the report's columns (PROPOSAL: -1 where the index is off).
+METHOD, K, DRAFTED, ACCEPTED, CF, CLASS, PROPOSAL = range(7)
 
 
 @kernel
@@ -81,17 +82,20 @@ def _after_update(
     for j in range(n):
         s = int(slots[j])
         c = NOT_SCORED
+        before = -1
         if scoring:
+            before = int(state[s, DRAFT_LEN])  # the proposal before this step's tokens
             c = step_row(state, pool, table, meta, drafts, pending, s, tokens, int(offsets[j]),
                          int(offsets[j + 1]), not finished[j], min_n, max_n, max_model_len)  # fmt: skip
         d = int(drafted[j])
-        m, k, a, c = columns_row(verifying, s, int(sampled[j]), d, c, configured, max_k)
+        m, k, a, c, p = columns_row(verifying, s, int(sampled[j]), d, c, configured, max_k, before)
         out[METHOD, j] = m
         out[K, j] = k
         out[DRAFTED, j] = d
         out[ACCEPTED, j] = a
         out[CF, j] = c
         out[CLASS, j] = cls[s]
+        out[PROPOSAL, j] = p
         feedback_row(ewma, steps, run, last_k, s, m, a, ngram, cf_rows, j, mixed, ngram_row, alpha, fl_max_k)
     return _OK
 
@@ -114,19 +118,23 @@ def _choose(
     p2: float,
 ) -> None:
     """params: rule code, max K, configured method code, composite (0/1), scoring (0/1).
-    ``class_arm[c]``: class c's planned (method, K). out rows: draft source, its length."""
+    ``class_arm[c]``: class c's planned (method, K). out rows: draft source, its length.
+
+    The rule sees each request's n-gram proposal (its current draft's length in the index, -1 for a
+    request the index has not started), and the plan records it for the report."""
     rule, max_k, configured = int(params[0]), int(params[1]), int(params[2])
     composite, scoring = params[3] != 0, params[4] != 0
     for j in range(len(slots)):
         s = int(slots[j])
         c = int(cls[s])
-        # The n-gram proposer's match is not passed to the rule here yet (-1: not reported).
+        prop = int(state[s, DRAFT_LEN]) if scoring and int(state[s, LEN]) >= 0 else -1
         m, k = plan_row(ewma, steps, run, last_k, s, int(class_arm[c, 0]), int(class_arm[c, 1]), rule, p0, p1,
-                        p2, -1, max_k)  # fmt: skip
+                        p2, prop, max_k)  # fmt: skip
         m, k = restrict_row(m, k, configured, composite)
-        verifying[s, 0] = m
-        verifying[s, 1] = k
-        out[0, j], out[1, j] = source_row(m, k, int(state[s, DRAFT_LEN]) if scoring else 0, composite)
+        verifying[s, PLAN_METHOD] = m
+        verifying[s, PLAN_K] = k
+        verifying[s, PLAN_PROPOSAL] = prop
+        out[0, j], out[1, j] = source_row(m, k, max(prop, 0), composite)
 
 
 class StepKernel:
@@ -164,7 +172,7 @@ class StepKernel:
         alpha: float,
         start: Any,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The step's columns (rows METHOD..CLASS of an int32 array) and slots, for requests ``ids``
+        """The step's columns (rows METHOD..PROPOSAL of an int32 array) and slots, for requests ``ids``
         that sampled ``gens`` after drafts of ``drafted`` tokens. ``start(j, slot)`` is called for a
         request the hooks have not seen: it admits the slot (class, n-gram history)."""
         n = len(ids)
@@ -172,7 +180,7 @@ class StepKernel:
         self._reserve()
         sampled = np.fromiter(map(len, gens), dtype=np.int64, count=n)
         new: Sequence[Sequence[int]] = gens
-        out = np.empty((6, n), dtype=np.int32)
+        out = np.empty((7, n), dtype=np.int32)
         sc = self.scorer
         params = self._update_params
         params[3] = self.fast.max_k
@@ -223,6 +231,17 @@ class StepKernel:
                 slots, out, params, p0, p1, p2)  # fmt: skip
         ngram = sc.drafts(slots)[0].tolist() if sc is not None else drafts
         return pick_drafts(out[0], out[1], drafts, ngram)
+
+    def proposals(self, slots: np.ndarray) -> np.ndarray | None:
+        """Each slot's n-gram proposal (its current draft's length; -1 where the index has not
+        started it), or None without the index. The rule reads it as in ``choose``."""
+        sc = self.scorer
+        if sc is None:
+            return None
+        self._reserve()
+        state = sc.arrays()[0]
+        out: np.ndarray = np.where(state[slots, LEN] >= 0, state[slots, DRAFT_LEN], -1)
+        return out
 
     def _arms(self, directive: Directive, batch_size: int) -> np.ndarray:
         """Each known class's planned (method code, K) at this batch size (cached)."""

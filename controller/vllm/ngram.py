@@ -36,6 +36,10 @@ from policies.jit import kernel
 from policies.observation import NOT_SCORED
 from policies.prompt_lookup import match_ngram
 
+#: The plugin's n-gram sizes unless SPECCONTROL_NGRAM_MIN/MAX say otherwise (vLLM's own n-gram
+#: drafter: prompt_lookup_min/max).
+DEFAULT_MIN_N, DEFAULT_MAX_N = 1, 3
+
 #: (tokens, min_n, max_n, max_model_len, k) -> draft
 Matcher = Callable[[np.ndarray, int, int, int, int], np.ndarray]
 

@@ -39,6 +39,9 @@ class StepRecord:
     cf_ngram: np.ndarray  # n-gram's counterfactual accepted count, NOT_SCORED where not scored
     finished: np.ndarray
     prefill_tokens: int = 0  # prompt tokens computed in the same step
+    #: Per request, the n-gram proposer's draft length when its verified draft was planned (0: no
+    #: match); None where the engine runs no n-gram index (not reported).
+    ngram_proposal: np.ndarray | None = None
 
     def to_pb(self) -> pb.StepReport:
         """The step in the columnar wire form (``StepReport.columns``): one packed field per column."""
@@ -67,12 +70,14 @@ class StepRecord:
                 if scored
                 else [],
                 finished=self.finished.tolist(),
+                ngram_proposal=self.ngram_proposal.tolist() if self.ngram_proposal is not None else [],
             ),
             directive_version=self.directive_version,
             prefill_tokens=self.prefill_tokens,
         )
 
     def to_json(self) -> str:
+        prop = self.ngram_proposal
         d: dict[str, Any] = {
             "t": round(self.time_s, 6),
             "dur": round(self.duration_s, 6),
@@ -92,6 +97,7 @@ class StepRecord:
                     "accepted": int(self.accepted[j]),
                     "cf_ngram": int(self.cf_ngram[j]),
                     "finished": bool(self.finished[j]),
+                    **({} if prop is None else {"ngram_proposal": int(prop[j])}),
                 }
                 for j, rid in enumerate(self.request_id)
             ],

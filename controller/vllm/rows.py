@@ -1,8 +1,9 @@
 """Per-request bookkeeping the plugin keeps between hooks, in arrays indexed by the fast loop's slots.
 
 For each live request: its traffic class (an index into a table of class names that only grows,
-bounded by ``max_classes``), and the method and K of the draft the composite drafter handed the
-scheduler, until that draft is verified. ``columns`` turns one step's verified counts into the
+bounded by ``max_classes``), and the method, K and n-gram proposal (the draft length the n-gram
+proposer had when the draft was planned) of the draft the composite drafter handed the scheduler,
+until that draft is verified. ``columns`` turns one step's verified counts into the
 report's columns in one kernel call, with no Python object per request.
 
 What must hold: a request's planned (method, K) is read once, by the step that verifies its draft
@@ -27,14 +28,30 @@ _NGRAM = METHOD_CODES[Method.NGRAM]
 DEFAULT_CLASS = "default"
 
 
+#: Columns of the pending plan per slot: method code (-1: none), K, n-gram proposal (-1: unknown).
+PLAN_METHOD, PLAN_K, PLAN_PROPOSAL = range(3)
+
+
 @kernel
 def columns_row(
-    verifying: np.ndarray, s: int, sampled: int, drafted: int, cf: int, configured: int, max_k: int
-) -> tuple[int, int, int, int]:
-    """(method, K, accepted, counterfactual) of slot ``s``'s verified step (see ``RequestTable.columns``)."""
-    code = int(verifying[s, 0])
-    k = int(verifying[s, 1])
-    verifying[s, 0] = -1
+    verifying: np.ndarray,
+    s: int,
+    sampled: int,
+    drafted: int,
+    cf: int,
+    configured: int,
+    max_k: int,
+    proposal_before: int,
+) -> tuple[int, int, int, int, int]:
+    """(method, K, accepted, counterfactual, n-gram proposal) of slot ``s``'s verified step (see
+    ``RequestTable.columns``)."""
+    code = int(verifying[s, PLAN_METHOD])
+    k = int(verifying[s, PLAN_K])
+    proposal = int(verifying[s, PLAN_PROPOSAL])
+    verifying[s, PLAN_METHOD] = -1
+    verifying[s, PLAN_PROPOSAL] = -1
+    if code < 0 or proposal < 0:  # no plan, or one made before the proposer knew the request
+        proposal = proposal_before
     if code < 0:  # no plan recorded: the engine's own drafter, as scheduled
         code = configured if drafted else _OFF
         k = drafted
@@ -43,7 +60,13 @@ def columns_row(
         k = 0
     if code == _NGRAM:
         cf = NOT_SCORED  # verified, not counterfactual
-    return code, max(k, drafted), (max(sampled - 1, 0) if drafted else 0), min(cf, max_k)
+    return (
+        code,
+        max(k, drafted),
+        (max(sampled - 1, 0) if drafted else 0),
+        min(cf, max_k),
+        min(proposal, max_k),
+    )
 
 
 @kernel
@@ -53,6 +76,7 @@ def _columns(
     sampled: np.ndarray,
     drafted: np.ndarray,
     cf: np.ndarray,
+    proposal: np.ndarray,
     configured: int,
     max_k: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -61,9 +85,10 @@ def _columns(
     ks = np.empty(n, dtype=np.int32)
     accepted = np.empty(n, dtype=np.int32)
     for j in range(n):
-        method[j], ks[j], accepted[j], cf[j] = columns_row(
-            verifying, int(slots[j]), int(sampled[j]), int(drafted[j]), int(cf[j]), configured, max_k
-        )
+        method[j], ks[j], accepted[j], cf[j], proposal[j] = columns_row(
+            verifying, int(slots[j]), int(sampled[j]), int(drafted[j]), int(cf[j]), configured, max_k,
+            int(proposal[j]),
+        )  # fmt: skip
     return method, ks, accepted
 
 
@@ -81,7 +106,7 @@ class RequestTable:
         self.class_names: tuple[str, ...] = (DEFAULT_CLASS,)
         self._full = False
         self._class = np.zeros(capacity, dtype=np.int32)
-        self._verifying = np.full((capacity, 2), -1, dtype=np.int64)
+        self._verifying = np.full((capacity, 3), -1, dtype=np.int64)
         self._live = np.zeros(capacity, dtype=np.bool_)
 
     def admit(self, slots: np.ndarray, *, mark: bool = True) -> list[int]:
@@ -104,14 +129,15 @@ class RequestTable:
             n = max(capacity, 2 * len(self._class))
             cls = np.zeros(n, dtype=np.int32)
             cls[: len(self._class)] = self._class
-            ver = np.full((n, 2), -1, dtype=np.int64)
+            ver = np.full((n, 3), -1, dtype=np.int64)
             ver[: len(self._verifying)] = self._verifying
             live = np.zeros(n, dtype=np.bool_)
             live[: len(self._live)] = self._live
             self._class, self._verifying, self._live = cls, ver, live
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per slot, for a caller's own kernel (``columns_row``): the pending (method, K), the class
+        """Per slot, for a caller's own kernel (``columns_row``): the pending plan (method, K, n-gram
+        proposal; columns ``PLAN_*``), the class
         index, whether admitted. Arrays are replaced by ``reserve``."""
         return self._verifying, self._class, self._live
 
@@ -138,10 +164,14 @@ class RequestTable:
         names = self.class_names
         return [names[i] for i in self._class[slots].tolist()]
 
-    def planned(self, slots: np.ndarray, methods: np.ndarray, ks: np.ndarray) -> None:
-        """The (method, K) of the drafts just handed to the scheduler, read back when verified."""
-        self._verifying[slots, 0] = methods
-        self._verifying[slots, 1] = ks
+    def planned(
+        self, slots: np.ndarray, methods: np.ndarray, ks: np.ndarray, proposals: np.ndarray | None = None
+    ) -> None:
+        """The (method, K) of the drafts just handed to the scheduler, and the n-gram proposal each
+        was planned with (None or -1: unknown), read back when verified."""
+        self._verifying[slots, PLAN_METHOD] = methods
+        self._verifying[slots, PLAN_K] = ks
+        self._verifying[slots, PLAN_PROPOSAL] = -1 if proposals is None else proposals
 
     def release(self, slot: int) -> None:
         self._verifying[slot] = -1
@@ -149,14 +179,21 @@ class RequestTable:
         self._live[slot] = False
 
     def columns(
-        self, slots: np.ndarray, sampled: np.ndarray, drafted: np.ndarray, cf: np.ndarray
+        self,
+        slots: np.ndarray,
+        sampled: np.ndarray,
+        drafted: np.ndarray,
+        cf: np.ndarray,
+        proposal: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One step's (method int8, K int32, accepted int32) columns for requests that sampled
         ``sampled[j]`` tokens after a draft of ``drafted[j]``; ``cf`` (int32, n-gram's counterfactual)
-        is made final in place.
+        is made final in place, and so is ``proposal`` (int32: given as each request's n-gram proposal
+        before this step, it becomes the one its verified draft was planned with where the plan
+        recorded one; capped at max K).
 
         Per row: the plan recorded for the draft (consumed), or, without one, the configured method
         at the drafted length; a row that drafted nothing is off unless n-gram was planned (it drafted
         nothing there); K is at least the drafted length; accepted is sampled - 1 where a draft was
         verified; a verified n-gram draft has no counterfactual; counts are capped at max K."""
-        return _columns(self._verifying, slots, sampled, drafted, cf, self.configured, self.max_k)  # type: ignore[no-any-return]
+        return _columns(self._verifying, slots, sampled, drafted, cf, proposal, self.configured, self.max_k)  # type: ignore[no-any-return]

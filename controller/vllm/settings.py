@@ -14,6 +14,7 @@ import grpc
 
 from controller.auth import ClientTLS, channel_credentials
 from controller.errors import ConfigError
+from controller.vllm.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from controller.wire.address import is_loopback, parse_address
 from policies.arms import Arm
 
@@ -51,8 +52,8 @@ class PluginSettings:
     #: Optional JSON Lines trace of every step the plugin reports (tests and debugging).
     trace_path: str = ""
     #: n-gram lookup window (vLLM's prompt_lookup_min / prompt_lookup_max).
-    ngram_min: int = 1
-    ngram_max: int = 3
+    ngram_min: int = DEFAULT_MIN_N
+    ngram_max: int = DEFAULT_MAX_N
     #: TLS to a TCP sidecar: the CA that signs the sidecar's certificate, and this engine's client
     #: certificate and key (mTLS; the sidecar requires it for a listener beyond loopback).
     tls_ca: str = ""
@@ -117,8 +118,8 @@ class PluginSettings:
             not in ("0", "false", "no", "off"),
             class_key=env.get("SPECCONTROL_CLASS_KEY", "traffic_class").strip() or "traffic_class",
             trace_path=env.get("SPECCONTROL_TRACE", "").strip(),
-            ngram_min=_int(env, "SPECCONTROL_NGRAM_MIN", 1),
-            ngram_max=_int(env, "SPECCONTROL_NGRAM_MAX", 3),
+            ngram_min=_int(env, "SPECCONTROL_NGRAM_MIN", DEFAULT_MIN_N),
+            ngram_max=_int(env, "SPECCONTROL_NGRAM_MAX", DEFAULT_MAX_N),
             tls_ca=_readable(env, "SPECCONTROL_TLS_CA"),
             tls_cert=_readable(env, "SPECCONTROL_TLS_CERT"),
             tls_key=_readable(env, "SPECCONTROL_TLS_KEY"),

@@ -83,6 +83,10 @@ def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(
         settled = rows[2:]
         assert settled and all(r["method"] == method for r in settled), rows
         drafted, accepted = sum(r["drafted"] for r in settled), sum(r["accepted"] for r in settled)
+        # Under async scheduling too the plan's n-gram proposal travels with each row, and the
+        # repetitive output gives proposals wherever a draft is verified.
+        assert all(0 <= r["ngram_proposal"] <= MAX_K for r in rows), rows
+        assert sum(r["ngram_proposal"] > 0 for r in settled) > len(settled) // 2, settled
         if method == "ngram":
             assert accepted > drafted / 2, settled
         else:

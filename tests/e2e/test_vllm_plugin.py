@@ -54,6 +54,13 @@ def test_1_default_policy_discovers_ngram(stack: Stack) -> None:
     assert any(r["cf_ngram"] >= 1 for r in rows if r["method"] != "ngram") or rows[0]["method"] == "ngram"
     m = _spec(resp)
     assert m["draft_acceptance_rate"] > 0.5, m
+    # The n-gram proposer's match travels with every row: the repetitive output gives proposals, and
+    # n-gram was verified only where the proposer had something to draft.
+    props = [r["ngram_proposal"] for r in rows]
+    assert (
+        all(0 <= p <= MAX_K for p in props) and sum(p > 0 for p in props[len(props) // 2 :]) > len(late) // 2
+    )
+    assert all(r["ngram_proposal"] > 0 for r in rows if r["method"] == "ngram" and r["drafted"]), rows
     # The step that prefilled the prompt says so (the cost model must not charge it to drafts); the
     # prompt is a few words, so a handful of tokens, while later decode steps of this request alone
     # carry none.
@@ -211,3 +218,8 @@ def test_5_trace_record_from_the_running_server(stack: Stack) -> None:
     assert all(2 <= r["output_tokens"] <= 32 for r in reqs)
     counts = [c for r in reqs for c in r["acc"]["ngram"]]
     assert sum(counts) > len(counts)  # well above one accepted token per position on average
+    # The n-gram proposal per position, from the token ids the server returned, with the plugin's sizes.
+    assert header["meta"]["ngram"] == {"min_n": 1, "max_n": 3}
+    props = [p for r in reqs for p in r["ngram_proposal"]]
+    assert len(props) == len(counts) and all(0 <= p <= MAX_K for p in props)
+    assert sum(p > 0 for p in props) > len(props) // 2

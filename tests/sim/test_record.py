@@ -28,7 +28,11 @@ class FakeVllm(BaseHTTPRequestHandler):
         resp = {
             "id": "cmpl-x",
             "usage": {"prompt_tokens": 5, "completion_tokens": 6},
-            "choices": [{"text": "......"}],
+            "choices": [
+                {"text": "......", "prompt_token_ids": [1, 2, 3, 1, 2], "token_ids": [3, 1, 2, 3, 9, 9]}
+                if body.get("return_token_ids") and body["prompt"] != "no ids"
+                else {"text": "......"}
+            ],
             "metrics": {
                 "speculative_decoding": {"per_step_accepted": [2, 0, 1], "per_step_drafted": [2, 2, 2]}
             },
@@ -69,8 +73,51 @@ def test_record_writes_a_trace_and_counts_failures(server: str, tmp_path: Path) 
     assert all(b["temperature"] == 0.0 and b["model"] == "tiny" for b in SEEN)
     # Steps at positions 0 (accepted 2 of 2: censored at K), 3 (0 of 2), 4 (1 of 2).
     assert trace.acc[Method.EAGLE3][trace.offsets[0] : trace.offsets[1]].tolist() == [2, 1, 0, 0, 1, 0]
+    # The n-gram proposal per position, from the token ids (plugin sizes 1..3, capped at max_k 2):
+    # the output copies the prompt's 1 2 3 for four positions, then 9 is new, then 9 9 repeats it.
+    assert all(b["return_token_ids"] is True for b in SEEN)
+    assert trace.ngram_proposal is not None
+    assert trace.ngram_proposal[trace.offsets[0] : trace.offsets[1]].tolist() == [2, 2, 2, 2, 0, 1]
     write_trace(trace, out)
-    assert read_trace(out).n == 2
+    back = read_trace(out)
+    assert back.n == 2 and back.meta["ngram"] == {"min_n": 1, "max_n": 3}
+    assert back.ngram_proposal is not None and back.ngram_proposal.tolist() == trace.ngram_proposal.tolist()
+
+
+@pytest.mark.integration
+def test_record_without_token_ids_has_no_proposal(server: str, tmp_path: Path) -> None:
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("hello\nno ids\n")
+    prompts = read_prompts(prompts_file, default_class="chat", max_tokens=16)
+    trace, failures, _ = record_trace(
+        base_url=server, model="tiny", prompts=prompts, out=tmp_path / "t.jsonl", method=Method.NGRAM
+    )
+    # One response lacks token ids: the proposal is all or none, so none (the counts are vLLM's).
+    assert failures == 0 and trace.n == 2 and trace.ngram_proposal is None and "ngram" not in trace.meta
+    assert trace.acc[Method.NGRAM][trace.offsets[0] : trace.offsets[1]].tolist() == [2, 1, 0, 0, 1, 0]
+
+
+def test_token_ids_that_disagree_with_the_usage_name_the_line(tmp_path: Path) -> None:
+    from sim.importer import import_vllm_metrics
+
+    good = {
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3},
+        "choices": [{"prompt_token_ids": [1, 2], "token_ids": [1, 2, 1]}],
+        "metrics": {"speculative_decoding": {"per_step_accepted": [1], "per_step_drafted": [2]}},
+    }
+    bad = json.loads(json.dumps(good))
+    bad["choices"][0]["token_ids"] = [1, 2]
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(TraceError) as e:
+        import_vllm_metrics(f, method=Method.NGRAM, ngram=(1, 3))
+    assert e.value.line == 2 and "choices[0].token_ids" in str(e.value)
+    bad["choices"][0]["token_ids"] = [1, -2, 1]
+    f.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(TraceError, match=r"token_ids\[1\]"):
+        import_vllm_metrics(f, method=Method.NGRAM, ngram=(1, 3))
+    # Without ``ngram`` the token ids are not read (the import is as before).
+    assert import_vllm_metrics(f, method=Method.NGRAM).ngram_proposal is None
 
 
 def test_prompt_file_errors_name_the_line(tmp_path: Path) -> None:

@@ -139,7 +139,9 @@ def test_placeholders_sized_per_request_and_ngram_rows_named() -> None:
     assert {r: len(q.spec_token_ids) for r, q in s.requests.items()} == {"a": 2, "b": 3, "c": 0}
     assert getattr(last, NGRAM_ROWS_ATTR) == frozenset({"a"})
     ngram, eagle = METHOD_CODES[Method.NGRAM], METHOD_CODES[Method.EAGLE3]
-    assert getattr(last, VERIFYING_ATTR) == {"a": (ngram, 2), "b": (eagle, 3)}  # c drafts nothing
+    # c drafts nothing; each plan carries the n-gram proposal it was made with (the history ends in a
+    # run of 7s, so the proposer matches and proposes a whole K)
+    assert getattr(last, VERIFYING_ATTR) == {"a": (ngram, 2, MAX_K), "b": (eagle, 3, MAX_K)}
     rows = _rows(link)[6:]
     assert len(rows) > 800
     want = {"a": ("ngram", 2, 2), "b": ("eagle3", 3, 3), "c": ("off", 0, 0)}
@@ -150,7 +152,7 @@ def test_reports_the_plan_each_draft_was_made_with_across_a_change() -> None:
     h, link = _hooks(_directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 4))))
     s = FakeAsyncScheduler([Req(f"r{i}", "chat") for i in range(8)])
     pending = [s.schedule(h)]
-    plans: list[dict[str, tuple[int, int]]] = []
+    plans: list[dict[str, tuple[int, int, int]]] = []
     for step in range(200):
         if step == 100:
             link.d = _directive(2, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 1)))
@@ -160,8 +162,10 @@ def test_reports_the_plan_each_draft_was_made_with_across_a_change() -> None:
     # Each record carries exactly the plan its scheduler output carried (never the newer one).
     for rec, plan in zip(link.records, plans, strict=True):
         for j, rid in enumerate(rec.request_id):
-            code, k = plan.get(rid, (int(rec.method[j]), int(rec.drafted[j])))
-            assert (int(rec.method[j]), int(rec.k[j])) == (code, k)
+            assert rec.ngram_proposal is not None
+            got = (int(rec.method[j]), int(rec.k[j]), int(rec.ngram_proposal[j]))
+            code, k, prop = plan.get(rid, got)
+            assert got == (code, k, prop if prop >= 0 else got[2])
             assert int(rec.drafted[j]) == k
     seen = [(m, k) for _, _, m, k, _ in _rows(link)]
     first_ngram = seen.index(("ngram", 1))

@@ -92,6 +92,12 @@ class Reference:
                 self.index.start(int(slots[j]), reqs[ids[j]]._all_token_ids)
             new[j] = []
         fin = np.array(finished, dtype=bool)
+        # The proposal before this step's tokens: the one a row without a recorded plan reports.
+        proposal = (
+            self.index.drafts(slots)[1].astype(np.int32)
+            if self.index is not None
+            else np.full(len(ids), -1, dtype=np.int32)
+        )
         if self.index is not None:
             offsets = np.cumsum([0, *map(len, new)]).astype(np.int64)
             tokens = np.array(list(itertools.chain.from_iterable(new)), dtype=np.int32)
@@ -99,14 +105,16 @@ class Reference:
         else:
             cf = np.full(len(ids), NOT_SCORED, dtype=np.int32)
         lens = np.array([len(g) for g in gens], dtype=np.int64)
-        methods, ks, accepted = self.rows.columns(slots, lens, np.array(drafted, dtype=np.int64), cf)
+        methods, ks, accepted = self.rows.columns(
+            slots, lens, np.array(drafted, dtype=np.int64), cf, proposal
+        )
         if ids:
             counterfactual = {Method.NGRAM: cf} if self.index is not None else {}
             fast.feedback(ids, methods, accepted, counterfactual, alpha=0.3, slots=slots)
         classes = self.rows.class_index(slots)
         for j in np.flatnonzero(fin):
             self.release(ids[j])
-        return methods, ks, accepted, cf, classes
+        return methods, ks, accepted, cf, classes, proposal
 
     def release(self, rid: str) -> None:
         s = self.controls.fast.release(rid)
@@ -118,13 +126,19 @@ class Reference:
     def choose(self, d: Directive, ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         slots = self.controls.fast.slots(ids)
         self.rows.admit(slots, mark=False)
-        plan = self.controls.plan(d, ids, self.rows.classes(slots), len(ids), slots=slots)
+        prop = None
+        if self.index is not None:
+            live = np.array([self.index.live(int(s)) for s in slots], dtype=bool)
+            prop = np.where(live, self.index.drafts(slots)[1], -1)
+        plan = self.controls.plan(
+            d, ids, self.rows.classes(slots), len(ids), slots=slots, ngram_proposal=prop
+        )
         if self.index is not None:
             rows, lens = self.index.drafts(slots)
             chosen = self.controls.choose_drafts(plan, drafts, rows.tolist(), lens)
         else:
             chosen = self.controls.choose_drafts(plan, drafts, drafts, np.zeros(len(ids), dtype=np.int64))
-        self.rows.planned(slots, plan.method, plan.k)
+        self.rows.planned(slots, plan.method, plan.k, prop)
         return chosen
 
 
@@ -169,6 +183,7 @@ def test_hooks_report_and_draft_as_the_batch_apis(composite: bool, rule: str) ->
     reqs: dict[str, Req] = {}
     drafts: dict[str, list[int]] = {}
     serial = itertools.count()
+    proposals: list[int] = []
     vocab = 6  # small: n-gram matches often
     sched = SimpleNamespace(requests=reqs, waiting=[], dynamic_sd_lookup=None)
     for step in range(250):
@@ -216,8 +231,14 @@ def test_hooks_report_and_draft_as_the_batch_apis(composite: bool, rule: str) ->
         rec = link.records[-1]
         assert list(rec.request_id) == rows_ids
         got = (rec.method, rec.k, rec.accepted, rec.cf_ngram, rec.class_index)
-        for name, g, w in zip(("method", "k", "accepted", "cf", "class"), got, want, strict=True):
+        for name, g, w in zip(("method", "k", "accepted", "cf", "class"), got, want[:5], strict=True):
             assert g.tolist() == w.tolist(), f"step {step}: {name}"
+        if composite:
+            assert rec.ngram_proposal is not None
+            assert rec.ngram_proposal.tolist() == want[5].tolist(), f"step {step}: proposal"
+            proposals.extend(rec.ngram_proposal.tolist())
+        else:
+            assert rec.ngram_proposal is None
         assert rec.drafted.tolist() == rows_drafted and rec.finished.tolist() == rows_fin
         validate_step(rec.to_pb(), c.engine, Limits())
         live = list(reqs)
@@ -236,3 +257,5 @@ def test_hooks_report_and_draft_as_the_batch_apis(composite: bool, rule: str) ->
     # The "code" class plans n-gram: verified where the composite drafter runs, never elsewhere.
     assert (METHOD_CODES[Method.NGRAM] in methods) == composite
     assert METHOD_CODES[Method.EAGLE3] in methods
+    if composite:  # the proposals are the index's draft lengths: matches and misses both occur
+        assert 0 in proposals and max(proposals) == MAX_K
