@@ -47,7 +47,7 @@ from controller.vllm.mode import (
     k_table_only_reason,
     plugin_mode,
 )
-from controller.vllm.ngram import Matcher, NgramIndex
+from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
@@ -83,21 +83,6 @@ def fixed_table_reason(vllm_config: Any, lookup: list[int] | None) -> str | None
             "so vLLM did not prepare dynamic K"
         )
     return None
-
-
-def vllm_matcher() -> Matcher:
-    try:
-        from vllm.v1.spec_decode import ngram_proposer  # type: ignore[import-not-found]
-
-        find = ngram_proposer._find_longest_matched_ngram_and_propose_tokens
-    except ImportError:  # pragma: no cover - depends on the vLLM build
-        return match_ngram
-
-    def m(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
-        return find(tokens, min_n, max_n, max_model_len, k)  # type: ignore[no-any-return]
-
-    m(np.arange(8, dtype=np.int32) % 3, 1, 3, 1 << 20, 4)  # compile now, not in the first step
-    return m
 
 
 class EngineHooks:

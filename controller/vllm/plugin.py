@@ -40,7 +40,7 @@ def _register(env: Mapping[str, str]) -> None:
 
     if not engine_hooks.install(settings):
         return
-    worker.install_worker_hook(settings, matcher=engine_hooks.vllm_matcher)
+    worker.install_worker_hook(settings)
     if settings.cpu_async_for_tests:
         keep_async_scheduling_on_cpu()
 

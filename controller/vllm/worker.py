@@ -17,6 +17,7 @@ matcher in the engine core sees one step later.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -26,7 +27,7 @@ import numpy as np
 
 from controller.vllm import compat
 from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
-from controller.vllm.ngram import Matcher, NgramScorer
+from controller.vllm.ngram import NgramIndex
 from controller.vllm.settings import PluginSettings
 from controller.vllm.v2 import install_v2_runner
 
@@ -34,15 +35,25 @@ log = logging.getLogger("vllm.speccontrol")
 
 
 class DraftMerger:
-    """Per-request token histories in the worker, and the n-gram rows merged into a draft matrix."""
+    """Per-request token histories in the worker, and the n-gram rows merged into a draft matrix.
 
-    def __init__(self, *, max_k: int, min_n: int, max_n: int, max_model_len: int, matcher: Matcher) -> None:
-        self._ngram = NgramScorer(
-            max_k=max_k, min_n=min_n, max_n=max_n, max_model_len=max_model_len, matcher=matcher
-        )
+    The histories live in the incremental n-gram index (``NgramIndex``, the engine core's), one slot
+    per request: a step costs O(new tokens) per request in one compiled call, not a rescan of each
+    n-gram row's whole history."""
+
+    def __init__(self, *, max_k: int, min_n: int, max_n: int, max_model_len: int) -> None:
+        self._index = NgramIndex(max_k=max_k, min_n=min_n, max_n=max_n, max_model_len=max_model_len)
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
 
     def __len__(self) -> int:
-        return len(self._ngram)
+        return len(self._slot)
+
+    def _release(self, rid: str) -> None:
+        s = self._slot.pop(rid, None)
+        if s is not None:
+            self._index.release(s)
+            self._free.append(s)
 
     def observe(
         self,
@@ -59,19 +70,33 @@ class DraftMerger:
         seen; None when they are unknown (prompt embeddings): the request is then never on n-gram.
         ``restarted``: requests resumed after preemption (their history is rebuilt)."""
         for rid in finished:
-            self._ngram.release(rid)
+            self._release(rid)
         for rid in restarted:
-            self._ngram.release(rid)
+            self._release(rid)
+        slots: list[int] = []
+        new: list[list[int]] = []
         for rid, row, skip in zip(req_ids, sampled, discarded, strict=True):
             if skip:
                 continue  # a partial prefill: what it "sampled" is thrown away
-            new = [int(t) for t in row if t >= 0]
-            if rid not in self._ngram:
+            s = self._slot.get(rid)
+            if s is None:
                 base = known_tokens(rid)
                 if base is None:
                     continue
-                self._ngram.start(rid, [int(t) for t in base if t >= 0])
-            self._ngram.extend(rid, new)
+                s = self._free.pop() if self._free else len(self._slot)
+                self._index.start(s, [int(t) for t in base if t >= 0])
+                self._slot[rid] = s
+            slots.append(s)
+            new.append([int(t) for t in row if t >= 0])
+        if not slots:
+            return
+        offsets = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in new], out=offsets[1:])
+        tokens = np.fromiter(itertools.chain.from_iterable(new), dtype=np.int32, count=int(offsets[-1]))
+        # Every stepped row drafts (one lookup each): a row named on n-gram reads its draft in merge.
+        self._index.step(
+            np.array(slots, dtype=np.int64), tokens, offsets, np.ones(len(slots), dtype=np.bool_)
+        )
 
     def merge(
         self, req_ids: Sequence[str], drafts: np.ndarray, ngram_rows: Collection[str]
@@ -86,9 +111,10 @@ class DraftMerger:
         width = drafts.shape[1]
         out: np.ndarray | None = None
         for i, rid in enumerate(req_ids):
-            if rid not in ngram_rows or rid not in self._ngram:
+            s = self._slot.get(rid) if rid in ngram_rows else None
+            if s is None:
                 continue
-            d = self._ngram.propose(rid)[:width]
+            d = self._index.draft(s)[:width]
             if len(d) == 0:
                 continue
             if out is None:
@@ -123,7 +149,7 @@ def _known_tokens(runner: Any) -> Callable[[str], Sequence[int] | None]:
     return known
 
 
-def install_worker_hook(settings: PluginSettings, *, matcher: Callable[[], Matcher]) -> None:
+def install_worker_hook(settings: PluginSettings) -> None:
     """Wrap ``WorkerWrapperBase.init_device`` (idempotent; the caller checked it, see
     ``compat.INSTALL_POINTS``): once the worker and its model runner exist in this process, patch the V1
     runner when the engine runs async scheduling with composite drafting. Runs in whichever process
@@ -142,7 +168,7 @@ def install_worker_hook(settings: PluginSettings, *, matcher: Callable[[], Match
             _guarded(_v2_runner_for, vc, settings)  # before the runner (and its speculator) is built
         out = orig(self, *a, **kw)
         if not v2:
-            _guarded(_runner_for, vc, settings, matcher)
+            _guarded(_runner_for, vc, settings)
         return out
 
     WorkerWrapperBase.init_device = init_device
@@ -175,7 +201,7 @@ def _v2_runner_for(vc: Any, settings: PluginSettings) -> None:
         log.error("speccontrol: V2 composite drafting not installed: %s", why)
 
 
-def _runner_for(vc: Any, settings: PluginSettings, matcher: Callable[[], Matcher]) -> None:
+def _runner_for(vc: Any, settings: PluginSettings) -> None:
     spec = _wanted(vc, settings)
     if spec is None:
         return
@@ -187,13 +213,13 @@ def _runner_for(vc: Any, settings: PluginSettings, matcher: Callable[[], Matcher
         max_k=int(spec.num_speculative_tokens),
         min_n=settings.ngram_min,
         max_n=settings.ngram_max,
-        matcher=matcher,
     )
 
 
-def install_v1_runner(*, max_k: int, min_n: int, max_n: int, matcher: Callable[[], Matcher]) -> None:
+def install_v1_runner(*, max_k: int, min_n: int, max_n: int) -> None:
     """Wrap ``GPUModelRunner.propose_draft_token_ids`` (idempotent). The caller has checked the symbol
-    (``compat.V1_WORKER_POINTS``). ``matcher`` is called once per runner, on its first draft."""
+    (``compat.V1_WORKER_POINTS``). Each runner builds its merger on its first draft (after the model
+    loaded: the index's kernels compile there, not before vLLM's own start-up)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # type: ignore[import-not-found]
 
     if getattr(GPUModelRunner, "_speccontrol_patched", False):
@@ -214,7 +240,6 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int, matcher: Callable[[
                     min_n=min_n,
                     max_n=max_n,
                     max_model_len=int(self.max_model_len),
-                    matcher=matcher(),
                 )
             return _merge_step(self, state, scheduler_output, sampled_token_ids, drafts)
         except Exception:

@@ -14,7 +14,7 @@ K = 4
 
 
 def _merger() -> DraftMerger:
-    return DraftMerger(max_k=K, min_n=1, max_n=3, max_model_len=1 << 20, matcher=match_ngram)
+    return DraftMerger(max_k=K, min_n=1, max_n=3, max_model_len=1 << 20)
 
 
 def test_rows_on_ngram_replaced_others_kept_short_drafts_padded() -> None:
