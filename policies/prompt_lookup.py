@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+#: The plugin's n-gram sizes unless SPECCONTROL_NGRAM_MIN/MAX say otherwise (vLLM's own n-gram
+#: drafter: prompt_lookup_min/max); ``trace record`` computes proposals with them by default.
+DEFAULT_MIN_N, DEFAULT_MAX_N = 1, 3
+
 
 def match_ngram(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
     """vLLM's prompt-lookup rule: the longest suffix n-gram (min_n..max_n) seen earlier, earliest
@@ -26,4 +30,4 @@ def match_ngram(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, 
     return tokens[:0]
 
 
-__all__ = ["match_ngram"]
+__all__ = ["DEFAULT_MAX_N", "DEFAULT_MIN_N", "match_ngram"]

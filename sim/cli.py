@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.vllm.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from policies.presets import resolve_policy as resolve_named_policy
+from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from policies.spec import PolicyError, PolicySpec, static_policy
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.vllm.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from policies.arms import Method
+from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from sim.importer import import_vllm_metrics
 from sim.trace import Trace, TraceError
 

@@ -55,7 +55,6 @@ from controller.vllm.v2 import V2_POINTS
 from controller.wire.convert import hello_from_engine_info
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.jit import compiling
-from policies.prompt_lookup import match_ngram
 
 log = logging.getLogger("vllm.speccontrol")
 _is_finished = operator.methodcaller("is_finished")

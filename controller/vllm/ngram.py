@@ -33,12 +33,6 @@ import numpy as np
 
 from policies.jit import kernel
 from policies.observation import NOT_SCORED
-from policies.prompt_lookup import match_ngram
-
-#: The plugin's n-gram sizes unless SPECCONTROL_NGRAM_MIN/MAX say otherwise (vLLM's own n-gram
-#: drafter: prompt_lookup_min/max).
-DEFAULT_MIN_N, DEFAULT_MAX_N = 1, 3
-
 
 # Per-slot state columns (int64).
 BASE, CAP, LEN, INDEXED, GEN, PEND_START, PEND_LEN, DRAFT_LEN = range(8)

@@ -14,9 +14,9 @@ import grpc
 
 from controller.auth import ClientTLS, channel_credentials
 from controller.errors import ConfigError
-from controller.vllm.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from controller.wire.address import is_loopback, parse_address
 from policies.arms import Arm
+from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 
 PLUGIN_NAME = "speccontrol"
 
