@@ -93,7 +93,8 @@ class SidecarConfig:
     telemetry_burst_s: float = 5.0
     #: Distinct engine ids the sidecar keeps; a Hello beyond it is refused (reason ``too_many_engines``).
     max_engines: int = 1024
-    #: How often, at most, an engine hears which report batches were applied (a directive refresh).
+    #: How often, at most, an engine hears which report batches are on disk (a directive refresh); while
+    #: batches wait for that, the snapshot is written this often (an engine keeps them until then).
     ack_interval_s: float = 1.0
     #: Policy changes (set, rollback, fleet policies) per second, sustained; bursts of 10 pass.
     max_policy_changes_per_s: float = 2.0

@@ -198,7 +198,12 @@ class SidecarServer(Sidecar):
                 ):
                     self._last_posteriors = now
                     self.publish_posteriors()
-                if now - self._last_snapshot_attempt >= self.config.snapshot_interval_s:
+                since = now - self._last_snapshot_attempt
+                # Engines are acknowledged only what a snapshot holds: while batches wait for one,
+                # write every ack_interval_s (else every snapshot_interval_s).
+                if since >= self.config.snapshot_interval_s or (
+                    since >= self.config.ack_interval_s and self.unsaved_batches()
+                ):
                     self._last_snapshot_attempt = now
                     await self.save_snapshot_async()
             except Exception:

@@ -112,6 +112,8 @@ class EngineState:
 
 
 EngineSession = Session[EngineState]
+#: An engine's streams, its instance and the report sequence a snapshot being written holds.
+DurableMark = tuple[EngineStreams, str, int]
 
 
 class Sidecar:
@@ -639,40 +641,60 @@ class Sidecar:
     # -- snapshots -------------------------------------------------------------------------------
 
     def state(self, *, clean: bool = False) -> dict[str, Any]:
-        return state_to_json(
+        return self._collect(clean=clean)[0]
+
+    def _collect(self, *, clean: bool = False) -> tuple[dict[str, Any], list[DurableMark]]:
+        """The state to write, and per engine the sequence it covers (durable once written)."""
+        engines: dict[str, SavedEngine] = {}
+        marks: list[DurableMark] = []
+        for eid, st in self._engines.items():
+            e = engines[eid] = st.saved()
+            marks.append((st.link, e.instance_id, e.last_sequence))
+        state = state_to_json(
             policies=self.policy_store,
             directive_version=self._version,
             fleet_policy_version=self._fleet_version,
-            engines={eid: st.saved() for eid, st in self._engines.items()},
+            engines=engines,
             clean=clean,
         )
+        return state, marks
 
     def save_snapshot(self, *, clean: bool = False) -> bool:
         """Write the state now (on the caller's thread). False when it could not be written."""
         try:
-            state = self.state(clean=clean)
+            state, marks = self._collect(clean=clean)
         except Exception:
             log.exception("snapshot: could not collect the state")
-            ok = False
-        else:
+            return self._snapshot_done(False, [])
+        ok = self.snapshots.save(state)
+        if not ok and self._reset_unsaveable():
+            state, marks = self._collect(clean=clean)
             ok = self.snapshots.save(state)
-            if not ok and self._reset_unsaveable():
-                ok = self.snapshots.save(self.state(clean=clean))
-        return self.snapshot_done(ok)
+        return self._snapshot_done(ok, marks)
 
     async def save_snapshot_async(self) -> bool:
         """``save_snapshot`` with the write on a worker thread (the state is collected here)."""
-        ok = await asyncio.to_thread(self.snapshots.save, self.state())
+        state, marks = self._collect()
+        ok = await asyncio.to_thread(self.snapshots.save, state)
         if not ok and self._reset_unsaveable():
-            ok = await asyncio.to_thread(self.snapshots.save, self.state())
-        return self.snapshot_done(ok)
+            state, marks = self._collect()
+            ok = await asyncio.to_thread(self.snapshots.save, state)
+        return self._snapshot_done(ok, marks)
 
-    def snapshot_done(self, ok: bool) -> bool:
+    def _snapshot_done(self, ok: bool, marks: Sequence[DurableMark]) -> bool:
+        """After a snapshot write: what it holds may now be acknowledged to the engines."""
         if ok:
             self.metrics.last_snapshot.set(self.snapshots.last_saved_s)
+            for link, instance_id, sequence in marks:
+                link.saved(instance_id, sequence)
         else:
             self.metrics.snapshot_failures.inc()
         return ok
+
+    def unsaved_batches(self) -> bool:
+        """Some engine instance has batches applied that no written snapshot holds (its acknowledgement
+        waits for the next snapshot)."""
+        return any(st.link.unsaved for st in self._engines.values())
 
     def _reset_unsaveable(self) -> bool:
         """After a failed write: reset the loops whose state JSON cannot hold (non-finite numbers),
@@ -737,6 +759,8 @@ class Sidecar:
         return EngineState(
             e.info,
             loop,
-            link=EngineStreams(instance_id=e.instance_id, last_sequence=e.last_sequence),
+            link=EngineStreams(
+                instance_id=e.instance_id, last_sequence=e.last_sequence, durable_sequence=e.last_sequence
+            ),
             rejected=e.rejected,
         )

@@ -2,8 +2,11 @@
 
 What must hold: a report batch is applied at most once per engine instance (a batch at or below the
 last sequence is a resend); an engine process (``Hello.instance_id``) keeps its count across its
-streams and across a sidecar restart, an engine without one counts per stream; a stream queue holds
-only the newest items (a slow stream never blocks the sidecar), and its end always gets through.
+streams and across a sidecar restart, an engine without one counts per stream; an engine process is
+acknowledged only the batches whose effect is on disk (``durable_sequence``, the sequence the last
+written snapshot holds), so after a kill -9 it still keeps, and resends, every batch the restarted
+sidecar has not got; a stream queue holds only the newest items (a slow stream never blocks the
+sidecar), and its end always gets through.
 This module knows nothing of gRPC or of the control loops.
 """
 
@@ -68,7 +71,9 @@ class EngineStreams(Sequences):
     queues: list[asyncio.Queue[StreamItem]] = field(default_factory=list)
     #: The engine process whose reports ``last_sequence`` counts (Hello.instance_id; "" for none).
     instance_id: str = ""
-    #: ``last_sequence`` as of the last directive pushed to the streams (what the engine knows).
+    #: The highest sequence whose effect a written snapshot holds (what may be acknowledged).
+    durable_sequence: int = 0
+    #: ``durable_sequence`` as of the last directive pushed to the streams (what the engine knows).
     acked_pushed: int = 0
 
     @property
@@ -79,7 +84,12 @@ class EngineStreams(Sequences):
         """A queue for a new stream. A new engine process starts its sequences again (the same
         process re-attaching, also after a sidecar restart, keeps its count)."""
         if instance_id and instance_id != self.instance_id:
-            self.instance_id, self.last_sequence, self.acked_pushed = instance_id, 0, 0
+            self.instance_id, self.last_sequence, self.durable_sequence, self.acked_pushed = (
+                instance_id,
+                0,
+                0,
+                0,
+            )
         q: asyncio.Queue[StreamItem] = asyncio.Queue(maxsize=STREAM_QUEUE)
         self.queues.append(q)
         return q
@@ -89,16 +99,26 @@ class EngineStreams(Sequences):
             self.queues.remove(q)
 
     def push(self, item: StreamItem) -> None:
-        """Send ``item`` on every open stream; a directive also acknowledges what was applied so far."""
+        """Send ``item`` on every open stream; a directive also acknowledges what is durable so far."""
         if isinstance(item, Directive):
-            self.acked_pushed = self.last_sequence
+            self.acked_pushed = self.durable_sequence
         for q in self.queues:
             put_latest(q, item)
 
     @property
     def ack_pending(self) -> bool:
-        """Batches were applied since the engine was last told."""
-        return self.last_sequence > self.acked_pushed
+        """Batches became durable since the engine was last told."""
+        return self.durable_sequence > self.acked_pushed
+
+    @property
+    def unsaved(self) -> bool:
+        """Batches of an engine instance were applied that no written snapshot holds yet."""
+        return bool(self.instance_id) and self.last_sequence > self.durable_sequence
+
+    def saved(self, instance_id: str, sequence: int) -> None:
+        """A snapshot holding ``instance_id``'s batches up to ``sequence`` was written."""
+        if instance_id and instance_id == self.instance_id and sequence > self.durable_sequence:
+            self.durable_sequence = sequence
 
 
 E = TypeVar("E")
@@ -125,5 +145,8 @@ class Session(Generic[E]):
 
     @property
     def acked_sequence(self) -> int:
-        """What to acknowledge on this stream: the highest sequence applied or refused for good."""
-        return self.sequences.last_sequence
+        """What to acknowledge on this stream: the highest sequence applied (or refused for good) that
+        a written snapshot holds; per stream (no instance, nothing to resend after a restart), the
+        highest applied."""
+        s = self.sequences
+        return s.durable_sequence if isinstance(s, EngineStreams) else s.last_sequence
