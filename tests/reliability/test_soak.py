@@ -3,14 +3,16 @@
 For ``SPECCONTROL_SOAK_S`` seconds (default 60; ``pytest --soak-seconds N`` sets it too), at once:
 steady engines streaming reports, short-lived engines churning through more ids than ``max_engines``,
 garbage streams (invalid reports, forged names, raw bytes on the socket) and a ``policy set`` storm.
-Every cycle the storm pauses, one last policy is set and acknowledged, and the sidecar is killed with
-SIGKILL at once, then restarted.
+Every cycle the storm pauses, a fleet policy is published over MQTT (a real mosquitto) and applied,
+one last local policy is set and acknowledged, and the sidecar is killed with SIGKILL at once, then
+restarted. In one cycle the broker is killed while the storm blows and started again after it: local
+control goes on meanwhile, and the next fleet policy gets through once the link is back.
 
 At the end the accounting is exact: for every steady engine, the sidecar's step count equals the
 steps the engine made (the sidecar acknowledges only what its snapshot holds, so the engines resend
 whatever a kill -9 took).
-The active policy is the last one set, /metrics holds only engines the sidecar holds, and no
-traceback was logged. There are no timing thresholds: only counts and identities are asserted.
+The active policy is the last one set (the last fleet policy), /metrics holds only engines the
+sidecar holds, and no traceback was logged. There are no timing thresholds: only counts and identities are asserted.
 """
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ import shutil
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from controller._mqtt import BrokerSettings, ConnectionLost
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import demo_workload
+from controller.fleet import publish_fleet_policy
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+from tests.integration.test_fleet_mqtt import Mosquitto, mosquitto_factory  # noqa: F401 - a fixture
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S, hello, step, until
 from tests.reliability.serve_process import Serve
 
@@ -41,6 +46,7 @@ pytestmark = pytest.mark.integration
 
 STEADY = 3
 MAX_ENGINES = 8
+FLEET = "soak"
 POLICIES = {
     "storm-a": STATIC_EAGLE3_2.replace("name: static-eagle3-2", "name: storm-a"),
     "storm-b": STATIC_EAGLE3_2.replace("name: static-eagle3-2", "name: storm-b"),
@@ -146,6 +152,29 @@ class Storm:
             await asyncio.sleep(0.02)
 
 
+async def _fleet_policy(broker: BrokerSettings, admin_target: str, n: int) -> str:
+    """Publish fleet policy ``fleet-<n>`` over MQTT until the sidecar runs it; returns its name.
+
+    Published again while it is not applied: after a broker restart (no persistence) the broker holds
+    no retained policy, and a sidecar restarted since it applied one has no copy to restore, so the
+    publish numbers itself version 1 again, which that sidecar takes for its own retained copy
+    (docs/reliability.md, Soak); the next publish reads it as retained and numbers itself 2."""
+    name = f"fleet-{n}"
+    yaml = STATIC_EAGLE3_2.replace("name: static-eagle3-2", f"name: {name}")
+    async with grpc.aio.insecure_channel(admin_target) as ch:
+        admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
+        for _ in range(30):  # bounded: the sidecar's link backs off up to 30 s after an outage
+            with contextlib.suppress(ConnectionLost, OSError, TimeoutError):
+                await publish_fleet_policy(
+                    broker=broker, fleet=FLEET, yaml=yaml, source=f"{name}.yaml", timeout_s=2.0
+                )
+            for _ in range(30):
+                if (await admin.GetPolicy(pb.GetPolicyRequest())).name == name:
+                    return name
+                await asyncio.sleep(0.1)
+    raise AssertionError(f"fleet policy {name} not applied by the sidecar")
+
+
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))  # short: sun_path is 108 bytes
@@ -155,9 +184,17 @@ def sock_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config) -> None:
+async def test_soak(
+    tmp_path: Path,
+    sock_dir: Path,
+    pytestconfig: pytest.Config,
+    mosquitto_factory: Callable[[str], Mosquitto],  # noqa: F811 - the fixture
+) -> None:
     seconds = soak_seconds(pytestconfig)
+    broker_proc = mosquitto_factory("allow_anonymous true\n")
+    broker = BrokerSettings(host="127.0.0.1", port=broker_proc.port)
     cycles = max(2, int(seconds // 20))
+    outage = cycles // 2  # the cycle during which the broker is down
     cycle_s = seconds / cycles
     state = tmp_path / "state"
     cfg = tmp_path / "sidecar.yaml"
@@ -172,6 +209,8 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
         "ack_interval_s: 0.05\n"
         f"max_engines: {MAX_ENGINES}\n"
         "max_policy_changes_per_s: 20\n"
+        f"mqtt_url: mqtt://127.0.0.1:{broker_proc.port}\n"
+        f"fleet: {FLEET}\n"
     )
     log = tmp_path / "serve.log"
     served = await asyncio.to_thread(Serve, cfg, state, log=log)
@@ -190,10 +229,13 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
     storm.admin = served.admin
     storm_task = asyncio.create_task(storm.run())
     churned = refused = kills = 0
+    fleet_applied: list[str] = []
     try:
         for e in steady:
             await e.start()
         for cycle in range(cycles):
+            if cycle == outage:
+                broker_proc.kill()  # SIGKILL, no persistence: its retained messages are gone too
             storm.running.set()
             end = time.monotonic() + cycle_s
             # Churn and garbage while the storm blows, and only while the steady engines run: once
@@ -211,6 +253,10 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
                 await churn.wait()
             storm.running.clear()
             await storm.idle.wait()
+            if cycle == outage:
+                broker_proc.start()  # the same port
+            # Fleet policy changes over MQTT go on (after the outage: once the link is back).
+            fleet_applied.append(await _fleet_policy(broker, served.admin, len(fleet_applied) + 1))
             if cycle == cycles - 1:
                 break
             # One last acknowledged change, then SIGKILL at once: nothing may be lost.
@@ -256,8 +302,12 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
         assert e.stats.dropped_steps == 0 and e.stats.evicted_steps == 0, eid
         assert not e.outstanding, eid
         assert engines[eid].steps == e.totals.steps == e.stats.sent_steps, (eid, engines[eid].steps, e.stats)
-    # The active policy is the last one set.
-    assert storm.last is not None and (policy.name, policy.revision) == storm.last
+    # The active policy is the last one set: the last fleet policy (each cycle applied one).
+    assert (
+        len(fleet_applied) == cycles
+        and policy.name == fleet_applied[-1]
+        and policy.source.startswith("fleet v")
+    )
     # /metrics holds only engines the sidecar holds, never more than max_engines of them.
     labelled = {
         line.split('engine="')[1].split('"')[0] for line in metrics.splitlines() if 'engine="' in line
@@ -269,6 +319,7 @@ async def test_soak(tmp_path: Path, sock_dir: Path, pytestconfig: pytest.Config)
     assert rc == 0 and kills == cycles - 1 and refused > 0 and churned > MAX_ENGINES
     print(
         f"\nsoak {seconds:.0f} s: {kills} kill -9, {churned} churned engines, {refused} garbage streams refused, "
-        f"{storm.acknowledged} policy sets ({storm.limited} rate-limited); steady steps "
+        f"{storm.acknowledged} policy sets ({storm.limited} rate-limited), {len(fleet_applied)} fleet policies "
+        f"(broker down in cycle {outage}); steady steps "
         f"{[e.totals.steps for e in steady]}, batches resent {[e.stats.resent_batches for e in steady]}"
     )
