@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controller.v1 import controller_pb2 as pb
-from controller.wire.codec import ngram_proposal_from_pb, observation_from_pb, step_fields
+from controller.wire.codec import StepColumns, columns_observation, decode_columns, observation_from_pb
 from controller.wire.convert import engine_info_from_hello
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
@@ -339,20 +339,13 @@ def _read_step(
     return observation_from_pb(step)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Columns:
     """A columnar step read, its structure checked, its per-request values not yet."""
 
     step: pb.StepReport
     where: str
-    n: int
-    classes: tuple[str, ...]
-    request_id: tuple[str, ...]
-    tc: np.ndarray
-    method: np.ndarray
-    k: np.ndarray
-    drafted: np.ndarray
-    accepted: np.ndarray
+    cols: StepColumns
 
 
 def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
@@ -387,18 +380,7 @@ def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
         raise TelemetryError(
             "request_id_too_long", f"{where}.request_id[{j}]: longer than {MAX_REQUEST_ID} characters"
         )
-    return _Columns(
-        step=step,
-        where=where,
-        n=n,
-        classes=classes,
-        request_id=request_id,
-        tc=np.fromiter(c.traffic_class, dtype=np.int64, count=n),
-        method=np.fromiter(c.method, dtype=np.int64, count=n),
-        k=np.fromiter(c.k, dtype=np.int64, count=n),
-        drafted=np.fromiter(c.drafted, dtype=np.int64, count=n),
-        accepted=np.fromiter(c.accepted, dtype=np.int64, count=n),
-    )
+    return _Columns(step=step, where=where, cols=decode_columns(c))
 
 
 def _check_class_name(name: str, path: str) -> None:
@@ -428,19 +410,22 @@ def _bad_rows(
     return out
 
 
-def _rows_ok(cols: list[_Columns], engine: EngineInfo, allowed: set[str]) -> bool:
+def _rows_ok(read: list[_Columns], engine: EngineInfo, allowed: set[str]) -> bool:
     """Whether every request of every step passes the per-request rules (one pass over the batch)."""
+    cols = [r.cols for r in read]
     if len(cols) == 1:
         c = cols[0]
         return not (
             c.n
-            and _bad_rows(c.tc, len(c.classes), c.method, c.k, c.drafted, c.accepted, engine, allowed).any()
+            and _bad_rows(
+                c.traffic_class, len(c.classes), c.method, c.k, c.drafted, c.accepted, engine, allowed
+            ).any()
         )
     sizes = [c.n for c in cols]
     if not sum(sizes):
         return True
     bad = _bad_rows(
-        np.concatenate([c.tc for c in cols]),
+        np.concatenate([c.traffic_class for c in cols]),
         np.repeat([len(c.classes) for c in cols], sizes),
         np.concatenate([c.method for c in cols]),
         np.concatenate([c.k for c in cols]),
@@ -453,16 +438,16 @@ def _rows_ok(cols: list[_Columns], engine: EngineInfo, allowed: set[str]) -> boo
 
 
 def _finish_columns(
-    cols: _Columns, engine: EngineInfo, allowed: set[str], *, checked: bool
+    read: _Columns, engine: EngineInfo, allowed: set[str], *, checked: bool
 ) -> StepObservation:
     """The columnar step's per-request checks (skipped when ``checked``: done for the whole batch), its
     counterfactual columns, and its observation.
 
     All value checks run as one combined mask; only a bad step pays for finding the first bad entry.
     """
-    step, n, where = cols.step, cols.n, cols.where
-    tc, method, k, drafted, accepted = cols.tc, cols.method, cols.k, cols.drafted, cols.accepted
-    classes = cols.classes
+    step, where, c = read.step, read.where, read.cols
+    n, tc, method, k, drafted, accepted = c.n, c.traffic_class, c.method, c.k, c.drafted, c.accepted
+    classes = c.classes
     if not checked and n and _bad_rows(tc, len(classes), method, k, drafted, accepted, engine, allowed).any():
         _first(
             tc >= len(classes),
@@ -487,27 +472,19 @@ def _finish_columns(
             ),
         )
         _check_counts(k, drafted, accepted, engine.max_k, where, columns=True)
-    c = step.columns
-    counterfactual: dict[Method, np.ndarray] = {}
-    for i, cf in enumerate(c.counterfactual):
+    seen: set[str] = set()
+    for i, (m, v) in enumerate(c.counterfactual):
         at = f"{where}.counterfactual[{i}]"
-        if cf.method not in _METHODS or cf.method == Method.OFF.value:
-            raise TelemetryError(
-                "counterfactual_method_unknown", f"{at}.method: unknown method {cf.method!r}"
-            )
-        if Method(cf.method) in counterfactual:
-            raise TelemetryError(
-                "counterfactual_method_repeated", f"{at}.method: {cf.method!r} appears twice"
-            )
-        if len(cf.accepted) != n:
-            raise TelemetryError(
-                "columns_length", f"{at}.accepted: {len(cf.accepted)} entries, but k has {n}"
-            )
-        v = np.fromiter(cf.accepted, dtype=np.int64, count=n)
+        if m not in _METHODS or m == Method.OFF.value:
+            raise TelemetryError("counterfactual_method_unknown", f"{at}.method: unknown method {m!r}")
+        if m in seen:
+            raise TelemetryError("counterfactual_method_repeated", f"{at}.method: {m!r} appears twice")
+        seen.add(m)
+        if len(v) != n:
+            raise TelemetryError("columns_length", f"{at}.accepted: {len(v)} entries, but k has {n}")
         if n and ((v > engine.max_k) | (v < NOT_SCORED)).any():
             _check_counterfactual(v, at, engine.max_k)
-        counterfactual[Method(cf.method)] = v.astype(np.int32)
-    proposal = ngram_proposal_from_pb(step)
+    proposal = c.ngram_proposal
     if proposal is not None and n and int(proposal.max()) > engine.max_k:
         _first(
             proposal > engine.max_k,
@@ -517,19 +494,7 @@ def _finish_columns(
             lambda j: f"{proposal[j]} exceeds max_k {engine.max_k}",
             columns=True,
         )
-    names = tuple(x or "default" for x in classes)
-    return StepObservation(
-        **step_fields(step, n),
-        traffic_class=(names[0],) * n if len(names) == 1 else tuple(names[i] for i in tc.tolist()),
-        method=method.astype(np.int8),
-        k=k.astype(np.int32),
-        drafted=drafted.astype(np.int32),
-        accepted=accepted.astype(np.int32),
-        counterfactual=counterfactual,
-        request_id=cols.request_id or ("",) * n,
-        finished=np.fromiter(c.finished, dtype=bool, count=n) if len(c.finished) else np.zeros(n, dtype=bool),
-        ngram_proposal=proposal,
-    )
+    return columns_observation(step, c)
 
 
 def _check_counterfactual(v: np.ndarray, at: str, max_k: int) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from controller.embedded.workload import Workload
 from controller.v1 import controller_pb2 as pb
+from controller.wire.codec import encode_columns, index_classes
 from policies.arms import Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
@@ -221,6 +222,7 @@ class EngineCore:
         for m, k in zip(method_names(st.method), st.k.tolist(), strict=True):
             tot.arm_steps["off" if m == "off" else f"{m}:{k}"] += 1
         cf = st.counterfactual.get(Method.NGRAM, np.full(n, NOT_SCORED, dtype=np.int32))
+        table, class_index = index_classes(st.classes)
         return pb.StepReport(
             time_s=tot.virtual_s,
             duration_s=st.duration_s,
@@ -228,38 +230,17 @@ class EngineCore:
             queue_length=0,
             queue_wait_s=0.0,
             scheduled_k=int(st.k.max()) if n else d.k_for_batch(max(st.batch_size, 1), self.settings.max_k),
-            columns=_columns(
-                list(st.ids), list(st.classes), st.method, st.k, st.k, st.accepted, cf, finished
+            columns=encode_columns(
+                class_names=table,
+                class_index=class_index,
+                method=st.method,
+                k=st.k,
+                drafted=st.k,
+                accepted=st.accepted,
+                request_id=st.ids,
+                counterfactual={Method.NGRAM: cf},
+                finished=finished,
             ),
             directive_version=d.version,
             prefill_tokens=st.prefill_tokens,
         )
-
-
-def _columns(
-    ids: list[str],
-    classes: list[str],
-    methods: np.ndarray,
-    ks: np.ndarray,
-    drafted: np.ndarray,
-    accepted: np.ndarray,
-    cf: np.ndarray,
-    finished: np.ndarray,
-) -> pb.RequestColumns:
-    """The step's requests as columns (the wire form that is cheap at high step rates)."""
-    index: dict[str, int] = {}
-    class_idx = [index.setdefault(c, len(index)) for c in classes]
-    scored = bool((cf != NOT_SCORED).any())
-    return pb.RequestColumns(
-        request_id=ids,
-        classes=list(index),
-        traffic_class=class_idx,
-        method=methods.tolist(),
-        k=ks.tolist(),
-        drafted=drafted.tolist(),
-        accepted=accepted.tolist(),
-        counterfactual=[pb.CounterfactualColumn(method=Method.NGRAM.value, accepted=cf.tolist())]
-        if scored
-        else [],
-        finished=finished.tolist(),
-    )

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from controller.v1 import controller_pb2 as pb
+from controller.wire.codec import encode_columns
 from policies.arms import METHODS_BY_CODE, Method
-from policies.observation import NOT_SCORED
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +45,6 @@ class StepRecord:
 
     def to_pb(self) -> pb.StepReport:
         """The step in the columnar wire form (``StepReport.columns``): one packed field per column."""
-        used, class_idx = np.unique(self.class_index, return_inverse=True)
-        names = self.class_names
-        # A counterfactual nobody scored is left out, as the per-request rows leave the map entry out.
-        scored = bool((self.cf_ngram != NOT_SCORED).any())
         return pb.StepReport(
             time_s=self.time_s,
             duration_s=self.duration_s,
@@ -56,21 +52,17 @@ class StepRecord:
             queue_length=self.queue_length,
             queue_wait_s=self.queue_wait_s,
             scheduled_k=self.scheduled_k,
-            columns=pb.RequestColumns(
+            columns=encode_columns(
+                class_names=self.class_names,
+                class_index=self.class_index,
+                method=self.method,
+                k=self.k,
+                drafted=self.drafted,
+                accepted=self.accepted,
                 request_id=self.request_id,
-                classes=[names[i] for i in used.tolist()],
-                traffic_class=class_idx.tolist(),
-                method=self.method.tolist(),
-                k=self.k.tolist(),
-                drafted=self.drafted.tolist(),
-                accepted=self.accepted.tolist(),
-                counterfactual=[
-                    pb.CounterfactualColumn(method=Method.NGRAM.value, accepted=self.cf_ngram.tolist())
-                ]
-                if scored
-                else [],
-                finished=self.finished.tolist(),
-                ngram_proposal=self.ngram_proposal.tolist() if self.ngram_proposal is not None else [],
+                counterfactual={Method.NGRAM: self.cf_ngram},
+                finished=self.finished,
+                ngram_proposal=self.ngram_proposal,
             ),
             directive_version=self.directive_version,
             prefill_tokens=self.prefill_tokens,

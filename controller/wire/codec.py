@@ -1,14 +1,25 @@
-"""The step telemetry codec: a step's request columns to ``StepReport`` (rows or columnar form) and back.
+"""The step telemetry codec: a step's request columns to ``StepReport`` and back, written once.
 
-Engines build a step's requests with ``request_columns`` (the columnar form) or ``request_steps``
-(one message per request); the sidecar reads either with ``observation_from_pb`` once validation has
-checked it. What must hold: decoding an encoded step gives back the columns it was built from; a
-counterfactual column nobody scored is left out, as the rows form leaves the map entry out.
+Encoding: every engine builds a step's requests with ``encode_columns`` (arrays in, the columnar wire
+form out): the vLLM plugin's ``StepRecord``, the demo engine's core, and ``request_columns`` for
+callers holding names rather than codes. ``request_steps`` builds the older rows form (one message per
+request), which the sidecar still accepts.
+
+Decoding: ``decode_columns`` reads the columnar form into arrays without judging them, and
+``columns_observation`` turns checked columns into a ``StepObservation``; the sidecar's validation
+calls the two with its checks in between, and ``observation_from_pb`` (either form, already valid)
+calls them back to back.
+
+What must hold: ``observation_from_pb`` of an encoded step gives back the arrays it was built from
+(values within the wire's types: uint32 counts read into int32 up to 2^31 - 1, counterfactuals int32);
+only the classes the step uses go on the wire; a counterfactual column nobody scored is left out, as
+the rows form leaves the map entry out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,6 +27,113 @@ import numpy as np
 from controller.v1 import controller_pb2 as pb
 from policies.arms import METHOD_CODES, Method
 from policies.observation import NOT_SCORED, StepObservation
+
+
+def encode_columns(
+    *,
+    class_names: Sequence[str],
+    class_index: np.ndarray,
+    method: np.ndarray,
+    k: np.ndarray,
+    drafted: np.ndarray,
+    accepted: np.ndarray,
+    request_id: Sequence[str] = (),
+    counterfactual: Mapping[Method, np.ndarray] | None = None,
+    finished: np.ndarray | None = None,
+    ngram_proposal: np.ndarray | None = None,
+) -> pb.RequestColumns:
+    """A step's requests in the columnar wire form.
+
+    Per request: ``class_names[class_index[j]]`` is its traffic class (the table may name more classes
+    than the step uses; only the used ones are sent, in table order), ``method`` its method code
+    (``METHOD_CODES``), ``counterfactual[m]`` method m's would-be accepted count (``NOT_SCORED`` where
+    not scored). ``request_id``, ``finished`` and ``ngram_proposal`` may be left out (not reported).
+    """
+    used, inverse = np.unique(np.asarray(class_index, dtype=np.int64), return_inverse=True)
+    return pb.RequestColumns(
+        request_id=request_id,
+        classes=[class_names[i] for i in used.tolist()],
+        traffic_class=inverse.tolist(),
+        method=np.asarray(method).tolist(),
+        k=np.asarray(k).tolist(),
+        drafted=np.asarray(drafted).tolist(),
+        accepted=np.asarray(accepted).tolist(),
+        counterfactual=[
+            pb.CounterfactualColumn(method=m.value, accepted=col.tolist())
+            for m, col in ((m, np.asarray(v)) for m, v in (counterfactual or {}).items())
+            if bool((col != NOT_SCORED).any())
+        ],
+        finished=np.asarray(finished).tolist() if finished is not None else [],
+        ngram_proposal=np.asarray(ngram_proposal).tolist() if ngram_proposal is not None else [],
+    )
+
+
+def index_classes(names: Iterable[str]) -> tuple[tuple[str, ...], np.ndarray]:
+    """Per-request class names as a table (first appearance first) and each request's index into it."""
+    table: dict[str, int] = {}
+    index = np.fromiter((table.setdefault(c, len(table)) for c in names), dtype=np.int64)
+    return tuple(table), index
+
+
+@dataclass(frozen=True, slots=True)
+class StepColumns:
+    """A columnar step's requests as read off the wire (int64 arrays), nothing range-checked yet."""
+
+    n: int  # requests: the length of ``k``
+    classes: tuple[str, ...]
+    request_id: tuple[str, ...]  # () when not reported
+    traffic_class: np.ndarray  # per request: index into ``classes``
+    method: np.ndarray  # per request: method code
+    k: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    #: (method as sent, its column as sent), in wire order: repeats and unknown names are kept for
+    #: validation to name.
+    counterfactual: tuple[tuple[str, np.ndarray], ...]
+    finished: np.ndarray | None  # None when not reported
+    ngram_proposal: np.ndarray | None  # None when not reported
+
+
+def _ints(col: Any) -> np.ndarray:
+    return np.fromiter(col, dtype=np.int64, count=len(col))
+
+
+def decode_columns(c: pb.RequestColumns) -> StepColumns:
+    """The columns as sent; lengths are not compared (validation does, before it trusts them)."""
+    return StepColumns(
+        n=len(c.k),
+        classes=tuple(c.classes),
+        request_id=tuple(c.request_id),
+        traffic_class=_ints(c.traffic_class),
+        method=_ints(c.method),
+        k=_ints(c.k),
+        drafted=_ints(c.drafted),
+        accepted=_ints(c.accepted),
+        counterfactual=tuple((col.method, _ints(col.accepted)) for col in c.counterfactual),
+        finished=np.fromiter(c.finished, dtype=bool, count=len(c.finished)) if len(c.finished) else None,
+        ngram_proposal=_ints(c.ngram_proposal) if len(c.ngram_proposal) else None,
+    )
+
+
+def columns_observation(step: pb.StepReport, cols: StepColumns) -> StepObservation:
+    """The observation of a columnar step whose columns have been checked (equal lengths, class
+    indices in range, known methods: else IndexError or ValueError)."""
+    n = cols.n
+    names = tuple(x or "default" for x in cols.classes)
+    return StepObservation(
+        **step_fields(step, n),
+        traffic_class=(names[0],) * n
+        if len(names) == 1
+        else tuple(names[i] for i in cols.traffic_class.tolist()),
+        method=cols.method.astype(np.int8),
+        k=cols.k.astype(np.int32),
+        drafted=cols.drafted.astype(np.int32),
+        accepted=cols.accepted.astype(np.int32),
+        counterfactual={Method(m): v.astype(np.int32) for m, v in cols.counterfactual},
+        request_id=cols.request_id or ("",) * n,
+        finished=cols.finished if cols.finished is not None else np.zeros(n, dtype=bool),
+        ngram_proposal=cols.ngram_proposal.astype(np.int32) if cols.ngram_proposal is not None else None,
+    )
 
 
 def step_fields(step: pb.StepReport, n: int) -> dict[str, Any]:
@@ -48,7 +166,7 @@ def ngram_proposal_from_pb(step: pb.StepReport) -> np.ndarray | None:
 def observation_from_pb(step: pb.StepReport) -> StepObservation:
     """Columns from a (validated) StepReport, in either form (rows or columns)."""
     if step.HasField("columns"):
-        return _observation_from_columns(step)
+        return columns_observation(step, decode_columns(step.columns))
     reqs = step.requests
     n = len(reqs)
     cf_methods = {m for r in reqs for m in r.counterfactual_accepted}
@@ -67,30 +185,6 @@ def observation_from_pb(step: pb.StepReport) -> StepObservation:
         counterfactual=cf,
         request_id=tuple(r.request_id for r in reqs),
         finished=np.fromiter((r.finished for r in reqs), dtype=bool, count=n),
-        ngram_proposal=ngram_proposal_from_pb(step),
-    )
-
-
-def _observation_from_columns(step: pb.StepReport) -> StepObservation:
-    c = step.columns
-    n = len(c.k)
-    names = [x or "default" for x in c.classes]
-    if len(names) == 1:
-        traffic_class: tuple[str, ...] = (names[0],) * n
-    else:
-        traffic_class = tuple(names[i] for i in c.traffic_class)
-    return StepObservation(
-        **step_fields(step, n),
-        traffic_class=traffic_class,
-        method=np.array(c.method, dtype=np.int8),
-        k=np.array(c.k, dtype=np.int32),
-        drafted=np.array(c.drafted, dtype=np.int32),
-        accepted=np.array(c.accepted, dtype=np.int32),
-        counterfactual={
-            Method(col.method): np.array(col.accepted, dtype=np.int32) for col in c.counterfactual
-        },
-        request_id=tuple(c.request_id) if len(c.request_id) else ("",) * n,
-        finished=np.array(c.finished, dtype=bool) if len(c.finished) else np.zeros(n, dtype=bool),
         ngram_proposal=ngram_proposal_from_pb(step),
     )
 
@@ -148,23 +242,19 @@ def request_columns(
     finished: Iterable[bool] | None = None,
     ngram_proposal: Iterable[int] | None = None,
 ) -> pb.RequestColumns:
-    """The columnar form of ``request_steps`` (StepReport.columns); same arguments, same meaning."""
-    index: dict[str, int] = {}
-    class_idx = [index.setdefault(c, len(index)) for c in classes]
-    return pb.RequestColumns(
+    """``encode_columns`` for callers holding names: the same arguments as ``request_steps``."""
+    table, index = index_classes(classes)
+    return encode_columns(
+        class_names=table,
+        class_index=index,
+        method=np.array([METHOD_CODES[Method(m)] for m in methods], dtype=np.int64),
+        k=np.array(list(ks), dtype=np.int64),
+        drafted=np.array(list(drafted), dtype=np.int64),
+        accepted=np.array(list(accepted), dtype=np.int64),
         request_id=list(request_ids),
-        classes=list(index),
-        traffic_class=class_idx,
-        method=[METHOD_CODES[Method(m)] for m in methods],
-        k=[int(x) for x in ks],
-        drafted=[int(x) for x in drafted],
-        accepted=[int(x) for x in accepted],
-        # A column nobody scored is left out, as rows leave the map entry out.
-        counterfactual=[
-            pb.CounterfactualColumn(method=m, accepted=col)
-            for m, col in ((m, [int(x) for x in v]) for m, v in (counterfactual or {}).items())
-            if any(x != NOT_SCORED for x in col)
-        ],
-        finished=[bool(x) for x in finished] if finished is not None else [],
-        ngram_proposal=[int(x) for x in ngram_proposal] if ngram_proposal is not None else [],
+        counterfactual={
+            Method(m): np.array(list(v), dtype=np.int64) for m, v in (counterfactual or {}).items()
+        },
+        finished=np.array(list(finished), dtype=bool) if finished is not None else None,
+        ngram_proposal=np.array(list(ngram_proposal), dtype=np.int64) if ngram_proposal is not None else None,
     )
