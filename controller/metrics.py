@@ -15,7 +15,7 @@ import contextlib
 import platform
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 import controller
 from controller.validation import PROTOCOL_VERSIONS, escape_text
 from policies.arms import METHODS_BY_CODE, Arm
-from policies.observation import StepObservation
+from policies.observation import StepBatch
 
 PREFIX = "speccontrol"
 #: Steps kept per engine for the recent goodput and queue-wait figures.
@@ -231,45 +231,29 @@ class SidecarMetrics:
             with contextlib.suppress(KeyError):  # the engine never had this series
                 metric.remove(engine_id)
 
-    def observe_step(self, engine_id: str, obs: StepObservation) -> None:
-        n = obs.n
-        with self._t.lock:
-            e = self._t.engine(engine_id)
-            e.steps += 1
-            e.queue_length = obs.queue_length
-            e.recent.append((obs.emitted, max(obs.duration_s, 0.0), obs.queue_wait_s))
-            if n == 0:
-                return
-            self._by_arm(e, obs.method, obs.k, obs.drafted, obs.accepted)
-
-    def observe_steps(self, engine_id: str, observations: Sequence[StepObservation]) -> None:
-        """``observe_step`` for each step of a report batch: one lock, the batch's rows grouped at once."""
-        if not observations:
+    def observe(self, engine_id: str, batch: StepBatch) -> None:
+        """The steps of one report: one lock, the batch's rows grouped at once."""
+        if not len(batch):
             return
-        n = np.array([o.n for o in observations])
-        rows = [o for o in observations if o.n]
-        accepted = np.concatenate([o.accepted for o in rows]) if rows else np.zeros(0, dtype=np.int64)
+        n = batch.n
+        has_rows = n > 0
         emitted = n.copy()
-        if rows:
-            starts = np.zeros(len(rows), dtype=np.int64)
-            np.cumsum(n[n > 0][:-1], out=starts[1:])
-            emitted[n > 0] += np.add.reduceat(accepted, starts)
+        if has_rows.any():
+            emitted[has_rows] += np.add.reduceat(batch.accepted, batch.offsets[:-1][has_rows])
         with self._t.lock:
             e = self._t.engine(engine_id)
-            e.steps += len(observations)
-            e.queue_length = observations[-1].queue_length
+            e.steps += len(batch)
+            e.queue_length = int(batch.queue_length[-1])
             e.recent.extend(
-                (x, max(o.duration_s, 0.0), o.queue_wait_s)
-                for x, o in zip(emitted.tolist(), observations, strict=True)
-            )
-            if rows:
-                self._by_arm(
-                    e,
-                    np.concatenate([o.method for o in rows]),
-                    np.concatenate([o.k for o in rows]),
-                    np.concatenate([o.drafted for o in rows]),
-                    accepted,
+                zip(
+                    emitted.tolist(),
+                    np.maximum(batch.duration_s, 0.0).tolist(),
+                    batch.queue_wait_s.tolist(),
+                    strict=True,
                 )
+            )
+            if len(batch.method):
+                self._by_arm(e, batch.method, batch.k, batch.drafted, batch.accepted)
 
     def _by_arm(
         self, e: _Engine, method: np.ndarray, k: np.ndarray, drafted: np.ndarray, accepted: np.ndarray

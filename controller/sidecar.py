@@ -46,7 +46,7 @@ from policies.arms import Arm
 from policies.directive import Directive
 from policies.engine import EngineInfo
 from policies.loop import ControlLoop, Totals
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
@@ -306,8 +306,9 @@ class Sidecar:
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
         observations = self._bound_classes(st, observations)
-        st.loop.observe_many(observations)
-        self.metrics.observe_steps(eid, observations)
+        steps = StepBatch(steps=observations)
+        st.loop.observe(steps)
+        self.metrics.observe(eid, steps)
         if self.step_sink is not None:
             self.step_sink(eid, observations)
 

@@ -161,7 +161,7 @@ def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits
 
     Returns the steps as observations, converted while checking (the columnar form is read once). The
     per-request values of all columnar steps are checked together in one pass; only a bad batch pays
-    for checking step by step, which names the first bad field as ``validate_step`` on each would.
+    for checking step by step, which names the first bad field as checking each step alone would.
     """
     check_batch_header(batch)
     if len(batch.steps) > limits.max_steps_per_batch:
@@ -235,20 +235,6 @@ def _check_step_scalars(step: pb.StepReport, where: str) -> None:
             "directive_version_invalid",
             f"{where}.directive_version: {step.directive_version} is beyond {MAX_SEQUENCE}",
         )
-
-
-def validate_step(
-    step: pb.StepReport,
-    engine: EngineInfo,
-    limits: Limits,
-    *,
-    index: int = 0,
-    methods: set[str] | None = None,
-) -> StepObservation:
-    """The step as an observation, or TelemetryError naming the first bad field."""
-    allowed = methods if methods is not None else {a.method.value for a in engine.arms} | {Method.OFF.value}
-    r = _read_step(step, engine, limits, index=index, methods=allowed)
-    return r if isinstance(r, StepObservation) else _finish_columns(r, engine, allowed, checked=False)
 
 
 def _check_counts(

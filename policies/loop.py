@@ -11,7 +11,7 @@ per traffic class when the engine can choose per request and the policy learns p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +24,7 @@ from policies.directive import Directive, KRange, PlanEntry
 from policies.drift import DriftMonitor
 from policies.engine import EngineInfo, Granularity
 from policies.guards import ExplorationBudget, TpotGuard, greedy_choice, keeps_current
-from policies.observation import NOT_SCORED, StepObservation
+from policies.observation import NOT_SCORED, StepBatch, StepObservation
 from policies.spec import PolicySpec
 
 _OFF_CODE = METHODS_BY_CODE.index(Method.OFF)
@@ -134,121 +134,78 @@ class ControlLoop:
 
     # -- observe ---------------------------------------------------------------------------------
 
-    def observe(self, obs: StepObservation) -> None:
-        n = obs.n
-        t = self.totals
-        t.steps += 1
-        t.busy_s += max(obs.duration_s, 0.0)
-        if n == 0 or obs.duration_s <= 0:
-            return
-        t.request_steps += n
-        accepted = int(obs.accepted.sum())
-        t.drafted += int(obs.drafted.sum())
-        t.accepted += accepted
-        t.emitted += accepted + n  # StepObservation.emitted, without summing twice
-        k = np.minimum(obs.k, self.engine.max_k)
-        k = np.where(obs.method == _OFF_CODE, 0, k)
-        arm = self._arm_lut[obs.method.astype(np.int64), k]
-        known = arm >= 0
-        n_known = int(known.sum())
-        t.ignored_rows += n - n_known
-        if not n_known:
-            return
-        tokens = obs.accepted.astype(np.float64) + 1.0
-        share = obs.duration_s / n  # each request's share of the step's engine time
-        bucket = self.spec.buckets.label(self.spec.buckets.index(obs.batch_size))
-        self.learner.observe_step(obs, bucket, self._learn_classes)
-        self.tpot_guard.observe(bucket, obs.duration_s, obs.accepted[known])
-        if self.drift is not None:
-            self._watch_drift(obs)
-            self._apply_alarms()
-        self._accumulate(Context(bucket=bucket), arm[known], tokens[known], share)
-        if self._learn_classes:
-            classes = np.asarray(obs.traffic_class)
-            for c in sorted(set(obs.traffic_class)):
-                rows = known & (classes == c)
-                if rows.any():
-                    self._accumulate(Context(bucket=bucket, traffic_class=c), arm[rows], tokens[rows], share)
+    def observe(self, batch: StepBatch) -> None:
+        """Learn from the steps of one report, in order (the simulator's reports hold one step).
 
-    def observe_many(self, observations: Sequence[StepObservation]) -> None:
-        """``observe`` on each step in order (one report batch), with one learner update for them all.
-
-        The state equals the step-by-step one up to float rounding (sums taken in another order). A
-        drift alarm splits the learner update where it fires, so the learner is shrunk at the same
-        point as step by step.
+        The learner gets one update for the batch; a drift alarm splits it where it fires, so the
+        learner is shrunk after the step that fired it and before the ones after.
         """
         t = self.totals
-        steps: list[StepObservation] = []
-        for obs in observations:
-            t.steps += 1
-            t.busy_s += max(obs.duration_s, 0.0)
-            if obs.n and obs.duration_s > 0:
-                steps.append(obs)
-        if not steps:
+        t.steps += len(batch)
+        for d in batch.duration_s.tolist():  # summed step by step, as the engine's busy time grows
+            t.busy_s += max(d, 0.0)
+        learnable = [i for i in range(len(batch)) if batch.n[i] and batch.duration_s[i] > 0]
+        if not learnable:
             return
-        n = np.array([o.n for o in steps])
-        method = np.concatenate([o.method for o in steps]).astype(np.int64)
-        k = np.concatenate([o.k for o in steps])
-        accepted = np.concatenate([o.accepted for o in steps])
+        batch = batch.take(learnable)
+        n = batch.n
+        method = batch.method.astype(np.int64)
+        accepted = batch.accepted
         n_all = int(n.sum())
         t.request_steps += n_all
         acc_sum = int(accepted.sum())
-        t.drafted += int(np.concatenate([o.drafted for o in steps]).sum())
+        t.drafted += int(batch.drafted.sum())
         t.accepted += acc_sum
-        t.emitted += acc_sum + n_all
-        k = np.where(method == _OFF_CODE, 0, np.minimum(k, self.engine.max_k))
+        t.emitted += acc_sum + n_all  # StepObservation.emitted, without summing twice
+        k = np.where(method == _OFF_CODE, 0, np.minimum(batch.k, self.engine.max_k))
         arm = self._arm_lut[method, k]
         known = arm >= 0
-        step_of = np.repeat(np.arange(len(steps)), n)
-        known_in = np.bincount(step_of[known], minlength=len(steps))
+        steps = len(batch)
+        known_in = np.bincount(batch.step_of[known], minlength=steps)
         t.ignored_rows += n_all - int(known_in.sum())
-        label_of = [self._label(o.batch_size) for o in steps]
-        learn = [i for i in range(len(steps)) if known_in[i]]
+        label_of = [self._label(int(b)) for b in batch.batch_size]
+        learn = [i for i in range(steps) if known_in[i]]
         if not learn:
             return
-        ends = np.cumsum(n)
         pending: list[int] = []
         # Guards see every step in order (a no-op loop when neither is on).
         for i in learn if self.tpot_guard.enabled or self.drift is not None else ():
-            obs = steps[i]
             pending.append(i)
-            rows = slice(int(ends[i] - n[i]), int(ends[i]))
-            self.tpot_guard.observe(label_of[i], obs.duration_s, accepted[rows][known[rows]])
+            rows = batch.rows(i)
+            self.tpot_guard.observe(label_of[i], float(batch.duration_s[i]), accepted[rows][known[rows]])
             if self.drift is not None:
-                self._watch_drift(obs)
+                self._watch_drift(batch.steps[i])
                 if self._alarms:
-                    self.learner.observe_steps(
-                        [steps[j] for j in pending], [label_of[j] for j in pending], self._learn_classes
+                    self.learner.observe(
+                        batch.take(pending), [label_of[j] for j in pending], self._learn_classes
                     )
                     pending = []
                     self._apply_alarms()
         if not self.tpot_guard.enabled and self.drift is None:
             pending = learn
         if pending:
-            self.learner.observe_steps(
-                [steps[j] for j in pending], [label_of[j] for j in pending], self._learn_classes
-            )
+            self.learner.observe(batch.take(pending), [label_of[j] for j in pending], self._learn_classes)
         tokens = accepted.astype(np.float64) + 1.0
-        share = np.repeat(np.array([o.duration_s for o in steps]) / n, n)
+        if steps == 1:
+            share: float | np.ndarray = float(batch.duration_s[0]) / int(n[0])
+        else:
+            share = np.repeat(batch.duration_s / n, n)
         row_label = None if len(set(label_of)) == 1 else np.repeat(np.array(label_of), n)
-        classes = np.asarray(sum((o.traffic_class for o in steps), ())) if self._learn_classes else None
-        all_known = len(learn) == len(steps) and bool(known.all())
+        classes = np.asarray(batch.traffic_class) if self._learn_classes else None
+        all_known = len(learn) == steps and bool(known.all())
         for label in dict.fromkeys(label_of[i] for i in learn):
+            in_bucket = known if row_label is None else known & (row_label == label)
             if row_label is None and all_known:  # the usual batch: every row counts, one bucket
                 self._accumulate(Context(bucket=label), arm, tokens, share)
-                if classes is not None:
-                    for c in sorted(set(classes.tolist())):
-                        rows_c = classes == c
-                        ctx = Context(bucket=label, traffic_class=c)
-                        self._accumulate(ctx, arm[rows_c], tokens[rows_c], share[rows_c])
-                continue
-            in_bucket = known if row_label is None else known & (row_label == label)
-            self._accumulate(Context(bucket=label), arm[in_bucket], tokens[in_bucket], share[in_bucket])
+            else:
+                self._accumulate(
+                    Context(bucket=label), arm[in_bucket], tokens[in_bucket], _rows(share, in_bucket)
+                )
             if classes is not None:
                 for c in sorted(set(classes[in_bucket].tolist())):
                     rows_c = in_bucket & (classes == c)
                     ctx = Context(bucket=label, traffic_class=c)
-                    self._accumulate(ctx, arm[rows_c], tokens[rows_c], share[rows_c])
+                    self._accumulate(ctx, arm[rows_c], tokens[rows_c], _rows(share, rows_c))
 
     def _label(self, batch_size: int) -> str:
         """The batch bucket's label for a batch size (memoised: the buckets never change)."""
@@ -509,6 +466,11 @@ class ControlLoop:
         self.budget.load_state_dict(guards.get("budget") or {})
         self._directive = None
         self._last_decision = None
+
+
+def _rows(share: float | np.ndarray, rows: np.ndarray) -> float | np.ndarray:
+    """The engine-time shares of the selected rows (one value stands for every row of one step)."""
+    return share if isinstance(share, float) else share[rows]
 
 
 def _merge(table: list[KRange]) -> tuple[KRange, ...]:

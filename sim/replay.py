@@ -19,7 +19,7 @@ import numpy as np
 
 from policies.engine import Granularity
 from policies.loop import ControlLoop
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.rules import FastLoop
 from policies.spec import PolicySpec
 from sim.costmodel import Profile
@@ -156,7 +156,7 @@ class Replayer:
                     prefill_tokens=st.prefill_tokens,
                     ngram_proposal=st.ngram_proposal,
                 )
-                loop.observe(obs)
+                loop.observe(StepBatch.of(obs))  # production's path: a report of one step
                 request_steps += nd
                 drafted_total += ksum
                 accepted_total += acc_sum

@@ -10,7 +10,7 @@ import numpy as np
 
 from policies.arms import Arm, Method
 from policies.context import Context
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.params import Param
 
 
@@ -88,18 +88,10 @@ class Learner(ABC):
     def _before_round(self, t: ArmTable) -> None:  # noqa: B027 - optional hook
         """Hook for discounting."""
 
-    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:  # noqa: B027
-        """Hook for learners that model steps directly (every step, before any round)."""
-
-    def observe_steps(
-        self, observations: Sequence[StepObservation], buckets: Sequence[str], per_class: bool
-    ) -> None:
-        """``observe_step`` on several steps in order (one report batch), ``buckets`` parallel to them.
-
-        Learners whose per-step update is costly fold the steps into one update with the same result.
-        """
-        for obs, bucket in zip(observations, buckets, strict=True):
-            self.observe_step(obs, bucket, per_class)
+    def observe(self, batch: StepBatch, buckets: Sequence[str], per_class: bool) -> None:  # noqa: B027
+        """Hook for learners that model steps directly, before any round: the steps of one report in
+        order (each with requests and a positive duration), ``buckets`` their batch buckets' labels;
+        ``per_class``: learn per traffic class as well as pooled."""
 
     def plan_bucket(
         self, bucket: str, classes: Sequence[str], allowed: Sequence[int], *, sample: bool = True
@@ -159,6 +151,18 @@ class Learner(ABC):
         self.tables = {
             Context.parse(c): ArmTable.from_json(t, len(self.arms)) for c, t in state["tables"].items()
         }
+
+
+class StepwiseLearner(Learner):
+    """A learner that reads a report's steps one at a time (its statistics are per step)."""
+
+    def observe(self, batch: StepBatch, buckets: Sequence[str], per_class: bool) -> None:
+        for obs, bucket in zip(batch.steps, buckets, strict=True):
+            self._observe_step(obs, bucket, per_class)
+
+    @abstractmethod
+    def _observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
+        """Learn from one step (with requests and a positive duration) of batch bucket ``bucket``."""
 
 
 def greedy(means: np.ndarray, allowed: Sequence[int]) -> int:

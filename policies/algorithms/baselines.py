@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner
+from policies.algorithms.base import Learner, StepwiseLearner
 from policies.arms import METHOD_CODES, OFF, Arm, Method
 from policies.context import ANY_CLASS, Context
 from policies.observation import StepObservation
@@ -81,7 +81,7 @@ class BatchSchedule(Learner):
         return _nearest(self.arms, Arm(self.method, k) if k > 0 else OFF, allowed)
 
 
-class SpeculationGate(Learner):
+class SpeculationGate(StepwiseLearner):
     NAME: ClassVar[str] = "speculation_gate"
     PARAMS: ClassVar[Mapping[str, Param]] = {
         "arm": Param("eagle3:3", "The arm played until the gate closes."),
@@ -95,7 +95,7 @@ class SpeculationGate(Learner):
         self._rates: deque[float] = deque(maxlen=int(self.params["window"]))
         self.closed = False
 
-    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
+    def _observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
         drafted = int(obs.drafted.sum())
         if self.closed or drafted <= 0:
             return
@@ -117,7 +117,7 @@ class SpeculationGate(Learner):
         self._rates.extend(float(x) for x in state.get("rates", []))
 
 
-class NgramFallback(Learner):
+class NgramFallback(StepwiseLearner):
     NAME: ClassVar[str] = "ngram_fallback"
     PARAMS: ClassVar[Mapping[str, Param]] = {
         "k": Param(3, "Draft length of both methods.", 1, 64),
@@ -132,7 +132,7 @@ class NgramFallback(Learner):
         self._rates: dict[str, deque[float]] = {}
         self.fell_back: set[str] = set()
 
-    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
+    def _observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
         eagle = (obs.method == METHOD_CODES[Method.EAGLE3]) & (obs.drafted > 0)
         if not eagle.any():
             return

@@ -31,7 +31,7 @@ import numpy as np
 from policies.algorithms.base import Learner
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.context import ANY_CLASS, Context
-from policies.observation import NOT_SCORED, StepObservation
+from policies.observation import NOT_SCORED, StepBatch
 from policies.params import Param
 
 _EAGLE = METHOD_CODES[Method.EAGLE3]
@@ -39,29 +39,25 @@ _PEAGLE = METHOD_CODES[Method.P_EAGLE]
 _NGRAM = METHOD_CODES[Method.NGRAM]
 _OFF = METHOD_CODES[Method.OFF]
 _N_CODES = len(METHOD_CODES)
-#: Features of a step: intercept, batched tokens / 32, EAGLE-3 present, its longest K, P-EAGLE, n-gram.
+#: The cost model's features of a step, by column (``cost_features`` lays them out, and only it).
+F_INTERCEPT, F_TOKENS, F_EAGLE, F_EAGLE_PASSES, F_PEAGLE, F_NGRAM = range(6)
 _N_FEATURES = 6
 _TOKEN_SCALE = 32.0
 
 
-def _features(
-    n_rows: float, ks: np.ndarray, methods: np.ndarray, head: bool = False, prefill: int = 0
-) -> np.ndarray:
-    spec = np.where(methods == _OFF, 0, ks)
-    drafting = spec > 0
-    eagle = (methods == _EAGLE) & drafting
-    # ``head``: the EAGLE-3 head ran its first forward whatever was verified (the engine reported it).
-    passes = max(float(spec[eagle].max()) if eagle.any() else 0.0, 1.0 if head else 0.0)
-    return np.array(
-        [
-            1.0,
-            (float(spec.sum()) + n_rows + prefill) / _TOKEN_SCALE,
-            float(passes > 0),
-            passes,
-            float(((methods == _PEAGLE) & drafting).any()),
-            float(((methods == _NGRAM) & drafting).any()),
-        ]
-    )
+def cost_features(tokens: Any, passes: Any, peagle: Any, ngram: Any) -> np.ndarray:
+    """The step-cost features, one row per step or candidate plan (a vector when every argument is a
+    scalar; arguments broadcast): an intercept; the batched tokens (drafts verified, one per request,
+    prompt tokens prefilled) / 32; whether EAGLE-3 ran and its sequential passes (its longest K, or 1
+    for the head alone); whether P-EAGLE drafted; whether n-gram drafted."""
+    x = np.empty((*np.broadcast(tokens, passes, peagle, ngram).shape, _N_FEATURES))
+    x[..., F_INTERCEPT] = 1.0
+    x[..., F_TOKENS] = np.divide(tokens, _TOKEN_SCALE)
+    x[..., F_EAGLE] = np.greater(passes, 0)
+    x[..., F_EAGLE_PASSES] = passes
+    x[..., F_PEAGLE] = peagle
+    x[..., F_NGRAM] = ngram
+    return x
 
 
 class GoodputModel(Learner):
@@ -109,9 +105,8 @@ class GoodputModel(Learner):
         # Cost: discounted normal equations of duration (ms) on step features.
         self._ridge = np.eye(_N_FEATURES) * float(self.params["ridge"])
         self._xtx = self._ridge.copy()
-        # Draft positions 1..kmax, built once (the per-step counts compare against them).
+        # Draft positions 1..kmax, built once.
         self._pos = np.arange(1, self._kmax + 1)
-        self._pos_before = self._pos - 1
         self._xty = np.zeros(_N_FEATURES)
         self._yy = 0.0
         self._w = 0.0
@@ -137,11 +132,8 @@ class GoodputModel(Learner):
         self._drafts = self._pos <= np.minimum(self._arm_k, self._kmax)[:, None]
         # Beta parameters per class, dropped whenever acceptance counts change.
         self._params_of: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        # Per shape of report batch (rows per step): rows per step, first rows, step of each row,
-        # discount weights per step, total discount.
-        self._layouts: dict[
-            tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
-        ] = {}
+        # Per length of report batch: each step's discount weight, and the batch's total discount.
+        self._step_weights: dict[int, tuple[np.ndarray, float]] = {}
         # The cost model's posterior (mean, covariance factor), computed once per change of its fit,
         # and its covariance without the exploration scale (None: too few steps).
         self._fit: tuple[np.ndarray, np.ndarray | None] | None = None
@@ -151,108 +143,38 @@ class GoodputModel(Learner):
 
     # -- learning ----------------------------------------------------------------------------------
 
-    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
-        n = obs.n
-        if n == 0 or obs.duration_s <= 0:
-            return
-        g = self._gamma
-        if Method.EAGLE3 in obs.counterfactual_depth:
-            self._head = True
-        x = _features(float(n), obs.k, obs.method, self._head, obs.prefill_tokens)
-        y = obs.duration_s * 1e3
-        ridge = self._ridge
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused, not warned about
-            self._commit_cost(
-                g * (self._xtx - ridge) + ridge + np.outer(x, x),
-                g * self._xty + x * y,
-                g * self._yy + y * y,
-                g * self._w + 1.0,
-            )
-        b = self._batch.setdefault(bucket, np.zeros(2))
-        b *= g
-        b += (float(obs.batch_size), 1.0)
-        if per_class:
-            mix = self._mix.setdefault(bucket, {})
-            for c in mix:
-                mix[c] *= g
-            names, counts = np.unique(np.asarray(obs.traffic_class), return_counts=True)
-            for c, cnt in zip(names.tolist(), counts.tolist(), strict=True):
-                mix[c] = mix.get(c, 0.0) + cnt / n
-        classes = (ANY_CLASS,) + (tuple(sorted(set(obs.traffic_class))) if per_class else ())
-        cls_arr = np.asarray(obs.traffic_class) if per_class else None
-        for c in classes:
-            rows = slice(None) if c == ANY_CLASS or cls_arr is None else cls_arr == c
-            m, k, a = obs.method[rows], obs.k[rows], obs.accepted[rows]
-            # The codes present, ascending (np.unique's order; bincount is cheaper on a few small codes).
-            for code in np.flatnonzero(np.bincount(m, minlength=_N_CODES)):
-                if code == _OFF:
-                    continue
-                sel = (m == code) & (k > 0)
-                if sel.any():
-                    self._count(c, int(code), a[sel], np.minimum(k[sel], self._kmax))
-            for meth, cf in obs.counterfactual.items():
-                col = cf[rows]
-                ok = col != NOT_SCORED
-                if ok.any():
-                    vals = col[ok]
-                    depth = min(obs.counterfactual_depth.get(meth, self._kmax), self._kmax)
-                    self._count(c, METHOD_CODES[meth], vals, np.full(len(vals), depth))
-
-    def observe_steps(
-        self, observations: Sequence[StepObservation], buckets: Sequence[str], per_class: bool
-    ) -> None:
-        """The steps of one report batch as one update, equal to ``observe_step`` on each in turn.
+    def observe(self, batch: StepBatch, buckets: Sequence[str], per_class: bool) -> None:
+        """The steps of one report as one update, equal to learning from each in turn.
 
         Every discount keeps its exact power: a statistic updated by e of the steps decays by
-        ``gamma**e`` and the i-th update's contribution by ``gamma**(e-1-i)``, so only float rounding
-        differs from the sequential updates.
+        ``gamma**e`` and the i-th update's contribution by ``gamma**(e-1-i)``, so the order of the
+        float sums is all that a batch of many steps changes against the same steps one by one.
         """
-        keep = [i for i, o in enumerate(observations) if o.n and o.duration_s > 0]
-        if len(keep) <= 1:
-            for i in keep:
-                self.observe_step(observations[i], buckets[i], per_class)
+        s = len(batch)
+        if not s:
             return
-        steps = [observations[i] for i in keep]
-        sizes = tuple(o.n for o in steps)
-        layout = self._layouts.get(sizes)
-        if layout is None:  # report batches repeat their shape: build its index arrays once
-            s = len(steps)
-            n = np.array(sizes)
-            starts = np.zeros(s, dtype=np.int64)
-            np.cumsum(n[:-1], out=starts[1:])
+        weights = self._step_weights.get(s)
+        if weights is None:  # report batches repeat their length: build the weights once
             # Step i weighs gamma**(s-1-i) in every statistic all steps update.
             w = self._gamma ** np.arange(s - 1, -1, -1, dtype=np.float64)
-            step_of = np.repeat(np.arange(s), n)
-            for a in (n, starts, step_of, w):
-                a.flags.writeable = False  # shared by every batch of this shape
-            layout = (n, starts, step_of, w, self._gamma**s)
-            if len(self._layouts) < 256:
-                self._layouts[sizes] = layout
-        n, starts, step_of, w, gs = layout
-        method = np.concatenate([o.method for o in steps])
-        k = np.concatenate([o.k for o in steps])
-        accepted = np.concatenate([o.accepted for o in steps])
-        self._learn_cost(steps, n, starts, method, k, w, gs)
-        classes = self._learn_mix(steps, [buckets[i] for i in keep], n, step_of, per_class)
-        self._learn_acceptance(steps, step_of, method, k, accepted, classes)
+            w.flags.writeable = False  # shared by every batch of this length
+            weights = (w, self._gamma**s)
+            if len(self._step_weights) < 256:
+                self._step_weights[s] = weights
+        w, gs = weights
+        self._learn_cost(batch, w, gs)
+        classes = self._learn_mix(batch, buckets, per_class)
+        self._learn_acceptance(batch, classes)
 
-    def _learn_cost(
-        self,
-        steps: Sequence[StepObservation],
-        n: np.ndarray,
-        starts: np.ndarray,
-        method: np.ndarray,
-        k: np.ndarray,
-        w: np.ndarray,
-        gs: float,
-    ) -> None:
+    def _learn_cost(self, batch: StepBatch, w: np.ndarray, gs: float) -> None:
         """The cost model's normal equations, one weighted row per step."""
         # The head flag holds from the first step that reports it on, for that step's features too.
         head = [self._head]
-        for o in steps:
+        for o in batch.steps:
             head.append(head[-1] or Method.EAGLE3 in o.counterfactual_depth)
         self._head = head[-1]
-        spec = np.where(method == _OFF, 0, k)
+        method, starts = batch.method, batch.offsets[:-1]
+        spec = np.where(method == _OFF, 0, batch.k)
         drafting = spec > 0
         flags = np.empty((len(method), 3), dtype=np.int64)
         flags[:, 0] = np.where(method == _EAGLE, spec, 0)
@@ -260,14 +182,9 @@ class GoodputModel(Learner):
         flags[:, 2] = (method == _NGRAM) & drafting
         per_step = np.maximum.reduceat(flags, starts)
         passes = np.maximum(per_step[:, 0], np.array(head[1:], dtype=np.int64))
-        x = np.empty((len(steps), _N_FEATURES))
-        x[:, 0] = 1.0
-        prefill = np.array([o.prefill_tokens for o in steps], dtype=np.int64)
-        x[:, 1] = (np.add.reduceat(spec, starts) + n + prefill) / _TOKEN_SCALE
-        x[:, 2] = passes > 0
-        x[:, 3] = passes
-        x[:, 4:] = per_step[:, 1:]
-        y = np.array([o.duration_s for o in steps]) * 1e3
+        tokens = np.add.reduceat(spec, starts) + batch.n + batch.prefill_tokens
+        x = cost_features(tokens, passes, per_step[:, 1], per_step[:, 2])
+        y = batch.duration_s * 1e3
         xw = x.T * w
         ridge = self._ridge
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused, not warned about
@@ -289,18 +206,14 @@ class GoodputModel(Learner):
         self._params_of.clear()
 
     def _learn_mix(
-        self,
-        steps: Sequence[StepObservation],
-        labels: Sequence[str],
-        n: np.ndarray,
-        step_of: np.ndarray,
-        per_class: bool,
+        self, batch: StepBatch, labels: Sequence[str], per_class: bool
     ) -> tuple[list[str], np.ndarray] | None:
         """Batch size and class mix per bucket (discounted once per step of their own bucket).
 
         Returns the classes (sorted) and each row's index into them when learning per class.
         """
         g = self._gamma
+        steps, n, step_of = batch.steps, batch.n, batch.step_of
         by_bucket: dict[str, list[int]] = {}
         for i, b in enumerate(labels):
             by_bucket.setdefault(b, []).append(i)
@@ -337,39 +250,30 @@ class GoodputModel(Learner):
                     mix[names[j]] += float(add[j])
         return None if names is None else (names, cls_of)
 
-    def _learn_acceptance(
-        self,
-        steps: Sequence[StepObservation],
-        step_of: np.ndarray,
-        method: np.ndarray,
-        k: np.ndarray,
-        accepted: np.ndarray,
-        classes: tuple[list[str], np.ndarray] | None,
-    ) -> None:
+    def _learn_acceptance(self, batch: StepBatch, classes: tuple[list[str], np.ndarray] | None) -> None:
         """Acceptance counts of all rows at once, as a histogram of (table, slot, accepted, K).
 
         Step by step, a table (class, method) decays once per count it gets: once for the verified
         drafts of a step, once more for the method's counterfactual scores. Each counted row has a slot
         (its step, verified or counterfactual); the table's slots filled after it give its power.
         """
-        s = len(steps)
+        steps, step_of, s = batch.steps, batch.step_of, len(batch)
         kmax = self._kmax
         sink = _N_CODES  # rows that count nowhere (not drafted, not scored)
         # Keys are built in int64: method codes arrive as int8 and a batch of 64 steps already
         # overflows ``code * 2 * steps`` in that width.
-        method, k, accepted = method.astype(np.int64), k.astype(np.int64), accepted.astype(np.int64)
+        method, k, accepted = (
+            batch.method.astype(np.int64),
+            batch.k.astype(np.int64),
+            batch.accepted.astype(np.int64),
+        )
         table = np.where((method != _OFF) & (k > 0), method, sink)
         slot = step_of.astype(np.int64) * 2
         acc, depth = accepted, k
         if any(o.counterfactual for o in steps):
             tables, slots, accs, depths = [table], [slot], [acc], [depth]
-            for meth in dict.fromkeys(m for o in steps for m in o.counterfactual):
-                col = np.concatenate(
-                    [
-                        o.counterfactual[meth] if meth in o.counterfactual else np.full(o.n, NOT_SCORED)
-                        for o in steps
-                    ]
-                )
+            for meth in batch.counterfactual_methods():
+                col = batch.counterfactual(meth)
                 per_step = [min(o.counterfactual_depth.get(meth, kmax), kmax) for o in steps]
                 tables.append(np.where(col != NOT_SCORED, METHOD_CODES[meth], sink))
                 slots.append(slot + 1)
@@ -409,19 +313,6 @@ class GoodputModel(Learner):
             t *= self._gamma ** int(counts[tid])
             t[0] += trials[tid]
             t[1] += wins[tid]
-
-    def _count(self, cls: str, code: int, accepted: np.ndarray, k: np.ndarray) -> None:
-        t = self._acc.get((cls, code))
-        if t is None:
-            t = self._acc[(cls, code)] = np.zeros((2, self._kmax))
-        j = self._pos
-        a = accepted[:, None]
-        kk = k[:, None]
-        trials = ((a >= self._pos_before) & (kk >= j)).sum(axis=0)
-        wins = ((a >= j) & (kk >= j)).sum(axis=0)
-        t *= self._gamma
-        t[0] += trials
-        t[1] += wins
 
     def update(self, ctx: Context, rewards: Mapping[int, float]) -> None:
         """Round rewards are implied by the models; nothing else to learn from them."""
@@ -604,18 +495,14 @@ class GoodputModel(Learner):
                 mine = planned[ci] > 0
                 on = others & (planned > 0)
                 picked = choice[on]
-                x = np.empty((len(arms), _N_FEATURES))
-                x[:, 0] = 1.0
-                x[:, 1] = (
-                    (float(planned[others] @ (k[choice[others]] + 1)) + fixed_verify + planned[ci] * (k + 1))
-                    * batch
-                    / _TOKEN_SCALE
-                )
                 passes = np.maximum(max(float(eagle[picked].max(initial=0.0)), head), eagle * mine)
-                x[:, 2] = passes > 0
-                x[:, 3] = passes
-                x[:, 4] = bool(peagle[picked].any()) | (peagle & mine)
-                x[:, 5] = bool(ngram[picked].any()) | rule_ngram | (ngram & mine)
+                x = cost_features(
+                    (float(planned[others] @ (k[choice[others]] + 1)) + fixed_verify + planned[ci] * (k + 1))
+                    * batch,
+                    passes,
+                    bool(peagle[picked].any()) | (peagle & mine),
+                    bool(ngram[picked].any()) | rule_ngram | (ngram & mine),
+                )
                 cost = np.maximum(x @ theta, floor)
                 tokens = (
                     float(planned[others] @ (1.0 + acc[others, choice[others]]))
@@ -632,14 +519,7 @@ class GoodputModel(Learner):
     def _arm_features(self, batch: float, arms: np.ndarray) -> np.ndarray:
         """Step features of each arm played by the whole batch."""
         passes = np.maximum(self._eagle_k[arms], 1.0 if self._head else 0.0)
-        x = np.empty((len(arms), _N_FEATURES))
-        x[:, 0] = 1.0
-        x[:, 1] = batch * (self._arm_k[arms] + 1) / _TOKEN_SCALE
-        x[:, 2] = passes > 0
-        x[:, 3] = passes
-        x[:, 4] = self._peagle[arms]
-        x[:, 5] = self._ngram[arms]
-        return x
+        return cost_features(batch * (self._arm_k[arms] + 1), passes, self._peagle[arms], self._ngram[arms])
 
     def _costs(self, theta: np.ndarray, batch: float, arms: np.ndarray) -> np.ndarray:
         """Predicted step time (ms) of each arm played by the whole batch."""
@@ -723,14 +603,12 @@ class GoodputModel(Learner):
             a = assign.copy()
             a[ci] = o
             on = planned > 0
-            x = np.zeros(_N_FEATURES)
-            x[0] = 1.0
-            x[1] = (float(planned @ (self._arm_k[a] + 1)) + fixed_verify) * batch / _TOKEN_SCALE
-            passes = max(float(self._eagle_k[a][on].max(initial=0.0)), head)
-            x[2] = passes > 0
-            x[3] = passes
-            x[4] = bool(self._peagle[a][on].any())
-            x[5] = bool(self._ngram[a][on].any()) or rule_ngram
+            x = cost_features(
+                (float(planned @ (self._arm_k[a] + 1)) + fixed_verify) * batch,
+                max(float(self._eagle_k[a][on].max(initial=0.0)), head),
+                bool(self._peagle[a][on].any()),
+                bool(self._ngram[a][on].any()) or rule_ngram,
+            )
             tokens = fixed_tokens + sum(planned[c] * (1.0 + acc[c][int(a[c])]) for c in range(len(classes)))
             cost = np.maximum(thetas @ x, floor)
             out[:, j] = batch * tokens / cost * 1e3

@@ -14,14 +14,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner
+from policies.algorithms.base import StepwiseLearner
 from policies.arms import METHOD_CODES, Arm
 from policies.context import ANY_CLASS, Context
 from policies.observation import NOT_SCORED, StepObservation
 from policies.params import Param
 
 
-class Hedge(Learner):
+class Hedge(StepwiseLearner):
     NAME: ClassVar[str] = "hedge"
     PARAMS: ClassVar[Mapping[str, Param]] = {
         "eta": Param(2.0, "Learning rate on rewards scaled to [0, 1] per round.", 0.0, 1000.0),
@@ -38,7 +38,7 @@ class Hedge(Learner):
         self._time: dict[Context, np.ndarray] = {}
         self._cum: dict[Context, np.ndarray] = {}
 
-    def observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
+    def _observe_step(self, obs: StepObservation, bucket: str, per_class: bool) -> None:
         n = obs.n
         if n == 0 or obs.duration_s <= 0:
             return

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.metrics import MetricsServer, SidecarMetrics
 from policies.arms import Arm, Method
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 
 
 class Clock:
@@ -36,8 +36,8 @@ def obs(**kw: object) -> StepObservation:
 def test_token_counters_and_ratios_are_exact() -> None:
     reg = CollectorRegistry()
     m = SidecarMetrics(registry=reg, clock=Clock())
-    m.observe_step("e1", obs())
-    m.observe_step("e1", obs(accepted=[1, 1, 4], queue_wait_s=0.1, queue_length=2))
+    m.observe("e1", StepBatch.of(obs()))
+    m.observe("e1", StepBatch.of(obs(accepted=[1, 1, 4], queue_wait_s=0.1, queue_length=2)))
     e3 = {"engine": "e1", "method": "eagle3", "k": "2"}
     ng = {"engine": "e1", "method": "ngram", "k": "4"}
     assert reg.get_sample_value("speccontrol_drafted_tokens_total", e3) == 8
@@ -99,7 +99,7 @@ def test_plain_counters() -> None:
 
 def test_registries_are_independent() -> None:
     a, b = CollectorRegistry(), CollectorRegistry()
-    SidecarMetrics(registry=a, clock=Clock()).observe_step("e1", obs())
+    SidecarMetrics(registry=a, clock=Clock()).observe("e1", StepBatch.of(obs()))
     SidecarMetrics(registry=b, clock=Clock())
     assert a.get_sample_value("speccontrol_engine_steps_total", {"engine": "e1"}) == 1
     assert b.get_sample_value("speccontrol_engine_steps_total", {"engine": "e1"}) is None
@@ -107,7 +107,7 @@ def test_registries_are_independent() -> None:
 
 def test_http_server_on_ephemeral_port() -> None:
     reg = CollectorRegistry()
-    SidecarMetrics(registry=reg, clock=Clock()).observe_step("e1", obs())
+    SidecarMetrics(registry=reg, clock=Clock()).observe("e1", StepBatch.of(obs()))
     srv = MetricsServer(registry=reg, host="127.0.0.1", port=0)
     url = srv.start()
     try:
@@ -162,9 +162,9 @@ def test_a_report_batch_gives_the_samples_of_its_steps_one_by_one() -> None:
     one, many = CollectorRegistry(), CollectorRegistry()
     m1, m2 = SidecarMetrics(registry=one, clock=Clock()), SidecarMetrics(registry=many, clock=Clock())
     for o in batch:
-        m1.observe_step("e1", o)
-    m2.observe_steps("e1", batch)
-    m2.observe_steps("e1", [])
+        m1.observe("e1", StepBatch.of(o))
+    m2.observe("e1", StepBatch(steps=batch))
+    m2.observe("e1", StepBatch(steps=[]))
     assert samples(one) == samples(many)
     assert (
         many.get_sample_value("speccontrol_request_steps_total", {"engine": "e1", "method": "off", "k": "0"})

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.v1 import controller_pb2 as pb
-from controller.validation import Limits, TelemetryError, validate_batch, validate_step
+from controller.validation import Limits, TelemetryError, validate_batch
 from controller.wire.codec import observation_from_pb, request_columns
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.engine import EngineInfo
@@ -196,14 +196,14 @@ def test_any_columns_are_accepted_as_converted_or_refused_with_a_place(c: pb.Req
 
 
 def step_by_step(steps: list[pb.StepReport]) -> list[StepObservation] | tuple[str, str]:
-    """What checking each step on its own gives: the observations, or the first error."""
-    methods = {a.method.value for a in ENGINE.arms} | {Method.OFF.value}
+    """What checking each step on its own (a batch of one) gives: the observations, or the first error
+    (named at the step's place in the whole batch)."""
     out = []
     for i, s in enumerate(steps):
         try:
-            out.append(validate_step(s, ENGINE, DEFAULT_LIMITS, index=i, methods=methods))
+            out += validate_batch(pb.StepReportBatch(sequence=1, steps=[s]), ENGINE, DEFAULT_LIMITS)
         except TelemetryError as e:
-            return e.reason, str(e)
+            return e.reason, str(e).replace("steps[0].", f"steps[{i}].", 1)
     return out
 
 

@@ -27,6 +27,7 @@ from controller.validation import (
     validate_hello,
 )
 from policies.loop import ControlLoop
+from policies.observation import StepBatch
 from policies.presets import preset_text
 from policies.spec import parse_policy
 from tests.controller.test_validation import ENGINE, check, hello, req, step
@@ -165,7 +166,7 @@ def test_any_duration_is_refused_by_name_or_leaves_the_learner_finite(
         assert any(not (d == 0 or MIN_STEP_DURATION_S <= d <= MAX_STEP_DURATION_S) for d in durations)
         return
     loop = ControlLoop(spec=parse_policy(GOODPUT_MODEL), engine=ENGINE, seed=1)
-    loop.observe_many(observations)
+    loop.observe(StepBatch(steps=observations))
     loop.decide(10.0)
     for est in loop.estimates().values():
         assert all(np.isfinite(v) for v in est.values())

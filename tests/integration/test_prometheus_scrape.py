@@ -21,7 +21,7 @@ import yaml
 from controller.config import SidecarConfig
 from controller.server import SidecarServer as Sidecar
 from policies.arms import Method
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 
 pytestmark = [pytest.mark.integration]
 
@@ -122,18 +122,20 @@ async def test_prometheus_scrapes_the_sidecar_and_evaluates_rules(tmp_path: Path
     async def feed() -> None:
         # What the engine service records for each reported step: 4 drafted, 3 accepted per request.
         while not stop.is_set():
-            sidecar.metrics.observe_step(
+            sidecar.metrics.observe(
                 "engine-0",
-                StepObservation.build(
-                    time_s=time.time(),
-                    duration_s=0.02,
-                    traffic_class=["default", "default"],
-                    method=[Method.EAGLE3, Method.EAGLE3],
-                    k=[4, 4],
-                    drafted=[4, 4],
-                    accepted=[3, 3],
-                    queue_length=2,
-                    queue_wait_s=0.25,
+                StepBatch.of(
+                    StepObservation.build(
+                        time_s=time.time(),
+                        duration_s=0.02,
+                        traffic_class=["default", "default"],
+                        method=[Method.EAGLE3, Method.EAGLE3],
+                        k=[4, 4],
+                        drafted=[4, 4],
+                        accepted=[3, 3],
+                        queue_length=2,
+                        queue_wait_s=0.25,
+                    )
                 ),
             )
             await asyncio.sleep(0.1)

@@ -9,7 +9,7 @@ from policies.context import Context
 from policies.drift import DRIFT_FIELDS, PageHinkley
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.spec import parse_policy
 
 DEFAULTS = {k: p.default for k, p in DRIFT_FIELDS.items()}
@@ -73,12 +73,12 @@ def test_goodput_model_shrinks_the_drifted_class_method_counts() -> None:
     assert isinstance(loop.learner, GoodputModel)
     rng = np.random.default_rng(3)
     for _ in range(100):
-        loop.observe(eagle_step(rng, 0.8))
+        loop.observe(StepBatch.of(eagle_step(rng, 0.8)))
     assert loop.totals.drift_alarms == 0
     trials_before = loop.learner._acc[("chat", 0)][0, 0]
     n = 0
     while loop.totals.drift_alarms == 0 and n < 40:
-        loop.observe(eagle_step(rng, 0.2))
+        loop.observe(StepBatch.of(eagle_step(rng, 0.2)))
         n += 1
     assert loop.totals.drift_alarms >= 1
     assert {(c, m) for _, c, m in loop.drift_events} <= {("chat", Method.EAGLE3), ("*", Method.EAGLE3)}
@@ -102,15 +102,15 @@ def test_tabular_learner_forgets_the_drifted_arms_only() -> None:
         accepted=[0] * 8,
     )
     for r in range(1, 60):
-        loop.observe(eagle_step(rng, 0.8))
-        loop.observe(off_row)
+        loop.observe(StepBatch.of(eagle_step(rng, 0.8)))
+        loop.observe(StepBatch.of(off_row))
         loop.decide(float(r))
     table = loop.learner.tables[Context.parse("5-8/*")]
     e4, off = loop.arms.index(Arm.parse("eagle3:4")), loop.arms.index(Arm.parse("off"))
     assert table.n[e4] > 0 and table.n[off] > 0
     off_weight = table.n[off]
     while loop.totals.drift_alarms == 0:
-        loop.observe(eagle_step(rng, 0.2))
+        loop.observe(StepBatch.of(eagle_step(rng, 0.2)))
     assert table.n[e4] == 0 and table.n[off] == off_weight
 
 
@@ -120,7 +120,7 @@ def test_disabled_by_default_and_state_round_trips() -> None:
     loop = ControlLoop(spec=parse_policy(policy("goodput_model")), engine=COMPOSITE)
     rng = np.random.default_rng(5)
     for _ in range(30):
-        loop.observe(eagle_step(rng, 0.5))
+        loop.observe(StepBatch.of(eagle_step(rng, 0.5)))
     other = ControlLoop(spec=parse_policy(policy("goodput_model")), engine=COMPOSITE)
     other.load_state_dict(loop.state_dict())
     assert other.drift is not None and loop.drift is not None

@@ -10,7 +10,7 @@ import pytest
 from policies.algorithms import GoodputModel
 from policies.arms import Arm, Method
 from policies.context import ANY_CLASS, Context
-from policies.observation import NOT_SCORED, StepObservation
+from policies.observation import NOT_SCORED, StepBatch, StepObservation
 
 ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:4", "ngram:2", "ngram:4", "off"))
 
@@ -58,7 +58,9 @@ def test_learns_ngram_acceptance_from_counterfactuals_without_playing_it() -> No
     m = model()
     rng = np.random.default_rng(1)
     for _ in range(50):
-        m.observe_step(steps(rng, Arm.parse("eagle3:2"), 4, 0.5, ngram_cf=3), "2-4", per_class=True)
+        m.observe(
+            StepBatch.of(steps(rng, Arm.parse("eagle3:2"), 4, 0.5, ngram_cf=3)), ["2-4"], per_class=True
+        )
     assert expected_accepted(m, "ngram:2") == pytest.approx(2.0, abs=0.05)
     assert expected_accepted(m, "ngram:4") == pytest.approx(3.0, abs=0.1)
     # EAGLE-3 was verified at K=2 only: p = 0.5 per position, so E[accepted | K=2] = 0.5 + 0.25.
@@ -71,7 +73,7 @@ def test_cost_model_recovers_step_times_and_generalises_to_unseen_batch_sizes() 
     for batch in (1, 2, 4, 8):
         for arm in ARMS:
             for _ in range(10):
-                m.observe_step(steps(rng, arm, batch, 0.6), "x", per_class=False)
+                m.observe(StepBatch.of(steps(rng, arm, batch, 0.6)), ["x"], per_class=False)
     theta = m._theta(sample=False)
     for arm, batch in [(Arm.parse("eagle3:4"), 32), (Arm.parse("off"), 48), (Arm.parse("ngram:4"), 40)]:
         got = float(m._costs(theta, float(batch), np.array([ARMS.index(arm)]))[0])
@@ -87,7 +89,7 @@ def test_speculation_stops_at_a_batch_size_never_seen() -> None:
     for batch in (1, 2, 3, 4):
         for arm in ARMS:
             for _ in range(20):
-                m.observe_step(steps(rng, arm, batch, 0.3), "2-4", per_class=False)
+                m.observe(StepBatch.of(steps(rng, arm, batch, 0.3)), ["2-4"], per_class=False)
     m._batch["33+"] = np.array([64.0, 1.0])
     small = ARMS[m.select(Context.parse("1/*"), range(len(ARMS)))]  # type: ignore[arg-type]
     large = ARMS[m.select(Context.parse("33+/*"), range(len(ARMS)))]  # type: ignore[arg-type]
@@ -118,7 +120,7 @@ def test_joint_plan_is_the_best_pair_for_the_batch() -> None:
                 )
             },
         )
-        m.observe_step(both, "2-4", per_class=True)
+        m.observe(StepBatch.of(both), ["2-4"], per_class=True)
     plan = m.plan_bucket("2-4", ["chat", "code"], range(len(ARMS)))  # type: ignore[arg-type]
     assert plan is not None
 
@@ -143,7 +145,9 @@ def test_state_round_trips() -> None:
     m = model()
     rng = np.random.default_rng(5)
     for _ in range(30):
-        m.observe_step(steps(rng, Arm.parse("eagle3:2"), 4, 0.5, ngram_cf=1), "2-4", per_class=True)
+        m.observe(
+            StepBatch.of(steps(rng, Arm.parse("eagle3:2"), 4, 0.5, ngram_cf=1)), ["2-4"], per_class=True
+        )
     again = model()
     again.load_state_dict(json.loads(json.dumps(m.state_dict())))
     assert np.allclose(again.estimates(Context.parse("2-4/chat")), m.estimates(Context.parse("2-4/chat")))
@@ -171,10 +175,8 @@ def test_limited_depth_counterfactuals_do_not_count_later_positions_as_rejected(
             accepted=[0] * 4,
             counterfactual={Method.EAGLE3: [1] * 4},
         )
-        m.observe_step(
-            replace(obs, counterfactual_depth={Method.EAGLE3: 1}),
-            "2-4",
-            per_class=True,
+        m.observe(
+            StepBatch.of(replace(obs, counterfactual_depth={Method.EAGLE3: 1})), ["2-4"], per_class=True
         )
     # Position 1 is certain; positions 2-4 are still at the prior (1/2 each): 1 + 1/2 + 1/4 + 1/8.
     assert expected_accepted(m, "eagle3:4") == pytest.approx(1.875, abs=0.02)
@@ -208,7 +210,7 @@ def test_rows_the_rule_drafts_with_ngram_shorten_the_planned_eagle_draft() -> No
                     drafted=[arm.k] * e + [4] * ngram_rows,
                     accepted=[*acc.tolist(), *[4] * ngram_rows],
                 )
-                m.observe_step(obs, "5-8", per_class=True)
+                m.observe(StepBatch.of(obs), ["5-8"], per_class=True)
         # What the control loop hands over at the decision round: request-steps and tokens per arm.
         rows, tokens = np.zeros(len(ARMS)), np.zeros(len(ARMS))
         rows[[ARMS.index(a) for a in trained]] = 60 * e

@@ -16,7 +16,7 @@ import pytest
 
 from policies.arms import Method
 from policies.context import Context
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from tests.policies.test_goodput_model import model
 
 
@@ -44,12 +44,12 @@ def _finite(m: object) -> None:
 def test_an_overflowing_step_is_refused_and_the_model_keeps_what_it_had(huge: float, batched: bool) -> None:
     m = model()
     for _ in range(50):
-        m.observe_step(_obs(0.02), "2-4", per_class=True)
+        m.observe(StepBatch.of(_obs(0.02)), ["2-4"], per_class=True)
     before = m.state_dict()
     if batched:
-        m.observe_steps([_obs(0.02), _obs(huge), _obs(0.02)], ["2-4"] * 3, per_class=True)
+        m.observe(StepBatch(steps=[_obs(0.02), _obs(huge), _obs(0.02)]), ["2-4"] * 3, per_class=True)
     else:
-        m.observe_step(_obs(huge), "2-4", per_class=True)
+        m.observe(StepBatch.of(_obs(huge)), ["2-4"], per_class=True)
     assert m.refused_updates == 1
     after = m.state_dict()
     assert (after["xtx"], after["xty"], after["yy"], after["w"]) == (
@@ -60,7 +60,7 @@ def test_an_overflowing_step_is_refused_and_the_model_keeps_what_it_had(huge: fl
     )
     _finite(m)
     # And it goes on learning from sane steps.
-    m.observe_step(_obs(0.02), "2-4", per_class=True)
+    m.observe(StepBatch.of(_obs(0.02)), ["2-4"], per_class=True)
     assert m.state_dict()["w"] > before["w"]
 
 
@@ -76,7 +76,7 @@ def test_an_overflowing_step_is_refused_and_the_model_keeps_what_it_had(huge: fl
 def test_a_saved_state_with_non_finite_statistics_is_refused(key: str, value: object) -> None:
     m = model()
     for _ in range(20):
-        m.observe_step(_obs(0.02), "2-4", per_class=True)
+        m.observe(StepBatch.of(_obs(0.02)), ["2-4"], per_class=True)
     state = m.state_dict()
     if key == "xty":
         value = [math.nan] * len(state["xty"])

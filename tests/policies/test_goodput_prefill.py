@@ -7,6 +7,7 @@ import pytest
 
 from policies.algorithms import GoodputModel
 from policies.arms import Arm
+from policies.observation import StepBatch
 from tests.policies.test_goodput_model import ARMS, cost_ms, model, steps
 
 PREFILL_MS_PER_TOKEN = 0.05  # prompt tokens cost what verified tokens cost: one forward over both
@@ -24,7 +25,7 @@ def run(m: GoodputModel, report_prefill: bool) -> None:
                     duration_s=obs.duration_s + prefill * PREFILL_MS_PER_TOKEN / 1e3,
                     prefill_tokens=prefill if report_prefill else 0,
                 )
-                m.observe_step(obs, "x", per_class=False)
+                m.observe(StepBatch.of(obs), ["x"], per_class=False)
 
 
 def predicted_ms(m: GoodputModel, arm: str, batch: int) -> float:

@@ -8,7 +8,7 @@ from policies.context import Context
 from policies.engine import EngineInfo
 from policies.guards import ExplorationBudget, TpotGuard, keeps_current
 from policies.loop import ControlLoop
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.spec import parse_policy
 
 E2, E4, E1, OFF = (Arm.parse(a) for a in ("eagle3:2", "eagle3:4", "eagle3:1", "off"))
@@ -64,7 +64,7 @@ def run_boundary(
         for batch in (8, 9):
             bucket = Context.parse("5-8/*") if batch == 8 else Context.parse("9-16/*")
             arm = arms[bucket]
-            loop.observe(step(arm, batch, truth[arm] * (1 + 0.01 * rng.standard_normal())))
+            loop.observe(StepBatch.of(step(arm, batch, truth[arm] * (1 + 0.01 * rng.standard_normal()))))
         loop.decide(float(r))
         if r > 10:  # after every arm was tried
             switches += sum(
@@ -90,7 +90,7 @@ def test_hysteresis_still_switches_to_a_clear_winner() -> None:
     for r in range(51, 80):
         for batch in (8, 9):
             arm = loop.current_arms()[Context.parse("5-8/*") if batch == 8 else Context.parse("9-16/*")]
-            loop.observe(step(arm, batch, truth[arm] * (1 + 0.01 * rng.standard_normal())))
+            loop.observe(StepBatch.of(step(arm, batch, truth[arm] * (1 + 0.01 * rng.standard_normal()))))
         loop.decide(float(r))
     assert loop.current_arms()[Context.parse("5-8/*")] == other
 
@@ -119,11 +119,11 @@ def test_tpot_guard_caps_a_bucket_above_the_slo_and_lifts_the_cap_below_it() -> 
     )
     # Teach it that eagle3:4 has the best goodput, but its steps take 60 ms for a request with no accepts.
     for arm, g in ((E1, 500.0), (E2, 600.0), (OFF, 300.0), (E4, 900.0)):
-        loop.observe(step(arm, 8, g))
+        loop.observe(StepBatch.of(step(arm, 8, g)))
     loop.decide(0.0)
     assert loop.current_arms()[Context.parse("5-8/*")] == E4
     for _ in range(8):
-        loop.observe(step(E4, 8, 8 / 0.060, accepted=0))
+        loop.observe(StepBatch.of(step(E4, 8, 8 / 0.060, accepted=0)))
     p99 = loop.tpot_guard.p99("5-8")
     assert p99 is not None and p99 > 40
     loop.decide(3.0)  # min_dwell_s is 100: only the guard may force this switch
@@ -132,7 +132,9 @@ def test_tpot_guard_caps_a_bucket_above_the_slo_and_lifts_the_cap_below_it() -> 
     assert loop.decide(3.0).k_for_batch(8, 4) < 4
     # Under the cap the steps are short: 20 ms per token, well under 0.9 x 40 ms.
     for _ in range(8):
-        loop.observe(step(loop.current_arms()[Context.parse("5-8/*")], 8, 8 / 0.020, accepted=0))
+        loop.observe(
+            StepBatch.of(step(loop.current_arms()[Context.parse("5-8/*")], 8, 8 / 0.020, accepted=0))
+        )
     loop.decide(4.0)
     assert loop.tpot_guard.cap("5-8") is None
 
@@ -160,15 +162,17 @@ def test_exploration_budget_limits_exploratory_choices_at_high_load(share: float
     truth = {E1: 800.0, E2: 1000.0, E4: 700.0, OFF: 500.0}
     # Every arm seen once in both buckets, so estimates exist and the greedy arm is eagle3:2.
     for arm, g in truth.items():
-        loop.observe(step(arm, 32, g))
-        loop.observe(step(arm, 8, g))
+        loop.observe(StepBatch.of(step(arm, 32, g)))
+        loop.observe(StepBatch.of(step(arm, 8, g)))
     loop.decide(0.0)
     off_greedy = {Context.parse("17-32/*"): 0, Context.parse("5-8/*"): 0}
     rounds = 400
     for r in range(1, rounds + 1):
         arms = loop.current_arms()
-        loop.observe(step(arms[Context.parse("17-32/*")], 32, truth[arms[Context.parse("17-32/*")]]))
-        loop.observe(step(arms[Context.parse("5-8/*")], 8, truth[arms[Context.parse("5-8/*")]]))
+        loop.observe(
+            StepBatch.of(step(arms[Context.parse("17-32/*")], 32, truth[arms[Context.parse("17-32/*")]]))
+        )
+        loop.observe(StepBatch.of(step(arms[Context.parse("5-8/*")], 8, truth[arms[Context.parse("5-8/*")]])))
         loop.decide(float(r))
         for key in off_greedy:
             off_greedy[key] += loop.current_arms()[key] != E2

@@ -13,7 +13,7 @@ import pytest
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.presets import load_preset, preset_names
 
 ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:3", "eagle3:4", "ngram:4", "off"))
@@ -56,6 +56,6 @@ def test_every_preset_learns_from_1024_step_batches(preset: str, granularity: Gr
     )
     loop = ControlLoop(spec=load_preset(preset), engine=engine, seed=0)
     for n_steps, n_requests in ((1024, 2), (64, 512), (200, 32)):
-        loop.observe_many(steps(n_steps, n_requests, granularity, seed=n_steps))
+        loop.observe(StepBatch(steps=steps(n_steps, n_requests, granularity, seed=n_steps)))
         loop.decide(loop.totals.steps * 0.02 + 10.0)
     assert loop.totals.steps == 1024 + 64 + 200

@@ -25,7 +25,7 @@ from policies.algorithms import (
 from policies.arms import OFF, Arm, Method
 from policies.context import Context
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.rules import FastLoop
 
 ARMS = (Arm.parse("eagle3:3"), Arm.parse("ngram:4"))
@@ -120,7 +120,7 @@ def test_hedge_learns_from_counterfactual_rows_it_never_played() -> None:
     h = learner(Hedge, 0)
     assert isinstance(h, Hedge)
     for _ in range(30):
-        h.observe_step(obs(Method.EAGLE3, 3, [0, 0, 0, 0], ngram_cf=[4, 4, 4, 4]), "1", False)
+        h.observe(StepBatch.of(obs(Method.EAGLE3, 3, [0, 0, 0, 0], ngram_cf=[4, 4, 4, 4])), ["1"], False)
         h.update(Context.parse("1/*"), {0: 100.0})
     picks = [h.select(Context.parse("1/*"), [0, 1]) for _ in range(50)]
     assert np.mean(picks) >= 0.9
@@ -138,12 +138,12 @@ def test_speculation_gate_closes_for_good() -> None:
     arms = (Arm.parse("eagle3:3"), OFF)
     g = learner(SpeculationGate, 0, arms=arms, window=4, threshold=0.3)
     for _ in range(3):
-        g.observe_step(obs(Method.EAGLE3, 3, [0, 0]), "1", False)
+        g.observe(StepBatch.of(obs(Method.EAGLE3, 3, [0, 0])), ["1"], False)
     assert arms[g.select(Context.parse("1/*"), [0, 1])] == Arm.parse("eagle3:3")  # window not full yet
-    g.observe_step(obs(Method.EAGLE3, 3, [0, 0]), "1", False)
+    g.observe(StepBatch.of(obs(Method.EAGLE3, 3, [0, 0])), ["1"], False)
     assert arms[g.select(Context.parse("1/*"), [0, 1])] == OFF
     for _ in range(10):
-        g.observe_step(obs(Method.EAGLE3, 3, [3, 3]), "1", False)
+        g.observe(StepBatch.of(obs(Method.EAGLE3, 3, [3, 3])), ["1"], False)
     assert arms[g.select(Context.parse("1/*"), [0, 1])] == OFF
 
 
@@ -151,10 +151,10 @@ def test_ngram_fallback_switches_the_class_that_stops_accepting() -> None:
     arms = (Arm.parse("eagle3:3"), Arm.parse("ngram:3"), OFF)
     f = learner(NgramFallback, 0, arms=arms, window=3, threshold=0.5)
     for _ in range(3):
-        f.observe_step(obs(Method.EAGLE3, 3, [3, 3]), "1", True)
+        f.observe(StepBatch.of(obs(Method.EAGLE3, 3, [3, 3])), ["1"], True)
     assert arms[f.select(Context.parse("1/chat"), [0, 1, 2])] == Arm.parse("eagle3:3")
     for _ in range(3):
-        f.observe_step(obs(Method.EAGLE3, 3, [0, 1]), "1", True)
+        f.observe(StepBatch.of(obs(Method.EAGLE3, 3, [0, 1])), ["1"], True)
     assert arms[f.select(Context.parse("1/chat"), [0, 1, 2])] == Arm.parse("ngram:3")
     assert arms[f.select(Context.parse("1/code"), [0, 1, 2])] == Arm.parse("eagle3:3")
 

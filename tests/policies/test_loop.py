@@ -9,7 +9,7 @@ from policies.arms import Arm, Method
 from policies.context import Context
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.spec import parse_policy, static_policy
 
 ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:4", "ngram:4", "off"))
@@ -60,8 +60,8 @@ def test_goodput_is_the_reward_not_acceptance() -> None:
     # Same acceptance (all drafts accepted) but K=4 steps cost so much more that K=1 has the better goodput.
     loop = ControlLoop(spec=parse_policy(policy("epsilon_greedy")), engine=STOCK)
     loop.decide(0.0)
-    loop.observe(step(Arm.parse("eagle3:4"), [4] * 8, ["default"] * 8, duration=0.050))
-    loop.observe(step(Arm.parse("eagle3:1"), [1] * 8, ["default"] * 8, duration=0.010))
+    loop.observe(StepBatch.of(step(Arm.parse("eagle3:4"), [4] * 8, ["default"] * 8, duration=0.050)))
+    loop.observe(StepBatch.of(step(Arm.parse("eagle3:1"), [1] * 8, ["default"] * 8, duration=0.010)))
     loop.decide(1.0)
     est = loop.estimates()[Context.parse("5-8/*")]
     assert est[Arm.parse("eagle3:4")] == pytest.approx(5 * 8 / 0.050)
@@ -75,7 +75,7 @@ def test_per_class_contexts_only_for_request_granular_engines() -> None:
     stock = ControlLoop(spec=parse_policy(policy()), engine=STOCK)
     for loop in (composite, stock):
         loop.decide(0.0)
-        loop.observe(obs)
+        loop.observe(StepBatch.of(obs))
         loop.decide(1.0)
     assert {Context.parse("2-4/code"), Context.parse("2-4/chat"), Context.parse("2-4/*")} <= set(
         composite.current_arms()
@@ -95,7 +95,7 @@ def test_per_class_contexts_only_for_request_granular_engines() -> None:
 def test_a_class_on_the_bucket_arm_issues_no_new_version() -> None:
     loop = ControlLoop(spec=static_policy("eagle3:2"), engine=COMPOSITE)
     d1 = loop.decide(0.0)
-    loop.observe(step(Arm.parse("eagle3:2"), [1, 1], ["code", "chat"]))
+    loop.observe(StepBatch.of(step(Arm.parse("eagle3:2"), [1, 1], ["code", "chat"])))
     d2 = loop.decide(5.0)
     assert d2.version == d1.version and Context.parse("2-4/code") in loop.current_arms()
 
@@ -114,7 +114,7 @@ def test_learns_the_better_method_per_class() -> None:
         for cls in ("code", "chat"):
             arm = d.arm_for(cls, 2)
             acc = min(arm.k, goodness.get((cls, arm.method), 0))
-            loop.observe(step(arm, [acc, acc], [cls, cls], duration=0.01 + 0.002 * arm.k))
+            loop.observe(StepBatch.of(step(arm, [acc, acc], [cls, cls], duration=0.01 + 0.002 * arm.k)))
     arms = loop.current_arms()
     assert arms[Context.parse("2-4/code")] == Arm.parse("ngram:4")
     assert arms[Context.parse("2-4/chat")].method is Method.EAGLE3
@@ -124,7 +124,7 @@ def test_min_dwell_holds_a_context_until_it_elapses() -> None:
     loop = ControlLoop(spec=parse_policy(policy("epsilon_greedy", min_dwell_s=10)), engine=STOCK, seed=0)
     first = loop.decide(0.0).k_table
     for t in range(1, 10):
-        loop.observe(step(Arm.parse("eagle3:1"), [0], ["x"], duration=1.0))
+        loop.observe(StepBatch.of(step(Arm.parse("eagle3:1"), [0], ["x"], duration=1.0)))
         assert loop.decide(float(t)).k_table == first
 
 
@@ -147,7 +147,7 @@ def test_rows_for_arms_outside_the_policy_are_counted_not_learned() -> None:
     spec = parse_policy(policy(arms="[eagle3:2, off]"))
     loop = ControlLoop(spec=spec, engine=STOCK)
     loop.decide(0.0)
-    loop.observe(step(Arm.parse("eagle3:4"), [3, 3], ["a", "a"]))
+    loop.observe(StepBatch.of(step(Arm.parse("eagle3:4"), [3, 3], ["a", "a"])))
     assert loop.totals.ignored_rows == 2 and loop.totals.accepted == 6
 
 
@@ -156,7 +156,7 @@ def test_state_round_trips_through_json() -> None:
     for r in range(20):
         d = loop.decide(float(r))
         arm = d.arm_for("code", 8)
-        loop.observe(step(arm, [min(arm.k, 2)] * 8, ["code"] * 8))
+        loop.observe(StepBatch.of(step(arm, [min(arm.k, 2)] * 8, ["code"] * 8)))
     state = json.loads(json.dumps(loop.state_dict()))
     again = ControlLoop(spec=parse_policy(policy()), engine=COMPOSITE, seed=99)
     again.load_state_dict(state)
@@ -176,7 +176,7 @@ def test_state_for_other_arms_is_refused() -> None:
 
 def test_totals() -> None:
     loop = ControlLoop(spec=static_policy("eagle3:2"), engine=STOCK)
-    loop.observe(step(Arm.parse("eagle3:2"), [2, 1, 0], ["a"] * 3, duration=0.02))
+    loop.observe(StepBatch.of(step(Arm.parse("eagle3:2"), [2, 1, 0], ["a"] * 3, duration=0.02)))
     t = loop.totals
     assert (t.steps, t.request_steps, t.drafted, t.accepted, t.emitted) == (1, 3, 6, 3, 6)
     assert t.acceptance_rate == 0.5 and t.goodput == pytest.approx(300.0)
@@ -194,8 +194,8 @@ def test_each_round_hands_the_learner_request_steps_and_tokens_per_arm() -> None
     loop.decide(0.0)
     e2, ng4 = ARMS.index(Arm.parse("eagle3:2")), ARMS.index(Arm.parse("ngram:4"))
     for _ in range(3):
-        loop.observe(step(Arm.parse("eagle3:2"), [1, 2], ["chat", "code"]))
-        loop.observe(step(Arm.parse("ngram:4"), [4], ["code"]))
+        loop.observe(StepBatch.of(step(Arm.parse("eagle3:2"), [1, 2], ["chat", "code"])))
+        loop.observe(StepBatch.of(step(Arm.parse("ngram:4"), [4], ["code"])))
     loop.decide(10.0)
     # Two-row steps fall in bucket 2-4, one-row steps in bucket 1.
     assert (

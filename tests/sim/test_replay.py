@@ -8,7 +8,7 @@ import pytest
 
 from policies.arms import METHOD_CODES, Method
 from policies.loop import ControlLoop
-from policies.observation import NOT_SCORED, StepObservation
+from policies.observation import NOT_SCORED, StepBatch, StepObservation
 from policies.spec import parse_policy, static_policy
 from sim.costmodel import load_profile
 from sim.engines import ENGINES
@@ -168,9 +168,10 @@ def _observed(monkeypatch: pytest.MonkeyPatch, trace: Trace, engine: str, c: int
     seen: list[StepObservation] = []
     orig = ControlLoop.observe
 
-    def spy(self: ControlLoop, obs: StepObservation) -> None:
-        seen.append(obs)
-        orig(self, obs)
+    def spy(self: ControlLoop, batch: StepBatch) -> None:
+        assert len(batch) == 1  # the simulator reports each step as it runs
+        seen.extend(batch.steps)
+        orig(self, batch)
 
     monkeypatch.setattr(ControlLoop, "observe", spy)
     pol = parse_policy((LIB / "default.yaml").read_text(), source="default")

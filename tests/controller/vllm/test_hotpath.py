@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.validation import Limits, validate_step
+from controller.v1 import controller_pb2 as pb
+from controller.validation import Limits, validate_batch
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.engine_hooks import EngineHooks
 from controller.vllm.ngram import NgramIndex
@@ -240,7 +241,7 @@ def test_hooks_report_and_draft_as_the_batch_apis(composite: bool, rule: str) ->
         else:
             assert rec.ngram_proposal is None
         assert rec.drafted.tolist() == rows_drafted and rec.finished.tolist() == rows_fin
-        validate_step(rec.to_pb(), c.engine, Limits())
+        validate_batch(pb.StepReportBatch(sequence=1, steps=[rec.to_pb()]), c.engine, Limits())
         live = list(reqs)
         eagle = [[100 + i] * MAX_K for i in range(len(live))]
         chosen = hooks.choose_drafts(live, eagle)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from controller.v1 import controller_pb2 as pb
-from controller.validation import Limits, validate_step
+from controller.validation import Limits, validate_batch
 from controller.vllm.record import StepRecord
 from controller.wire.codec import request_steps
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
 from policies.engine import EngineInfo, Granularity
-from policies.observation import NOT_SCORED
+from policies.observation import NOT_SCORED, StepObservation
 from tests.controller.wire.test_codec import same_observation
 
 ENGINE = EngineInfo(
@@ -47,6 +47,12 @@ def as_rows(r: StepRecord) -> pb.StepReport:
     )  # fmt: skip
 
 
+def _validated(step: pb.StepReport) -> StepObservation:
+    """The step as the sidecar reads it (a report of one step)."""
+    (obs,) = validate_batch(pb.StepReportBatch(sequence=1, steps=[step]), ENGINE, Limits())
+    return obs
+
+
 @pytest.mark.parametrize("cf", [[2, NOT_SCORED, 0, 1], [NOT_SCORED] * 4])
 def test_columns_read_as_the_rows_did(cf: list[int]) -> None:
     r = record(cf)
@@ -55,13 +61,13 @@ def test_columns_read_as_the_rows_did(cf: list[int]) -> None:
     assert msg.directive_version == 7 and list(msg.columns.classes) == ["chat", "code", ""]
     # An all-unscored n-gram column is left out, as rows leave their map entry out.
     assert len(msg.columns.counterfactual) == (0 if cf == [NOT_SCORED] * 4 else 1)
-    same_observation(validate_step(msg, ENGINE, Limits()), validate_step(as_rows(r), ENGINE, Limits()))
+    same_observation(_validated(msg), _validated(as_rows(r)))
 
 
 def test_prefill_tokens_travel_with_the_step() -> None:
     r = dataclasses.replace(record([NOT_SCORED] * 4), prefill_tokens=300)
     assert r.to_pb().prefill_tokens == 300
-    assert validate_step(r.to_pb(), ENGINE, Limits()).prefill_tokens == 300
+    assert _validated(r.to_pb()).prefill_tokens == 300
     assert json.loads(r.to_json())["prefill"] == 300
 
 

@@ -1,4 +1,6 @@
-"""A report batch folded into one update equals the steps observed one by one (up to float rounding)."""
+"""``observe(StepBatch)``: a report of many steps equals the same steps reported one at a time (up to
+float rounding), for the loop and every learner; the simulator reports one step at a time, the sidecar
+hundreds."""
 
 from typing import Any
 
@@ -9,7 +11,7 @@ from policies.algorithms import REGISTRY, GoodputModel
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo, Granularity
 from policies.loop import ControlLoop
-from policies.observation import NOT_SCORED, StepObservation
+from policies.observation import NOT_SCORED, StepBatch, StepObservation
 from policies.spec import parse_policy
 
 ARMS = tuple(
@@ -76,16 +78,17 @@ def test_goodput_model_batch_equals_steps_one_by_one(per_class: bool, seed: int)
     rng = np.random.default_rng(seed)
     one, many = model(), model()
     for _ in range(6):
-        batch = [random_step(rng) for _ in range(int(rng.integers(1, 8)))]
+        # What the loop hands a learner: steps with requests and time.
+        batch = [random_step(rng, empty_ok=False) for _ in range(int(rng.integers(1, 8)))]
         buckets = [str(rng.choice(["1-4", "5-16", "17+"])) for _ in batch]
         for obs, b in zip(batch, buckets, strict=True):
-            one.observe_step(obs, b, per_class)
-        many.observe_steps(batch, buckets, per_class)
+            one.observe(StepBatch.of(obs), [b], per_class)
+        many.observe(StepBatch(steps=batch), buckets, per_class)
         assert_same(one.state_dict(), many.state_dict())
     assert one._acc  # the batches did teach something
 
 
-def test_the_default_hook_is_observe_step_in_order() -> None:
+def test_every_learner_learns_a_batch_as_its_steps_in_order() -> None:
     rng = np.random.default_rng(3)
     batch = [random_step(rng, empty_ok=False) for _ in range(5)]
     for name, cls in REGISTRY.items():
@@ -95,8 +98,8 @@ def test_the_default_hook_is_observe_step_in_order() -> None:
         one = cls(arms=ARMS, params=params, rng=np.random.default_rng(0))
         many = cls(arms=ARMS, params=params, rng=np.random.default_rng(0))
         for obs in batch:
-            one.observe_step(obs, "x", True)
-        many.observe_steps(batch, ["x"] * len(batch), True)
+            one.observe(StepBatch.of(obs), ["x"], True)
+        many.observe(StepBatch(steps=batch), ["x"] * len(batch), True)
         assert_same(one.state_dict(), many.state_dict())
 
 
@@ -131,8 +134,8 @@ def test_loop_batch_equals_steps_one_by_one_with_drift_alarms() -> None:
     for round_ in range(30):
         batch = [random_step(rng) for _ in range(int(rng.integers(1, 7)))]
         for obs in batch:
-            one.observe(obs)
-        many.observe_many(batch)
+            one.observe(StepBatch.of(obs))
+        many.observe(StepBatch(steps=batch))
         if round_ % 5 == 4:
             # Greedy (explore 0): a Thompson draw from an eigen-decomposition would amplify the rounding.
             now = float(round_)
