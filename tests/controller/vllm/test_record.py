@@ -74,14 +74,14 @@ def test_prefill_tokens_travel_with_the_step() -> None:
 def test_ngram_proposal_travels_with_the_step_or_not_at_all() -> None:
     plain = record([NOT_SCORED] * 4)
     assert not plain.to_pb().columns.ngram_proposal
-    assert validate_step(plain.to_pb(), ENGINE, Limits()).ngram_proposal is None
+    assert _validated(plain.to_pb()).ngram_proposal is None
     assert all("ngram_proposal" not in r for r in json.loads(plain.to_json())["reqs"])
     r = dataclasses.replace(plain, ngram_proposal=np.array([0, 4, 2, 0], dtype=np.int32))
     assert list(r.to_pb().columns.ngram_proposal) == [0, 4, 2, 0]
-    obs = validate_step(r.to_pb(), ENGINE, Limits())
+    obs = _validated(r.to_pb())
     assert obs.ngram_proposal is not None and obs.ngram_proposal.tolist() == [0, 4, 2, 0]
     assert [x["ngram_proposal"] for x in json.loads(r.to_json())["reqs"]] == [0, 4, 2, 0]
     # A proposal beyond the engine's max K is refused by the sidecar, naming the row.
     bad = dataclasses.replace(plain, ngram_proposal=np.array([0, 5, 2, 0], dtype=np.int32))
     with pytest.raises(ValueError, match=r"ngram_proposal"):
-        validate_step(bad.to_pb(), ENGINE, Limits())
+        _validated(bad.to_pb())
