@@ -209,7 +209,7 @@ async def run_demo(
                 engines = {
                     n: EmbeddedEngine(
                         target=sidecar.engine_target,
-                        settings=EngineSettings(engine_id=n),
+                        settings=EngineSettings(engine_id=n, plain=n != ADAPTIVE),
                         workload=workload,
                         link=link,
                     )

@@ -17,6 +17,14 @@ A step's time is composed as in the simulator published with arXiv 2601.11580:
 * MoE targets read more expert weights the more tokens a step verifies: the expected fraction of
   experts touched by ``n`` tokens is ``1 - (1 - top_k / experts) ** n``.
 
+What the engine's host adds per step (``Profile.host_time``, optional sections, 0 when absent):
+
+* ``scheduling.sync_step_s``: the CPU scheduling time that vLLM's async scheduling hides behind the
+  GPU step and synchronous scheduling pays on top of it (engine models say which they assume).
+* ``plugin.step_s`` + ``plugin.per_request_s`` x batch: the controller plugin's own work on the engine
+  thread, charged in full to every step of an engine a controller drives (a conservative bound: under
+  async scheduling part of it overlaps the GPU step). Static arms run a plain vLLM and pay nothing.
+
 ``Profile.step_time`` prices one step (floats) or a whole run at once (arrays, one entry per step)
 with the same arithmetic.
 """
@@ -107,6 +115,19 @@ class Profile:
     moe: MoE | None = None
     sources: tuple[str, ...] = field(default_factory=tuple)
     eagle3_cost: DraftCost = "per_forward"
+    #: Seconds per step that synchronous scheduling adds over async (``scheduling.sync_step_s``).
+    sync_step_s: float = 0.0
+    #: The controller plugin's engine-thread seconds per step, fixed and per request (``plugin.*``).
+    plugin_step_s: float = 0.0
+    plugin_per_request_s: float = 0.0
+
+    def host_time(self, *, batch: _X, sync: bool, plugin: bool) -> _X:
+        """Seconds the engine's host adds to a step of ``batch`` requests: synchronous scheduling's
+        share (``sync``) and the controller plugin's work (``plugin``). Floats or arrays alike."""
+        t = self.sync_step_s if sync else 0.0
+        if plugin:
+            return t + self.plugin_step_s + self.plugin_per_request_s * batch  # type: ignore[return-value]
+        return t + 0.0 * batch  # type: ignore[return-value]
 
     # -- step pricing (one step with floats, or many at once with arrays: the same arithmetic) --------
 
@@ -273,6 +294,19 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             api_price_key=str(d.get("api_price", "")),
             moe=moe,
             sources=tuple(str(s) for s in d.get("sources", [])),
+            sync_step_s=_num(
+                _map(d.get("scheduling", {}), f"{source}: scheduling"), "sync_step_s", "scheduling"
+            )
+            if "scheduling" in d
+            else 0.0,
+            plugin_step_s=_num(_map(d.get("plugin", {}), f"{source}: plugin"), "step_s", "plugin")
+            if "plugin" in d
+            else 0.0,
+            plugin_per_request_s=_num(
+                _map(d.get("plugin", {}), f"{source}: plugin"), "per_request_s", "plugin"
+            )
+            if "plugin" in d
+            else 0.0,
         )
     except KeyError as e:
         raise ProfileError(f"{source}: missing field {e.args[0]!r}") from None

@@ -12,18 +12,28 @@ Every policy is scored under the constraints and the information a real engine h
   engine); n-gram is scored counterfactually on every request and step; EAGLE-3 always runs at least
   its first forward (its hidden states must stay current), so its first position is reported when
   a request used n-gram.
+* ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path; vLLM's
+  async scheduling is the GPU default and the composite drafter runs under it too): it pays the
+  profile's ``scheduling.sync_step_s`` on every step.
 * ``no-spec``: speculation not configured at all (the baseline for "speedup vs no spec").
+
+Every model assumes vLLM's GPU default, async scheduling, unless it says ``sync``. The controller
+plugin's own cost per step (the profile's ``plugin`` section) is charged by the stepping kernel to
+engines a controller drives, whatever the model: static arms are a plain vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from policies.arms import OFF, Arm, Method
 from policies.engine import EngineInfo, Granularity
 
 KS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+Scheduling = Literal["async", "sync"]
+SCHEDULINGS: tuple[Scheduling, ...] = ("async", "sync")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +49,16 @@ class EngineModel:
     #: Report an always-running head's first position (0/1) on rows where it was not verified.
     head_first_position: bool = False
     p_eagle_partial_k_safe: bool = False
+    #: vLLM's scheduling: "async" (the GPU default) or "sync" (pays ``Profile.sync_step_s`` per step).
+    scheduling: Scheduling = "async"
+
+    def __post_init__(self) -> None:
+        if self.scheduling not in SCHEDULINGS:
+            raise ValueError(f"engine model {self.name}: scheduling must be one of {SCHEDULINGS}")
+
+    @property
+    def sync(self) -> bool:
+        return self.scheduling == "sync"
 
     def arms(self, max_k: int) -> tuple[Arm, ...]:
         out: list[Arm] = []
@@ -107,6 +127,16 @@ ENGINES: Mapping[str, EngineModel] = {
             always_runs=(Method.EAGLE3,),
             counterfactual=(Method.NGRAM,),
             head_first_position=True,
+        ),
+        EngineModel(
+            "composite-sync",
+            "the plugin's composite drafter under synchronous scheduling",
+            Granularity.REQUEST_METHOD,
+            (Method.EAGLE3, Method.NGRAM),
+            always_runs=(Method.EAGLE3,),
+            counterfactual=(Method.NGRAM,),
+            head_first_position=True,
+            scheduling="sync",
         ),
         EngineModel("no-spec", "speculation not configured", Granularity.BATCH_STEP, ()),
     )

@@ -186,6 +186,10 @@ def profile_of(base: Profile, theta: Sequence[float] | np.ndarray, draft_cost: D
         overhead_s=0.0,
         moe=None,
         eagle3_cost=draft_cost,
+        # Recorded step times already hold the engine's host time (its scheduling, the plugin).
+        sync_step_s=0.0,
+        plugin_step_s=0.0,
+        plugin_per_request_s=0.0,
     )
 
 
@@ -363,7 +367,8 @@ def render_profile(
             f"least squares on the simulator's step-time model, draft cost {fit.draft_cost}; "
             f"residual RMS {fit.rmse_s * 1e3:.4g} ms, R² {fit.r2:.4f}. Fitted: {', '.join(fitted)}. "
             f"Fixed: {', '.join(fixed) or 'none'}. target.const_s includes the per-step overhead "
-            f"(not separable in step timings). Memory and prices are the base profile's "
+            f"(not separable in step timings), and so does the host's time per step (scheduling, the "
+            f"controller plugin): no scheduling or plugin section. Memory and prices are the base profile's "
             f"({base.name}), not fitted."
         ),
         "sources": [f"controllerctl profile fit {fit.source}"],

@@ -96,6 +96,7 @@ class StepKernel:
         fast: FastLoop | None = None,
         max_k: int | None = None,
         ngram_signal: bool = True,
+        controlled: bool = False,
     ) -> None:
         check_engine(trace, engine)
         self.trace = trace
@@ -103,6 +104,8 @@ class StepKernel:
         self.engine = engine
         self.max_k = trace.max_k if max_k is None else min(max_k, trace.max_k)
         self.fast = fast if fast is not None else FastLoop()
+        #: A controller drives this engine (its plugin's cost is charged per step; static arms: False).
+        self.controlled = controlled
         self._base = trace.offsets[:-1]
         self._out = trace.output_tokens
         self._prompt = trace.prompt_tokens
@@ -261,7 +264,7 @@ class StepKernel:
             is_ng = bool((methods == _NG).any())
         if self._e3_always:
             eagle_fwd = max(eagle_fwd, 1.0)
-        return self.profile.step_time(
+        gpu = self.profile.step_time(
             kv=kv,
             batched=batched,
             eagle_forwards=eagle_fwd,
@@ -270,6 +273,7 @@ class StepKernel:
             p_eagle_spec=pe_spec,
             ngram_rows=float(is_ng),
         )
+        return gpu + self.profile.host_time(batch=float(nd), sync=self.engine.sync, plugin=self.controlled)
 
     def _advance(self, emitted: np.ndarray, admit: np.ndarray) -> np.ndarray:
         """Move the decoders on, retire the finished ones, let the prefilled ones join."""

@@ -31,6 +31,12 @@ from sim.trace import Trace
 Progress = Callable[[int], None]
 
 
+def needs_plugin(policy: PolicySpec) -> bool:
+    """Whether an engine runs the controller plugin under ``policy`` (and pays its cost per step): a
+    static arm without a per-request rule is a plain vLLM configured once; anything else is driven."""
+    return policy.algorithm != "static" or policy.rule.kind != "none"
+
+
 class Replayer:
     """One policy on one trace at one concurrency (or open loop with a concurrency cap)."""
 
@@ -80,6 +86,7 @@ class Replayer:
             engine=eng,
             fast=FastLoop(capacity=max(64, 2 * self.concurrency)),
             ngram_signal=self.ngram_signal,
+            controlled=needs_plugin(self.policy),
         )
         n, C = tr.n, self.concurrency
         out_all = tr.output_tokens

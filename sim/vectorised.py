@@ -120,8 +120,10 @@ def price(
     prefill_g: np.ndarray,
     prompt: np.ndarray,
 ) -> np.ndarray:
-    """Seconds for each of ``n_steps`` steps from its decode rows (at steps ``g``) and prefills."""
-    return profile.step_time(
+    """Seconds for each of ``n_steps`` steps from its decode rows (at steps ``g``) and prefills. Static
+    plans and oracles are priced without the controller plugin's cost (a static arm is a plain vLLM;
+    an oracle is a bound); a synchronous engine model pays its scheduling."""
+    gpu = profile.step_time(
         **step_features(
             engine,
             n_steps=n_steps,
@@ -133,6 +135,8 @@ def price(
             prompt=prompt,
         )
     )
+    out: np.ndarray = gpu + profile.host_time(batch=np.zeros(n_steps), sync=engine.sync, plugin=False)
+    return out
 
 
 def step_features(

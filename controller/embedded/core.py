@@ -43,6 +43,8 @@ SAFE_DEFAULT = Arm(Method.EAGLE3, 3)
 #: The composite drafter as the simulator models it. The wire reports no counterfactual depth, so
 #: the EAGLE-3 head's first position (which it always drafts) is not reported, as from the plugin.
 ENGINE_MODEL: EngineModel = replace(ENGINES["composite"], head_first_position=False)
+#: A plain vLLM serving one static arm (the demo's baselines): no EAGLE-3 head runs unless it drafts.
+PLAIN_MODEL: EngineModel = replace(ENGINE_MODEL, always_runs=())
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,9 @@ class EngineSettings:
     #: What the engine does before its first directive and after one expires (its start-up config).
     safe_default: Arm = SAFE_DEFAULT
     max_batch_size: int = 256
+    #: A plain vLLM with one static arm, no controller plugin (the demo's baselines): the plugin's cost
+    #: per step is not charged, and the EAGLE-3 head does not run on steps that do not draft with it.
+    plain: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -143,9 +148,10 @@ class EngineCore:
         self.kernel = StepKernel(
             trace=workload.trace,
             profile=self.profile,
-            engine=ENGINE_MODEL,
+            engine=PLAIN_MODEL if settings.plain else ENGINE_MODEL,
             fast=FastLoop(capacity=max(64, 2 * settings.max_batch_size)),
             max_k=settings.max_k,
+            controlled=not settings.plain,
         )
         self._next_index: dict[int, int] = {}
         self.totals = EngineTotals(bin_s=workload.schedule.duration_s / 80)

@@ -210,3 +210,46 @@ def test_per_draft_replays_stepwise_and_vectorised_alike_and_flat_in_k(k: int) -
         assert 0.99 * vb.throughput < v.throughput <= vb.throughput
     else:
         assert (v.throughput > vb.throughput) == (k > 3)
+
+
+def test_host_time_sync_scheduling_and_plugin() -> None:
+    p = load_profile("llama-3.1-8b-h100")
+    assert p.sync_step_s > 0 and p.plugin_step_s > 0 and p.plugin_per_request_s > 0
+    assert p.host_time(batch=32.0, sync=False, plugin=False) == 0.0
+    assert p.host_time(batch=32.0, sync=True, plugin=False) == p.sync_step_s
+    assert p.host_time(batch=32.0, sync=False, plugin=True) == pytest.approx(
+        p.plugin_step_s + 32 * p.plugin_per_request_s
+    )
+    batch = np.array([0.0, 8.0, 32.0])
+    np.testing.assert_allclose(
+        p.host_time(batch=batch, sync=True, plugin=True),
+        p.sync_step_s + p.plugin_step_s + p.plugin_per_request_s * batch,
+    )
+    # Every shipped profile carries both (host CPU time: the same everywhere).
+    for name in profile_names():
+        q = load_profile(name)
+        assert (q.sync_step_s, q.plugin_step_s, q.plugin_per_request_s) == (
+            p.sync_step_s,
+            p.plugin_step_s,
+            p.plugin_per_request_s,
+        )
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "match"),
+    [
+        ("scheduling", {"sync_step_s": -1.0}, "sync_step_s"),
+        ("scheduling", {}, "sync_step_s"),
+        ("plugin", {"step_s": "fast", "per_request_s": 0.0}, "step_s"),
+        ("plugin", [], "plugin: expected a mapping"),
+    ],
+)
+def test_bad_host_sections_are_one_clear_error(section: str, value: object, match: str) -> None:
+    import yaml
+
+    from sim.costmodel import _profile_dir
+
+    doc = yaml.safe_load((_profile_dir() / "llama-3.1-8b-h100.yaml").read_text())
+    doc[section] = value
+    with pytest.raises(ProfileError, match=match):
+        parse_profile(doc, source="p.yaml")

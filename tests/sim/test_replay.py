@@ -227,3 +227,32 @@ def test_per_request_k_engine_keeps_one_method(monkeypatch: pytest.MonkeyPatch, 
     for o in obs:
         assert set(o.method.tolist()) <= {e3, off}
         assert ((o.method == off) == (o.k == 0)).all()
+
+
+def test_sync_scheduling_is_charged_to_sync_engines_and_the_plugin_to_controlled_ones() -> None:
+    from dataclasses import replace as dc_replace
+
+    from policies.arms import Arm
+    from policies.presets import load_preset
+    from sim.engines import ENGINES
+    from sim.replay import Replayer, needs_plugin
+    from sim.traffic import generate
+
+    prof = load_profile("llama-3.1-8b-h100")
+    tr = generate("chat", n_requests=30, seed=1)
+    arm = Arm(Method.EAGLE3, 3)
+
+    def run(engine: str) -> tuple[float, int]:
+        r = Replayer(
+            trace=tr, profile=prof, engine=ENGINES[engine], policy=static_policy(arm), concurrency=4, seed=0
+        ).run()
+        return r.makespan_s, r.steps
+
+    (t_async, n_async), (t_sync, n_sync) = run("composite"), run("composite-sync")
+    assert n_async == n_sync and t_sync - t_async == pytest.approx(n_sync * prof.sync_step_s, rel=1e-6)
+    assert ENGINES["composite"].scheduling == "async" and ENGINES["composite-sync"].sync
+    # A static arm is a plain vLLM; any learner, or a static arm with the per-request rule, runs the
+    # plugin and pays for it.
+    assert not needs_plugin(static_policy(arm))
+    assert needs_plugin(load_preset("default"))
+    assert needs_plugin(dc_replace(static_policy(arm), rule=load_preset("default").rule))

@@ -23,13 +23,19 @@ class FakeClock:
 
 
 def _core(
-    clock: FakeClock | None = None, concurrency: int = 4, mix: dict[str, float] | None = None
+    clock: FakeClock | None = None,
+    concurrency: int = 4,
+    mix: dict[str, float] | None = None,
+    plain: bool = False,
 ) -> EngineCore:
     workload = build_workload(
         Schedule((Phase(5.0, mix or {"code-edit": 1.0}, concurrency),)), profile=PROFILE, seed=1
     )
     return EngineCore(
-        settings=EngineSettings(engine_id="e"), workload=workload, profile=PROFILE, clock=clock or FakeClock()
+        settings=EngineSettings(engine_id="e", plain=plain),
+        workload=workload,
+        profile=PROFILE,
+        clock=clock or FakeClock(),
     )
 
 
@@ -150,11 +156,12 @@ def test_speculation_pays_at_batch_one_on_chat() -> None:
 
 @pytest.mark.parametrize(("arm", "concurrency"), [("eagle3:3", 1), ("ngram:2", 8), ("off", 32)])
 def test_the_demo_engine_steps_are_the_simulators(arm: str, concurrency: int) -> None:
-    """One engine model: the demo engine's step times equal the simulator's replay of its requests."""
-    from controller.embedded.core import ENGINE_MODEL
+    """One engine model: the demo engine's step times equal the simulator's replay of its requests
+    (a plain engine, as the demo's static baselines are: the vectorised replay prices static arms)."""
+    from controller.embedded.core import PLAIN_MODEL
     from sim.vectorised import replay_static
 
-    core = _core(concurrency=concurrency, mix={"maths": 1.0})
+    core = _core(concurrency=concurrency, mix={"maths": 1.0}, plain=True)
     core.receive(_directive(arm, 1))
     durations = []
     while not core.done:
@@ -166,7 +173,28 @@ def test_the_demo_engine_steps_are_the_simulators(arm: str, concurrency: int) ->
         k=a.k,
         concurrency=concurrency,
         profile=PROFILE,
-        engine=ENGINE_MODEL,
+        engine=PLAIN_MODEL,
     )
     assert len(durations) > 100
     np.testing.assert_allclose(np.cumsum(durations), sim.timeline.end_s[: len(durations)], rtol=1e-12)
+
+
+def test_a_controlled_engine_pays_the_plugin_and_a_plain_one_does_not() -> None:
+    # Same requests, same static arm: the engine a controller drives pays the profile's plugin cost on
+    # every step (the demo's adaptive engine), the plain vLLM (the demo's baselines) does not.
+    durations = {}
+    for plain in (True, False):
+        core = _core(concurrency=8, mix={"maths": 1.0}, plain=plain)
+        core.receive(_directive("eagle3:3", 1))
+        steps = [core.step() for _ in range(50)]
+        durations[plain] = np.array([s.duration_s for s in steps])
+        batch = np.array([len(s.columns.method) for s in steps], dtype=np.float64)
+    extra = durations[False] - durations[True]
+    assert PROFILE.plugin_step_s > 0
+    # Steps that decode (both draft with EAGLE-3); a prefill-only step also differs by the head's
+    # forward, which the composite drafter always runs and a plain vLLM does not.
+    decode = batch > 0
+    assert decode.sum() > 40
+    np.testing.assert_allclose(
+        extra[decode], PROFILE.plugin_step_s + PROFILE.plugin_per_request_s * batch[decode], rtol=1e-9
+    )
