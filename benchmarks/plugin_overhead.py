@@ -69,7 +69,14 @@ def _engine(model: Path, head: Path, max_len: int) -> Any:
         max_num_batched_tokens=BATCHED_TOKENS,
         enforce_eager=True,
         seed=0,
-        speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 4},
+        # The start-up schedule vLLM needs to prepare dynamic K: without it the K-table-only plugin
+        # refuses (there is nothing it could control) and the baseline would time nothing.
+        speculative_config={
+            "method": "eagle3",
+            "model": str(head),
+            "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 32, 4]],
+        },
     )
 
 
@@ -246,6 +253,13 @@ def _scripted(batch: int, history: int, steps: int, composite: bool) -> dict[str
     }
 
 
+def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> None:
+    """``doc`` plus the machine's load (the figures depend on it) to ``--json``."""
+    doc["cores"] = os.cpu_count()
+    doc["load_average_1min"] = [round(args.load_before, 2), round(os.getloadavg()[0], 2)]
+    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
 def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
     from policies.jit import compiling
 
@@ -273,7 +287,7 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
                 str(b): round(res[(b, False)]["cpu_median"], 1) for b in batches
             },
         }
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        _write_json(args, doc)
     return 0
 
 
@@ -316,6 +330,7 @@ def main() -> int:
         ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
     if args.history < 1 or args.tokens < 8 or not all(0 < b <= 32 for b in batches):
         ap.error("need --history >= 1, --tokens >= 8 and batches in 1..32")
+    args.load_before = os.getloadavg()[0]
     if args.scripted:
         return _scripted_main(args, batches)
     if args.child:
@@ -386,7 +401,7 @@ def main() -> int:
             "statistic": "engine-thread CPU time in the hooks per decode step, median",
             **{k: v for k, v in per_batch.items() if k != "us_per_step"},
         }
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        _write_json(args, doc)
     return 0
 
 
