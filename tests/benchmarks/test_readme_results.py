@@ -44,3 +44,55 @@ def test_missing_rows_and_markers_are_named() -> None:
         rr.updated_readme("no markers here", md, doc)
     with pytest.raises(rr.ResultsError, match="replica"):
         rr.autoscale_sentence({})
+
+
+def _results(name: str) -> dict:
+    return json.loads((rr.RESULTS / name).read_text())
+
+
+def test_every_generated_figure_comes_from_its_results_file() -> None:
+    demo = [_results(f"demo-seed{s}.json") for s in rr.DEMO_SEEDS]
+    changed = copy.deepcopy(demo)
+    changed[1]["adaptive_vs_best_static"] = 1.5
+    assert "x the best static arm**" in rr.demo_text(demo)
+    assert "-1.500x the best static arm**" in rr.demo_text(changed)
+    assert "is **not met**" in rr.demo_text(demo) or min(d["adaptive_vs_best_static"] for d in demo) >= 1.15
+
+    load = _results("sidecar-load.json")
+    assert f"{load['request_steps_unapplied']:,} request-steps left unapplied" in rr.sidecar_load_text(load)
+    load["request_steps_unapplied"] = 123456
+    assert "123,456 request-steps left unapplied" in rr.sidecar_load_text(load)
+
+    speed = _results("sim-speed.json")
+    speed["runs"][0]["request_steps_per_s"] = 9_870_000
+    assert "9.87 M request-steps/s" in rr.sim_speed_text(speed)
+    assert "| 9,870,000 |" in rr.sim_speed_table(speed)
+
+    engine, scripted = _results("plugin-overhead.json"), _results("plugin-overhead-scripted.json")
+    engine["us_per_step"] = {"8": 11.0, "32": 22.0}
+    assert "11 / 22 µs per decode step at batch 8 / 32" in rr.plugin_cost_text(engine, scripted)
+
+
+def test_missing_files_keys_and_unknown_blocks_are_named(tmp_path: Path) -> None:
+    with pytest.raises(rr.ResultsError, match="missing"):
+        rr._json(rr.RESULTS / "no-such-result.json")
+    with pytest.raises(rr.ResultsError, match=re.escape("decision_ms.p99")):
+        doc = _results("sidecar-load.json")
+        del doc["decision_ms"]["p99"]
+        rr.sidecar_load_text(doc)
+    with pytest.raises(rr.ResultsError, match="unknown results block 'nope'"):
+        rr.updated("<!-- results:nope -->\n<!-- /results:nope -->", "docs/x.md", {})
+    with pytest.raises(rr.ResultsError, match=re.escape("README.md: no <!-- results:demo -->")):
+        rr.updated("no blocks", "README.md", {}, ("demo",))
+    with pytest.raises(rr.ResultsError, match="no run of oracle per step @ oracle"):
+        rr.example_report_text({"runs": []})
+
+
+def test_blocks_in_docs_are_rewritten_wherever_they_are() -> None:
+    body = rr.GENERATORS["plugin-cost"]()
+    text = "a\n<!-- results:plugin-cost -->\nstale 442 µs\n<!-- /results:plugin-cost -->\nb"
+    assert rr.updated(text, "docs/production.md", {}) == (
+        f"a\n<!-- results:plugin-cost -->\n{body}\n<!-- /results:plugin-cost -->\nb"
+    )
+    for doc in ("production.md", "vllm-plugin.md", "reliability.md", "simulator.md"):
+        assert "<!-- results:" in (rr.ROOT / "docs" / doc).read_text(), doc
