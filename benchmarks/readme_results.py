@@ -6,6 +6,9 @@ docs/*.md that has them (each body written by one function below, whatever file 
 * ``decision-quality``: the summary table, read from docs/decision-quality.md (written by
   ``benchmarks/decision_quality.py --out``): the default policy on the composite drafter as a ratio
   to the best static arm, and to the clairvoyant per-step oracle for drift and mixed.
+* ``decision-quality-now``: the drift/mixed table of the default policy, read from
+  docs/results/decision-quality-drift-mixed.md (the same benchmark, ``--scenarios drift,mixed
+  --policies default --no-hindsight``, the quick run after a policy change), and what it meets.
 * ``autoscale``: the autoscaling sentence, from docs/example-report/autoscale.json
   (``controllerctl sim autoscale --out docs/example-report``).
 * ``example-report``: what docs/example-report/result.json shows (``controllerctl sim compare``).
@@ -34,13 +37,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DECISION_QUALITY = ROOT / "docs" / "decision-quality.md"
+DECISION_QUALITY_NOW = ROOT / "docs" / "results" / "decision-quality-drift-mixed.md"
 AUTOSCALE = ROOT / "docs" / "example-report" / "autoscale.json"
 EXAMPLE_REPORT = ROOT / "docs" / "example-report" / "result.json"
 RESULTS = ROOT / "docs" / "results"
 DEMO_SEEDS = (0, 1, 2)
 LEVELS = (1, 8, 32)
 #: The blocks README.md must carry (docs carry what they quote).
-README_BLOCKS = ("decision-quality", "autoscale", "demo", "sim-speed", "plugin-cost", "sidecar-load")
+README_BLOCKS = (
+    "decision-quality-now",
+    "decision-quality",
+    "autoscale",
+    "demo",
+    "sim-speed",
+    "plugin-cost",
+    "sidecar-load",
+)
 
 
 class ResultsError(ValueError):
@@ -87,6 +99,60 @@ def decision_quality_table(md: str) -> str:
         + " |",
     ]
     return "\n".join(lines)
+
+
+def decision_quality_now(md: str) -> str:
+    """The default policy on drift and mixed: × best static (composite and stock vLLM), × the per-step
+    oracle, switch rate, and which goals the figures meet."""
+    rows = _rows(md)
+    best, per_step, no_spec, switches = 4, 6, 8, 10
+
+    def cell(s: str, c: int, col: int, engine: str = "composite") -> str:
+        key = (s, c, f"default @ {engine}")
+        if key not in rows or len(rows[key]) <= col:
+            raise ResultsError(f"{DECISION_QUALITY_NOW.name}: no row '{s} | {c} | default @ {engine}'")
+        return rows[key][col]
+
+    def pair(c: int, col: int, engine: str = "composite") -> str:
+        return f"{cell('drift', c, col, engine)} / {cell('mixed', c, col, engine)}"
+
+    def switch(c: int) -> str:
+        return " / ".join(f"{float(cell(s, c, switches)):.1f}" for s in ("drift", "mixed"))
+
+    goals = [  # (what, goal, cells as (scenario, c, column, engine))
+        ("≥ 1.30 × best static", 1.30, [(s, c, best, "composite") for s in ("drift", "mixed") for c in LEVELS]),
+        ("≥ 0.88 × the per-step oracle", 0.88, [(s, c, per_step, "composite") for s in ("drift", "mixed") for c in LEVELS]),
+        ("≥ 0.97 × best static on stock vLLM", 0.97, [(s, c, best, "stock-vllm") for s in ("drift", "mixed") for c in LEVELS]),
+    ]  # fmt: skip
+    met, missed = [], []
+    for what, goal, cells in goals:
+        ok = [f"{s} c={c}" for s, c, col, e in cells if float(cell(s, c, col, e)) >= goal]
+        no = [f"{s} c={c}" for s, c, col, e in cells if float(cell(s, c, col, e)) < goal]
+        if ok:
+            met.append(f"{what} at {', '.join(ok)}")
+        if no:
+            missed.append(f"{what} at {', '.join(no)}")
+    floor = min(float(cell(s, c, no_spec)) for s in ("drift", "mixed") for c in LEVELS)
+    return "\n".join(
+        [
+            "| scenario | c=1 | c=8 | c=32 |",
+            "|---|---|---|---|",
+            "| drift (goal ≥ 1.30) | " + " | ".join(cell("drift", c, best) for c in LEVELS) + " |",
+            "| mixed (goal ≥ 1.30) | " + " | ".join(cell("mixed", c, best) for c in LEVELS) + " |",
+            "| drift / mixed × the clairvoyant per-step oracle (goal ≥ 0.88) | "
+            + " | ".join(pair(c, per_step) for c in LEVELS)
+            + " |",
+            "| default on stock vLLM (K only) × its best static arm, drift / mixed (goal ≥ 0.97) | "
+            + " | ".join(pair(c, best, "stock-vllm") for c in LEVELS)
+            + " |",
+            "| default's arm switches per 1,000 engine steps, drift / mixed | "
+            + " | ".join(switch(c) for c in LEVELS)
+            + " |",
+            "",
+            f"Met: {'; '.join(met) or 'none'}; never below no speculation (≥ {floor:.2f}x). "
+            f"Not met: {'; '.join(missed) or 'none'}.",
+        ]
+    )
 
 
 def autoscale_sentence(doc: dict[str, Any]) -> str:
@@ -149,7 +215,8 @@ def demo_text(runs: list[dict[str, Any]]) -> str:
     worst = min(min(p) for p in per_phase)
     return (
         f"{len(runs)} runs here (`controllerctl demo --seed {seeds} --json`, written to "
-        f"`docs/results/demo-seed*.json` by `make results`; wall {_range(walls, '.1f')} s each): adaptive "
+        f"`docs/results/demo-seed*.json` by `make results`; {len(runs[0]['engines'])} engines, wall "
+        f"{_range(walls, '.1f')} s each): adaptive "
         f"{_range(adaptive, '.0f')} tok/s against {_range(best, '.0f')} for the best static arm "
         f"({', '.join(sorted(best_arms))}) and {_range(off, '.0f')} for no speculation: "
         f"**{_range(vs_best, '.3f')}x the best static arm**, {_range(vs_off, '.2f')}x no speculation; per phase "
@@ -317,6 +384,7 @@ def _json(path: Path) -> dict[str, Any]:
 #: Block name -> the function writing its body from the results files (read when the block is used).
 GENERATORS: dict[str, Any] = {
     "decision-quality": lambda: decision_quality_table(DECISION_QUALITY.read_text(encoding="utf-8")),
+    "decision-quality-now": lambda: decision_quality_now(DECISION_QUALITY_NOW.read_text(encoding="utf-8")),
     "autoscale": lambda: autoscale_sentence(_json(AUTOSCALE)),
     "example-report": lambda: example_report_text(_json(EXAMPLE_REPORT)),
     "demo": lambda: demo_text([_json(RESULTS / f"demo-seed{s}.json") for s in DEMO_SEEDS]),

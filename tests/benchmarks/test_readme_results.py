@@ -96,3 +96,19 @@ def test_blocks_in_docs_are_rewritten_wherever_they_are() -> None:
     )
     for doc in ("production.md", "vllm-plugin.md", "reliability.md", "simulator.md"):
         assert "<!-- results:" in (rr.ROOT / "docs" / doc).read_text(), doc
+
+
+def test_the_drift_mixed_table_and_its_goals_follow_the_file() -> None:
+    md = rr.DECISION_QUALITY_NOW.read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| mixed | 8 | default @ composite |"))
+    cells = row.split("|")
+    cells[5] = " 1.400 "  # × best static: now above the 1.30 goal
+    changed = rr.decision_quality_now(md.replace(row, "|".join(cells)))
+    assert "| mixed (goal ≥ 1.30) | " in changed and "| 1.400 |" in changed
+    met = changed.split("Met: ")[1].split("Not met:")[0]
+    assert "mixed c=8" in met.split("≥ 0.88")[0]  # listed under the 1.30 goal
+    cells[5] = " 0.500 "
+    missed = rr.decision_quality_now(md.replace(row, "|".join(cells))).split("Not met: ")[1]
+    assert "mixed c=8" in missed.split("≥ 0.88")[0]
+    with pytest.raises(rr.ResultsError, match=re.escape("no row 'mixed | 8 | default @ composite'")):
+        rr.decision_quality_now(md.replace(row, ""))

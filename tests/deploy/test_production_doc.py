@@ -85,7 +85,7 @@ def test_every_controllerctl_command_and_flag_exists(words: list[str]) -> None:
 
 
 def test_presets_alerts_and_variables_the_doc_names_exist() -> None:
-    from controller.presets import preset_names
+    from policies.presets import preset_names
 
     for name in re.findall(r"policy set ([a-z0-9-]+)", TEXT) + re.findall(
         r"default_policy: ([a-z0-9-]+)", TEXT
@@ -100,10 +100,10 @@ def test_presets_alerts_and_variables_the_doc_names_exist() -> None:
 
 
 def test_every_repository_path_the_doc_names_exists() -> None:
-    paths = set(re.findall(r"(?<![\w./])((?:deploy|docs|tests|benchmarks|scripts)/[\w./-]*[\w])", TEXT))
+    paths = set(re.findall(r"(?<![\w./])((?:deploy|docs|tests|benchmarks|scripts)/[\w./*-]*[\w*])", TEXT))
     assert len(paths) > 8
-    for rel in sorted(paths):
-        assert (ROOT / rel).exists(), f"docs/production.md names {rel}, which does not exist"
+    for rel in sorted(paths):  # a glob (docs/results/plugin-overhead*.json) names at least one file
+        assert any(ROOT.glob(rel)), f"docs/production.md names {rel}, which does not exist"
 
 
 def _my_overlay() -> str:
