@@ -3,14 +3,16 @@
 The vLLM plugin (``controller.vllm.control``), the demo engine (``controller.embedded``) and the
 simulator (``sim.kernel``) all call these, so the three cannot drift apart:
 
-* ``clamp_plan``: the per-request plan made playable. A method the engine cannot draft with falls back
-  to its configured one, K never exceeds the engine's ``max_k``, and K = 0 means off (and off means
-  K = 0), so a row is either a real draft or nothing.
+* ``clamp_row`` (one request; ``clamp_plan`` runs it on a whole plan): the per-request plan made
+  playable. A method the engine cannot draft with falls back to its configured one, K never exceeds
+  the engine's ``max_k``, and K = 0 means off (and off means K = 0), so a row is either a real draft
+  or nothing. Written once, as a kernel (``policies.jit``), so the plugin's compiled plan kernel
+  calls the very rule the simulator runs.
 * ``safe_default_directive``: the directive an engine runs on by itself (version 0) before its first
   directive and after one expires: its start-up configuration, for every class and batch size.
 * ``rule_alpha``: the per-request rule's smoothing factor, with one default.
 
-Pure: numpy in, numpy out; no I/O.
+Pure: numbers and numpy in, numbers and numpy out; no I/O.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import numpy as np
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
+from policies.jit import kernel
 
 #: Smoothing of the per-request rule's acceptance averages when the rule does not set ``alpha``.
 DEFAULT_RULE_ALPHA = 0.3
 
 _OFF = METHOD_CODES[Method.OFF]
+_NGRAM = METHOD_CODES[Method.NGRAM]
 
 
 def rule_alpha(rule: RequestRule) -> float:
@@ -32,30 +36,41 @@ def rule_alpha(rule: RequestRule) -> float:
     return float(rule.params.get("alpha", DEFAULT_RULE_ALPHA))
 
 
-def playable_codes(methods: tuple[Method, ...] | list[Method]) -> np.ndarray:
-    """A lookup by method code: True for the methods an engine can draft with (``off`` always)."""
-    out = np.zeros(len(METHOD_CODES), dtype=bool)
-    out[_OFF] = True
-    for m in methods:
-        out[METHOD_CODES[m]] = True
-    return out
+@kernel
+def clamp_row(m: int, k: int, configured: int, composite: bool, max_k: int) -> tuple[int, int]:
+    """One request's plan made playable, the rule every engine applies (the plugin per row in its
+    compiled plan kernel, the simulator through ``clamp_plan``): the engine drafts its ``configured``
+    method, n-gram as well with the ``composite`` drafter, or nothing, and any other method becomes
+    the configured one; K is at most ``max_k``; K <= 0 is off and off is K = 0. Codes are
+    ``METHOD_CODES``."""
+    if m != _OFF and m != configured and not (composite and m == _NGRAM):
+        m = configured
+    if k > max_k:
+        k = max_k
+    if m == _OFF or k <= 0:
+        return _OFF, 0
+    return m, k
+
+
+@kernel
+def _clamp_rows(
+    methods: np.ndarray, ks: np.ndarray, out_m: np.ndarray, out_k: np.ndarray, configured: int, composite: bool,
+    max_k: int,
+) -> None:  # fmt: skip
+    for j in range(len(methods)):
+        m, k = clamp_row(int(methods[j]), int(ks[j]), configured, composite, max_k)
+        out_m[j] = m
+        out_k[j] = k
 
 
 def clamp_plan(
-    methods: np.ndarray, ks: np.ndarray, *, playable: np.ndarray, fallback: Method, max_k: int
+    methods: np.ndarray, ks: np.ndarray, *, configured: Method, composite: bool, max_k: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The plan an engine can run: (int8 method codes, K in ``ks``'s dtype), one per request.
-
-    ``playable`` is ``playable_codes(...)``; a method outside it becomes ``fallback``. K is capped
-    at ``max_k``; a row with K <= 0 or method off is off with K = 0.
-    """
-    m = np.where(playable[methods.astype(np.int64)], methods, METHOD_CODES[fallback]).astype(np.int8)
-    k = np.minimum(ks, max_k)
-    off = (m == _OFF) | (k <= 0)
-    if off.any():
-        m[off] = _OFF
-        k = np.where(off, 0, k).astype(ks.dtype)
-    return m, k
+    """``clamp_row`` on every request of a plan: (method codes in ``methods``' dtype, K in ``ks``')."""
+    out_m = np.empty(len(methods), dtype=methods.dtype)
+    out_k = np.empty(len(ks), dtype=ks.dtype)
+    _clamp_rows(methods, ks, out_m, out_k, METHOD_CODES[configured], composite, max_k)
+    return out_m, out_k
 
 
 def safe_default_directive(arm: Arm, *, max_k: int) -> Directive:
@@ -76,7 +91,7 @@ def safe_default_directive(arm: Arm, *, max_k: int) -> Directive:
 __all__ = [
     "DEFAULT_RULE_ALPHA",
     "clamp_plan",
-    "playable_codes",
+    "clamp_row",
     "rule_alpha",
     "safe_default_directive",
 ]

@@ -23,7 +23,7 @@ import numpy as np
 from policies.arms import METHOD_CODES, Method
 from policies.directive import Directive
 from policies.engine import Granularity
-from policies.engine_rules import clamp_plan, playable_codes, rule_alpha
+from policies.engine_rules import clamp_plan, rule_alpha
 from policies.observation import NOT_SCORED
 from policies.rules import FastLoop
 from sim.costmodel import Profile
@@ -124,9 +124,9 @@ class StepKernel:
         self._per_request_k = engine.granularity is Granularity.REQUEST_K
         self._primary = engine.primary
         self._primary_code = METHOD_CODES[engine.primary]
-        self._playable = playable_codes(engine.methods)
-        if self._per_request_k:
-            self._playable = playable_codes((engine.primary,))
+        # With the composite drafter n-gram is played beside the primary method; an engine with K per
+        # request has one method only.
+        self._composite = Method.NGRAM in engine.methods and not self._per_request_k
         self._e3_always = Method.EAGLE3 in engine.always_runs
         self._pe_always = Method.P_EAGLE in engine.always_runs
         # The n-gram proposer's match per position: the engine has it before drafting (causal), where
@@ -182,8 +182,8 @@ class StepKernel:
                 methods, ks = clamp_plan(
                     planned,
                     ks32.astype(np.int64),
-                    playable=self._playable,
-                    fallback=self._primary,
+                    configured=self._primary,
+                    composite=self._composite,
                     max_k=max_k,
                 )
                 a = np.zeros(nd, dtype=np.int64)

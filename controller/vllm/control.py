@@ -14,7 +14,7 @@ import numpy as np
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
-from policies.engine_rules import safe_default_directive
+from policies.engine_rules import clamp_plan, safe_default_directive
 from policies.jit import kernel
 from policies.rules import FastLoop
 
@@ -88,7 +88,6 @@ class Controls:
         self.fast = FastLoop(capacity=capacity)
         self._table_key: tuple[int, str] | None = None
         self._table: list[int] = []
-        self._method_code = METHOD_CODES[method]
         #: The K values vLLM prepared at start-up (num_speculative_tokens_per_batch_size); a table
         #: K between them is raised to the next one (the composite drafter cuts drafts per request).
         self._table_ks = sorted({k for k in table_ks if 0 < k <= engine.max_k}) if table_ks else []
@@ -130,7 +129,9 @@ class Controls:
         methods, ks = self.fast.plan(
             d, request_ids, classes, batch_size, self.engine.max_k, slots=slots, ngram_proposal=ngram_proposal
         )
-        _restrict(methods, ks, self._method_code, self.composite)
+        methods, ks = clamp_plan(
+            methods, ks, configured=self.method, composite=self.composite, max_k=self.engine.max_k
+        )
         return Plan(methods, ks)
 
     def choose_drafts(
@@ -160,18 +161,6 @@ _NONE, _CONFIGURED, _NGRAM_DRAFT = 0, 1, 2
 
 
 @kernel
-def restrict_row(m: int, k: int, configured: int, composite: bool) -> tuple[int, int]:
-    """Only the configured method, n-gram (composite drafter) or nothing; K 0 is off."""
-    if not composite:
-        # Only the configured method (or nothing) can be drafted without the composite drafter.
-        m = _OFF if m == _OFF else configured
-    elif m != _OFF and m != _NGRAM and m != configured:
-        m = configured
-    k = 0 if m == _OFF else k
-    return (_OFF if k == 0 else m), k
-
-
-@kernel
 def source_row(m: int, k: int, ngram_len: int, composite: bool) -> tuple[int, int]:
     """Which draft a request gets (none, configured, n-gram) and how many of its tokens."""
     if m == _OFF or k <= 0:
@@ -179,14 +168,6 @@ def source_row(m: int, k: int, ngram_len: int, composite: bool) -> tuple[int, in
     if m == _NGRAM and composite:
         return _NGRAM_DRAFT, min(k, ngram_len)
     return _CONFIGURED, k
-
-
-@kernel
-def _restrict(methods: np.ndarray, ks: np.ndarray, configured: int, composite: bool) -> None:
-    for j in range(len(methods)):
-        m, k = restrict_row(int(methods[j]), int(ks[j]), configured, composite)
-        methods[j] = m
-        ks[j] = k
 
 
 @kernel

@@ -6,7 +6,7 @@ the report's columns are read off the plan recorded for the verified draft (``ro
 and the fast loop folds in the feedback (``rules.feedback_row``). ``update_draft_token_ids``
 (``StepKernel.choose``): per request its class's planned arm, the rule's override
 (``rules.plan_row``, which sees the request's n-gram proposal: the length of the draft the index has
-for it, computed from tokens the engine already has, so causal), what this engine can draft (``control.restrict_row``) and which draft it gets
+for it, computed from tokens the engine already has, so causal), what this engine can draft (``policies.engine_rules.clamp_row``) and which draft it gets
 (``control.source_row``). The row functions are the same ones the batch APIs (``FastLoop``,
 ``Controls``, ``NgramIndex``, ``RequestTable``) loop over, so each behaviour is written once; these
 kernels only fuse them, so a step costs one dispatch per hook and no Python object per request
@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from controller.vllm.control import Controls, pick_drafts, restrict_row, source_row
+from controller.vllm.control import Controls, pick_drafts, source_row
 from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, room, step_row
 from controller.vllm.rows import PLAN_K, PLAN_METHOD, PLAN_PROPOSAL, RequestTable, columns_row
 from policies.arms import METHOD_CODES, Method
 from policies.directive import Directive
+from policies.engine_rules import clamp_row
 from policies.jit import kernel
 from policies.observation import NOT_SCORED
 from policies.rules import feedback_row, plan_row, rule_args
@@ -130,7 +131,7 @@ def _choose(
         prop = int(state[s, DRAFT_LEN]) if scoring and int(state[s, LEN]) >= 0 else -1
         m, k = plan_row(ewma, steps, run, last_k, s, int(class_arm[c, 0]), int(class_arm[c, 1]), rule, p0, p1,
                         p2, prop, max_k)  # fmt: skip
-        m, k = restrict_row(m, k, configured, composite)
+        m, k = clamp_row(m, k, configured, composite, max_k)
         verifying[s, PLAN_METHOD] = m
         verifying[s, PLAN_K] = k
         verifying[s, PLAN_PROPOSAL] = prop

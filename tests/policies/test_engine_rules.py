@@ -1,0 +1,58 @@
+"""The engine-side clamp (policies/engine_rules.py): one row rule, ``clamp_row``, that the plugin's
+compiled plan kernel calls per request and ``clamp_plan`` runs over a whole plan (the simulator, the
+plugin's uncompiled path). Both forms agree on every input, compiled and not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
+from policies.engine_rules import clamp_plan, clamp_row
+
+pytestmark = pytest.mark.usefixtures("kernels")
+
+_CODES = st.integers(0, len(METHODS_BY_CODE) - 1)
+_OFF, _NGRAM = METHOD_CODES[Method.OFF], METHOD_CODES[Method.NGRAM]
+_I32 = np.iinfo(np.int32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(st.tuples(_CODES, st.integers(int(_I32.min), int(_I32.max))), max_size=600),
+    configured=st.sampled_from(list(Method)),
+    composite=st.booleans(),
+    max_k=st.integers(1, 64),
+)
+def test_the_plan_form_is_the_row_rule_on_every_row(
+    rows: list[tuple[int, int]], configured: Method, composite: bool, max_k: int
+) -> None:
+    methods = np.array([m for m, _ in rows], dtype=np.int8)
+    ks = np.array([k for _, k in rows], dtype=np.int32)
+    out_m, out_k = clamp_plan(methods, ks, configured=configured, composite=composite, max_k=max_k)
+    assert out_m.dtype == methods.dtype and out_k.dtype == ks.dtype
+    want = [clamp_row(int(m), int(k), METHOD_CODES[configured], composite, max_k) for m, k in rows]
+    assert list(zip(out_m.tolist(), out_k.tolist(), strict=True)) == want
+    # What the rule is: a playable method or off; K in 1..max_k, or off with K = 0.
+    playable = {_OFF, METHOD_CODES[configured]} | ({_NGRAM} if composite else set())
+    for (m, k), (om, ok) in zip(rows, want, strict=True):
+        assert om in playable
+        assert (om == _OFF) == (ok == 0) and 0 <= ok <= max_k
+        if om != _OFF:
+            assert ok == min(k, max_k) and (om == m or m not in playable)
+
+
+def test_edges() -> None:
+    e3, pe = METHOD_CODES[Method.EAGLE3], METHOD_CODES[Method.P_EAGLE]
+    assert clamp_row(_NGRAM, 3, e3, False, 8) == (e3, 3)  # no composite drafter: n-gram is not drafted
+    assert clamp_row(_NGRAM, 3, e3, True, 8) == (_NGRAM, 3)
+    assert clamp_row(pe, 9, e3, True, 8) == (e3, 8)  # another method falls back, K capped
+    assert clamp_row(e3, 0, e3, True, 8) == (_OFF, 0) == clamp_row(e3, -1, e3, True, 8)
+    assert clamp_row(_OFF, 5, e3, True, 8) == (_OFF, 0)
+    assert clamp_row(e3, 4, _OFF, False, 8) == (_OFF, 0)  # an engine without speculation drafts nothing
+    m, k = clamp_plan(
+        np.zeros(0, np.int8), np.zeros(0, np.int64), configured=Method.EAGLE3, composite=True, max_k=4
+    )
+    assert m.shape == k.shape == (0,)
