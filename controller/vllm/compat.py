@@ -74,6 +74,15 @@ V1_WORKER_POINTS: tuple[PatchPoint, ...] = (
     ),
 )
 
+#: The drafter P-EAGLE runs on (any process hosting a worker): the depth fix (``peagle.py``) wraps it.
+P_EAGLE_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(
+        "vllm.v1.spec_decode.llm_base_proposer",
+        "SpecDecodeBaseProposer.propose",
+        ("self", "num_speculative_tokens"),
+    ),
+)
+
 #: The CPU platform hook, patched only by the CPU-testing switch that keeps async scheduling on.
 CPU_ASYNC_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),

@@ -45,9 +45,11 @@ def engine_info(
     max_batch_size: int,
     composite: bool,
     table_ks: Collection[int] | None = None,
+    p_eagle_depths: bool = False,
 ) -> EngineInfo:
     """REQUEST_METHOD with n-gram counterfactuals when the composite drafter is active; otherwise
-    BATCH_STEP with the configured method's arms (the scheduler's K table is all it can change)."""
+    BATCH_STEP with the configured method's arms (the scheduler's K table is all it can change).
+    ``p_eagle_depths``: the P-EAGLE depth fix is in (``peagle.py``), so the table may hold any K."""
     return EngineInfo(
         engine_id=engine_id,
         model=model,
@@ -56,9 +58,10 @@ def engine_info(
         granularity=Granularity.REQUEST_METHOD if composite else Granularity.BATCH_STEP,
         max_batch_size=max_batch_size,
         counterfactual_methods=(Method.NGRAM,) if composite and method is not Method.NGRAM else (),
-        # The composite drafter always has P-EAGLE draft max_k and truncates per request, which stays
-        # aligned; vLLM's own reshape at 0 < K < max does not (llm_base_proposer.py:629-635).
-        p_eagle_partial_k_safe=composite,
+        # Aligned at every K: either the depth fix keeps vLLM's reshape at 0 < K < max aligned
+        # (llm_base_proposer.py:629-635), or the composite drafter has P-EAGLE draft max_k (the table
+        # stays in {0, max}) and cuts each request's draft.
+        p_eagle_partial_k_safe=composite or p_eagle_depths,
     )
 
 
@@ -80,10 +83,13 @@ class Controls:
         composite: bool,
         capacity: int = 1024,
         table_ks: Collection[int] | None = None,
+        p_eagle_depths: bool = False,
     ) -> None:
         self.engine = engine
         self.method = method
         self.composite = composite
+        #: P-EAGLE's table may hold 0 < K < max (the depth fix is in); otherwise only 0 or max.
+        self.p_eagle_depths = p_eagle_depths
         self.safe = safe_default_directive(safe_default, max_k=engine.max_k)
         self.fast = FastLoop(capacity=capacity)
         self._table_key: tuple[int, str] | None = None
@@ -98,15 +104,15 @@ class Controls:
     def k_table(self, d: Directive) -> list[int]:
         """vLLM's ``dynamic_sd_lookup``: index = batch size (0..max_batch_size), clamped to max_k.
 
-        P-EAGLE drafts either max_k or nothing (vLLM misaligns drafts in between); per-request K is
-        then done by truncation in the composite drafter.
+        Without the depth fix P-EAGLE drafts either max_k or nothing (vLLM misaligns drafts in
+        between); per-request K is then done by truncation in the composite drafter.
         """
         key = (d.version, d.policy)
         if key == self._table_key:
             return self._table
         n, mk = self.engine.max_batch_size, self.engine.max_k
         table = [d.k_for_batch(bs, mk) if bs else mk for bs in range(n + 1)]
-        if self.method is Method.P_EAGLE:
+        if self.method is Method.P_EAGLE and not self.p_eagle_depths:
             table = [mk if k > 0 else 0 for k in table]
         elif self._table_ks:
             top = self._table_ks[-1]

@@ -48,6 +48,7 @@ from controller.vllm.mode import (
     plugin_mode,
 )
 from controller.vllm.ngram import NgramIndex
+from controller.vllm.peagle import depth_fix_problem
 from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
 from controller.vllm.settings import PluginSettings
@@ -143,7 +144,10 @@ class EngineHooks:
                 runner = "V2" if v2 else "V1"
                 reason = f"async scheduling, and the {runner} model runner does not match: " + "; ".join(bad)
         composite = reason is None
-        mode = plugin_mode(reason)
+        # P-EAGLE at 0 < K < max needs the depth fix, which the worker installs after the same check.
+        depths_problem = depth_fix_problem() if method is Method.P_EAGLE else None
+        p_eagle_depths = method is Method.P_EAGLE and depths_problem is None
+        mode = plugin_mode(reason, p_eagle_depths=depths_problem)
         fixed = fixed_table_reason(vc, scheduler.dynamic_sd_lookup)
         if fixed is not None and not composite:
             log.error(
@@ -167,6 +171,7 @@ class EngineHooks:
             max_batch_size=int(vc.scheduler_config.max_num_seqs),
             composite=composite,
             table_ks=table_ks,
+            p_eagle_depths=p_eagle_depths,
         )
         import vllm  # type: ignore[import-not-found]
 
@@ -196,6 +201,7 @@ class EngineHooks:
             composite=composite,
             capacity=int(vc.scheduler_config.max_num_seqs) * 2,
             table_ks=table_ks,
+            p_eagle_depths=p_eagle_depths,
         )
         trace = open(settings.trace_path, "a", buffering=1) if settings.trace_path else None  # noqa: SIM115
         hooks = cls(
@@ -348,7 +354,8 @@ class EngineHooks:
         t = time.perf_counter()
         method, max_k = self.method, self.controls.engine.max_k
         ctl = Controls(engine=self.controls.engine, method=method, safe_default=Arm(method, max_k),
-                       composite=self.controls.composite, capacity=4)  # fmt: skip
+                       composite=self.controls.composite, capacity=4,
+                       p_eagle_depths=self.controls.p_eagle_depths)  # fmt: skip
         rows = RequestTable(configured=method, max_k=max_k, capacity=4)
         ix = None
         if self.scorer is not None:

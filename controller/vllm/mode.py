@@ -15,6 +15,8 @@ from policies.arms import Method
 #: Hello.plugin_mode values: composite drafting on, or why only the K table is controlled.
 PER_REQUEST_COMPOSITE = "per-request composite"
 K_TABLE_ONLY = "K table only"
+#: Added to the mode when P-EAGLE's table cannot take 0 < K < max (vLLM left unpatched).
+P_EAGLE_MAX_K_ONLY = "P-EAGLE table K in {0, max} only"
 #: SchedulerOutput attribute (async scheduling): the request ids whose next draft, proposed in the
 #: worker in this step, is n-gram's. Pickled to the worker with the output.
 NGRAM_ROWS_ATTR = "speccontrol_ngram_rows"
@@ -55,6 +57,8 @@ def k_table_only_reason(*, settings: PluginSettings, method: Method, vllm_config
     return None
 
 
-def plugin_mode(reason: str | None) -> str:
-    """``Hello.plugin_mode`` for a ``k_table_only_reason``."""
-    return PER_REQUEST_COMPOSITE if reason is None else f"{K_TABLE_ONLY}: {reason}"
+def plugin_mode(reason: str | None, *, p_eagle_depths: str | None = None) -> str:
+    """``Hello.plugin_mode`` for a ``k_table_only_reason``; ``p_eagle_depths``: why a P-EAGLE engine's
+    table stays at K in {0, max} (the depth fix could not be installed), None when it need not."""
+    mode = PER_REQUEST_COMPOSITE if reason is None else f"{K_TABLE_ONLY}: {reason}"
+    return mode if p_eagle_depths is None else f"{mode}; {P_EAGLE_MAX_K_ONLY}: {p_eagle_depths}"

@@ -28,8 +28,10 @@ import numpy as np
 from controller.vllm import compat
 from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
 from controller.vllm.ngram import NgramIndex
+from controller.vllm.peagle import install_depth_fix
 from controller.vllm.settings import PluginSettings
 from controller.vllm.v2 import install_v2_runner
+from policies.arms import Method
 
 log = logging.getLogger("vllm.speccontrol")
 
@@ -151,7 +153,8 @@ def _known_tokens(runner: Any) -> Callable[[str], Sequence[int] | None]:
 
 def install_worker_hook(settings: PluginSettings) -> None:
     """Wrap ``WorkerWrapperBase.init_device`` (idempotent; the caller checked it, see
-    ``compat.INSTALL_POINTS``): once the worker and its model runner exist in this process, patch the V1
+    ``compat.INSTALL_POINTS``): in an engine that drafts with P-EAGLE, install the depth fix
+    (``peagle.py``); once the worker and its model runner exist in this process, patch the V1
     runner when the engine runs async scheduling with composite drafting. Runs in whichever process
     hosts the worker (the engine core with the in-process executor, else each worker process), and
     imports nothing heavy before vLLM's own worker initialisation."""
@@ -163,6 +166,8 @@ def install_worker_hook(settings: PluginSettings) -> None:
 
     def init_device(self: Any, *a: Any, **kw: Any) -> Any:
         vc = getattr(self, "vllm_config", None)
+        if configured_method(getattr(vc, "speculative_config", None)) is Method.P_EAGLE:
+            install_depth_fix()  # logs and leaves vLLM as it is when it cannot
         v2 = bool(getattr(vc, "use_v2_model_runner", False))
         if v2:
             _guarded(_v2_runner_for, vc, settings)  # before the runner (and its speculator) is built
