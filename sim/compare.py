@@ -255,8 +255,9 @@ def run_one(
         r = replay_static(
             trace,
             method=arm.method,
-            # As the engine would: K capped at the trace's max_k (P-EAGLE runs at max_k only).
-            k=trace.max_k if arm.method is Method.P_EAGLE else min(arm.k, trace.max_k),
+            # As the engine would: K capped at the trace's max_k (P-EAGLE too: every depth is aligned
+            # with the plugin's depth fix, and a P-EAGLE deployment at K is aligned in any vLLM).
+            k=min(arm.k, trace.max_k),
             concurrency=concurrency,
             profile=profile,
             engine=eng,

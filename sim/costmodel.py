@@ -12,7 +12,9 @@ A step's time is composed as in the simulator published with arXiv 2601.11580:
   batch; the published draft fit was measured at k = 3 (``fit_k``), so one forward costs
   ``T_draft / fit_k``. ``per_draft``: the whole draft priced once per step that drafts with EAGLE-3,
   ``T_draft = a * kv + b * spec_tokens + c`` whatever K is, as the simulator of arXiv 2601.11580 does.
-* P-EAGLE drafts all K positions in one pass, costing ``pass_forwards`` EAGLE forwards.
+* P-EAGLE drafts all K positions in one pass, costing ``pass_forwards`` EAGLE forwards plus
+  ``slot_s`` per drafted position (the pass carries each request's K mask slots through the head and
+  its LM head; 0 where a profile has no figure), so a deeper pass costs more at larger batches.
 * n-gram drafting costs a fixed fraction of the verify time.
 * MoE targets read more expert weights the more tokens a step verifies: the expected fraction of
   experts touched by ``n`` tokens is ``1 - (1 - top_k / experts) ** n``.
@@ -120,6 +122,8 @@ class Profile:
     #: The controller plugin's engine-thread seconds per step, fixed and per request (``plugin.*``).
     plugin_step_s: float = 0.0
     plugin_per_request_s: float = 0.0
+    #: Seconds per drafted position in a P-EAGLE pass (``draft.p_eagle.slot_s``, default 0).
+    p_eagle_slot_s: float = 0.0
 
     def host_time(self, *, batch: _X, sync: bool, plugin: bool) -> _X:
         """Seconds the engine's host adds to a step of ``batch`` requests: synchronous scheduling's
@@ -204,7 +208,7 @@ class Profile:
             d.kv_s_per_token * kv + d.batched_s_per_token * (eagle_spec + p_eagle_spec) + d.const_s
         ) / self.fit_k
         e3 = self.eagle_draft_time(kv, eagle_spec + p_eagle_spec, eagle_forwards)
-        t = t + e3 + p_eagle_passes * self.p_eagle_pass_forwards * fwd
+        t = t + e3 + p_eagle_passes * self.p_eagle_pass_forwards * fwd + self.p_eagle_slot_s * p_eagle_spec
         return t + (ngram_rows > 0) * self.ngram_verify_fraction * verify
 
     def plain_step_time(self, batch: int, context: int) -> float:
@@ -278,6 +282,7 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             fit_k=int(_num(e3, "fit_k", "draft.eagle3", lo=1)),
             eagle3_cost=_draft_cost(e3, source),
             p_eagle_pass_forwards=_num(pe, "pass_forwards", "draft.p_eagle"),
+            p_eagle_slot_s=_num(pe, "slot_s", "draft.p_eagle") if "slot_s" in pe else 0.0,
             ngram_verify_fraction=_num(ng, "verify_fraction", "draft.ngram"),
             overhead_s=_num(d, "overhead_s", "profile"),
             memory=Memory(

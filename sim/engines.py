@@ -5,8 +5,9 @@ Every policy is scored under the constraints and the information a real engine h
 * ``stock-vllm``: one EAGLE-3 drafter, one K per batch step (vLLM's batch-size -> K table); K = 0
   still runs the head's first forward, and that first position is reported (it ran unverified).
 * ``stock-vllm-ngram``: vLLM's n-gram proposer, one K per batch step.
-* ``stock-vllm-p-eagle``: P-EAGLE, one K per step and only K = max (smaller K misassigns drafts in
-  vLLM 0.32); the head runs one pass even at K = 0.
+* ``stock-vllm-p-eagle``: P-EAGLE, one K per step, every K (vLLM 0.32 misassigns drafts at
+  0 < K < max unless the plugin's depth fix is in, ``controller/vllm/peagle.py``; a static deployment
+  at K is aligned in any vLLM); the head runs one pass even at K = 0.
 * ``per-request-k``: EAGLE-3 only, but K per request (the per-request plan's K applies).
 * ``composite``: the plugin's composite drafter, method and K per request (EAGLE-3 and n-gram in one
   engine); n-gram is scored counterfactually on every request and step; EAGLE-3 always runs at least
@@ -105,11 +106,12 @@ ENGINES: Mapping[str, EngineModel] = {
         ),
         EngineModel(
             "stock-vllm-p-eagle",
-            "stock vLLM, P-EAGLE, K in {0, max} per batch step",
+            "stock vLLM, P-EAGLE, one K per batch step (every K: the plugin's depth fix)",
             Granularity.BATCH_STEP,
             (Method.P_EAGLE,),
             always_runs=(Method.P_EAGLE,),
             head_first_position=True,
+            p_eagle_partial_k_safe=True,
         ),
         EngineModel(
             "per-request-k",

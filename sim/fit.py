@@ -385,7 +385,8 @@ def render_profile(
                 "fit_k": 1,
                 "cost": fit.draft_cost,
             },
-            "p_eagle": {"pass_forwards": v[PARAMS[6]]},
+            # Not fitted (recorded steps rarely vary P-EAGLE's K): the base profile's figure.
+            "p_eagle": {"pass_forwards": v[PARAMS[6]], "slot_s": base.p_eagle_slot_s},
             "ngram": {"verify_fraction": v[PARAMS[7]]},
         },
         "overhead_s": 0.0,

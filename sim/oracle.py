@@ -192,7 +192,7 @@ def _step_options(
                 # Its first forward is already in ``share`` where the engine always runs it.
                 draft = (k - (1 if Method.EAGLE3 in engine.always_runs else 0)) * fwd / B
             elif m is Method.P_EAGLE:
-                draft = profile.p_eagle_pass_forwards * fwd / B
+                draft = profile.p_eagle_pass_forwards * fwd / B + profile.p_eagle_slot_s * k
             else:
                 draft = profile.ngram_verify_fraction * verify_row
             options.append((METHOD_CODES[m], k, verify_row + draft))
