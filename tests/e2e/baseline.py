@@ -2,7 +2,8 @@
 
 Run with the vLLM virtualenv's Python: ``python -m tests.e2e.baseline MODEL_DIR MAX_K MAX_TOKENS OUT
 TAG...`` writes ``{tag: [token ids]}`` for the harness prompt of each tag, one request at a time
-(as the tests send them), with the same engine shape as the server (``harness.ENGINE_ARGS``).
+(as the tests send them), with the same engine shape as the server (``harness.ENGINE_ARGS``) and the
+head ``SPECCONTROL_E2E_HEAD`` names (default ``eagle3``; ``peagle``: P-EAGLE).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tests.e2e.harness import ENGINE_ARGS, ENGINE_ENV, prompt, speculative_confi
 
 
 def main(argv: list[str]) -> None:
+    head = os.environ.get("SPECCONTROL_E2E_HEAD", "eagle3")
     model, max_k, max_tokens, out, tags = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3]), argv[4:]
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
@@ -26,7 +28,7 @@ def main(argv: list[str]) -> None:
 
     llm = LLM(
         model=str(model / "target"),
-        speculative_config=speculative_config(model, max_k),
+        speculative_config=speculative_config(model, max_k, head),
         **ENGINE_ARGS,  # type: ignore[arg-type]
     )
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

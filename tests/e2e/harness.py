@@ -190,14 +190,28 @@ class Stack:
         return cur if cur > above and e.get("policy") == policy else None
 
 
-def speculative_config(model: Path, max_k: int) -> dict[str, Any]:
-    """EAGLE-3 at K max ``max_k``, started with vLLM's own dynamic-K schedule (as the docs tell users):
-    vLLM sets up dynamic K, and the plugin only swaps the table."""
+#: The drafting heads the tiny model comes with (``tiny_model.py``).
+HEADS = ("eagle3", "peagle")
+
+
+def speculative_config(
+    model: Path, max_k: int, head: str = "eagle3", *, every_k: bool = False
+) -> dict[str, Any]:
+    """EAGLE-3 (``head`` "eagle3") or P-EAGLE ("peagle": the parallel-drafting head) at K max ``max_k``,
+    started with vLLM's own dynamic-K schedule (as the docs tell users): vLLM sets up dynamic K, and
+    the plugin only swaps the table. ``every_k``: the schedule names every K from 1 to ``max_k`` (batch
+    size K gets K, larger batches ``max_k``), so vLLM prepares each and the plugin's table may use any
+    of them; otherwise only ``max_k`` (the table stays there and the plugin cuts K per request)."""
+    if head not in HEADS:
+        raise ValueError(f"head: expected one of {', '.join(HEADS)}, got {head!r}")
+    top = int(ENGINE_ARGS["max_num_seqs"])
+    schedule = [[k, k, k] for k in range(1, max_k)] if every_k else []
     return {
         "method": "eagle3",
-        "model": str(model / "eagle3"),
+        "model": str(model / head),
         "num_speculative_tokens": max_k,
-        "num_speculative_tokens_per_batch_size": [[1, ENGINE_ARGS["max_num_seqs"], max_k]],
+        "num_speculative_tokens_per_batch_size": [*schedule, [len(schedule) + 1, top, max_k]],
+        **({"parallel_drafting": True} if head == "peagle" else {}),
     }
 
 
@@ -214,8 +228,11 @@ def plugin_path(tmp: Path) -> str:
 
 
 @contextmanager
-def running_stack(tmp: Path, *, max_k: int, engine_env: Mapping[str, str] = {}) -> Iterator[Stack]:
-    """A sidecar and a vLLM server (EAGLE-3, K max ``max_k``) with the plugin, for the test module."""
+def running_stack(
+    tmp: Path, *, max_k: int, engine_env: Mapping[str, str] = {}, head: str = "eagle3", every_k: bool = False
+) -> Iterator[Stack]:
+    """A sidecar and a vLLM server (``head``: EAGLE-3 or P-EAGLE, K max ``max_k``, ``every_k``: see
+    ``speculative_config``) with the plugin, for the test module."""
     model = build_model(tmp / "model")
     cfg = tmp / "sidecar.yaml"
     cfg.write_text(
@@ -235,7 +252,7 @@ def running_stack(tmp: Path, *, max_k: int, engine_env: Mapping[str, str] = {}) 
         "PYTHONPATH": plugin_path(tmp),
         **engine_env,
     }
-    spec = speculative_config(model, max_k)
+    spec = speculative_config(model, max_k, head, every_k=every_k)
     args: list[str] = []
     for k, v in ENGINE_ARGS.items():
         flag = "--" + k.replace("_", "-")

@@ -1,8 +1,10 @@
-"""Build a tiny Llama target, an EAGLE-3 head config and a locally trained tokenizer (no hub, no weights).
+"""Build a tiny Llama target, EAGLE-3 and P-EAGLE head configs and a locally trained tokenizer (no hub,
+no weights).
 
 vLLM loads them with ``load_format=dummy``. Run with the vLLM virtualenv's Python (needs
-``tokenizers``): ``python -m tests.e2e.tiny_model OUT_DIR`` writes ``OUT_DIR/target`` and
-``OUT_DIR/eagle3``. Head dim 32: vLLM's CPU attention supports 32, 64, 80 and up;
+``tokenizers``): ``python -m tests.e2e.tiny_model OUT_DIR`` writes ``OUT_DIR/target``,
+``OUT_DIR/eagle3`` and ``OUT_DIR/peagle`` (the EAGLE-3 head plus a mask token, run with
+``parallel_drafting``). Head dim 32: vLLM's CPU attention supports 32, 64, 80 and up;
 ``SPECCONTROL_E2E_HEAD_DIM`` overrides it (scripts/gpu_check.sh uses 64, which every GPU backend has).
 """
 
@@ -94,6 +96,10 @@ def build(out: Path) -> tuple[Path, Path]:
         "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
     }
     (head / "config.json").write_text(json.dumps(eagle, indent=1))
+    # The same head shape as a P-EAGLE head (parallel drafting): masked slots need a mask token.
+    peagle = out / "peagle"
+    peagle.mkdir(parents=True, exist_ok=True)
+    (peagle / "config.json").write_text(json.dumps({**eagle, "mask_token_id": 2}, indent=1))
     return target, head
 
 
