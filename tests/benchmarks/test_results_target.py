@@ -61,6 +61,7 @@ def test_the_script_names_every_generator() -> None:
         "benchmarks/sidecar_load.py --engines",
         "benchmarks/plugin_overhead.py --json",
         "benchmarks/plugin_overhead.py --scripted",
+        "benchmarks/sim_vs_engine.py --json",
         "benchmarks/readme_results.py",
     ):
         assert any(f.startswith(needed.split(" --")[0]) for f in found), needed
