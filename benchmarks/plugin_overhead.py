@@ -52,7 +52,16 @@ for k, v in {
     os.environ.setdefault(k, v)
 
 BATCHED_TOKENS = 8192  # max_num_batched_tokens: the prompts' prefill takes batch * history / this steps
-HOOKS = ("before_schedule", "after_schedule", "before_update", "after_update", "choose_drafts")
+#: The EngineHooks methods timed (engine thread), and the worker's merge under async scheduling.
+HOOKS = (
+    "before_schedule",
+    "after_schedule",
+    "before_update",
+    "after_update",
+    "choose_drafts",
+    "size_placeholders",
+)
+WORKER_HOOKS = ("observe", "merge")
 SIDECAR_START_S = 120.0
 CHILD_TIMEOUT_S = 1200.0
 
@@ -89,16 +98,20 @@ class HookClock:
     def __init__(self) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
-        self.by_hook: dict[str, float] = dict.fromkeys(HOOKS, 0.0)  # CPU seconds per hook while on
+        self.by_hook: dict[str, float] = dict.fromkeys(HOOKS + WORKER_HOOKS, 0.0)  # CPU seconds per hook
+        self.calls: list[int] = []  # hook calls per step (the clocks' own cost is taken out per call)
         self.on = False
         self.overhead_wall = self.overhead_cpu = 0.0
 
     def install(self) -> None:
         from controller.vllm.engine_hooks import EngineHooks
+        from controller.vllm.worker import DraftMerger
 
         for name in HOOKS:
             orig = getattr(EngineHooks, name)
             setattr(EngineHooks, name, self._wrap(orig, name))
+        for name in WORKER_HOOKS:
+            setattr(DraftMerger, name, self._wrap(getattr(DraftMerger, name), name))
         # The wrapper's own cost per hook call (two reads of each clock), on a no-op.
         probe = self._wrap(lambda _h: None, "probe")
         self.on = True
@@ -120,9 +133,12 @@ class HookClock:
                     if name == "before_schedule":
                         self.wall.append(0.0)
                         self.cpu.append(0.0)
+                        self.calls.append(0)
                     if self.wall:
                         dc = time.thread_time() - c
                         self.cpu[-1] += dc
+                        if self.calls:
+                            self.calls[-1] += 1
                         if name in self.by_hook:
                             self.by_hook[name] += dc
                         self.wall[-1] += time.perf_counter() - t
@@ -132,8 +148,9 @@ class HookClock:
     def per_step(self, skip: int) -> dict[str, float]:
         """Medians and means (µs) over the steps after the first ``skip``, clock cost taken out."""
         out = {}
+        calls = self.calls[skip:] if len(self.calls) == len(self.cpu) else [len(HOOKS)] * len(self.cpu[skip:])
         for key, xs, cost in (("wall", self.wall, self.overhead_wall), ("cpu", self.cpu, self.overhead_cpu)):
-            per = sorted(x - len(HOOKS) * cost for x in xs[skip:])
+            per = sorted(x - c * cost for x, c in zip(xs[skip:], calls, strict=True))
             out[f"{key}_median"] = per[len(per) // 2] * 1e6 if per else 0.0
             out[f"{key}_mean"] = sum(per) / len(per) * 1e6 if per else 0.0
         return out
@@ -163,7 +180,8 @@ def _run(llm: Any, batch: int, history: int, tokens: int, clock: HookClock) -> d
     # Prefill outside the measurement: the cost asked for is the decode step's.
     clock.wall.clear()
     clock.cpu.clear()
-    clock.by_hook = dict.fromkeys(HOOKS, 0.0)
+    clock.calls.clear()
+    clock.by_hook = dict.fromkeys(HOOKS + WORKER_HOOKS, 0.0)
     n_steps[0] = 0
     t0 = time.perf_counter()
     clock.on = True
@@ -198,9 +216,13 @@ def _child(tmp: Path, mode: str, batches: list[int], history: int, tokens: int) 
     (tmp / f"{mode}.json").write_text(json.dumps(res))
 
 
-def _scripted(batch: int, history: int, steps: int, composite: bool) -> dict[str, float]:
+def _scripted(batch: int, history: int, steps: int, mode: str) -> dict[str, Any]:
     """The hooks on a scripted scheduler (no engine: nothing else competes for the core or the GIL),
-    ``steps`` decode steps of ``batch`` requests with ``history``-token histories, 1-3 tokens a step."""
+    ``steps`` decode steps of ``batch`` requests with ``history``-token histories, 1-3 tokens a step.
+
+    ``mode``: "k-table" (no composite drafter), "composite-sync" (the update hooks and
+    ``update_draft_token_ids``), "composite-async" (the update hooks, ``size_placeholders`` in vLLM's
+    order: step N+1 scheduled before step N's update, and the worker's merge of n-gram rows)."""
     import random
     from types import SimpleNamespace as NS
 
@@ -208,12 +230,16 @@ def _scripted(batch: int, history: int, steps: int, composite: bool) -> dict[str
 
     from controller.vllm.control import Controls, engine_info
     from controller.vllm.engine_hooks import EngineHooks
+    from controller.vllm.mode import NGRAM_ROWS_ATTR
     from controller.vllm.ngram import NgramIndex
     from controller.vllm.settings import PluginSettings
+    from controller.vllm.worker import DraftMerger
     from policies.arms import Arm, Method
     from policies.directive import Directive, KRange, PlanEntry
     from policies.rules import validate_rule
 
+    composite = mode != "k-table"
+    is_async = mode == "composite-async"
     max_k = 4
     directive = Directive(version=1, policy="bench", reason="", ttl_s=0, issued_at_s=0, k_table=(KRange(1, 0, max_k),),
                           method=Method.EAGLE3, plan=(PlanEntry("*", 1, 0, Arm(Method.EAGLE3, 3)),),
@@ -226,30 +252,69 @@ def _scripted(batch: int, history: int, steps: int, composite: bool) -> dict[str
     link = NS(offer=lambda rec: True, fresh_directive=lambda: directive)
     hooks = EngineHooks(settings=PluginSettings(sidecar="unix:///unused"), controls=ctl, link=link,  # type: ignore[arg-type]
                         scorer=NgramIndex(max_k=max_k) if composite else None, method=Method.EAGLE3)  # fmt: skip
+    hooks.async_composite = is_async
     hooks.warm_up()
     rng = random.Random(0)
     ids = [f"req-{i}" for i in range(batch)]
-    reqs = {r: NS(_all_token_ids=[rng.randrange(1900) for _ in range(history)], sampling_params=None,
-                  arrival_time=0.0, is_finished=lambda: False) for r in ids}  # fmt: skip
-    sched = NS(requests=reqs, waiting=[], dynamic_sd_lookup=None)
-    drafts: dict[str, list[int]] = {r: [] for r in ids}
+    # Prompts with a repeating phrase, as real prompts have: the n-gram rule has matches to act on.
+    phrase = [rng.randrange(1900) for _ in range(40)]
+    prompts = {
+        r: [rng.randrange(1900) if rng.random() < 0.5 else phrase[j % 40] for j in range(history)]
+        for r in ids
+    }
+    reqs = {r: NS(_all_token_ids=list(p), sampling_params=None, arrival_time=0.0, spec_token_ids=[],
+                  is_finished=lambda: False) for r, p in prompts.items()}  # fmt: skip
+    sched = NS(requests=reqs, waiting=[], dynamic_sd_lookup=None, finished_req_ids=set())
+    merger = DraftMerger(max_k=max_k, min_n=1, max_n=3, max_model_len=1 << 20) if is_async else None
+    placeholders = [-1] * max_k  # vLLM's one shared placeholder list (async scheduling)
     clock = HookClock()
     clock.install()
+
+    def schedule() -> Any:
+        spec = {r: q.spec_token_ids for r, q in reqs.items() if q.spec_token_ids}
+        so = NS(scheduled_new_reqs=[], num_scheduled_tokens={r: 1 + len(spec.get(r, ())) for r in ids},
+                scheduled_spec_decode_tokens=spec, finished_req_ids=(), total_num_scheduled_tokens=batch,
+                num_spec_tokens_to_schedule=max_k)  # fmt: skip
+        hooks.before_schedule(sched)
+        sched.finished_req_ids = set()
+        if is_async:
+            for q in reqs.values():  # AsyncScheduler._update_after_schedule
+                q.spec_token_ids = placeholders
+            hooks.size_placeholders(sched, so)
+        hooks.after_schedule(sched, so)
+        return so
+
+    def update(so: Any) -> None:
+        before = hooks.before_update(sched, so)
+        spec = so.scheduled_spec_decode_tokens
+        gens = [[rng.randrange(1900) for _ in range(rng.randint(1, 1 + len(spec.get(r, ()))))] for r in ids]
+        mro = NS(sampled_token_ids=gens, req_id_to_index={r: i for i, r in enumerate(ids)})
+        for r, g in zip(ids, gens, strict=True):
+            reqs[r]._all_token_ids += g
+        if merger is not None:  # the worker: histories, then n-gram rows over EAGLE's drafts
+            rows = [g + [-1] * (max_k + 1 - len(g)) for g in gens]
+            merger.observe(ids, rows, [False] * batch, prompts.get)
+            merger.merge(ids, np.full((batch, max_k), 7, dtype=np.int64), getattr(so, NGRAM_ROWS_ATTR, ()))
+        hooks.after_update(sched, so, mro, before)
+        if mode == "composite-sync" or mode == "k-table":
+            drafts = hooks.choose_drafts(ids, [[7] * max_k for _ in ids])
+            for r, d in zip(ids, drafts, strict=True):
+                reqs[r].spec_token_ids = d
+
+    pending = [schedule()] if is_async else []
     for step in range(steps + 10):
         clock.on = step >= 10
-        so = NS(scheduled_new_reqs=[], num_scheduled_tokens={r: 1 + len(drafts[r]) for r in ids},
-                scheduled_spec_decode_tokens={r: d for r, d in drafts.items() if d}, finished_req_ids=(),
-                total_num_scheduled_tokens=batch, num_spec_tokens_to_schedule=max_k)  # fmt: skip
-        hooks.before_schedule(sched)
-        hooks.after_schedule(sched, so)
-        before = hooks.before_update(sched, so)
-        gens = [[rng.randrange(1900) for _ in range(rng.randint(1, 3))] for _ in ids]
-        mro = NS(sampled_token_ids=gens, req_id_to_index={r: i for i, r in enumerate(ids)})
-        hooks.after_update(sched, so, mro, before)
-        drafts = dict(zip(ids, hooks.choose_drafts(ids, [[7] * max_k for _ in ids]), strict=True))
+        if is_async:  # vLLM's async order: step N+1 is scheduled before step N's update
+            pending.append(schedule())
+            update(pending.pop(0))
+        else:
+            update(schedule())
+    clock.on = False
+    n = max(len(clock.cpu), 1)
     return clock.per_step(skip=0) | {
         "steps": float(steps),
         "history": float(np.mean([len(r._all_token_ids) for r in reqs.values()])),
+        "cpu_us_by_hook": {h: round(v / n * 1e6, 1) for h, v in clock.by_hook.items() if v},
     }
 
 
@@ -260,31 +325,56 @@ def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> None:
     Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
 
+SCRIPTED_MODES = ("k-table", "composite-sync", "composite-async")
+
+
 def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
     from policies.jit import compiling
 
     how = "compiled" if compiling() else "plain Python (numba not importable)"
+    load = os.getloadavg()[0]
     print(
-        f"scripted scheduler, kernels {how}, {args.history}-token histories, {args.tokens} steps",
+        f"scripted scheduler, kernels {how}, {args.history}-token histories, {args.tokens} steps, "
+        f"load average {load:.2f} on {os.cpu_count()} cores",
         file=sys.stderr,
     )
-    res = {(b, c): _scripted(b, args.history, args.tokens, c) for b in batches for c in (False, True)}
-    print(
-        f"{'batch':>5} {'K-table hooks µs':>17} {'composite hooks µs':>19} {'ratio':>6} {'composite wall µs':>18}"
-    )
+    res: dict[tuple[int, str], dict[str, Any]] = {}
     for b in batches:
-        kt, c = res[(b, False)], res[(b, True)]
-        print(f"{b:>5} {kt['cpu_median']:>17.1f} {c['cpu_median']:>19.1f} {c['cpu_median'] / max(kt['cpu_median'], 1e-9):>6.2f} "
-              f"{c['wall_median']:>18.1f}")  # fmt: skip
+        for m in SCRIPTED_MODES:
+            print(f"plugin_overhead: batch {b}, {m} ...", file=sys.stderr, flush=True)
+            res[(b, m)] = _scripted(b, args.history, args.tokens, m)
+    print(f"{'batch':>5} {'mode':>16} {'hooks µs':>9} {'/ K-table':>9} {'wall µs':>8}  by hook (CPU µs)")
+    for b in batches:
+        kt = res[(b, "k-table")]["cpu_median"]
+        for m in SCRIPTED_MODES:
+            r = res[(b, m)]
+            hooks = ", ".join(f"{h} {v}" for h, v in r["cpu_us_by_hook"].items())
+            print(f"{b:>5} {m:>16} {r['cpu_median']:>9.1f} {r['cpu_median'] / max(kt, 1e-9):>9.2f} "
+                  f"{r['wall_median']:>8.1f}  {hooks}")  # fmt: skip
+    print("(engine-thread CPU time in the plugin's hooks per step, median; / K-table: the ratio to the "
+          "K-table-only plugin measured in the same run; async includes the worker's merge)")  # fmt: skip
     if args.json:
         doc = {
-            "us_per_step": {str(b): round(res[(b, True)]["cpu_median"], 1) for b in batches},
+            "us_per_step": {str(b): round(res[(b, "composite-async")]["cpu_median"], 1) for b in batches},
             "history_tokens": args.history,
-            "mode": "composite-sync",
+            "mode": "composite-async",
             "statistic": "CPU time in the hooks per step, median; scripted scheduler, no engine",
-            "wall_us_per_step": {str(b): round(res[(b, True)]["wall_median"], 1) for b in batches},
             "baseline_k_table_us_per_step": {
-                str(b): round(res[(b, False)]["cpu_median"], 1) for b in batches
+                str(b): round(res[(b, "k-table")]["cpu_median"], 1) for b in batches
+            },
+            "by_mode": {
+                m: {
+                    "us_per_step": {str(b): round(res[(b, m)]["cpu_median"], 1) for b in batches},
+                    "wall_us_per_step": {str(b): round(res[(b, m)]["wall_median"], 1) for b in batches},
+                    "ratio_to_k_table": {
+                        str(b): round(
+                            res[(b, m)]["cpu_median"] / max(res[(b, "k-table")]["cpu_median"], 1e-9), 2
+                        )
+                        for b in batches
+                    },
+                    "cpu_us_by_hook": {str(b): res[(b, m)]["cpu_us_by_hook"] for b in batches},
+                }
+                for m in SCRIPTED_MODES
             },
         }
         _write_json(args, doc)

@@ -26,6 +26,7 @@ simulator a whole proposal beat the planned K at every concurrency tried (drift,
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -250,8 +251,9 @@ class FastLoop:
 
     def slots(self, request_ids: Sequence[str]) -> np.ndarray:
         """Each request's slot (a new request gets a free one, its state reset)."""
-        get = self._slot.get
-        found = [get(rid, -1) for rid in request_ids]
+        found = list(
+            map(self._slot.get, request_ids, itertools.repeat(-1))
+        )  # a C loop: the engine's hot path
         if -1 in found:
             for j, rid in enumerate(request_ids):
                 if found[j] < 0:

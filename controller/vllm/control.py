@@ -156,14 +156,21 @@ class Controls:
 def pick_drafts(
     src: np.ndarray, n: np.ndarray, configured: Sequence[Sequence[int]], ngram: Sequence[Sequence[int]]
 ) -> list[list[int]]:
-    """Per request the first ``n[j]`` tokens of the draft ``src[j]`` names (see ``source_row``)."""
+    """Per request the first ``n[j]`` tokens of the draft ``src[j]`` names (see ``source_row``), each a
+    new list (a slice of a list is one)."""
+    if configured and type(configured[0]) is not list:
+        configured = [list(c) for c in configured]
+    if ngram and type(ngram[0]) is not list:
+        ngram = [list(c) for c in ngram]
+    # One comprehension, no numpy call: on the engine's hot path a numpy call costs more than a row.
     return [
-        (list(c[:k]) if s == _CONFIGURED else list(g[:k])) if s else []
+        ((c if s == _CONFIGURED else g)[:k] if s else [])  # type: ignore[misc]
         for s, k, c, g in zip(src.tolist(), n.tolist(), configured, ngram, strict=True)
     ]
 
 
-_NONE, _CONFIGURED, _NGRAM_DRAFT = 0, 1, 2
+#: Draft sources (``source_row``): none, the configured drafter's, n-gram's.
+_NONE, _CONFIGURED, NGRAM_DRAFT = 0, 1, 2
 
 
 @kernel
@@ -172,7 +179,7 @@ def source_row(m: int, k: int, ngram_len: int, composite: bool) -> tuple[int, in
     if m == _OFF or k <= 0:
         return _NONE, 0
     if m == _NGRAM and composite:
-        return _NGRAM_DRAFT, min(k, ngram_len)
+        return NGRAM_DRAFT, min(k, ngram_len)
     return _CONFIGURED, k
 
 

@@ -59,6 +59,7 @@ from policies.jit import compiling
 
 log = logging.getLogger("vllm.speccontrol")
 _is_finished = operator.methodcaller("is_finished")
+_spec_token_ids = operator.attrgetter("spec_token_ids")
 
 _OFF = METHOD_CODES[Method.OFF]
 _NGRAM = METHOD_CODES[Method.NGRAM]
@@ -122,6 +123,7 @@ class EngineHooks:
         self.swap_table = True
         #: request -> (method code, K, n-gram proposal) of its next draft
         self._planned: dict[str, tuple[int, int, int]] = {}
+        self._placeholder_lists: list[list[int]] = []
 
     @classmethod
     def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
@@ -252,7 +254,7 @@ class EngineHooks:
     # -- update_from_output -----------------------------------------------------------------------
 
     def before_update(self, scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
-        """The Request objects of this step (the update frees finished ones)."""
+        """The Request objects of this step that the scheduler holds (the update frees finished ones)."""
         planned = getattr(scheduler_output, VERIFYING_ATTR, None)
         if planned:  # async: what was planned for the drafts verified now
             slots = self.controls.fast.slots(list(planned))
@@ -260,26 +262,33 @@ class EngineHooks:
             mk = np.array(list(planned.values()), dtype=np.int64).reshape(-1, 3)
             self.rows.planned(slots, mk[:, 0], mk[:, 1], mk[:, 2])
         reqs = scheduler.requests
-        return {rid: reqs.get(rid) for rid in scheduler_output.num_scheduled_tokens}
+        known = list(filter(reqs.__contains__, scheduler_output.num_scheduled_tokens))
+        return dict(zip(known, map(reqs.__getitem__, known), strict=True))
 
     def after_update(self, scheduler: Any, scheduler_output: Any, mro: Any, requests: dict[str, Any]) -> None:
         sampled = mro.sampled_token_ids
         n_sampled = len(sampled) if sampled else 0
         index = mro.req_id_to_index.get
         spec = scheduler_output.scheduled_spec_decode_tokens
-        # The rows: requests that sampled this step (a prefill chunk samples nothing).
-        ids = [
-            rid
-            for rid, req in requests.items()
-            if req is not None and (i := index(rid, n_sampled)) < n_sampled and sampled[i]
-        ]
+        # The rows: requests that sampled this step (a prefill chunk samples nothing). Comprehensions
+        # and map (C loops) only: on the hot path one numpy call costs more than a Python row.
+        ids = [rid for rid in requests if (i := index(rid, n_sampled)) < n_sampled and sampled[i]]
         n = len(ids)
         gens = [sampled[index(rid)] for rid in ids]
-        # Per-request reads through map (C loops): the step's budget has no room for Python frames per request.
-        drafted = np.fromiter(map(len, map(spec.get, ids, itertools.repeat(()))), dtype=np.int64, count=n)
-        finished = np.fromiter(
-            map(_is_finished, map(requests.__getitem__, ids)), dtype=np.bool_, count=n
-        ) | ~np.fromiter(map(scheduler.requests.__contains__, ids), dtype=np.bool_, count=n)
+        # Tokens sampled and drafted per row, in one numpy call (each call costs more than a row).
+        counts = np.fromiter(
+            itertools.chain(map(len, gens), map(len, map(spec.get, ids, itertools.repeat(())))),
+            dtype=np.int64,
+            count=2 * n,
+        )
+        drafted = counts[n:]
+        done = getattr(scheduler, "finished_req_ids", None)
+        if isinstance(done, set):  # vLLM adds every request it finishes or frees (kept until next schedule)
+            finished = np.fromiter(map(done.__contains__, ids), dtype=np.bool_, count=n)
+        else:
+            finished = np.fromiter(
+                map(_is_finished, map(requests.__getitem__, ids)), dtype=np.bool_, count=n
+            ) | ~np.fromiter(map(scheduler.requests.__contains__, ids), dtype=np.bool_, count=n)
 
         def start(j: int, slot: int) -> None:  # a request the plugin has not seen
             req = requests[ids[j]]
@@ -288,7 +297,7 @@ class EngineHooks:
                 self.scorer.start(slot, req._all_token_ids)
 
         alpha = float(self.directive.rule.params.get("alpha", 0.3))
-        cols, _ = self.kernels.after_update(ids, gens, drafted, finished, alpha, start)
+        cols, _ = self.kernels.after_update(ids, gens, drafted, finished, alpha, start, sampled=counts[:n])
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
         # A decode row schedules one token plus its draft; anything beyond that is prompt (a prefill
@@ -316,9 +325,10 @@ class EngineHooks:
             finished=finished,
             prefill_tokens=int(prefill),
         )
-        if finished.any():
-            for j in np.flatnonzero(finished).tolist():
-                self._release(ids[j])
+        fin = finished.tolist()
+        if True in fin:
+            for rid in itertools.compress(ids, fin):
+                self._release(rid)
         for rid in scheduler_output.finished_req_ids:
             self._release(rid)
         if not n and not scheduler_output.total_num_scheduled_tokens:
@@ -385,11 +395,8 @@ class EngineHooks:
         can run after step N+1 was scheduled."""
         so = scheduler_output
         planned = self._planned
-        setattr(
-            so,
-            VERIFYING_ATTR,
-            {rid: planned.pop(rid) for rid in so.scheduled_spec_decode_tokens if rid in planned},
-        )
+        verifying = list(filter(planned.__contains__, so.scheduled_spec_decode_tokens))
+        setattr(so, VERIFYING_ATTR, dict(zip(verifying, map(planned.pop, verifying), strict=True)))
         reqs = scheduler.requests
         ids = [
             rid for rid in so.num_scheduled_tokens if (r := reqs.get(rid)) is not None and r.spec_token_ids
@@ -397,25 +404,29 @@ class EngineHooks:
         if not ids:
             setattr(so, NGRAM_ROWS_ATTR, frozenset())
             return
-        slots = self.controls.fast.slots(ids)
-        self.rows.reserve(int(slots.max()) + 1)
-        classes = self.rows.classes(slots)
-        proposal = self.kernels.proposals(slots)
-        plan = self.controls.plan(
-            self.directive, ids, classes, len(so.num_scheduled_tokens), slots=slots, ngram_proposal=proposal
-        )
+        # The plan in one kernel call (as update_draft_token_ids plans under synchronous scheduling).
+        plan = self.kernels.plan(self.directive, self.controls.fast.slots(ids), len(so.num_scheduled_tokens))
         ngram: list[str] = []
-        props = proposal.tolist() if proposal is not None else [-1] * len(ids)
-        for rid, m, k, p in zip(ids, plan.method.tolist(), plan.k.tolist(), props, strict=True):
+        place = self._placeholders
+        for rid, m, k, p in zip(ids, *plan.tolist(), strict=True):
             req = reqs[rid]
             room = len(req.spec_token_ids)
-            k = min(k, room)
-            if k != room:
-                req.spec_token_ids = [-1] * k  # a new list: vLLM shares one placeholder list
+            if k >= room:
+                k = room
+            else:
+                req.spec_token_ids = place(k)
             planned[rid] = (m if k else _OFF, k, p)
             if k and m == _NGRAM:
                 ngram.append(rid)
         setattr(so, NGRAM_ROWS_ATTR, frozenset(ngram))
+
+    def _placeholders(self, k: int) -> list[int]:
+        """vLLM's ``-1`` placeholders for a draft of ``k`` tokens (one shared list per K; nobody
+        mutates them: vLLM itself shares one)."""
+        ph = self._placeholder_lists
+        while len(ph) <= k:
+            ph.append([-1] * len(ph))
+        return ph[k]
 
     def close(self) -> None:
         self.link.close()
@@ -501,7 +512,7 @@ def install(settings: PluginSettings) -> bool:
         if h is not None:
             try:
                 ids = list(draft_token_ids.req_ids)
-                drafts = h.choose_drafts(ids, [list(d) for d in draft_token_ids.draft_token_ids])
+                drafts = h.choose_drafts(ids, draft_token_ids.draft_token_ids)  # new lists: input untouched
                 draft_token_ids = DraftTokenIds(ids, drafts)
             except Exception:
                 _disable(self, "update_draft_token_ids")

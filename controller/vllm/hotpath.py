@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from controller.vllm.control import Controls, pick_drafts, source_row
+from controller.vllm.control import NGRAM_DRAFT, Controls, pick_drafts, source_row
 from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, room, step_row
 from controller.vllm.rows import PLAN_K, PLAN_METHOD, PLAN_PROPOSAL, RequestTable, columns_row
 from policies.arms import METHOD_CODES, Method
@@ -60,7 +60,7 @@ def _after_update(
     drafted: np.ndarray,
     finished: np.ndarray,
     tokens: np.ndarray,
-    offsets: np.ndarray,
+    sizes: np.ndarray,
     out: np.ndarray,
     ngram: np.ndarray,
     params: np.ndarray,
@@ -75,19 +75,21 @@ def _after_update(
     for j in range(n):
         if not live[slots[j]]:
             return _UNSEEN
-    if scoring and not room(state, pool, table, meta, slots, offsets[1:] - offsets[:-1], max_n - min_n + 1):
+    if scoring and not room(state, pool, table, meta, slots, sizes, max_n - min_n + 1):
         return _NO_ROOM
     mixed = np.ones(len(ngram), dtype=np.bool_)
     cf_rows = out[CF : CF + 1]
     ngram_row = 0 if scoring else -1
+    at = 0  # row j's tokens: tokens[at : at + sizes[j]]
     for j in range(n):
         s = int(slots[j])
         c = NOT_SCORED
         before = -1
         if scoring:
             before = int(state[s, DRAFT_LEN])  # the proposal before this step's tokens
-            c = step_row(state, pool, table, meta, drafts, pending, s, tokens, int(offsets[j]),
-                         int(offsets[j + 1]), not finished[j], min_n, max_n, max_model_len)  # fmt: skip
+            c = step_row(state, pool, table, meta, drafts, pending, s, tokens, at, at + int(sizes[j]),
+                         not finished[j], min_n, max_n, max_model_len)  # fmt: skip
+            at += int(sizes[j])
         d = int(drafted[j])
         m, k, a, c, p = columns_row(verifying, s, int(sampled[j]), d, c, configured, max_k, before)
         out[METHOD, j] = m
@@ -150,6 +152,16 @@ class StepKernel:
         self._arms_for: tuple[Directive | None, int, int] = (None, 0, 0)
         self._class_arm = np.zeros((1, 2), dtype=np.int64)
         self._no_state = np.zeros((0, 8), dtype=np.int64)
+        self._no_tokens = np.zeros(0, dtype=np.int32)
+        empty_rows = np.zeros((0, 1), dtype=np.int32)
+        #: The n-gram index's arrays where there is none (the kernel never reads them then).
+        self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(4, dtype=np.int64),
+                          empty_rows, empty_rows)  # fmt: skip
+        self._scratch = np.full((0, 3), -1, dtype=np.int64)  # plans not recorded (``plan``)
+        #: _choose's params: rule code, max K (set per call), configured method, composite, scoring.
+        self._choose_params = np.array(
+            [0, 0, rows.configured, controls.composite, scorer is not None], dtype=np.int64
+        )
         sc = scorer
         self._update_params = np.array(
             [sc is not None, rows.configured, rows.max_k, 0, sc.min_n if sc is not None else 1, sc.max_n if sc is not None else 1,
@@ -172,41 +184,47 @@ class StepKernel:
         finished: np.ndarray,
         alpha: float,
         start: Any,
+        *,
+        sampled: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The step's columns (rows METHOD..PROPOSAL of an int32 array) and slots, for requests ``ids``
-        that sampled ``gens`` after drafts of ``drafted`` tokens. ``start(j, slot)`` is called for a
-        request the hooks have not seen: it admits the slot (class, n-gram history)."""
+        that sampled ``gens`` (``sampled``: their lengths, int64, where the caller has them) after
+        drafts of ``drafted`` tokens. ``start(j, slot)`` is called for a request the hooks have not
+        seen: it admits the slot (class, n-gram history)."""
         n = len(ids)
         slots = self.fast.slots(ids)
         self._reserve()
-        sampled = np.fromiter(map(len, gens), dtype=np.int64, count=n)
-        new: Sequence[Sequence[int]] = gens
+        if sampled is None:
+            sampled = np.fromiter(map(len, gens), dtype=np.int64, count=n)
         out = np.empty((7, n), dtype=np.int32)
         sc = self.scorer
         params = self._update_params
         params[3] = self.fast.max_k
+        sizes = sampled  # tokens each row brings to the index (none for a request just started)
+        if sc is not None:
+            tokens = np.fromiter(
+                itertools.chain.from_iterable(gens), dtype=np.int32, count=sum(map(len, gens))
+            )
+        else:
+            tokens = self._no_tokens
         while True:
-            if sc is not None:
-                offsets = np.zeros(n + 1, dtype=np.int64)
-                np.cumsum(np.fromiter(map(len, new), dtype=np.int64, count=n), out=offsets[1:])
-                tokens = np.fromiter(
-                    itertools.chain.from_iterable(new), dtype=np.int32, count=int(offsets[-1])
-                )
-                ng = sc.arrays()
-            else:
-                offsets = np.zeros(n + 1, dtype=np.int64)
-                tokens = np.zeros(0, dtype=np.int32)
-                ng = (self._no_state, tokens, self._no_state, np.zeros(4, dtype=np.int64), out, out)
+            ng = sc.arrays() if sc is not None else self._no_index
             status = _after_update(*self.fast.arrays(), *self.rows.arrays(), *ng, slots, sampled, drafted, finished,
-                                   tokens, offsets, out, self._ngram, params, alpha)  # fmt: skip
+                                   tokens, sizes, out, self._ngram, params, alpha)  # fmt: skip
             if status == _OK:
                 return out, slots
             if status == _UNSEEN:
                 fresh = self.rows.admit(slots)
-                new = list(new)
                 for j in fresh:
                     start(j, int(slots[j]))
-                    new[j] = ()  # a new request's tokens are in the history it started with
+                if sc is not None and fresh:  # a new request's tokens are in the history it started with
+                    new = list(gens)
+                    for j in fresh:
+                        new[j] = ()
+                    sizes = np.fromiter(map(len, new), dtype=np.int64, count=n)
+                    tokens = np.fromiter(
+                        itertools.chain.from_iterable(new), dtype=np.int32, count=sum(map(len, new))
+                    )
             elif sc is not None:
                 sc.make_room()
 
@@ -215,33 +233,38 @@ class StepKernel:
     ) -> list[list[int]]:
         """Per request the draft to verify next (the configured drafter's, n-gram's or none, cut to
         its K); the plan is recorded for the step that verifies it."""
-        n = len(req_ids)
         slots = self.fast.slots(req_ids)
         self._reserve()
+        out = self._plan(directive, slots, len(req_ids), self.rows.arrays()[0])
+        sc = self.scorer
+        # The n-gram drafts are read only when a row takes one (most steps of most batches do not).
+        ngram = sc.drafts(slots)[0].tolist() if sc is not None and NGRAM_DRAFT in out[0].tolist() else drafts
+        return pick_drafts(out[0], out[1], drafts, ngram)
+
+    def plan(self, directive: Directive, slots: np.ndarray, batch_size: int) -> np.ndarray:
+        """Rows PLAN_METHOD, PLAN_K, PLAN_PROPOSAL (int64): each slot's next draft as ``choose`` plans
+        it, not recorded (async scheduling: the plan travels with the scheduler output instead)."""
+        self._reserve()
+        if len(self._scratch) < self.rows.capacity:
+            self._scratch = np.full((self.rows.capacity, 3), -1, dtype=np.int64)
+        self._plan(directive, slots, batch_size, self._scratch)
+        return self._scratch[slots].T  # type: ignore[no-any-return]
+
+    def _plan(
+        self, directive: Directive, slots: np.ndarray, batch_size: int, verifying: np.ndarray
+    ) -> np.ndarray:
+        """Each slot's plan into ``verifying`` (the rows' table, or a scratch one; ``_reserve`` ran);
+        returns each row's draft source and length (see ``_choose``)."""
         max_k = self.controls.engine.max_k
         rule, p0, p1, p2 = rule_args(directive)
         if rule:
             self.fast.note_max_k(max_k)
-        out = np.empty((2, n), dtype=np.int64)
-        verifying, cls, _ = self.rows.arrays()
+        out = np.empty((2, len(slots)), dtype=np.int64)
         sc = self.scorer
-        params = np.array(
-            [rule, max_k, self.rows.configured, self.controls.composite, sc is not None], dtype=np.int64
-        )
-        _choose(*self.fast.arrays(), verifying, cls, self._arms(directive, n), sc.arrays()[0] if sc is not None else self._no_state,
-                slots, out, params, p0, p1, p2)  # fmt: skip
-        ngram = sc.drafts(slots)[0].tolist() if sc is not None else drafts
-        return pick_drafts(out[0], out[1], drafts, ngram)
-
-    def proposals(self, slots: np.ndarray) -> np.ndarray | None:
-        """Each slot's n-gram proposal (its current draft's length; -1 where the index has not
-        started it), or None without the index. The rule reads it as in ``choose``."""
-        sc = self.scorer
-        if sc is None:
-            return None
-        self._reserve()
-        state = sc.arrays()[0]
-        out: np.ndarray = np.where(state[slots, LEN] >= 0, state[slots, DRAFT_LEN], -1)
+        params = self._choose_params
+        params[0], params[1] = rule, max_k
+        _choose(*self.fast.arrays(), verifying, self.rows.arrays()[1], self._arms(directive, batch_size),
+                sc.arrays()[0] if sc is not None else self._no_state, slots, out, params, p0, p1, p2)  # fmt: skip
         return out
 
     def _arms(self, directive: Directive, batch_size: int) -> np.ndarray:
