@@ -47,6 +47,7 @@ class DraftMerger:
         self._index = NgramIndex(max_k=max_k, min_n=min_n, max_n=max_n, max_model_len=max_model_len)
         self._slot: dict[str, int] = {}
         self._free: list[int] = []
+        self._all = np.ones(64, dtype=np.bool_)  # "draft every row" (a slice of it per step)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -89,16 +90,16 @@ class DraftMerger:
                 self._index.start(s, [int(t) for t in base if t >= 0])
                 self._slot[rid] = s
             slots.append(s)
-            new.append([int(t) for t in row if t >= 0])
+            new.append([t for t in row if t >= 0])
         if not slots:
             return
-        offsets = np.zeros(len(slots) + 1, dtype=np.int64)
-        np.cumsum([len(r) for r in new], out=offsets[1:])
+        n = len(slots)
+        offsets = np.fromiter(itertools.accumulate(map(len, new), initial=0), dtype=np.int64, count=n + 1)
         tokens = np.fromiter(itertools.chain.from_iterable(new), dtype=np.int32, count=int(offsets[-1]))
+        if len(self._all) < n:
+            self._all = np.ones(2 * n, dtype=np.bool_)
         # Every stepped row drafts (one lookup each): a row named on n-gram reads its draft in merge.
-        self._index.step(
-            np.array(slots, dtype=np.int64), tokens, offsets, np.ones(len(slots), dtype=np.bool_)
-        )
+        self._index.step(np.array(slots, dtype=np.int64), tokens, offsets, self._all[:n])
 
     def merge(
         self, req_ids: Sequence[str], drafts: np.ndarray, ngram_rows: Collection[str]
