@@ -491,8 +491,9 @@ def main() -> int:
             "history_tokens": args.history,
             "mode": "composite-async",
             "statistic": "CPU time in the plugin's hooks per decode step, median (worker merge included)",
-            "load_average_1m": round(load, 2),
-            "cpu_count": os.cpu_count(),
+            "baseline_k_table_us_per_step": {
+                str(b): round(res["k-table"][b]["cpu_median"], 1) for b in batches
+            },
             "engine_step_us_without_plugin": {
                 str(b): round(res["without"][b]["step_us"], 1) for b in batches
             },
