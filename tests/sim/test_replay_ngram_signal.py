@@ -11,7 +11,7 @@ import pytest
 
 from policies.arms import METHOD_CODES, Method
 from policies.loop import ControlLoop
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 from policies.spec import parse_policy
 from sim.costmodel import load_profile
 from sim.engines import ENGINES
@@ -38,9 +38,9 @@ def _steps(
     seen: list[StepObservation] = []
     orig = ControlLoop.observe
 
-    def spy(self: ControlLoop, obs: StepObservation) -> None:
-        seen.append(obs)
-        orig(self, obs)
+    def spy(self: ControlLoop, batch: StepBatch) -> None:
+        seen.extend(batch.steps)
+        orig(self, batch)
 
     monkeypatch.setattr(ControlLoop, "observe", spy)
     Replayer(
