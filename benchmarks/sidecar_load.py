@@ -29,14 +29,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str, profile: str = "") -> None:
+def _sidecar_main(
+    state_dir: str, core: int, ready: Any, stop: Any, out: str, profile: str = "", ack_interval_s: float = 1.0
+) -> None:
     if profile:  # the whole sidecar process under cProfile, stats written to ``profile``
         import cProfile
 
         prof = cProfile.Profile()
         prof.enable()
         try:
-            _sidecar_main(state_dir, core, ready, stop, out)
+            _sidecar_main(state_dir, core, ready, stop, out, ack_interval_s=ack_interval_s)
         finally:
             prof.disable()
             prof.dump_stats(profile)
@@ -58,10 +60,22 @@ def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str, pr
                 metrics_listen="",
                 state_dir=state_dir,
                 snapshot_interval_s=3600.0,
+                # Batches are acknowledged once a snapshot holds them: while some wait, the snapshot
+                # is written every ack_interval_s (3600: no such writes, the baseline of --compare-acks).
+                ack_interval_s=ack_interval_s,
             ),
             registry=CollectorRegistry(),
         )
         decide = sc._decide
+        saves = 0
+        save = sc.save_snapshot_async
+
+        async def counted() -> bool:
+            nonlocal saves
+            saves += 1
+            return await save()
+
+        sc.save_snapshot_async = counted  # type: ignore[method-assign]
 
         def timed(st: Any, now: float) -> None:
             t = time.perf_counter()
@@ -85,6 +99,7 @@ def _sidecar_main(state_dir: str, core: int, ready: Any, stop: Any, out: str, pr
             "cpu_s": cpu,
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "decide_s": lat,
+            "snapshots": saves,
         }
         await sc.stop(snapshot=False)
         Path(out).write_text(json.dumps(doc))
@@ -188,7 +203,31 @@ def main() -> int:
     ap.add_argument(
         "--json", metavar="FILE", help="also write the figures here (make results: docs/results/)"
     )
+    ap.add_argument(
+        "--ack-interval-s",
+        type=float,
+        default=1.0,
+        help="the sidecar's ack_interval_s (acknowledgements wait for a snapshot, written this often)",
+    )
+    ap.add_argument(
+        "--compare-acks",
+        action="store_true",
+        help="run twice: first without acknowledgement snapshots (baseline), then with --ack-interval-s",
+    )
     args = ap.parse_args()
+    base = _measure(args, ack_interval_s=3600.0) if args.compare_acks else None
+    doc = _measure(args, ack_interval_s=args.ack_interval_s)
+    if base is not None and base["steps"] and doc["steps"]:
+        b, d = base["cpu_s"] / base["steps"], doc["cpu_s"] / doc["steps"]
+        print(
+            f"acknowledgement snapshots: CPU per step {d * 1e6:.0f} us vs {b * 1e6:.0f} us without "
+            f"(ratio {d / b:.3f}); {doc['snapshots']} vs {base['snapshots']} snapshots written"
+        )
+    return 0
+
+
+def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, Any]:
+    """One run: the sidecar process, the engines, the figures printed; returns the sidecar's result."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="sc-load-") as d:
         ready, stop = ctx.Queue(), ctx.Event()
@@ -202,6 +241,7 @@ def main() -> int:
                 stop,
                 out,
                 os.path.abspath(args.profile) if args.profile else "",
+                ack_interval_s,
             ),
         )
         load_before = os.getloadavg()
@@ -218,13 +258,13 @@ def main() -> int:
         )
         stop.set()
         proc.join(60)
-        doc = json.loads(Path(out).read_text())
+        doc: dict[str, Any] = json.loads(Path(out).read_text())
     import numpy as np
 
     lat = np.array(doc["decide_s"]) * 1000
     applied = doc["request_steps"]
     print(
-        f"engines {args.engines} x {args.steps_per_s:g} steps/s x batch {args.batch} as {'rows' if args.rows else 'columns'}, {args.seconds:g} s, sidecar on core {args.core}"
+        f"engines {args.engines} x {args.steps_per_s:g} steps/s x batch {args.batch} as {'rows' if args.rows else 'columns'}, {args.seconds:g} s, sidecar on core {args.core}, ack_interval_s {ack_interval_s:g} ({doc['snapshots']} snapshots)"
     )
     print(
         f"observations/s (request-steps applied): {applied / args.seconds:,.0f}  (steps/s {doc['steps'] / args.seconds:,.0f})"
@@ -270,7 +310,7 @@ def main() -> int:
             "load_average_1min": [round(load_before[0], 2), round(load[0], 2)],
         }
         Path(args.json).write_text(json.dumps(out_doc, indent=1) + "\n", encoding="utf-8")
-    return 0
+    return doc
 
 
 if __name__ == "__main__":
