@@ -116,6 +116,16 @@ EngineSession = Session[EngineState]
 DurableMark = tuple[EngineStreams, str, int]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collected:
+    """A state collected for a snapshot: the JSON, what it makes durable, and its number (later
+    collections are newer; an older one is never written over a newer one)."""
+
+    state: dict[str, Any]
+    marks: list[DurableMark]
+    generation: int
+
+
 class Sidecar:
     def __init__(
         self,
@@ -145,6 +155,8 @@ class Sidecar:
         #: model -> (engine, learned state) of the posteriors last shared.
         self._shared: dict[str, tuple[str, dict[str, Any]]] = {}
         self._lock: StateDirLock | None = None
+        #: Snapshot states collected so far (numbers them).
+        self._generation = 0
         #: Called with (engine id, steps) for every applied batch (``serve --record-steps``).
         self.step_sink: Callable[[str, Sequence[StepObservation]], None] | None = None
 
@@ -642,10 +654,10 @@ class Sidecar:
     # -- snapshots -------------------------------------------------------------------------------
 
     def state(self, *, clean: bool = False) -> dict[str, Any]:
-        return self._collect(clean=clean)[0]
+        return self._collect(clean=clean).state
 
-    def _collect(self, *, clean: bool = False) -> tuple[dict[str, Any], list[DurableMark]]:
-        """The state to write, and per engine the sequence it covers (durable once written)."""
+    def _collect(self, *, clean: bool = False) -> Collected:
+        """The state to write, numbered, and per engine the sequence it covers (durable once written)."""
         engines: dict[str, SavedEngine] = {}
         marks: list[DurableMark] = []
         for eid, st in self._engines.items():
@@ -658,29 +670,34 @@ class Sidecar:
             engines=engines,
             clean=clean,
         )
-        return state, marks
+        self._generation += 1
+        return Collected(state=state, marks=marks, generation=self._generation)
+
+    def _write(self, c: Collected) -> bool:
+        return self.snapshots.save(c.state, generation=c.generation)
 
     def save_snapshot(self, *, clean: bool = False) -> bool:
         """Write the state now (on the caller's thread). False when it could not be written."""
         try:
-            state, marks = self._collect(clean=clean)
+            c = self._collect(clean=clean)
         except Exception:
             log.exception("snapshot: could not collect the state")
             return self._snapshot_done(False, [])
-        ok = self.snapshots.save(state)
+        ok = self._write(c)
         if not ok and self._reset_unsaveable():
-            state, marks = self._collect(clean=clean)
-            ok = self.snapshots.save(state)
-        return self._snapshot_done(ok, marks)
+            c = self._collect(clean=clean)
+            ok = self._write(c)
+        return self._snapshot_done(ok, c.marks)
 
     async def save_snapshot_async(self) -> bool:
-        """``save_snapshot`` with the write on a worker thread (the state is collected here)."""
-        state, marks = self._collect()
-        ok = await asyncio.to_thread(self.snapshots.save, state)
+        """``save_snapshot`` with the write on a worker thread (the state is collected here). A policy
+        change written through meanwhile is newer: this older state is then not written over it."""
+        c = self._collect()
+        ok = await asyncio.to_thread(self._write, c)
         if not ok and self._reset_unsaveable():
-            state, marks = self._collect()
-            ok = await asyncio.to_thread(self.snapshots.save, state)
-        return self._snapshot_done(ok, marks)
+            c = self._collect()
+            ok = await asyncio.to_thread(self._write, c)
+        return self._snapshot_done(ok, c.marks)
 
     def _snapshot_done(self, ok: bool, marks: Sequence[DurableMark]) -> bool:
         """After a snapshot write: what it holds may now be acknowledged to the engines."""

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -108,23 +109,34 @@ def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
 
 
 class SnapshotStore:
-    """One snapshot file. ``save`` never raises: a failure is logged, and the old file stays intact."""
+    """One snapshot file. ``save`` never raises: a failure is logged, and the old file stays intact.
+
+    Writes may come from two threads (a periodic one on a worker, a policy change's on the caller's):
+    they take turns, and a state numbered older than the one on disk is not written over it."""
 
     def __init__(self, *, path: Path, clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.clock = clock
         self.last_saved_s: float = 0.0
+        self._lock = threading.Lock()
+        self._written = 0
 
-    def save(self, state: Mapping[str, Any]) -> bool:
-        try:
-            write_json_atomic(
-                self.path, {"format": FORMAT_VERSION, "saved_at_s": self.clock(), "state": state}
-            )
-        except (OSError, TypeError, ValueError) as e:
-            log.error("snapshot %s: write failed, previous snapshot kept: %s", self.path, e)
-            return False
-        self.last_saved_s = self.clock()
-        return True
+    def save(self, state: Mapping[str, Any], *, generation: int = 0) -> bool:
+        """Write ``state``; True when it (or, for a ``generation`` older than the last written, a newer
+        state, which holds everything it does) is on disk."""
+        with self._lock:
+            if generation and generation < self._written:
+                return True
+            try:
+                write_json_atomic(
+                    self.path, {"format": FORMAT_VERSION, "saved_at_s": self.clock(), "state": state}
+                )
+            except (OSError, TypeError, ValueError) as e:
+                log.error("snapshot %s: write failed, previous snapshot kept: %s", self.path, e)
+                return False
+            self._written = max(self._written, generation)
+            self.last_saved_s = self.clock()
+            return True
 
     def load(self) -> dict[str, Any] | None:
         """The saved state, or None when there is none (or it was unreadable and moved aside)."""

@@ -194,6 +194,17 @@ def test_set_policy_and_rollback_switch_the_loops_and_write_through(sidecar: Sid
         sidecar.rollback_policy("nobody")
 
 
+def test_a_periodic_write_in_flight_never_undoes_a_policy_change(sidecar: Sidecar) -> None:
+    s = sidecar.attach(info("e1"), instance_id="a" * 32)
+    sidecar.ingest(s, batch(1, 5))
+    periodic = sidecar._collect()  # collected, its write still on the worker thread...
+    sidecar.set_policy(preset_text("static-eagle3-3"), source="unit.yaml")  # ... when this writes through
+    assert sidecar._write(periodic)  # finishes late: the newer state stays on disk
+    saved = json.loads(sidecar.snapshots.path.read_text())["state"]
+    assert "static-eagle3-3" in json.dumps(saved["policies"])
+    assert saved["engines"]["e1"]["last_sequence"] == 1
+
+
 def test_a_full_registry_forgets_the_engine_unheard_longest(tmp_path: Path, clock: Clock) -> None:
     sc = make(tmp_path, clock, max_engines=3)
     sc.open()

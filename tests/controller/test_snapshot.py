@@ -65,3 +65,12 @@ def test_write_json_atomic_creates_directory(tmp_path: Path) -> None:
     p = tmp_path / "a" / "b" / "x.json"
     write_json_atomic(p, {"k": 1})
     assert json.loads(p.read_text()) == {"k": 1}
+
+
+def test_an_older_state_is_never_written_over_a_newer_one(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    assert s.save({"n": 2}, generation=2)
+    assert s.save({"n": 1}, generation=1)  # held by the newer one already on disk
+    assert store(tmp_path).load() == {"n": 2}
+    assert s.save({"n": 3}, generation=3) and s.save({"plain": True})  # unnumbered writes always go
+    assert store(tmp_path).load() == {"plain": True}
