@@ -133,7 +133,12 @@ class FleetPolicy:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(self.yaml.encode()).hexdigest()
+        return policy_digest(self.yaml)
+
+
+def policy_digest(yaml_text: str) -> str:
+    """SHA-256 (hex) of a fleet policy's YAML: what tells two documents of one version apart."""
+    return hashlib.sha256(yaml_text.encode()).hexdigest()
 
 
 def encode(kind: str, node: str, now: float, fields: Mapping[str, Any], *, limit: int) -> bytes:
@@ -248,6 +253,7 @@ class FleetLink:
         on_posteriors: PosteriorsCallback | None = None,
         on_state: StateCallback | None = None,
         policy_version: int = 0,
+        policy_digest: str = "",
         registry: CollectorRegistry | None = None,
         backoff_min_s: float = 0.5,
         backoff_max_s: float = 30.0,
@@ -277,6 +283,8 @@ class FleetLink:
         self.rng = rng or random.Random()
         self._policy: FleetPolicy | None = None
         self._policy_version = policy_version
+        #: Digest of the applied policy when only its version is known (restored from a snapshot).
+        self._applied_digest = policy_digest
         self._posteriors: dict[str, dict[str, Any]] = {}
         #: topic -> (payload, qos, retain, kind); the latest per topic wins.
         self._outbox: dict[str, tuple[bytes, int, bool, str]] = {}
@@ -517,8 +525,12 @@ class FleetLink:
                 "fleet link: ignored stale fleet policy v%d (applied: v%d)", p.version, self._policy_version
             )
             return
-        if p.version == self._policy_version and (current is None or current.digest == p.digest):
-            return  # the retained copy of what is applied (reconnect) or what a snapshot restored
+        applied = current.digest if current is not None else self._applied_digest
+        if p.version == self._policy_version and (not applied or applied == p.digest):
+            # The retained copy of what is applied (reconnect) or of what a snapshot restored. A
+            # different document under the same number is new: a broker restarted without its
+            # retained copy makes the next publisher number from 1 again.
+            return
         # Equal versions with different documents come from concurrent publishers: taking the later
         # delivery converges on the broker's retained one, which is also what new replicas get.
         self._policy, self._policy_version = p, p.version

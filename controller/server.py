@@ -103,6 +103,7 @@ class SidecarServer(Sidecar):
                 node_id=self.config.fleet_node_id,
                 registry=self.registry,
                 policy_version=self.fleet_policy_version,
+                policy_digest=self.fleet_policy_digest,
                 on_policy=self._on_fleet_policy,
                 clock=self.clock,
             )

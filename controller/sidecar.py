@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 import controller
 from controller.config import SidecarConfig
-from controller.fleet import FleetLink
+from controller.fleet import FleetLink, policy_digest
 from controller.limits import TokenBucket
 from controller.metrics import SidecarMetrics
 from controller.policy_store import PolicyRecord, PolicyStore
@@ -152,6 +152,10 @@ class Sidecar:
         #: the fleet policy applied.
         self.fleet: FleetLink | None = None
         self._fleet_version = 0
+        #: SHA-256 of the applied fleet policy's YAML ("" = unknown), saved with its version so that a
+        #: same-numbered but different policy after a restart (a broker that lost its retained copy
+        #: numbers from 1 again) is told apart from the retained copy of the one applied.
+        self._fleet_digest = ""
         #: model -> (engine, learned state) of the posteriors last shared.
         self._shared: dict[str, tuple[str, dict[str, Any]]] = {}
         self._lock: StateDirLock | None = None
@@ -393,17 +397,23 @@ class Sidecar:
 
     def _on_fleet_policy(self, yaml_text: str, version: int) -> None:
         """A newer fleet policy arrived: switch like a local SetPolicy. A PolicyError refuses it."""
-        self._fleet_version, before = version, self._fleet_version
+        before = self._fleet_version, self._fleet_digest
+        self._fleet_version, self._fleet_digest = version, policy_digest(yaml_text)
         try:
             self.set_policy(yaml_text, source=f"fleet v{version}")  # writes the new version through
         except BaseException:
-            self._fleet_version = before
+            self._fleet_version, self._fleet_digest = before
             raise
 
     @property
     def fleet_policy_version(self) -> int:
         """The version of the last fleet policy applied here (0: none)."""
         return self._fleet_version
+
+    @property
+    def fleet_policy_digest(self) -> str:
+        """SHA-256 of the last fleet policy applied here ("" = none, or unknown)."""
+        return self._fleet_digest
 
     def rollback_policy(self, engine_id: str = "") -> PolicyRecord:
         """Raises NoPreviousPolicy."""
@@ -667,6 +677,7 @@ class Sidecar:
             policies=self.policy_store,
             directive_version=self._version,
             fleet_policy_version=self._fleet_version,
+            fleet_policy_digest=self._fleet_digest,
             engines=engines,
             clean=clean,
         )
@@ -744,6 +755,7 @@ class Sidecar:
         self._store = saved.policies
         self._version = saved.directive_version
         self._fleet_version = saved.fleet_policy_version
+        self._fleet_digest = saved.fleet_policy_digest
         for eid, e in saved.engines.items():
             try:
                 self._engines[eid] = self._engine_from_saved(e)

@@ -140,6 +140,8 @@ class SavedState:
     #: The directive version counter to continue from (already past ``CRASH_VERSION_GAP`` after a crash).
     directive_version: int
     fleet_policy_version: int = 0
+    #: SHA-256 of the applied fleet policy's YAML ("" = unknown: a snapshot from before it was kept).
+    fleet_policy_digest: str = ""
     engines: dict[str, SavedEngine] = field(default_factory=dict)
     #: One line per entry dropped on load.
     problems: list[str] = field(default_factory=list)
@@ -150,16 +152,26 @@ def state_to_json(
     policies: PolicyStore,
     directive_version: int,
     fleet_policy_version: int,
+    fleet_policy_digest: str = "",
     engines: Mapping[str, SavedEngine],
     clean: bool,
 ) -> dict[str, Any]:
     return {
         "directive_version": directive_version,
         "fleet_policy_version": fleet_policy_version,
+        "fleet_policy_digest": fleet_policy_digest,
         "clean": clean,
         "policies": policies.to_json(),
         "engines": {eid: e.to_json() for eid, e in engines.items()},
     }
+
+
+def _digest_field(state: Mapping[str, Any], problems: list[str]) -> str:
+    d = state.get("fleet_policy_digest", "")
+    if isinstance(d, str) and (d == "" or (len(d) == 64 and all(c in "0123456789abcdef" for c in d))):
+        return d
+    problems.append("state.fleet_policy_digest: expected a SHA-256 hex digest; dropped (treated as unknown)")
+    return ""
 
 
 def parse_state(state: Mapping[str, Any], *, clock: Callable[[], float] = time.time) -> SavedState:
@@ -174,6 +186,7 @@ def parse_state(state: Mapping[str, Any], *, clock: Callable[[], float] = time.t
         policies=store,
         directive_version=saved if state.get("clean") is True else saved + CRASH_VERSION_GAP,
         fleet_policy_version=int_field(state, "fleet_policy_version", path="state", default=0),
+        fleet_policy_digest=_digest_field(state, problems),
         problems=problems,
     )
     engines = state.get("engines", {})

@@ -374,6 +374,33 @@ async def test_restored_version_skips_the_retained_copy(broker: FakeBroker) -> N
         await lk.stop()
 
 
+async def test_a_different_policy_under_the_restored_version_is_applied(broker: FakeBroker) -> None:
+    # A broker restarted without persistence lost its retained copy, so the next publisher numbered
+    # its policy 1 again: a sidecar that applied another v1 before its own restart must take it.
+    broker.retained[Topics("prod").policy] = policy_payload(1, yaml="name: new\n")
+    got: list[tuple[str, int]] = []
+    old = fleet.policy_digest("name: old\n")
+    lk, _ = link(node_id="n1", policy_version=1, policy_digest=old, on_policy=lambda y, v: got.append((y, v)))
+    await lk.start()
+    try:
+        assert await lk.wait_synced(2)
+        assert got == [("name: new\n", 1)]
+    finally:
+        await lk.stop()
+    # The same document under the same version is the retained copy of what is applied: skipped.
+    got.clear()
+    same = fleet.policy_digest("name: new\n")
+    lk, _ = link(
+        node_id="n2", policy_version=1, policy_digest=same, on_policy=lambda y, v: got.append((y, v))
+    )
+    await lk.start()
+    try:
+        assert await lk.wait_synced(2)
+        assert got == []
+    finally:
+        await lk.stop()
+
+
 async def test_publish_fleet_policy_versions_above_the_retained_one(broker: FakeBroker) -> None:
     t = Topics("prod")
     v1 = await fleet.publish_fleet_policy(broker=B, fleet="prod", yaml="name: a\n", source="a.yaml")

@@ -286,3 +286,23 @@ def test_each_sequence_is_applied_at_most_once(
         assert sample(sc, "speccontrol_duplicate_reports_total", engine="e1") == dups
     finally:
         sc.close(snapshot=False)
+
+
+def test_the_applied_fleet_policy_survives_a_restart_by_version_and_digest(
+    tmp_path: Path, clock: Clock
+) -> None:
+    from controller.fleet import policy_digest
+
+    text = preset_text("static-eagle3-3")
+    sc = make(tmp_path, clock)
+    sc.open()
+    sc._on_fleet_policy(text, 3)
+    assert (sc.fleet_policy_version, sc.fleet_policy_digest) == (3, policy_digest(text))
+    sc._release_lock()  # as a kill -9 would: only the write-through snapshot holds it
+
+    again = make(tmp_path, clock)
+    again.open()
+    try:
+        assert (again.fleet_policy_version, again.fleet_policy_digest) == (3, policy_digest(text))
+    finally:
+        again.close(snapshot=False)

@@ -74,3 +74,24 @@ def test_an_older_state_is_never_written_over_a_newer_one(tmp_path: Path) -> Non
     assert store(tmp_path).load() == {"n": 2}
     assert s.save({"n": 3}, generation=3) and s.save({"plain": True})  # unnumbered writes always go
     assert store(tmp_path).load() == {"plain": True}
+
+
+def test_a_bad_fleet_policy_digest_is_dropped_alone() -> None:
+    from controller.policy_store import PolicyStore
+    from controller.state import parse_state, state_to_json
+    from policies.presets import load_preset
+
+    doc = state_to_json(
+        policies=PolicyStore(default=load_preset("default"), source="preset:default"),
+        directive_version=5,
+        fleet_policy_version=2,
+        fleet_policy_digest="a" * 64,
+        engines={},
+        clean=True,
+    )
+    assert parse_state(doc).fleet_policy_digest == "a" * 64
+    for bad in ("xyz", 7, "A" * 64):
+        saved = parse_state({**doc, "fleet_policy_digest": bad})
+        assert saved.fleet_policy_digest == "" and saved.fleet_policy_version == 2
+        assert any("fleet_policy_digest" in p for p in saved.problems)
+    assert parse_state({k: v for k, v in doc.items() if k != "fleet_policy_digest"}).fleet_policy_digest == ""
