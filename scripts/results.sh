@@ -7,6 +7,7 @@
 #   docs/example-report/             controllerctl sim compare --scenario drift --requests 300 ... (report.md, PNGs)
 #   docs/example-report/autoscale*   controllerctl sim autoscale --out docs/example-report
 #   docs/results/demo-seed*.json     controllerctl demo --seed 0|1|2 --json (README "Demo")
+#   docs/results/demo-headroom.json  python benchmarks/demo_headroom.py (README "Demo": what its phases allow)
 #   docs/results/sim-speed.json      python benchmarks/sim_speed.py (README, docs/simulator.md)
 #   docs/results/sidecar-load.json   python benchmarks/sidecar_load.py --engines 64 --seconds 10 (README, docs/reliability.md)
 #   docs/results/plugin-overhead*.json  benchmarks/plugin_overhead.py with vLLM, and --scripted (README, docs/vllm-plugin.md, docs/production.md)
@@ -30,11 +31,12 @@ step 2 "docs/example-report (sim compare)"
 "$BIN/controllerctl" sim compare --scenario drift --requests 300 --concurrency 1,8,32 --out docs/example-report
 step 3 "docs/example-report/autoscale (sim autoscale)"
 "$BIN/controllerctl" sim autoscale --out docs/example-report
-step 4 "demo, seeds 0, 1, 2 (docs/results/demo-seed*.json, ~25 s each)"
+step 4 "demo, seeds 0, 1, 2 (docs/results/demo-seed*.json, ~25 s each), then its headroom (~3 min)"
 for seed in 0 1 2; do
   "$BIN/controllerctl" demo --seed "$seed" --json >docs/results/demo-seed$seed.json.tmp
   mv docs/results/demo-seed$seed.json.tmp docs/results/demo-seed$seed.json
 done
+"$BIN/python" benchmarks/demo_headroom.py --json docs/results/demo-headroom.json >/dev/null
 step 5 "simulator speed (docs/results/sim-speed.json)"
 "$BIN/python" benchmarks/sim_speed.py --json docs/results/sim-speed.json
 step 6 "sidecar load, 64 engines (docs/results/sidecar-load.json)"

@@ -57,6 +57,7 @@ def test_the_script_names_every_generator() -> None:
         "sim compare",
         "sim autoscale",
         "demo --seed",
+        "benchmarks/demo_headroom.py --json",
         "benchmarks/sim_speed.py --json",
         "benchmarks/sidecar_load.py --engines",
         "benchmarks/plugin_overhead.py --json",
