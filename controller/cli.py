@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=40.0,
         metavar="N",
-        help="seconds of an engine's traffic, played at twice real time (default 40)",
+        help="seconds of an engine's traffic, played at up to twice real time (default 40)",
     )
     s.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
     s.add_argument("--json", action="store_true", help="print the result as JSON only")
