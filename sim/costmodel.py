@@ -252,6 +252,17 @@ def _draft_cost(e3: Mapping[str, Any], source: str) -> DraftCost:
     raise ProfileError(f"{source}: draft.eagle3.cost: expected one of {', '.join(DRAFT_COSTS)}, got {v!r}")
 
 
+def _host_section(d: Mapping[str, Any], source: str) -> dict[str, float]:
+    """The optional ``scheduling`` and ``plugin`` sections (0 where a section is absent)."""
+    sched = _map(d["scheduling"], f"{source}: scheduling") if "scheduling" in d else None
+    plugin = _map(d["plugin"], f"{source}: plugin") if "plugin" in d else None
+    return {
+        "sync_step_s": _num(sched, "sync_step_s", "scheduling") if sched is not None else 0.0,
+        "plugin_step_s": _num(plugin, "step_s", "plugin") if plugin is not None else 0.0,
+        "plugin_per_request_s": _num(plugin, "per_request_s", "plugin") if plugin is not None else 0.0,
+    }
+
+
 def parse_profile(data: Any, *, source: str) -> Profile:
     d = _map(data, source)
     try:
@@ -299,19 +310,7 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             api_price_key=str(d.get("api_price", "")),
             moe=moe,
             sources=tuple(str(s) for s in d.get("sources", [])),
-            sync_step_s=_num(
-                _map(d.get("scheduling", {}), f"{source}: scheduling"), "sync_step_s", "scheduling"
-            )
-            if "scheduling" in d
-            else 0.0,
-            plugin_step_s=_num(_map(d.get("plugin", {}), f"{source}: plugin"), "step_s", "plugin")
-            if "plugin" in d
-            else 0.0,
-            plugin_per_request_s=_num(
-                _map(d.get("plugin", {}), f"{source}: plugin"), "per_request_s", "plugin"
-            )
-            if "plugin" in d
-            else 0.0,
+            **_host_section(d, source),
         )
     except KeyError as e:
         raise ProfileError(f"{source}: missing field {e.args[0]!r}") from None
