@@ -13,7 +13,8 @@ capped at 32 running requests: there are no oracles there, and the static arms a
 generated traces carry it; the policies see it only where the engine drafts n-gram per request).
 Every replay is one job on ``--executor`` (a local process pool, or Ray: ``--address`` joins an
 existing cluster); jobs are seeded, so both give the same tables. Progress goes to stderr. Prints
-figures; asserts nothing.
+figures; asserts nothing. ``--out`` writes the whole file (make results writes docs/decision-quality.md
+so): notes that no run regenerates belong in docs/decision-quality-history.md, which the header links.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from sim.trace import Trace  # noqa: E402
 from sim.traffic import generate, generate_with_latent  # noqa: E402
 
 LIBRARY = Path(__file__).resolve().parent.parent / "policies" / "library"
+#: Before/after measurements at named commits: hand-written, linked from every generated header.
+HISTORY = Path(__file__).resolve().parent.parent / "docs" / "decision-quality-history.md"
 POLICIES = (
     "default",
     "vllm-schedule",
@@ -251,6 +254,12 @@ def main() -> int:
     return 0
 
 
+def _history_link(out: str | None) -> str:
+    """The history doc's path relative to the written file (to the repository root on stdout)."""
+    base = Path(out).resolve().parent if out else HISTORY.parents[1]
+    return os.path.relpath(HISTORY, base)
+
+
 def _fmt(x: float, d: int = 3) -> str:
     return "n/a" if x != x else f"{x:.{d}f}"
 
@@ -399,6 +408,9 @@ def render(
         "* Oracles exist for closed-loop scenarios only (the load ramp is open loop).",
         "* `switches /1k steps`: the slow loop's arm changes (any context, after its first assignment) per "
         "1,000 engine steps; static arms and oracles do not switch.",
+        "",
+        "Before/after measurements at named commits (the n-gram proposer's match, value hysteresis), which "
+        f"this command does not rerun: [decision-quality-history.md]({_history_link(a.out)}).",
         "",
         "## Goals for the default policy on the composite drafter",
         "",
