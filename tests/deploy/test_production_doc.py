@@ -1,7 +1,7 @@
 """docs/production.md, walked as a new user would as far as it goes without a cluster.
 
-What must hold: every `controllerctl` command and flag the doc shows exists (checked against the CLI's
-own parser), every repository path it names exists, every preset, alert and plugin variable it names is
+What must hold: every `controllerctl` command and flag the doc shows exists and every repository path
+it names exists (tests/test_docs.py, for every doc), every preset, alert and plugin variable it names is
 real, and every overlay it tells a user to build (its `my-overlay` example with each component, and
 the shipped overlays under it) renders with `kubectl kustomize`, validates strictly with
 kubernetes-validate, and runs only the images the overlay names (no container left on an unqualified
@@ -10,7 +10,6 @@ image). The Kubernetes tools skip as in test_deploy.py when missing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
@@ -23,65 +22,17 @@ import pytest
 import yaml
 
 from tests.deploy.test_deploy import DEPLOY, K8S_VERSION, ROOT, _tool, kubectl
+from tests.test_docs import controllerctl_commands, repository_paths
 
 DOC = ROOT / "docs" / "production.md"
 TEXT = DOC.read_text(encoding="utf-8")
 
 
-def _code_spans() -> list[str]:
-    """Inline code (may wrap a line) and the lines of fenced blocks, continuation lines joined."""
-    fenced = re.findall(r"```[a-z]*\n(.*?)```", TEXT, re.S)
-    rest = re.sub(r"```[a-z]*\n.*?```", "", TEXT, flags=re.S)
-    spans = [s.replace("\n", " ") for s in re.findall(r"`([^`]+)`", rest)]
-    for block in fenced:
-        spans += block.replace("\\\n", " ").splitlines()
-    return spans
-
-
-def controllerctl_commands() -> list[list[str]]:
-    out = []
-    for span in _code_spans():
-        if "controllerctl " not in span:
-            continue
-        words = shlex.split(span.split("controllerctl ", 1)[1].split("#")[0].split("&&")[0])
-        out.append(words)
-    return out
-
-
-def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for a in p._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            return dict(a.choices)
-    return {}
-
-
-def _flags(p: argparse.ArgumentParser) -> set[str]:
-    return {o for a in p._actions for o in a.option_strings}
-
-
 def test_the_doc_shows_commands() -> None:
-    assert len(controllerctl_commands()) >= 10
-
-
-@pytest.mark.parametrize("words", controllerctl_commands(), ids=" ".join)
-def test_every_controllerctl_command_and_flag_exists(words: list[str]) -> None:
-    from controller.cli import build_parser
-
-    parser = build_parser()
-    top = _flags(parser)
-    i = 0
-    while i < len(words) and words[i].startswith("-"):  # global options before the command
-        assert words[i] in top, f"controllerctl {words[i]}: no such global option"
-        i += 2
-    p, path = parser, []
-    while i < len(words) and words[i] in _subparsers(p):
-        p = _subparsers(p)[words[i]]
-        path.append(words[i])
-        i += 1
-    assert path, f"controllerctl {' '.join(words)}: no such command"
-    for w in words[i:]:
-        if w.startswith("--"):
-            assert w.split("=")[0] in _flags(p), f"controllerctl {' '.join(path)}: no option {w}"
+    # Each command and flag is checked against the CLI, and each path it names, for every doc alike
+    # (tests/test_docs.py); this one is the walk-through, so it must show the commands a user runs.
+    assert len(controllerctl_commands(TEXT)) >= 10
+    assert len(repository_paths(TEXT)) > 8
 
 
 def test_presets_alerts_and_variables_the_doc_names_exist() -> None:
@@ -97,13 +48,6 @@ def test_presets_alerts_and_variables_the_doc_names_exist() -> None:
     src = "\n".join(p.read_text() for p in (ROOT / "controller").rglob("*.py"))
     for var in set(re.findall(r"SPECCONTROL_[A-Z_]+", TEXT)):
         assert var in src, f"{var} is read nowhere in controller/"
-
-
-def test_every_repository_path_the_doc_names_exists() -> None:
-    paths = set(re.findall(r"(?<![\w./])((?:deploy|docs|tests|benchmarks|scripts)/[\w./*-]*[\w*])", TEXT))
-    assert len(paths) > 8
-    for rel in sorted(paths):  # a glob (docs/results/plugin-overhead*.json) names at least one file
-        assert any(ROOT.glob(rel)), f"docs/production.md names {rel}, which does not exist"
 
 
 def _my_overlay() -> str:
