@@ -20,6 +20,8 @@ docs/*.md that has them (each body written by one function below, whatever file 
 * ``plugin-cost``: docs/results/plugin-overhead.json and plugin-overhead-scripted.json
   (``benchmarks/plugin_overhead.py --json``, with vLLM and ``--scripted``).
 * ``sidecar-load``: docs/results/sidecar-load.json (``benchmarks/sidecar_load.py --json``).
+* ``sim-acceptance``, ``p-eagle-depth``: docs/results/sim-calibration.json
+  (``benchmarks/sim_calibration.py --json``): the generators' acceptance per class, P-EAGLE's depth.
 * ``sim-vs-engine``: docs/results/sim-vs-engine.json (``benchmarks/sim_vs_engine.py --json``): the
   table, the fit, and whether the 10 % goal is met.
 
@@ -429,6 +431,47 @@ def sim_vs_engine_text(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sim_acceptance_table(doc: dict[str, Any]) -> str:
+    """Accepted draft tokens per step per class and static arm at c = 1, beside the published anchors."""
+    where = "docs/results/sim-calibration.json"
+    rows = _get(doc, "acceptance", where)
+    arms = list(_get(rows[0], "accepted_per_step", f"{where}: acceptance[0]")) if rows else []
+    lines = [
+        f"`{_get(doc, 'command', where)}` ({_get(doc, 'requests', where)} requests per class, "
+        f"`{_get(doc, 'profile', where)}`, concurrency 1; `docs/results/sim-calibration.json`):",
+        "",
+        "| class | " + " | ".join(arms) + " | published anchor |",
+        "|---|" + "---|" * len(arms) + "---|",
+    ]
+    for i, r in enumerate(rows):
+        acc = _get(r, "accepted_per_step", f"{where}: acceptance[{i}]")
+        if list(acc) != arms:
+            raise ResultsError(f"{where}: acceptance[{i}]: arms {list(acc)}, not {arms}")
+        lines.append(f"| {r['class']} | " + " | ".join(f"{acc[a]:.2f}" for a in arms) + f" | {r['anchor']} |")
+    return "\n".join(lines)
+
+
+def p_eagle_depth_table(doc: dict[str, Any]) -> str:
+    """Speedup over no speculation of every P-EAGLE depth, per profile and concurrency, and the best K."""
+    where = "docs/results/sim-calibration.json"
+    rows = _get(doc, "p_eagle_depth", where)
+    ks = sorted(_get(rows[0], "speedup_vs_no_spec", f"{where}: p_eagle_depth[0]"), key=int) if rows else []
+    lines = [
+        f"`{_get(doc, 'command', where)}` (`docs/results/sim-calibration.json`):",
+        "",
+        "| profile | c | K=" + " | ".join(ks) + " | best K |",
+        "|---|---|" + "---|" * len(ks) + "---|",
+    ]
+    for i, r in enumerate(rows):
+        sp = _get(r, "speedup_vs_no_spec", f"{where}: p_eagle_depth[{i}]")
+        if sorted(sp, key=int) != ks:
+            raise ResultsError(f"{where}: p_eagle_depth[{i}]: K {sorted(sp, key=int)}, not {ks}")
+        lines.append(
+            f"| {r['profile']} | {r['c']} | " + " | ".join(f"{sp[k]:.2f}" for k in ks) + f" | {r['best_k']} |"
+        )
+    return "\n".join(lines)
+
+
 def example_report_text(doc: dict[str, Any]) -> str:
     """What docs/example-report shows, per concurrency: the baselines and the default policy."""
     where = "docs/example-report/result.json"
@@ -487,6 +530,8 @@ GENERATORS: dict[str, Any] = {
     ),
     "sidecar-load": lambda: sidecar_load_text(_json(RESULTS / "sidecar-load.json")),
     "sim-vs-engine": lambda: sim_vs_engine_text(_json(RESULTS / "sim-vs-engine.json")),
+    "sim-acceptance": lambda: sim_acceptance_table(_json(RESULTS / "sim-calibration.json")),
+    "p-eagle-depth": lambda: p_eagle_depth_table(_json(RESULTS / "sim-calibration.json")),
 }
 _MARKER = re.compile(r"<!-- results:([a-z0-9-]+) -->")
 

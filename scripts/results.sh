@@ -9,6 +9,7 @@
 #   docs/results/demo-seed*.json     controllerctl demo --seed 0|1|2 --json (README "Demo")
 #   docs/results/demo-headroom.json  python benchmarks/demo_headroom.py (README "Demo": what its phases allow)
 #   docs/results/sim-speed.json      python benchmarks/sim_speed.py (README, docs/simulator.md)
+#   docs/results/sim-calibration.json  python benchmarks/sim_calibration.py (docs/simulator.md: acceptance, P-EAGLE depth)
 #   docs/results/sidecar-load.json   python benchmarks/sidecar_load.py --engines 64 --seconds 10 (README, docs/reliability.md)
 #   docs/results/plugin-overhead*.json  benchmarks/plugin_overhead.py with vLLM, and --scripted (README, docs/vllm-plugin.md, docs/production.md)
 #   docs/results/sim-vs-engine.json  python benchmarks/sim_vs_engine.py (docs/simulator.md)
@@ -52,8 +53,9 @@ if want 4; then
   "$BIN/python" benchmarks/demo_headroom.py --json docs/results/demo-headroom.json >/dev/null
 fi
 if want 5; then
-  step 5 "simulator speed (docs/results/sim-speed.json)"
+  step 5 "simulator speed and calibration tables (docs/results/sim-speed.json, sim-calibration.json)"
   "$BIN/python" benchmarks/sim_speed.py --json docs/results/sim-speed.json
+  "$BIN/python" benchmarks/sim_calibration.py --json docs/results/sim-calibration.json >/dev/null
 fi
 if want 6; then
   step 6 "sidecar load, 64 engines (docs/results/sidecar-load.json)"

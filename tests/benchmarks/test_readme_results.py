@@ -180,3 +180,18 @@ def test_the_generated_decision_quality_header_links_the_history_it_cannot_rerun
         assert ((rr.ROOT / out).parent / link.group(1)).resolve() == dq.HISTORY
     assert dq.HISTORY.is_file()
     assert rr.DECISION_QUALITY.read_text().count("(decision-quality-history.md)") == 1
+
+
+def test_the_calibration_tables_follow_their_file() -> None:
+    doc = _results("sim-calibration.json")
+    assert rr.sim_acceptance_table(doc).count("\n| ") == len(doc["acceptance"]) + 1
+    doc["acceptance"][0]["accepted_per_step"]["eagle3:3"] = 9.876
+    assert "| chat | 9.88 |" in rr.sim_acceptance_table(doc)
+    doc["p_eagle_depth"][0]["speedup_vs_no_spec"]["8"] = 7.5
+    assert "| 7.50 |" in rr.p_eagle_depth_table(doc)
+    del doc["p_eagle_depth"][1]["speedup_vs_no_spec"]["3"]
+    with pytest.raises(rr.ResultsError, match=re.escape("p_eagle_depth[1]: K")):
+        rr.p_eagle_depth_table(doc)
+    del doc["acceptance"][2]["accepted_per_step"]
+    with pytest.raises(rr.ResultsError, match=re.escape("acceptance[2]: missing accepted_per_step")):
+        rr.sim_acceptance_table(doc)

@@ -59,6 +59,7 @@ def test_the_script_names_every_generator() -> None:
         "demo --seed",
         "benchmarks/demo_headroom.py --json",
         "benchmarks/sim_speed.py --json",
+        "benchmarks/sim_calibration.py --json",
         "benchmarks/sidecar_load.py --engines",
         "benchmarks/plugin_overhead.py --json",
         "benchmarks/plugin_overhead.py --scripted",
