@@ -4,14 +4,18 @@ What must hold, for each document: no reference to anything outside the reposito
 path, an absolute path of the machine it was written on, a link that leaves the checkout); every
 relative link resolves to a file in the repository; every repository path it names exists (a glob
 names at least one file); every `controllerctl` command and every flag it shows exists in the CLI's
-own parser. docs/production.md has further checks of its own (tests/deploy/test_production_doc.py).
+own parser, and every flag it shows a `benchmarks/*.py` script with is in that script's `--help`. docs/production.md has further checks of its own (tests/deploy/test_production_doc.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +120,41 @@ def test_every_controllerctl_command_and_flag_a_doc_shows_exists(doc: str, words
     check_controllerctl_command(words)
 
 
+def benchmark_flags(text: str) -> list[tuple[str, str]]:
+    """(script, --flag) for every flag a code span passes to a `benchmarks/*.py` script."""
+    out = []
+    for span in code_spans(text):
+        for script, rest in re.findall(r"(benchmarks/\w+\.py)((?:\s+[^|;&]*)?)", span):
+            out += [(script, f) for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)]
+    return out
+
+
+@functools.cache
+def _help(script: str) -> str:
+    r = subprocess.run(
+        [sys.executable, script, "--help"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, f"{script} --help exited {r.returncode}: {r.stderr[-300:]}"
+    return r.stdout
+
+
+def _benchmark_flags() -> list[tuple[str, str, str]]:
+    found = {(_id(d), s, f) for d in DOCS for s, f in benchmark_flags(d.read_text(encoding="utf-8"))}
+    return sorted(found)
+
+
+@pytest.mark.parametrize(("doc", "script", "flag"), _benchmark_flags(), ids=lambda v: v)
+def test_every_benchmark_flag_a_doc_shows_exists(doc: str, script: str, flag: str) -> None:
+    assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", _help(script)), (
+        f"{doc}: {script} has no {flag}"
+    )
+
+
 def test_the_checks_find_what_they_look_for() -> None:
     text = "run `controllerctl sim compare --scenario drift`\n```\ncontrollerctl policy set x \\\n  --engine e\n```\n"
     assert controllerctl_commands(text) == [
@@ -134,3 +173,10 @@ def test_the_checks_find_what_they_look_for() -> None:
         "controller/vllm",
     }
     assert len(_commands()) > 30
+    assert benchmark_flags(
+        "`python benchmarks/sim_speed.py --json F` then `benchmarks/x.py [--a 1] | --b`"
+    ) == [
+        ("benchmarks/sim_speed.py", "--json"),
+        ("benchmarks/x.py", "--a"),
+    ]
+    assert len(_benchmark_flags()) > 20
