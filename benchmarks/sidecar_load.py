@@ -22,6 +22,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ def _sidecar_main(
     from controller.server import SidecarServer
 
     lat: list[float] = []
+    lag: list[float] = []
 
     async def run() -> None:
         sc = SidecarServer(
@@ -83,13 +85,26 @@ def _sidecar_main(
             lat.append(time.perf_counter() - t)
 
         sc._decide = timed  # type: ignore[method-assign]
+
+        async def watch_loop() -> None:
+            # How late a 10 ms sleep wakes: how long the event loop was held by something else
+            # (every engine's reports wait that long).
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.01)
+                lag.append(time.perf_counter() - t - 0.01)
+
         await sc.start()
+        watcher = asyncio.create_task(watch_loop())
+        sched0 = _schedstat()
         ready.put(sc.engine_target)
         cpu0 = time.process_time()
         t0 = time.monotonic()
         while not stop.is_set():
             await asyncio.sleep(0.05)
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        sched = [b - a for a, b in zip(sched0, _schedstat(), strict=True)]
+        watcher.cancel()
         engines = sc.engines()
         doc = {
             "request_steps": sum(e.loop.totals.request_steps for e in engines.values()),
@@ -99,12 +114,29 @@ def _sidecar_main(
             "cpu_s": cpu,
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "decide_s": lat,
+            # The main thread's time on the core and waiting for it (runnable, another process on it).
+            "main_thread_run_s": sched[0],
+            "main_thread_wait_s": sched[1],
+            "loop_lag_s": lag,
             "snapshots": saves,
         }
         await sc.stop(snapshot=False)
         Path(out).write_text(json.dumps(doc))
 
     asyncio.run(run())
+
+
+def _schedstat() -> list[float]:
+    """This thread's (seconds run on a core, seconds waited runnable for one) from the kernel's
+    scheduler statistics (zeros where the kernel does not keep them)."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+    except (OSError, ValueError):
+        return [0.0, 0.0]
+    return [int(run_ns) / 1e9, int(wait_ns) / 1e9]
 
 
 def _batch(seq: int, steps: int, batch: int, t: float, *, rows: bool = False) -> Any:
@@ -133,16 +165,30 @@ def _batch(seq: int, steps: int, batch: int, t: float, *, rows: bool = False) ->
     )
 
 
+def _encoded_reports(template: Any) -> Callable[[int], bytes]:
+    """``seq -> the serialized EngineMessage holding ``template`` numbered seq``, without building a
+    message per send: the template is encoded once and a message holding only the sequence appended
+    (protobuf merges a repeated occurrence of an embedded message field, so the receiver parses one
+    batch: the template's steps with that sequence). The generator then costs little CPU per send."""
+    from controller.v1 import controller_pb2 as pb
+
+    body = pb.EngineMessage(reports=template).SerializeToString()
+    return lambda seq: body + pb.EngineMessage(reports=pb.StepReportBatch(sequence=seq)).SerializeToString()
+
+
+def _serialize(msg: Any) -> bytes:
+    return msg if isinstance(msg, bytes) else bytes(msg.SerializeToString())
+
+
 async def _engines(
     target: str, n: int, seconds: float, steps_per_s: float, batch: int, flush_ms: float, rows: bool
 ) -> int:
     import grpc
 
     from controller.v1 import controller_pb2 as pb
-    from controller.v1 import controller_pb2_grpc as pb_grpc
 
     per_flush = max(1, round(steps_per_s * flush_ms / 1000))
-    template = _batch(0, per_flush, batch, 0.0, rows=rows)
+    encoded = _encoded_reports(_batch(0, per_flush, batch, 0.0, rows=rows))
     sent = 0
 
     async def one(i: int) -> None:
@@ -160,16 +206,18 @@ async def _engines(
             nxt = time.monotonic()
             while time.monotonic() < end:
                 seq += 1
-                b = pb.StepReportBatch()
-                b.CopyFrom(template)
-                b.sequence = seq
                 sent += per_flush * batch
-                yield pb.EngineMessage(reports=b)
+                yield encoded(seq)
                 nxt += flush_ms / 1000
                 await asyncio.sleep(max(0.0, nxt - time.monotonic()))
 
         async with grpc.aio.insecure_channel(target) as ch:
-            call = pb_grpc.EngineServiceStub(ch).Attach(msgs())  # type: ignore[no-untyped-call]
+            attach = ch.stream_stream(
+                "/controller.v1.EngineService/Attach",
+                request_serializer=_serialize,
+                response_deserializer=pb.Directive.FromString,
+            )
+            call = attach(msgs())
             reader = asyncio.create_task(_drain(call))
             await asyncio.sleep(seconds + 1.0)
             reader.cancel()
@@ -251,11 +299,13 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             others = set(range(os.cpu_count() or 1)) - {args.core}
             if others:
                 os.sched_setaffinity(0, others)
+        gen_cpu0, gen_t0 = time.process_time(), time.monotonic()
         sent = asyncio.run(
             _engines(
                 target, args.engines, args.seconds, args.steps_per_s, args.batch, args.flush_ms, args.rows
             )
         )
+        gen_cpu, gen_wall = time.process_time() - gen_cpu0, time.monotonic() - gen_t0
         stop.set()
         proc.join(60)
         doc: dict[str, Any] = json.loads(Path(out).read_text())
@@ -276,9 +326,22 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
         print(
             f"decision latency ms: p50 {np.percentile(lat, 50):.3f}  p99 {np.percentile(lat, 99):.3f}  max {lat.max():.3f}  (n {lat.size})"
         )
+    lag = np.array(doc["loop_lag_s"]) * 1000
+    if lag.size:
+        print(
+            f"event-loop lag (a 10 ms sleep woken late by) ms: p50 {np.percentile(lag, 50):.1f}  "
+            f"p99 {np.percentile(lag, 99):.1f}  max {lag.max():.1f}"
+        )
     print(
-        f"sidecar CPU: {doc['cpu_s'] / doc['wall_s'] * 100:.0f}% of one core; peak RSS {doc['max_rss_mib']:.0f} MiB"
+        f"sidecar CPU: {doc['cpu_s'] / doc['wall_s'] * 100:.0f}% of one core; peak RSS {doc['max_rss_mib']:.0f} MiB; "
+        f"load generator CPU: {gen_cpu / gen_wall * 100:.0f}% of one core"
     )
+    if doc["main_thread_wait_s"]:
+        # Runnable but not running: the core was given to other processes (the machine's load).
+        print(
+            f"sidecar main thread: ran {doc['main_thread_run_s'] / doc['wall_s'] * 100:.0f}% of the wall time, "
+            f"waited for its core {doc['main_thread_wait_s'] / doc['wall_s'] * 100:.0f}%"
+        )
     # The machine's load, which the figures depend on (a shared host changes them by tens of %).
     load = os.getloadavg()
     print(
@@ -306,6 +369,12 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             },
             "sidecar_cpu_pct_of_one_core": round(doc["cpu_s"] / doc["wall_s"] * 100, 1),
             "sidecar_cpu_us_per_step": round(doc["cpu_s"] / doc["steps"] * 1e6, 1) if doc["steps"] else None,
+            "event_loop_lag_ms": {
+                k: round(float(np.percentile(lag, q)), 2) if lag.size else None
+                for k, q in (("p50", 50), ("p99", 99), ("max", 100))
+            },
+            "sidecar_waited_for_core_pct": round(doc["main_thread_wait_s"] / doc["wall_s"] * 100, 1),
+            "load_generator_cpu_pct_of_one_core": round(gen_cpu / gen_wall * 100, 1),
             "cores": os.cpu_count(),
             "load_average_1min": [round(load_before[0], 2), round(load[0], 2)],
         }
