@@ -191,7 +191,7 @@ class SidecarServer(Sidecar):
         while True:
             await asyncio.sleep(self.config.decision_tick_s)
             try:
-                self.tick()
+                await self.tick_yielding()
                 now = self.clock()
                 if (
                     self.fleet is not None
@@ -209,6 +209,15 @@ class SidecarServer(Sidecar):
                     await self.save_snapshot_async()
             except Exception:
                 log.exception("sidecar tick failed; continuing")
+
+    async def tick_yielding(self) -> None:
+        """``tick``, letting the event loop run after each engine's decision round: engines that
+        attached together decide in the same tick, and one synchronous pass over a hundred of them
+        would hold every stream's reports (and the admin API) for the sum of their rounds."""
+        now = self.clock()
+        for st in list(self._engines.values()):
+            if self.tick_engine(st, now):
+                await asyncio.sleep(0)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:

@@ -465,12 +465,21 @@ class Sidecar:
         """One decision tick: run every connected engine's loop and push what changed."""
         now = self.clock()
         for st in list(self._engines.values()):
-            if st.connected:
-                try:
-                    self._decide(st, now)
-                except Exception:
-                    log.exception("engine %s: decision failed; keeping its last directive", st.info.engine_id)
-                    self._reset_loop(st, "its decision failed")
+            self.tick_engine(st, now)
+
+    def tick_engine(self, st: EngineState, now: float) -> bool:
+        """``tick`` for one engine (nothing when it is not connected). True when its loop ran a
+        decision round (the costly part of a tick: a server yields to its streams after one)."""
+        if not st.connected:
+            return False
+        rounds = st.loop.rounds
+        try:
+            self._decide(st, now)
+        except Exception:
+            log.exception("engine %s: decision failed; keeping its last directive", st.info.engine_id)
+            self._reset_loop(st, "its decision failed")
+            return True
+        return st.loop.rounds != rounds
 
     def _decide(self, st: EngineState, now: float) -> None:
         loop = st.loop
