@@ -132,6 +132,9 @@ class GoodputModel(Learner):
         self._drafts = self._pos <= np.minimum(self._arm_k, self._kmax)[:, None]
         # Beta parameters per class, dropped whenever acceptance counts change.
         self._params_of: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Per (class, arms): the drafted positions, their Beta parameters and the posterior mean of
+        # accepted drafts (what ``_accepted`` derives from ``_params_of``), dropped with it.
+        self._accepted_of: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, ...]] = {}
         # Per length of report batch: each step's discount weight, and the batch's total discount.
         self._step_weights: dict[int, tuple[np.ndarray, float]] = {}
         # The cost model's posterior (mean, covariance factor), computed once per change of its fit,
@@ -203,7 +206,7 @@ class GoodputModel(Learner):
             return
         self._xtx, self._xty, self._yy, self._w = xtx, xty, yy, w
         self._fit = None
-        self._params_of.clear()
+        self._forget_params()
 
     def _learn_mix(
         self, batch: StepBatch, labels: Sequence[str], per_class: bool
@@ -336,7 +339,7 @@ class GoodputModel(Learner):
         t = self._acc.get((cls, METHOD_CODES[method]))
         if t is not None:
             t *= keep
-            self._params_of.clear()
+            self._forget_params()
 
     # -- deciding ----------------------------------------------------------------------------------
 
@@ -382,15 +385,32 @@ class GoodputModel(Learner):
             params = self._params_of[cls] = (1.0 + wins, 1.0 + np.maximum(trials - wins, 0.0))
         return params
 
+    def _forget_params(self) -> None:
+        """The acceptance counts or the cost fit changed: what was derived from them goes."""
+        self._params_of.clear()
+        self._accepted_of.clear()
+
     def _accepted(self, cls: str, idx: Sequence[int], sample: bool) -> np.ndarray:
-        """Expected accepted drafts per arm of ``idx`` (Beta draws in arm order when sampling)."""
-        alpha, beta = self._beta_params(cls)
-        alpha, beta, drafted = alpha[idx], beta[idx], self._drafts[idx]
-        p = np.zeros(alpha.shape)
-        if sample and float(self.params["explore"]) > 0:
-            p[drafted] = self.rng.beta(alpha[drafted], beta[drafted])
-        else:
-            p[drafted] = alpha[drafted] / (alpha[drafted] + beta[drafted])
+        """Expected accepted drafts per arm of ``idx`` (Beta draws in arm order when sampling).
+
+        A decision round asks this for the same class and arms many times (twice per bucket, and per
+        context): what does not depend on the draw is derived once per change of the counts."""
+        key = (cls, tuple(idx))
+        got = self._accepted_of.get(key)
+        if got is None:
+            alpha, beta = self._beta_params(cls)
+            drafted = self._drafts[idx]
+            a, b = alpha[idx][drafted], beta[idx][drafted]
+            p = np.zeros(drafted.shape)
+            p[drafted] = a / (a + b)
+            mean = np.cumprod(p, axis=1).sum(axis=1)
+            mean.flags.writeable = False  # returned to every caller until the counts change
+            got = self._accepted_of[key] = (drafted, a, b, mean)
+        drafted, a, b, mean = got
+        if not (sample and float(self.params["explore"]) > 0):
+            return mean
+        p = np.zeros(drafted.shape)
+        p[drafted] = self.rng.beta(a, b)
         out: np.ndarray = np.cumprod(p, axis=1).sum(axis=1)
         return out
 
@@ -486,9 +506,22 @@ class GoodputModel(Learner):
         head = 1.0 if self._head else 0.0
         floor = max(self._cost_floor(), 1e-3)
         choice = start.copy()
+        if len(classes) == 1:
+            # The loop below for one class, whose sums over the other classes are all 0.0: the same
+            # float operations in the same order, without a pass over an empty set of others.
+            mine = planned[0] > 0
+            x = cost_features(
+                (0.0 + fixed_verify + planned[0] * (k + 1)) * batch,
+                np.maximum(head, eagle * mine),
+                peagle & mine,
+                rule_ngram | (ngram & mine),
+            )
+            cost = np.maximum(x @ theta, floor)
+            tokens = 0.0 + fixed_tokens + planned[0] * (1.0 + acc[0])
+            choice[0] = int(np.argmax(batch * tokens / cost))
+            return choice
         rows = np.arange(len(classes))
-        # One class has nothing to coordinate with: its first pass is the optimum.
-        for _ in range(3 if len(classes) > 1 else 1):
+        for _ in range(3):
             moved = False
             for ci in range(len(classes)):
                 others = rows != ci
@@ -732,7 +765,7 @@ class GoodputModel(Learner):
             raise ValueError("learner state holds non-finite or negative statistics")
         self._acc, self._xtx, self._xty = acc, xtx, xty
         self._fit = None
-        self._params_of.clear()
+        self._forget_params()
         self._yy, self._w = yy, w
         self._batch = batch
         self._mix = mix

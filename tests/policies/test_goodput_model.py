@@ -231,3 +231,31 @@ def test_rows_the_rule_drafts_with_ngram_shorten_the_planned_eagle_draft() -> No
     # Offered n-gram arms, the plan may draft n-gram itself: no rows are set aside as the rule's.
     everything = train(5).plan_bucket("5-8", ["chat"], list(range(len(ARMS))), sample=False)
     assert everything is not None and ARMS[everything["chat"]].method is Method.NGRAM
+
+
+def test_derived_acceptance_follows_every_update_and_plans_draw_as_without_it() -> None:
+    """What a decision round derives once per change of the counts (the posterior mean of accepted
+    drafts, the Beta parameters the draws use) is never stale: after every update, a learner asked for
+    estimates and plans all along estimates and plans as a fresh one loaded with its state, and draws
+    as one never asked for estimates."""
+    rng = np.random.default_rng(7)
+    asked, quiet = model(seed=3), model(seed=3)
+    ctx = Context(bucket="8-15", traffic_class="chat")
+    allowed = list(range(len(ARMS)))
+    for i in range(60):
+        arm = ARMS[int(rng.integers(0, len(ARMS)))]
+        obs = steps(
+            rng, arm, int(rng.integers(1, 32)), p_eagle=0.3 + 0.6 * (i % 2), ngram_cf=int(rng.integers(0, 4))
+        )
+        for m in (asked, quiet):
+            m.observe(StepBatch.of(obs), ["8-15"], True)
+            if i % 10 == 9:
+                m.on_drift("chat", Method.EAGLE3, 0.5)
+        fresh = model(seed=3)
+        fresh.load_state_dict(json.loads(json.dumps(asked.state_dict())))
+        np.testing.assert_array_equal(asked.estimates(ctx), fresh.estimates(ctx))
+        greedy = asked.plan_bucket("8-15", ["chat"], allowed, sample=False)
+        assert greedy == fresh.plan_bucket("8-15", ["chat"], allowed, sample=False)
+        # Sampled plans draw from the same parameters, so they consume the random streams alike.
+        assert asked.plan_bucket("8-15", ["chat"], allowed) == quiet.plan_bucket("8-15", ["chat"], allowed)
+    assert asked.rng.bit_generator.state == quiet.rng.bit_generator.state
