@@ -367,9 +367,13 @@ def sidecar_load_text(doc: dict[str, Any]) -> str:
         f"{'columnar' if _get(doc, 'format', where) == 'columns' else 'per-request row'} reports every {_get(doc, 'flush_ms', where):g} ms as the vLLM plugin "
         f"sends them, {_load(doc, where)}: {_get(doc, 'request_steps_applied_per_s', where):,} request-steps/s "
         f"({_get(doc, 'steps_applied_per_s', where):,} steps/s) applied, {unapplied:,} request-steps left "
-        f"unapplied, decision p99 {'–' if p99 is None else f'{p99:.1f}'} ms, the sidecar's core "
-        f"{_get(doc, 'sidecar_cpu_pct_of_one_core', where):.0f} % busy "
-        f"({_get(doc, 'sidecar_cpu_us_per_step', where):.0f} µs of CPU per step) "
+        f"unapplied, decision p99 {'–' if p99 is None else f'{p99:.1f}'} ms (wall clock; the rounds' own "
+        f"CPU time p99 {_get(doc, 'decision_cpu_ms.p99', where):.1f} ms); the sidecar used "
+        f"{_get(doc, 'sidecar_cpu_pct_of_one_core', where):.0f} % of its core "
+        f"({_get(doc, 'sidecar_cpu_us_per_step', where):.0f} µs of CPU per step) and waited "
+        f"{_get(doc, 'sidecar_waited_for_core_pct', where):.0f} % of the time for it (other processes "
+        f"on that core), the load generator used {_get(doc, 'load_generator_cpu_pct_of_one_core', where):.0f} % "
+        f"of another, event-loop lag p99 {_get(doc, 'event_loop_lag_ms.p99', where):.0f} ms "
         f"(`docs/results/sidecar-load.json`)."
     )
 
