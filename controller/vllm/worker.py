@@ -12,7 +12,9 @@ whose n-gram draft is empty keeps EAGLE's draft (the scheduler has already reser
 exception disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through.
 Each request's token history is kept here from its prompt plus every token the runner sampled
 (rejected positions are ``-1``, partial-prefill rows are discarded), exactly the tokens the n-gram
-matcher in the engine core sees one step later.
+matcher in the engine core sees one step later. A step is one compiled call for the whole batch
+(``_step_merge``: the new tokens into the incremental index, the drafts of the n-gram rows, the merge);
+rows not on n-gram only index their tokens (their drafts are never read).
 """
 
 from __future__ import annotations
@@ -27,27 +29,97 @@ import numpy as np
 
 from controller.vllm import compat
 from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
-from controller.vllm.ngram import NgramIndex
+from controller.vllm.ngram import DRAFT_LEN, NgramIndex, _propose, room, step_row
 from controller.vllm.peagle import install_depth_fix
 from controller.vllm.settings import PluginSettings
 from controller.vllm.v2 import install_v2_runner
 from policies.arms import Method
+from policies.jit import kernel
 
 log = logging.getLogger("vllm.speccontrol")
+
+
+@kernel
+def _step_merge(
+    state: np.ndarray,
+    pool: np.ndarray,
+    table: np.ndarray,
+    meta: np.ndarray,
+    drafts: np.ndarray,
+    pending: np.ndarray,
+    slots: np.ndarray,
+    sampled: np.ndarray,
+    skip: np.ndarray,
+    on_ngram: np.ndarray,
+    merged: np.ndarray,
+    min_n: int,
+    max_n: int,
+    max_model_len: int,
+) -> int:
+    """One worker step for the whole batch: row ``j`` (slot ``slots[j]``, -1: not tracked) takes the
+    tokens ``sampled[j] >= 0`` unless ``skip[j]``; rows on n-gram draft from their history (every other
+    row only indexes: its draft is never read) and their drafts overwrite ``merged[j]``, padded with the
+    draft's last token. Returns the rows overwritten, or -1 (nothing changed) when the index needs
+    room first."""
+    n = len(slots)
+    stepped = sampled.shape[0]
+    width = sampled.shape[1]
+    m = 0
+    for j in range(n):
+        if slots[j] >= 0 and ((j < stepped and not skip[j]) or on_ngram[j]):
+            m += 1
+    held = np.empty(m, dtype=np.int64)
+    sizes = np.zeros(m, dtype=np.int64)
+    i = 0
+    for j in range(n):
+        if slots[j] >= 0 and ((j < stepped and not skip[j]) or on_ngram[j]):
+            held[i] = slots[j]
+            if j < stepped and not skip[j]:
+                for t in range(width):
+                    if sampled[j, t] >= 0:
+                        sizes[i] += 1
+            i += 1
+    if not room(state, pool, table, meta, held, sizes, max_n - min_n + 1):
+        return -1
+    buf = np.empty(max(width, 1), dtype=np.int32)
+    out = 0
+    cols = merged.shape[1]
+    for j in range(n):
+        s = int(slots[j])
+        if s < 0:
+            continue
+        if j < stepped and not skip[j]:
+            c = 0
+            for t in range(width):
+                x = sampled[j, t]
+                if x >= 0:
+                    buf[c] = x
+                    c += 1
+            step_row(state, pool, table, meta, drafts, pending, s, buf, 0, c, on_ngram[j], min_n, max_n,
+                     max_model_len)  # fmt: skip
+        elif on_ngram[j]:  # not stepped now: its draft at its current position
+            _propose(state, pool, table, meta, drafts, s, min_n, max_n, max_model_len)
+        if on_ngram[j] and j < merged.shape[0] and cols > 0:
+            d = min(int(state[s, DRAFT_LEN]), cols)
+            if d > 0:
+                for t in range(cols):
+                    merged[j, t] = drafts[s, min(t, d - 1)]
+                out += 1
+    return out
 
 
 class DraftMerger:
     """Per-request token histories in the worker, and the n-gram rows merged into a draft matrix.
 
     The histories live in the incremental n-gram index (``NgramIndex``, the engine core's), one slot
-    per request: a step costs O(new tokens) per request in one compiled call, not a rescan of each
-    n-gram row's whole history."""
+    per request; a step (the new tokens of every row, the n-gram rows' drafts and the merge) is one
+    compiled call, O(new tokens) per request."""
 
     def __init__(self, *, max_k: int, min_n: int, max_n: int, max_model_len: int) -> None:
         self._index = NgramIndex(max_k=max_k, min_n=min_n, max_n=max_n, max_model_len=max_model_len)
         self._slot: dict[str, int] = {}
         self._free: list[int] = []
-        self._all = np.ones(64, dtype=np.bool_)  # "draft every row" (a slice of it per step)
+        self._no_skip = np.zeros(64, dtype=np.bool_)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -58,87 +130,88 @@ class DraftMerger:
             self._index.release(s)
             self._free.append(s)
 
-    def observe(
+    def step(
         self,
         req_ids: Sequence[str],
-        sampled: Sequence[Sequence[int]],
-        discarded: Sequence[bool],
+        sampled: np.ndarray,
+        drafts: np.ndarray | None,
+        ngram_rows: Collection[str],
         known_tokens: Callable[[str], Sequence[int] | None],
+        *,
+        discarded: np.ndarray | None = None,
         finished: Iterable[str] = (),
         restarted: Iterable[str] = (),
-    ) -> None:
-        """One step's sampled tokens, row ``i`` for ``req_ids[i]`` (negative ids are rejected slots).
+    ) -> np.ndarray | None:
+        """One step: row ``i`` of ``sampled`` (rows x width, integers; negative: a rejected slot) is
+        what ``req_ids[i]`` sampled; then ``drafts`` (rows x K) with the rows of requests in
+        ``ngram_rows`` replaced by their n-gram drafts (None: no row changes, or no ``drafts``).
 
-        ``known_tokens(rid)``: the request's tokens before this step (prompt plus outputs) when first
-        seen; None when they are unknown (prompt embeddings): the request is then never on n-gram.
-        ``restarted``: requests resumed after preemption (their history is rebuilt)."""
+        ``discarded[i]``: a partial prefill, whose "sampled" token is thrown away. ``known_tokens(rid)``:
+        the request's tokens before this step (prompt plus outputs) when first seen; None when they are
+        unknown (prompt embeddings): the request is then never on n-gram. ``restarted``: requests
+        resumed after preemption (their history is rebuilt). An n-gram draft shorter than K is padded
+        with its last token (the scheduler verifies at most the request's own K slots, and a padded
+        token is only verified after its predecessors were accepted); an empty one keeps the row."""
         for rid in finished:
             self._release(rid)
         for rid in restarted:
             self._release(rid)
-        slots: list[int] = []
-        new: list[list[int]] = []
-        for rid, row, skip in zip(req_ids, sampled, discarded, strict=True):
-            if skip:
-                continue  # a partial prefill: what it "sampled" is thrown away
-            s = self._slot.get(rid)
-            if s is None:
-                base = known_tokens(rid)
-                if base is None:
-                    continue
-                s = self._free.pop() if self._free else len(self._slot)
-                self._index.start(s, [int(t) for t in base if t >= 0])
-                self._slot[rid] = s
-            slots.append(s)
-            new.append([t for t in row if t >= 0])
-        if not slots:
-            return
-        n = len(slots)
-        offsets = np.fromiter(itertools.accumulate(map(len, new), initial=0), dtype=np.int64, count=n + 1)
-        tokens = np.fromiter(itertools.chain.from_iterable(new), dtype=np.int32, count=int(offsets[-1]))
-        if len(self._all) < n:
-            self._all = np.ones(2 * n, dtype=np.bool_)
-        # Every stepped row drafts (one lookup each): a row named on n-gram reads its draft in merge.
-        self._index.step(np.array(slots, dtype=np.int64), tokens, offsets, self._all[:n])
+        n = len(req_ids)
+        stepped = min(len(sampled), n)
+        if discarded is None:
+            if len(self._no_skip) < n:
+                self._no_skip = np.zeros(2 * n, dtype=np.bool_)
+            discarded = self._no_skip
+        found = list(map(self._slot.get, req_ids, itertools.repeat(-1)))
+        if -1 in found:  # requests seen for the first time (C loop above; this only on arrivals)
+            for j in range(stepped):
+                if found[j] < 0 and not discarded[j]:
+                    found[j] = self._start(req_ids[j], known_tokens)
+        slots = np.array(found, dtype=np.int64)
+        merge = drafts is not None and drafts.ndim == 2 and drafts.shape[1] > 0 and bool(ngram_rows)
+        on = (
+            np.fromiter(map(ngram_rows.__contains__, req_ids), dtype=np.bool_, count=n)
+            if merge
+            else np.zeros(n, dtype=np.bool_)
+        )
+        merged = drafts.copy() if merge and drafts is not None else np.zeros((0, 0), dtype=np.int64)
+        ix = self._index
+        while True:
+            done = _step_merge(*ix.arrays(), slots, sampled[:stepped], discarded, on, merged, ix.min_n, ix.max_n,
+                               ix.max_model_len)  # fmt: skip
+            if done >= 0:
+                return merged if done else None
+            ix.make_room()
 
-    def merge(
-        self, req_ids: Sequence[str], drafts: np.ndarray, ngram_rows: Collection[str]
-    ) -> np.ndarray | None:
-        """``drafts`` (rows x K) with n-gram requests' rows replaced; None when no row changes.
-
-        An n-gram draft shorter than K is padded with its last token: the scheduler verifies at most
-        the request's own K slots, and a padded token is only verified after its predecessors were
-        accepted."""
-        if not ngram_rows or drafts.ndim != 2 or drafts.shape[1] == 0:
-            return None
-        width = drafts.shape[1]
-        out: np.ndarray | None = None
-        for i, rid in enumerate(req_ids):
-            s = self._slot.get(rid) if rid in ngram_rows else None
-            if s is None:
-                continue
-            d = self._index.draft(s)[:width]
-            if len(d) == 0:
-                continue
-            if out is None:
-                out = drafts.copy()
-            out[i, : len(d)] = d
-            out[i, len(d) :] = d[-1]
-        return out
+    def _start(self, rid: str, known_tokens: Callable[[str], Sequence[int] | None]) -> int:
+        base = known_tokens(rid)
+        if base is None:
+            return -1
+        s = self._free.pop() if self._free else len(self._slot)
+        self._index.start(s, [int(t) for t in base if t >= 0])
+        self._slot[rid] = s
+        return s
 
 
-def _rows(sampled: Any) -> list[list[int]]:
-    if isinstance(sampled, list):
-        return [list(r) for r in sampled]
-    return [list(r) for r in sampled.tolist()]
+def _matrix(rows: Any) -> np.ndarray:
+    """The runner's sampled tokens (or drafts) as a host matrix: a tensor is copied to the host as it
+    is; a list of lists is padded with -1 (a rejected slot) to its longest row."""
+    if isinstance(rows, np.ndarray):
+        return rows
+    if not isinstance(rows, list):
+        return rows.cpu().numpy()  # type: ignore[no-any-return]
+    width = max(map(len, rows), default=0)
+    if all(len(r) == width for r in rows):
+        return np.array(rows, dtype=np.int64).reshape(len(rows), width)
+    return np.array([[*r, *([-1] * (width - len(r)))] for r in rows], dtype=np.int64).reshape(
+        len(rows), width
+    )
 
 
-def _discarded(runner: Any, n: int) -> list[bool]:
+def _discarded(runner: Any) -> np.ndarray | None:
     mask = getattr(runner, "discard_request_mask", None)
     arr = getattr(mask, "np", None)
-    if arr is None:
-        return [False] * n
-    return [bool(x) for x in arr[:n]]
+    return arr if isinstance(arr, np.ndarray) else None
 
 
 def _known_tokens(runner: Any) -> Callable[[str], Sequence[int] | None]:
@@ -263,30 +336,25 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int) -> None:
 
 
 def _merge_step(runner: Any, merger: DraftMerger, so: Any, sampled: Any, drafts: Any) -> Any:
-    req_ids = list(runner.input_batch.req_ids)
-    rows = _rows(sampled)[: len(req_ids)]
+    req_ids = runner.input_batch.req_ids
     cached = getattr(so, "scheduled_cached_reqs", None)
-    merger.observe(
-        req_ids[: len(rows)],
-        rows,
-        _discarded(runner, len(rows)),
+    ngram_rows = getattr(so, NGRAM_ROWS_ATTR, None) or ()
+    ragged = isinstance(drafts, list) and (not drafts or any(len(d) != len(drafts[0]) for d in drafts))
+    host = None if ragged or not ngram_rows else _matrix(drafts)
+    merged = merger.step(
+        req_ids,
+        _matrix(sampled),
+        host,
+        ngram_rows,
         _known_tokens(runner),
+        discarded=_discarded(runner),
         finished=getattr(so, "finished_req_ids", ()) or (),
         restarted=getattr(cached, "resumed_req_ids", ()) or (),
     )
-    ngram_rows = getattr(so, NGRAM_ROWS_ATTR, None)
-    if not ngram_rows:
-        return drafts
+    if merged is None or isinstance(drafts, np.ndarray):
+        return drafts if merged is None else merged
     if isinstance(drafts, list):
-        width = max((len(d) for d in drafts), default=0)
-        if width == 0 or any(len(d) != width for d in drafts):
-            return drafts
-        merged = merger.merge(req_ids[: len(drafts)], np.asarray(drafts, dtype=np.int64), ngram_rows)
-        return drafts if merged is None else merged.tolist()
-    host = drafts.cpu().numpy()
-    merged = merger.merge(req_ids[: host.shape[0]], host, ngram_rows)
-    if merged is None:
-        return drafts
+        return merged.tolist()
     import torch  # type: ignore[import-not-found]
 
     return torch.from_numpy(merged).to(device=drafts.device, dtype=drafts.dtype)

@@ -27,6 +27,7 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
     files = [
         "tests/controller/vllm/test_ngram.py",
         "tests/controller/vllm/test_hotpath.py",
+        "tests/controller/vllm/test_worker.py",
         "tests/policies/test_rules.py",
         "tests/policies/test_jit.py",
         "tests/policies/test_engine_rules.py",

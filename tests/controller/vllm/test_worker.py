@@ -4,12 +4,14 @@ only for requests named on n-gram, checked against the n-gram rule on the full h
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.vllm.worker import DraftMerger
 from policies.prompt_lookup import match_ngram
 
+pytestmark = pytest.mark.usefixtures("kernels")
 K = 4
 
 
@@ -17,67 +19,86 @@ def _merger() -> DraftMerger:
     return DraftMerger(max_k=K, min_n=1, max_n=3, max_model_len=1 << 20)
 
 
+def _rows(*rows: list[int]) -> np.ndarray:
+    return np.array(rows, dtype=np.int64).reshape(len(rows), -1)
+
+
 def test_rows_on_ngram_replaced_others_kept_short_drafts_padded() -> None:
     m = _merger()
     prompts = {"a": [5, 6, 7, 5, 6], "b": [1, 2, 3], "c": [9, 8]}
-    m.observe(["a", "b", "c"], [[7, -1, -1], [4, -1, -1], [9, -1, -1]], [False] * 3, prompts.get)
     eagle = np.full((3, K), 100, dtype=np.int64)
-    out = m.merge(["a", "b", "c"], eagle, {"a", "b", "c"})
+    out = m.step(
+        ["a", "b", "c"], _rows([7, -1, -1], [4, -1, -1], [9, -1, -1]), eagle, {"a", "b", "c"}, prompts.get
+    )
     assert out is not None
     # a: 5 6 7 5 6 7: the suffix 5 6 7 first occurs at 0 and is followed by 5 6 7
     assert out[0].tolist() == [5, 6, 7, 7]  # three tokens, padded with the last
     assert out[1].tolist() == [100] * K  # 1 2 3 4: no match, EAGLE's row stays
     assert out[2].tolist() == [8, 9, 9, 9]  # 9 8 9: "9" first seen at 0, followed by 8 9
     assert eagle.tolist() == [[100] * K] * 3  # the input is not modified
-    assert m.merge(["a", "b", "c"], eagle, {"b"}) is None  # nothing changes: no copy
-    assert m.merge(["a", "b", "c"], eagle, set()) is None
+    none = np.zeros((0, 1), dtype=np.int64)  # no row sampled this step
+    assert m.step(["a", "b", "c"], none, eagle, {"b"}, prompts.get) is None  # nothing changes: no copy
+    assert m.step(["a", "b", "c"], none, eagle, set(), prompts.get) is None
+    # a row not stepped now drafts at its current position: the same draft again
+    again = m.step(["a", "b", "c"], none, eagle, {"a"}, prompts.get)
+    assert (
+        again is not None and again[0].tolist() == [5, 6, 7, 7] and again[1:].tolist() == eagle[1:].tolist()
+    )
 
 
 def test_discarded_rows_finished_and_restarted_requests() -> None:
     m = _merger()
     prompts = {"a": [1, 2, 1, 2], "b": [3, 3, 3]}
+    zero = np.zeros((1, K), dtype=np.int64)
     # a is a partial prefill this step: not started, its sampled token thrown away
-    m.observe(["a", "b"], [[77], [3]], [True, False], prompts.get)
+    m.step(["a", "b"], _rows([77], [3]), None, (), prompts.get, discarded=np.array([True, False]))
     assert len(m) == 1
-    m.observe(["a", "b"], [[1], [3]], [False, False], prompts.get)
+    m.step(["a", "b"], _rows([1], [3]), None, (), prompts.get, discarded=np.array([False, False]))
     assert len(m) == 2
-    out = m.merge(["a"], np.zeros((1, K), dtype=np.int64), {"a"})
+    out = m.step(["a"], _rows([]), zero, {"a"}, prompts.get)
     assert out is not None and out[0].tolist() == [2, 1, 1, 1]  # 1 2 1 2 1: "1 2 1" first at 0
-    m.observe([], [], [], prompts.get, finished=["b"])
+    m.step([], np.zeros((0, 1), dtype=np.int64), None, (), prompts.get, finished=["b"])
     assert len(m) == 1
     # a restarted request is rebuilt from what the runner knows
-    m.observe(["a"], [[9]], [False], lambda r: [9, 4], restarted=["a"])
-    out = m.merge(["a"], np.zeros((1, K), dtype=np.int64), {"a"})
+    out = m.step(["a"], _rows([9]), zero, {"a"}, lambda r: [9, 4], restarted=["a"])
     assert out is not None and out[0].tolist() == [4, 9, 9, 9]  # 9 4 9: "9" first at 0
     # prompt embeddings: no token ids, never on n-gram
-    m.observe(["e"], [[1]], [False], lambda r: None)
-    assert m.merge(["e"], np.zeros((1, K), dtype=np.int64), {"e"}) is None
+    assert m.step(["e"], _rows([1]), zero, {"e"}, lambda r: None) is None
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.integers(0, 5), min_size=1, max_size=30),
-    st.lists(st.lists(st.integers(-1, 5), min_size=1, max_size=K + 1), min_size=1, max_size=40),
+    st.lists(st.lists(st.integers(-1, 5), min_size=K + 1, max_size=K + 1), min_size=1, max_size=40),
     st.integers(1, 8),
+    st.lists(st.booleans(), min_size=40, max_size=40),
 )
-def test_merge_equals_the_rule_on_the_full_history(prompt: list[int], steps: list[list[int]], n: int) -> None:
+def test_merge_equals_the_rule_on_the_full_history(
+    prompt: list[int], steps: list[list[int]], n: int, skip: list[bool]
+) -> None:
     """n requests with the same stream but offset prompts: every step, every row equals vLLM's rule on
-    the request's full history (prompt plus accepted tokens), or EAGLE's row where the rule drafts nothing."""
+    the request's full history (prompt plus accepted tokens), or EAGLE's row where the rule drafts
+    nothing; the rows on n-gram change from step to step, and some steps carry no tokens for anyone."""
     m = _merger()
     ids = [f"r{i}" for i in range(n)]
     hist = {r: [i, *prompt] for i, r in enumerate(ids)}
     base = {r: list(h) for r, h in hist.items()}
-    for row in steps:
-        m.observe(ids, [row] * n, [False] * n, base.get)
-        for r in ids:
-            hist[r] += [t for t in row if t >= 0]
+    started = False  # a request's history starts with the first step that samples for it
+    for t, row in enumerate(steps):
+        started = started or not skip[t]
+        sampled = _rows(*[row] * n) if not skip[t] else np.zeros((0, K + 1), dtype=np.int64)
         eagle = np.full((n, K), -7, dtype=np.int64)
-        on = set(ids[::2])
-        out = m.merge(ids, eagle, on)
+        on = set(ids[t % 2 :: 2])
+        out = m.step(ids, sampled, eagle, on, base.get)
+        if not skip[t]:
+            for r in ids:
+                hist[r] += [x for x in row if x >= 0]
         got = eagle if out is None else out
         for i, r in enumerate(ids):
             want = (
-                match_ngram(np.array(hist[r], dtype=np.int32), 1, 3, 1 << 20, K).tolist() if r in on else []
+                match_ngram(np.array(hist[r], dtype=np.int32), 1, 3, 1 << 20, K).tolist()
+                if r in on and started
+                else []
             )
             if want:
                 assert got[i].tolist() == want + [want[-1]] * (K - len(want))
