@@ -29,7 +29,7 @@ import numpy as np
 
 from controller.vllm import compat
 from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
-from controller.vllm.ngram import DRAFT_LEN, NgramIndex, _propose, room, step_row
+from controller.vllm.ngram import DRAFT_LEN, NgramIndex, _propose, advance_row, append_row, room
 from controller.vllm.peagle import install_depth_fix
 from controller.vllm.settings import PluginSettings
 from controller.vllm.v2 import install_v2_runner
@@ -82,6 +82,15 @@ def _step_merge(
     if not room(state, pool, table, meta, held, sizes, max_n - min_n + 1):
         return -1
     buf = np.empty(max(width, 1), dtype=np.int32)
+    for j in range(stepped):  # every row's tokens first: the index's probes of the whole batch overlap
+        if slots[j] >= 0 and not skip[j]:
+            c = 0
+            for t in range(width):
+                x = sampled[j, t]
+                if x >= 0:
+                    buf[c] = x
+                    c += 1
+            append_row(state, pool, table, meta, int(slots[j]), buf, 0, c, min_n, max_n)
     out = 0
     cols = merged.shape[1]
     for j in range(n):
@@ -89,14 +98,13 @@ def _step_merge(
         if s < 0:
             continue
         if j < stepped and not skip[j]:
-            c = 0
+            fresh = False
             for t in range(width):
-                x = sampled[j, t]
-                if x >= 0:
-                    buf[c] = x
-                    c += 1
-            step_row(state, pool, table, meta, drafts, pending, s, buf, 0, c, on_ngram[j], min_n, max_n,
-                     max_model_len)  # fmt: skip
+                if sampled[j, t] >= 0:
+                    fresh = True
+            advance_row(
+                state, pool, table, meta, drafts, pending, s, fresh, on_ngram[j], min_n, max_n, max_model_len
+            )
         elif on_ngram[j]:  # not stepped now: its draft at its current position
             _propose(state, pool, table, meta, drafts, s, min_n, max_n, max_model_len)
         if on_ngram[j] and j < merged.shape[0] and cols > 0:
