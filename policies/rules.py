@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -248,6 +248,12 @@ class FastLoop:
         self._run = np.full(capacity, np.nan)
         self._k = np.zeros(capacity, dtype=np.int64)
         self._max_k = 0
+
+    @property
+    def slot_of(self) -> Callable[[str, int], int]:
+        """``slot_of(request_id, default)``: the request's slot, or ``default`` (nothing is assigned;
+        a C-level lookup for the engine's hot path, as ``dict.get``)."""
+        return self._slot.get  # type: ignore[return-value]
 
     def slots(self, request_ids: Sequence[str]) -> np.ndarray:
         """Each request's slot (a new request gets a free one, its state reset)."""

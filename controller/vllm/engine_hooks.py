@@ -23,6 +23,7 @@ once) and leaves vLLM's behaviour as configured: a plugin bug must never stop se
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -58,7 +59,6 @@ from policies.arms import METHOD_CODES, Arm, Method
 from policies.jit import compiling
 
 log = logging.getLogger("vllm.speccontrol")
-_is_finished = operator.methodcaller("is_finished")
 _spec_token_ids = operator.attrgetter("spec_token_ids")
 
 _OFF = METHOD_CODES[Method.OFF]
@@ -109,6 +109,7 @@ class EngineHooks:
         self.trace = trace
         self.wall, self.perf = wall, perf
         self.directive = controls.safe
+        self._alpha = float(self.directive.rule.params.get("alpha", 0.3))  # the fast loop's, per directive
         self.rows = RequestTable(configured=method, max_k=controls.engine.max_k)
         self.kernels = StepKernel(controls=controls, rows=self.rows, scorer=scorer)
         self._t0 = 0.0
@@ -123,7 +124,8 @@ class EngineHooks:
         self.swap_table = True
         #: request -> (method code, K, n-gram proposal) of its next draft
         self._planned: dict[str, tuple[int, int, int]] = {}
-        self._placeholder_lists: list[list[int]] = []
+        #: vLLM's ``-1`` placeholders for a draft of K tokens, index K (async scheduling).
+        self._placeholder_lists = [[-1] * k for k in range(controls.engine.max_k + 1)]
 
     @classmethod
     def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
@@ -233,7 +235,10 @@ class EngineHooks:
 
     def before_schedule(self, scheduler: Any) -> None:
         self._t0 = self.perf()
-        self.directive = self.controls.in_force(self.link.fresh_directive())
+        d = self.controls.in_force(self.link.fresh_directive())
+        if d is not self.directive:
+            self.directive = d
+            self._alpha = float(d.rule.params.get("alpha", 0.3))
         if self.swap_table:
             scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
 
@@ -255,14 +260,6 @@ class EngineHooks:
 
     def before_update(self, scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
         """The Request objects of this step that the scheduler holds (the update frees finished ones)."""
-        planned = getattr(scheduler_output, VERIFYING_ATTR, None)
-        if planned:  # async: what was planned for the drafts verified now (one numpy call each way)
-            slots = self.controls.fast.slots(list(planned))
-            self.rows.reserve(self.controls.fast.capacity)
-            flat = itertools.chain.from_iterable(planned.values())
-            self.rows.set_plans(
-                slots, np.fromiter(flat, dtype=np.int64, count=3 * len(planned)).reshape(-1, 3)
-            )
         reqs = scheduler.requests
         known = list(filter(reqs.__contains__, scheduler_output.num_scheduled_tokens))
         return dict(zip(known, map(reqs.__getitem__, known), strict=True))
@@ -277,20 +274,14 @@ class EngineHooks:
         ids = [rid for rid in requests if (i := index(rid, n_sampled)) < n_sampled and sampled[i]]
         n = len(ids)
         gens = [sampled[index(rid)] for rid in ids]
-        # Tokens sampled and drafted per row, in one numpy call (each call costs more than a row).
-        counts = np.fromiter(
-            itertools.chain(map(len, gens), map(len, map(spec.get, ids, itertools.repeat(())))),
-            dtype=np.int64,
-            count=2 * n,
-        )
-        drafted = counts[n:]
         done = getattr(scheduler, "finished_req_ids", None)
         if isinstance(done, set):  # vLLM adds every request it finishes or frees (kept until next schedule)
-            finished = np.fromiter(map(done.__contains__, ids), dtype=np.bool_, count=n)
+            is_finished: Callable[[str], bool] = done.__contains__
         else:
-            finished = np.fromiter(
-                map(_is_finished, map(requests.__getitem__, ids)), dtype=np.bool_, count=n
-            ) | ~np.fromiter(map(scheduler.requests.__contains__, ids), dtype=np.bool_, count=n)
+            live = scheduler.requests
+
+            def is_finished(rid: str) -> bool:
+                return bool(requests[rid].is_finished()) or rid not in live
 
         def start(j: int, slot: int) -> None:  # a request the plugin has not seen
             req = requests[ids[j]]
@@ -298,8 +289,17 @@ class EngineHooks:
             if self.scorer is not None:
                 self.scorer.start(slot, req._all_token_ids)
 
-        alpha = float(self.directive.rule.params.get("alpha", 0.3))
-        cols, _ = self.kernels.after_update(ids, gens, drafted, finished, alpha, start, sampled=counts[:n])
+        cols, finished, ended = self.kernels.after_update(
+            ids,
+            gens,
+            map(len, map(spec.get, ids, itertools.repeat(()))),
+            is_finished,
+            self._alpha,
+            start,
+            getattr(
+                scheduler_output, VERIFYING_ATTR, None
+            ),  # async: what the verified drafts were planned as
+        )
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
         # A decode row schedules one token plus its draft; anything beyond that is prompt (a prefill
@@ -310,7 +310,7 @@ class EngineHooks:
         rec = StepRecord(
             time_s=now,
             duration_s=duration,
-            batch_size=max(len(scheduler_output.num_scheduled_tokens), n),
+            batch_size=max(len(scheduled), n),
             queue_length=self._queue_len,
             queue_wait_s=self._queue_wait,
             scheduled_k=int(scheduler_output.num_spec_tokens_to_schedule or 0),
@@ -325,11 +325,10 @@ class EngineHooks:
             cf_ngram=cols[CF],
             ngram_proposal=cols[PROPOSAL] if self.scorer is not None else None,
             finished=finished,
-            prefill_tokens=int(prefill),
+            prefill_tokens=prefill,
         )
-        fin = finished.tolist()
-        if True in fin:
-            for rid in itertools.compress(ids, fin):
+        if ended:
+            for rid in itertools.compress(ids, finished.tolist()):
                 self._release(rid)
         for rid in scheduler_output.finished_req_ids:
             self._release(rid)
@@ -382,7 +381,7 @@ class EngineHooks:
                 ix.start(slot, history)
 
         for _ in range(2):
-            k.after_update(["a"], [[1]], np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.bool_), 0.3, start)
+            k.after_update(["a"], [[1]], [1], lambda rid: False, 0.3, start)
             k.choose(ctl.safe, ["a"], [[1] * max_k])
         log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
@@ -406,29 +405,21 @@ class EngineHooks:
         if not ids:
             setattr(so, NGRAM_ROWS_ATTR, frozenset())
             return
-        # The plan in one kernel call (as update_draft_token_ids plans under synchronous scheduling).
-        plan = self.kernels.plan(self.directive, self.controls.fast.slots(ids), len(so.num_scheduled_tokens))
-        ngram: list[str] = []
-        place = self._placeholders
-        for rid, m, k, p in zip(ids, *plan.tolist(), strict=True):
-            req = reqs[rid]
-            room = len(req.spec_token_ids)
-            if k >= room:
-                k = room
-            else:
-                req.spec_token_ids = place(k)
-            planned[rid] = (m if k else _OFF, k, p)
-            if k and m == _NGRAM:
-                ngram.append(rid)
-        setattr(so, NGRAM_ROWS_ATTR, frozenset(ngram))
-
-    def _placeholders(self, k: int) -> list[int]:
-        """vLLM's ``-1`` placeholders for a draft of ``k`` tokens (one shared list per K; nobody
-        mutates them: vLLM itself shares one)."""
-        ph = self._placeholder_lists
-        while len(ph) <= k:
-            ph.append([-1] * len(ph))
-        return ph[k]
+        rq = list(map(reqs.__getitem__, ids))
+        # The plan in one kernel call (as update_draft_token_ids plans under synchronous scheduling),
+        # cut to each row's placeholders; the rest in C loops (map, zip, compress), no row of Python.
+        methods, ks, proposals = self.kernels.place(
+            self.directive, ids, map(len, map(_spec_token_ids, rq)), len(so.num_scheduled_tokens)
+        )
+        # Each row's own placeholders (one shared list per K; nobody mutates them: vLLM shares one too).
+        collections.deque(
+            map(
+                setattr, rq, itertools.repeat("spec_token_ids"), map(self._placeholder_lists.__getitem__, ks)
+            ),
+            maxlen=0,
+        )
+        planned.update(zip(ids, zip(methods, ks, proposals, strict=True), strict=True))
+        setattr(so, NGRAM_ROWS_ATTR, frozenset(itertools.compress(ids, map(_NGRAM.__eq__, methods))))
 
     def close(self) -> None:
         self.link.close()

@@ -1,16 +1,20 @@
 """The plugin's per-step work as one compiled batch kernel per hook.
 
 ``update_from_output`` (``StepKernel.after_update``): for every request that sampled this step, the
-n-gram index takes its new tokens, scores its pending draft and drafts anew (``ngram.step_row``),
-the report's columns are read off the plan recorded for the verified draft (``rows.columns_row``),
-and the fast loop folds in the feedback (``rules.feedback_row``). ``update_draft_token_ids``
-(``StepKernel.choose``): per request its class's planned arm, the rule's override
-(``rules.plan_row``, which sees the request's n-gram proposal: the length of the draft the index has
-for it, computed from tokens the engine already has, so causal), what this engine can draft (``policies.engine_rules.clamp_row``) and which draft it gets
-(``control.source_row``). The row functions are the same ones the batch APIs (``FastLoop``,
-``Controls``, ``NgramIndex``, ``RequestTable``) loop over, so each behaviour is written once; these
-kernels only fuse them, so a step costs one dispatch per hook and no Python object per request
-(request ids aside).
+n-gram index takes its new tokens (every row's first, so the batch's cache misses overlap), scores its
+pending draft and drafts anew (``ngram.append_row`` / ``advance_row``), the report's columns are read
+off the plan recorded for the verified draft (``rows.columns_row``; under async scheduling the plan
+came with the scheduler output), and the fast loop folds in the feedback (``rules.feedback_row``).
+``update_draft_token_ids`` (``StepKernel.choose``) and, under async scheduling,
+``_update_after_schedule`` (``StepKernel.place``): per request its class's planned arm, the rule's
+override (``rules.plan_row``, which sees the request's n-gram proposal: the length of the draft the
+index has for it, computed from tokens the engine already has, so causal), what this engine can draft
+(``policies.engine_rules.clamp_row``), and which draft it gets (``control.source_row``) or how many
+placeholders. The row functions are the same ones the batch APIs (``FastLoop``, ``Controls``,
+``NgramIndex``, ``RequestTable``) loop over, so each behaviour is written once; these kernels only
+fuse them, so a step costs one dispatch per hook and no Python object per request (request ids
+aside). What a kernel reads per row goes in through one ``np.fromiter`` over C-level maps: on the
+engine's thread every numpy call and every Python-level row costs more than the kernel's work.
 
 What must hold: a step's results equal those of the batch APIs called one after another (tested
 against them); a kernel that cannot proceed (a request it has not seen, or no room in the n-gram
@@ -20,13 +24,12 @@ index) says so before changing anything.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from controller.vllm.control import NGRAM_DRAFT, Controls, pick_drafts, source_row
-from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, room, step_row
+from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, advance_row, append_row, room
 from controller.vllm.rows import PLAN_K, PLAN_METHOD, PLAN_PROPOSAL, RequestTable, columns_row
 from policies.arms import METHOD_CODES, Method
 from policies.directive import Directive
@@ -35,7 +38,9 @@ from policies.jit import kernel
 from policies.observation import NOT_SCORED
 from policies.rules import feedback_row, plan_row, rule_args
 
-_OK, _UNSEEN, _NO_ROOM = 0, -1, -2
+_UNSEEN, _NO_ROOM = -1, -2
+_OFF = METHOD_CODES[Method.OFF]
+_NO_PLAN = (-1, -1, -1)
 #: Rows of the after-update output: the report's columns (PROPOSAL: -1 where the index is off).
 METHOD, K, DRAFTED, ACCEPTED, CF, CLASS, PROPOSAL = range(7)
 
@@ -55,41 +60,63 @@ def _after_update(
     meta: np.ndarray,
     drafts: np.ndarray,
     pending: np.ndarray,
-    slots: np.ndarray,
-    sampled: np.ndarray,
-    drafted: np.ndarray,
-    finished: np.ndarray,
-    tokens: np.ndarray,
-    sizes: np.ndarray,
+    buf: np.ndarray,
     out: np.ndarray,
+    finished: np.ndarray,
     ngram: np.ndarray,
     params: np.ndarray,
     alpha: float,
 ) -> int:
-    """params: scoring (0/1), configured method code, max K, the fast loop's max K, min_n, max_n,
-    max_model_len. ``ngram`` is ``[NGRAM code]`` when scoring, else empty."""
+    """The step's rows from one int64 buffer (``StepKernel.after_update`` lays it out): per row its
+    slot (-1: none yet), tokens sampled, tokens drafted, whether it finished, tokens it brings to the
+    index; then (where ``params[7]``) the plan each row's draft was made with, three per row (-1: none
+    recorded); then the tokens themselves, row after row. Writes the report's columns into ``out`` and
+    the finished flags into ``finished``; returns how many rows finished, or _UNSEEN / _NO_ROOM having
+    changed nothing.
+
+    params: scoring (0/1), configured method code, max K, the fast loop's max K, min_n, max_n,
+    max_model_len, plans given (0/1). ``ngram`` is ``[NGRAM code]`` when scoring, else empty."""
     scoring = params[0] != 0
     configured, max_k, fl_max_k = int(params[1]), int(params[2]), int(params[3])
     min_n, max_n, max_model_len = int(params[4]), int(params[5]), int(params[6])
-    n = len(slots)
+    n = len(finished)
+    slots, sampled, drafted, done, sizes = (
+        buf[:n],
+        buf[n : 2 * n],
+        buf[2 * n : 3 * n],
+        buf[3 * n : 4 * n],
+        buf[4 * n : 5 * n],
+    )
+    plans = 5 * n if params[7] != 0 else -1
+    tokens = buf[5 * n + (3 * n if plans >= 0 else 0) :]
     for j in range(n):
-        if not live[slots[j]]:
+        if slots[j] < 0 or not live[slots[j]]:
             return _UNSEEN
     if scoring and not room(state, pool, table, meta, slots, sizes, max_n - min_n + 1):
         return _NO_ROOM
     mixed = np.ones(len(ngram), dtype=np.bool_)
     cf_rows = out[CF : CF + 1]
     ngram_row = 0 if scoring else -1
-    at = 0  # row j's tokens: tokens[at : at + sizes[j]]
+    if scoring:  # every row's tokens first: the index's probes of the whole batch overlap
+        at = 0  # row j's tokens: tokens[at : at + sizes[j]]
+        for j in range(n):
+            append_row(state, pool, table, meta, int(slots[j]), tokens, at, at + int(sizes[j]), min_n, max_n)
+            at += int(sizes[j])
+    ended = 0
     for j in range(n):
         s = int(slots[j])
+        fin = done[j] != 0
+        finished[j] = fin
+        ended += fin
+        if plans >= 0 and buf[plans + 3 * j] >= 0:  # async: the plan travelled with the scheduler output
+            for c in range(3):
+                verifying[s, c] = buf[plans + 3 * j + c]
         c = NOT_SCORED
         before = -1
         if scoring:
             before = int(state[s, DRAFT_LEN])  # the proposal before this step's tokens
-            c = step_row(state, pool, table, meta, drafts, pending, s, tokens, at, at + int(sizes[j]),
-                         not finished[j], min_n, max_n, max_model_len)  # fmt: skip
-            at += int(sizes[j])
+            c = advance_row(state, pool, table, meta, drafts, pending, s, int(sizes[j]) > 0, not fin, min_n, max_n,
+                            max_model_len)  # fmt: skip
         d = int(drafted[j])
         m, k, a, c, p = columns_row(verifying, s, int(sampled[j]), d, c, configured, max_k, before)
         out[METHOD, j] = m
@@ -100,7 +127,36 @@ def _after_update(
         out[CLASS, j] = cls[s]
         out[PROPOSAL, j] = p
         feedback_row(ewma, steps, run, last_k, s, m, a, ngram, cf_rows, j, mixed, ngram_row, alpha, fl_max_k)
-    return _OK
+    return ended
+
+
+@kernel
+def _plan_one(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    cls: np.ndarray,
+    class_arm: np.ndarray,
+    state: np.ndarray,
+    s: int,
+    params: np.ndarray,
+    p0: float,
+    p1: float,
+    p2: float,
+) -> tuple[int, int, int]:
+    """Slot ``s``'s next draft: (method, K, the n-gram proposal it was planned with). params: rule
+    code, max K, configured method code, composite (0/1), scoring (0/1). ``class_arm[c]``: class c's
+    planned (method, K). The rule sees the request's n-gram proposal (its current draft's length in
+    the index, -1 for a request the index has not started)."""
+    rule, max_k, configured = int(params[0]), int(params[1]), int(params[2])
+    composite, scoring = params[3] != 0, params[4] != 0
+    c = int(cls[s])
+    prop = int(state[s, DRAFT_LEN]) if scoring and int(state[s, LEN]) >= 0 else -1
+    m, k = plan_row(ewma, steps, run, last_k, s, int(class_arm[c, 0]), int(class_arm[c, 1]), rule, p0, p1, p2,
+                    prop, max_k)  # fmt: skip
+    m, k = clamp_row(m, k, configured, composite, max_k)
+    return m, k, prop
 
 
 @kernel
@@ -120,24 +176,50 @@ def _choose(
     p1: float,
     p2: float,
 ) -> None:
-    """params: rule code, max K, configured method code, composite (0/1), scoring (0/1).
-    ``class_arm[c]``: class c's planned (method, K). out rows: draft source, its length.
-
-    The rule sees each request's n-gram proposal (its current draft's length in the index, -1 for a
-    request the index has not started), and the plan records it for the report."""
-    rule, max_k, configured = int(params[0]), int(params[1]), int(params[2])
-    composite, scoring = params[3] != 0, params[4] != 0
+    """Synchronous scheduling: each slot's plan (``_plan_one``) recorded in ``verifying`` for the
+    report; out rows: draft source, its length."""
+    composite = params[3] != 0
     for j in range(len(slots)):
         s = int(slots[j])
-        c = int(cls[s])
-        prop = int(state[s, DRAFT_LEN]) if scoring and int(state[s, LEN]) >= 0 else -1
-        m, k = plan_row(ewma, steps, run, last_k, s, int(class_arm[c, 0]), int(class_arm[c, 1]), rule, p0, p1,
-                        p2, prop, max_k)  # fmt: skip
-        m, k = clamp_row(m, k, configured, composite, max_k)
+        m, k, prop = _plan_one(ewma, steps, run, last_k, cls, class_arm, state, s, params, p0, p1, p2)
         verifying[s, PLAN_METHOD] = m
         verifying[s, PLAN_K] = k
         verifying[s, PLAN_PROPOSAL] = prop
         out[0, j], out[1, j] = source_row(m, k, max(prop, 0), composite)
+
+
+@kernel
+def _place(
+    ewma: np.ndarray,
+    steps: np.ndarray,
+    run: np.ndarray,
+    last_k: np.ndarray,
+    cls: np.ndarray,
+    class_arm: np.ndarray,
+    state: np.ndarray,
+    buf: np.ndarray,
+    out: np.ndarray,
+    params: np.ndarray,
+    p0: float,
+    p1: float,
+    p2: float,
+) -> int:
+    """Async scheduling: each row's plan (``_plan_one``) cut to the placeholders vLLM gave it. ``buf``:
+    the rows' slots (-1: none yet), then their placeholder counts. out rows: method (off where K is
+    0), K, the n-gram proposal planned with. Returns _UNSEEN (nothing changed) when a row has no slot."""
+    n = out.shape[1]
+    for j in range(n):
+        if buf[j] < 0:
+            return _UNSEEN
+    for j in range(n):
+        m, k, prop = _plan_one(
+            ewma, steps, run, last_k, cls, class_arm, state, int(buf[j]), params, p0, p1, p2
+        )
+        k = min(k, int(buf[n + j]))
+        out[0, j] = m if k > 0 else _OFF
+        out[1, j] = k
+        out[2, j] = prop
+    return 0
 
 
 class StepKernel:
@@ -155,17 +237,18 @@ class StepKernel:
         self._no_tokens = np.zeros(0, dtype=np.int32)
         empty_rows = np.zeros((0, 1), dtype=np.int32)
         #: The n-gram index's arrays where there is none (the kernel never reads them then).
-        self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(4, dtype=np.int64),
+        self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(5, dtype=np.int64),
                           empty_rows, empty_rows)  # fmt: skip
-        self._scratch = np.full((0, 3), -1, dtype=np.int64)  # plans not recorded (``plan``)
-        #: _choose's params: rule code, max K (set per call), configured method, composite, scoring.
+        self._rule_for: tuple[Directive | None, tuple[int, float, float, float]] = (None, (0, 0.0, 0.0, 0.0))
+        #: _plan_one's params: rule code (set per call), max K, configured method, composite, scoring.
         self._choose_params = np.array(
-            [0, 0, rows.configured, controls.composite, scorer is not None], dtype=np.int64
+            [0, controls.engine.max_k, rows.configured, controls.composite, scorer is not None],
+            dtype=np.int64,
         )
         sc = scorer
         self._update_params = np.array(
             [sc is not None, rows.configured, rows.max_k, 0, sc.min_n if sc is not None else 1, sc.max_n if sc is not None else 1,
-             sc.max_model_len if sc is not None else 0],
+             sc.max_model_len if sc is not None else 0, 0],
             dtype=np.int64,
         )  # fmt: skip
 
@@ -180,51 +263,63 @@ class StepKernel:
         self,
         ids: Sequence[str],
         gens: Sequence[Sequence[int]],
-        drafted: np.ndarray,
-        finished: np.ndarray,
+        drafted: Iterable[int],
+        is_finished: Callable[[str], bool],
         alpha: float,
-        start: Any,
-        *,
-        sampled: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The step's columns (rows METHOD..PROPOSAL of an int32 array) and slots, for requests ``ids``
-        that sampled ``gens`` (``sampled``: their lengths, int64, where the caller has them) after
-        drafts of ``drafted`` tokens. ``start(j, slot)`` is called for a request the hooks have not
-        seen: it admits the slot (class, n-gram history)."""
+        start: Callable[[int, int], None],
+        plans: Mapping[str, tuple[int, int, int]] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The step's columns (rows METHOD..PROPOSAL of an int32 array), finished flags and how many
+        rows finished, for requests ``ids`` that sampled ``gens`` after drafts of ``drafted`` tokens
+        (one per row). ``start(j, slot)`` is called for a request the hooks have not seen: it admits
+        the slot (class, n-gram history). ``plans``: the plan each row's draft was made with (method
+        code, K, n-gram proposal), where it travelled with the scheduler output (async scheduling);
+        otherwise the plan recorded by ``choose``.
+
+        Everything the kernel reads is laid out in one int64 buffer by one ``np.fromiter`` (each numpy
+        call costs more than a row of Python here)."""
         n = len(ids)
-        slots = self.fast.slots(ids)
-        self._reserve()
-        if sampled is None:
-            sampled = np.fromiter(map(len, gens), dtype=np.int64, count=n)
-        out = np.empty((7, n), dtype=np.int32)
         sc = self.scorer
         params = self._update_params
         params[3] = self.fast.max_k
-        sizes = sampled  # tokens each row brings to the index (none for a request just started)
-        if sc is not None:
-            tokens = np.fromiter(
-                itertools.chain.from_iterable(gens), dtype=np.int32, count=sum(map(len, gens))
-            )
-        else:
-            tokens = self._no_tokens
+        params[7] = plans is not None
+        out = np.empty((7, n), dtype=np.int32)
+        finished = np.empty(n, dtype=np.bool_)
+        slot_of = self.fast.slot_of
+        drafted = list(drafted)
+        fins = list(map(is_finished, ids))
+        index_gens: Sequence[Sequence[int]] = gens
         while True:
+            parts: list[Iterable[int]] = [
+                map(slot_of, ids, itertools.repeat(-1)),
+                map(len, gens),
+                drafted,
+                fins,
+                map(len, index_gens) if sc is not None else itertools.repeat(0, n),
+            ]
+            size = 5 * n
+            if plans is not None:
+                parts.append(itertools.chain.from_iterable(map(plans.get, ids, itertools.repeat(_NO_PLAN))))
+                size += 3 * n
+            if sc is not None:
+                parts.append(itertools.chain.from_iterable(index_gens))
+                size += sum(map(len, index_gens))
+            buf = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=size)
             ng = sc.arrays() if sc is not None else self._no_index
-            status = _after_update(*self.fast.arrays(), *self.rows.arrays(), *ng, slots, sampled, drafted, finished,
-                                   tokens, sizes, out, self._ngram, params, alpha)  # fmt: skip
-            if status == _OK:
-                return out, slots
+            status = _after_update(*self.fast.arrays(), *self.rows.arrays(), *ng, buf, out, finished, self._ngram,
+                                   params, alpha)  # fmt: skip
+            if status >= 0:
+                return out, finished, status
             if status == _UNSEEN:
+                slots = self.fast.slots(ids)  # new requests get their slots here
+                self._reserve()
                 fresh = self.rows.admit(slots)
                 for j in fresh:
                     start(j, int(slots[j]))
-                if sc is not None and fresh:  # a new request's tokens are in the history it started with
-                    new = list(gens)
+                if fresh:  # a new request's tokens are in the history it started with
+                    index_gens = list(index_gens)
                     for j in fresh:
-                        new[j] = ()
-                    sizes = np.fromiter(map(len, new), dtype=np.int64, count=n)
-                    tokens = np.fromiter(
-                        itertools.chain.from_iterable(new), dtype=np.int32, count=sum(map(len, new))
-                    )
+                        index_gens[j] = ()
             elif sc is not None:
                 sc.make_room()
 
@@ -241,31 +336,55 @@ class StepKernel:
         ngram = sc.drafts(slots)[0].tolist() if sc is not None and NGRAM_DRAFT in out[0].tolist() else drafts
         return pick_drafts(out[0], out[1], drafts, ngram)
 
-    def plan(self, directive: Directive, slots: np.ndarray, batch_size: int) -> np.ndarray:
-        """Rows PLAN_METHOD, PLAN_K, PLAN_PROPOSAL (int64): each slot's next draft as ``choose`` plans
-        it, not recorded (async scheduling: the plan travels with the scheduler output instead)."""
-        self._reserve()
-        if len(self._scratch) < self.rows.capacity:
-            self._scratch = np.full((self.rows.capacity, 3), -1, dtype=np.int64)
-        self._plan(directive, slots, batch_size, self._scratch)
-        return self._scratch[slots].T  # type: ignore[no-any-return]
+    def place(
+        self, directive: Directive, req_ids: Sequence[str], rooms: Iterable[int], batch_size: int
+    ) -> list[list[int]]:
+        """Async scheduling: per request its next draft's method code (off where K is 0), K (at most
+        its ``rooms`` placeholders) and the n-gram proposal it is planned with, as three lists; not
+        recorded (the plan travels with the scheduler output instead)."""
+        n = len(req_ids)
+        rooms = list(rooms)
+        out = np.empty((3, n), dtype=np.int64)
+        p0, p1, p2 = self._rule(directive)
+        arms = self._arms(directive, batch_size)
+        while True:
+            buf = np.fromiter(
+                itertools.chain(map(self.fast.slot_of, req_ids, itertools.repeat(-1)), rooms),
+                dtype=np.int64,
+                count=2 * n,
+            )
+            sc = self.scorer
+            status = _place(*self.fast.arrays(), self.rows.arrays()[1], arms,
+                            sc.arrays()[0] if sc is not None else self._no_state, buf, out, self._choose_params, p0,
+                            p1, p2)  # fmt: skip
+            if status == 0:
+                return out.tolist()  # type: ignore[no-any-return]
+            self.fast.slots(req_ids)  # new requests get their slots
+            self._reserve()
 
     def _plan(
         self, directive: Directive, slots: np.ndarray, batch_size: int, verifying: np.ndarray
     ) -> np.ndarray:
         """Each slot's plan into ``verifying`` (the rows' table, or a scratch one; ``_reserve`` ran);
         returns each row's draft source and length (see ``_choose``)."""
-        max_k = self.controls.engine.max_k
-        rule, p0, p1, p2 = rule_args(directive)
-        if rule:
-            self.fast.note_max_k(max_k)
+        p0, p1, p2 = self._rule(directive)
         out = np.empty((2, len(slots)), dtype=np.int64)
         sc = self.scorer
         params = self._choose_params
-        params[0], params[1] = rule, max_k
         _choose(*self.fast.arrays(), verifying, self.rows.arrays()[1], self._arms(directive, batch_size),
                 sc.arrays()[0] if sc is not None else self._no_state, slots, out, params, p0, p1, p2)  # fmt: skip
         return out
+
+    def _rule(self, directive: Directive) -> tuple[float, float, float]:
+        """The directive's rule parameters (``rule_args``, cached per directive); its code goes into
+        the kernels' params."""
+        if self._rule_for[0] is not directive:
+            self._rule_for = (directive, rule_args(directive))
+        rule, p0, p1, p2 = self._rule_for[1]
+        if rule:
+            self.fast.note_max_k(self.controls.engine.max_k)
+        self._choose_params[0] = rule
+        return p0, p1, p2
 
     def _arms(self, directive: Directive, batch_size: int) -> np.ndarray:
         """Each known class's planned (method code, K) at this batch size (cached)."""

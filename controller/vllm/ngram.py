@@ -304,8 +304,8 @@ def step_row(
     """Slot ``s`` takes ``tokens[a:b]`` (``room`` said yes); returns the counterfactual count they
     resolved (NOT_SCORED: none) and drafts anew if ``propose``."""
     _append(state, pool, meta, s, tokens, a, b)
-    return advance_row(
-        state, pool, table, meta, drafts, pending, s, b > a, propose, min_n, max_n, max_model_len
+    return int(
+        advance_row(state, pool, table, meta, drafts, pending, s, b > a, propose, min_n, max_n, max_model_len)
     )
 
 
@@ -328,7 +328,7 @@ def append_row(
             st = end - n + 1
             if st < 0:
                 break
-            acc += table[_hash(pool, base + st, n, owner) & mask, _KEY]
+            acc ^= int(table[_hash(pool, base + st, n, owner) & mask, _KEY])
     meta[_SINK] = acc  # kept, so the loads are too
 
 

@@ -173,10 +173,6 @@ class RequestTable:
         self._verifying[slots, PLAN_K] = ks
         self._verifying[slots, PLAN_PROPOSAL] = -1 if proposals is None else proposals
 
-    def set_plans(self, slots: np.ndarray, plans: np.ndarray) -> None:
-        """``planned`` with the rows given whole: ``plans[j]`` = (method, K, proposal) for ``slots[j]``."""
-        self._verifying[slots] = plans
-
     def release(self, slot: int) -> None:
         self._verifying[slot] = -1
         self._class[slot] = 0
