@@ -271,9 +271,11 @@ class EngineHooks:
         spec = scheduler_output.scheduled_spec_decode_tokens
         # The rows: requests that sampled this step (a prefill chunk samples nothing). Comprehensions
         # and map (C loops) only: on the hot path one numpy call costs more than a Python row.
-        ids = [rid for rid in requests if (i := index(rid, n_sampled)) < n_sampled and sampled[i]]
+        past = itertools.repeat(n_sampled)  # a request without a row reads the empty one past the end
+        rows = list(map([*(sampled or ()), ()].__getitem__, map(min, map(index, requests, past), past)))
+        ids = list(itertools.compress(requests, rows))
+        gens = list(filter(None, rows))
         n = len(ids)
-        gens = [sampled[index(rid)] for rid in ids]
         done = getattr(scheduler, "finished_req_ids", None)
         if isinstance(done, set):  # vLLM adds every request it finishes or frees (kept until next schedule)
             is_finished: Callable[[str], bool] = done.__contains__
@@ -292,7 +294,7 @@ class EngineHooks:
         cols, finished, ended = self.kernels.after_update(
             ids,
             gens,
-            map(len, map(spec.get, ids, itertools.repeat(()))),
+            spec,
             is_finished,
             self._alpha,
             start,
@@ -381,7 +383,7 @@ class EngineHooks:
                 ix.start(slot, history)
 
         for _ in range(2):
-            k.after_update(["a"], [[1]], [1], lambda rid: False, 0.3, start)
+            k.after_update(["a"], [[1]], {"a": [1]}, lambda rid: False, 0.3, start)
             k.choose(ctl.safe, ["a"], [[1] * max_k])
         log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 

@@ -68,27 +68,30 @@ def _after_update(
     alpha: float,
 ) -> int:
     """The step's rows from one int64 buffer (``StepKernel.after_update`` lays it out): per row its
-    slot (-1: none yet), tokens sampled, tokens drafted, whether it finished, tokens it brings to the
-    index; then (where ``params[7]``) the plan each row's draft was made with, three per row (-1: none
-    recorded); then the tokens themselves, row after row. Writes the report's columns into ``out`` and
+    slot (-1: none yet), tokens sampled, tokens drafted, whether it finished; then (where
+    ``params[8]``) the tokens each row brings to the index (else all it sampled); then (where
+    ``params[7]``) the plan each row's draft was made with, three per row (-1: none recorded); then
+    the tokens themselves, row after row. Writes the report's columns into ``out`` and
     the finished flags into ``finished``; returns how many rows finished, or _UNSEEN / _NO_ROOM having
     changed nothing.
 
     params: scoring (0/1), configured method code, max K, the fast loop's max K, min_n, max_n,
-    max_model_len, plans given (0/1). ``ngram`` is ``[NGRAM code]`` when scoring, else empty."""
+    max_model_len, plans given (0/1), index sizes given (0/1). ``ngram`` is ``[NGRAM code]`` when scoring, else empty."""
     scoring = params[0] != 0
     configured, max_k, fl_max_k = int(params[1]), int(params[2]), int(params[3])
     min_n, max_n, max_model_len = int(params[4]), int(params[5]), int(params[6])
     n = len(finished)
-    slots, sampled, drafted, done, sizes = (
-        buf[:n],
-        buf[n : 2 * n],
-        buf[2 * n : 3 * n],
-        buf[3 * n : 4 * n],
-        buf[4 * n : 5 * n],
-    )
-    plans = 5 * n if params[7] != 0 else -1
-    tokens = buf[5 * n + (3 * n if plans >= 0 else 0) :]
+    slots, sampled, drafted, done = buf[:n], buf[n : 2 * n], buf[2 * n : 3 * n], buf[3 * n : 4 * n]
+    at = 4 * n
+    sizes = sampled  # what each row brings to the index: what it sampled, unless given
+    if params[8] != 0:
+        sizes = buf[at : at + n]
+        at += n
+    plans = -1
+    if params[7] != 0:
+        plans = at
+        at += 3 * n
+    tokens = buf[at:]
     for j in range(n):
         if slots[j] < 0 or not live[slots[j]]:
             return _UNSEEN
@@ -169,23 +172,34 @@ def _choose(
     cls: np.ndarray,
     class_arm: np.ndarray,
     state: np.ndarray,
+    drafts: np.ndarray,
     slots: np.ndarray,
     out: np.ndarray,
+    ngram_out: np.ndarray,
     params: np.ndarray,
     p0: float,
     p1: float,
     p2: float,
-) -> None:
+) -> int:
     """Synchronous scheduling: each slot's plan (``_plan_one``) recorded in ``verifying`` for the
-    report; out rows: draft source, its length."""
+    report; out rows: draft source, its length; a row that takes the n-gram draft finds it in
+    ``ngram_out`` (its first tokens). Returns how many rows take it."""
     composite = params[3] != 0
+    taken = 0
     for j in range(len(slots)):
         s = int(slots[j])
         m, k, prop = _plan_one(ewma, steps, run, last_k, cls, class_arm, state, s, params, p0, p1, p2)
         verifying[s, PLAN_METHOD] = m
         verifying[s, PLAN_K] = k
         verifying[s, PLAN_PROPOSAL] = prop
-        out[0, j], out[1, j] = source_row(m, k, max(prop, 0), composite)
+        src, length = source_row(m, k, max(prop, 0), composite)
+        out[0, j] = src
+        out[1, j] = length
+        if src == NGRAM_DRAFT and j < ngram_out.shape[0]:
+            for t in range(length):
+                ngram_out[j, t] = drafts[s, t]
+            taken += 1
+    return taken
 
 
 @kernel
@@ -235,6 +249,7 @@ class StepKernel:
         self._class_arm = np.zeros((1, 2), dtype=np.int64)
         self._no_state = np.zeros((0, 8), dtype=np.int64)
         self._no_tokens = np.zeros(0, dtype=np.int32)
+        self._no_drafts = np.zeros((0, 1), dtype=np.int32)
         empty_rows = np.zeros((0, 1), dtype=np.int32)
         #: The n-gram index's arrays where there is none (the kernel never reads them then).
         self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(5, dtype=np.int64),
@@ -248,7 +263,7 @@ class StepKernel:
         sc = scorer
         self._update_params = np.array(
             [sc is not None, rows.configured, rows.max_k, 0, sc.min_n if sc is not None else 1, sc.max_n if sc is not None else 1,
-             sc.max_model_len if sc is not None else 0, 0],
+             sc.max_model_len if sc is not None else 0, 0, 0],
             dtype=np.int64,
         )  # fmt: skip
 
@@ -263,21 +278,21 @@ class StepKernel:
         self,
         ids: Sequence[str],
         gens: Sequence[Sequence[int]],
-        drafted: Iterable[int],
+        spec: Mapping[str, Sequence[int]],
         is_finished: Callable[[str], bool],
         alpha: float,
         start: Callable[[int, int], None],
         plans: Mapping[str, tuple[int, int, int]] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """The step's columns (rows METHOD..PROPOSAL of an int32 array), finished flags and how many
-        rows finished, for requests ``ids`` that sampled ``gens`` after drafts of ``drafted`` tokens
-        (one per row). ``start(j, slot)`` is called for a request the hooks have not seen: it admits
-        the slot (class, n-gram history). ``plans``: the plan each row's draft was made with (method
-        code, K, n-gram proposal), where it travelled with the scheduler output (async scheduling);
-        otherwise the plan recorded by ``choose``.
+        rows finished, for requests ``ids`` that sampled ``gens`` after verifying the drafts ``spec``
+        names (none where absent). ``start(j, slot)`` is called for a request the hooks have not
+        seen: it admits the slot (class, n-gram history). ``plans``: the plan each row's draft was
+        made with (method code, K, n-gram proposal), where it travelled with the scheduler output
+        (async scheduling); otherwise the plan recorded by ``choose``.
 
-        Everything the kernel reads is laid out in one int64 buffer by one ``np.fromiter`` (each numpy
-        call costs more than a row of Python here)."""
+        Everything the kernel reads is laid out in one int64 buffer by one ``np.fromiter`` over C-level
+        maps (each numpy call, and each Python-level row, costs more than the kernel's work)."""
         n = len(ids)
         sc = self.scorer
         params = self._update_params
@@ -285,30 +300,31 @@ class StepKernel:
         params[7] = plans is not None
         out = np.empty((7, n), dtype=np.int32)
         finished = np.empty(n, dtype=np.bool_)
-        slot_of = self.fast.slot_of
-        drafted = list(drafted)
-        fins = list(map(is_finished, ids))
-        index_gens: Sequence[Sequence[int]] = gens
+        index_gens: list[Sequence[int]] | None = None  # the tokens each row brings, where not all
         while True:
             parts: list[Iterable[int]] = [
-                map(slot_of, ids, itertools.repeat(-1)),
+                map(self.fast.slot_of, ids, itertools.repeat(-1)),
                 map(len, gens),
-                drafted,
-                fins,
-                map(len, index_gens) if sc is not None else itertools.repeat(0, n),
+                map(len, map(spec.get, ids, itertools.repeat(()))),
+                map(is_finished, ids),
             ]
-            size = 5 * n
+            size = 4 * n
+            if index_gens is not None:
+                parts.append(map(len, index_gens))
+                size += n
             if plans is not None:
                 parts.append(itertools.chain.from_iterable(map(plans.get, ids, itertools.repeat(_NO_PLAN))))
                 size += 3 * n
             if sc is not None:
-                parts.append(itertools.chain.from_iterable(index_gens))
-                size += sum(map(len, index_gens))
+                toks = gens if index_gens is None else index_gens
+                parts.append(itertools.chain.from_iterable(toks))
+                size += sum(map(len, toks))
             buf = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=size)
             ng = sc.arrays() if sc is not None else self._no_index
             status = _after_update(*self.fast.arrays(), *self.rows.arrays(), *ng, buf, out, finished, self._ngram,
                                    params, alpha)  # fmt: skip
             if status >= 0:
+                params[8] = 0
                 return out, finished, status
             if status == _UNSEEN:
                 slots = self.fast.slots(ids)  # new requests get their slots here
@@ -316,10 +332,11 @@ class StepKernel:
                 fresh = self.rows.admit(slots)
                 for j in fresh:
                     start(j, int(slots[j]))
-                if fresh:  # a new request's tokens are in the history it started with
-                    index_gens = list(index_gens)
+                if fresh and sc is not None:  # a new request's tokens are in the history it started with
+                    index_gens = list(gens) if index_gens is None else index_gens
                     for j in fresh:
                         index_gens[j] = ()
+                    params[8] = 1
             elif sc is not None:
                 sc.make_room()
 
@@ -330,11 +347,20 @@ class StepKernel:
         its K); the plan is recorded for the step that verifies it."""
         slots = self.fast.slots(req_ids)
         self._reserve()
-        out = self._plan(directive, slots, len(req_ids), self.rows.arrays()[0])
+        n = len(req_ids)
+        p0, p1, p2 = self._rule(directive)
+        out = np.empty((2, n), dtype=np.int64)
         sc = self.scorer
+        ngram = (
+            np.empty((n, self.controls.engine.max_k), dtype=np.int32) if sc is not None else self._no_drafts
+        )
+        state, drafts_ix = (
+            (sc.arrays()[0], sc.arrays()[4]) if sc is not None else (self._no_state, self._no_drafts)
+        )
+        taken = _choose(*self.fast.arrays(), self.rows.arrays()[0], self.rows.arrays()[1], self._arms(directive, n),
+                        state, drafts_ix, slots, out, ngram, self._choose_params, p0, p1, p2)  # fmt: skip
         # The n-gram drafts are read only when a row takes one (most steps of most batches do not).
-        ngram = sc.drafts(slots)[0].tolist() if sc is not None and NGRAM_DRAFT in out[0].tolist() else drafts
-        return pick_drafts(out[0], out[1], drafts, ngram)
+        return pick_drafts(out[0], out[1], drafts, ngram.tolist() if taken else drafts)
 
     def place(
         self, directive: Directive, req_ids: Sequence[str], rooms: Iterable[int], batch_size: int
@@ -361,19 +387,6 @@ class StepKernel:
                 return out.tolist()  # type: ignore[no-any-return]
             self.fast.slots(req_ids)  # new requests get their slots
             self._reserve()
-
-    def _plan(
-        self, directive: Directive, slots: np.ndarray, batch_size: int, verifying: np.ndarray
-    ) -> np.ndarray:
-        """Each slot's plan into ``verifying`` (the rows' table, or a scratch one; ``_reserve`` ran);
-        returns each row's draft source and length (see ``_choose``)."""
-        p0, p1, p2 = self._rule(directive)
-        out = np.empty((2, len(slots)), dtype=np.int64)
-        sc = self.scorer
-        params = self._choose_params
-        _choose(*self.fast.arrays(), verifying, self.rows.arrays()[1], self._arms(directive, batch_size),
-                sc.arrays()[0] if sc is not None else self._no_state, slots, out, params, p0, p1, p2)  # fmt: skip
-        return out
 
     def _rule(self, directive: Directive) -> tuple[float, float, float]:
         """The directive's rule parameters (``rule_args``, cached per directive); its code goes into
