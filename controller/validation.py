@@ -7,9 +7,10 @@ the step and request index and the field.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,6 +171,9 @@ def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits
             f"reports.steps: {len(batch.steps)} steps exceed the limit {limits.max_steps_per_batch}",
         )
     methods = {a.method.value for a in engine.arms} | {Method.OFF.value}
+    fast = _read_columnar_batch(batch.steps, engine, limits, methods)
+    if fast is not None:
+        return fast
     read: list[StepObservation | _Columns] = []
     try:
         for i, step in enumerate(batch.steps):
@@ -208,18 +212,22 @@ _STEP_TIMES = (
 )
 
 
-def _check_step_scalars(step: pb.StepReport, where: str) -> None:
-    """A step's own numbers within their physical ranges (scheduled_k is informational, unread)."""
+def _step_scalars_ok(step: pb.StepReport) -> bool:
+    """Whether ``_check_step_scalars`` passes, as one comparison chain (NaN fails every comparison)."""
     t, d, q = step.time_s, step.duration_s, step.queue_wait_s
-    # The usual step passes one comparison chain (NaN fails every comparison); the rest names the field.
-    if (
+    return (
         0 <= t <= MAX_TIME_S
         and 0 <= q <= MAX_QUEUE_WAIT_S
         and (d == 0 or MIN_STEP_DURATION_S <= d <= MAX_STEP_DURATION_S)
         and step.prefill_tokens <= MAX_PREFILL_TOKENS
         and step.queue_length <= MAX_QUEUE_LENGTH
         and step.directive_version <= MAX_SEQUENCE
-    ):
+    )
+
+
+def _check_step_scalars(step: pb.StepReport, where: str) -> None:
+    """A step's own numbers within their physical ranges (scheduled_k is informational, unread)."""
+    if _step_scalars_ok(step):  # the usual step: the rest names the bad field
         return
     for name, reason, hi in _STEP_TIMES:
         v = getattr(step, name)
@@ -374,10 +382,8 @@ def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
             f"{where}.classes: {len(classes)} classes exceed the limit {MAX_CLASSES_PER_STEP}",
         )
     for i, name in enumerate(classes):
-        if name not in _GOOD_CLASS_NAMES:
+        if not _class_name_ok(name):
             _check_class_name(name, f"{where}.classes[{i}]")
-            if len(_GOOD_CLASS_NAMES) < MAX_GOOD_CLASS_NAMES:
-                _GOOD_CLASS_NAMES.add(name)
     request_id = cols.request_id
     if request_id and max(map(len, request_id)) > MAX_REQUEST_ID:
         j = next(j for j, rid in enumerate(request_id) if len(rid) > MAX_REQUEST_ID)
@@ -391,6 +397,105 @@ def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
 #: bounded so that an engine naming a new class on every step cannot grow it.
 _GOOD_CLASS_NAMES: set[str] = set()
 MAX_GOOD_CLASS_NAMES = 4096
+
+
+def _class_name_ok(name: str) -> bool:
+    """Whether ``_check_class_name`` passes ``name`` (remembered when it does)."""
+    if name in _GOOD_CLASS_NAMES:
+        return True
+    if len(name) > MAX_TRAFFIC_CLASS or has_control(name):
+        return False
+    if len(_GOOD_CLASS_NAMES) < MAX_GOOD_CLASS_NAMES:
+        _GOOD_CLASS_NAMES.add(name)
+    return True
+
+
+def _read_columnar_batch(
+    steps: Sequence[pb.StepReport], engine: EngineInfo, limits: Limits, allowed: set[str]
+) -> list[StepObservation] | None:
+    """A batch whose steps are all columnar and valid, read per batch: each step's structure in one
+    tight pass, the request columns of all steps decoded and checked at once, each step's observation
+    built from its slices. The same checks as the step-by-step path (``_read_step``,
+    ``_read_columns``, ``_finish_columns``), answered only yes or no: None as soon as anything is off
+    (or a step carries rows), and that path then names the first problem or reads the rows."""
+    if not steps:
+        return None
+    max_req = limits.max_requests_per_step
+    batch_cap = max(max_req, engine.max_batch_size)
+    max_k = engine.max_k
+    columns: list[pb.RequestColumns] = []
+    sizes: list[int] = []
+    classes_of: list[tuple[str, ...]] = []
+    ids_of: list[tuple[str, ...]] = []
+    for step in steps:
+        if not step.HasField("columns") or len(step.requests) or not _step_scalars_ok(step):
+            return None
+        c = step.columns
+        n = len(c.k)
+        size = step.batch_size
+        if n > max_req or size > batch_cap or 0 < size < n:
+            return None
+        if len(c.traffic_class) != n or len(c.method) != n or len(c.drafted) != n or len(c.accepted) != n:
+            return None
+        if any(len(col) not in (0, n) for col in (c.request_id, c.finished, c.ngram_proposal)):
+            return None
+        classes = tuple(c.classes)
+        if len(classes) > MAX_CLASSES_PER_STEP or not all(map(_class_name_ok, classes)):
+            return None
+        request_id = tuple(c.request_id)
+        if request_id and max(map(len, request_id)) > MAX_REQUEST_ID:
+            return None
+        columns.append(c)
+        sizes.append(n)
+        classes_of.append(classes)
+        ids_of.append(request_id)
+    total = sum(sizes)
+
+    def whole(name: str) -> np.ndarray:  # one column of every step, concatenated
+        return np.fromiter(
+            itertools.chain.from_iterable(getattr(c, name) for c in columns), dtype=np.int64, count=total
+        )
+
+    tc, method, k, drafted, accepted = (
+        whole(f) for f in ("traffic_class", "method", "k", "drafted", "accepted")
+    )
+    n_classes = np.repeat(np.array([len(c) for c in classes_of], dtype=np.int64), sizes)
+    if total and _bad_rows(tc, n_classes, method, k, drafted, accepted, engine, allowed).any():
+        return None
+    out: list[StepObservation] = []
+    start = 0
+    for step, c, n, classes, request_id in zip(steps, columns, sizes, classes_of, ids_of, strict=True):
+        end = start + n
+        counterfactual: list[tuple[str, np.ndarray]] = []
+        for col in c.counterfactual:
+            m, v = col.method, np.fromiter(col.accepted, dtype=np.int64, count=len(col.accepted))
+            if m not in _METHODS or m == Method.OFF.value or any(m == seen for seen, _ in counterfactual):
+                return None
+            if len(v) != n or (n and ((v > max_k) | (v < NOT_SCORED)).any()):
+                return None
+            counterfactual.append((m, v))
+        proposal = None
+        if len(c.ngram_proposal):
+            proposal = np.fromiter(c.ngram_proposal, dtype=np.int64, count=n)
+            if int(proposal.max()) > max_k:
+                return None
+        finished = np.fromiter(c.finished, dtype=bool, count=n) if len(c.finished) else None
+        cols = StepColumns(
+            n=n,
+            classes=classes,
+            request_id=request_id,
+            traffic_class=tc[start:end],
+            method=method[start:end],
+            k=k[start:end],
+            drafted=drafted[start:end],
+            accepted=accepted[start:end],
+            counterfactual=tuple(counterfactual),
+            finished=finished,
+            ngram_proposal=proposal,
+        )
+        out.append(columns_observation(step, cols))
+        start = end
+    return out
 
 
 def _check_class_name(name: str, path: str) -> None:

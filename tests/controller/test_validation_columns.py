@@ -244,3 +244,102 @@ def test_prefill_tokens_reach_the_observation_in_both_forms() -> None:
     )
     assert [o.prefill_tokens for o in got] == [512, 300, 0]
     assert observation_from_pb(step(prefill_tokens=7)).prefill_tokens == 7
+
+
+def _same_observation(a: StepObservation, b: StepObservation) -> None:
+    """Every field equal, arrays by value and dtype."""
+    for f in StepObservation.__dataclass_fields__:
+        x, y = getattr(a, f), getattr(b, f)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            assert isinstance(x, np.ndarray) and isinstance(y, np.ndarray), f
+            assert x.dtype == y.dtype and np.array_equal(x, y), f
+        elif f == "counterfactual":
+            assert x.keys() == y.keys()
+            for m in x:
+                assert x[m].dtype == y[m].dtype and np.array_equal(x[m], y[m]), (f, m)
+        else:
+            assert x == y, f
+
+
+@st.composite
+def nearly_valid_step(draw: st.DrawFn) -> pb.StepReport:
+    """A columnar step that is valid but for, now and then, one value just out of its range."""
+    n = draw(st.integers(0, 6))
+    off = draw(st.sampled_from(range(13)))  # which value (if any) goes out of range
+
+    def ints(lo: int, hi: int, bad: int | None, which: int) -> list[int]:
+        values = draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
+        if off == which and n and bad is not None:
+            values[draw(st.integers(0, n - 1))] = bad
+        return values
+
+    k = ints(0, 4, 5, 1)
+    drafted = [min(d, kk) for d, kk in zip(ints(0, 4, None, 0), k, strict=True)]
+    accepted = [min(a, d) for a, d in zip(ints(0, 4, None, 0), drafted, strict=True)]
+    if off == 2 and n:
+        accepted[0] = drafted[0] + 1
+    cf_values = ints(-1, 4, 5 if off == 3 else -2 if off == 4 else None, off)
+    c = pb.RequestColumns(
+        request_id=[f"r{j}" for j in range(n)] if draw(st.booleans()) else [],
+        classes=["chat", "code"] if off != 5 else ["chat", "c" * 65],
+        traffic_class=ints(0, 1, 2, 6),
+        method=[(0 if off == 7 and j == 0 else METHOD_CODES[Method.EAGLE3]) for j in range(n)],
+        k=k,
+        drafted=drafted,
+        accepted=accepted,
+        counterfactual=[cf("ngram", cf_values)] + ([cf("ngram", cf_values)] if off == 8 else []),
+        finished=draw(st.lists(st.booleans(), min_size=n, max_size=n)) if draw(st.booleans()) else [],
+        ngram_proposal=ints(0, 4, 5, 9) if draw(st.booleans()) else [],
+    )
+    return step(
+        c,
+        batch_size=n if off != 10 else max(n - 1, 0),
+        duration_s=0.02 if off != 11 else float("nan"),
+        prefill_tokens=0 if off != 12 else 1 << 23,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        nearly_valid_step() | random_columns().map(lambda c: step(c, batch_size=0)), min_size=1, max_size=5
+    )
+)
+def test_a_columnar_batch_read_at_once_is_read_as_step_by_step(steps: list[pb.StepReport]) -> None:
+    # A batch of columnar steps only is read per batch (all columns decoded and checked at once);
+    # it must give what the step-by-step reading gives: the same observations, or the same error.
+    import controller.validation as v
+
+    batch = pb.StepReportBatch(sequence=1, steps=steps)
+
+    def read() -> list[StepObservation] | tuple[str, str]:
+        try:
+            return validate_batch(batch, ENGINE, DEFAULT_LIMITS)
+        except TelemetryError as e:
+            return e.reason, str(e)
+
+    at_once = read()
+    fast = v._read_columnar_batch
+    v._read_columnar_batch = lambda *a: None  # type: ignore[assignment]
+    try:
+        one_by_one = read()
+    finally:
+        v._read_columnar_batch = fast
+    if isinstance(at_once, tuple) or isinstance(one_by_one, tuple):
+        assert at_once == one_by_one
+        return
+    assert len(at_once) == len(one_by_one)
+    for a, b in zip(at_once, one_by_one, strict=True):
+        _same_observation(a, b)
+
+
+def test_a_valid_columnar_batch_is_read_at_once() -> None:
+    # The batch path is taken for the plugin's usual batch (not only the fallback), and gives the
+    # observations of the step-by-step path.
+    import controller.validation as v
+
+    steps = [step(cols(ngram_proposal=[1, 0], counterfactual=[cf("ngram", [2, -1])])) for _ in range(3)]
+    fast = v._read_columnar_batch(steps, ENGINE, DEFAULT_LIMITS, {"eagle3", "off"})
+    assert fast is not None and len(fast) == 3
+    for got, s in zip(fast, steps, strict=True):
+        _same_observation(got, observation_from_pb(s))
