@@ -352,8 +352,10 @@ def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
         f"batch {batches} of engine-thread CPU time in the plugin's hooks (median; K-table-only in the same "
         f"run: {per_batch(engine, 'baseline_k_table_us_per_step', where)} µs; the engine's own step "
         f"without the plugin: {per_batch(engine, 'engine_step_us_without_plugin', where)} µs); the same "
-        f"hooks alone on a scripted scheduler (`--scripted`): {per_batch(scripted, 'us_per_step', where_s)} µs "
-        f"(`docs/results/plugin-overhead*.json`)."
+        f"hooks alone on a scripted scheduler (`--scripted`, `{_get(scripted, 'mode', where_s)}`, "
+        f"{_load(scripted, where_s)}): {per_batch(scripted, 'us_per_step', where_s)} µs (K-table-only in the same "
+        f"run: {per_batch(scripted, 'baseline_k_table_us_per_step', where_s)} µs; "
+        f"`docs/results/plugin-overhead*.json`)."
     )
 
 
