@@ -4,11 +4,14 @@
 
 Each engine sends ``--steps-per-s`` steps per second with ``--batch`` requests per step, in report
 batches every ``--flush-ms``. The sidecar runs in a child process pinned to one core (``--core``);
-it records how long each engine's decision round (``Sidecar._decide``) takes. Printed: observations
-(request-steps) applied per second, dropped reports (sent but not applied, rate-limited or refused),
-decision latency p50/p99, the sidecar's CPU use and peak RSS, and the machine's load average before
-and after (the figures depend on it). Target: 128 engines, zero drops on one core, p99 under 5 ms.
-Measures, never asserts.
+it records how long each engine's decision round (``Sidecar._decide``) takes, in wall and thread CPU
+time. Printed: observations (request-steps) applied per second, dropped reports (sent but not
+applied, rate-limited or refused), decision latency p50/p99, how late a 10 ms sleep on the sidecar's
+event loop wakes (event-loop lag), the sidecar's CPU use and peak RSS, the load generator's CPU, how
+long the sidecar's main thread waited for its core (pinning keeps the sidecar on the core, not other
+processes off it), and the machine's load average before and after (the figures depend on it).
+The generator sends pre-encoded batches, so its own cost stays small. Target: 128 engines, zero
+drops on one core, p99 under 5 ms. Measures, never asserts.
 """
 
 from __future__ import annotations
