@@ -291,6 +291,8 @@ class EngineHooks:
             if self.scorer is not None:
                 self.scorer.start(slot, req._all_token_ids)
 
+        # async scheduling: the plans the verified drafts were made with travelled with the output
+        plans = getattr(scheduler_output, VERIFYING_ATTR, None) or None
         cols, finished, ended = self.kernels.after_update(
             ids,
             gens,
@@ -298,9 +300,7 @@ class EngineHooks:
             is_finished,
             self._alpha,
             start,
-            getattr(
-                scheduler_output, VERIFYING_ATTR, None
-            ),  # async: what the verified drafts were planned as
+            plans,
         )
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
@@ -385,6 +385,7 @@ class EngineHooks:
         for _ in range(2):
             k.after_update(["a"], [[1]], {"a": [1]}, lambda rid: False, 0.3, start)
             k.choose(ctl.safe, ["a"], [[1] * max_k])
+            k.place(ctl.safe, ["a"], [max_k], 1)  # async scheduling's plan
         log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
     # -- AsyncScheduler._update_after_schedule (async scheduling) ------------------------------
