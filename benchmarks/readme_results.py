@@ -413,7 +413,12 @@ def sim_vs_engine_text(doc: dict[str, Any]) -> str:
     for kind, e in _get(doc, "error", where).items():
         lines.append(
             f"{kind.capitalize()}: mean |sim/engine − 1| {e['mean'] * 100:.1f} %, max {e['max'] * 100:.1f} %; "
-            f"{e['within_10pct']} of {e['of']} within 10 %."
+            f"{e['within_10pct']} of {e['of']} within 10 %"
+            + (
+                f"; {e['within_engine_range']} of {e['of']} within the engine's own min-max over the rounds."
+                if "within_engine_range" in e
+                else "."
+            )
         )
     held = _get(doc, "error.held out", where)
     rows = _get(doc, "rows", where)
@@ -432,7 +437,10 @@ def sim_vs_engine_text(doc: dict[str, Any]) -> str:
         f"{_range([r['step_ms_p10_p50_p90'][1] for r in rows], '.0f')} ms across the settings and "
         f"{min(r['step_ms_p10_p50_p90'][0] for r in rows):.0f}-{max(r['step_ms_p10_p50_p90'][2] for r in rows):.0f} ms "
         f"(p10-p90) within them; the steps cover "
-        f"{_range([r['step_time_over_wall'] * 100 for r in rows], '.0f')} % of the wall time."
+        f"{_range([r['step_time_over_wall'] * 100 for r in rows], '.0f')} % of the wall time; one "
+        f"setting's rounds differ by up to "
+        f"{max(r['engine_tok_s_range'][1] / r['engine_tok_s_range'][0] for r in rows):.2f}x (max / min), "
+        "so on this host the engine does not reproduce itself within 10 % either."
     )
     return "\n".join(lines)
 

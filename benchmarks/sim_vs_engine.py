@@ -382,6 +382,7 @@ def analyse(out: Path, timing: str) -> tuple[list[str], dict[str, Any]]:
     ]
     rows: list[dict[str, Any]] = []
     errs: dict[str, list[float]] = {"train": [], "held out": []}
+    spread: dict[str, list[bool]] = {"train": [], "held out": []}
     for arm_s in ARMS:
         for c in LEVELS:
             idx = [i for i, w in enumerate(windows) if (w["arm"], w["c"]) == (arm_s, c)]
@@ -400,6 +401,9 @@ def analyse(out: Path, timing: str) -> tuple[list[str], dict[str, Any]]:
             ratio = r.throughput / measured
             kind = "train" if (arm_s, c) in TRAIN else "held out"
             errs[kind].append(abs(ratio - 1))
+            # The engine's own spread: on a small shared host one setting's rounds can differ by 2x,
+            # more than the goal's 10 %; a prediction inside [min, max] is as close as a round is.
+            spread[kind].append(min(rates) <= r.throughput <= max(rates))
             sel = np.isin(window, idx)
             dur = steps.duration_s[sel]
             wall = sum(windows[i]["end"] - windows[i]["start"] for i in idx)
@@ -409,6 +413,7 @@ def analyse(out: Path, timing: str) -> tuple[list[str], dict[str, Any]]:
                 {"arm": arm_s, "c": c, "set": kind, "engine_tok_s": round(measured, 2),
                  "engine_tok_s_range": [round(min(rates), 2), round(max(rates), 2)],
                  "sim_tok_s": round(r.throughput, 2), "sim_over_engine": round(ratio, 4),
+                 "sim_within_engine_range": bool(spread[kind][-1]),
                  "steps_per_round": round(int(sel.sum()) / len(idx), 1),
                  "step_ms_p10_p50_p90": [round(float(x), 2) for x in (p10, p50, p90)],
                  "step_time_over_wall": round(cover, 3)}
@@ -424,7 +429,8 @@ def analyse(out: Path, timing: str) -> tuple[list[str], dict[str, Any]]:
             within = sum(x <= 0.10 for x in e)
             lines.append(
                 f"{kind}: mean |sim/engine - 1| {np.mean(e) * 100:.1f} %, max {np.max(e) * 100:.1f} %; "
-                f"{within} of {len(e)} within 10 %"
+                f"{within} of {len(e)} within 10 %; {sum(spread[kind])} of {len(e)} within the engine's own "
+                "min-max over the rounds"
             )
     doc = {
         "command": "python benchmarks/sim_vs_engine.py" + (f" --timing {timing}" if timing != "step" else ""),
@@ -438,7 +444,8 @@ def analyse(out: Path, timing: str) -> tuple[list[str], dict[str, Any]]:
                 "parameters": {p.name: p.value for p in fit.params if p.status == "fitted"}},
         "rows": rows,
         "error": {k: {"mean": round(float(np.mean(e)), 4), "max": round(float(np.max(e)), 4),
-                      "within_10pct": int(sum(x <= 0.10 for x in e)), "of": len(e)}
+                      "within_10pct": int(sum(x <= 0.10 for x in e)), "of": len(e),
+                      "within_engine_range": int(sum(spread[k]))}
                   for k, e in errs.items() if e},
     }  # fmt: skip
     return lines, doc
@@ -460,21 +467,25 @@ def main() -> int:
     a = ap.parse_args()
     if min(a.requests, a.max_tokens, a.rounds, a.threads) < 1:
         ap.error("--requests, --max-tokens, --rounds and --threads must be >= 1")
+    run_args = (
+        f" --requests {a.requests} --max-tokens {a.max_tokens} --rounds {a.rounds} --threads {a.threads}"
+        f" --budget-s {a.budget_s:g}"
+    )
     if a.from_dir:
         out = Path(a.from_dir)
+        # The run's own flags (kept runs record them), not the path it was kept in: docs quote this.
+        kept = out / "run.json"
+        run_args = json.loads(kept.read_text())["args"] if kept.exists() else " (a kept run)"
+        run_args += ", analysed again with --from DIR"
     else:
         out = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="sim-vs-engine-"))
         out.mkdir(parents=True, exist_ok=True)
+        (out / "run.json").write_text(json.dumps({"args": run_args}))
         run_engine(out, a.requests, a.max_tokens, rounds=a.rounds, threads=a.threads, budget_s=a.budget_s)
     lines, doc = analyse(out, a.timing)
     print("\n".join(lines))
     if a.json:
-        doc["command"] += (
-            f" --from {a.from_dir}"
-            if a.from_dir
-            else f" --requests {a.requests} --max-tokens {a.max_tokens} --rounds {a.rounds} --threads {a.threads}"
-            f" --budget-s {a.budget_s:g}"
-        )
+        doc["command"] += run_args
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(f"(run kept in {out})", file=sys.stderr)
     return 0
