@@ -34,6 +34,27 @@ class ExecutorUsageError(ExecutorError):
     """A bad ``--executor``/``--address`` combination (a usage error, exit 2)."""
 
 
+class RayStartError(RuntimeError):
+    """A private local Ray did not come up (its node never registered), after every attempt."""
+
+
+#: Tries at starting a private local Ray. Ray waits a fixed 30 s for its own node to register and then
+#: raises a bare Exception; on a machine whose cores are busy that wait can run out once, not twice.
+RAY_START_ATTEMPTS = 3
+
+
+def start_local_ray(ray: Any, *, num_cpus: int, runtime_env: dict[str, Any] | None = None) -> None:
+    """``ray.init`` of a private local Ray with ``num_cpus`` CPUs, tried ``RAY_START_ATTEMPTS`` times."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+            return
+        except Exception as e:  # Ray times its node start-up out with a bare Exception
+            ray.shutdown()  # what the failed start left (its GCS, a half-started raylet)
+            if attempt == RAY_START_ATTEMPTS:
+                raise RayStartError(f"{e} ({attempt} attempts)") from None
+
+
 class Executor(Protocol):
     def map(
         self,
@@ -96,14 +117,13 @@ class RayExecutor:
                     ray.init(address=self.address, log_to_driver=False)
                 else:
                     path = os.environ.get("PYTHONPATH")
-                    ray.init(
+                    start_local_ray(
+                        ray,
                         num_cpus=max(1, self.jobs),
-                        include_dashboard=False,
-                        log_to_driver=False,
                         # Workers import this checkout as the driver does.
                         runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None,
                     )
-            except (ConnectionError, RuntimeError, ValueError) as e:
+            except (ConnectionError, RuntimeError, ValueError, RayStartError) as e:
                 where = self.address or "local"
                 raise ExecutorError(f"--executor ray: cannot start or reach Ray ({where}): {e}") from None
         try:

@@ -13,7 +13,14 @@ import pytest
 from sim.cli import main, resolve_policy
 from sim.costmodel import load_profile
 from sim.engines import ENGINES
-from sim.executor import LocalExecutor, ShippedPolicy, make_executor
+from sim.executor import (
+    RAY_START_ATTEMPTS,
+    LocalExecutor,
+    RayStartError,
+    ShippedPolicy,
+    make_executor,
+    start_local_ray,
+)
 from sim.traffic import generate
 from sim.tune import tune
 
@@ -66,7 +73,7 @@ def _tune(executor: Any) -> list[tuple[dict[str, float], list[float]]]:
 @pytest.fixture(scope="module")
 def local_ray() -> Any:
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'speccontrol[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(ray, num_cpus=2)
     yield ray
     ray.shutdown()
 
@@ -112,3 +119,32 @@ def test_replay_takes_one_trace_and_one_profile(capsys: pytest.CaptureFixture[st
     assert rc == 2
     err = capsys.readouterr().err
     assert "one trace or scenario and one profile" in err and err.count("\n") == 1
+
+
+class _FlakyRay:
+    """A stand-in for the ray module whose first ``fails`` starts time out as Ray's do (a bare Exception)."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails, self.inits, self.shutdowns = fails, 0, 0
+
+    def init(self, **kwargs: Any) -> None:
+        self.inits += 1
+        assert kwargs["num_cpus"] == 2 and kwargs["include_dashboard"] is False
+        if self.inits <= self.fails:
+            raise Exception("The current node timed out during startup.")  # as Ray raises it
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_local_ray_whose_node_times_out_once_is_started_again() -> None:
+    ray = _FlakyRay(fails=RAY_START_ATTEMPTS - 1)
+    start_local_ray(ray, num_cpus=2)
+    assert (ray.inits, ray.shutdowns) == (RAY_START_ATTEMPTS, RAY_START_ATTEMPTS - 1)
+
+
+def test_a_local_ray_that_never_starts_is_a_clear_error_not_a_bare_exception() -> None:
+    ray = _FlakyRay(fails=RAY_START_ATTEMPTS)
+    with pytest.raises(RayStartError, match=f"timed out during startup.*{RAY_START_ATTEMPTS} attempts"):
+        start_local_ray(ray, num_cpus=2)
+    assert ray.shutdowns == RAY_START_ATTEMPTS
