@@ -506,42 +506,30 @@ class GoodputModel(Learner):
         head = 1.0 if self._head else 0.0
         floor = max(self._cost_floor(), 1e-3)
         choice = start.copy()
-        if len(classes) == 1:
-            # The loop below for one class, whose sums over the other classes are all 0.0: the same
-            # float operations in the same order, without a pass over an empty set of others.
-            mine = planned[0] > 0
-            x = cost_features(
-                (0.0 + fixed_verify + planned[0] * (k + 1)) * batch,
-                np.maximum(head, eagle * mine),
-                peagle & mine,
-                rule_ngram | (ngram & mine),
-            )
-            cost = np.maximum(x @ theta, floor)
-            tokens = 0.0 + fixed_tokens + planned[0] * (1.0 + acc[0])
-            choice[0] = int(np.argmax(batch * tokens / cost))
-            return choice
         rows = np.arange(len(classes))
-        for _ in range(3):
+        alone = len(classes) == 1  # nothing to coordinate with: the first pass is the optimum
+        for _ in range(1 if alone else 3):
             moved = False
             for ci in range(len(classes)):
-                others = rows != ci
                 mine = planned[ci] > 0
-                on = others & (planned > 0)
-                picked = choice[on]
-                passes = np.maximum(max(float(eagle[picked].max(initial=0.0)), head), eagle * mine)
+                if alone:  # the other classes' sums are 0 (and numpy calls over an empty set cost more)
+                    o_verify = o_tokens = o_eagle = 0.0
+                    o_peagle = o_ngram = False
+                else:
+                    others = rows != ci
+                    picked = choice[others & (planned > 0)]
+                    o_verify = float(planned[others] @ (k[choice[others]] + 1))
+                    o_tokens = float(planned[others] @ (1.0 + acc[others, choice[others]]))
+                    o_eagle = float(eagle[picked].max(initial=0.0))
+                    o_peagle, o_ngram = bool(peagle[picked].any()), bool(ngram[picked].any())
                 x = cost_features(
-                    (float(planned[others] @ (k[choice[others]] + 1)) + fixed_verify + planned[ci] * (k + 1))
-                    * batch,
-                    passes,
-                    bool(peagle[picked].any()) | (peagle & mine),
-                    bool(ngram[picked].any()) | rule_ngram | (ngram & mine),
+                    (o_verify + fixed_verify + planned[ci] * (k + 1)) * batch,
+                    np.maximum(max(o_eagle, head), eagle * mine),
+                    o_peagle | (peagle & mine),
+                    o_ngram | rule_ngram | (ngram & mine),
                 )
                 cost = np.maximum(x @ theta, floor)
-                tokens = (
-                    float(planned[others] @ (1.0 + acc[others, choice[others]]))
-                    + fixed_tokens
-                    + planned[ci] * (1.0 + acc[ci])
-                )
+                tokens = o_tokens + fixed_tokens + planned[ci] * (1.0 + acc[ci])
                 best = int(np.argmax(batch * tokens / cost))
                 if best != choice[ci]:
                     choice[ci], moved = best, True
