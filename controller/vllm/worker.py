@@ -64,26 +64,33 @@ def _step_merge(
     n = len(slots)
     stepped = sampled.shape[0]
     width = sampled.shape[1]
+    # Per row: -1 when it does not step now (untracked, not sampled this step, or a discarded
+    # prefill), else how many tokens it brings; the rows the index must make room for first.
+    new = np.full(n, -1, dtype=np.int64)
     m = 0
     for j in range(n):
-        if slots[j] >= 0 and ((j < stepped and not skip[j]) or on_ngram[j]):
+        if slots[j] < 0:
+            continue
+        if j < stepped and not skip[j]:
+            new[j] = 0
+            for t in range(width):
+                if sampled[j, t] >= 0:
+                    new[j] += 1
+        if new[j] >= 0 or on_ngram[j]:
             m += 1
     held = np.empty(m, dtype=np.int64)
     sizes = np.zeros(m, dtype=np.int64)
     i = 0
     for j in range(n):
-        if slots[j] >= 0 and ((j < stepped and not skip[j]) or on_ngram[j]):
+        if slots[j] >= 0 and (new[j] >= 0 or on_ngram[j]):
             held[i] = slots[j]
-            if j < stepped and not skip[j]:
-                for t in range(width):
-                    if sampled[j, t] >= 0:
-                        sizes[i] += 1
+            sizes[i] = max(new[j], 0)
             i += 1
     if not room(state, pool, table, meta, held, sizes, max_n - min_n + 1):
         return -1
     buf = np.empty(max(width, 1), dtype=np.int32)
-    for j in range(stepped):  # every row's tokens first: the index's probes of the whole batch overlap
-        if slots[j] >= 0 and not skip[j]:
+    for j in range(n):  # every row's tokens first: the index's probes of the whole batch overlap
+        if new[j] >= 0:
             c = 0
             for t in range(width):
                 x = sampled[j, t]
@@ -97,11 +104,8 @@ def _step_merge(
         s = int(slots[j])
         if s < 0:
             continue
-        if j < stepped and not skip[j]:
-            fresh = False
-            for t in range(width):
-                if sampled[j, t] >= 0:
-                    fresh = True
+        if new[j] >= 0:
+            fresh = new[j] > 0
             advance_row(
                 state, pool, table, meta, drafts, pending, s, fresh, on_ngram[j], min_n, max_n, max_model_len
             )
