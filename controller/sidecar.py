@@ -39,7 +39,7 @@ from controller.validation import (
     TelemetryError,
     check_batch_header,
     parse_policy_checked,
-    validate_batch,
+    read_batch,
 )
 from controller.wire.convert import arm_to_pb, directive_to_pb
 from policies.arms import Arm
@@ -315,30 +315,33 @@ class Sidecar:
             )
             return
         try:
-            observations = validate_batch(batch, st.info, self.limits)
+            steps = read_batch(batch, st.info, self.limits)
         except TelemetryError as e:
             self.reject(st, e)
             raise
         if batch.dropped_steps:
             self.metrics.engine_dropped.labels(eid).inc(batch.dropped_steps)
-        observations = self._bound_classes(st, observations)
-        steps = StepBatch(steps=observations)
+        steps = self._bound_classes(st, steps)
         st.loop.observe(steps)
         self.metrics.observe(eid, steps)
         if self.step_sink is not None:
-            self.step_sink(eid, observations)
+            self.step_sink(eid, steps.steps)
 
-    def _bound_classes(self, st: EngineState, observations: list[StepObservation]) -> list[StepObservation]:
+    def _bound_classes(self, st: EngineState, batch: StepBatch) -> StepBatch:
         """The steps with every traffic class beyond the engine's first ``MAX_CLASSES_PER_ENGINE``
         pooled into ``default``: each class is a context (memory, status, snapshot, metric labels),
         and an engine naming a new one on every step must not grow them without bound."""
         known = st.classes
-        out: list[StepObservation] | None = None
-        for i, o in enumerate(observations):
-            names = set(o.traffic_class)
-            if names <= known:
+        names = batch.class_names
+        if known.issuperset(names):  # the usual batch: only classes the engine named before
+            return batch
+        of = batch.class_of
+        pooled: set[str] = set()
+        for i in range(len(batch)):  # in step order: the first classes named take the room
+            used = {names[j] for j in set(of[batch.rows(i)].tolist())}
+            new = sorted(used - known)
+            if not new:
                 continue
-            new = sorted(names - known)
             room = MAX_CLASSES_PER_ENGINE - len(known)
             known.update(new[: max(room, 0)])
             if len(new) <= room:
@@ -350,10 +353,8 @@ class Sidecar:
                     MAX_CLASSES_PER_ENGINE,
                 )
             st.classes_pooled += 1
-            pooled = tuple(c if c in known else "default" for c in o.traffic_class)
-            out = out if out is not None else list(observations)
-            out[i] = replace(o, traffic_class=pooled)
-        return out if out is not None else observations
+            pooled.update(new[max(room, 0) :])
+        return batch.renamed(dict.fromkeys(pooled, "default")) if pooled else batch
 
     def reject(self, st: EngineState | None, e: TelemetryError) -> None:
         self.metrics.rejected.labels(e.reason).inc()

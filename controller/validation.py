@@ -20,7 +20,7 @@ from controller.wire.codec import StepColumns, columns_observation, decode_colum
 from controller.wire.convert import engine_info_from_hello
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
-from policies.observation import NOT_SCORED, StepObservation
+from policies.observation import NOT_SCORED, StepBatch, StepObservation
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 MAX_ENGINE_ID = 128
@@ -158,11 +158,16 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
 
 
 def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits) -> list[StepObservation]:
+    """``read_batch``'s steps, each whole (for callers that look at one step at a time)."""
+    return list(read_batch(batch, engine, limits).steps)
+
+
+def read_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits) -> StepBatch:
     """Check a whole report batch before any of it is used (a bad batch changes nothing).
 
-    Returns the steps as observations, converted while checking (the columnar form is read once). The
-    per-request values of all columnar steps are checked together in one pass; only a bad batch pays
-    for checking step by step, which names the first bad field as checking each step alone would.
+    Returns the steps as one ``StepBatch``, converted while checking (the columnar form is read once,
+    every column of every step at once). Only a batch that is not all columnar and valid pays for
+    reading step by step, which names the first bad field as checking each step alone would.
     """
     check_batch_header(batch)
     if len(batch.steps) > limits.max_steps_per_batch:
@@ -185,10 +190,12 @@ def validate_batch(batch: pb.StepReportBatch, engine: EngineInfo, limits: Limits
         raise
     cols = [r for r in read if isinstance(r, _Columns)]
     checked = bool(cols) and _rows_ok(cols, engine, methods)
-    return [
-        r if isinstance(r, StepObservation) else _finish_columns(r, engine, methods, checked=checked)
-        for r in read
-    ]
+    return StepBatch(
+        steps=[
+            r if isinstance(r, StepObservation) else _finish_columns(r, engine, methods, checked=checked)
+            for r in read
+        ]
+    )
 
 
 def check_batch_header(batch: pb.StepReportBatch) -> None:
@@ -412,10 +419,10 @@ def _class_name_ok(name: str) -> bool:
 
 def _read_columnar_batch(
     steps: Sequence[pb.StepReport], engine: EngineInfo, limits: Limits, allowed: set[str]
-) -> list[StepObservation] | None:
+) -> StepBatch | None:
     """A batch whose steps are all columnar and valid, read per batch: each step's structure in one
-    tight pass, the request columns of all steps decoded and checked at once, each step's observation
-    built from its slices. The same checks as the step-by-step path (``_read_step``,
+    tight pass, then every column of all steps decoded and checked at once, straight into one
+    ``StepBatch`` (no per-step object). The same checks as the step-by-step path (``_read_step``,
     ``_read_columns``, ``_finish_columns``), answered only yes or no: None as soon as anything is off
     (or a step carries rows), and that path then names the first problem or reads the rows."""
     if not steps:
@@ -425,8 +432,8 @@ def _read_columnar_batch(
     max_k = engine.max_k
     columns: list[pb.RequestColumns] = []
     sizes: list[int] = []
+    scalars: list[tuple[float, float, int, int, float, int]] = []
     classes_of: list[tuple[str, ...]] = []
-    ids_of: list[tuple[str, ...]] = []
     for step in steps:
         if not step.HasField("columns") or len(step.requests) or not _step_scalars_ok(step):
             return None
@@ -442,14 +449,27 @@ def _read_columnar_batch(
         classes = tuple(c.classes)
         if len(classes) > MAX_CLASSES_PER_STEP or not all(map(_class_name_ok, classes)):
             return None
-        request_id = tuple(c.request_id)
-        if request_id and max(map(len, request_id)) > MAX_REQUEST_ID:
-            return None
         columns.append(c)
         sizes.append(n)
         classes_of.append(classes)
-        ids_of.append(request_id)
+        scalars.append(
+            (
+                step.time_s,
+                step.duration_s,
+                size or n,
+                step.queue_length,
+                step.queue_wait_s,
+                step.prefill_tokens,
+            )
+        )
     total = sum(sizes)
+    request_id = tuple(
+        itertools.chain.from_iterable(
+            c.request_id if len(c.request_id) else ("",) * n for c, n in zip(columns, sizes, strict=True)
+        )
+    )
+    if total and max(map(len, request_id)) > MAX_REQUEST_ID:
+        return None
 
     def whole(name: str) -> np.ndarray:  # one column of every step, concatenated
         return np.fromiter(
@@ -462,40 +482,93 @@ def _read_columnar_batch(
     n_classes = np.repeat(np.array([len(c) for c in classes_of], dtype=np.int64), sizes)
     if total and _bad_rows(tc, n_classes, method, k, drafted, accepted, engine, allowed).any():
         return None
-    out: list[StepObservation] = []
+    counterfactual: dict[Method, tuple[np.ndarray, np.ndarray]] = {}
     start = 0
-    for step, c, n, classes, request_id in zip(steps, columns, sizes, classes_of, ids_of, strict=True):
-        end = start + n
-        counterfactual: list[tuple[str, np.ndarray]] = []
+    for i, (c, n) in enumerate(zip(columns, sizes, strict=True)):
+        seen: list[str] = []
         for col in c.counterfactual:
-            m, v = col.method, np.fromiter(col.accepted, dtype=np.int64, count=len(col.accepted))
-            if m not in _METHODS or m == Method.OFF.value or any(m == seen for seen, _ in counterfactual):
+            m = col.method
+            if m not in _METHODS or m == Method.OFF.value or m in seen or len(col.accepted) != n:
                 return None
-            if len(v) != n or (n and ((v > max_k) | (v < NOT_SCORED)).any()):
+            seen.append(m)
+            v = np.fromiter(col.accepted, dtype=np.int64, count=n)
+            if n and ((v > max_k) | (v < NOT_SCORED)).any():
                 return None
-            counterfactual.append((m, v))
-        proposal = None
-        if len(c.ngram_proposal):
-            proposal = np.fromiter(c.ngram_proposal, dtype=np.int64, count=n)
-            if int(proposal.max()) > max_k:
-                return None
-        finished = np.fromiter(c.finished, dtype=bool, count=n) if len(c.finished) else None
-        cols = StepColumns(
-            n=n,
-            classes=classes,
-            request_id=request_id,
-            traffic_class=tc[start:end],
-            method=method[start:end],
-            k=k[start:end],
-            drafted=drafted[start:end],
-            accepted=accepted[start:end],
-            counterfactual=tuple(counterfactual),
-            finished=finished,
-            ngram_proposal=proposal,
+            method_ = Method(m)
+            cf = counterfactual.get(method_)
+            if cf is None:
+                cf = counterfactual[method_] = (
+                    np.full(total, NOT_SCORED, dtype=np.int32),
+                    np.zeros(len(columns), dtype=bool),
+                )
+            cf[0][start : start + n] = v
+            cf[1][i] = True
+        start += n
+    ngram_reported = np.fromiter((len(c.ngram_proposal) > 0 for c in columns), dtype=bool, count=len(columns))
+    if ngram_reported.all():
+        proposal = whole("ngram_proposal")
+    else:
+        proposal = np.fromiter(
+            itertools.chain.from_iterable(
+                c.ngram_proposal if len(c.ngram_proposal) else itertools.repeat(0, n)
+                for c, n in zip(columns, sizes, strict=True)
+            ),
+            dtype=np.int64,
+            count=total,
         )
-        out.append(columns_observation(step, cols))
-        start = end
-    return out
+    if total and int(proposal.max()) > max_k:
+        return None
+    finished = np.fromiter(
+        itertools.chain.from_iterable(
+            c.finished if len(c.finished) else itertools.repeat(False, n)
+            for c, n in zip(columns, sizes, strict=True)
+        ),
+        dtype=bool,
+        count=total,
+    )
+    class_names, class_of = _batch_classes(classes_of, tc, sizes)
+    time_s, duration_s, batch_size, queue_length, queue_wait_s, prefill = zip(*scalars, strict=True)
+    return StepBatch.from_columns(
+        n=np.array(sizes, dtype=np.int64),
+        time_s=np.array(time_s, dtype=np.float64),
+        duration_s=np.array(duration_s, dtype=np.float64),
+        batch_size=np.array(batch_size, dtype=np.int64),
+        queue_length=np.array(queue_length, dtype=np.int64),
+        queue_wait_s=np.array(queue_wait_s, dtype=np.float64),
+        prefill_tokens=np.array(prefill, dtype=np.int64),
+        method=method.astype(np.int8),
+        k=k.astype(np.int32),
+        drafted=drafted.astype(np.int32),
+        accepted=accepted.astype(np.int32),
+        class_names=class_names,
+        class_of=class_of,
+        request_id=request_id,
+        finished=finished,
+        ngram_proposal=proposal.astype(np.int32),
+        ngram_reported=ngram_reported,
+        counterfactual=counterfactual,
+    )
+
+
+def _batch_classes(
+    classes_of: list[tuple[str, ...]], tc: np.ndarray, sizes: list[int]
+) -> tuple[tuple[str, ...], np.ndarray]:
+    """The batch's distinct class names ("" read as "default") and each row's index into them, from
+    each step's own class list and per-row indices into it (checked in range)."""
+    first = classes_of[0]
+    if all(c == first for c in classes_of):  # the usual batch: every step lists the same classes
+        names = tuple(x or "default" for x in first)
+        if len(set(names)) == len(names):
+            return names, tc
+    index: dict[str, int] = {}
+    lut = np.fromiter(
+        (index.setdefault(x or "default", len(index)) for cl in classes_of for x in cl),
+        dtype=np.int64,
+        count=sum(map(len, classes_of)),
+    )
+    base = np.zeros(len(classes_of), dtype=np.int64)
+    np.cumsum([len(c) for c in classes_of[:-1]], out=base[1:])
+    return tuple(index), lut[tc + np.repeat(base, sizes)]
 
 
 def _check_class_name(name: str, path: str) -> None:

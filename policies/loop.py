@@ -24,7 +24,7 @@ from policies.directive import Directive, KRange, PlanEntry
 from policies.drift import DriftMonitor
 from policies.engine import EngineInfo, Granularity
 from policies.guards import ExplorationBudget, TpotGuard, greedy_choice, keeps_current
-from policies.observation import NOT_SCORED, StepBatch, StepObservation
+from policies.observation import NOT_SCORED, StepBatch
 from policies.spec import PolicySpec
 
 _OFF_CODE = METHODS_BY_CODE.index(Method.OFF)
@@ -174,7 +174,7 @@ class ControlLoop:
             rows = batch.rows(i)
             self.tpot_guard.observe(label_of[i], float(batch.duration_s[i]), accepted[rows][known[rows]])
             if self.drift is not None:
-                self._watch_drift(batch.steps[i])
+                self._watch_drift(batch, i)
                 if self._alarms:
                     self.learner.observe(
                         batch.take(pending), [label_of[j] for j in pending], self._learn_classes
@@ -191,7 +191,8 @@ class ControlLoop:
         else:
             share = np.repeat(batch.duration_s / n, n)
         row_label = None if len(set(label_of)) == 1 else np.repeat(np.array(label_of), n)
-        classes = np.asarray(batch.traffic_class) if self._learn_classes else None
+        classes = batch.class_of if self._learn_classes else None
+        class_names = batch.class_names if classes is not None else ()
         all_known = len(learn) == steps and bool(known.all())
         for label in dict.fromkeys(label_of[i] for i in learn):
             in_bucket = known if row_label is None else known & (row_label == label)
@@ -202,8 +203,8 @@ class ControlLoop:
                     Context(bucket=label), arm[in_bucket], tokens[in_bucket], _rows(share, in_bucket)
                 )
             if classes is not None:
-                for c in sorted(set(classes[in_bucket].tolist())):
-                    rows_c = in_bucket & (classes == c)
+                for c, j in sorted((class_names[j], j) for j in set(classes[in_bucket].tolist())):
+                    rows_c = in_bucket & (classes == j)
                     ctx = Context(bucket=label, traffic_class=c)
                     self._accumulate(ctx, arm[rows_c], tokens[rows_c], _rows(share, rows_c))
 
@@ -217,28 +218,36 @@ class ControlLoop:
                 self._labels[batch_size] = label
         return label
 
-    def _watch_drift(self, obs: StepObservation) -> None:
-        """Feed first-position acceptance per (class, method); re-explore where it changed."""
+    def _watch_drift(self, batch: StepBatch, i: int) -> None:
+        """Feed step ``i``'s first-position acceptance per (class, method); re-explore where it changed."""
         assert self.drift is not None
         codes = list(METHODS_BY_CODE)
-        classes = np.asarray(obs.traffic_class)
-        names = [ANY_CLASS] + (sorted(set(obs.traffic_class)) if self._learn_classes else [])
-        for code in np.unique(obs.method):
-            method = METHODS_BY_CODE[int(code)]
-            if method is Method.OFF:
+        r = batch.rows(i)
+        method, k, accepted = batch.method[r], batch.k[r], batch.accepted[r]
+        # Pooled first, then the step's own classes by name: (name, index into class_names or -1).
+        classes = batch.class_of[r]
+        names = [(ANY_CLASS, -1)]
+        if self._learn_classes:
+            all_names = batch.class_names
+            names += sorted((all_names[j], j) for j in set(classes.tolist()))
+        now = float(batch.time_s[i])
+        for code in np.unique(method):
+            m = METHODS_BY_CODE[int(code)]
+            if m is Method.OFF:
                 continue
-            self._feed_drift(obs.time_s, names, classes, method, obs.method == code, obs.k, obs.accepted)
-        for method, cf in obs.counterfactual.items():
-            if method is Method.OFF or obs.counterfactual_depth.get(method, 1) < 1:
+            self._feed_drift(now, names, classes, m, method == code, k, accepted)
+        depth = batch.counterfactual_depth[i]
+        for m, cf in batch.step_counterfactual(i).items():
+            if m is Method.OFF or depth.get(m, 1) < 1:
                 continue
             # Rows verified with the same method are already counted from their verified draft.
-            rows = (cf != NOT_SCORED) & (obs.method != codes.index(method))
-            self._feed_drift(obs.time_s, names, classes, method, rows, np.ones_like(cf), cf)
+            rows = (cf != NOT_SCORED) & (method != codes.index(m))
+            self._feed_drift(now, names, classes, m, rows, np.ones_like(cf), cf)
 
     def _feed_drift(
         self,
         now: float,
-        names: list[str],
+        names: list[tuple[str, int]],
         classes: np.ndarray,
         method: Method,
         rows: np.ndarray,
@@ -247,8 +256,8 @@ class ControlLoop:
     ) -> None:
         assert self.drift is not None
         rows = rows & (k > 0)
-        for cls in names:
-            sel = rows if cls == ANY_CLASS else rows & (classes == cls)
+        for cls, j in names:
+            sel = rows if j < 0 else rows & (classes == j)
             if sel.any() and self.drift.feed((cls, method.value), (accepted[sel] >= 1).astype(np.float64)):
                 self.totals.drift_alarms += 1
                 self._alarms.append((cls, method))

@@ -173,8 +173,8 @@ class GoodputModel(Learner):
         """The cost model's normal equations, one weighted row per step."""
         # The head flag holds from the first step that reports it on, for that step's features too.
         head = [self._head]
-        for o in batch.steps:
-            head.append(head[-1] or Method.EAGLE3 in o.counterfactual_depth)
+        for depth in batch.counterfactual_depth:
+            head.append(head[-1] or Method.EAGLE3 in depth)
         self._head = head[-1]
         method, starts = batch.method, batch.offsets[:-1]
         spec = np.where(method == _OFF, 0, batch.k)
@@ -216,31 +216,27 @@ class GoodputModel(Learner):
         Returns the classes (sorted) and each row's index into them when learning per class.
         """
         g = self._gamma
-        steps, n, step_of = batch.steps, batch.n, batch.step_of
+        n, step_of = batch.n, batch.step_of
         by_bucket: dict[str, list[int]] = {}
         for i, b in enumerate(labels):
             by_bucket.setdefault(b, []).append(i)
         names: list[str] | None = None
         cls_of = np.zeros(0, dtype=np.int64)
         if per_class:
-            names = sorted({c for o in steps for c in set(o.traffic_class)})
+            all_names, of = batch.class_names, batch.class_of
+            names = sorted({all_names[j] for j in np.unique(of).tolist()})
             index = {c: i for i, c in enumerate(names)}
-            cls_of = np.concatenate(
-                [
-                    np.full(o.n, index[o.traffic_class[0]])
-                    if o.traffic_class.count(o.traffic_class[0]) == o.n
-                    else np.fromiter((index[c] for c in o.traffic_class), np.int64, o.n)
-                    for o in steps
-                ]
-            )
-            share = np.bincount(step_of * len(names) + cls_of, minlength=len(steps) * len(names))
-            share = share.reshape(len(steps), -1) / n[:, None]
+            # Each row's class as an index into the sorted names (classes no row has map to 0).
+            cls_of = np.array([index.get(c, 0) for c in all_names], dtype=np.int64)[of]
+            share = np.bincount(step_of * len(names) + cls_of, minlength=len(batch) * len(names))
+            share = share.reshape(len(batch), -1) / n[:, None]
+        batch_size = batch.batch_size.tolist()
         for b, idx in by_bucket.items():
             wb = g ** np.arange(len(idx) - 1, -1, -1, dtype=np.float64)
             gb = g ** len(idx)
             arr = self._batch.setdefault(b, np.zeros(2))
             arr *= gb
-            arr += (sum(float(wb[r]) * steps[i].batch_size for r, i in enumerate(idx)), float(wb.sum()))
+            arr += (sum(float(wb[r]) * batch_size[i] for r, i in enumerate(idx)), float(wb.sum()))
             if names is not None:
                 mix = self._mix.setdefault(b, {})
                 for c in mix:
@@ -260,7 +256,7 @@ class GoodputModel(Learner):
         drafts of a step, once more for the method's counterfactual scores. Each counted row has a slot
         (its step, verified or counterfactual); the table's slots filled after it give its power.
         """
-        steps, step_of, s = batch.steps, batch.step_of, len(batch)
+        step_of, s = batch.step_of, len(batch)
         kmax = self._kmax
         sink = _N_CODES  # rows that count nowhere (not drafted, not scored)
         # Keys are built in int64: method codes arrive as int8 and a batch of 64 steps already
@@ -273,11 +269,12 @@ class GoodputModel(Learner):
         table = np.where((method != _OFF) & (k > 0), method, sink)
         slot = step_of.astype(np.int64) * 2
         acc, depth = accepted, k
-        if any(o.counterfactual for o in steps):
+        scored = batch.counterfactual_methods()
+        if scored:
             tables, slots, accs, depths = [table], [slot], [acc], [depth]
-            for meth in batch.counterfactual_methods():
+            for meth in scored:
                 col = batch.counterfactual(meth)
-                per_step = [min(o.counterfactual_depth.get(meth, kmax), kmax) for o in steps]
+                per_step = [min(d.get(meth, kmax), kmax) for d in batch.counterfactual_depth]
                 tables.append(np.where(col != NOT_SCORED, METHOD_CODES[meth], sink))
                 slots.append(slot + 1)
                 accs.append(np.maximum(col, 0))

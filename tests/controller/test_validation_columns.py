@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.v1 import controller_pb2 as pb
-from controller.validation import Limits, TelemetryError, validate_batch
+from controller.validation import Limits, TelemetryError, read_batch, validate_batch
 from controller.wire.codec import observation_from_pb, request_columns
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.engine import EngineInfo
-from policies.observation import StepObservation
+from policies.observation import StepBatch, StepObservation
 
 ENGINE = EngineInfo(
     engine_id="e1",
@@ -261,6 +261,26 @@ def _same_observation(a: StepObservation, b: StepObservation) -> None:
             assert x == y, f
 
 
+def _same_batch(a: StepBatch, b: StepBatch) -> None:
+    """Every column equal (arrays by value and dtype), classes by name, counterfactuals per method."""
+    for f in StepBatch.__dataclass_fields__:
+        if f.startswith("_"):
+            continue
+        x, y = getattr(a, f), getattr(b, f)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), f
+        else:
+            assert x == y, f
+    assert a.traffic_class == b.traffic_class
+    assert [a.class_names[j] for j in a.class_of] == [b.class_names[j] for j in b.class_of]
+    assert a.counterfactual_methods() == b.counterfactual_methods()
+    for m in a.counterfactual_methods():
+        assert a.counterfactual(m).dtype == b.counterfactual(m).dtype
+        assert np.array_equal(a.counterfactual(m), b.counterfactual(m)), m
+    for i in range(len(a)):
+        assert a.step_counterfactual(i).keys() == b.step_counterfactual(i).keys()
+
+
 @st.composite
 def nearly_valid_step(draw: st.DrawFn) -> pb.StepReport:
     """A columnar step that is valid but for, now and then, one value just out of its range."""
@@ -331,6 +351,8 @@ def test_a_columnar_batch_read_at_once_is_read_as_step_by_step(steps: list[pb.St
     assert len(at_once) == len(one_by_one)
     for a, b in zip(at_once, one_by_one, strict=True):
         _same_observation(a, b)
+    # The batch read at once (columns straight from the wire) holds what the steps' batch holds.
+    _same_batch(read_batch(batch, ENGINE, DEFAULT_LIMITS), StepBatch(steps=one_by_one))
 
 
 def test_a_valid_columnar_batch_is_read_at_once() -> None:
@@ -341,5 +363,6 @@ def test_a_valid_columnar_batch_is_read_at_once() -> None:
     steps = [step(cols(ngram_proposal=[1, 0], counterfactual=[cf("ngram", [2, -1])])) for _ in range(3)]
     fast = v._read_columnar_batch(steps, ENGINE, DEFAULT_LIMITS, {"eagle3", "off"})
     assert fast is not None and len(fast) == 3
-    for got, s in zip(fast, steps, strict=True):
+    for got, s in zip(fast.steps, steps, strict=True):
         _same_observation(got, observation_from_pb(s))
+    _same_batch(fast, StepBatch(steps=[observation_from_pb(s) for s in steps]))
