@@ -317,13 +317,23 @@ class ControlLoop:
             allowed = self.tpot_guard.restrict(self.arms, self._allowed, cap)
             allowed_in[label] = allowed
             classes = [k.traffic_class for k in keys if not k.pooled]
-            plan = self.learner.plan_bucket(label, classes, allowed)
-            if plan:
-                joint.update({Context(bucket=label, traffic_class=c): i for c, i in plan.items()})
-            if self.budget.applies(self.spec.buckets.range(b)):
+            # A context idle this round with an arm never reads the sampled plan (it follows the
+            # greedy plan, or ``select`` where no plan names it). When every context of the bucket
+            # is such, only the plan's random draws are made, so that every later draw is the same.
+            idle = sum(1 for k in keys if self._ctx[k].acc is None and self._ctx[k].arm >= 0)
+            if idle == len(keys):
+                self.learner.plan_draws(label, classes, allowed)
+            else:
+                plan = self.learner.plan_bucket(label, classes, allowed)
+                if plan:
+                    joint.update({Context(bucket=label, traffic_class=c): i for c, i in plan.items()})
+            high = self.budget.applies(self.spec.buckets.range(b))
+            if high:
                 high_load.add(label)
-            # The greedy plan serves the exploration budget and the contexts idle this round.
-            greedy_plan = self.learner.plan_bucket(label, classes, allowed, sample=False)
+            # The greedy plan (no draws) serves the exploration budget and the idle contexts.
+            greedy_plan = (
+                self.learner.plan_bucket(label, classes, allowed, sample=False) if high or idle else None
+            )
             if greedy_plan:
                 greedy_joint.update(
                     {Context(bucket=label, traffic_class=c): i for c, i in greedy_plan.items()}

@@ -104,6 +104,15 @@ class Learner(ABC):
         """
         return None
 
+    def plan_draws(self, bucket: str, classes: Sequence[str], allowed: Sequence[int]) -> None:
+        """The random draws ``plan_bucket`` (sampling) would make, in the same order, without the plan.
+
+        The loop calls it for a bucket whose contexts were all idle this round: none of them reads the
+        sampled plan, but every later draw must come out as it would have. The default plans and drops
+        the plan; a learner whose planning costs more than its draws makes only the draws.
+        """
+        self.plan_bucket(bucket, classes, allowed)
+
     def on_drift(self, cls: str, method: Method, keep: float) -> None:
         """Acceptance of ``method`` changed for traffic class ``cls``: re-explore its arms there.
 

@@ -473,6 +473,20 @@ class GoodputModel(Learner):
         out.update({c: idx[int(j)] for c, j in zip(classes, choice, strict=True)})
         return out
 
+    def plan_draws(self, bucket: str, classes: Sequence[str], allowed: Sequence[int]) -> None:
+        """``plan_bucket``'s draws (the cost model's, then each class's acceptance), without ``_joint``."""
+        idx = list(allowed)
+        if not idx:
+            return
+        self._theta(sample=True)
+        sample = float(self.params["explore"]) > 0
+        self._accepted(ANY_CLASS, idx, sample)
+        mix = self._mix.get(bucket, {})
+        if not classes or sum(mix.get(c, 0.0) for c in classes) <= 0:
+            return
+        for c in classes:
+            self._accepted(c, idx, sample)
+
     def _joint(
         self,
         bucket: str,
