@@ -444,7 +444,8 @@ def _read_columnar_batch(
             return None
         if len(c.traffic_class) != n or len(c.method) != n or len(c.drafted) != n or len(c.accepted) != n:
             return None
-        if any(len(col) not in (0, n) for col in (c.request_id, c.finished, c.ngram_proposal)):
+        n_ids, n_finished, n_proposal = len(c.request_id), len(c.finished), len(c.ngram_proposal)
+        if (n_ids and n_ids != n) or (n_finished and n_finished != n) or (n_proposal and n_proposal != n):
             return None
         classes = tuple(c.classes)
         if len(classes) > MAX_CLASSES_PER_STEP or not all(map(_class_name_ok, classes)):
@@ -473,7 +474,7 @@ def _read_columnar_batch(
 
     def whole(name: str) -> np.ndarray:  # one column of every step, concatenated
         return np.fromiter(
-            itertools.chain.from_iterable(getattr(c, name) for c in columns), dtype=np.int64, count=total
+            itertools.chain.from_iterable([getattr(c, name) for c in columns]), dtype=np.int64, count=total
         )
 
     tc, method, k, drafted, accepted = (
@@ -507,6 +508,8 @@ def _read_columnar_batch(
     ngram_reported = np.fromiter((len(c.ngram_proposal) > 0 for c in columns), dtype=bool, count=len(columns))
     if ngram_reported.all():
         proposal = whole("ngram_proposal")
+    elif not ngram_reported.any():
+        proposal = np.zeros(total, dtype=np.int64)
     else:
         proposal = np.fromiter(
             itertools.chain.from_iterable(
@@ -518,13 +521,17 @@ def _read_columnar_batch(
         )
     if total and int(proposal.max()) > max_k:
         return None
-    finished = np.fromiter(
-        itertools.chain.from_iterable(
-            c.finished if len(c.finished) else itertools.repeat(False, n)
-            for c, n in zip(columns, sizes, strict=True)
-        ),
-        dtype=bool,
-        count=total,
+    finished = (
+        np.fromiter(
+            itertools.chain.from_iterable(
+                c.finished if len(c.finished) else itertools.repeat(False, n)
+                for c, n in zip(columns, sizes, strict=True)
+            ),
+            dtype=bool,
+            count=total,
+        )
+        if any(len(c.finished) for c in columns)
+        else np.zeros(total, dtype=bool)
     )
     class_names, class_of = _batch_classes(classes_of, tc, sizes)
     time_s, duration_s, batch_size, queue_length, queue_wait_s, prefill = zip(*scalars, strict=True)
