@@ -147,7 +147,7 @@ def _schedstat() -> list[float]:
     return [int(run_ns) / 1e9, int(wait_ns) / 1e9]
 
 
-def _batch(seq: int, steps: int, batch: int, t: float, *, rows: bool = False) -> Any:
+def _batch(seq: int, steps: int, batch: int, t: float, *, rows: bool = False, packed: bool = True) -> Any:
     from controller.v1 import controller_pb2 as pb
     from controller.wire.codec import request_columns, request_steps
 
@@ -160,7 +160,7 @@ def _batch(seq: int, steps: int, batch: int, t: float, *, rows: bool = False) ->
         accepted=[i % 3 for i in range(batch)],
     )
     per_request: dict[str, Any] = (
-        {"requests": request_steps(**cols)} if rows else {"columns": request_columns(**cols)}
+        {"requests": request_steps(**cols)} if rows else {"columns": request_columns(**cols, packed=packed)}
     )
     return pb.StepReportBatch(
         sequence=seq,
@@ -189,14 +189,14 @@ def _serialize(msg: Any) -> bytes:
 
 
 async def _engines(
-    target: str, n: int, seconds: float, steps_per_s: float, batch: int, flush_ms: float, rows: bool
+    target: str, n: int, seconds: float, steps_per_s: float, batch: int, flush_ms: float, form: str
 ) -> int:
     import grpc
 
     from controller.v1 import controller_pb2 as pb
 
     per_flush = max(1, round(steps_per_s * flush_ms / 1000))
-    encoded = _encoded_reports(_batch(0, per_flush, batch, 0.0, rows=rows))
+    encoded = _encoded_reports(_batch(0, per_flush, batch, 0.0, rows=form == "rows", packed=form == "packed"))
     sent = 0
 
     async def one(i: int) -> None:
@@ -252,6 +252,11 @@ def main() -> int:
     ap.add_argument(
         "--rows", action="store_true", help="send per-request rows (RequestStep) instead of columns"
     )
+    ap.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="columns in repeated fields (what engines send a sidecar older than protocol 2), not packed",
+    )
     ap.add_argument("--core", type=int, default=0, help="CPU core for the sidecar (-1: no pinning)")
     ap.add_argument(
         "--profile", default="", metavar="FILE", help="run the sidecar under cProfile, stats to FILE (pstats)"
@@ -282,6 +287,11 @@ def main() -> int:
     return 0
 
 
+def _form(args: argparse.Namespace) -> str:
+    """How the engines send their requests: "rows", "columns" (repeated fields) or "packed"."""
+    return "rows" if args.rows else "columns" if args.unpacked else "packed"
+
+
 def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, Any]:
     """One run: the sidecar process, the engines, the figures printed; returns the sidecar's result."""
     ctx = mp.get_context("spawn")
@@ -310,7 +320,7 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
         gen_cpu0, gen_t0 = time.process_time(), time.monotonic()
         sent = asyncio.run(
             _engines(
-                target, args.engines, args.seconds, args.steps_per_s, args.batch, args.flush_ms, args.rows
+                target, args.engines, args.seconds, args.steps_per_s, args.batch, args.flush_ms, _form(args)
             )
         )
         gen_cpu, gen_wall = time.process_time() - gen_cpu0, time.monotonic() - gen_t0
@@ -322,7 +332,7 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
     lat = np.array(doc["decide_s"]) * 1000
     applied = doc["request_steps"]
     print(
-        f"engines {args.engines} x {args.steps_per_s:g} steps/s x batch {args.batch} as {'rows' if args.rows else 'columns'}, {args.seconds:g} s, sidecar on core {args.core}, ack_interval_s {ack_interval_s:g} ({doc['snapshots']} snapshots)"
+        f"engines {args.engines} x {args.steps_per_s:g} steps/s x batch {args.batch} as {_form(args)}, {args.seconds:g} s, sidecar on core {args.core}, ack_interval_s {ack_interval_s:g} ({doc['snapshots']} snapshots)"
     )
     print(
         f"observations/s (request-steps applied): {applied / args.seconds:,.0f}  (steps/s {doc['steps'] / args.seconds:,.0f})"
@@ -369,7 +379,7 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             "steps_per_s_per_engine": args.steps_per_s,
             "batch": args.batch,
             "flush_ms": args.flush_ms,
-            "format": "rows" if args.rows else "columns",
+            "format": _form(args),
             "request_steps_applied_per_s": round(applied / args.seconds),
             "steps_applied_per_s": round(doc["steps"] / args.seconds),
             "request_steps_unapplied": sent - applied,

@@ -18,6 +18,7 @@ from controller.streams import StreamEnd, put_latest
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import TelemetryError, validate_hello
+from controller.wire.codec import PACKED_PROTOCOL
 from controller.wire.convert import directive_to_pb
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 msg = directive_to_pb(item)
                 # Read at write time: the newest acknowledgement goes out with every directive.
                 msg.acked_sequence = session.acked_sequence
+                msg.protocol_version = PACKED_PROTOCOL  # this sidecar reads packed columns
                 await context.write(msg)
         finally:
             reader.cancel()

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from controller.v1 import controller_pb2 as pb
-from controller.wire.codec import StepColumns, columns_observation, decode_columns, observation_from_pb
+from controller.wire.codec import (
+    StepColumns,
+    columns_count,
+    columns_observation,
+    decode_columns,
+    observation_from_pb,
+    packed_problem,
+    packed_rows,
+)
 from controller.wire.convert import engine_info_from_hello
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
@@ -288,7 +296,7 @@ def _read_step(
             "requests_and_columns", f"{where}.columns: a step carries requests or columns, not both"
         )
     reqs = step.requests
-    n = len(step.columns.k) if columnar else len(reqs)
+    n = columns_count(step.columns) if columnar else len(reqs)
     if n > limits.max_requests_per_step:
         raise TelemetryError(
             "too_many_requests",
@@ -365,8 +373,11 @@ def _read_columns(step: pb.StepReport, n: int, where: str) -> _Columns:
 
     The columns are decoded first (decoding judges nothing, and the message size limit bounds it), so
     the checks read the arrays and tuples rather than the protobuf containers a second time."""
-    cols = decode_columns(step.columns)
     where = f"{where}.columns"
+    problem = packed_problem(step.columns)
+    if problem:
+        raise TelemetryError("packed_invalid", f"{where}.packed: {problem}")
+    cols = decode_columns(step.columns)
     fin, prop = cols.finished, cols.ngram_proposal
     for name, length, optional in (
         ("request_id", len(cols.request_id), True),
@@ -434,18 +445,43 @@ def _read_columnar_batch(
     sizes: list[int] = []
     scalars: list[tuple[float, float, int, int, float, int]] = []
     classes_of: list[tuple[str, ...]] = []
+    # Every step in one form: packed (count > 0, one layout) or the repeated fields.
+    packed = bool(steps[0].columns.count)
+    layout = (steps[0].columns.packed_ngram_proposal, steps[0].columns.packed_finished)
+    rows = packed_rows(steps[0].columns)
     for step in steps:
         if not step.HasField("columns") or len(step.requests) or not _step_scalars_ok(step):
             return None
         c = step.columns
-        n = len(c.k)
+        n_ids = len(c.request_id)
+        if packed:
+            n = c.count
+            if (
+                not n
+                or (c.packed_ngram_proposal, c.packed_finished) != layout
+                or len(c.packed) != 4 * n * rows
+                or len(c.k)
+                or len(c.traffic_class)
+                or len(c.method)
+                or len(c.drafted)
+                or len(c.accepted)
+                or len(c.finished)
+                or len(c.ngram_proposal)
+            ):
+                return None
+        else:
+            n = len(c.k)
+            if c.count or len(c.packed) or c.packed_ngram_proposal or c.packed_finished:
+                return None
+            if len(c.traffic_class) != n or len(c.method) != n or len(c.drafted) != n or len(c.accepted) != n:
+                return None
+            n_finished, n_proposal = len(c.finished), len(c.ngram_proposal)
+            if (n_finished and n_finished != n) or (n_proposal and n_proposal != n):
+                return None
+        if n_ids and n_ids != n:
+            return None
         size = step.batch_size
         if n > max_req or size > batch_cap or 0 < size < n:
-            return None
-        if len(c.traffic_class) != n or len(c.method) != n or len(c.drafted) != n or len(c.accepted) != n:
-            return None
-        n_ids, n_finished, n_proposal = len(c.request_id), len(c.finished), len(c.ngram_proposal)
-        if (n_ids and n_ids != n) or (n_finished and n_finished != n) or (n_proposal and n_proposal != n):
             return None
         classes = tuple(c.classes)
         if len(classes) > MAX_CLASSES_PER_STEP or not all(map(_class_name_ok, classes)):
@@ -477,9 +513,14 @@ def _read_columnar_batch(
             itertools.chain.from_iterable([getattr(c, name) for c in columns]), dtype=np.int64, count=total
         )
 
-    tc, method, k, drafted, accepted = (
-        whole(f) for f in ("traffic_class", "method", "k", "drafted", "accepted")
-    )
+    ngram_reported: np.ndarray
+    if packed:
+        tc, method, k, drafted, accepted, proposal, finished = _unpack(columns, sizes, total, layout, rows)
+        ngram_reported = np.full(len(columns), layout[0], dtype=bool)
+    else:
+        tc, method, k, drafted, accepted = (
+            whole(f) for f in ("traffic_class", "method", "k", "drafted", "accepted")
+        )
     n_classes = np.repeat(np.array([len(c) for c in classes_of], dtype=np.int64), sizes)
     if total and _bad_rows(tc, n_classes, method, k, drafted, accepted, engine, allowed).any():
         return None
@@ -505,34 +546,37 @@ def _read_columnar_batch(
             cf[0][start : start + n] = v
             cf[1][i] = True
         start += n
-    ngram_reported = np.fromiter((len(c.ngram_proposal) > 0 for c in columns), dtype=bool, count=len(columns))
-    if ngram_reported.all():
-        proposal = whole("ngram_proposal")
-    elif not ngram_reported.any():
-        proposal = np.zeros(total, dtype=np.int64)
-    else:
-        proposal = np.fromiter(
-            itertools.chain.from_iterable(
-                c.ngram_proposal if len(c.ngram_proposal) else itertools.repeat(0, n)
-                for c, n in zip(columns, sizes, strict=True)
-            ),
-            dtype=np.int64,
-            count=total,
+    if not packed:
+        ngram_reported = np.fromiter(
+            (len(c.ngram_proposal) > 0 for c in columns), dtype=bool, count=len(columns)
+        )
+        if ngram_reported.all():
+            proposal = whole("ngram_proposal")
+        elif not ngram_reported.any():
+            proposal = np.zeros(total, dtype=np.int64)
+        else:
+            proposal = np.fromiter(
+                itertools.chain.from_iterable(
+                    c.ngram_proposal if len(c.ngram_proposal) else itertools.repeat(0, n)
+                    for c, n in zip(columns, sizes, strict=True)
+                ),
+                dtype=np.int64,
+                count=total,
+            )
+        finished = (
+            np.fromiter(
+                itertools.chain.from_iterable(
+                    c.finished if len(c.finished) else itertools.repeat(False, n)
+                    for c, n in zip(columns, sizes, strict=True)
+                ),
+                dtype=bool,
+                count=total,
+            )
+            if any(len(c.finished) for c in columns)
+            else np.zeros(total, dtype=bool)
         )
     if total and int(proposal.max()) > max_k:
         return None
-    finished = (
-        np.fromiter(
-            itertools.chain.from_iterable(
-                c.finished if len(c.finished) else itertools.repeat(False, n)
-                for c, n in zip(columns, sizes, strict=True)
-            ),
-            dtype=bool,
-            count=total,
-        )
-        if any(len(c.finished) for c in columns)
-        else np.zeros(total, dtype=bool)
-    )
     class_names, class_of = _batch_classes(classes_of, tc, sizes)
     time_s, duration_s, batch_size, queue_length, queue_wait_s, prefill = zip(*scalars, strict=True)
     return StepBatch.from_columns(
@@ -555,6 +599,30 @@ def _read_columnar_batch(
         ngram_reported=ngram_reported,
         counterfactual=counterfactual,
     )
+
+
+def _unpack(
+    columns: list[pb.RequestColumns], sizes: list[int], total: int, layout: tuple[bool, bool], rows: int
+) -> tuple[np.ndarray, ...]:
+    """Packed steps (one layout, lengths checked) as columns over every row, from one read of their
+    bytes: traffic_class, method, k, drafted, accepted, ngram_proposal (0 when not packed), all int64,
+    and finished (bool). ``rows``: the columns each step packs (``packed_rows``)."""
+    words = np.frombuffer(b"".join([c.packed for c in columns]), dtype="<u4").astype(np.int64)
+    if len(set(sizes)) == 1:  # the usual batch: every step the same size
+        block = words.reshape(len(sizes), rows, sizes[0]).transpose(1, 0, 2).reshape(rows, total)
+    else:  # request g of step i: its column r at starts[i] + r * n_i + (g - offsets[i])
+        n = np.asarray(sizes, dtype=np.int64)
+        starts = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(rows * n[:-1], out=starts[1:])
+        offsets = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(n[:-1], out=offsets[1:])
+        at = np.repeat(starts - offsets, n) + np.arange(total)
+        block = words[at + np.arange(rows)[:, None] * np.repeat(n, n)]
+    extra = iter(block[5:])
+    proposal = next(extra) if layout[0] else np.zeros(total, dtype=np.int64)
+    finished = next(extra) != 0 if layout[1] else np.zeros(total, dtype=bool)
+    tc, method, k, drafted, accepted = block[:5]
+    return tc, method, k, drafted, accepted, proposal, finished
 
 
 def _batch_classes(

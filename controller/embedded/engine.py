@@ -255,5 +255,6 @@ class EmbeddedEngine:
                 yield pb.EngineMessage(reports=out)
 
 
-def _as_is(report: pb.StepReport) -> pb.StepReport:
+def _as_is(report: pb.StepReport, packed: bool) -> pb.StepReport:
+    """The demo engine's steps are encoded when made (in repeated fields, which every sidecar reads)."""
     return report

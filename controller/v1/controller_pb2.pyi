@@ -99,7 +99,7 @@ class StepReport(_message.Message):
     def __init__(self, time_s: _Optional[float] = ..., duration_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_length: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., scheduled_k: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStep, _Mapping]]] = ..., directive_version: _Optional[int] = ..., columns: _Optional[_Union[RequestColumns, _Mapping]] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestColumns(_message.Message):
-    __slots__ = ("request_id", "classes", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual", "finished", "ngram_proposal")
+    __slots__ = ("request_id", "classes", "traffic_class", "method", "k", "drafted", "accepted", "counterfactual", "finished", "ngram_proposal", "packed", "count", "packed_ngram_proposal", "packed_finished")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,10 @@ class RequestColumns(_message.Message):
     COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     NGRAM_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NGRAM_PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FINISHED_FIELD_NUMBER: _ClassVar[int]
     request_id: _containers.RepeatedScalarFieldContainer[str]
     classes: _containers.RepeatedScalarFieldContainer[str]
     traffic_class: _containers.RepeatedScalarFieldContainer[int]
@@ -120,7 +124,11 @@ class RequestColumns(_message.Message):
     counterfactual: _containers.RepeatedCompositeFieldContainer[CounterfactualColumn]
     finished: _containers.RepeatedScalarFieldContainer[bool]
     ngram_proposal: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[str]] = ..., traffic_class: _Optional[_Iterable[int]] = ..., method: _Optional[_Iterable[int]] = ..., k: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[_Iterable[_Union[CounterfactualColumn, _Mapping]]] = ..., finished: _Optional[_Iterable[bool]] = ..., ngram_proposal: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed: bytes
+    count: int
+    packed_ngram_proposal: bool
+    packed_finished: bool
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., classes: _Optional[_Iterable[str]] = ..., traffic_class: _Optional[_Iterable[int]] = ..., method: _Optional[_Iterable[int]] = ..., k: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[_Iterable[_Union[CounterfactualColumn, _Mapping]]] = ..., finished: _Optional[_Iterable[bool]] = ..., ngram_proposal: _Optional[_Iterable[int]] = ..., packed: _Optional[bytes] = ..., count: _Optional[int] = ..., packed_ngram_proposal: _Optional[bool] = ..., packed_finished: _Optional[bool] = ...) -> None: ...
 
 class CounterfactualColumn(_message.Message):
     __slots__ = ("method", "accepted")
@@ -197,7 +205,7 @@ class RequestRule(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("version", "policy", "reason", "ttl_s", "issued_at_s", "k_table", "method", "plan", "rule", "acked_sequence")
+    __slots__ = ("version", "policy", "reason", "ttl_s", "issued_at_s", "k_table", "method", "plan", "rule", "acked_sequence", "protocol_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +216,7 @@ class Directive(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     reason: str
@@ -218,7 +227,8 @@ class Directive(_message.Message):
     plan: _containers.RepeatedCompositeFieldContainer[PlanEntry]
     rule: RequestRule
     acked_sequence: int
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., ttl_s: _Optional[float] = ..., issued_at_s: _Optional[float] = ..., k_table: _Optional[_Iterable[_Union[KRange, _Mapping]]] = ..., method: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanEntry, _Mapping]]] = ..., rule: _Optional[_Union[RequestRule, _Mapping]] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., ttl_s: _Optional[float] = ..., issued_at_s: _Optional[float] = ..., k_table: _Optional[_Iterable[_Union[KRange, _Mapping]]] = ..., method: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanEntry, _Mapping]]] = ..., rule: _Optional[_Union[RequestRule, _Mapping]] = ..., acked_sequence: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("yaml", "source", "engine_id")

@@ -45,8 +45,9 @@ class StepRecord:
     #: match); None where the engine runs no n-gram index (not reported).
     ngram_proposal: np.ndarray | None = None
 
-    def to_pb(self) -> pb.StepReport:
-        """The step in the columnar wire form (``StepReport.columns``): one packed field per column."""
+    def to_pb(self, packed: bool = False) -> pb.StepReport:
+        """The step in the columnar wire form (``StepReport.columns``): the integer columns as one byte
+        string when ``packed`` (a sidecar that reads protocol 2), else one repeated field each."""
         return pb.StepReport(
             time_s=self.time_s,
             duration_s=self.duration_s,
@@ -65,6 +66,7 @@ class StepRecord:
                 counterfactual={Method.NGRAM: self.cf_ngram},
                 finished=self.finished,
                 ngram_proposal=self.ngram_proposal,
+                packed=packed,
             ),
             directive_version=self.directive_version,
             prefill_tokens=self.prefill_tokens,

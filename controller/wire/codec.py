@@ -41,6 +41,7 @@ def encode_columns(
     counterfactual: Mapping[Method, np.ndarray] | None = None,
     finished: np.ndarray | None = None,
     ngram_proposal: np.ndarray | None = None,
+    packed: bool = False,
 ) -> pb.RequestColumns:
     """A step's requests in the columnar wire form.
 
@@ -48,8 +49,32 @@ def encode_columns(
     than the step uses; only the used ones are sent, in table order), ``method`` its method code
     (``METHOD_CODES``), ``counterfactual[m]`` method m's would-be accepted count (``NOT_SCORED`` where
     not scored). ``request_id``, ``finished`` and ``ngram_proposal`` may be left out (not reported).
+    ``packed``: the integer columns as one ``packed`` byte string (for a sidecar that reads protocol
+    2); a step without requests is sent the same either way. Raises ValueError for a value outside
+    uint32, as protobuf does for the repeated fields.
     """
     used, inverse = np.unique(np.asarray(class_index, dtype=np.int64), return_inverse=True)
+    n = len(inverse)
+    if packed and n:
+        rows = [inverse, method, k, drafted, accepted]
+        if ngram_proposal is not None:
+            rows.append(ngram_proposal)
+        if finished is not None:
+            rows.append(finished)
+        block = np.empty((len(rows), n), dtype=np.int64)
+        for i, row in enumerate(rows):
+            block[i] = row
+        if int(block.min()) < 0 or int(block.max()) > _UINT32_MAX:
+            raise ValueError("encode_columns: a column value is outside uint32")
+        return pb.RequestColumns(
+            request_id=request_id,
+            classes=[class_names[i] for i in used.tolist()],
+            counterfactual=_counterfactual_columns(counterfactual),
+            packed=block.astype("<u4").tobytes(),
+            count=n,
+            packed_ngram_proposal=ngram_proposal is not None,
+            packed_finished=finished is not None,
+        )
     return pb.RequestColumns(
         request_id=request_id,
         classes=[class_names[i] for i in used.tolist()],
@@ -58,14 +83,56 @@ def encode_columns(
         k=np.asarray(k).tolist(),
         drafted=np.asarray(drafted).tolist(),
         accepted=np.asarray(accepted).tolist(),
-        counterfactual=[
-            pb.CounterfactualColumn(method=m.value, accepted=col.tolist())
-            for m, col in ((m, np.asarray(v)) for m, v in (counterfactual or {}).items())
-            if bool((col != NOT_SCORED).any())
-        ],
+        counterfactual=_counterfactual_columns(counterfactual),
         finished=np.asarray(finished).tolist() if finished is not None else [],
         ngram_proposal=np.asarray(ngram_proposal).tolist() if ngram_proposal is not None else [],
     )
+
+
+_UINT32_MAX = (1 << 32) - 1
+
+#: The engine protocol that reads ``RequestColumns.packed`` (a sidecar says it reads it in
+#: ``Directive.protocol_version``; engines send packed columns only then).
+PACKED_PROTOCOL = 2
+
+#: The packed form's columns in their order (then ngram_proposal and finished, when flagged).
+PACKED_COLUMNS = ("traffic_class", "method", "k", "drafted", "accepted")
+
+
+def _counterfactual_columns(
+    counterfactual: Mapping[Method, np.ndarray] | None,
+) -> list[pb.CounterfactualColumn]:
+    """One column per method someone scored (a column nobody scored is left out)."""
+    return [
+        pb.CounterfactualColumn(method=m.value, accepted=col.tolist())
+        for m, col in ((m, np.asarray(v)) for m, v in (counterfactual or {}).items())
+        if bool((col != NOT_SCORED).any())
+    ]
+
+
+def columns_count(c: pb.RequestColumns) -> int:
+    """A columnar step's requests: ``count`` in the packed form, else the length of ``k``."""
+    return c.count or len(c.k)
+
+
+def packed_rows(c: pb.RequestColumns) -> int:
+    """How many columns a packed step carries (5, plus the flagged optional ones)."""
+    return 5 + int(c.packed_ngram_proposal) + int(c.packed_finished)
+
+
+def packed_problem(c: pb.RequestColumns) -> str:
+    """Why a step's columns are not a readable packed form ("" when they are, or are not packed)."""
+    if not c.count:
+        if len(c.packed) or c.packed_ngram_proposal or c.packed_finished:
+            return "packed columns without a count (count is 0)"
+        return ""
+    both = [f for f in (*PACKED_COLUMNS, "finished", "ngram_proposal") if len(getattr(c, f))]
+    if both:
+        return f"packed columns and the repeated {both[0]} both set (a step carries one form)"
+    rows = packed_rows(c)
+    if len(c.packed) != 4 * rows * c.count:
+        return f"{len(c.packed)} bytes, not 4 x count {c.count} x {rows} columns"
+    return ""
 
 
 def index_classes(names: Iterable[str]) -> tuple[tuple[str, ...], np.ndarray]:
@@ -99,7 +166,30 @@ def _ints(col: Any) -> np.ndarray:
 
 
 def decode_columns(c: pb.RequestColumns) -> StepColumns:
-    """The columns as sent; lengths are not compared (validation does, before it trusts them)."""
+    """The columns as sent; lengths are not compared (validation does, before it trusts them). A
+    packed step must have its layout checked first (``packed_problem``): else ValueError."""
+    if c.count:
+        if packed_problem(c):
+            raise ValueError(f"decode_columns: {packed_problem(c)}")
+        n = c.count
+        block = np.frombuffer(c.packed, dtype="<u4").astype(np.int64).reshape(packed_rows(c), n)
+        tc, method, k, drafted, accepted = block[:5]
+        extra = iter(block[5:])
+        proposal = next(extra) if c.packed_ngram_proposal else None
+        finished = next(extra) != 0 if c.packed_finished else None
+        return StepColumns(
+            n=n,
+            classes=tuple(c.classes),
+            request_id=tuple(c.request_id),
+            traffic_class=tc,
+            method=method,
+            k=k,
+            drafted=drafted,
+            accepted=accepted,
+            counterfactual=tuple((col.method, _ints(col.accepted)) for col in c.counterfactual),
+            finished=finished,
+            ngram_proposal=proposal,
+        )
     return StepColumns(
         n=len(c.k),
         classes=tuple(c.classes),
@@ -241,6 +331,7 @@ def request_columns(
     counterfactual: dict[str, Iterable[int]] | None = None,
     finished: Iterable[bool] | None = None,
     ngram_proposal: Iterable[int] | None = None,
+    packed: bool = False,
 ) -> pb.RequestColumns:
     """``encode_columns`` for callers holding names: the same arguments as ``request_steps``."""
     table, index = index_classes(classes)
@@ -257,4 +348,5 @@ def request_columns(
         },
         finished=np.array(list(finished), dtype=bool) if finished is not None else None,
         ngram_proposal=np.array(list(ngram_proposal), dtype=np.int64) if ngram_proposal is not None else None,
+        packed=packed,
     )

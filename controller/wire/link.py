@@ -24,6 +24,8 @@ What must hold:
 * The keep buffer holds at most ``resend_steps`` steps (but always the newest batch); older batches are
   forgotten and counted in ``LinkStats.evicted_steps``. The send queue holds at most ``queue_steps``.
   So every offered step is sent once, resent while unacknowledged, or counted as dropped or evicted.
+* Steps go out packed (``RequestColumns.packed``) only while the stream's sidecar says it reads them;
+  a batch kept for a resend keeps the form it was built in (a sidecar that reads protocol 2 reads both).
 * Thread safety: ``offer`` may run on the engine's thread concurrently with the rest (a deque append,
   no lock, so the engine step never waits on the link); every other method holds one lock and never
   blocks on I/O.
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from controller.v1 import controller_pb2 as pb
+from controller.wire.codec import PACKED_PROTOCOL
 from controller.wire.convert import directive_from_pb
 from policies.directive import Directive
 
@@ -73,11 +76,15 @@ class LinkStats:
 class LinkCore(Generic[T]):
     """One engine's link protocol state (see the module docstring for the call order).
 
-    ``encode`` turns a queued step into its ``StepReport`` when it goes into a batch (off the engine's
-    critical path); ``queue_steps`` bounds the send queue, ``resend_steps`` the keep buffer.
+    ``encode(step, packed)`` turns a queued step into its ``StepReport`` when it goes into a batch (off
+    the engine's critical path); ``packed``: the sidecar of the stream's last directive reads packed
+    columns (``Directive.protocol_version`` >= ``PACKED_PROTOCOL``), so the step may be sent packed.
+    ``queue_steps`` bounds the send queue, ``resend_steps`` the keep buffer.
     """
 
-    def __init__(self, *, encode: Callable[[T], pb.StepReport], queue_steps: int, resend_steps: int) -> None:
+    def __init__(
+        self, *, encode: Callable[[T, bool], pb.StepReport], queue_steps: int, resend_steps: int
+    ) -> None:
         if queue_steps < 1 or resend_steps < 1:
             raise ValueError(
                 f"link: queue_steps and resend_steps must be >= 1, got {queue_steps}, {resend_steps}"
@@ -95,6 +102,7 @@ class LinkCore(Generic[T]):
         self._unacked_steps = 0
         self._acks = False
         self._acked = 0
+        self._packed = False
         self._connected = False
         self._connects = 0
         self._attaches = 0
@@ -127,6 +135,7 @@ class LinkCore(Generic[T]):
         (counted in ``bad_directives``; the acknowledgement still applies) when it is invalid."""
         with self._lock:
             self._acks = msg.HasField("acked_sequence")
+            self._packed = msg.protocol_version >= PACKED_PROTOCOL
             if self._acks:
                 self._acked = msg.acked_sequence
                 while self._unacked and self._unacked[0].sequence <= msg.acked_sequence:
@@ -161,7 +170,7 @@ class LinkCore(Generic[T]):
             if not self._queue:
                 return None
             n = min(max_steps, len(self._queue))
-            steps = [self._encode(self._queue.popleft()) for _ in range(n)]
+            steps = [self._encode(self._queue.popleft(), self._packed) for _ in range(n)]
             self._sequence += 1
             dropped = self._dropped - self._dropped_reported
             self._dropped_reported += dropped

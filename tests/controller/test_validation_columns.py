@@ -55,6 +55,27 @@ def check(*steps: pb.StepReport, limits: Limits = DEFAULT_LIMITS) -> None:
     validate_batch(pb.StepReportBatch(sequence=1, steps=steps), ENGINE, limits)
 
 
+def packed(c: pb.RequestColumns) -> pb.RequestColumns:
+    """The same columns in the packed form (protocol 2): the integer columns as one byte string."""
+    n = len(c.k)
+    if not n:
+        return c
+    out = pb.RequestColumns()
+    out.CopyFrom(c)
+    rows = [list(getattr(c, f)) for f in ("traffic_class", "method", "k", "drafted", "accepted")]
+    if len(c.ngram_proposal):
+        rows.append(list(c.ngram_proposal))
+        out.packed_ngram_proposal = True
+    if len(c.finished):
+        rows.append([int(x) for x in c.finished])
+        out.packed_finished = True
+    for f in ("traffic_class", "method", "k", "drafted", "accepted", "finished", "ngram_proposal"):
+        out.ClearField(f)  # type: ignore[arg-type]
+    out.packed = np.array(rows, dtype="<u4").tobytes()
+    out.count = n
+    return out
+
+
 def cf(method: str, values: list[int]) -> pb.CounterfactualColumn:
     return pb.CounterfactualColumn(method=method, accepted=values)
 
@@ -311,6 +332,8 @@ def nearly_valid_step(draw: st.DrawFn) -> pb.StepReport:
         finished=draw(st.lists(st.booleans(), min_size=n, max_size=n)) if draw(st.booleans()) else [],
         ngram_proposal=ints(0, 4, 5, 9) if draw(st.booleans()) else [],
     )
+    if draw(st.booleans()):
+        c = packed(c)
     return step(
         c,
         batch_size=n if off != 10 else max(n - 1, 0),
@@ -366,3 +389,41 @@ def test_a_valid_columnar_batch_is_read_at_once() -> None:
     for got, s in zip(fast.steps, steps, strict=True):
         _same_observation(got, observation_from_pb(s))
     _same_batch(fast, StepBatch(steps=[observation_from_pb(s) for s in steps]))
+
+
+def test_packed_and_repeated_columns_read_the_same() -> None:
+    steps = [
+        step(cols(ngram_proposal=[1, 0], counterfactual=[cf("ngram", [2, -1])])),
+        step(cols(accepted=[0, 0])),
+        step(cols(k=[4, 4], drafted=[4, 3], accepted=[4, 0], ngram_proposal=[4, 4])),
+    ]
+    plain = read_batch(pb.StepReportBatch(sequence=1, steps=steps), ENGINE, DEFAULT_LIMITS)
+    for which in ([0, 1, 2], [1]):  # every step packed (the batch path), or some (step by step)
+        mixed = [step(packed(s.columns)) if i in which else s for i, s in enumerate(steps)]
+        got = read_batch(pb.StepReportBatch(sequence=1, steps=mixed), ENGINE, DEFAULT_LIMITS)
+        _same_batch(got, plain)
+        for a, b in zip(got.steps, plain.steps, strict=True):
+            _same_observation(a, b)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: setattr(c, "packed", c.packed[:-4]), "bytes, not 4 x count 2 x 6 columns"),
+        (lambda c: setattr(c, "count", 3), "bytes, not 4 x count 3 x 6 columns"),
+        (lambda c: c.k.extend([2, 2]), "the repeated k both set"),
+        (lambda c: setattr(c, "packed_ngram_proposal", False), "bytes, not 4 x count 2 x 5 columns"),
+        (lambda c: setattr(c, "count", 0), "without a count"),
+    ],
+)
+def test_malformed_packed_columns_are_refused_by_name(change: object, message: str) -> None:
+    c = packed(cols(ngram_proposal=[1, 0]))
+    c.ClearField("finished")
+    c.packed_finished = False
+    c.packed = c.packed[: 4 * 2 * 6]  # the five columns and the n-gram proposals
+    check(step(c))  # valid as built
+    change(c)  # type: ignore[operator]
+    with pytest.raises(TelemetryError) as e:
+        check(step(cols(), time_s=0.5), step(c, batch_size=4))
+    assert e.value.reason == "packed_invalid"
+    assert str(e.value).startswith("steps[1].columns.packed: ") and message in str(e.value)

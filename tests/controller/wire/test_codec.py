@@ -160,7 +160,7 @@ class Encoded:
     finished: np.ndarray
     proposal: np.ndarray | None
 
-    def encode(self, step_no: int) -> pb.StepReport:
+    def encode(self, step_no: int, *, packed: bool = False) -> pb.StepReport:
         return pb.StepReport(
             time_s=float(step_no),
             duration_s=0.01,
@@ -176,6 +176,7 @@ class Encoded:
                 counterfactual={Method.NGRAM: self.cf},
                 finished=self.finished,
                 ngram_proposal=self.proposal,
+                packed=packed,
             ),
         )
 
@@ -223,19 +224,29 @@ def _step(rng: np.random.Generator, n: int, *, hi: int, cf_hi: int, table: tuple
     )
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.integers(1, 1024), st.integers(1, 512), st.integers(1, 40), st.integers(0, 2**32 - 1))
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 1024),
+    st.integers(1, 512),
+    st.integers(1, 40),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["repeated", "packed", "mixed"]),
+)
 def test_a_batch_round_trips_through_the_sidecars_decoder(
-    steps: int, requests: int, classes: int, seed: int
+    steps: int, requests: int, classes: int, seed: int, form: str
 ) -> None:
-    """Encoded by the engines' encoder, read back by validation (the sidecar's decoder): the same arrays."""
+    """Encoded by the engines' encoder, read back by validation (the sidecar's decoder): the same
+    arrays, whether the steps come packed (protocol 2), in repeated fields, or both in one batch."""
     rng = np.random.default_rng(seed)
     table = ("", *(f"class-{i}" for i in range(classes - 1)))  # "" is the default class
     sent = [
         _step(rng, int(rng.integers(1, requests, endpoint=True)), hi=MAX_K, cf_hi=MAX_K, table=table)
         for _ in range(steps)
     ]
-    batch = pb.StepReportBatch(sequence=1, steps=[s.encode(i) for i, s in enumerate(sent)])
+    packed = [form == "packed" or (form == "mixed" and bool(rng.random() < 0.5)) for _ in sent]
+    batch = pb.StepReportBatch(
+        sequence=1, steps=[s.encode(i, packed=p) for i, (s, p) in enumerate(zip(sent, packed, strict=True))]
+    )
     batch = pb.StepReportBatch.FromString(batch.SerializeToString())
     got = validate_batch(batch, WIDE, Limits(max_steps_per_batch=1024, max_requests_per_step=512))
     assert len(got) == steps
@@ -243,12 +254,15 @@ def test_a_batch_round_trips_through_the_sidecars_decoder(
         s.check(obs)
 
 
-def test_the_largest_batch_round_trips() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_largest_batch_round_trips(packed: bool) -> None:
     """1024 steps of 512 requests each: the limits' corner, through the wire and validation."""
     rng = np.random.default_rng(7)
     sent = [_step(rng, 512, hi=MAX_K, cf_hi=MAX_K, table=("code", "chat")) for _ in range(1024)]
     batch = pb.StepReportBatch.FromString(
-        pb.StepReportBatch(sequence=1, steps=[s.encode(i) for i, s in enumerate(sent)]).SerializeToString()
+        pb.StepReportBatch(
+            sequence=1, steps=[s.encode(i, packed=packed) for i, s in enumerate(sent)]
+        ).SerializeToString()
     )
     got = validate_batch(batch, WIDE, Limits(max_steps_per_batch=1024, max_requests_per_step=512))
     for s, obs in zip(sent, got, strict=True):
@@ -261,7 +275,17 @@ def test_values_to_the_types_edges_round_trip(n: int, seed: int) -> None:
     """Beyond what validation allows but within the wire's types (counts to 2^31 - 1 in int32,
     counterfactuals to int32 max): the codec itself loses nothing."""
     s = _step(np.random.default_rng(seed), n, hi=INT32_MAX, cf_hi=INT32_MAX, table=("a", "b", "c"))
-    s.check(observation_from_pb(pb.StepReport.FromString(s.encode(0).SerializeToString())))
+    for packed in (False, True):
+        s.check(observation_from_pb(pb.StepReport.FromString(s.encode(0, packed=packed).SerializeToString())))
+
+
+def test_a_value_outside_uint32_is_refused_packed_as_in_repeated_fields() -> None:
+    for packed in (False, True):
+        with pytest.raises(ValueError):
+            encode_columns(
+                class_names=("a",), class_index=np.zeros(2, np.int64), method=np.zeros(2, np.int8),
+                k=np.array([1, -1]), drafted=np.zeros(2), accepted=np.zeros(2), packed=packed,
+            )  # fmt: skip
 
 
 def test_only_the_used_classes_go_on_the_wire_in_table_order() -> None:

@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.v1 import controller_pb2 as pb
+from controller.wire.codec import PACKED_PROTOCOL
 from controller.wire.link import LinkCore
 
 
-def _step(i: int) -> pb.StepReport:
+def _step(i: int, packed: bool = False) -> pb.StepReport:
     return pb.StepReport(directive_version=i)  # the step's id rides in a field the test owns
 
 
@@ -270,3 +271,28 @@ def test_offers_from_another_thread_are_all_accounted_for() -> None:
     assert len(seen) == len(set(seen)) == s.sent_steps
     assert s.sent_steps + s.dropped_steps == total
     assert seen == sorted(seen)
+
+
+def test_steps_go_packed_only_while_the_sidecar_reads_packed_columns() -> None:
+    forms: list[bool] = []
+
+    def encode(i: int, packed: bool) -> pb.StepReport:
+        forms.append(packed)
+        return _step(i)
+
+    core: LinkCore[int] = LinkCore(encode=encode, queue_steps=100, resend_steps=100)
+    core.opened()
+    core.offer(1)
+    core.next_batch(10)  # before any directive: the sidecar's protocol is unknown
+    core.received(_directive(acked=None))  # an older sidecar: no protocol_version
+    core.offer(2)
+    core.next_batch(10)
+    newer = _directive(acked=None)
+    newer.protocol_version = PACKED_PROTOCOL
+    core.received(newer)
+    core.offer(3)
+    core.next_batch(10)
+    core.received(_directive(acked=None))  # a reconnect to an older sidecar
+    core.offer(4)
+    core.next_batch(10)
+    assert forms == [False, False, True, False]
