@@ -142,9 +142,13 @@ class ControlLoop:
         """
         t = self.totals
         t.steps += len(batch)
-        for d in batch.duration_s.tolist():  # summed step by step, as the engine's busy time grows
+        durations = batch.duration_s.tolist()
+        for d in durations:  # summed step by step, as the engine's busy time grows
             t.busy_s += max(d, 0.0)
-        learnable = [i for i in range(len(batch)) if batch.n[i] and batch.duration_s[i] > 0]
+        # Per step in Python values (indexing numpy arrays element by element costs more).
+        learnable = [
+            i for i, (r, d) in enumerate(zip(batch.n.tolist(), durations, strict=True)) if r and d > 0
+        ]
         if not learnable:
             return
         batch = batch.take(learnable)
@@ -163,8 +167,8 @@ class ControlLoop:
         steps = len(batch)
         known_in = np.bincount(batch.step_of[known], minlength=steps)
         t.ignored_rows += n_all - int(known_in.sum())
-        label_of = [self._label(int(b)) for b in batch.batch_size]
-        learn = [i for i in range(steps) if known_in[i]]
+        label_of = [self._label(b) for b in batch.batch_size.tolist()]
+        learn = [i for i, c in enumerate(known_in.tolist()) if c]
         if not learn:
             return
         pending: list[int] = []
