@@ -248,6 +248,9 @@ class FastLoop:
         self._run = np.full(capacity, np.nan)
         self._k = np.zeros(capacity, dtype=np.int64)
         self._max_k = 0
+        #: Counts every slot assigned or released: a caller's cached request -> slot lookup is
+        #: current while this has not moved.
+        self.slot_changes = 0
 
     @property
     def slot_of(self) -> Callable[[str, int], int]:
@@ -274,6 +277,7 @@ class FastLoop:
         if s >= len(self._steps):
             self._grow()
         self._slot[rid] = s
+        self.slot_changes += 1
         self._ewma[s] = np.nan
         self._steps[s] = 0
         self._run[s] = np.nan
@@ -292,6 +296,7 @@ class FastLoop:
         s = self._slot.pop(request_id, None)
         if s is not None:
             self._free.append(s)
+            self.slot_changes += 1
         return s
 
     def plan(

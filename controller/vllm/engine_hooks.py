@@ -63,9 +63,16 @@ _spec_token_ids = operator.attrgetter("spec_token_ids")
 
 _OFF = METHOD_CODES[Method.OFF]
 _NGRAM = METHOD_CODES[Method.NGRAM]
-#: SchedulerOutput attribute (async scheduling): request -> (method code, K, n-gram proposal) of the
-#: drafts it verifies (proposal -1: unknown when planned).
+#: SchedulerOutput attribute (async scheduling): the plans of the drafts it verifies, as
+#: (requests, one row each: method code, K, n-gram proposal; -1 method: none recorded, -1 proposal:
+#: unknown when planned); see ``verifying_plans``.
 VERIFYING_ATTR = "speccontrol_verifying"
+
+
+def verifying_plans(scheduler_output: Any) -> dict[str, tuple[int, int, int]]:
+    """The plans a scheduler output carries (``VERIFYING_ATTR``), per request that has one."""
+    ids, plans = getattr(scheduler_output, VERIFYING_ATTR, ([], np.zeros((0, 3))))
+    return {rid: (m, k, p) for rid, (m, k, p) in zip(ids, plans.tolist(), strict=True) if m >= 0}
 
 
 def fixed_table_reason(vllm_config: Any, lookup: list[int] | None) -> str | None:
@@ -122,8 +129,6 @@ class EngineHooks:
         self.async_composite = False
         #: Whether the scheduler's K table may be swapped (see ``fixed_table_reason``).
         self.swap_table = True
-        #: request -> (method code, K, n-gram proposal) of its next draft
-        self._planned: dict[str, tuple[int, int, int]] = {}
         #: vLLM's ``-1`` placeholders for a draft of K tokens, index K (async scheduling).
         self._placeholder_lists = [[-1] * k for k in range(controls.engine.max_k + 1)]
 
@@ -277,8 +282,9 @@ class EngineHooks:
         gens = list(filter(None, rows))
         n = len(ids)
         done = getattr(scheduler, "finished_req_ids", None)
+        is_finished: Callable[[str], bool] | None
         if isinstance(done, set):  # vLLM adds every request it finishes or frees (kept until next schedule)
-            is_finished: Callable[[str], bool] = done.__contains__
+            is_finished = done.__contains__ if done else None
         else:
             live = scheduler.requests
 
@@ -292,7 +298,7 @@ class EngineHooks:
                 self.scorer.start(slot, req._all_token_ids)
 
         # async scheduling: the plans the verified drafts were made with travelled with the output
-        plans = getattr(scheduler_output, VERIFYING_ATTR, None) or None
+        plans = getattr(scheduler_output, VERIFYING_ATTR, None)
         cols, finished, ended = self.kernels.after_update(
             ids,
             gens,
@@ -352,7 +358,6 @@ class EngineHooks:
             self.rows.release(s)
             if self.scorer is not None:
                 self.scorer.release(s)
-        self._planned.pop(rid, None)
 
     # -- update_draft_token_ids (synchronous scheduling) -----------------------------------------
 
@@ -385,7 +390,7 @@ class EngineHooks:
         for _ in range(2):
             k.after_update(["a"], [[1]], {"a": [1]}, lambda rid: False, 0.3, start)
             k.choose(ctl.safe, ["a"], [[1] * max_k])
-            k.place(ctl.safe, ["a"], [max_k], 1)  # async scheduling's plan
+            k.place(ctl.safe, ["a"], [max_k], 1, ["a"])  # async scheduling's plan
         log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
     # -- AsyncScheduler._update_after_schedule (async scheduling) ------------------------------
@@ -398,22 +403,22 @@ class EngineHooks:
         that step's output (``VERIFYING_ATTR``), because with the batch queue the update of step N
         can run after step N+1 was scheduled."""
         so = scheduler_output
-        planned = self._planned
-        verifying = list(filter(planned.__contains__, so.scheduled_spec_decode_tokens))
-        setattr(so, VERIFYING_ATTR, dict(zip(verifying, map(planned.pop, verifying), strict=True)))
         reqs = scheduler.requests
         ids = [
             rid for rid in so.num_scheduled_tokens if (r := reqs.get(rid)) is not None and r.spec_token_ids
         ]
-        if not ids:
-            setattr(so, NGRAM_ROWS_ATTR, frozenset())
-            return
         rq = list(map(reqs.__getitem__, ids))
         # The plan in one kernel call (as update_draft_token_ids plans under synchronous scheduling),
-        # cut to each row's placeholders; the rest in C loops (map, zip, compress), no row of Python.
-        methods, ks, proposals = self.kernels.place(
-            self.directive, ids, map(len, map(_spec_token_ids, rq)), len(so.num_scheduled_tokens)
+        # cut to each row's placeholders and kept per slot; the plans of the drafts verified in this
+        # step are taken out to travel with it. The rest in C loops (map, compress), no row of Python.
+        ks, on_ngram, verifying = self.kernels.place(
+            self.directive,
+            ids,
+            list(map(len, map(_spec_token_ids, rq))),
+            len(so.num_scheduled_tokens),
+            so.scheduled_spec_decode_tokens,
         )
+        setattr(so, VERIFYING_ATTR, verifying)
         # Each row's own placeholders (one shared list per K; nobody mutates them: vLLM shares one too).
         collections.deque(
             map(
@@ -421,8 +426,7 @@ class EngineHooks:
             ),
             maxlen=0,
         )
-        planned.update(zip(ids, zip(methods, ks, proposals, strict=True), strict=True))
-        setattr(so, NGRAM_ROWS_ATTR, frozenset(itertools.compress(ids, map(_NGRAM.__eq__, methods))))
+        setattr(so, NGRAM_ROWS_ATTR, frozenset(itertools.compress(ids, on_ngram)))
 
     def close(self) -> None:
         self.link.close()

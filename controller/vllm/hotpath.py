@@ -40,6 +40,7 @@ from policies.rules import feedback_row, plan_row, rule_args
 
 _UNSEEN, _NO_ROOM = -1, -2
 _OFF = METHOD_CODES[Method.OFF]
+_NGRAM = METHOD_CODES[Method.NGRAM]
 _NO_PLAN = (-1, -1, -1)
 #: Rows of the after-update output: the report's columns (PROPOSAL: -1 where the index is off).
 METHOD, K, DRAFTED, ACCEPTED, CF, CLASS, PROPOSAL = range(7)
@@ -60,38 +61,43 @@ def _after_update(
     meta: np.ndarray,
     drafts: np.ndarray,
     pending: np.ndarray,
+    slots: np.ndarray,
     buf: np.ndarray,
+    plans: np.ndarray,
     out: np.ndarray,
     finished: np.ndarray,
     ngram: np.ndarray,
     params: np.ndarray,
     alpha: float,
 ) -> int:
-    """The step's rows from one int64 buffer (``StepKernel.after_update`` lays it out): per row its
-    slot (-1: none yet), tokens sampled, tokens drafted, whether it finished; then (where
-    ``params[8]``) the tokens each row brings to the index (else all it sampled); then (where
-    ``params[7]``) the plan each row's draft was made with, three per row (-1: none recorded); then
-    the tokens themselves, row after row. Writes the report's columns into ``out`` and
-    the finished flags into ``finished``; returns how many rows finished, or _UNSEEN / _NO_ROOM having
-    changed nothing.
+    """The step's rows: ``slots[j]`` (-1: none yet), and from one int64 buffer (``StepKernel.after_update``
+    lays it out) per row the tokens sampled, the tokens drafted; then (where ``params[9]``) whether
+    it finished (else none did); then (where ``params[8]``) the tokens each row brings to the index
+    (else all it sampled); then the tokens themselves, row after row. ``plans[j]`` (where
+    ``params[7]``): the plan row j's draft was made with (-1: none recorded). Writes the report's
+    columns into ``out`` and the finished flags into ``finished``; returns how many rows finished, or
+    _UNSEEN / _NO_ROOM having changed nothing.
 
     params: scoring (0/1), configured method code, max K, the fast loop's max K, min_n, max_n,
-    max_model_len, plans given (0/1), index sizes given (0/1). ``ngram`` is ``[NGRAM code]`` when scoring, else empty."""
+    max_model_len, plans given (0/1), index sizes given (0/1), finished flags given (0/1). ``ngram`` is
+    ``[NGRAM code]`` when scoring, else empty."""
     scoring = params[0] != 0
     configured, max_k, fl_max_k = int(params[1]), int(params[2]), int(params[3])
     min_n, max_n, max_model_len = int(params[4]), int(params[5]), int(params[6])
     n = len(finished)
-    slots, sampled, drafted, done = buf[:n], buf[n : 2 * n], buf[2 * n : 3 * n], buf[3 * n : 4 * n]
-    at = 4 * n
+    sampled, drafted = buf[:n], buf[n : 2 * n]
+    at = 2 * n
+    done = finished  # no row finished unless flags are given (written below, read before)
+    finished[:] = False
+    if params[9] != 0:
+        done = buf[at : at + n] != 0
+        at += n
     sizes = sampled  # what each row brings to the index: what it sampled, unless given
     if params[8] != 0:
         sizes = buf[at : at + n]
         at += n
-    plans = -1
-    if params[7] != 0:
-        plans = at
-        at += 3 * n
     tokens = buf[at:]
+    given = params[7] != 0
     for j in range(n):
         if slots[j] < 0 or not live[slots[j]]:
             return _UNSEEN
@@ -108,12 +114,12 @@ def _after_update(
     ended = 0
     for j in range(n):
         s = int(slots[j])
-        fin = done[j] != 0
+        fin = bool(done[j])
         finished[j] = fin
         ended += fin
-        if plans >= 0 and buf[plans + 3 * j] >= 0:  # async: the plan travelled with the scheduler output
+        if given and plans[j, 0] >= 0:  # async: the plan travelled with the scheduler output
             for c in range(3):
-                verifying[s, c] = buf[plans + 3 * j + c]
+                verifying[s, c] = plans[j, c]
         c = NOT_SCORED
         before = -1
         if scoring:
@@ -211,29 +217,56 @@ def _place(
     cls: np.ndarray,
     class_arm: np.ndarray,
     state: np.ndarray,
-    buf: np.ndarray,
+    placed: np.ndarray,
+    slots: np.ndarray,
+    rooms: np.ndarray,
+    vslots: np.ndarray,
     out: np.ndarray,
+    taken: np.ndarray,
     params: np.ndarray,
     p0: float,
     p1: float,
     p2: float,
 ) -> int:
-    """Async scheduling: each row's plan (``_plan_one``) cut to the placeholders vLLM gave it. ``buf``:
-    the rows' slots (-1: none yet), then their placeholder counts. out rows: method (off where K is
-    0), K, the n-gram proposal planned with. Returns _UNSEEN (nothing changed) when a row has no slot."""
-    n = out.shape[1]
+    """Async scheduling: first the plans of the drafts verified now (slots ``vslots``, -1: none) are
+    taken out of ``placed`` into ``taken`` (-1 rows: none recorded); then each row's plan
+    (``_plan_one``, slot ``slots[j]``) cut to the ``rooms[j]`` placeholders vLLM gave it (``rooms``
+    of one element: every row's) is recorded in ``placed`` (method off where K is 0, K, the n-gram
+    proposal planned with). out rows: K, whether n-gram. Returns _UNSEEN (nothing changed) when a row
+    has no slot."""
+    n = len(slots)
     for j in range(n):
-        if buf[j] < 0:
+        if slots[j] < 0:
             return _UNSEEN
+    for i in range(len(vslots)):
+        s = int(vslots[i])
+        for c in range(3):
+            taken[i, c] = placed[s, c] if s >= 0 else -1
+            if s >= 0:
+                placed[s, c] = -1
+    one_room = len(rooms) == 1
     for j in range(n):
-        m, k, prop = _plan_one(
-            ewma, steps, run, last_k, cls, class_arm, state, int(buf[j]), params, p0, p1, p2
-        )
-        k = min(k, int(buf[n + j]))
-        out[0, j] = m if k > 0 else _OFF
-        out[1, j] = k
-        out[2, j] = prop
+        s = int(slots[j])
+        m, k, prop = _plan_one(ewma, steps, run, last_k, cls, class_arm, state, s, params, p0, p1, p2)
+        k = min(k, int(rooms[0] if one_room else rooms[j]))
+        m = m if k > 0 else _OFF
+        placed[s, PLAN_METHOD] = m
+        placed[s, PLAN_K] = k
+        placed[s, PLAN_PROPOSAL] = prop
+        out[0, j] = k
+        out[1, j] = m == _NGRAM
     return 0
+
+
+def _aligned(plans: tuple[list[str], np.ndarray], ids: Sequence[str]) -> np.ndarray:
+    """The travelling plans (requests, one row each) as one row per request of ``ids`` (-1: none)."""
+    by_id = dict(zip(plans[0], map(tuple, plans[1].tolist()), strict=True))
+    rows = np.fromiter(
+        itertools.chain.from_iterable(map(by_id.get, ids, itertools.repeat(_NO_PLAN))),
+        dtype=np.int64,
+        count=3 * len(ids),
+    )
+    return rows.reshape(len(ids), 3)
 
 
 class StepKernel:
@@ -255,6 +288,12 @@ class StepKernel:
         self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(5, dtype=np.int64),
                           empty_rows, empty_rows)  # fmt: skip
         self._rule_for: tuple[Directive | None, tuple[int, float, float, float]] = (None, (0, 0.0, 0.0, 0.0))
+        self._no_plans = np.zeros((0, 3), dtype=np.int64)
+        self._room = np.zeros(1, dtype=np.int64)
+        #: ``slots_of``'s last answer: the ids, the fast loop's slot changes then, the slots.
+        self._ids: list[str] = []
+        self._ids_changes = -1
+        self._ids_slots = np.zeros(0, dtype=np.int64)
         #: _plan_one's params: rule code (set per call), max K, configured method, composite, scoring.
         self._choose_params = np.array(
             [0, controls.engine.max_k, rows.configured, controls.composite, scorer is not None],
@@ -263,7 +302,7 @@ class StepKernel:
         sc = scorer
         self._update_params = np.array(
             [sc is not None, rows.configured, rows.max_k, 0, sc.min_n if sc is not None else 1, sc.max_n if sc is not None else 1,
-             sc.max_model_len if sc is not None else 0, 0, 0],
+             sc.max_model_len if sc is not None else 0, 0, 0, 0],
             dtype=np.int64,
         )  # fmt: skip
 
@@ -274,64 +313,77 @@ class StepKernel:
         if self.scorer is not None and self.scorer.capacity < cap:
             self.scorer.reserve(cap)
 
+    def slots_of(self, ids: list[str]) -> np.ndarray:
+        """The fast loop's slot of each request (-1: none yet; nothing is assigned). The last answer
+        is kept and given again while the same ids come in the same order and no slot was assigned or
+        released since: in steady decoding the batch is the same from one step to the next."""
+        changes = self.fast.slot_changes
+        if ids != self._ids or changes != self._ids_changes:
+            self._ids_slots = np.fromiter(
+                map(self.fast.slot_of, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids)
+            )
+            self._ids, self._ids_changes = ids, changes
+        return self._ids_slots
+
     def after_update(
         self,
-        ids: Sequence[str],
+        ids: list[str],
         gens: Sequence[Sequence[int]],
         spec: Mapping[str, Sequence[int]],
-        is_finished: Callable[[str], bool],
+        is_finished: Callable[[str], bool] | None,
         alpha: float,
         start: Callable[[int, int], None],
-        plans: Mapping[str, tuple[int, int, int]] | None = None,
+        plans: tuple[list[str], np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """The step's columns (rows METHOD..PROPOSAL of an int32 array), finished flags and how many
         rows finished, for requests ``ids`` that sampled ``gens`` after verifying the drafts ``spec``
-        names (none where absent). ``start(j, slot)`` is called for a request the hooks have not
-        seen: it admits the slot (class, n-gram history). ``plans``: the plan each row's draft was
-        made with (method code, K, n-gram proposal), where it travelled with the scheduler output
-        (async scheduling); otherwise the plan recorded by ``choose``.
+        names (none where absent); ``is_finished`` None: none finished. ``start(j, slot)`` is called
+        for a request the hooks have not seen: it admits the slot (class, n-gram history). ``plans``:
+        the plans the drafts were made with, where they travelled with the scheduler output (async
+        scheduling; ``place``'s requests and plans); otherwise the plan recorded by ``choose``.
 
-        Everything the kernel reads is laid out in one int64 buffer by one ``np.fromiter`` over C-level
-        maps (each numpy call, and each Python-level row, costs more than the kernel's work)."""
+        Everything else the kernel reads per row is laid out in one int64 buffer by one
+        ``np.fromiter`` over C-level maps (each numpy call, and each Python-level row, costs more
+        than the kernel's work)."""
         n = len(ids)
         sc = self.scorer
         params = self._update_params
         params[3] = self.fast.max_k
         params[7] = plans is not None
+        params[9] = is_finished is not None
         out = np.empty((7, n), dtype=np.int32)
         finished = np.empty(n, dtype=np.bool_)
+        aligned = self._no_plans
+        if plans is not None:
+            aligned = plans[1] if plans[0] == ids else _aligned(plans, ids)
         index_gens: list[Sequence[int]] | None = None  # the tokens each row brings, where not all
         while True:
-            parts: list[Iterable[int]] = [
-                map(self.fast.slot_of, ids, itertools.repeat(-1)),
-                map(len, gens),
-                map(len, map(spec.get, ids, itertools.repeat(()))),
-                map(is_finished, ids),
-            ]
-            size = 4 * n
+            slots = self.slots_of(ids)
+            parts: list[Iterable[int]] = [map(len, gens), map(len, map(spec.get, ids, itertools.repeat(())))]
+            size = 2 * n
+            if is_finished is not None:
+                parts.append(map(is_finished, ids))
+                size += n
             if index_gens is not None:
                 parts.append(map(len, index_gens))
                 size += n
-            if plans is not None:
-                parts.append(itertools.chain.from_iterable(map(plans.get, ids, itertools.repeat(_NO_PLAN))))
-                size += 3 * n
             if sc is not None:
                 toks = gens if index_gens is None else index_gens
                 parts.append(itertools.chain.from_iterable(toks))
                 size += sum(map(len, toks))
             buf = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=size)
             ng = sc.arrays() if sc is not None else self._no_index
-            status = _after_update(*self.fast.arrays(), *self.rows.arrays(), *ng, buf, out, finished, self._ngram,
-                                   params, alpha)  # fmt: skip
+            status = _after_update(*self.fast.arrays(), *self.rows.arrays(), *ng, slots, buf, aligned, out, finished,
+                                   self._ngram, params, alpha)  # fmt: skip
             if status >= 0:
                 params[8] = 0
                 return out, finished, status
             if status == _UNSEEN:
-                slots = self.fast.slots(ids)  # new requests get their slots here
+                new_slots = self.fast.slots(ids)  # new requests get their slots here
                 self._reserve()
-                fresh = self.rows.admit(slots)
+                fresh = self.rows.admit(new_slots)
                 for j in fresh:
-                    start(j, int(slots[j]))
+                    start(j, int(new_slots[j]))
                 if fresh and sc is not None:  # a new request's tokens are in the history it started with
                     index_gens = list(gens) if index_gens is None else index_gens
                     for j in fresh:
@@ -363,30 +415,45 @@ class StepKernel:
         return pick_drafts(out[0], out[1], drafts, ngram.tolist() if taken else drafts)
 
     def place(
-        self, directive: Directive, req_ids: Sequence[str], rooms: Iterable[int], batch_size: int
-    ) -> list[list[int]]:
-        """Async scheduling: per request its next draft's method code (off where K is 0), K (at most
-        its ``rooms`` placeholders) and the n-gram proposal it is planned with, as three lists; not
-        recorded (the plan travels with the scheduler output instead)."""
+        self,
+        directive: Directive,
+        req_ids: list[str],
+        rooms: list[int],
+        batch_size: int,
+        verifying: Iterable[str],
+    ) -> tuple[list[int], list[int], tuple[list[str], np.ndarray]]:
+        """Async scheduling: per request its next draft's K (at most its ``rooms`` placeholders) and
+        whether it is n-gram's (0/1), as two lists; the plan (method code, off where K is 0; K; the
+        n-gram proposal) is recorded per slot until a step verifies the draft. The plans of the drafts
+        the ``verifying`` requests verify now are taken out and returned (for ``after_update``, with
+        the scheduler output that carries them): the requests, and one plan row each (-1: none)."""
         n = len(req_ids)
-        rooms = list(rooms)
-        out = np.empty((3, n), dtype=np.int64)
+        vids = list(verifying)
         p0, p1, p2 = self._rule(directive)
         arms = self._arms(directive, batch_size)
+        room = self._room
+        if n and rooms.count(rooms[0]) == n:  # vLLM gives every row the same placeholders
+            room[0] = rooms[0]
+            room_arr = room
+        else:
+            room_arr = np.array(rooms, dtype=np.int64)
+        out = np.empty((2, n), dtype=np.int64)
+        taken = np.empty((len(vids), 3), dtype=np.int64)
         while True:
-            buf = np.fromiter(
-                itertools.chain(map(self.fast.slot_of, req_ids, itertools.repeat(-1)), rooms),
-                dtype=np.int64,
-                count=2 * n,
-            )
-            sc = self.scorer
+            slots = self.slots_of(req_ids)
+            vslots = slots if vids == req_ids else self.fast_slots_of(vids)
             status = _place(*self.fast.arrays(), self.rows.arrays()[1], arms,
-                            sc.arrays()[0] if sc is not None else self._no_state, buf, out, self._choose_params, p0,
-                            p1, p2)  # fmt: skip
+                            self.scorer.arrays()[0] if self.scorer is not None else self._no_state, self.rows.placed,
+                            slots, room_arr, vslots, out, taken, self._choose_params, p0, p1, p2)  # fmt: skip
             if status == 0:
-                return out.tolist()  # type: ignore[no-any-return]
+                ks, on_ngram = out.tolist()
+                return ks, on_ngram, (vids, taken)
             self.fast.slots(req_ids)  # new requests get their slots
             self._reserve()
+
+    def fast_slots_of(self, ids: Sequence[str]) -> np.ndarray:
+        """The fast loop's slot of each request (-1: none), not kept."""
+        return np.fromiter(map(self.fast.slot_of, ids, itertools.repeat(-1)), dtype=np.int64, count=len(ids))
 
     def _rule(self, directive: Directive) -> tuple[float, float, float]:
         """The directive's rule parameters (``rule_args``, cached per directive); its code goes into

@@ -107,6 +107,9 @@ class RequestTable:
         self._full = False
         self._class = np.zeros(capacity, dtype=np.int32)
         self._verifying = np.full((capacity, 3), -1, dtype=np.int64)
+        #: Async scheduling: the plan of each slot's latest placeholders (columns ``PLAN_*``), until a
+        #: step that verifies them takes it (see ``StepKernel.place``).
+        self._placed = np.full((capacity, 3), -1, dtype=np.int64)
         self._live = np.zeros(capacity, dtype=np.bool_)
 
     def admit(self, slots: np.ndarray, *, mark: bool = True) -> list[int]:
@@ -131,15 +134,23 @@ class RequestTable:
             cls[: len(self._class)] = self._class
             ver = np.full((n, 3), -1, dtype=np.int64)
             ver[: len(self._verifying)] = self._verifying
+            placed = np.full((n, 3), -1, dtype=np.int64)
+            placed[: len(self._placed)] = self._placed
             live = np.zeros(n, dtype=np.bool_)
             live[: len(self._live)] = self._live
-            self._class, self._verifying, self._live = cls, ver, live
+            self._class, self._verifying, self._placed, self._live = cls, ver, placed, live
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per slot, for a caller's own kernel (``columns_row``): the pending plan (method, K, n-gram
         proposal; columns ``PLAN_*``), the class
         index, whether admitted. Arrays are replaced by ``reserve``."""
         return self._verifying, self._class, self._live
+
+    @property
+    def placed(self) -> np.ndarray:
+        """Per slot the plan of its latest placeholders (async scheduling; -1: none); replaced by
+        ``reserve``."""
+        return self._placed
 
     def set_class(self, slot: int, name: str) -> None:
         """A new request's class (names beyond ``max_classes`` distinct ones count as the default)."""
@@ -175,6 +186,7 @@ class RequestTable:
 
     def release(self, slot: int) -> None:
         self._verifying[slot] = -1
+        self._placed[slot] = -1
         self._class[slot] = 0
         self._live[slot] = False
 

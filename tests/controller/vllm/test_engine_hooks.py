@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from controller.vllm.control import Controls, engine_info
-from controller.vllm.engine_hooks import VERIFYING_ATTR, EngineHooks, fixed_table_reason
+from controller.vllm.engine_hooks import EngineHooks, fixed_table_reason, verifying_plans
 from controller.vllm.mode import NGRAM_ROWS_ATTR, k_table_only_reason, plugin_mode
 from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
@@ -141,7 +141,7 @@ def test_placeholders_sized_per_request_and_ngram_rows_named() -> None:
     ngram, eagle = METHOD_CODES[Method.NGRAM], METHOD_CODES[Method.EAGLE3]
     # c drafts nothing; each plan carries the n-gram proposal it was made with (the history ends in a
     # run of 7s, so the proposer matches and proposes a whole K)
-    assert getattr(last, VERIFYING_ATTR) == {"a": (ngram, 2, MAX_K), "b": (eagle, 3, MAX_K)}
+    assert verifying_plans(last) == {"a": (ngram, 2, MAX_K), "b": (eagle, 3, MAX_K)}
     rows = _rows(link)[6:]
     assert len(rows) > 800
     want = {"a": ("ngram", 2, 2), "b": ("eagle3", 3, 3), "c": ("off", 0, 0)}
@@ -157,7 +157,7 @@ def test_reports_the_plan_each_draft_was_made_with_across_a_change() -> None:
         if step == 100:
             link.d = _directive(2, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 1)))
         pending.append(s.schedule(h))
-        plans.append(dict(getattr(pending[0], VERIFYING_ATTR)))
+        plans.append(verifying_plans(pending[0]))
         s.update(h, pending.pop(0))
     # Each record carries exactly the plan its scheduler output carried (never the newer one).
     for rec, plan in zip(link.records, plans, strict=True):
