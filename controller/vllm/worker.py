@@ -131,7 +131,13 @@ class DraftMerger:
         self._index = NgramIndex(max_k=max_k, min_n=min_n, max_n=max_n, max_model_len=max_model_len)
         self._slot: dict[str, int] = {}
         self._free: list[int] = []
-        self._no_skip = np.zeros(64, dtype=np.bool_)
+        self._no_skip = np.zeros(64, dtype=np.bool_)  # no row discarded, and no row on n-gram
+        #: Counts slots taken and released: the slots of the last batch (``_ids``, ``_slots``, every
+        #: row tracked) are current while this has not moved since (``_ids_changes``).
+        self._changes = 0
+        self._ids: list[str] = []
+        self._ids_changes = -1
+        self._slots = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -141,6 +147,7 @@ class DraftMerger:
         if s is not None:
             self._index.release(s)
             self._free.append(s)
+            self._changes += 1
 
     def step(
         self,
@@ -170,21 +177,25 @@ class DraftMerger:
             self._release(rid)
         n = len(req_ids)
         stepped = min(len(sampled), n)
+        if len(self._no_skip) < n:
+            self._no_skip = np.zeros(2 * n, dtype=np.bool_)
         if discarded is None:
-            if len(self._no_skip) < n:
-                self._no_skip = np.zeros(2 * n, dtype=np.bool_)
             discarded = self._no_skip
-        found = list(map(self._slot.get, req_ids, itertools.repeat(-1)))
-        if -1 in found:  # requests seen for the first time (C loop above; this only on arrivals)
-            for j in range(stepped):
-                if found[j] < 0 and not discarded[j]:
-                    found[j] = self._start(req_ids[j], known_tokens)
-        slots = np.array(found, dtype=np.int64)
+        if req_ids != self._ids or self._changes != self._ids_changes:  # (a C loop; the batch changed)
+            found = list(map(self._slot.get, req_ids, itertools.repeat(-1)))
+            if -1 in found:  # requests seen for the first time (C loop above; this only on arrivals)
+                for j in range(stepped):
+                    if found[j] < 0 and not discarded[j]:
+                        found[j] = self._start(req_ids[j], known_tokens)
+            self._slots = np.array(found, dtype=np.int64)
+            # Kept for the next step only when every row is tracked (an untracked one is retried).
+            self._ids, self._ids_changes = (list(req_ids), self._changes) if -1 not in found else ([], -1)
+        slots = self._slots
         merge = drafts is not None and drafts.ndim == 2 and drafts.shape[1] > 0 and bool(ngram_rows)
         on = (
             np.fromiter(map(ngram_rows.__contains__, req_ids), dtype=np.bool_, count=n)
             if merge
-            else np.zeros(n, dtype=np.bool_)
+            else self._no_skip  # read for rows below n only
         )
         merged = drafts.copy() if merge and drafts is not None else np.zeros((0, 0), dtype=np.int64)
         ix = self._index
@@ -202,6 +213,7 @@ class DraftMerger:
         s = self._free.pop() if self._free else len(self._slot)
         self._index.start(s, [int(t) for t in base if t >= 0])
         self._slot[rid] = s
+        self._changes += 1
         return s
 
 

@@ -66,6 +66,26 @@ def test_discarded_rows_finished_and_restarted_requests() -> None:
     assert m.step(["e"], _rows([1]), zero, {"e"}, lambda r: None) is None
 
 
+def test_the_runners_batch_list_changed_in_place() -> None:
+    """vLLM's runner hands the same list every step, its rows replaced in place: a replaced row is
+    the new request's (its own history), not the slot the list had before."""
+    m = _merger()
+    prompts = {"a": [1, 2, 1, 2], "b": [5, 6, 5, 6], "c": [7, 8, 7, 8]}
+    ids = ["a", "b"]
+    eagle = np.full((2, K), 100, dtype=np.int64)
+    m.step(ids, _rows([1], [5]), eagle, {"a", "b"}, prompts.get)
+    m.step(ids, _rows([2], [6]), eagle, {"a", "b"}, prompts.get)
+    ids[1] = "c"  # b waits (not finished); c takes its row
+    out = m.step(ids, _rows([1], [7]), eagle, {"a", "c"}, prompts.get)
+    want = {
+        "a": match_ngram(np.array([1, 2, 1, 2, 1, 2, 1], dtype=np.int32), 1, 3, 1 << 20, K).tolist(),
+        "c": match_ngram(np.array([7, 8, 7, 8, 7], dtype=np.int32), 1, 3, 1 << 20, K).tolist(),
+    }
+    assert out is not None
+    for i, r in enumerate(ids):
+        assert out[i].tolist() == want[r] + [want[r][-1]] * (K - len(want[r]))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.integers(0, 5), min_size=1, max_size=30),
