@@ -42,7 +42,8 @@ _UNSEEN, _NO_ROOM = -1, -2
 _OFF = METHOD_CODES[Method.OFF]
 _NGRAM = METHOD_CODES[Method.NGRAM]
 _NO_PLAN = (-1, -1, -1)
-#: Rows of the after-update output: the report's columns (PROPOSAL: -1 where the index is off).
+#: Rows of the after-update output: the report's columns (PROPOSAL: -1 where the index is off), in
+#: this order (the hooks unpack them so).
 METHOD, K, DRAFTED, ACCEPTED, CF, CLASS, PROPOSAL = range(7)
 
 

@@ -20,7 +20,8 @@ from policies.arms import METHODS_BY_CODE, Method
 
 
 # Not frozen: a frozen dataclass's __init__ sets each of these fields through object.__setattr__,
-# about 8 µs per engine step; nothing changes a record after the step builds it.
+# about 8 µs per engine step; nothing changes a record after the step builds it. The engine hook
+# builds it positionally (EngineHooks.after_update): a change of field order changes the call there.
 @dataclass(slots=True)
 class StepRecord:
     time_s: float
