@@ -445,20 +445,21 @@ def _read_columnar_batch(
     sizes: list[int] = []
     scalars: list[tuple[float, float, int, int, float, int]] = []
     classes_of: list[tuple[str, ...]] = []
-    # Every step in one form: packed (count > 0, one layout) or the repeated fields.
-    packed = bool(steps[0].columns.count)
-    layout = (steps[0].columns.packed_ngram_proposal, steps[0].columns.packed_finished)
-    rows = packed_rows(steps[0].columns)
+    # Every step with requests in one form: packed (count > 0, one layout) or the repeated fields (a
+    # step without requests is the same in both). The first step with requests decides.
+    first = next((step.columns for step in steps if step.columns.count or len(step.columns.k)), None)
+    packed = first is not None and bool(first.count)
+    layout = (first.packed_ngram_proposal, first.packed_finished) if packed and first else (False, False)
+    rows = packed_rows(first) if packed and first else 0
     for step in steps:
         if not step.HasField("columns") or len(step.requests) or not _step_scalars_ok(step):
             return None
         c = step.columns
         n_ids = len(c.request_id)
-        if packed:
+        if packed and c.count:
             n = c.count
             if (
-                not n
-                or (c.packed_ngram_proposal, c.packed_finished) != layout
+                (c.packed_ngram_proposal, c.packed_finished) != layout
                 or len(c.packed) != 4 * n * rows
                 or len(c.k)
                 or len(c.traffic_class)
@@ -469,9 +470,9 @@ def _read_columnar_batch(
                 or len(c.ngram_proposal)
             ):
                 return None
-        else:
+        else:  # repeated fields (in a packed batch: a step without requests)
             n = len(c.k)
-            if c.count or len(c.packed) or c.packed_ngram_proposal or c.packed_finished:
+            if c.count or len(c.packed) or c.packed_ngram_proposal or c.packed_finished or (packed and n):
                 return None
             if len(c.traffic_class) != n or len(c.method) != n or len(c.drafted) != n or len(c.accepted) != n:
                 return None
@@ -516,7 +517,7 @@ def _read_columnar_batch(
     ngram_reported: np.ndarray
     if packed:
         tc, method, k, drafted, accepted, proposal, finished = _unpack(columns, sizes, total, layout, rows)
-        ngram_reported = np.full(len(columns), layout[0], dtype=bool)
+        ngram_reported = np.array([layout[0] and n > 0 for n in sizes], dtype=bool)
     else:
         tc, method, k, drafted, accepted = (
             whole(f) for f in ("traffic_class", "method", "k", "drafted", "accepted")
