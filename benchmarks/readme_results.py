@@ -370,6 +370,13 @@ def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
     )
 
 
+#: How the load generator's engines sent their requests (sidecar_load.py's "format").
+_FORMS = {
+    "packed": "packed columnar (as the vLLM plugin sends them)",
+    "columns": "columnar (repeated fields, as sent to a sidecar older than protocol 2)",
+}
+
+
 def sidecar_load_text(doc: dict[str, Any]) -> str:
     where = "docs/results/sidecar-load.json"
     unapplied = _get(doc, "request_steps_unapplied", where)
@@ -377,8 +384,8 @@ def sidecar_load_text(doc: dict[str, Any]) -> str:
     return (
         f"`{_get(doc, 'command', where)}`, sidecar pinned to one core, "
         f"{_get(doc, 'steps_per_s_per_engine', where):g} steps/s per engine, batch {_get(doc, 'batch', where)}, "
-        f"{'columnar' if _get(doc, 'format', where) == 'columns' else 'per-request row'} reports every {_get(doc, 'flush_ms', where):g} ms as the vLLM plugin "
-        f"sends them, {_load(doc, where)}: {_get(doc, 'request_steps_applied_per_s', where):,} request-steps/s "
+        f"{_FORMS.get(_get(doc, 'format', where), 'per-request row')} reports every {_get(doc, 'flush_ms', where):g} ms, "
+        f"{_load(doc, where)}: {_get(doc, 'request_steps_applied_per_s', where):,} request-steps/s "
         f"({_get(doc, 'steps_applied_per_s', where):,} steps/s) applied, {unapplied:,} request-steps left "
         f"unapplied, decision p99 {'–' if p99 is None else f'{p99:.1f}'} ms (wall clock; the rounds' own "
         f"CPU time p99 {_get(doc, 'decision_cpu_ms.p99', where):.1f} ms); the sidecar used "

