@@ -1,7 +1,7 @@
 """The plugin's per-step work as one compiled batch kernel per hook.
 
 ``update_from_output`` (``StepKernel.after_update``): for every request that sampled this step, the
-n-gram index takes its new tokens (every row's first, so the batch's cache misses overlap), scores its
+n-gram index takes its new tokens (every row's first), scores its
 pending draft and drafts anew (``ngram.append_row`` / ``advance_row``), the report's columns are read
 off the plan recorded for the verified draft (``rows.columns_row``; under async scheduling the plan
 came with the scheduler output), and the fast loop folds in the feedback (``rules.feedback_row``).
@@ -107,10 +107,10 @@ def _after_update(
     mixed = np.ones(len(ngram), dtype=np.bool_)
     cf_rows = out[CF : CF + 1]
     ngram_row = 0 if scoring else -1
-    if scoring:  # every row's tokens first: the index's probes of the whole batch overlap
+    if scoring:  # every row's tokens first (room was made for all of them above)
         at = 0  # row j's tokens: tokens[at : at + sizes[j]]
         for j in range(n):
-            append_row(state, pool, table, meta, int(slots[j]), tokens, at, at + int(sizes[j]), min_n, max_n)
+            append_row(state, pool, meta, int(slots[j]), tokens, at, at + int(sizes[j]))
             at += int(sizes[j])
     ended = 0
     for j in range(n):
@@ -286,7 +286,7 @@ class StepKernel:
         self._no_drafts = np.zeros((0, 1), dtype=np.int32)
         empty_rows = np.zeros((0, 1), dtype=np.int32)
         #: The n-gram index's arrays where there is none (the kernel never reads them then).
-        self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(5, dtype=np.int64),
+        self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(4, dtype=np.int64),
                           empty_rows, empty_rows)  # fmt: skip
         self._rule_for: tuple[Directive | None, tuple[int, float, float, float]] = (None, (0, 0.0, 0.0, 0.0))
         self._no_plans = np.zeros((0, 3), dtype=np.int64)

@@ -89,7 +89,7 @@ def _step_merge(
     if not room(state, pool, table, meta, held, sizes, max_n - min_n + 1):
         return -1
     buf = np.empty(max(width, 1), dtype=np.int32)
-    for j in range(n):  # every row's tokens first: the index's probes of the whole batch overlap
+    for j in range(n):  # every row's tokens first (room was made for all of them above)
         if new[j] >= 0:
             c = 0
             for t in range(width):
@@ -97,7 +97,7 @@ def _step_merge(
                 if x >= 0:
                     buf[c] = x
                     c += 1
-            append_row(state, pool, table, meta, int(slots[j]), buf, 0, c, min_n, max_n)
+            append_row(state, pool, meta, int(slots[j]), buf, 0, c)
     out = 0
     cols = merged.shape[1]
     for j in range(n):
