@@ -25,7 +25,8 @@ What must hold:
   forgotten and counted in ``LinkStats.evicted_steps``. The send queue holds at most ``queue_steps``.
   So every offered step is sent once, resent while unacknowledged, or counted as dropped or evicted.
 * Steps go out packed (``RequestColumns.packed``) only while the stream's sidecar says it reads them;
-  a batch kept for a resend keeps the form it was built in (a sidecar that reads protocol 2 reads both).
+  a kept batch built in the other form is encoded again from its steps before it is resent (same
+  sequence, same steps), so a sidecar that does not read packed columns never gets them.
 * Thread safety: ``offer`` may run on the engine's thread concurrently with the rest (a deque append,
   no lock, so the engine step never waits on the link); every other method holds one lock and never
   blocks on I/O.
@@ -45,6 +46,15 @@ from controller.wire.convert import directive_from_pb
 from policies.directive import Directive
 
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Kept(Generic[T]):
+    """A batch kept for a resend, with the steps it was encoded from and the form it was encoded in."""
+
+    batch: pb.StepReportBatch
+    steps: list[T]
+    packed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +108,7 @@ class LinkCore(Generic[T]):
         self._dropped = 0  # written by ``offer`` only
         self._dropped_reported = 0
         self._sequence = 0
-        self._unacked: deque[pb.StepReportBatch] = deque()
+        self._unacked: deque[_Kept[T]] = deque()
         self._unacked_steps = 0
         self._acks = False
         self._acked = 0
@@ -138,7 +148,7 @@ class LinkCore(Generic[T]):
             self._packed = msg.protocol_version >= PACKED_PROTOCOL
             if self._acks:
                 self._acked = msg.acked_sequence
-                while self._unacked and self._unacked[0].sequence <= msg.acked_sequence:
+                while self._unacked and self._unacked[0].batch.sequence <= msg.acked_sequence:
                     self._unacked_steps -= len(self._unacked.popleft().steps)
             if not self._connected:
                 self._connected = True
@@ -159,7 +169,15 @@ class LinkCore(Generic[T]):
             if not self._acks:
                 self._unacked.clear()
                 self._unacked_steps = 0
-            out = list(self._unacked)
+            for kept in self._unacked:
+                if kept.packed != self._packed:  # built for another sidecar: encoded again
+                    kept.batch = pb.StepReportBatch(
+                        sequence=kept.batch.sequence,
+                        steps=[self._encode(step, self._packed) for step in kept.steps],
+                        dropped_steps=kept.batch.dropped_steps,
+                    )
+                    kept.packed = self._packed
+            out = [kept.batch for kept in self._unacked]
             self._resent += len(out)
             return out
 
@@ -170,14 +188,15 @@ class LinkCore(Generic[T]):
             if not self._queue:
                 return None
             n = min(max_steps, len(self._queue))
-            steps = [self._encode(self._queue.popleft(), self._packed) for _ in range(n)]
+            records = [self._queue.popleft() for _ in range(n)]
+            steps = [self._encode(step, self._packed) for step in records]
             self._sequence += 1
             dropped = self._dropped - self._dropped_reported
             self._dropped_reported += dropped
             batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
             self._sent += n
             if self._acks:
-                self._unacked.append(batch)
+                self._unacked.append(_Kept(batch, records, self._packed))
                 self._unacked_steps += n
                 while self._unacked_steps > self.resend_steps and len(self._unacked) > 1:
                     old = len(self._unacked.popleft().steps)

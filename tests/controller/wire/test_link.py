@@ -296,3 +296,30 @@ def test_steps_go_packed_only_while_the_sidecar_reads_packed_columns() -> None:
     core.offer(4)
     core.next_batch(10)
     assert forms == [False, False, True, False]
+
+
+def test_a_kept_batch_is_encoded_again_for_a_sidecar_that_reads_another_form() -> None:
+    forms: list[tuple[int, bool]] = []
+
+    def encode(i: int, packed: bool) -> pb.StepReport:
+        forms.append((i, packed))
+        return _step(i)
+
+    core: LinkCore[int] = LinkCore(encode=encode, queue_steps=100, resend_steps=100)
+    core.opened()
+    newer = _directive(acked=0)
+    newer.protocol_version = PACKED_PROTOCOL
+    core.received(newer)
+    for i in (1, 2, 3):
+        core.offer(i)
+    sent = core.next_batch(2)
+    assert sent is not None and forms == [(1, True), (2, True)]
+    core.closed()
+    core.opened()  # the sidecar came back older: it acknowledges, but reads no packed columns
+    core.received(_directive(acked=0))
+    again = core.resume()
+    assert forms[2:] == [(1, False), (2, False)]  # the kept steps, encoded again
+    assert [b.sequence for b in again] == [sent.sequence]
+    assert [s.directive_version for s in again[0].steps] == [1, 2]
+    assert core.resume() == again  # encoded once: a second resume resends the same batch
+    assert len(forms) == 4
