@@ -176,7 +176,7 @@ def random_columns(draw: st.DrawFn) -> pb.RequestColumns:
     def col(values: st.SearchStrategy[int]) -> list[int]:
         return draw(st.lists(values, min_size=n, max_size=n) | st.lists(values, max_size=7))
 
-    return pb.RequestColumns(
+    c = pb.RequestColumns(
         request_id=draw(st.lists(st.text(max_size=3), min_size=n, max_size=n) | st.just([])),
         classes=draw(st.lists(st.sampled_from(["", "code", "chat", "c" * 65]), max_size=3)),
         traffic_class=col(SMALL | U32),
@@ -196,6 +196,29 @@ def random_columns(draw: st.DrawFn) -> pb.RequestColumns:
         ),
         finished=draw(st.lists(st.booleans(), min_size=n, max_size=n) | st.just([])),
     )
+    # Or the packed form (protocol 2): well formed, or with its length, count, flags or a repeated
+    # column beside it wrong.
+    form = draw(st.sampled_from(["repeated", "packed", "broken"]))
+    if form == "repeated":
+        return c
+    proposals, finished = draw(st.booleans()), draw(st.booleans())
+    count = n if form == "packed" else draw(st.integers(0, 7))
+    width = (5 + proposals + finished) * count
+    data = np.array(draw(st.lists(SMALL | U32, min_size=width, max_size=width)), dtype="<u4").tobytes()
+    if form == "broken":
+        data = data[: draw(st.integers(0, len(data)))]
+    out = pb.RequestColumns(
+        request_id=c.request_id,
+        classes=c.classes,
+        counterfactual=c.counterfactual,
+        packed=data,
+        count=count,
+        packed_ngram_proposal=proposals,
+        packed_finished=finished,
+    )
+    if form == "broken" and draw(st.booleans()):
+        out.k.extend(c.k)  # both forms at once
+    return out
 
 
 @settings(max_examples=200, deadline=None)
