@@ -276,10 +276,20 @@ class EngineHooks:
         spec = scheduler_output.scheduled_spec_decode_tokens
         # The rows: requests that sampled this step (a prefill chunk samples nothing). Comprehensions
         # and map (C loops) only: on the hot path one numpy call costs more than a Python row.
-        past = itertools.repeat(n_sampled)  # a request without a row reads the empty one past the end
-        rows = list(map([*(sampled or ()), ()].__getitem__, map(min, map(index, requests, past), past)))
-        ids = list(itertools.compress(requests, rows))
-        gens = list(filter(None, rows))
+        rows = None
+        if sampled:
+            try:  # the usual step: every request has its row (no default, no clamp, no copy)
+                rows = list(map(sampled.__getitem__, map(mro.req_id_to_index.__getitem__, requests)))
+            except (KeyError, IndexError):
+                rows = None
+        if rows is None:
+            past = itertools.repeat(n_sampled)  # a request without a row reads the empty one past the end
+            rows = list(map([*(sampled or ()), ()].__getitem__, map(min, map(index, requests, past), past)))
+        if all(rows):  # every request sampled (no prefill chunk)
+            ids, gens = list(requests), rows
+        else:
+            ids = list(itertools.compress(requests, rows))
+            gens = list(filter(None, rows))
         n = len(ids)
         done = getattr(scheduler, "finished_req_ids", None)
         is_finished: Callable[[str], bool] | None
