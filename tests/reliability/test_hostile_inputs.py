@@ -22,6 +22,7 @@ from controller.sidecar import MAX_CLASSES_PER_ENGINE
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.validation import MAX_SEQUENCE
+from controller.wire.codec import request_columns
 from policies.arms import Arm, Method
 from policies.engine import EngineInfo
 from policies.presets import preset_text, resolve_policy_text
@@ -278,17 +279,29 @@ def test_a_huge_policy_file_is_refused_without_being_read(tmp_path: Path) -> Non
         resolve_policy_text(str(binary))
 
 
-async def test_an_engine_naming_a_new_class_every_step_grows_nothing_beyond_the_cap(sidecar: Sidecar) -> None:
+def _class_step(i: int, form: str) -> pb.StepReport:
+    """Step ``i``: one request of a class never seen before (rows, or packed columns as the plugin)."""
+    s = step(t=float(i), accepted=[1])
+    if form == "rows":
+        s.requests[0].traffic_class = f"class-{i}"
+        return s
+    s.ClearField("requests")
+    s.columns.CopyFrom(
+        request_columns(request_ids=["r0"], classes=[f"class-{i}"], methods=["eagle3"], ks=[2], drafted=[2],
+                        accepted=[1], packed=True)
+    )  # fmt: skip
+    return s
+
+
+@pytest.mark.parametrize("form", ["rows", "packed"])
+async def test_an_engine_naming_a_new_class_every_step_grows_nothing_beyond_the_cap(
+    sidecar: Sidecar, form: str
+) -> None:
     eng = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello("classy")))
     try:
         await eng.directive()
         for b in range(4):  # 400 steps, each with a class never seen before
-            steps = []
-            for j in range(100):
-                s = step(t=float(b * 100 + j), accepted=[1])
-                s.requests[0].traffic_class = f"class-{b * 100 + j}"
-                steps.append(s)
-            eng.report(*steps)
+            eng.report(*(_class_step(b * 100 + j, form) for j in range(100)))
         await until(lambda: sidecar.engines()["classy"].loop.totals.steps == 400)  # nothing refused
         await until(lambda: sidecar.engines()["classy"].loop.rounds >= 1)
     finally:
