@@ -24,9 +24,9 @@ What must hold:
 * The keep buffer holds at most ``resend_steps`` steps (but always the newest batch); older batches are
   forgotten and counted in ``LinkStats.evicted_steps``. The send queue holds at most ``queue_steps``.
   So every offered step is sent once, resent while unacknowledged, or counted as dropped or evicted.
-* Steps go out packed (``RequestColumns.packed``) only while the stream's sidecar says it reads them;
-  a kept batch built in the other form is encoded again from its steps before it is resent (same
-  sequence, same steps), so a sidecar that does not read packed columns never gets them.
+* Steps go out packed (``RequestColumns.packed``) only while the stream's sidecar says it reads them.
+  A batch is kept as its steps (not as the message sent) and encoded again when it is resent, in the
+  form the sidecar of the new stream reads: same sequence, same steps.
 * Thread safety: ``offer`` may run on the engine's thread concurrently with the rest (a deque append,
   no lock, so the engine step never waits on the link); every other method holds one lock and never
   blocks on I/O.
@@ -48,13 +48,14 @@ from policies.directive import Directive
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Kept(Generic[T]):
-    """A batch kept for a resend, with the steps it was encoded from and the form it was encoded in."""
+    """A batch kept for a resend: its number, the drops it reported and its steps (encoded again on
+    a resend, in the form the sidecar then reads)."""
 
-    batch: pb.StepReportBatch
+    sequence: int
+    dropped_steps: int
     steps: list[T]
-    packed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +149,7 @@ class LinkCore(Generic[T]):
             self._packed = msg.protocol_version >= PACKED_PROTOCOL
             if self._acks:
                 self._acked = msg.acked_sequence
-                while self._unacked and self._unacked[0].batch.sequence <= msg.acked_sequence:
+                while self._unacked and self._unacked[0].sequence <= msg.acked_sequence:
                     self._unacked_steps -= len(self._unacked.popleft().steps)
             if not self._connected:
                 self._connected = True
@@ -169,15 +170,14 @@ class LinkCore(Generic[T]):
             if not self._acks:
                 self._unacked.clear()
                 self._unacked_steps = 0
-            for kept in self._unacked:
-                if kept.packed != self._packed:  # built for another sidecar: encoded again
-                    kept.batch = pb.StepReportBatch(
-                        sequence=kept.batch.sequence,
-                        steps=[self._encode(step, self._packed) for step in kept.steps],
-                        dropped_steps=kept.batch.dropped_steps,
-                    )
-                    kept.packed = self._packed
-            out = [kept.batch for kept in self._unacked]
+            out = [
+                pb.StepReportBatch(
+                    sequence=kept.sequence,
+                    steps=[self._encode(step, self._packed) for step in kept.steps],
+                    dropped_steps=kept.dropped_steps,
+                )
+                for kept in self._unacked
+            ]
             self._resent += len(out)
             return out
 
@@ -196,7 +196,7 @@ class LinkCore(Generic[T]):
             batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
             self._sent += n
             if self._acks:
-                self._unacked.append(_Kept(batch, records, self._packed))
+                self._unacked.append(_Kept(self._sequence, dropped, records))
                 self._unacked_steps += n
                 while self._unacked_steps > self.resend_steps and len(self._unacked) > 1:
                     old = len(self._unacked.popleft().steps)
