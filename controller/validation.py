@@ -24,6 +24,7 @@ from controller.wire.codec import (
     observation_from_pb,
     packed_problem,
     packed_rows,
+    unpack_columns,
 )
 from controller.wire.convert import engine_info_from_hello
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
@@ -449,8 +450,9 @@ def _read_columnar_batch(
     # step without requests is the same in both). The first step with requests decides.
     first = next((step.columns for step in steps if step.columns.count or len(step.columns.k)), None)
     packed = first is not None and bool(first.count)
-    layout = (first.packed_ngram_proposal, first.packed_finished) if packed and first else (False, False)
-    rows = packed_rows(first) if packed and first else 0
+    layout, rows = (False, False), 0
+    if first is not None and packed:
+        layout, rows = (first.packed_ngram_proposal, first.packed_finished), packed_rows(first)
     for step in steps:
         if not step.HasField("columns") or len(step.requests) or not _step_scalars_ok(step):
             return None
@@ -516,7 +518,11 @@ def _read_columnar_batch(
 
     ngram_reported: np.ndarray
     if packed:
-        tc, method, k, drafted, accepted, proposal, finished = _unpack(columns, sizes, total, layout, rows)
+        tc, method, k, drafted, accepted, *extra = unpack_columns(
+            columns, sizes, proposals=layout[0], finished=layout[1]
+        )
+        proposal = extra[0] if layout[0] else np.zeros(total, dtype=np.int64)
+        finished = extra[-1] if layout[1] else np.zeros(total, dtype=bool)
         ngram_reported = np.array([layout[0] and n > 0 for n in sizes], dtype=bool)
     else:
         tc, method, k, drafted, accepted = (
@@ -600,30 +606,6 @@ def _read_columnar_batch(
         ngram_reported=ngram_reported,
         counterfactual=counterfactual,
     )
-
-
-def _unpack(
-    columns: list[pb.RequestColumns], sizes: list[int], total: int, layout: tuple[bool, bool], rows: int
-) -> tuple[np.ndarray, ...]:
-    """Packed steps (one layout, lengths checked) as columns over every row, from one read of their
-    bytes: traffic_class, method, k, drafted, accepted, ngram_proposal (0 when not packed), all int64,
-    and finished (bool). ``rows``: the columns each step packs (``packed_rows``)."""
-    words = np.frombuffer(b"".join([c.packed for c in columns]), dtype="<u4").astype(np.int64)
-    if len(set(sizes)) == 1:  # the usual batch: every step the same size
-        block = words.reshape(len(sizes), rows, sizes[0]).transpose(1, 0, 2).reshape(rows, total)
-    else:  # request g of step i: its column r at starts[i] + r * n_i + (g - offsets[i])
-        n = np.asarray(sizes, dtype=np.int64)
-        starts = np.zeros(len(sizes), dtype=np.int64)
-        np.cumsum(rows * n[:-1], out=starts[1:])
-        offsets = np.zeros(len(sizes), dtype=np.int64)
-        np.cumsum(n[:-1], out=offsets[1:])
-        at = np.repeat(starts - offsets, n) + np.arange(total)
-        block = words[at + np.arange(rows)[:, None] * np.repeat(n, n)]
-    extra = iter(block[5:])
-    proposal = next(extra) if layout[0] else np.zeros(total, dtype=np.int64)
-    finished = next(extra) != 0 if layout[1] else np.zeros(total, dtype=bool)
-    tc, method, k, drafted, accepted = block[:5]
-    return tc, method, k, drafted, accepted, proposal, finished
 
 
 def _batch_classes(

@@ -165,20 +165,47 @@ def _ints(col: Any) -> np.ndarray:
     return np.fromiter(col, dtype=np.int64, count=len(col))
 
 
+def unpack_columns(
+    columns: Sequence[pb.RequestColumns], sizes: Sequence[int], *, proposals: bool, finished: bool
+) -> tuple[np.ndarray, ...]:
+    """Packed steps of one layout (``packed_problem`` found nothing; ``sizes``: each step's count, 0
+    for a step without requests) as columns over all their rows, from one read of their bytes:
+    traffic_class, method, k, drafted, accepted and, when packed, ngram_proposal (int64) and finished
+    (bool)."""
+    rows = 5 + proposals + finished
+    total = sum(sizes)
+    words = np.frombuffer(b"".join([c.packed for c in columns]), dtype="<u4").astype(np.int64)
+    if len(set(sizes)) == 1:  # one step, or every step the same size
+        block = words.reshape(len(sizes), rows, sizes[0]).transpose(1, 0, 2).reshape(rows, total)
+    else:  # request g of step i: its column r at starts[i] + r * n_i + (g - offsets[i])
+        n = np.asarray(sizes, dtype=np.int64)
+        starts = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(rows * n[:-1], out=starts[1:])
+        offsets = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(n[:-1], out=offsets[1:])
+        at = np.repeat(starts - offsets, n) + np.arange(total)
+        block = words[at + np.arange(rows)[:, None] * np.repeat(n, n)]
+    out = list(block[:5])
+    if proposals:
+        out.append(block[5])
+    if finished:
+        out.append(block[rows - 1] != 0)
+    return tuple(out)
+
+
 def decode_columns(c: pb.RequestColumns) -> StepColumns:
     """The columns as sent; lengths are not compared (validation does, before it trusts them). A
     packed step must have its layout checked first (``packed_problem``): else ValueError."""
     if c.count:
-        if packed_problem(c):
-            raise ValueError(f"decode_columns: {packed_problem(c)}")
-        n = c.count
-        block = np.frombuffer(c.packed, dtype="<u4").astype(np.int64).reshape(packed_rows(c), n)
-        tc, method, k, drafted, accepted = block[:5]
-        extra = iter(block[5:])
-        proposal = next(extra) if c.packed_ngram_proposal else None
-        finished = next(extra) != 0 if c.packed_finished else None
+        problem = packed_problem(c)
+        if problem:
+            raise ValueError(f"decode_columns: {problem}")
+        proposals, finished = c.packed_ngram_proposal, c.packed_finished
+        tc, method, k, drafted, accepted, *extra = unpack_columns(
+            [c], [c.count], proposals=proposals, finished=finished
+        )
         return StepColumns(
-            n=n,
+            n=c.count,
             classes=tuple(c.classes),
             request_id=tuple(c.request_id),
             traffic_class=tc,
@@ -187,8 +214,8 @@ def decode_columns(c: pb.RequestColumns) -> StepColumns:
             drafted=drafted,
             accepted=accepted,
             counterfactual=tuple((col.method, _ints(col.accepted)) for col in c.counterfactual),
-            finished=finished,
-            ngram_proposal=proposal,
+            finished=extra[-1] if finished else None,
+            ngram_proposal=extra[0] if proposals else None,
         )
     return StepColumns(
         n=len(c.k),
