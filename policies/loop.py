@@ -196,7 +196,6 @@ class ControlLoop:
             share = np.repeat(batch.duration_s / n, n)
         row_label = None if len(set(label_of)) == 1 else np.repeat(np.array(label_of), n)
         classes = batch.class_of if self._learn_classes else None
-        class_names = batch.class_names if classes is not None else ()
         all_known = len(learn) == steps and bool(known.all())
         for label in dict.fromkeys(label_of[i] for i in learn):
             in_bucket = known if row_label is None else known & (row_label == label)
@@ -207,7 +206,7 @@ class ControlLoop:
                     Context(bucket=label), arm[in_bucket], tokens[in_bucket], _rows(share, in_bucket)
                 )
             if classes is not None:
-                for c, j in sorted((class_names[j], j) for j in set(classes[in_bucket].tolist())):
+                for c, j in batch.classes_in(in_bucket):
                     rows_c = in_bucket & (classes == j)
                     ctx = Context(bucket=label, traffic_class=c)
                     self._accumulate(ctx, arm[rows_c], tokens[rows_c], _rows(share, rows_c))
@@ -228,12 +227,13 @@ class ControlLoop:
         codes = list(METHODS_BY_CODE)
         r = batch.rows(i)
         method, k, accepted = batch.method[r], batch.k[r], batch.accepted[r]
-        # Pooled first, then the step's own classes by name: (name, index into class_names or -1).
-        classes = batch.class_of[r]
+        # Pooled first, then the step's own classes by name: (name, index into class_names or -1). The
+        # class column is read only when classes are learnt (a batch of whole steps builds it on use).
         names = [(ANY_CLASS, -1)]
+        classes = None
         if self._learn_classes:
-            all_names = batch.class_names
-            names += sorted((all_names[j], j) for j in set(classes.tolist()))
+            classes = batch.class_of[r]
+            names += batch.classes_in(r)
         now = float(batch.time_s[i])
         for code in np.unique(method):
             m = METHODS_BY_CODE[int(code)]
@@ -252,7 +252,7 @@ class ControlLoop:
         self,
         now: float,
         names: list[tuple[str, int]],
-        classes: np.ndarray,
+        classes: np.ndarray | None,
         method: Method,
         rows: np.ndarray,
         k: np.ndarray,
@@ -261,7 +261,7 @@ class ControlLoop:
         assert self.drift is not None
         rows = rows & (k > 0)
         for cls, j in names:
-            sel = rows if j < 0 else rows & (classes == j)
+            sel = rows if classes is None or j < 0 else rows & (classes == j)
             if sel.any() and self.drift.feed((cls, method.value), (accepted[sel] >= 1).astype(np.float64)):
                 self.totals.drift_alarms += 1
                 self._alarms.append((cls, method))

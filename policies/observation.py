@@ -272,6 +272,11 @@ class StepBatch:
             return names * len(of)
         return tuple(names[j] for j in of.tolist())
 
+    def classes_in(self, rows: np.ndarray | slice) -> list[tuple[str, int]]:
+        """The traffic classes the selected rows name, as (name, index into ``class_names``), by name."""
+        names, of = self._class_columns()
+        return sorted((names[j], j) for j in set(of[rows].tolist()))
+
     def _class_columns(self) -> tuple[tuple[str, ...], np.ndarray]:
         if self._classes is None:
             assert self._steps is not None

@@ -223,11 +223,12 @@ class GoodputModel(Learner):
         names: list[str] | None = None
         cls_of = np.zeros(0, dtype=np.int64)
         if per_class:
-            all_names, of = batch.class_names, batch.class_of
-            names = sorted({all_names[j] for j in np.unique(of).tolist()})
-            index = {c: i for i, c in enumerate(names)}
-            # Each row's class as an index into the sorted names (classes no row has map to 0).
-            cls_of = np.array([index.get(c, 0) for c in all_names], dtype=np.int64)[of]
+            present = batch.classes_in(slice(None))
+            names = [c for c, _ in present]
+            # Each row's class as an index into the sorted names of the classes rows have.
+            lut = np.zeros(len(batch.class_names), dtype=np.int64)
+            lut[[j for _, j in present]] = np.arange(len(present))
+            cls_of = lut[batch.class_of]
             share = np.bincount(step_of * len(names) + cls_of, minlength=len(batch) * len(names))
             share = share.reshape(len(batch), -1) / n[:, None]
         batch_size = batch.batch_size.tolist()
