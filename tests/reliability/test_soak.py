@@ -216,11 +216,16 @@ async def test_soak(
     served = await asyncio.to_thread(Serve, cfg, state, log=log)
     rng = random.Random(0)
     link = LinkSettings(time_scale=1.0, flush_interval_s=0.02, backoff_initial_s=0.02, backoff_max_s=0.2)
+    # The steady engines outlast every kill and restart, however slow the machine: the cycles take
+    # ``seconds`` of churn plus the restarts, the broker outage and the fleet policies, and an engine
+    # that finishes while the sidecar is down ends its link with its workload, so it never comes back
+    # (its last reports stay unacknowledged).
+    steady_s = seconds * 1.5
     steady = [
         EmbeddedEngine(
             target=served.engine,
             settings=EngineSettings(engine_id=f"steady-{i}"),
-            workload=demo_workload(seed=i, duration_s=seconds),
+            workload=demo_workload(seed=i, duration_s=steady_s),
             link=link,
         )
         for i in range(STEADY)
@@ -273,7 +278,7 @@ async def test_soak(
             # Steady engines back before any churn can take their place (restored engines are idle).
             await until(lambda c=connects: all(e.stats.connects > n for e, n in zip(steady, c, strict=True)))  # type: ignore[misc]
         for e in steady:
-            await asyncio.wait_for(e.wait(), seconds + WAIT_S * 4)
+            await asyncio.wait_for(e.wait(), steady_s + WAIT_S * 4)
         async with grpc.aio.insecure_channel(served.admin) as ch:
             admin = pb_grpc.AdminServiceStub(ch)  # type: ignore[no-untyped-call]
             engines: dict[str, pb.EngineStatus] = {}
