@@ -23,9 +23,13 @@ What the engine's host adds per step (``Profile.host_time``, optional sections, 
 
 * ``scheduling.sync_step_s``: the CPU scheduling time that vLLM's async scheduling hides behind the
   GPU step and synchronous scheduling pays on top of it (engine models say which they assume).
-* ``plugin.step_s`` + ``plugin.per_request_s`` x batch: the controller plugin's own work on the engine
-  thread, charged in full to every step of an engine a controller drives (a conservative bound: under
-  async scheduling part of it overlaps the GPU step). Static arms run a plain vLLM and pay nothing.
+* ``plugin.<mode>.step_s`` + ``plugin.<mode>.per_request_s`` x batch: the controller plugin's own work
+  on the engine thread in the mode the engine runs it (``PLUGIN_MODES``: the K table only, the
+  composite drafter under async or synchronous scheduling; the engine model names its mode), charged
+  in full to every step of an engine a controller drives (a conservative bound: under async
+  scheduling part of it overlaps the GPU step). Static arms run a plain vLLM and pay nothing. A flat
+  ``plugin.step_s`` / ``plugin.per_request_s`` is one charge for every mode (a mode's own section
+  overrides it).
 
 ``Profile.step_time`` prices one step (floats) or a whole run at once (arrays, one entry per step)
 with the same arithmetic.
@@ -37,7 +41,7 @@ import importlib.resources
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, get_args, overload
 
 import numpy as np
 import yaml
@@ -53,6 +57,25 @@ class ProfileError(ValueError):
 DraftCost = Literal["per_forward", "per_draft"]
 DRAFT_COSTS: tuple[DraftCost, ...] = ("per_forward", "per_draft")
 _X = TypeVar("_X", float, np.ndarray)
+#: The modes the controller plugin runs in, each with its own measured cost (``plugin.<mode>``): the K
+#: table only (batch-granular engines), the composite drafter under async scheduling (vLLM's GPU
+#: default; also K per request), and the composite drafter under synchronous scheduling.
+PluginMode = Literal["k_table", "composite", "composite_sync"]
+PLUGIN_MODES: tuple[PluginMode, ...] = get_args(PluginMode)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginCost:
+    """The plugin's engine-thread seconds per step in one mode: ``step_s + per_request_s x batch``."""
+
+    step_s: float = 0.0
+    per_request_s: float = 0.0
+
+    def at(self, batch: _X) -> _X:
+        return self.step_s + self.per_request_s * batch  # type: ignore[return-value]
+
+
+_NO_PLUGIN = PluginCost()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,18 +142,28 @@ class Profile:
     eagle3_cost: DraftCost = "per_forward"
     #: Seconds per step that synchronous scheduling adds over async (``scheduling.sync_step_s``).
     sync_step_s: float = 0.0
-    #: The controller plugin's engine-thread seconds per step, fixed and per request (``plugin.*``).
-    plugin_step_s: float = 0.0
-    plugin_per_request_s: float = 0.0
+    #: The controller plugin's engine-thread time per step in each mode it runs in (``plugin.*``;
+    #: a mode without a figure costs nothing).
+    plugin_k_table: PluginCost = _NO_PLUGIN
+    plugin_composite: PluginCost = _NO_PLUGIN
+    plugin_composite_sync: PluginCost = _NO_PLUGIN
     #: Seconds per drafted position in a P-EAGLE pass (``draft.p_eagle.slot_s``, default 0).
     p_eagle_slot_s: float = 0.0
 
-    def host_time(self, *, batch: _X, sync: bool, plugin: bool) -> _X:
+    def plugin_cost(self, mode: PluginMode) -> PluginCost:
+        return {
+            "k_table": self.plugin_k_table,
+            "composite": self.plugin_composite,
+            "composite_sync": self.plugin_composite_sync,
+        }[mode]
+
+    def host_time(self, *, batch: _X, sync: bool, plugin: PluginMode | None) -> _X:
         """Seconds the engine's host adds to a step of ``batch`` requests: synchronous scheduling's
-        share (``sync``) and the controller plugin's work (``plugin``). Floats or arrays alike."""
+        share (``sync``) and the controller plugin's work in its mode (``plugin``; None: a plain vLLM).
+        Floats or arrays alike."""
         t = self.sync_step_s if sync else 0.0
-        if plugin:
-            return t + self.plugin_step_s + self.plugin_per_request_s * batch  # type: ignore[return-value]
+        if plugin is not None:
+            return t + self.plugin_cost(plugin).at(batch)  # type: ignore[return-value]
         return t + 0.0 * batch  # type: ignore[return-value]
 
     # -- step pricing (one step with floats, or many at once with arrays: the same arithmetic) --------
@@ -230,8 +263,9 @@ class Profile:
 
 def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0) -> float:
     v = d.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < lo:
-        raise ProfileError(f"{where}.{key}: expected a number >= {lo}, got {v!r}")
+    # not (v >= lo): NaN fails too; and a profile's times and sizes are finite.
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= lo) or v == float("inf"):
+        raise ProfileError(f"{where}.{key}: expected a finite number >= {lo}, got {v!r}")
     return float(v)
 
 
@@ -252,15 +286,34 @@ def _draft_cost(e3: Mapping[str, Any], source: str) -> DraftCost:
     raise ProfileError(f"{source}: draft.eagle3.cost: expected one of {', '.join(DRAFT_COSTS)}, got {v!r}")
 
 
-def _host_section(d: Mapping[str, Any], source: str) -> dict[str, float]:
-    """The optional ``scheduling`` and ``plugin`` sections (0 where a section is absent)."""
+_COST_KEYS = ("step_s", "per_request_s")
+
+
+def _plugin_cost(d: Mapping[str, Any], where: str) -> PluginCost:
+    return PluginCost(_num(d, "step_s", where), _num(d, "per_request_s", where))
+
+
+def _host_section(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The optional ``scheduling`` and ``plugin`` sections (0 where a section or a mode is absent)."""
     sched = _map(d["scheduling"], f"{source}: scheduling") if "scheduling" in d else None
-    plugin = _map(d["plugin"], f"{source}: plugin") if "plugin" in d else None
-    return {
+    out: dict[str, Any] = {
         "sync_step_s": _num(sched, "sync_step_s", "scheduling") if sched is not None else 0.0,
-        "plugin_step_s": _num(plugin, "step_s", "plugin") if plugin is not None else 0.0,
-        "plugin_per_request_s": _num(plugin, "per_request_s", "plugin") if plugin is not None else 0.0,
     }
+    if "plugin" not in d:
+        return out
+    plugin = _map(d["plugin"], f"{source}: plugin")
+    unknown = sorted(str(k) for k in plugin if k not in (*_COST_KEYS, *PLUGIN_MODES))
+    if unknown:
+        raise ProfileError(
+            f"{source}: plugin.{unknown[0]}: unknown key (expected {', '.join((*_COST_KEYS, *PLUGIN_MODES))})"
+        )
+    flat = _plugin_cost(plugin, "plugin") if any(k in plugin for k in _COST_KEYS) else _NO_PLUGIN
+    for mode in PLUGIN_MODES:
+        where = f"plugin.{mode}"
+        out[f"plugin_{mode}"] = (
+            _plugin_cost(_map(plugin[mode], f"{source}: {where}"), where) if mode in plugin else flat
+        )
+    return out
 
 
 def parse_profile(data: Any, *, source: str) -> Profile:

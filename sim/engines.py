@@ -19,8 +19,10 @@ Every policy is scored under the constraints and the information a real engine h
 * ``no-spec``: speculation not configured at all (the baseline for "speedup vs no spec").
 
 Every model assumes vLLM's GPU default, async scheduling, unless it says ``sync``. The controller
-plugin's own cost per step (the profile's ``plugin`` section) is charged by the stepping kernel to
-engines a controller drives, whatever the model: static arms are a plain vLLM.
+plugin's own cost per step, in the mode it runs on the model (``EngineModel.plugin_mode``: the K table
+only on batch-granular engines, the composite drafter's per-request path otherwise; the profile's
+``plugin.<mode>``), is charged by the stepping kernel to engines a controller drives: static arms are
+a plain vLLM.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Literal
 
 from policies.arms import OFF, Arm, Method
 from policies.engine import EngineInfo, Granularity
+from sim.costmodel import PluginMode
 
 KS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 Scheduling = Literal["async", "sync"]
@@ -60,6 +63,15 @@ class EngineModel:
     @property
     def sync(self) -> bool:
         return self.scheduling == "sync"
+
+    @property
+    def plugin_mode(self) -> PluginMode:
+        """The mode a controller's plugin runs in on this engine (what it costs: the profile's
+        ``plugin.<mode>``): the K table only on batch-granular engines, else the composite drafter's
+        per-request path under this engine's scheduling."""
+        if self.granularity is Granularity.BATCH_STEP:
+            return "k_table"
+        return "composite_sync" if self.sync else "composite"
 
     def arms(self, max_k: int) -> tuple[Arm, ...]:
         out: list[Arm] = []

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from sim.costmodel import DRAFT_COSTS, DraftCost, Linear, Profile
+from sim.costmodel import DRAFT_COSTS, DraftCost, Linear, PluginCost, Profile
 from sim.engines import EngineModel
 from sim.steplog import StepLog
 from sim.vectorised import step_features
@@ -188,8 +188,9 @@ def profile_of(base: Profile, theta: Sequence[float] | np.ndarray, draft_cost: D
         eagle3_cost=draft_cost,
         # Recorded step times already hold the engine's host time (its scheduling, the plugin).
         sync_step_s=0.0,
-        plugin_step_s=0.0,
-        plugin_per_request_s=0.0,
+        plugin_k_table=PluginCost(),
+        plugin_composite=PluginCost(),
+        plugin_composite_sync=PluginCost(),
     )
 
 

@@ -106,6 +106,7 @@ class StepKernel:
         self.fast = fast if fast is not None else FastLoop()
         #: A controller drives this engine (its plugin's cost is charged per step; static arms: False).
         self.controlled = controlled
+        self._plugin = engine.plugin_mode if controlled else None
         self._base = trace.offsets[:-1]
         self._out = trace.output_tokens
         self._prompt = trace.prompt_tokens
@@ -273,7 +274,7 @@ class StepKernel:
             p_eagle_spec=pe_spec,
             ngram_rows=float(is_ng),
         )
-        return gpu + self.profile.host_time(batch=float(nd), sync=self.engine.sync, plugin=self.controlled)
+        return gpu + self.profile.host_time(batch=float(nd), sync=self.engine.sync, plugin=self._plugin)
 
     def _advance(self, emitted: np.ndarray, admit: np.ndarray) -> np.ndarray:
         """Move the decoders on, retire the finished ones, let the prefilled ones join."""

@@ -135,7 +135,7 @@ def price(
             prompt=prompt,
         )
     )
-    out: np.ndarray = gpu + profile.host_time(batch=np.zeros(n_steps), sync=engine.sync, plugin=False)
+    out: np.ndarray = gpu + profile.host_time(batch=np.zeros(n_steps), sync=engine.sync, plugin=None)
     return out
 
 

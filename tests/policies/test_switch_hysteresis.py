@@ -12,7 +12,7 @@ from policies.arms import Arm, Method
 from policies.context import Context
 from policies.guards import keeps_current
 from policies.spec import PolicySpec, parse_policy
-from sim.costmodel import load_profile
+from sim.costmodel import PluginCost, load_profile
 from sim.engines import ENGINES
 from sim.replay import Replayer
 from sim.traffic import generate
@@ -109,7 +109,12 @@ def test_a_k_table_engine_leaves_its_first_k_when_another_is_better() -> None:
     from sim.engines import engine_for_arm
 
     # Decisions alone: without the plugin's cost per step, which only the driven engine pays.
-    prof = dataclasses.replace(PROFILE, plugin_step_s=0.0, plugin_per_request_s=0.0)
+    prof = dataclasses.replace(
+        PROFILE,
+        plugin_k_table=PluginCost(),
+        plugin_composite=PluginCost(),
+        plugin_composite_sync=PluginCost(),
+    )
     tr = generate("chat", n_requests=300, seed=3)
     best = max(
         Replayer(

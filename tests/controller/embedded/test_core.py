@@ -3,7 +3,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from controller.embedded.core import EngineCore, EngineSettings
+from controller.embedded.core import ENGINE_MODEL, EngineCore, EngineSettings
 from controller.embedded.workload import Phase, Schedule, build_workload
 from controller.wire.codec import observation_from_pb
 from policies.arms import METHODS_BY_CODE, Arm, Method
@@ -190,11 +190,10 @@ def test_a_controlled_engine_pays_the_plugin_and_a_plain_one_does_not() -> None:
         durations[plain] = np.array([s.duration_s for s in steps])
         batch = np.array([len(s.columns.method) for s in steps], dtype=np.float64)
     extra = durations[False] - durations[True]
-    assert PROFILE.plugin_step_s > 0
+    charge = PROFILE.plugin_cost(ENGINE_MODEL.plugin_mode)
+    assert ENGINE_MODEL.plugin_mode == "composite" and charge.step_s > 0
     # Steps that decode (both draft with EAGLE-3); a prefill-only step also differs by the head's
     # forward, which the composite drafter always runs and a plain vLLM does not.
     decode = batch > 0
     assert decode.sum() > 40
-    np.testing.assert_allclose(
-        extra[decode], PROFILE.plugin_step_s + PROFILE.plugin_per_request_s * batch[decode], rtol=1e-9
-    )
+    np.testing.assert_allclose(extra[decode], charge.at(batch[decode]), rtol=1e-9)
