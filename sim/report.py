@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from sim.compare import Comparison, Entry, arm_share, summary_rows
+from sim.costmodel import PluginMode, Profile
 from sim.engines import ENGINES
 from sim.run import RunResult, arm_of_code
 from sim.sizing import extra_sizings, profile_sizing
@@ -40,6 +41,25 @@ def _nan_none(o: Any) -> Any:
     raise TypeError(type(o).__name__)
 
 
+def _host_line(prof: Profile) -> str:
+    """What the engine's host adds per step, by engine model (``Profile.host_time``)."""
+    by_mode: dict[PluginMode, list[str]] = {}
+    for e in ENGINES.values():
+        if e.methods:  # an engine without speculation runs no controller
+            by_mode.setdefault(e.plugin_mode, []).append(f"`{e.name}`")
+    costs = "; ".join(
+        f"{', '.join(names)} {prof.plugin_cost(mode).at(8.0) * 1e3:.2f} / {prof.plugin_cost(mode).at(32.0) * 1e3:.2f} ms"
+        for mode, names in by_mode.items()
+    )
+    sync = ", ".join(f"`{e.name}`" for e in ENGINES.values() if e.sync)
+    return (
+        f"- Host time per step: every engine model assumes async scheduling (vLLM's GPU default) but {sync}, "
+        f"which pays {prof.sync_step_s * 1e3:.2f} ms a step; the controller plugin, in the mode it runs on "
+        f"each engine, at batch 8 / 32: {costs}; charged to engines a controller drives (a static arm alone "
+        "is a plain vLLM and pays nothing)."
+    )
+
+
 def markdown(cmp: Comparison, *, command: str = "", plots: list[str] | None = None) -> str:
     tr, prof = cmp.trace, cmp.profile
     lines = [f"# Simulation report: {tr.name} on {prof.name}", ""]
@@ -53,6 +73,7 @@ def markdown(cmp: Comparison, *, command: str = "", plots: list[str] | None = No
         f"- Profile: `{prof.name}` — {prof.description}. {prof.derivation}",
         f"- Loop: {'open loop (arrival times; concurrency = cap on running requests)' if cmp.open_loop else 'closed loop at fixed concurrency'}",
         "- Engines: " + "; ".join(f"`{e.name}`: {e.description}" for e in ENGINES.values()),
+        _host_line(prof),
         "",
         "Baseline: `× best static` is throughput / the best single static arm *that run's engine model can "
         "play* (the arms it loads; the arm in brackets), the baseline of the README and "

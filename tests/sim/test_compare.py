@@ -54,6 +54,11 @@ def test_report_states_the_baseline_in_its_header(drift: Comparison) -> None:
     best = drift.block(next(e for e in drift.entries if e.label == "default @ composite").runs[1], 1)
     cell = row.split("|")[3].strip()
     assert cell == f"{best['best_static_of_engine']['ratio']:.3f} ({best['best_static_of_engine']['arm']})"
+    # The report says what each engine's host adds: scheduling, and the plugin in its mode.
+    host = next(line for line in md.splitlines() if line.startswith("- Host time per step:"))
+    k_table = drift.profile.plugin_k_table
+    assert f"`stock-vllm-p-eagle` {k_table.at(8.0) * 1e3:.2f} / {k_table.at(32.0) * 1e3:.2f} ms" in host
+    assert "but `composite-sync`, which pays" in host
 
 
 def test_best_static_among_skips_arms_that_did_not_run(drift: Comparison) -> None:
