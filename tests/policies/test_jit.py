@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from policies import jit
+from policies.jit import prefetch
 
 
 @jit.kernel
@@ -44,3 +45,22 @@ def test_the_switch_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
         assert jit.compiling() == jit.numba_available()
     finally:
         jit.use_numba(None)
+
+
+@jit.kernel
+def _sum_prefetched(table: np.ndarray, rows: np.ndarray, flat: np.ndarray) -> int:
+    for i in range(len(rows)):
+        prefetch(table, int(rows[i]))  # a hint only: a 2-d array's row
+        prefetch(flat, int(rows[i]))  # and a 1-d array's element
+    total = 0
+    for i in range(len(rows)):
+        total += int(table[rows[i], 1]) + int(flat[rows[i]])
+    return total
+
+
+@pytest.mark.usefixtures("kernels")
+def test_prefetch_is_a_hint_that_changes_no_result() -> None:
+    table = np.arange(30, dtype=np.int64).reshape(10, 3)
+    flat = np.arange(10, dtype=np.int32) * 7
+    rows = np.array([9, 0, 4, 4], dtype=np.int64)
+    assert _sum_prefetched(table, rows, flat) == sum(3 * r + 1 + 7 * r for r in (9, 0, 4, 4))
