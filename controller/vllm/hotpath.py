@@ -291,6 +291,7 @@ class StepKernel:
         self._no_index = (self._no_state, self._no_tokens, self._no_state, np.zeros(4, dtype=np.int64),
                           empty_rows, empty_rows)  # fmt: skip
         self._rule_for: tuple[Directive | None, tuple[int, float, float, float]] = (None, (0, 0.0, 0.0, 0.0))
+        self._fast_max_k = 0  # the fast loop's max K as last put in _update_params
         self._no_plans = np.zeros((0, 3), dtype=np.int64)
         self._room = np.zeros(1, dtype=np.int64)
         #: ``slots_of``'s last answer: the ids, the fast loop's slot changes then, the slots.
@@ -351,7 +352,8 @@ class StepKernel:
         n = len(ids)
         sc = self.scorer
         params = self._update_params
-        params[3] = self.fast.max_k
+        if self.fast.max_k != self._fast_max_k:  # (a numpy store costs more than the comparison)
+            params[3] = self._fast_max_k = self.fast.max_k
         params[7] = plans is not None
         params[9] = is_finished is not None
         out = np.empty((7, n), dtype=np.int32)
@@ -425,7 +427,8 @@ class StepKernel:
         batch_size: int,
         verifying: Iterable[str],
     ) -> tuple[list[int], list[int], tuple[list[str], np.ndarray]]:
-        """Async scheduling: per request its next draft's K (at most its ``rooms`` placeholders) and
+        """Async scheduling: per request its next draft's K (at most its ``rooms`` placeholders: one
+        per request, or one for every request) and
         whether it is n-gram's (0/1), as two lists; the plan (method code, off where K is 0; K; the
         n-gram proposal) is recorded per slot until a step verifies the draft. The plans of the drafts
         the ``verifying`` requests verify now are taken out and returned (for ``after_update``, with
@@ -435,7 +438,7 @@ class StepKernel:
         p0, p1, p2 = self._rule(directive)
         arms = self._arms(directive, batch_size)
         room = self._room
-        if n and rooms.count(rooms[0]) == n:  # vLLM gives every row the same placeholders
+        if len(rooms) == 1 or (n and rooms.count(rooms[0]) == n):  # every row the same placeholders
             room[0] = rooms[0]
             room_arr = room
         else:
@@ -463,11 +466,11 @@ class StepKernel:
         the kernels' params."""
         if self._rule_for[0] is not directive:
             self._rule_for = (directive, rule_args(directive))
-        rule, p0, p1, p2 = self._rule_for[1]
-        if rule:
-            self.fast.note_max_k(self.controls.engine.max_k)
-        self._choose_params[0] = rule
-        return p0, p1, p2
+            rule = self._rule_for[1][0]
+            if rule:
+                self.fast.note_max_k(self.controls.engine.max_k)
+            self._choose_params[0] = rule
+        return self._rule_for[1][1:]  # type: ignore[return-value]
 
     def _arms(self, directive: Directive, batch_size: int) -> np.ndarray:
         """Each known class's planned (method code, K) at this batch size (cached)."""
