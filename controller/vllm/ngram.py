@@ -128,20 +128,21 @@ def _propose(
     n-grams that end at the last token.
 
     The lookups are the indexing: probing the suffix n-grams longest first, the first one found has
-    every shorter suffix indexed already (they occurred where it did), and the ones not found are new
-    at this position, so they are inserted (after the draft is read: a draft never matches itself).
+    every shorter suffix indexed already (they occurred where it did), and each one not found is new
+    at this position, so it goes where its probe ended (no lookup of another size matches it, and a
+    size is looked up once: a draft never matches itself).
     """
     base = int(state[s, BASE])
     total = int(state[s, LEN])
     owner = s * (1 << 31) + int(state[s, GEN])
     k = min(drafts.shape[1], max_model_len - total)
     out = 0
-    new_hi = min(max_n, total)  # suffix n-grams min_n..new_hi not seen before: insert them
-    new_lo = new_hi + 1
     if int(state[s, INDEXED]) < total:
+        used = int(meta[_USED])
         for n in range(min(max_n, total), min_n - 1, -1):
             at = base + total - n
-            found, _ = _find(table, pool, base, owner, at, n, _hash(pool, at, n, owner))
+            h = _hash(pool, at, n, owner)
+            found, i = _find(table, pool, base, owner, at, n, h)
             if found >= 0:
                 if k > 0:
                     start = found + n
@@ -149,12 +150,6 @@ def _propose(
                     for j in range(out):
                         drafts[s, j] = pool[base + start + j]
                 break
-            new_lo = n
-        used = int(meta[_USED])
-        for n in range(new_lo, new_hi + 1):
-            at = base + total - n
-            h = _hash(pool, at, n, owner)
-            _, i = _find(table, pool, base, owner, at, n, h)
             table[i, _KEY] = h + 1
             table[i, _OWNER] = owner
             table[i, _POS] = (total - n) * 64 + n
