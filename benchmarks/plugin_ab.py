@@ -8,7 +8,7 @@ on one CPU: whatever slows the machine slows both alike, and the other process w
 steps.
 
     .venv-vllm/bin/python benchmarks/plugin_ab.py BEFORE_TREE AFTER_TREE [--batches 8,32]
-        [--steps 400] [--rounds 3] [--history 2000] [--mode composite-async] [--json FILE]
+        [--steps 400] [--rounds 3] [--history 2000] [--mode composite-async] [--cold-mb 4] [--json FILE]
 
 (e.g. a worktree of main and yours; the same tree twice shows the noise floor.) Per batch it prints
 each tree's figure (the CPU time in the hooks per step: the median over a round's steps, then the
@@ -31,6 +31,7 @@ clock); the two never run a step at the same time.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -44,7 +45,9 @@ MODES = ("k-table", "composite-sync", "composite-async")
 _READY, _RESULT = "ready", "result "
 
 
-def _child(tree: Path, batches: list[int], history: int, steps: int, rounds: int, mode: str, cpu: int) -> int:
+def _child(
+    tree: Path, batches: list[int], history: int, steps: int, rounds: int, mode: str, cpu: int, cold_mb: int
+) -> int:
     """Run ``tree``'s scripted benchmark, each step gated on a "go" line from stdin, on CPU ``cpu``."""
     if cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu})
@@ -58,6 +61,8 @@ def _child(tree: Path, batches: list[int], history: int, steps: int, rounds: int
     for mod in (bench, hooks):
         if not Path(mod.__file__ or "").resolve().is_relative_to(tree.resolve()):
             raise SystemExit(f"plugin_ab: imported {mod.__file__}, not {tree}'s")
+    if cold_mb and "cold_mb" not in inspect.signature(bench._scripted).parameters:
+        raise SystemExit(f"plugin_ab: {tree}'s benchmark has no cold_mb (plugin_overhead.py --cold-mb)")
     base = bench.HookClock
 
     class GatedClock(base):  # type: ignore[misc,valid-type]
@@ -86,7 +91,11 @@ def _child(tree: Path, batches: list[int], history: int, steps: int, rounds: int
     for b in batches:
         for _ in range(rounds):
             before = GatedClock.gated_steps
-            r = bench._scripted(b, history, steps, mode)
+            r = (
+                bench._scripted(b, history, steps, mode, cold_mb)
+                if cold_mb
+                else bench._scripted(b, history, steps, mode)
+            )
             GatedClock.gate = False
             if GatedClock.gated_steps - before < steps:
                 raise SystemExit(f"plugin_ab: {tree}'s benchmark does not set clock.on each step")
@@ -116,7 +125,7 @@ class _Tree:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--child", str(tree), "--batches", args.batches, "--history",
              str(args.history), "--steps", str(args.steps), "--rounds", str(args.rounds), "--mode", args.mode,
-             "--cpu", str(args.cpu)],
+             "--cpu", str(args.cpu), "--cold-mb", str(args.cold_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=tree,
             env={**os.environ, "PYTHONPATH": str(tree)},
         )  # fmt: skip
@@ -208,6 +217,13 @@ def main() -> int:
         default=_default_cpu(),
         help="the CPU both trees run on (-1: wherever the OS puts them)",
     )
+    ap.add_argument(
+        "--cold-mb",
+        type=int,
+        default=0,
+        help="MB written before every hook call, outside its clock (plugin_overhead.py --cold-mb: cold caches, "
+        "as in an engine); 0: off",
+    )
     ap.add_argument("--json", metavar="FILE", help="write the figures here")
     ap.add_argument("--child", metavar="TREE", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -217,8 +233,11 @@ def main() -> int:
         ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
     if args.steps < 1 or args.rounds < 1 or args.history < 1 or not all(0 < b <= 32 for b in batches):
         ap.error("need --steps, --rounds, --history >= 1 and batches in 1..32")
+    if not 0 <= args.cold_mb <= 4096:
+        ap.error(f"--cold-mb: 0..4096, got {args.cold_mb}")
     if args.child:
-        return _child(Path(args.child), batches, args.history, args.steps, args.rounds, args.mode, args.cpu)
+        return _child(Path(args.child), batches, args.history, args.steps, args.rounds, args.mode, args.cpu,
+                      args.cold_mb)  # fmt: skip
     if len(args.trees) != 2:
         ap.error("give two trees: BEFORE_TREE AFTER_TREE")
     paths = [Path(t).resolve() for t in args.trees]
@@ -238,7 +257,8 @@ def main() -> int:
     load_after = os.getloadavg()[0]
     before, after = (t.result or {} for t in trees)
     res = {str(b): _summary(before[str(b)], after[str(b)]) for b in batches}
-    print(f"{args.mode}, {args.history}-token histories, {args.steps} steps x {args.rounds} rounds, stepped "
+    cold = f", {args.cold_mb} MB written before each hook call" if args.cold_mb else ""
+    print(f"{args.mode}{cold}, {args.history}-token histories, {args.steps} steps x {args.rounds} rounds, stepped "
           f"alternately; load average {load:.2f} -> {load_after:.2f} on {os.cpu_count()} cores")  # fmt: skip
     print(f"  before: {paths[0]}\n  after:  {paths[1]}")
     for b in batches:
@@ -247,7 +267,7 @@ def main() -> int:
               f"per-step ratio x{r['paired_step_ratio']}; rounds {r['before_rounds_us']} / {r['after_rounds_us']})")  # fmt: skip
         print(f"  by hook, before: {r['before_by_hook']}\n  by hook, after:  {r['after_by_hook']}")
     if args.json:
-        doc = {"mode": args.mode, "history_tokens": args.history, "steps": args.steps, "rounds": args.rounds,
+        doc = {"mode": args.mode, "cold_mb": args.cold_mb, "history_tokens": args.history, "steps": args.steps, "rounds": args.rounds,
                "trees": [str(p) for p in paths], "load_average_1min": [round(load, 2), round(load_after, 2)],
                "batches": res}  # fmt: skip
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

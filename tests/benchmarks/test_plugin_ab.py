@@ -109,3 +109,10 @@ def test_this_checkout_against_itself(tmp_path: Path) -> None:
     r = json.loads(out.read_text())["batches"]["2"]
     assert r["before_us"] > 0 and r["after_us"] > 0
     assert set(r["after_by_hook"]) >= {"after_update", "choose_drafts"}
+
+
+def test_cold_caches_need_a_benchmark_that_can_evict_them(tmp_path: Path) -> None:
+    a, b = _fake_tree(tmp_path, "a", 1.0), _fake_tree(tmp_path, "b", 1.0)
+    proc = _run(str(a), str(b), "--batches", "2", "--steps", "5", "--rounds", "1", "--cold-mb", "1")
+    assert proc.returncode == 1
+    assert "has no cold_mb" in proc.stderr
