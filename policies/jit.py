@@ -82,30 +82,58 @@ def prefetch(arr: Any, i: int) -> None:
     ``prefetch``) and goes on; as Python, nothing."""
 
 
-@functools.cache
 def _numba_prefetch() -> Any:
+    """``prefetch`` for compiled kernels: LLVM's ``prefetch`` intrinsic, named as this LLVM names it
+    (overloaded on the pointer type since LLVM 12; pointers opaque since 17, where the typed name is
+    still upgraded), or a hint that does nothing before LLVM 12."""
+    from llvmlite import binding  # type: ignore[import-not-found,unused-ignore]
+
+    version = binding.llvm_version_info
+    return _prefetch_hint(
+        "llvm.prefetch.p0" if version >= (17,) else "llvm.prefetch.p0i8" if version >= (12,) else ""
+    )
+
+
+@functools.cache
+def _prefetch_hint(name: str) -> Any:
+    """A numba intrinsic that calls LLVM's intrinsic ``name`` (a prefetch's) on an array element's
+    address; a hint that does nothing where ``name`` is empty or this LLVM raises on it (compiled once
+    here, so that shows now and not in a kernel). An unknown ``llvm.`` name can crash LLVM rather than
+    raise: only prefetch's names come here."""
+    import numpy as np
     from llvmlite import ir  # type: ignore[import-not-found,unused-ignore]
-    from numba import types  # type: ignore[import-not-found,unused-ignore]
+    from numba import njit, types  # type: ignore[import-not-found,unused-ignore]
     from numba.core import cgutils  # type: ignore[import-not-found,unused-ignore]
     from numba.extending import intrinsic  # type: ignore[import-not-found,unused-ignore]
 
-    @intrinsic  # type: ignore[untyped-decorator,unused-ignore]
-    def numba_prefetch(typingctx: Any, arr: Any, i: Any) -> Any:
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            aryty = signature.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            idx = [args[1]] + [context.get_constant(types.intp, 0)] * (aryty.ndim - 1)
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
-            i8p = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep, data
-            return context.get_dummy_value()
+    def make(emit: bool) -> Any:
+        @intrinsic  # type: ignore[untyped-decorator,unused-ignore]
+        def numba_prefetch(typingctx: Any, arr: Any, i: Any) -> Any:
+            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+                if emit:
+                    aryty = signature.args[0]
+                    ary = context.make_array(aryty)(context, builder, args[0])
+                    idx = [args[1]] + [context.get_constant(types.intp, 0)] * (aryty.ndim - 1)
+                    ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx)
+                    i8p = ir.IntType(8).as_pointer()
+                    i32 = ir.IntType(32)
+                    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+                    fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+                    builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep, data
+                return context.get_dummy_value()
 
-        return types.void(arr, i), codegen
+            return types.void(arr, i), codegen
 
-    return numba_prefetch
+        return numba_prefetch
+
+    if not name:
+        return make(False)
+    hint = make(True)
+    try:
+        njit(lambda a: hint(a, 1))(np.zeros((2, 3), dtype=np.int64))
+    except Exception:
+        return make(False)
+    return hint
 
 
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:

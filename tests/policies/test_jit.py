@@ -64,3 +64,19 @@ def test_prefetch_is_a_hint_that_changes_no_result() -> None:
     flat = np.arange(10, dtype=np.int32) * 7
     rows = np.array([9, 0, 4, 4], dtype=np.int64)
     assert _sum_prefetched(table, rows, flat) == sum(3 * r + 1 + 7 * r for r in (9, 0, 4, 4))
+
+
+def test_prefetch_compiles_under_each_name_llvm_gave_it_and_to_nothing_without_one() -> None:
+    numba = pytest.importorskip("numba")
+    # The opaque-pointer name, the typed one (LLVM 12-16; later ones upgrade it), none (before 12).
+    for name in ("llvm.prefetch.p0", "llvm.prefetch.p0i8", ""):
+        hint = jit._prefetch_hint(name)
+
+        def plus_one(a: np.ndarray) -> int:
+            hint(a, 0)  # noqa: B023 (compiled now, with this loop's hint)
+            return int(a[0]) + 1
+
+        compiled = numba.njit(plus_one)
+        assert compiled(np.array([41], dtype=np.int64)) == 42
+        ir = compiled.inspect_llvm(compiled.signatures[0])
+        assert ("call void @llvm.prefetch" in ir) == bool(name)
