@@ -365,8 +365,22 @@ def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
         f"without the plugin: {per_batch(engine, 'engine_step_us_without_plugin', where)} µs); the same "
         f"hooks alone on a scripted scheduler (`--scripted`, `{_get(scripted, 'mode', where_s)}`, "
         f"{_load(scripted, where_s)}{runs}): {per_batch(scripted, 'us_per_step', where_s)} µs{spread} (K-table-only "
-        f"in the same run{'s' if repeat > 1 else ''}: {per_batch(scripted, 'baseline_k_table_us_per_step', where_s)} µs; "
-        f"`docs/results/plugin-overhead*.json`)."
+        f"in the same run{'s' if repeat > 1 else ''}: {per_batch(scripted, 'baseline_k_table_us_per_step', where_s)} µs"
+        f"{_cold_text(scripted, where_s)}; `docs/results/plugin-overhead*.json`)."
+    )
+
+
+def _cold_text(scripted: dict[str, Any], where: str) -> str:
+    """The scripted runs with the caches evicted before every hook (``--cold-mb``), where the file has them."""
+    if not scripted.get("cold_mb"):
+        return ""
+    mode = _get(scripted, "mode", where)
+    cold = _get(scripted, f"by_mode.{mode}.cold_us_per_step", where)
+    return (
+        f"; the same runs with {scripted['cold_mb']} MB written before every hook call (`--cold-mb`: the "
+        f"caches evicted, as the engine's own work between hooks does): "
+        + " / ".join(f"{cold[b]:,.0f}" for b in sorted(cold, key=int))
+        + " µs"
     )
 
 

@@ -71,6 +71,18 @@ def test_every_generated_figure_comes_from_its_results_file() -> None:
     engine, scripted = _results("plugin-overhead.json"), _results("plugin-overhead-scripted.json")
     engine["us_per_step"] = {"8": 11.0, "32": 22.0}
     assert "11 / 22 µs per decode step at batch 8 / 32" in rr.plugin_cost_text(engine, scripted)
+    scripted = {**scripted, "cold_mb": 4}
+    scripted["by_mode"] = {
+        **scripted["by_mode"],
+        "composite-async": {"cold_us_per_step": {"32": 301.0, "8": 250.4}},
+    }
+    assert "with 4 MB written before every hook call" in rr.plugin_cost_text(engine, scripted)
+    assert "evicted, as the engine's own work between hooks does): 250 / 301 µs" in rr.plugin_cost_text(
+        engine, scripted
+    )
+    del scripted["by_mode"]["composite-async"]["cold_us_per_step"]
+    with pytest.raises(rr.ResultsError, match=r"by_mode\.composite-async\.cold_us_per_step"):
+        rr.plugin_cost_text(engine, scripted)
 
 
 def test_missing_files_keys_and_unknown_blocks_are_named(tmp_path: Path) -> None:
