@@ -106,6 +106,16 @@ def _engine(model: Path, head: Path, max_len: int) -> Any:
     )
 
 
+def _hook_points() -> list[tuple[Any, str, str]]:
+    """What is timed: (owner, attribute, the name it is reported under). The engine-thread hooks, and
+    the worker's whole step under async scheduling (its histories and the merge of n-gram rows), as the
+    wrapped GPUModelRunner.propose_draft_token_ids calls it."""
+    from controller.vllm import worker
+    from controller.vllm.engine_hooks import EngineHooks
+
+    return [(EngineHooks, h, h) for h in HOOKS] + [(worker, "_merge_step", WORKER_HOOKS[0])]
+
+
 #: The hooks as the plugin defines them, before any clock wrapped them.
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 
@@ -127,15 +137,9 @@ class HookClock:
     def install(self) -> None:
         """Time the hooks with this clock from now on (each hook wrapped once per process: a clock
         installed later replaces this one rather than timing it)."""
-        from controller.vllm import worker
-        from controller.vllm.engine_hooks import EngineHooks
-
-        for owner, names in ((EngineHooks, HOOKS), (worker, ("_merge_step",))):
-            for name in names:
-                orig = _ORIGINALS.setdefault((owner, name), getattr(owner, name))
-                # The worker's whole step under async scheduling (its histories and the merge of
-                # n-gram rows), as the wrapped GPUModelRunner.propose_draft_token_ids calls it.
-                setattr(owner, name, self._wrap(orig, "worker_step" if owner is worker else name))
+        for owner, name, label in _hook_points():
+            orig = _ORIGINALS.setdefault((owner, name), getattr(owner, name))
+            setattr(owner, name, self._wrap(orig, label))
         # The wrapper's own cost per hook call (two reads of each clock), on a no-op.
         probe = self._wrap(lambda _h: None, "probe")
         self.on = True
@@ -359,9 +363,6 @@ def _flush_before_hooks(mb: int) -> None:
     write is outside the clock; the next ``HookClock.install`` drops this layer)."""
     import numpy as np
 
-    from controller.vllm import worker
-    from controller.vllm.engine_hooks import EngineHooks
-
     buf = np.zeros((mb << 20) // 8)
 
     def flushing(inner: Any) -> Any:
@@ -371,9 +372,8 @@ def _flush_before_hooks(mb: int) -> None:
 
         return call
 
-    for owner, names in ((EngineHooks, HOOKS), (worker, ("_merge_step",))):
-        for name in names:
-            setattr(owner, name, flushing(getattr(owner, name)))
+    for owner, name, _ in _hook_points():
+        setattr(owner, name, flushing(getattr(owner, name)))
 
 
 def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> None:

@@ -25,3 +25,30 @@ def test_usage_errors_exit_2_and_say_what(args: list[str], says: str) -> None:
     assert r.returncode == 2
     assert says in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_cold_run_flushes_before_every_hook_and_the_next_warm_run_does_not() -> None:
+    # --cold-mb wraps the clocked hooks in a cache flush; a warm run after it must time the hooks
+    # without that layer (else its figures would carry the flushes' misses).
+    sys.path.insert(0, str(SCRIPT.parent))
+    import plugin_overhead as po
+
+    from controller.vllm.engine_hooks import EngineHooks
+
+    def layer() -> str:
+        return EngineHooks.after_update.__qualname__
+
+    def wraps_the_original() -> bool:  # the outermost layer calls the plugin's own hook directly
+        cells = EngineHooks.after_update.__closure__ or ()
+        return any(c.cell_contents is po._ORIGINALS[(EngineHooks, "after_update")] for c in cells)
+
+    try:
+        cold = po._scripted(32, 300, 12, "k-table", cold_mb=1)
+        assert layer().startswith("_flush_before_hooks.") and not wraps_the_original()
+        assert cold["cpu_median"] > 0 and cold["cpu_us_by_hook"]["after_update"] > 0
+        warm = po._scripted(32, 300, 12, "k-table")
+        assert layer().startswith("HookClock._wrap.") and wraps_the_original()
+        assert warm["cpu_median"] > 0
+    finally:
+        for (owner, name), orig in po._ORIGINALS.items():  # leave the plugin's hooks as they were
+            setattr(owner, name, orig)
