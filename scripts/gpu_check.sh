@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Composite drafting on a GPU: the async-scheduling end-to-end test (tests/e2e/test_vllm_async.py) with
 # the V1 and with the V2 model runner, on a tiny Llama-shaped target and EAGLE-3 head with dummy weights
-# built locally (tests/e2e/tiny_model.py, head dim 64). Downloads nothing. Target: under 5 minutes.
+# built locally (tests/e2e/tiny_model.py, head dim 64); then the plugin's cost per step on this host
+# (benchmarks/plugin_overhead.py, short): under async scheduling a "composite-async" wall time well above
+# its CPU time is the engine thread waiting for the device (a step with n-gram rows must read its sampled
+# tokens; docs/vllm-plugin.md). Downloads nothing. Target: under 8 minutes.
 #
 # NOT YET RUN ON A GPU: no GPU machine was available when it was written (see docs/vllm-plugin.md).
 #
@@ -37,4 +40,10 @@ for v2 in 0 1; do
     status=1
   fi
 done
+echo "gpu_check: the plugin's cost per step (CPU µs in the hooks, and wall µs: the difference is waiting)"
+if ! timeout 240 "$VLLM_VENV/bin/python" benchmarks/plugin_overhead.py --tokens 32 --history 1000 \
+    --json /tmp/gpu_check_overhead.json; then
+  echo "gpu_check: FAILED: benchmarks/plugin_overhead.py" >&2
+  status=1
+fi
 exit $status

@@ -15,6 +15,16 @@ Each request's token history is kept here from its prompt plus every token the r
 matcher in the engine core sees one step later. A step is one compiled call for the whole batch
 (``_step_merge``: the new tokens into the incremental index, the drafts of the n-gram rows, the merge);
 rows not on n-gram only index their tokens (their drafts are never read).
+
+Why a step without n-gram rows is applied one step late (``DraftMerger.step_deferred``): under async
+scheduling the runner hands the drafter the sampled tokens as a device tensor, and vLLM's EAGLE path
+never waits for them on the host (``gpu_model_runner.py:4393-4409`` in 0.32: "does not need to wait for
+bookkeeping"). Reading them on the host blocks the engine thread until the device has sampled, so the
+next step is scheduled only after this one ran: what async scheduling exists to hide. An n-gram row
+needs its tokens now (its draft starts after them), so a step with n-gram rows still waits, as vLLM's
+own CPU n-gram drafter does under async scheduling; a step without any only starts the copy to the
+host, and the history takes it at the next call, before that call's own step, so every draft is the
+one the rule gives on the full history.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -123,6 +134,20 @@ def _step_merge(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """A step whose history update waits for the next call (``DraftMerger.step_deferred``): what
+    ``step`` reads, copied, since the runner reuses its lists and masks; ``known``: the tokens of every
+    request the step may start, as the runner knew them then."""
+
+    req_ids: list[str]
+    sampled: Callable[[], np.ndarray]
+    discarded: np.ndarray | None
+    finished: tuple[str, ...]
+    restarted: tuple[str, ...]
+    known: dict[str, Sequence[int] | None]
+
+
 class DraftMerger:
     """Per-request token histories in the worker, and the n-gram rows merged into a draft matrix.
 
@@ -143,6 +168,7 @@ class DraftMerger:
         self._ids: list[str] = []
         self._ids_changes = -1
         self._slots = np.zeros(0, dtype=np.int64)
+        self._deferred: _Deferred | None = None
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -210,6 +236,44 @@ class DraftMerger:
                 return merged if done else None
             ix.make_room()
 
+    def step_deferred(
+        self,
+        req_ids: Sequence[str],
+        sampled: Callable[[], np.ndarray],
+        drafts: Callable[[], np.ndarray] | None,
+        ngram_rows: Collection[str],
+        known_tokens: Callable[[str], Sequence[int] | None],
+        *,
+        discarded: np.ndarray | None = None,
+        finished: Iterable[str] = (),
+        restarted: Iterable[str] = (),
+    ) -> np.ndarray | None:
+        """``step``, with the sampled rows (and the drafts) as callables that return them on the host,
+        called only when needed: a step with no row on n-gram (or no drafts) returns None at once and
+        its history update runs at the start of the next call (the module's docstring says why). The
+        drafts and the histories are exactly ``step``'s, call after call."""
+        self.flush()
+        finished, restarted = tuple(finished), tuple(restarted)
+        if drafts is None or not ngram_rows:
+            ids = list(req_ids)
+            if ids == self._ids and self._changes == self._ids_changes and not finished and not restarted:
+                known = {}  # the same batch as the last step, every row tracked: nothing starts
+            else:
+                gone = set(finished) | set(restarted)
+                known = {r: known_tokens(r) for r in ids if r not in self._slot or r in gone}
+            mask = None if discarded is None else discarded.copy()
+            self._deferred = _Deferred(ids, sampled, mask, finished, restarted, known)
+            return None
+        return self.step(req_ids, sampled(), drafts(), ngram_rows, known_tokens, discarded=discarded,
+                         finished=finished, restarted=restarted)  # fmt: skip
+
+    def flush(self) -> None:
+        """Apply the deferred step's history update, if one waits."""
+        d, self._deferred = self._deferred, None
+        if d is not None:
+            self.step(d.req_ids, d.sampled(), None, (), d.known.get, discarded=d.discarded, finished=d.finished,
+                      restarted=d.restarted)  # fmt: skip
+
     def _start(self, rid: str, known_tokens: Callable[[str], Sequence[int] | None]) -> int:
         base = known_tokens(rid)
         if base is None:
@@ -234,6 +298,29 @@ def _matrix(rows: Any) -> np.ndarray:
     return np.array([[*r, *([-1] * (width - len(r)))] for r in rows], dtype=np.int64).reshape(
         len(rows), width
     )
+
+
+def _on_host(rows: Any) -> Callable[[], np.ndarray]:
+    """The runner's sampled tokens (or drafts) on the host, later: a device tensor's copy starts now,
+    into pinned memory without waiting for the device, and the callable waits for it (a CUDA event);
+    anything already on the host is copied now (the runner may reuse its buffer)."""
+    if getattr(rows, "is_cuda", False):
+        import torch  # type: ignore[import-not-found]
+
+        host = torch.empty(rows.shape, dtype=rows.dtype, device="cpu", pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> np.ndarray:
+            done.synchronize()
+            return host.numpy()  # type: ignore[no-any-return]
+
+        return wait
+    arr = _matrix(rows)
+    if not isinstance(rows, list):  # (a list was copied into a new array already)
+        arr = arr.copy()
+    return lambda: arr
 
 
 def _discarded(runner: Any) -> np.ndarray | None:
@@ -368,10 +455,10 @@ def _merge_step(runner: Any, merger: DraftMerger, so: Any, sampled: Any, drafts:
     cached = getattr(so, "scheduled_cached_reqs", None)
     ngram_rows = getattr(so, NGRAM_ROWS_ATTR, None) or ()
     ragged = isinstance(drafts, list) and (not drafts or any(len(d) != len(drafts[0]) for d in drafts))
-    host = None if ragged or not ngram_rows else _matrix(drafts)
-    merged = merger.step(
+    host = None if ragged or not ngram_rows else lambda: _matrix(drafts)
+    merged = merger.step_deferred(
         req_ids,
-        _matrix(sampled),
+        _on_host(sampled),
         host,
         ngram_rows,
         _known_tokens(runner),

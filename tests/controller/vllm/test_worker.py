@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.vllm.worker import DraftMerger
+from controller.vllm.worker import DraftMerger, _on_host
 from policies.prompt_lookup import match_ngram
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -124,3 +124,59 @@ def test_merge_equals_the_rule_on_the_full_history(
                 assert got[i].tolist() == want + [want[-1]] * (K - len(want))
             else:
                 assert got[i].tolist() == [-7] * K
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.lists(st.integers(-1, 4), min_size=K + 1, max_size=K + 1), min_size=6, max_size=6),
+            st.integers(0, 63),  # the rows on n-gram (bit i: row i)
+            st.integers(0, 63),  # the rows discarded (partial prefills)
+            st.integers(0, 63),  # the requests that finish before this step
+            st.integers(0, 63),  # the requests restarted (resumed after preemption) this step
+            st.integers(1, 6),  # rows in the batch
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_a_deferred_step_gives_the_same_drafts(
+    steps: list[tuple[list[list[int]], int, int, int, int, int]],
+) -> None:
+    """``step_deferred`` (a step without n-gram rows applied at the next call) against ``step`` (applied
+    now), driven alike: the same drafts at every step with n-gram rows, and the same histories after
+    the last flush, with requests arriving, finishing, restarting and prefilling in between. The
+    runner's list, mask and sampled buffer are reused and overwritten after each call, as vLLM's are."""
+    now, later = _merger(), _merger()
+    pool = [f"r{i}" for i in range(6)]
+    clock = [0]  # what the runner knows of a request changes from step to step (its outputs grow)
+
+    def known(r: str) -> list[int]:
+        return [int(r[1:]) % 3, 1, int(r[1:]) % 2, 1, clock[0] % 3]
+
+    ids: list[str] = []
+    buf = np.zeros((6, K + 1), dtype=np.int64)
+    mask = np.zeros(6, dtype=np.bool_)
+    for rows, on_bits, skip_bits, fin_bits, re_bits, n in steps:
+        ids[:] = pool[:n]  # in place, as the runner's input batch
+        finished = [r for i, r in enumerate(pool) if fin_bits >> i & 1 and r not in ids]
+        restarted = [r for i, r in enumerate(ids) if re_bits >> i & 1]
+        on = {r for i, r in enumerate(ids) if on_bits >> i & 1}
+        buf[:n] = rows[:n]
+        mask[:n] = [bool(skip_bits >> i & 1) for i in range(n)]
+        eagle = np.full((n, K), -7, dtype=np.int64)
+        want = now.step(ids, buf[:n], eagle, on, known, discarded=mask[:n], finished=finished,
+                        restarted=restarted)  # fmt: skip
+        got = later.step_deferred(ids, _on_host(buf[:n]), _on_host(eagle), on, known, discarded=mask[:n],
+                                  finished=finished, restarted=restarted)  # fmt: skip
+        assert (want is None) == (got is None) or not on
+        if on:
+            assert (eagle if want is None else want).tolist() == (eagle if got is None else got).tolist()
+        buf[:] = 99  # the runner's buffers are reused: a deferred step must have kept its own copy
+        mask[:] = True
+        clock[0] += 1
+    later.flush()
+    assert set(now._slot) == set(later._slot)
+    for r, s in now._slot.items():
+        assert now._index.tokens(s).tolist() == later._index.tokens(later._slot[r]).tolist()
