@@ -157,11 +157,11 @@ class Profile:
             "composite_sync": self.plugin_composite_sync,
         }[mode]
 
-    def host_time(self, *, batch: _X, sync: bool, plugin: PluginMode | None) -> _X:
+    def host_time(self, *, batch: _X, sync: bool | np.ndarray, plugin: PluginMode | None) -> _X:
         """Seconds the engine's host adds to a step of ``batch`` requests: synchronous scheduling's
-        share (``sync``) and the controller plugin's work in its mode (``plugin``; None: a plain vLLM).
-        Floats or arrays alike."""
-        t = self.sync_step_s if sync else 0.0
+        share (where ``sync``) and the controller plugin's work in its mode (``plugin``; None: a plain
+        vLLM). Floats or arrays alike (``sync`` per step then, or one for all)."""
+        t = self.sync_step_s * sync
         if plugin is not None:
             return t + self.plugin_cost(plugin).at(batch)  # type: ignore[return-value]
         return t + 0.0 * batch  # type: ignore[return-value]

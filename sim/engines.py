@@ -12,13 +12,19 @@ Every policy is scored under the constraints and the information a real engine h
 * ``composite``: the plugin's composite drafter, method and K per request (EAGLE-3 and n-gram in one
   engine); n-gram is scored counterfactually on every request and step; EAGLE-3 always runs at least
   its first forward (its hidden states must stay current), so its first position is reported when
-  a request used n-gram.
+  a request used n-gram. Async scheduling with the V1 runner's worker-side merge: a step in which a
+  request drafts n-gram waits for its sampled tokens on the host (the n-gram draft starts after
+  them; ``controller/vllm/worker.py``), so it pays ``scheduling.sync_step_s`` as synchronous
+  scheduling does; a step without n-gram rows does not.
 * ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path; vLLM's
   async scheduling is the GPU default and the composite drafter runs under it too): it pays the
   profile's ``scheduling.sync_step_s`` on every step.
 * ``no-spec``: speculation not configured at all (the baseline for "speedup vs no spec").
 
-Every model assumes vLLM's GPU default, async scheduling, unless it says ``sync``. The controller
+Every model assumes vLLM's GPU default, async scheduling, unless it says ``sync`` (or, ``composite``,
+waits on n-gram steps). ``stock-vllm-ngram`` is charged as async too, which favours that baseline:
+vLLM runs its CPU ``ngram`` drafter only with synchronous scheduling (``config/vllm.py:1597-1610`` in
+0.32) and only ``ngram_gpu`` under async. The controller
 plugin's own cost per step, in the mode it runs on the model (``EngineModel.plugin_mode``: the K table
 only on batch-granular engines, the composite drafter's per-request path otherwise; the profile's
 ``plugin.<mode>``), is charged by the stepping kernel to engines a controller drives: static arms are
@@ -36,8 +42,10 @@ from policies.engine import EngineInfo, Granularity
 from sim.costmodel import PluginMode
 
 KS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
-Scheduling = Literal["async", "sync"]
-SCHEDULINGS: tuple[Scheduling, ...] = ("async", "sync")
+#: "async-ngram-waits": async, except that a step with an n-gram row waits for its tokens (pays
+#: ``sync_step_s``).
+Scheduling = Literal["async", "sync", "async-ngram-waits"]
+SCHEDULINGS: tuple[Scheduling, ...] = ("async", "sync", "async-ngram-waits")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +61,8 @@ class EngineModel:
     #: Report an always-running head's first position (0/1) on rows where it was not verified.
     head_first_position: bool = False
     p_eagle_partial_k_safe: bool = False
-    #: vLLM's scheduling: "async" (the GPU default) or "sync" (pays ``Profile.sync_step_s`` per step).
+    #: vLLM's scheduling: "async" (the GPU default), "sync" (pays ``Profile.sync_step_s`` every step) or
+    #: "async-ngram-waits" (pays it on the steps where a request drafts n-gram).
     scheduling: Scheduling = "async"
 
     def __post_init__(self) -> None:
@@ -63,6 +72,10 @@ class EngineModel:
     @property
     def sync(self) -> bool:
         return self.scheduling == "sync"
+
+    def waits(self, ngram_rows: bool) -> bool:
+        """Whether a step pays synchronous scheduling's time (``ngram_rows``: a request drafts n-gram)."""
+        return self.scheduling == "sync" or (ngram_rows and self.scheduling == "async-ngram-waits")
 
     @property
     def plugin_mode(self) -> PluginMode:
@@ -141,6 +154,7 @@ ENGINES: Mapping[str, EngineModel] = {
             always_runs=(Method.EAGLE3,),
             counterfactual=(Method.NGRAM,),
             head_first_position=True,
+            scheduling="async-ngram-waits",
         ),
         EngineModel(
             "composite-sync",

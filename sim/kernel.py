@@ -274,7 +274,9 @@ class StepKernel:
             p_eagle_spec=pe_spec,
             ngram_rows=float(is_ng),
         )
-        return gpu + self.profile.host_time(batch=float(nd), sync=self.engine.sync, plugin=self._plugin)
+        return gpu + self.profile.host_time(
+            batch=float(nd), sync=self.engine.waits(is_ng), plugin=self._plugin
+        )
 
     def _advance(self, emitted: np.ndarray, admit: np.ndarray) -> np.ndarray:
         """Move the decoders on, retire the finished ones, let the prefilled ones join."""

@@ -52,9 +52,11 @@ def _host_line(prof: Profile) -> str:
         for mode, names in by_mode.items()
     )
     sync = ", ".join(f"`{e.name}`" for e in ENGINES.values() if e.sync)
+    waits = ", ".join(f"`{e.name}`" for e in ENGINES.values() if e.scheduling == "async-ngram-waits")
     return (
         f"- Host time per step: every engine model assumes async scheduling (vLLM's GPU default) but {sync}, "
-        f"which pays {prof.sync_step_s * 1e3:.2f} ms a step; the controller plugin, in the mode it runs on "
+        f"which pays {prof.sync_step_s * 1e3:.2f} ms a step, and {waits}, which pays it on the steps where "
+        "a request drafts n-gram (the worker waits for that step's tokens); the controller plugin, in the mode it runs on "
         f"each engine, at batch 8 / 32: {costs}; charged to engines a controller drives (a static arm alone "
         "is a plain vLLM and pays nothing)."
     )

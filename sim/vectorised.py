@@ -122,20 +122,21 @@ def price(
 ) -> np.ndarray:
     """Seconds for each of ``n_steps`` steps from its decode rows (at steps ``g``) and prefills. Static
     plans and oracles are priced without the controller plugin's cost (a static arm is a plain vLLM;
-    an oracle is a bound); a synchronous engine model pays its scheduling."""
-    gpu = profile.step_time(
-        **step_features(
-            engine,
-            n_steps=n_steps,
-            g=g,
-            method=rows.method,
-            k=rows.k,
-            kv_rows=kv_rows,
-            prefill_g=prefill_g,
-            prompt=prompt,
-        )
+    an oracle is a bound); a step the engine model makes wait pays synchronous scheduling's time
+    (``EngineModel.waits``)."""
+    features = step_features(
+        engine,
+        n_steps=n_steps,
+        g=g,
+        method=rows.method,
+        k=rows.k,
+        kv_rows=kv_rows,
+        prefill_g=prefill_g,
+        prompt=prompt,
     )
-    out: np.ndarray = gpu + profile.host_time(batch=np.zeros(n_steps), sync=engine.sync, plugin=None)
+    gpu = profile.step_time(**features)
+    waits = np.where(features["ngram_rows"] > 0, engine.waits(True), engine.waits(False))
+    out: np.ndarray = gpu + profile.host_time(batch=np.zeros(n_steps), sync=waits, plugin=None)
     return out
 
 

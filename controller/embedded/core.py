@@ -43,8 +43,9 @@ SAFE_DEFAULT = Arm(Method.EAGLE3, 3)
 #: The composite drafter as the simulator models it. The wire reports no counterfactual depth, so
 #: the EAGLE-3 head's first position (which it always drafts) is not reported, as from the plugin.
 ENGINE_MODEL: EngineModel = replace(ENGINES["composite"], head_first_position=False)
-#: A plain vLLM serving one static arm (the demo's baselines): no EAGLE-3 head runs unless it drafts.
-PLAIN_MODEL: EngineModel = replace(ENGINE_MODEL, always_runs=())
+#: A plain vLLM serving one static arm (the demo's baselines): no EAGLE-3 head runs unless it drafts,
+#: and no step waits for its tokens (as ``stock-vllm-ngram``: vLLM's ``ngram_gpu`` runs async).
+PLAIN_MODEL: EngineModel = replace(ENGINE_MODEL, always_runs=(), scheduling="async")
 
 
 @dataclass(frozen=True, slots=True)

@@ -250,7 +250,16 @@ def test_sync_scheduling_is_charged_to_sync_engines_and_the_plugin_to_controlled
 
     (t_async, n_async), (t_sync, n_sync) = run("composite"), run("composite-sync")
     assert n_async == n_sync and t_sync - t_async == pytest.approx(n_sync * prof.sync_step_s, rel=1e-6)
-    assert ENGINES["composite"].scheduling == "async" and ENGINES["composite-sync"].sync
+    assert ENGINES["composite"].scheduling == "async-ngram-waits" and ENGINES["composite-sync"].sync
+    # On the composite engine a step where a request drafts n-gram waits for its tokens as synchronous
+    # scheduling does (the worker's merge needs them on the host); only steps that decode nothing
+    # (prefill alone) are then cheaper than under synchronous scheduling.
+    arm = Arm(Method.NGRAM, 3)
+    (t_async, n_async), (t_sync, n_sync) = run("composite"), run("composite-sync")
+    assert n_async == n_sync and 0 <= t_sync - t_async < 0.1 * n_sync * prof.sync_step_s
+    assert [ENGINES["composite"].waits(ng) for ng in (False, True)] == [False, True]
+    assert [ENGINES["composite-sync"].waits(ng) for ng in (False, True)] == [True, True]
+    assert [ENGINES["stock-vllm"].waits(ng) for ng in (False, True)] == [False, False]
     # A static arm is a plain vLLM; any learner, or a static arm with the per-request rule, runs the
     # plugin and pays for it.
     assert not needs_plugin(static_policy(arm))
