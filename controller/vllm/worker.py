@@ -239,8 +239,8 @@ class DraftMerger:
     def step_deferred(
         self,
         req_ids: Sequence[str],
-        sampled: Callable[[], np.ndarray],
-        drafts: Callable[[], np.ndarray] | None,
+        sampled: Any,
+        drafts: Any,
         ngram_rows: Collection[str],
         known_tokens: Callable[[str], Sequence[int] | None],
         *,
@@ -248,24 +248,26 @@ class DraftMerger:
         finished: Iterable[str] = (),
         restarted: Iterable[str] = (),
     ) -> np.ndarray | None:
-        """``step``, with the sampled rows (and the drafts) as callables that return them on the host,
-        called only when needed: a step with no row on n-gram (or no drafts) returns None at once and
-        its history update runs at the start of the next call (the module's docstring says why). The
-        drafts and the histories are exactly ``step``'s, call after call."""
-        self.flush()
+        """``step`` with the runner's sampled rows and drafts as it holds them (a tensor, possibly on
+        the device, an array or a list of rows; ``drafts`` None: no merge): a step with no row on
+        n-gram (or no drafts) returns None at once, without reading them on the host, and its history
+        update runs at the start of the next call (the module's docstring says why). The drafts and
+        the histories are exactly ``step``'s, call after call."""
+        if self._deferred is not None:
+            self.flush()
+        if drafts is not None and ngram_rows:
+            return self.step(req_ids, _matrix(sampled), _matrix(drafts), ngram_rows, known_tokens,
+                             discarded=discarded, finished=finished, restarted=restarted)  # fmt: skip
         finished, restarted = tuple(finished), tuple(restarted)
-        if drafts is None or not ngram_rows:
-            ids = list(req_ids)
-            if ids == self._ids and self._changes == self._ids_changes and not finished and not restarted:
-                known = {}  # the same batch as the last step, every row tracked: nothing starts
-            else:
-                gone = set(finished) | set(restarted)
-                known = {r: known_tokens(r) for r in ids if r not in self._slot or r in gone}
-            mask = None if discarded is None else discarded.copy()
-            self._deferred = _Deferred(ids, sampled, mask, finished, restarted, known)
-            return None
-        return self.step(req_ids, sampled(), drafts(), ngram_rows, known_tokens, discarded=discarded,
-                         finished=finished, restarted=restarted)  # fmt: skip
+        ids = list(req_ids)
+        if ids == self._ids and self._changes == self._ids_changes and not finished and not restarted:
+            known = {}  # the same batch as the last step, every row tracked: nothing starts
+        else:
+            gone = set(finished) | set(restarted)
+            known = {r: known_tokens(r) for r in ids if r not in self._slot or r in gone}
+        mask = None if discarded is None else discarded.copy()
+        self._deferred = _Deferred(ids, _on_host(sampled), mask, finished, restarted, known)
+        return None
 
     def flush(self) -> None:
         """Apply the deferred step's history update, if one waits."""
@@ -301,7 +303,7 @@ def _matrix(rows: Any) -> np.ndarray:
 
 
 def _on_host(rows: Any) -> Callable[[], np.ndarray]:
-    """The runner's sampled tokens (or drafts) on the host, later: a device tensor's copy starts now,
+    """The runner's sampled tokens on the host, later: a device tensor's copy starts now,
     into pinned memory without waiting for the device, and the callable waits for it (a CUDA event);
     anything already on the host is copied now (the runner may reuse its buffer)."""
     if getattr(rows, "is_cuda", False):
@@ -455,11 +457,10 @@ def _merge_step(runner: Any, merger: DraftMerger, so: Any, sampled: Any, drafts:
     cached = getattr(so, "scheduled_cached_reqs", None)
     ngram_rows = getattr(so, NGRAM_ROWS_ATTR, None) or ()
     ragged = isinstance(drafts, list) and (not drafts or any(len(d) != len(drafts[0]) for d in drafts))
-    host = None if ragged or not ngram_rows else lambda: _matrix(drafts)
     merged = merger.step_deferred(
         req_ids,
-        _on_host(sampled),
-        host,
+        sampled,
+        None if ragged else drafts,
         ngram_rows,
         _known_tokens(runner),
         discarded=_discarded(runner),

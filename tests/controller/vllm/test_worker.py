@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.vllm.worker import DraftMerger, _on_host
+from controller.vllm.worker import DraftMerger
 from policies.prompt_lookup import match_ngram
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -168,7 +168,7 @@ def test_a_deferred_step_gives_the_same_drafts(
         eagle = np.full((n, K), -7, dtype=np.int64)
         want = now.step(ids, buf[:n], eagle, on, known, discarded=mask[:n], finished=finished,
                         restarted=restarted)  # fmt: skip
-        got = later.step_deferred(ids, _on_host(buf[:n]), _on_host(eagle), on, known, discarded=mask[:n],
+        got = later.step_deferred(ids, buf[:n], eagle, on, known, discarded=mask[:n],
                                   finished=finished, restarted=restarted)  # fmt: skip
         assert (want is None) == (got is None) or not on
         if on:
