@@ -2,11 +2,20 @@
 
 aiomqtt 3 changes the client API; everything else in the project goes through ``MqttConnection`` so
 that a port touches this file alone.
+
+aiomqtt 2.x asks the event loop to watch the broker's socket from paho's thread-safe callbacks
+(``call_soon_threadsafe(loop.add_writer, fd, ...)``). When the connection drops between that call and
+the loop running it, the loop raises EBADF on a closed descriptor and its default handler logs a
+traceback, although nothing is wrong beyond the connection loss that the caller already handles. A
+connection therefore installs ``_quiet_closed_socket`` as the loop's exception handler (where none is
+set): that one case becomes a warning line, everything else goes to the default handler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +27,25 @@ import aiomqtt
 
 DEFAULT_PORT = 1883
 DEFAULT_TLS_PORT = 8883
+
+log = logging.getLogger("controller.mqtt")
+#: Loop methods aiomqtt schedules to watch the broker's socket.
+_WATCHES = ("add_writer", "add_reader")
+
+
+def _quiet_closed_socket(loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+    """The loop's exception handler: a scheduled watch of a socket that closed meanwhile is one
+    warning line (see the module's docstring); anything else is the default handler's."""
+    exc = context.get("exception")
+    callback = getattr(context.get("handle"), "_callback", None)
+    if (
+        isinstance(exc, OSError)
+        and exc.errno == errno.EBADF
+        and getattr(callback, "__name__", "") in _WATCHES
+    ):
+        log.warning("MQTT: the broker's socket closed before the event loop watched it (%s); ignored", exc)
+        return
+    loop.default_exception_handler(context)
 
 
 class ConnectionLost(Exception):
@@ -122,6 +150,9 @@ class MqttConnection:
 
     async def __aenter__(self) -> Self:
         s = self.settings
+        loop = asyncio.get_running_loop()
+        if loop.get_exception_handler() is None:
+            loop.set_exception_handler(_quiet_closed_socket)
         try:
             tls = s.ssl_context()
         except (OSError, ssl.SSLError) as e:
