@@ -212,7 +212,7 @@ class DraftMerger:
             self._no_skip = np.zeros(2 * n, dtype=np.bool_)
         if discarded is None:
             discarded = self._no_skip
-        if req_ids != self._ids or self._changes != self._ids_changes:  # (a C loop; the batch changed)
+        if not self._same_batch(req_ids):
             found = list(map(self._slot.get, req_ids, itertools.repeat(-1)))
             if -1 in found:  # requests seen for the first time (C loop above; this only on arrivals)
                 for j in range(stepped):
@@ -260,14 +260,19 @@ class DraftMerger:
                              discarded=discarded, finished=finished, restarted=restarted)  # fmt: skip
         finished, restarted = tuple(finished), tuple(restarted)
         ids = list(req_ids)
-        if ids == self._ids and self._changes == self._ids_changes and not finished and not restarted:
-            known = {}  # the same batch as the last step, every row tracked: nothing starts
+        if self._same_batch(ids) and not finished and not restarted:
+            known = {}  # nothing starts
         else:
             gone = set(finished) | set(restarted)
             known = {r: known_tokens(r) for r in ids if r not in self._slot or r in gone}
         mask = None if discarded is None else discarded.copy()
         self._deferred = _Deferred(ids, _on_host(sampled), mask, finished, restarted, known)
         return None
+
+    def _same_batch(self, req_ids: Sequence[str]) -> bool:
+        """Whether ``req_ids`` is the last step's batch, every row tracked, with no slot taken or
+        released since (then its slots are ``_slots``). A C loop."""
+        return req_ids == self._ids and self._changes == self._ids_changes
 
     def flush(self) -> None:
         """Apply the deferred step's history update, if one waits."""

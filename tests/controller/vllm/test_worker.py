@@ -180,3 +180,44 @@ def test_a_deferred_step_gives_the_same_drafts(
     assert set(now._slot) == set(later._slot)
     for r, s in now._slot.items():
         assert now._index.tokens(s).tolist() == later._index.tokens(later._slot[r]).tolist()
+
+
+def test_a_deferred_step_gives_the_same_drafts_at_serving_sizes() -> None:
+    """As above at the sizes an engine serves: 128 rows, 1,000-token prompts (the index grows its
+    arena and table while steps wait to be applied), 200 steps with runs of steps where no row is on
+    n-gram, a request replaced in some row every step, vocabulary ids up to 2**31 - 1."""
+    rng = np.random.default_rng(7)
+    now, later = _merger(), _merger()
+    rows, width = 128, K + 1
+    phrase = rng.integers(0, 2**31 - 1, 40)
+    prompts: dict[str, list[int]] = {}
+
+    def known(r: str) -> list[int]:
+        if r not in prompts:  # repetitive prompts, as real ones are: n-gram has matches to draft from
+            mix = rng.random(1000) < 0.5
+            prompts[r] = np.where(mix, rng.integers(0, 2**31 - 1, 1000), np.resize(phrase, 1000)).tolist()
+        return prompts[r]
+
+    ids = [f"r{i}" for i in range(rows)]
+    fresh = rows
+    finished: list[str] = []
+    for t in range(200):
+        sampled = np.where(rng.random((rows, width)) < 0.6, np.resize(phrase, (rows, width)), -1)
+        sampled[:, 0] = phrase[t % 40]  # every row samples at least one token
+        quiet = (t // 10) % 2 == 1  # ten steps with n-gram rows, then ten without
+        on = set() if quiet else {r for r in ids if rng.random() < 0.5}
+        eagle = np.full((rows, K), -7, dtype=np.int64)
+        want = now.step(ids, sampled, eagle, on, known, finished=finished)
+        got = later.step_deferred(ids, sampled, eagle, on, known, finished=finished)
+        if on:
+            assert (eagle if want is None else want).tolist() == (eagle if got is None else got).tolist()
+        else:
+            assert got is None
+        gone = int(rng.integers(rows))  # one request leaves; a new one takes its row
+        finished = [ids[gone]]
+        ids[gone] = f"r{fresh}"
+        fresh += 1
+    later.flush()
+    assert set(now._slot) == set(later._slot) and len(now) >= rows
+    for r, s in now._slot.items():
+        assert now._index.tokens(s).tolist() == later._index.tokens(later._slot[r]).tolist()
