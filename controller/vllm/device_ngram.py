@@ -1,0 +1,178 @@
+"""Composite drafting in the worker with the n-gram match on the device: no step waits for the device.
+
+``worker.DraftMerger`` keeps the histories on the host, so a step with any request on n-gram must read
+that step's sampled tokens on the host, which waits for the device to sample them: the engine thread
+then schedules the next step only after this one ran, the overlap async scheduling exists for. This
+drafter keeps the histories where the sampled tokens are (a ``rows x (max_model_len + 1)`` int32 matrix
+on the runner's device, as vLLM's own ``ngram_gpu`` drafter does) and does the whole step with tensor
+operations queued behind the step's own work: this step's tokens are scattered in, the n-gram rows
+matched (``unfold`` and compare, longest n first, earliest occurrence) and their drafts written over
+EAGLE's rows with ``torch.where``. The host only decides which rows do what (slots, requests on n-gram,
+partial prefills: all host state) and uploads new requests' prompts.
+
+What must hold:
+- the drafts equal ``DraftMerger.step``'s, step after step (and so ``policies.prompt_lookup.match_ngram``
+  on each full history): the tests drive both with the same calls;
+- nothing reads a device value on the host: no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or
+  data-dependent shape. The tests run every step on torch's ``meta`` device, which has no data, so any
+  such read raises. Shapes come from host bounds: each slot's length is known to the host only up to the
+  tokens it may have taken (``_bound``: its prompt plus the sampled width of every step), and the match
+  runs over that many columns;
+- a write that has no place (a rejected slot, a discarded row, a position at ``max_model_len``) goes to
+  the matrix's last column, which is never read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch  # type: ignore[import-not-found]
+
+_MIN_ROWS = 16
+
+
+class DeviceDrafter:
+    """Per-request token histories as a device matrix, and the n-gram rows merged into EAGLE's drafts
+    with tensor operations only (the module's docstring says why and what must hold)."""
+
+    def __init__(self, *, max_k: int, min_n: int, max_n: int, max_model_len: int, device: Any) -> None:
+        if not 1 <= min_n <= max_n or max_k < 1 or max_model_len < 1:
+            raise ValueError(f"DeviceDrafter: need 1 <= min_n <= max_n and max_k, max_model_len >= 1, got "
+                             f"{min_n}, {max_n}, {max_k}, {max_model_len}")  # fmt: skip
+        self.max_k, self.min_n, self.max_n, self.max_model_len = max_k, min_n, max_n, max_model_len
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._trash = max_model_len  # the column where writes with no place go
+        self._hist = torch.zeros((_MIN_ROWS, max_model_len + 1), dtype=torch.int32, device=self.device)
+        self._len = torch.zeros(_MIN_ROWS, dtype=torch.int64, device=self.device)
+        self._bound = np.zeros(_MIN_ROWS, dtype=np.int64)  # host: each slot's length is at most this
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def _upload(self, arr: np.ndarray) -> Any:
+        t = torch.from_numpy(arr)
+        if self._pin:  # a pinned, non-blocking copy: the host goes on at once
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _grow(self, rows: int) -> None:
+        old = self._hist.shape[0]
+        new = max(rows, 2 * old)
+        hist = torch.zeros((new, self._hist.shape[1]), dtype=torch.int32, device=self.device)
+        hist[:old] = self._hist
+        ln = torch.zeros(new, dtype=torch.int64, device=self.device)
+        ln[:old] = self._len
+        self._hist, self._len = hist, ln
+        self._bound = np.concatenate([self._bound, np.zeros(new - old, dtype=np.int64)])
+
+    def _start(self, rid: str, known_tokens: Callable[[str], Sequence[int] | None]) -> int:
+        base = known_tokens(rid)
+        if base is None:  # prompt embeddings: never on n-gram
+            return -1
+        tokens = np.array([int(t) for t in base if t >= 0][: self.max_model_len], dtype=np.int32)
+        s = self._free.pop() if self._free else len(self._slot)
+        if s >= self._hist.shape[0]:
+            self._grow(s + 1)
+        if len(tokens):
+            self._hist[s, : len(tokens)] = self._upload(tokens)
+        self._len[s] = len(tokens)
+        self._bound[s] = len(tokens)
+        self._slot[rid] = s
+        return s
+
+    def _release(self, rid: str) -> None:
+        s = self._slot.pop(rid, None)
+        if s is not None:
+            self._free.append(s)
+
+    def step(
+        self,
+        req_ids: Sequence[str],
+        sampled: Any,
+        drafts: Any,
+        ngram_rows: Collection[str],
+        known_tokens: Callable[[str], Sequence[int] | None],
+        *,
+        discarded: np.ndarray | None = None,
+        finished: Iterable[str] = (),
+        restarted: Iterable[str] = (),
+    ) -> Any:
+        """``DraftMerger.step`` with ``sampled`` (rows x width, negative: a rejected slot) and ``drafts``
+        (rows x K, or None: no merge) as tensors on the device: returns the merged drafts as a new tensor
+        on the device, or None when no row changes (no drafts, or no row on n-gram)."""
+        for rid in itertools.chain(finished, restarted):
+            self._release(rid)
+        n = len(req_ids)
+        stepped = min(int(sampled.shape[0]), n)
+        skip = np.zeros(n, dtype=np.bool_) if discarded is None else np.asarray(discarded[:n], dtype=np.bool_)
+        if len(skip) < n:
+            skip = np.concatenate([skip, np.zeros(n - len(skip), dtype=np.bool_)])
+        slots = np.fromiter(map(self._slot.get, req_ids, itertools.repeat(-1)), dtype=np.int64, count=n)
+        for j in np.flatnonzero(slots[:stepped] < 0).tolist():
+            if not skip[j]:
+                slots[j] = self._start(req_ids[j], known_tokens)
+        rows = np.flatnonzero((slots[:stepped] >= 0) & ~skip[:stepped])  # rows that take this step's tokens
+        if len(rows) and sampled.shape[1] > 0:
+            self._append(sampled, rows, slots[rows])
+        if drafts is None or drafts.ndim != 2 or drafts.shape[1] == 0 or not ngram_rows:
+            return None
+        on = np.fromiter(map(ngram_rows.__contains__, req_ids), dtype=np.bool_, count=n)
+        ng = np.flatnonzero(on & (slots >= 0))
+        ng = ng[ng < drafts.shape[0]]
+        if not len(ng):
+            return None
+        return self._merge(drafts, ng, slots[ng])
+
+    def _append(self, sampled: Any, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Row ``rows[i]`` of ``sampled`` onto slot ``slots[i]``'s history, on the device."""
+        width = int(sampled.shape[1])
+        dev_rows, dev_slots = self._upload(rows), self._upload(slots)
+        tok = sampled.index_select(0, dev_rows).to(torch.int64)  # (r, width)
+        valid = tok >= 0
+        pos = self._len.index_select(0, dev_slots).unsqueeze(1) + valid.cumsum(1) - 1
+        pos = torch.where(valid & (pos < self.max_model_len), pos, self._trash)
+        self._hist[dev_slots.unsqueeze(1).expand(-1, width), pos] = tok.to(torch.int32)
+        self._len[dev_slots] = torch.clamp(
+            self._len.index_select(0, dev_slots) + valid.sum(1), max=self.max_model_len
+        )
+        self._bound[slots] = np.minimum(self._bound[slots] + width, self.max_model_len)
+
+    def _merge(self, drafts: Any, rows: np.ndarray, slots: np.ndarray) -> Any:
+        """``drafts`` with row ``rows[i]`` replaced by slot ``slots[i]``'s n-gram draft (padded with its
+        last token) where that draft is not empty."""
+        cols = int(drafts.shape[1])
+        width = int(self._bound[slots].max())  # every history in the match fits in this many columns
+        dev_rows, dev_slots = self._upload(rows), self._upload(slots)
+        hist = self._hist.index_select(0, dev_slots)[:, :width]  # (b, width)
+        total = self._len.index_select(0, dev_slots)  # (b,)
+        b = len(rows)
+        best_start = torch.full((b,), -1, dtype=torch.int64, device=self.device)
+        for n in range(min(self.max_n, width - 1), self.min_n - 1, -1):  # longest first: keep the first found
+            windows = hist.unfold(1, n, 1)  # (b, width - n + 1, n): windows[i, st] = hist[i, st : st + n]
+            suffix_at = (total - n).clamp(min=0).unsqueeze(1) + torch.arange(n, device=self.device)
+            suffix = hist.gather(1, suffix_at.clamp(max=width - 1))
+            st = torch.arange(windows.shape[1], device=self.device)
+            # A match ends before the last token (never the suffix itself), and the suffix must exist.
+            ok = (st.unsqueeze(0) <= (total - 1 - n).unsqueeze(1)) & (total > n).unsqueeze(1)
+            hit = (windows == suffix.unsqueeze(1)).all(-1) & ok
+            first = hit.int().argmax(1)  # the earliest (argmax returns the first maximum)
+            found = hit.gather(1, first.unsqueeze(1)).squeeze(1)
+            best_start = torch.where((best_start < 0) & found, first + n, best_start)
+        k = torch.clamp(self.max_model_len - total, max=min(self.max_k, cols))
+        out = torch.where(best_start >= 0, torch.minimum(k, total - best_start), torch.zeros_like(total))
+        take = (best_start.clamp(min=0).unsqueeze(1)
+                + torch.minimum(torch.arange(cols, device=self.device).unsqueeze(0), (out - 1).clamp(min=0).unsqueeze(1)))  # fmt: skip
+        ngram = hist.gather(1, take.clamp(max=width - 1)).to(drafts.dtype)  # (b, cols)
+        merged = drafts.clone()
+        old = merged.index_select(0, dev_rows)
+        merged[dev_rows] = torch.where((out > 0).unsqueeze(1), ngram, old)
+        return merged
+
+
+__all__ = ["DeviceDrafter"]

@@ -1,0 +1,212 @@
+"""The worker's n-gram drafter on the device (``DeviceDrafter``) against the host one (``DraftMerger``):
+the same drafts and histories call after call, and no device value read on the host (every step also
+runs on torch's ``meta`` device, which has no data to read)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
+
+from controller.vllm.device_ngram import DeviceDrafter  # noqa: E402
+from controller.vllm.worker import DraftMerger  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("kernels")
+K = 4
+
+
+class _Both:
+    """The host drafter, the device one on CPU torch and one on ``meta``, driven with the same calls."""
+
+    def __init__(self, *, min_n: int = 1, max_n: int = 3, max_model_len: int = 1 << 20) -> None:
+        kw = {"max_k": K, "min_n": min_n, "max_n": max_n, "max_model_len": max_model_len}
+        self.host = DraftMerger(**kw)
+        self.dev = DeviceDrafter(**kw, device="cpu")
+        self.meta = DeviceDrafter(**kw, device="meta")
+
+    def step(self, ids: Sequence[str], sampled: np.ndarray, eagle: np.ndarray, on: set[str],
+             known: Callable[[str], Sequence[int] | None], **kw: Any) -> None:  # fmt: skip
+        want = self.host.step(ids, sampled, eagle, on, known, **kw)
+        got = self.dev.step(ids, torch.from_numpy(sampled), torch.from_numpy(eagle), on, known, **kw)
+        self.meta.step(ids, torch.from_numpy(sampled).to("meta"), torch.from_numpy(eagle).to("meta"), on, known,
+                       **kw)  # fmt: skip
+        assert (eagle if want is None else want).tolist() == (eagle if got is None else got.numpy()).tolist()
+        assert got is None or got.dtype == torch.int64  # the drafts' own dtype
+
+    def same_histories(self) -> None:
+        assert set(self.host._slot) == set(self.dev._slot)
+        for r, s in self.host._slot.items():
+            d = self.dev._slot[r]
+            n = int(self.dev._len[d])
+            # (a request never outgrows max_model_len; the host keeps what a test sends beyond it)
+            want = self.host._index.tokens(s)[: self.dev.max_model_len].tolist()
+            assert want == self.dev._hist[d, :n].tolist()
+            assert n <= self.dev._bound[d]
+
+
+def _rows(*rows: list[int]) -> np.ndarray:
+    return np.array(rows, dtype=np.int64).reshape(len(rows), -1)
+
+
+def test_rows_on_ngram_replaced_others_kept_short_drafts_padded() -> None:
+    d = DeviceDrafter(max_k=K, min_n=1, max_n=3, max_model_len=1 << 20, device="cpu")
+    prompts = {"a": [5, 6, 7, 5, 6], "b": [1, 2, 3], "c": [9, 8]}
+    eagle = torch.full((3, K), 100, dtype=torch.int64)
+    sampled = torch.tensor([[7, -1, -1], [4, -1, -1], [9, -1, -1]])
+    out = d.step(["a", "b", "c"], sampled, eagle, {"a", "b", "c"}, prompts.get)
+    assert out is not None
+    assert out.tolist() == [[5, 6, 7, 7], [100] * K, [8, 9, 9, 9]]  # as DraftMerger's own test
+    assert eagle.tolist() == [[100] * K] * 3  # the input is not modified
+    assert d.step(["a", "b", "c"], sampled[:0], eagle, set(), prompts.get) is None  # no row on n-gram
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.lists(st.integers(-1, 4), min_size=K + 1, max_size=K + 1), min_size=6, max_size=6),
+            st.integers(0, 63),  # the rows on n-gram (bit i: row i)
+            st.integers(0, 63),  # the rows discarded (partial prefills)
+            st.integers(0, 63),  # the requests that finish before this step
+            st.integers(0, 63),  # the requests restarted (resumed after preemption) this step
+            st.integers(1, 6),  # rows in the batch
+            st.integers(0, 6),  # rows sampled this step (the rest did not step)
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(1, 3),
+    st.sampled_from([8, 12, 1 << 20]),  # max_model_len: small ones cut drafts and histories
+)
+def test_the_device_drafter_gives_the_host_drafters_drafts(
+    steps: list[tuple[list[list[int]], int, int, int, int, int, int]], min_n: int, max_model_len: int
+) -> None:
+    """Requests arriving, finishing, restarting, prefilling, not stepping; rows on n-gram changing every
+    step; histories reaching ``max_model_len``: the same drafts at every step, the same histories."""
+    both = _Both(min_n=min_n, max_n=min_n + 2, max_model_len=max_model_len)
+    pool = [f"r{i}" for i in range(6)]
+    clock = [0]
+
+    def known(r: str) -> list[int] | None:
+        if r == "r5":
+            return None  # prompt embeddings: never tracked
+        return [int(r[1:]) % 3, 1, int(r[1:]) % 2, 1, clock[0] % 3]
+
+    for rows, on_bits, skip_bits, fin_bits, re_bits, n, stepped in steps:
+        ids = pool[:n]
+        finished = [r for i, r in enumerate(pool) if fin_bits >> i & 1 and r not in ids]
+        restarted = [r for i, r in enumerate(ids) if re_bits >> i & 1]
+        on = {r for i, r in enumerate(ids) if on_bits >> i & 1}
+        mask = np.array([bool(skip_bits >> i & 1) for i in range(n)])
+        eagle = np.full((n, K), -7, dtype=np.int64)
+        sampled = np.array(rows[: min(n, stepped)], dtype=np.int64).reshape(-1, K + 1)
+        both.step(ids, sampled, eagle, on, known, discarded=mask,
+                  finished=finished, restarted=restarted)  # fmt: skip
+        clock[0] += 1
+    both.same_histories()
+
+
+def test_the_device_drafter_at_serving_sizes() -> None:
+    """128 rows, 1,000-token repetitive prompts, 60 steps, a request replaced in some row every step,
+    vocabulary ids up to 2**31 - 1 (int32 histories), rows on n-gram changing every step."""
+    rng = np.random.default_rng(11)
+    both = _Both(min_n=3, max_n=5)
+    rows, width = 128, K + 1
+    phrase = rng.integers(0, 2**31 - 1, 40)
+    prompts: dict[str, list[int]] = {}
+
+    def known(r: str) -> list[int]:
+        if r not in prompts:
+            mix = rng.random(1000) < 0.5
+            prompts[r] = np.where(mix, rng.integers(0, 2**31 - 1, 1000), np.resize(phrase, 1000)).tolist()
+        return prompts[r]
+
+    ids = [f"r{i}" for i in range(rows)]
+    fresh, finished = rows, []
+    for t in range(60):
+        sampled = np.where(rng.random((rows, width)) < 0.6, np.resize(phrase, (rows, width)), -1)
+        sampled[:, 0] = phrase[t % 40]
+        on = {r for r in ids if rng.random() < 0.5}
+        both.step(ids, sampled, np.full((rows, K), -7, dtype=np.int64), on, known, finished=finished)
+        gone = int(rng.integers(rows))
+        finished = [ids[gone]]
+        ids[gone] = f"r{fresh}"
+        fresh += 1
+    both.same_histories()
+    assert len(both.dev) == rows
+
+
+def test_invalid_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_n"):
+        DeviceDrafter(max_k=K, min_n=4, max_n=3, max_model_len=64, device="cpu")
+
+
+def _runner(device: str, ids: list[str], prompts: dict[str, list[int]]) -> Any:
+    from types import SimpleNamespace as NS
+
+    return NS(device=torch.device(device), max_model_len=1 << 20, input_batch=NS(req_ids=ids),
+              discard_request_mask=None,
+              requests={r: NS(prompt_token_ids=p, output_token_ids=[]) for r, p in prompts.items()})  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["device", "host", "auto"])
+def test_the_runner_gets_the_drafter_asked_for_and_its_own_types_back(where: str) -> None:
+    """``SPECCONTROL_WORKER_NGRAM``: device, host, or auto (device only on CUDA, so host here); the
+    merged drafts come back as the runner gave them (tensor, array or list), through ``_merge_step``."""
+    from types import SimpleNamespace as NS
+
+    from controller.vllm import worker
+    from controller.vllm.mode import NGRAM_ROWS_ATTR
+
+    prompts = {"a": [5, 6, 7, 5, 6], "b": [1, 2, 3]}
+    runner = _runner("cpu", ["a", "b"], prompts)
+    drafter = worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where=where)
+    assert isinstance(drafter, DeviceDrafter if where == "device" else DraftMerger)
+    so = NS(finished_req_ids=(), scheduled_cached_reqs=None, **{NGRAM_ROWS_ATTR: {"a"}})
+    eagle = [[100] * K, [100] * K]
+    for drafts, kind in ((torch.tensor(eagle), torch.Tensor), (np.array(eagle), np.ndarray), (eagle, list)):
+        runner.requests = {r: NS(prompt_token_ids=p, output_token_ids=[]) for r, p in prompts.items()}
+        d = worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where=where)
+        out = worker._merge_step(runner, d, so, torch.tensor([[7, -1], [4, -1]]), drafts)
+        assert isinstance(out, kind)
+        got = out.tolist() if not isinstance(out, list) else out
+        assert got == [[5, 6, 7, 7], [100] * K], kind
+
+
+def test_a_step_without_ngram_rows_hands_back_the_runners_own_drafts() -> None:
+    from types import SimpleNamespace as NS
+
+    from controller.vllm import worker
+
+    runner = _runner("cpu", ["a"], {"a": [1, 2, 1]})
+    d = worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where="device")
+    eagle = torch.full((1, K), 3)
+    so = NS(finished_req_ids=(), scheduled_cached_reqs=None)
+    assert worker._merge_step(runner, d, so, torch.tensor([[2]]), eagle) is eagle
+    assert len(d) == 1 and int(d._len[0]) == 4  # the history took the step's token all the same
+
+
+def test_the_runner_step_reads_nothing_on_the_host() -> None:
+    """``_merge_step`` with the runner's tensors on ``meta`` (no data): any host read would raise."""
+    from types import SimpleNamespace as NS
+
+    from controller.vllm import worker
+    from controller.vllm.mode import NGRAM_ROWS_ATTR
+
+    runner = _runner("meta", ["a", "b"], {"a": [5, 6, 7, 5, 6], "b": [1, 2, 3]})
+    d = worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where="auto")
+    assert isinstance(d, DraftMerger)  # auto: the device drafter only on CUDA
+    d = worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where="device")
+    for on in ({"a"}, set(), {"a", "b"}):
+        so = NS(finished_req_ids=(), scheduled_cached_reqs=None, **{NGRAM_ROWS_ATTR: on})
+        sampled = torch.zeros((2, K + 1), dtype=torch.int64, device="meta")
+        out = worker._merge_step(
+            runner, d, so, sampled, torch.zeros((2, K), dtype=torch.int32, device="meta")
+        )
+        assert out.device.type == "meta" and tuple(out.shape) == (2, K) and out.dtype == torch.int32
