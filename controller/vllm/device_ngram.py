@@ -51,6 +51,7 @@ class DeviceDrafter:
         self._bound = np.zeros(_MIN_ROWS, dtype=np.int64)  # host: each slot's length is at most this
         self._slot: dict[str, int] = {}
         self._free: list[int] = []
+        self._arange = torch.arange(max_model_len + max_n + max_k, device=self.device)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -145,34 +146,40 @@ class DeviceDrafter:
 
     def _merge(self, drafts: Any, rows: np.ndarray, slots: np.ndarray) -> Any:
         """``drafts`` with row ``rows[i]`` replaced by slot ``slots[i]``'s n-gram draft (padded with its
-        last token) where that draft is not empty."""
-        cols = int(drafts.shape[1])
-        width = int(self._bound[slots].max())  # every history in the match fits in this many columns
-        dev_rows, dev_slots = self._upload(rows), self._upload(slots)
-        hist = self._hist.index_select(0, dev_slots)[:, :width]  # (b, width)
-        total = self._len.index_select(0, dev_slots)  # (b,)
-        b = len(rows)
-        best_start = torch.full((b,), -1, dtype=torch.int64, device=self.device)
-        for n in range(min(self.max_n, width - 1), self.min_n - 1, -1):  # longest first: keep the first found
-            windows = hist.unfold(1, n, 1)  # (b, width - n + 1, n): windows[i, st] = hist[i, st : st + n]
-            suffix_at = (total - n).clamp(min=0).unsqueeze(1) + torch.arange(n, device=self.device)
-            suffix = hist.gather(1, suffix_at.clamp(max=width - 1))
-            st = torch.arange(windows.shape[1], device=self.device)
-            # A match ends before the last token (never the suffix itself), and the suffix must exist.
-            ok = (st.unsqueeze(0) <= (total - 1 - n).unsqueeze(1)) & (total > n).unsqueeze(1)
-            hit = (windows == suffix.unsqueeze(1)).all(-1) & ok
-            first = hit.int().argmax(1)  # the earliest (argmax returns the first maximum)
-            found = hit.gather(1, first.unsqueeze(1)).squeeze(1)
-            best_start = torch.where((best_start < 0) & found, first + n, best_start)
-        k = torch.clamp(self.max_model_len - total, max=min(self.max_k, cols))
-        out = torch.where(best_start >= 0, torch.minimum(k, total - best_start), torch.zeros_like(total))
-        take = (best_start.clamp(min=0).unsqueeze(1)
-                + torch.minimum(torch.arange(cols, device=self.device).unsqueeze(0), (out - 1).clamp(min=0).unsqueeze(1)))  # fmt: skip
-        ngram = hist.gather(1, take.clamp(max=width - 1)).to(drafts.dtype)  # (b, cols)
+        last token) where that draft is not empty.
+
+        One pass for every n, on each history reversed (``rev[c]`` is the token ``c`` places before the
+        last): the suffix n-gram is then ``rev[:n]``, an occurrence ending ``c`` places before the last
+        token is ``rev[c : c + n]``, and ``run[c]``, how many leading tokens of ``rev[c:]`` equal
+        ``rev``'s own, says every n that occurs there. The longest n wins, then the largest ``c`` (the
+        earliest occurrence); the draft is ``rev[c - 1], rev[c - 2], ...``: vLLM's rule, in a fixed
+        number of tensor operations (a GPU launch each), whatever ``max_n``."""
+        cols, big = int(drafts.shape[1]), self.max_n
+        width = max(int(self._bound[slots].max()), 2)  # every history in the match is at most this long
+        dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
+        total = self._len[dev_slots].unsqueeze(1)  # (b, 1)
+        # c >= total reads the first token (never a match: n <= total - c below).
+        at = (total - 1 - self._steps(width + big - 1)).clamp_(min=0)
+        rev = self._hist[dev_slots.unsqueeze(1), at]  # (b, width + max_n - 1)
+        run = (
+            (rev.unfold(1, big, 1)[:, 1:width] == rev[:, None, :big]).cumprod(-1).sum(-1)
+        )  # c = 1 .. width - 1
+        c = self._steps(width)[1:]
+        n_at = torch.minimum(run, total - c)  # an occurrence starts at or after the first token
+        n_at = torch.where(n_at >= self.min_n, n_at, 0)
+        best = n_at.amax(1, keepdim=True)  # the longest n that occurs (0: none)
+        far = torch.where((n_at == best) & (best > 0), c, 0).amax(1, keepdim=True)  # its earliest occurrence
+        k = (self.max_model_len - total).clamp_(max=min(self.max_k, cols))
+        out = torch.minimum(k, far)  # tokens after the occurrence: c of them (0: no draft)
+        take = far - 1 - torch.minimum(self._steps(cols), (out - 1).clamp(min=0))
+        ngram = rev.gather(1, take.clamp_(min=0)).to(drafts.dtype)  # (b, cols)
         merged = drafts.clone()
-        old = merged.index_select(0, dev_rows)
-        merged[dev_rows] = torch.where((out > 0).unsqueeze(1), ngram, old)
+        merged[dev_rows] = torch.where(out > 0, ngram, merged[dev_rows])
         return merged
+
+    def _steps(self, n: int) -> Any:
+        """``arange(n)`` on the device (a view of one made at start)."""
+        return self._arange[:n]
 
 
 __all__ = ["DeviceDrafter"]

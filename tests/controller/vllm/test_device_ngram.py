@@ -96,7 +96,8 @@ def test_the_device_drafter_gives_the_host_drafters_drafts(
     def known(r: str) -> list[int] | None:
         if r == "r5":
             return None  # prompt embeddings: never tracked
-        return [int(r[1:]) % 3, 1, int(r[1:]) % 2, 1, clock[0] % 3]
+        # prompts of 0..4 tokens: the shortest histories draft nothing
+        return [int(r[1:]) % 3, 1, int(r[1:]) % 2, 1, clock[0] % 3][: (int(r[1:]) + clock[0]) % 5]
 
     for rows, on_bits, skip_bits, fin_bits, re_bits, n, stepped in steps:
         ids = pool[:n]
@@ -210,3 +211,13 @@ def test_the_runner_step_reads_nothing_on_the_host() -> None:
             runner, d, so, sampled, torch.zeros((2, K), dtype=torch.int32, device="meta")
         )
         assert out.device.type == "meta" and tuple(out.shape) == (2, K) and out.dtype == torch.int32
+
+
+def test_one_token_histories_and_steps_that_sample_nothing() -> None:
+    d = DeviceDrafter(max_k=K, min_n=1, max_n=3, max_model_len=64, device="cpu")
+    eagle = torch.full((2, K), 9)
+    nothing = torch.zeros((2, 0), dtype=torch.int64)
+    out = d.step(["a", "b"], nothing, eagle, {"a", "b"}, {"a": [7], "b": []}.get)
+    assert out is not None and out.tolist() == eagle.tolist()  # too short to match: EAGLE's rows stay
+    out = d.step(["a", "b"], torch.tensor([[7], [3]]), eagle, {"a", "b"}, {}.get)
+    assert out is not None and out.tolist() == [[7] * K, [9] * K]  # a: 7 7: "7" at 0, then 7
