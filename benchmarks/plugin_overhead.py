@@ -450,6 +450,7 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
             "us_per_step": {str(b): round(res[(b, "composite-async")]["cpu_median"], 1) for b in batches},
             "history_tokens": args.history,
             "mode": "composite-async",
+            "worker_ngram": args.worker_ngram,
             "statistic": "CPU time in the hooks per step: median over the steps of a run, then over the runs; "
             "scripted scheduler, no engine",
             "repeat": args.repeat,
@@ -525,6 +526,13 @@ def main() -> int:
         help="--scripted: also run every case with MB megabytes written before each hook (caches evicted, as "
         "by the engine's own work between hooks; 4 = twice this machine's per-core L2)",
     )
+    ap.add_argument(
+        "--worker-ngram",
+        choices=("auto", "host", "device"),
+        default="auto",
+        help="the composite-async engine's SPECCONTROL_WORKER_NGRAM (where the worker matches n-gram; auto: "
+        "the device on CUDA, else the host); not with --scripted, which times the host drafter",
+    )
     ap.add_argument("--json", metavar="FILE", help="write {us_per_step, history_tokens, mode, ...} here")
     ap.add_argument("--child", choices=("without", *ENGINE_MODES), help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -540,6 +548,8 @@ def main() -> int:
     if not 0 <= args.cold_mb <= 4096 or (args.cold_mb and not args.scripted):
         ap.error(f"--cold-mb: 0..4096, with --scripted only, got {args.cold_mb}")
     args.load_before = os.getloadavg()[0]
+    if args.scripted and args.worker_ngram != "auto":
+        ap.error("--worker-ngram: for a real engine only (--scripted times the host drafter)")
     if args.scripted:
         return _scripted_main(args, batches)
     if args.child:
@@ -565,7 +575,8 @@ def main() -> int:
                     print(f"plugin_overhead: run {rep + 1}/{args.repeat}, engine {what} ...", file=sys.stderr,
                           flush=True)  # fmt: skip
                     plugin = {} if mode == "without" else {
-                        "SPECCONTROL_PLUGIN": "1", "SPECCONTROL_SIDECAR": f"unix://{tmp}/e.sock", **extra
+                        "SPECCONTROL_PLUGIN": "1", "SPECCONTROL_SIDECAR": f"unix://{tmp}/e.sock",
+                        "SPECCONTROL_WORKER_NGRAM": args.worker_ngram, **extra
                     }  # fmt: skip
                     subprocess.run([*child, "--child", mode], env={**env, **plugin}, check=True,
                                    timeout=CHILD_TIMEOUT_S)  # fmt: skip
@@ -607,6 +618,7 @@ def main() -> int:
             "us_per_step": {str(b): round(res["composite-async"][b]["cpu_median"], 1) for b in batches},
             "history_tokens": args.history,
             "mode": "composite-async",
+            "worker_ngram": args.worker_ngram,
             "statistic": "CPU time in the plugin's hooks per decode step, median over the steps, then the "
             "median run (worker merge included)",
             "repeat": args.repeat,

@@ -16,6 +16,10 @@ Every policy is scored under the constraints and the information a real engine h
   request drafts n-gram waits for its sampled tokens on the host (the n-gram draft starts after
   them; ``controller/vllm/worker.py``), so it pays ``scheduling.sync_step_s`` as synchronous
   scheduling does; a step without n-gram rows does not.
+* ``composite-device``: ``composite`` with the worker's n-gram matched on the device
+  (``controller/vllm/device_ngram.py``, the plugin's default on CUDA): no step waits. Its own device
+  time (about 50 small tensor operations on a step with n-gram rows) is not charged, because it has not
+  been measured on a GPU: ``composite`` (the wait) and this (no cost at all) bracket that path.
 * ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path; vLLM's
   async scheduling is the GPU default and the composite drafter runs under it too): it pays the
   profile's ``scheduling.sync_step_s`` on every step.
@@ -155,6 +159,15 @@ ENGINES: Mapping[str, EngineModel] = {
             counterfactual=(Method.NGRAM,),
             head_first_position=True,
             scheduling="async-ngram-waits",
+        ),
+        EngineModel(
+            "composite-device",
+            "the composite drafter, the worker's n-gram on the device: no step waits (its device time uncharged)",
+            Granularity.REQUEST_METHOD,
+            (Method.EAGLE3, Method.NGRAM),
+            always_runs=(Method.EAGLE3,),
+            counterfactual=(Method.NGRAM,),
+            head_first_position=True,
         ),
         EngineModel(
             "composite-sync",
