@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (it runs in 
 
 from controller.vllm.device_ngram import DeviceDrafter  # noqa: E402
 from controller.vllm.worker import DraftMerger  # noqa: E402
+from tests.controller.vllm.strategies import BatchStep, batch_steps  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("kernels")
 K = 4
@@ -68,24 +69,12 @@ def test_rows_on_ngram_replaced_others_kept_short_drafts_padded() -> None:
 
 @settings(max_examples=80, deadline=None)
 @given(
-    st.lists(
-        st.tuples(
-            st.lists(st.lists(st.integers(-1, 4), min_size=K + 1, max_size=K + 1), min_size=6, max_size=6),
-            st.integers(0, 63),  # the rows on n-gram (bit i: row i)
-            st.integers(0, 63),  # the rows discarded (partial prefills)
-            st.integers(0, 63),  # the requests that finish before this step
-            st.integers(0, 63),  # the requests restarted (resumed after preemption) this step
-            st.integers(1, 6),  # rows in the batch
-            st.integers(0, 6),  # rows sampled this step (the rest did not step)
-        ),
-        min_size=1,
-        max_size=30,
-    ),
+    batch_steps(K),
     st.integers(1, 3),
     st.sampled_from([8, 12, 1 << 20]),  # max_model_len: small ones cut drafts and histories
 )
 def test_the_device_drafter_gives_the_host_drafters_drafts(
-    steps: list[tuple[list[list[int]], int, int, int, int, int, int]], min_n: int, max_model_len: int
+    steps: list[BatchStep], min_n: int, max_model_len: int
 ) -> None:
     """Requests arriving, finishing, restarting, prefilling, not stepping; rows on n-gram changing every
     step; histories reaching ``max_model_len``: the same drafts at every step, the same histories."""

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from controller.vllm.worker import DraftMerger
 from policies.prompt_lookup import match_ngram
+from tests.controller.vllm.strategies import BatchStep, batch_steps
 
 pytestmark = pytest.mark.usefixtures("kernels")
 K = 4
@@ -127,23 +128,8 @@ def test_merge_equals_the_rule_on_the_full_history(
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.lists(st.lists(st.integers(-1, 4), min_size=K + 1, max_size=K + 1), min_size=6, max_size=6),
-            st.integers(0, 63),  # the rows on n-gram (bit i: row i)
-            st.integers(0, 63),  # the rows discarded (partial prefills)
-            st.integers(0, 63),  # the requests that finish before this step
-            st.integers(0, 63),  # the requests restarted (resumed after preemption) this step
-            st.integers(1, 6),  # rows in the batch
-        ),
-        min_size=1,
-        max_size=30,
-    )
-)
-def test_a_deferred_step_gives_the_same_drafts(
-    steps: list[tuple[list[list[int]], int, int, int, int, int]],
-) -> None:
+@given(batch_steps(K))
+def test_a_deferred_step_gives_the_same_drafts(steps: list[BatchStep]) -> None:
     """``step_deferred`` (a step without n-gram rows applied at the next call) against ``step`` (applied
     now), driven alike: the same drafts at every step with n-gram rows, and the same histories after
     the last flush, with requests arriving, finishing, restarting and prefilling in between. The
@@ -158,7 +144,7 @@ def test_a_deferred_step_gives_the_same_drafts(
     ids: list[str] = []
     buf = np.zeros((6, K + 1), dtype=np.int64)
     mask = np.zeros(6, dtype=np.bool_)
-    for rows, on_bits, skip_bits, fin_bits, re_bits, n in steps:
+    for rows, on_bits, skip_bits, fin_bits, re_bits, n, _ in steps:
         ids[:] = pool[:n]  # in place, as the runner's input batch
         finished = [r for i, r in enumerate(pool) if fin_bits >> i & 1 and r not in ids]
         restarted = [r for i, r in enumerate(ids) if re_bits >> i & 1]
