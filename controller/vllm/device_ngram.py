@@ -3,12 +3,12 @@
 ``worker.DraftMerger`` keeps the histories on the host, so a step with any request on n-gram must read
 that step's sampled tokens on the host, which waits for the device to sample them: the engine thread
 then schedules the next step only after this one ran, the overlap async scheduling exists for. This
-drafter keeps the histories where the sampled tokens are (a ``rows x (max_model_len + 1)`` int32 matrix
-on the runner's device, as vLLM's own ``ngram_gpu`` drafter does) and does the whole step with tensor
-operations queued behind the step's own work: this step's tokens are scattered in, the n-gram rows
-matched (``unfold`` and compare, longest n first, earliest occurrence) and their drafts written over
-EAGLE's rows with ``torch.where``. The host only decides which rows do what (slots, requests on n-gram,
-partial prefills: all host state) and uploads new requests' prompts.
+drafter keeps the histories where the sampled tokens are (an int32 matrix on the runner's device, a row
+per request, as vLLM's own ``ngram_gpu`` drafter does, though only as wide as the longest history) and
+does the whole step with tensor operations queued behind the step's own work: this step's tokens are
+scattered in, the n-gram rows matched (one pass for every n, on each history reversed; ``_merge``) and
+their drafts written over EAGLE's rows with ``torch.where``. The host only decides which rows do what
+(slots, requests on n-gram, partial prefills: all host state) and uploads new requests' prompts.
 
 What must hold:
 - the drafts equal ``DraftMerger.step``'s, step after step (and so ``policies.prompt_lookup.match_ngram``
@@ -18,8 +18,9 @@ What must hold:
   such read raises. Shapes come from host bounds: each slot's length is known to the host only up to the
   tokens it may have taken (``_bound``: its prompt plus the sampled width of every step), and the match
   runs over that many columns;
-- a write that has no place (a rejected slot, a discarded row, a position at ``max_model_len``) goes to
-  the matrix's last column, which is never read.
+- a write that has no place (a rejected slot, a position at ``max_model_len``) goes to the matrix's
+  last column, which is never read; the matrix grows (doubling, on the host's bounds) to the longest
+  history, so device memory is ``slots x longest history x 4`` bytes, not ``max_model_len`` wide.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import torch  # type: ignore[import-not-found]
 
 _MIN_ROWS = 16
+_MIN_COLS = 256
 
 
 class DeviceDrafter:
@@ -45,8 +47,9 @@ class DeviceDrafter:
         self.max_k, self.min_n, self.max_n, self.max_model_len = max_k, min_n, max_n, max_model_len
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
-        self._trash = max_model_len  # the column where writes with no place go
-        self._hist = torch.zeros((_MIN_ROWS, max_model_len + 1), dtype=torch.int32, device=self.device)
+        #: Columns in use (the longest history fits); column ``_cols`` takes the writes with no place.
+        self._cols = min(_MIN_COLS, max_model_len)
+        self._hist = torch.zeros((_MIN_ROWS, self._cols + 1), dtype=torch.int32, device=self.device)
         self._len = torch.zeros(_MIN_ROWS, dtype=torch.int64, device=self.device)
         self._bound = np.zeros(_MIN_ROWS, dtype=np.int64)  # host: each slot's length is at most this
         self._slot: dict[str, int] = {}
@@ -62,15 +65,23 @@ class DeviceDrafter:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _grow(self, rows: int) -> None:
-        old = self._hist.shape[0]
-        new = max(rows, 2 * old)
-        hist = torch.zeros((new, self._hist.shape[1]), dtype=torch.int32, device=self.device)
-        hist[:old] = self._hist
-        ln = torch.zeros(new, dtype=torch.int64, device=self.device)
-        ln[:old] = self._len
-        self._hist, self._len = hist, ln
-        self._bound = np.concatenate([self._bound, np.zeros(new - old, dtype=np.int64)])
+    def _fit(self, rows: int, cols: int) -> None:
+        """Grow the matrix (doubling) to hold ``rows`` slots and histories of ``cols`` tokens: device
+        memory follows the longest history, not ``max_model_len``. Positions past a slot's length are
+        never read, so what the old last column held does not matter."""
+        old_rows, old_cols = self._hist.shape[0], self._cols
+        if rows <= old_rows and cols <= old_cols:
+            return
+        new_rows = max(rows, 2 * old_rows) if rows > old_rows else old_rows
+        new_cols = min(max(cols, 2 * old_cols), self.max_model_len) if cols > old_cols else old_cols
+        hist = torch.zeros((new_rows, new_cols + 1), dtype=torch.int32, device=self.device)
+        hist[:old_rows, :old_cols] = self._hist[:, :old_cols]
+        self._hist, self._cols = hist, new_cols
+        if new_rows > old_rows:
+            ln = torch.zeros(new_rows, dtype=torch.int64, device=self.device)
+            ln[:old_rows] = self._len
+            self._len = ln
+            self._bound = np.concatenate([self._bound, np.zeros(new_rows - old_rows, dtype=np.int64)])
 
     def _start(self, rid: str, known_tokens: Callable[[str], Sequence[int] | None]) -> int:
         base = known_tokens(rid)
@@ -78,8 +89,7 @@ class DeviceDrafter:
             return -1
         tokens = np.array([int(t) for t in base if t >= 0][: self.max_model_len], dtype=np.int32)
         s = self._free.pop() if self._free else len(self._slot)
-        if s >= self._hist.shape[0]:
-            self._grow(s + 1)
+        self._fit(s + 1, len(tokens))
         if len(tokens):
             self._hist[s, : len(tokens)] = self._upload(tokens)
         self._len[s] = len(tokens)
@@ -133,16 +143,18 @@ class DeviceDrafter:
     def _append(self, sampled: Any, rows: np.ndarray, slots: np.ndarray) -> None:
         """Row ``rows[i]`` of ``sampled`` onto slot ``slots[i]``'s history, on the device."""
         width = int(sampled.shape[1])
-        dev_rows, dev_slots = self._upload(rows), self._upload(slots)
+        bound = np.minimum(self._bound[slots] + width, self.max_model_len)
+        self._fit(0, int(bound.max()))  # every valid position now has a column
+        dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
         tok = sampled.index_select(0, dev_rows).to(torch.int64)  # (r, width)
         valid = tok >= 0
         pos = self._len.index_select(0, dev_slots).unsqueeze(1) + valid.cumsum(1) - 1
-        pos = torch.where(valid & (pos < self.max_model_len), pos, self._trash)
+        pos = torch.where(valid & (pos < self.max_model_len), pos, self._cols)
         self._hist[dev_slots.unsqueeze(1).expand(-1, width), pos] = tok.to(torch.int32)
         self._len[dev_slots] = torch.clamp(
             self._len.index_select(0, dev_slots) + valid.sum(1), max=self.max_model_len
         )
-        self._bound[slots] = np.minimum(self._bound[slots] + width, self.max_model_len)
+        self._bound[slots] = bound
 
     def _merge(self, drafts: Any, rows: np.ndarray, slots: np.ndarray) -> Any:
         """``drafts`` with row ``rows[i]`` replaced by slot ``slots[i]``'s n-gram draft (padded with its

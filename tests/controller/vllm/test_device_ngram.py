@@ -49,6 +49,9 @@ class _Both:
             want = self.host._index.tokens(s)[: self.dev.max_model_len].tolist()
             assert want == self.dev._hist[d, :n].tolist()
             assert n <= self.dev._bound[d]
+        # device memory follows the longest history (doubling from 256 columns), not max_model_len
+        longest = max((int(self.dev._bound[d]) for d in self.dev._slot.values()), default=0)
+        assert self.dev._hist.shape[1] == self.dev._cols + 1 and self.dev._cols <= max(256, 2 * longest)
 
 
 def _rows(*rows: list[int]) -> np.ndarray:
