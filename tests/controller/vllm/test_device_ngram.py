@@ -213,3 +213,36 @@ def test_one_token_histories_and_steps_that_sample_nothing() -> None:
     assert out is not None and out.tolist() == eagle.tolist()  # too short to match: EAGLE's rows stay
     out = d.step(["a", "b"], torch.tensor([[7], [3]]), eagle, {"a", "b"}, {}.get)
     assert out is not None and out.tolist() == [[7] * K, [9] * K]  # a: 7 7: "7" at 0, then 7
+
+
+def test_a_drafter_that_fails_is_switched_off_and_eagles_drafts_pass_through(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The runner's wrapper: an exception in the drafter (a device allocation that fails, say) is
+    logged once, the drafter is dropped for the runner's lifetime, and every step returns EAGLE's
+    drafts as vLLM made them."""
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner", reason="vLLM is not installed")
+    from types import SimpleNamespace as NS
+
+    from controller.vllm import worker
+
+    eagle = torch.full((1, K), 5)
+    monkeypatch.setattr(
+        gmr.GPUModelRunner, "propose_draft_token_ids", lambda self, so, sampled, *a, **kw: eagle
+    )
+    monkeypatch.setattr(gmr.GPUModelRunner, "_speccontrol_patched", False, raising=False)
+    worker.install_v1_runner(max_k=K, min_n=1, max_n=3, where="device")
+    calls = []
+
+    def boom(*a: Any) -> Any:
+        calls.append(1)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(worker, "_merge_step", boom)
+    runner = _runner("cpu", ["a"], {"a": [1, 2, 1]})
+    so = NS(finished_req_ids=(), scheduled_cached_reqs=None)
+    propose = gmr.GPUModelRunner.propose_draft_token_ids
+    for _ in range(3):
+        assert propose(runner, so, torch.tensor([[2]])) is eagle
+    assert calls == [1] and runner._speccontrol_merger is None
+    assert sum("merge failed; disabled" in r.getMessage() for r in caplog.records) == 1
