@@ -55,6 +55,7 @@ class DeviceDrafter:
         self._slot: dict[str, int] = {}
         self._free: list[int] = []
         self._arange = torch.arange(max_model_len + max_n + max_k, device=self.device)
+        self._dev_slots: tuple[np.ndarray, Any] = (np.zeros(0, dtype=np.int64), None)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -145,16 +146,25 @@ class DeviceDrafter:
         width = int(sampled.shape[1])
         bound = np.minimum(self._bound[slots] + width, self.max_model_len)
         self._fit(0, int(bound.max()))  # every valid position now has a column
-        dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
-        tok = sampled.index_select(0, dev_rows).to(torch.int64)  # (r, width)
+        if len(rows) == rows[-1] + 1:  # rows 0..r-1 (the usual step): no gather, and the slots as last time
+            tok, dev_slots = sampled[: len(rows)], self._on_device(slots)
+        else:
+            dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
+            tok = sampled.index_select(0, dev_rows)
         valid = tok >= 0
-        pos = self._len.index_select(0, dev_slots).unsqueeze(1) + valid.cumsum(1) - 1
+        count = valid.cumsum(1)  # (r, width): the tokens up to each place
+        old = self._len[dev_slots]
+        pos = count + (old - 1).unsqueeze(1)
         pos = torch.where(valid & (pos < self.max_model_len), pos, self._cols)
-        self._hist[dev_slots.unsqueeze(1).expand(-1, width), pos] = tok.to(torch.int32)
-        self._len[dev_slots] = torch.clamp(
-            self._len.index_select(0, dev_slots) + valid.sum(1), max=self.max_model_len
-        )
+        self._hist[dev_slots.unsqueeze(1), pos] = tok.to(torch.int32)
+        self._len[dev_slots] = (old + count[:, -1]).clamp_(max=self.max_model_len)
         self._bound[slots] = bound
+
+    def _on_device(self, slots: np.ndarray) -> Any:
+        """``slots`` on the device: the last upload again while the batch has not changed."""
+        if not np.array_equal(slots, self._dev_slots[0]):
+            self._dev_slots = (slots.copy(), self._upload(slots))
+        return self._dev_slots[1]
 
     def _merge(self, drafts: Any, rows: np.ndarray, slots: np.ndarray) -> Any:
         """``drafts`` with row ``rows[i]`` replaced by slot ``slots[i]``'s n-gram draft (padded with its
@@ -177,14 +187,16 @@ class DeviceDrafter:
             (rev.unfold(1, big, 1)[:, 1:width] == rev[:, None, :big]).cumprod(-1).sum(-1)
         )  # c = 1 .. width - 1
         c = self._steps(width)[1:]
-        n_at = torch.minimum(run, total - c)  # an occurrence starts at or after the first token
-        n_at = torch.where(n_at >= self.min_n, n_at, 0)
-        best = n_at.amax(1, keepdim=True)  # the longest n that occurs (0: none)
-        far = torch.where((n_at == best) & (best > 0), c, 0).amax(1, keepdim=True)  # its earliest occurrence
-        k = (self.max_model_len - total).clamp_(max=min(self.max_k, cols))
-        out = torch.minimum(k, far)  # tokens after the occurrence: c of them (0: no draft)
-        take = far - 1 - torch.minimum(self._steps(cols), (out - 1).clamp(min=0))
-        ngram = rev.gather(1, take.clamp_(min=0)).to(drafts.dtype)  # (b, cols)
+        n_at = torch.minimum(
+            run, total - c
+        )  # the longest n-gram ending there (one starts at token 0 or after)
+        best = n_at.amax(1, keepdim=True)  # the longest that occurs anywhere
+        far = torch.where(n_at == best, c, 0).amax(1, keepdim=True)  # its earliest occurrence
+        # Tokens after the occurrence: c of them, cut to K and to max_model_len; 0 where best < min_n.
+        room = (self.max_model_len - total).clamp_(max=min(self.max_k, cols))
+        out = torch.minimum(far, room) * (best >= self.min_n)
+        take = (far - 1) - torch.minimum(self._steps(cols), out - 1)  # padded with the last (out = 0: unread)
+        ngram = rev.gather(1, take).to(drafts.dtype)  # (b, cols)
         merged = drafts.clone()
         merged[dev_rows] = torch.where(out > 0, ngram, merged[dev_rows])
         return merged
