@@ -103,8 +103,13 @@ def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(
             assert accepted < drafted / 2, settled
     for tag in TAGS:
         assert got[tag]["choices"][0]["token_ids"] == baseline[tag], tag
-    where = stack.worker_ngram  # type: ignore[attr-defined]  (the drafter is built on the first draft)
-    assert f"worker n-gram on the {where}" in (stack.tmp / "vllm.log").read_text(errors="replace"), where
+    log = (stack.tmp / "vllm.log").read_text(errors="replace")
+    # The worker's drafter is a V1 setting (scripts/gpu_check.sh runs the V2 runner too).
+    if "V1 model runner hook installed" in log:
+        where = stack.worker_ngram  # type: ignore[attr-defined]  (the drafter is built on the first draft)
+        assert f"worker n-gram on the {where}" in log, where
+    else:
+        assert ON_GPU, "the V1 runner's hook is missing"
 
 
 def test_3_per_request_k_follows_policy_set(stack: Stack) -> None:
