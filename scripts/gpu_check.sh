@@ -1,39 +1,56 @@
 #!/usr/bin/env bash
-# Composite drafting on a GPU: the async-scheduling end-to-end test (tests/e2e/test_vllm_async.py) with
-# the V1 and with the V2 model runner, on a tiny Llama-shaped target and EAGLE-3 head with dummy weights
-# built locally (tests/e2e/tiny_model.py, head dim 64); the V1 run covers the worker's n-gram on the
-# device (controller/vllm/device_ngram.py, the default on CUDA) and on the host. Then the plugin's cost
-# per step on this host (benchmarks/plugin_overhead.py, short), with the worker's n-gram on the host and
-# on the device: under async scheduling a "composite-async" wall time well above its CPU time is the
-# engine thread waiting for the device (the host drafter must read a step's sampled tokens when a row is
-# on n-gram; docs/vllm-plugin.md); the device drafter should show no such gap. Downloads nothing.
-# Target: under 9 minutes.
+# Composite drafting on a GPU, in two parts.
+# 1. Without vLLM (torch alone, as on a bare GPU machine with PyTorch): the worker's two n-gram drafters
+#    at serving sizes (benchmarks/worker_drafter.py --device cuda): the device drafter
+#    (controller/vllm/device_ngram.py, the plugin's default on CUDA) gives the host drafter's drafts,
+#    never makes the host wait for the device (torch.cuda.set_sync_debug_mode("error")), and costs this
+#    much host and device time per step. About a minute.
+# 2. With a CUDA vLLM (VLLM_VENV): the async-scheduling end-to-end test (tests/e2e/test_vllm_async.py)
+#    with the V1 and with the V2 model runner, on a tiny Llama-shaped target and EAGLE-3 head with dummy
+#    weights built locally (tests/e2e/tiny_model.py, head dim 64); the V1 run covers the worker's n-gram
+#    on the device and on the host. Then the plugin's cost per step on this host
+#    (benchmarks/plugin_overhead.py, short) with each: under async scheduling a "composite-async" wall
+#    time well above its CPU time is the engine thread waiting for the device (the host drafter must
+#    read a step's sampled tokens when a row is on n-gram; docs/vllm-plugin.md); the device drafter
+#    should show no such gap. Skipped, and said so, without a vLLM virtualenv.
+# Downloads nothing. Target: under 10 minutes.
 #
 # NOT YET RUN ON A GPU: no GPU machine was available when it was written (see docs/vllm-plugin.md).
 #
+#   DRAFTER_PY the interpreter for part 1 (torch with CUDA, numpy, grpcio, pyyaml); default python3
 #   VLLM_VENV  a virtualenv with CUDA vLLM 0.32.x or 0.33.x and this project's runtime dependencies
 #              (grpcio, protobuf, numpy, pyyaml, prometheus-client, tokenizers); default .venv-vllm-gpu
 #   TEST_PY    the test interpreter (pytest and the project's dependencies); default .venv/bin/python,
 #              else the vLLM virtualenv's
-# Extra arguments go to pytest. Exit 0: both runners passed; 1: a check failed; 2: nothing to run on.
+# Extra arguments go to pytest. Exit 0: every part that ran passed; 1: a check failed; 2: no GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-VLLM_VENV=${VLLM_VENV:-.venv-vllm-gpu}
-if [ ! -x "$VLLM_VENV/bin/python" ]; then
-  echo "gpu_check: $VLLM_VENV/bin/python is missing (a CUDA vLLM 0.32/0.33 virtualenv; this script installs nothing)" >&2
-  exit 2
-fi
-TEST_PY=${TEST_PY:-.venv/bin/python}
-[ -x "$TEST_PY" ] || TEST_PY="$VLLM_VENV/bin/python"
 if ! nvidia-smi -L; then
   echo "gpu_check: no NVIDIA GPU visible" >&2
   exit 2
 fi
-"$VLLM_VENV/bin/python" -c 'import vllm; print("gpu_check: vllm", vllm.__version__)' || exit 2
+status=0
+DRAFTER_PY=${DRAFTER_PY:-python3}
+echo "gpu_check: part 1, the worker's n-gram drafters on the GPU (torch only)"
+if ! PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 "$DRAFTER_PY" benchmarks/worker_drafter.py \
+    --device cuda --json /tmp/gpu_check_drafter.json; then
+  echo "gpu_check: FAILED: benchmarks/worker_drafter.py --device cuda" >&2
+  status=1
+fi
+VLLM_VENV=${VLLM_VENV:-.venv-vllm-gpu}
+if [ ! -x "$VLLM_VENV/bin/python" ]; then
+  echo "gpu_check: part 2 skipped: $VLLM_VENV/bin/python is missing (a CUDA vLLM 0.32/0.33 virtualenv; this script installs nothing)" >&2
+  exit $status
+fi
+TEST_PY=${TEST_PY:-.venv/bin/python}
+[ -x "$TEST_PY" ] || TEST_PY="$VLLM_VENV/bin/python"
+if ! "$VLLM_VENV/bin/python" -c 'import vllm; print("gpu_check: part 2, vllm", vllm.__version__)'; then
+  echo "gpu_check: part 2 skipped: vLLM does not import from $VLLM_VENV" >&2
+  exit $status
+fi
 export VLLM_VENV SPECCONTROL_REQUIRE_VLLM=1 SPECCONTROL_E2E_GPU=1 SPECCONTROL_E2E_HEAD_DIM=64
 # The V2 merge is experimental and opt-in; the V1 run ignores the flag.
 export SPECCONTROL_V2_COMPOSITE=1
-status=0
 for v2 in 0 1; do
   echo "gpu_check: async scheduling, V$((v2 + 1)) model runner"
   # The sidecar-kill test waits out a TTL; the sync CPU e2e and the CPU async run cover it.

@@ -1,0 +1,202 @@
+"""The worker's two n-gram drafters at serving sizes, without vLLM: what each costs per engine step.
+
+Under async scheduling the plugin's worker merges n-gram drafts into EAGLE's (controller/vllm/worker.py).
+``host`` (``DraftMerger``) keeps the histories on the host: on a GPU a step with n-gram rows must read
+that step's sampled tokens on the host, which waits for the device. ``device`` (``DeviceDrafter``,
+controller/vllm/device_ngram.py, the default on CUDA) queues every step on the device and waits for
+nothing, but launches about 44 small operations on a step with n-gram rows. Which costs less on a GPU
+is what this measures, with nothing but torch (the device machine's image has it; vLLM is not needed):
+
+    python benchmarks/worker_drafter.py [--device cuda] [--batches 8,32] [--history 2000] [--steps 200]
+        [--ngram-share 0.5] [--json FILE]
+
+Both drafters get the same steps: every row samples 1..K+1 tokens from prompts with a repeating phrase
+(so n-gram has matches), a share of rows is on n-gram each step, and every 8th step one request is
+replaced by a new one. Per batch it prints each drafter's host time per step (the engine thread's, median
+over the steps) and, on CUDA, the device drafter's device time per step (CUDA events around its
+operations, the queue otherwise idle), as ratios to the host drafter's host time in the same run. The
+host drafter's wait is not in its figure: here nothing runs on the device before its read; in an
+engine it waits for the step's forward (the simulator charges it as ``scheduling.sync_step_s``).
+
+What must hold (exit 1 otherwise): the two drafters give the same drafts at every step; on CUDA, every
+device-drafter step runs under ``torch.cuda.set_sync_debug_mode("error")``, so a step that would make
+the host wait for the device raises. Exit 2: a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+K = 4
+CHURN = 8  # steps between a request leaving and a new one arriving
+
+
+def _scenario(batch: int, history: int, steps: int, share: float, seed: int) -> list[dict[str, Any]]:
+    """The steps both drafters take: ids, sampled rows (-1: rejected), the rows on n-gram, the request
+    that finished before the step; prompts are drawn on first use (``known``)."""
+    rng = np.random.default_rng(seed)
+    phrase = rng.integers(0, 32000, 40)
+    ids = [f"r{i}" for i in range(batch)]
+    fresh, finished = batch, []
+    out: list[dict[str, Any]] = []
+    for t in range(steps):
+        taken = rng.integers(1, K + 2, batch)  # tokens each row keeps this step (1..K+1)
+        sampled = np.where(np.arange(K + 1) < taken[:, None], np.resize(phrase, (batch, K + 1)), -1)
+        sampled[:, 0] = phrase[t % 40]
+        on = {r for r in ids if rng.random() < share}
+        out.append({"ids": list(ids), "sampled": sampled.astype(np.int32), "on": on, "finished": finished})
+        finished = []
+        if t % CHURN == CHURN - 1:  # a request leaves, a new one (with its prompt) takes its row
+            gone = int(rng.integers(batch))
+            finished = [ids[gone]]
+            ids[gone] = f"r{fresh}"
+            fresh += 1
+    prompts_rng = np.random.default_rng(seed + 1)
+    prompts: dict[str, list[int]] = {}
+
+    def known(r: str) -> list[int]:
+        if r not in prompts:
+            mix = prompts_rng.random(history) < 0.5
+            prompts[r] = np.where(
+                mix, prompts_rng.integers(0, 32000, history), np.resize(phrase, history)
+            ).tolist()
+        return prompts[r]
+
+    out[0]["known"] = known
+    return out
+
+
+def _run(batch: int, history: int, steps: int, share: float, device: str, seed: int) -> dict[str, Any]:
+    import torch
+
+    from controller.vllm.device_ngram import DeviceDrafter
+    from controller.vllm.worker import DraftMerger
+
+    plan = _scenario(batch, history, steps, share, seed)
+    known = plan[0]["known"]
+    kw = {"max_k": K, "min_n": 1, "max_n": 3, "max_model_len": history + 4 * steps * (K + 1)}
+    host, dev = DraftMerger(**kw), DeviceDrafter(**kw, device=device)
+    cuda = device.startswith("cuda")
+    eagle_host = np.full((batch, K), -7, dtype=np.int32)
+    eagle_dev = torch.from_numpy(eagle_host).to(device)
+    sampled_dev = [torch.from_numpy(s["sampled"]).to(device) for s in plan]  # as the sampler leaves them
+    host_s, dev_s, gpu_ms, mismatches = [], [], [], 0
+    if cuda:
+        torch.cuda.synchronize()
+    for i, s in enumerate(plan):
+        t0 = time.perf_counter()
+        want = host.step(s["ids"], s["sampled"], eagle_host, s["on"], known, finished=s["finished"])
+        host_s.append(time.perf_counter() - t0)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.set_sync_debug_mode("error")
+            start.record()
+        t0 = time.perf_counter()
+        got = dev.step(s["ids"], sampled_dev[i], eagle_dev, s["on"], known, finished=s["finished"])
+        dev_s.append(time.perf_counter() - t0)
+        if cuda:
+            end.record()
+            torch.cuda.set_sync_debug_mode("default")
+            end.synchronize()
+            gpu_ms.append(start.elapsed_time(end))
+        a = eagle_host if want is None else want
+        b = eagle_host if got is None else got.cpu().numpy()
+        mismatches += int(not np.array_equal(a, b))
+    warm = slice(min(10, steps // 4), None)  # the first steps compile and allocate
+    res: dict[str, Any] = {
+        "batch": batch,
+        "host_drafter_host_us": round(statistics.median(host_s[warm]) * 1e6, 1),
+        "device_drafter_host_us": round(statistics.median(dev_s[warm]) * 1e6, 1),
+        "mismatched_steps": mismatches,
+        "steps": steps,
+    }
+    res["device_host_ratio"] = round(
+        res["device_drafter_host_us"] / max(res["host_drafter_host_us"], 1e-9), 2
+    )
+    if gpu_ms:
+        res["device_drafter_device_us"] = round(statistics.median(gpu_ms[warm]) * 1e3, 1)
+        res["device_device_ratio"] = round(
+            res["device_drafter_device_us"] / max(res["host_drafter_host_us"], 1e-9), 2
+        )
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", help="the device drafter's device (cuda, cuda:N or cpu)")
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--history", type=int, default=2000, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--ngram-share", type=float, default=0.5, help="share of rows on n-gram each step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures here")
+    args = ap.parse_args()
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
+    if (
+        not all(1 <= b <= 1024 for b in batches)
+        or not 1 <= args.history <= 1 << 20
+        or not 4 <= args.steps <= 100_000
+    ):
+        ap.error("need batches in 1..1024, --history in 1..1048576 and --steps in 4..100000")
+    if not 0 <= args.ngram_share <= 1:
+        ap.error(f"--ngram-share: 0..1, got {args.ngram_share}")
+    try:
+        import torch
+    except ImportError:
+        print("worker_drafter: torch is not installed here (vLLM's environment has it)", file=sys.stderr)
+        return 1
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            f"worker_drafter: --device {args.device}: no CUDA device here (use --device cpu)", file=sys.stderr
+        )
+        return 1
+    load = os.getloadavg()[0]
+    rows = []
+    for b in batches:
+        print(f"worker_drafter: batch {b}, {args.steps} steps ...", file=sys.stderr, flush=True)
+        try:
+            rows.append(_run(b, args.history, args.steps, args.ngram_share, args.device, args.seed + b))
+        except RuntimeError as e:  # set_sync_debug_mode("error"): a step made the host wait
+            print(
+                f"worker_drafter: batch {b}: the device drafter synchronised with the device: {e}",
+                file=sys.stderr,
+            )
+            return 1
+    dev_col = "device µs (/host)" if args.device.startswith("cuda") else ""
+    print(
+        f"{'batch':>5} {'host drafter µs':>16} {'device drafter host µs (/host)':>31} {dev_col:>18} mismatched steps"
+    )
+    for r in rows:
+        gpu = (f"{r['device_drafter_device_us']:>9.1f} (x{r['device_device_ratio']:.2f})"
+               if "device_drafter_device_us" in r else "")  # fmt: skip
+        print(f"{r['batch']:>5} {r['host_drafter_host_us']:>16.1f} {r['device_drafter_host_us']:>20.1f} "
+              f"(x{r['device_host_ratio']:.2f}) {gpu:>18} {r['mismatched_steps']:>6}")  # fmt: skip
+    print(f"({args.history}-token prompts, {args.ngram_share:.0%} of rows on n-gram, device {args.device}, "
+          f"load average {load:.2f} on {os.cpu_count()} cores; host µs: the step call's wall time on the host, "
+          "median over the steps; device µs: CUDA events around the device drafter's step; ratios: to the "
+          "host drafter's host time in the same run; the host drafter's wait for the forward is not in it)")  # fmt: skip
+    if args.json:
+        doc = {"command": " ".join(["python", "benchmarks/worker_drafter.py", *sys.argv[1:]]), "device": args.device,
+               "history_tokens": args.history, "ngram_share": args.ngram_share, "rows": rows,
+               "cores": os.cpu_count(), "load_average_1min": round(load, 2)}  # fmt: skip
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return 1 if any(r["mismatched_steps"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

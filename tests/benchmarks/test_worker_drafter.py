@@ -1,0 +1,46 @@
+"""benchmarks/worker_drafter.py: usage errors exit 2 before anything starts; where torch is installed
+(vLLM's environment; tests/e2e/test_kernels_compiled.py runs this file there) a short CPU run finds the
+two drafters' drafts equal and writes its figures as JSON numbers."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "worker_drafter.py"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--batches", "8,x"], "--batches: comma-separated integers"),
+        (["--batches", "0"], "batches in 1..1024"),
+        (["--steps", "2"], "--steps in 4..100000"),
+        (["--ngram-share", "1.5"], "--ngram-share: 0..1"),
+    ],
+)
+def test_usage_errors_exit_2_and_say_what(args: list[str], says: str) -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert says in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_short_cpu_run_agrees_and_writes_numbers(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
+    out = tmp_path / "wd.json"
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--batches", "4,16", "--history", "300", "--steps", "24",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [row["batch"] for row in doc["rows"]] == [4, 16]
+    for row in doc["rows"]:
+        assert row["mismatched_steps"] == 0
+        assert isinstance(row["host_drafter_host_us"], float) and row["host_drafter_host_us"] > 0
+        assert isinstance(row["device_host_ratio"], float)
+        assert "device_drafter_device_us" not in row  # CUDA events only on a GPU
