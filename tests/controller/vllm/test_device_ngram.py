@@ -4,6 +4,7 @@ runs on torch's ``meta`` device, which has no data to read)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -163,10 +164,13 @@ def test_the_runner_gets_the_drafter_asked_for_and_its_own_types_back(where: str
     assert isinstance(drafter, DeviceDrafter if where == "device" else DraftMerger)
     so = NS(finished_req_ids=(), scheduled_cached_reqs=None, **{NGRAM_ROWS_ATTR: {"a"}})
     eagle = [[100] * K, [100] * K]
-    for drafts, kind in ((torch.tensor(eagle), torch.Tensor), (np.array(eagle), np.ndarray), (eagle, list)):
+    # The sampled tokens as a tensor, or (vLLM's disable_padded_drafter_batch) as ragged lists.
+    sampled_as = (torch.tensor([[7, -1], [4, -1]]), [[7], [4]])
+    kinds = ((torch.tensor(eagle), torch.Tensor), (np.array(eagle), np.ndarray), (eagle, list))
+    for (drafts, kind), sampled in itertools.product(kinds, sampled_as):
         runner.requests = {r: NS(prompt_token_ids=p, output_token_ids=[]) for r, p in prompts.items()}
         d = worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where=where)
-        out = worker._merge_step(runner, d, so, torch.tensor([[7, -1], [4, -1]]), drafts)
+        out = worker._merge_step(runner, d, so, sampled, drafts)
         assert isinstance(out, kind)
         got = out.tolist() if not isinstance(out, list) else out
         assert got == [[5, 6, 7, 7], [100] * K], kind
