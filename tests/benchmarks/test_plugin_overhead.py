@@ -1,11 +1,12 @@
 """benchmarks/plugin_overhead.py: a mistaken command line is a usage error (exit 2, no traceback)
 before anything starts (its measurements need the vLLM virtualenv and run in `make results`)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.benchmarks.usage import assert_usage_error
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plugin_overhead.py"
 
@@ -21,10 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plugin_overhead.p
     ],
 )
 def test_usage_errors_exit_2_and_say_what(args: list[str], says: str) -> None:
-    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert says in r.stderr
-    assert "Traceback" not in r.stderr
+    assert_usage_error(SCRIPT, args, says)
 
 
 def test_a_cold_run_flushes_before_every_hook_and_the_next_warm_run_does_not() -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.usage import assert_usage_error
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "worker_drafter.py"
 
 
@@ -22,10 +24,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "worker_drafter.py
     ],
 )
 def test_usage_errors_exit_2_and_say_what(args: list[str], says: str) -> None:
-    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert says in r.stderr
-    assert "Traceback" not in r.stderr
+    assert_usage_error(SCRIPT, args, says)
 
 
 def test_a_short_cpu_run_agrees_and_writes_numbers(tmp_path: Path) -> None:
