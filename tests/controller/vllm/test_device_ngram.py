@@ -250,3 +250,22 @@ def test_a_drafter_that_fails_is_switched_off_and_eagles_drafts_pass_through(
         assert propose(runner, so, torch.tensor([[2]])) is eagle
     assert calls == [1] and runner._speccontrol_merger is None
     assert sum("merge failed; disabled" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("history", "want"),
+    [
+        # "3" first follows at 0 (draft 7 ...), "1 2 3" at 2 (draft 9 ...): the longest suffix wins
+        ([3, 7, 1, 2, 3, 9, 4, 4, 1, 2, 3], [9, 4, 4, 1]),
+        # "5 6" occurs at 0 and at 3: the earliest occurrence's continuation (8), not the latest (9)
+        ([5, 6, 8, 5, 6, 9, 5, 6], [8, 5, 6, 9]),
+        # only the suffix itself: no draft, EAGLE's row stays
+        ([1, 2, 3, 4], [-7] * K),
+    ],
+)
+def test_the_longest_suffix_wins_then_its_earliest_occurrence(history: list[int], want: list[int]) -> None:
+    both = _Both(min_n=1, max_n=3)
+    sampled = np.array([[history[-1]]], dtype=np.int64)
+    both.step(["a"], sampled, np.full((1, K), -7, dtype=np.int64), {"a"}, {"a": history[:-1]}.get)
+    got = both.dev.step(["a"], torch.zeros((1, 0), dtype=torch.int64), torch.full((1, K), -7), {"a"}, {}.get)
+    assert got is not None and got.tolist() == [want]
