@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,11 @@ K = 4
 CHURN = 8  # steps between a request leaving and a new one arriving
 
 
-def _scenario(batch: int, history: int, steps: int, share: float, seed: int) -> list[dict[str, Any]]:
-    """The steps both drafters take: ids, sampled rows (-1: rejected), the rows on n-gram, the request
-    that finished before the step; prompts are drawn on first use (``known``)."""
+def _scenario(
+    batch: int, history: int, steps: int, share: float, seed: int
+) -> tuple[list[dict[str, Any]], Callable[[str], list[int]]]:
+    """The steps both drafters take (ids, sampled rows (-1: rejected), the rows on n-gram, the request
+    that finished before the step), and each request's prompt, drawn on first use."""
     rng = np.random.default_rng(seed)
     phrase = rng.integers(0, 32000, 40)
     ids = [f"r{i}" for i in range(batch)]
@@ -74,8 +77,7 @@ def _scenario(batch: int, history: int, steps: int, share: float, seed: int) -> 
             ).tolist()
         return prompts[r]
 
-    out[0]["known"] = known
-    return out
+    return out, known
 
 
 def _run(batch: int, history: int, steps: int, share: float, device: str, seed: int) -> dict[str, Any]:
@@ -84,9 +86,9 @@ def _run(batch: int, history: int, steps: int, share: float, device: str, seed: 
     from controller.vllm.device_ngram import DeviceDrafter
     from controller.vllm.worker import DraftMerger
 
-    plan = _scenario(batch, history, steps, share, seed)
-    known = plan[0]["known"]
-    kw = {"max_k": K, "min_n": 1, "max_n": 3, "max_model_len": history + 4 * steps * (K + 1)}
+    plan, known = _scenario(batch, history, steps, share, seed)
+    # Room for every history: a prompt plus at most K + 1 tokens a step.
+    kw = {"max_k": K, "min_n": 1, "max_n": 3, "max_model_len": history + steps * (K + 1)}
     host, dev = DraftMerger(**kw), DeviceDrafter(**kw, device=device)
     cuda = device.startswith("cuda")
     eagle_host = np.full((batch, K), -7, dtype=np.int32)

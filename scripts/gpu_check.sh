@@ -32,7 +32,7 @@ fi
 status=0
 DRAFTER_PY=${DRAFTER_PY:-python3}
 echo "gpu_check: part 1, the worker's n-gram drafters on the GPU (torch only)"
-if ! PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 "$DRAFTER_PY" benchmarks/worker_drafter.py \
+if ! timeout 300 "$DRAFTER_PY" benchmarks/worker_drafter.py \
     --device cuda --json /tmp/gpu_check_drafter.json; then
   echo "gpu_check: FAILED: benchmarks/worker_drafter.py --device cuda" >&2
   status=1

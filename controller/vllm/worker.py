@@ -488,35 +488,40 @@ def _merge_step(runner: Any, merger: Any, so: Any, sampled: Any, drafts: Any) ->
         "finished": getattr(so, "finished_req_ids", ()) or (),
         "restarted": getattr(cached, "resumed_req_ids", ()) or (),
     }
-    if not isinstance(merger, DraftMerger):
-        out = _device_step(merger, req_ids, sampled, None if ragged else drafts, ngram_rows, _known_tokens(runner),
-                           kw)  # fmt: skip
-        return drafts if out is None else out
-    merged = merger.step_deferred(req_ids, sampled, None if ragged else drafts, ngram_rows, _known_tokens(runner),
-                                  **kw)  # fmt: skip
-    if merged is None or isinstance(drafts, np.ndarray):
-        return drafts if merged is None else merged
-    if isinstance(drafts, list):
-        return merged.tolist()
-    import torch  # type: ignore[import-not-found]
-
-    return torch.from_numpy(merged).to(device=drafts.device, dtype=drafts.dtype)
+    known = _known_tokens(runner)
+    drafts_in = None if ragged else drafts
+    if isinstance(merger, DraftMerger):
+        merged = merger.step_deferred(req_ids, sampled, drafts_in, ngram_rows, known, **kw)
+    else:
+        merged = _device_step(merger, req_ids, sampled, drafts_in, ngram_rows, known, **kw)
+    return drafts if merged is None else _like(merged, drafts)
 
 
 def _device_step(drafter: Any, req_ids: Sequence[str], sampled: Any, drafts: Any, ngram_rows: Collection[str],
-                 known: Callable[[str], Sequence[int] | None], kw: dict[str, Any]) -> Any:  # fmt: skip
+                 known: Callable[[str], Sequence[int] | None], **kw: Any) -> Any:  # fmt: skip
     """``DeviceDrafter.step`` with what the runner holds: tensors pass as they are (no host read);
-    host rows (a list, an array: the runner read them on the host already) go to the drafter's device,
-    and the merged drafts come back as the runner's type. None: nothing changed."""
+    host rows (a list, an array: the runner read them on the host already) go to the drafter's device.
+    None: nothing changed."""
     import torch  # type: ignore[import-not-found]
 
     if not torch.is_tensor(sampled):
         sampled = torch.from_numpy(_matrix(sampled)).to(drafter.device)
-    if drafts is None or torch.is_tensor(drafts):
-        return drafter.step(req_ids, sampled, drafts, ngram_rows, known, **kw)
-    merged = drafter.step(req_ids, sampled, torch.from_numpy(_matrix(drafts)).to(drafter.device), ngram_rows,
-                          known, **kw)  # fmt: skip
-    if merged is None:
-        return None
-    host = merged.cpu().numpy()  # the runner's drafts were on the host: so were its tokens
-    return host.tolist() if isinstance(drafts, list) else host.astype(drafts.dtype, copy=False)
+    if drafts is not None and not torch.is_tensor(drafts):
+        drafts = torch.from_numpy(_matrix(drafts)).to(drafter.device)
+    return drafter.step(req_ids, sampled, drafts, ngram_rows, known, **kw)
+
+
+def _like(merged: Any, drafts: Any) -> Any:
+    """The merged drafts (a host array or a device tensor) as the runner gave its own: a list, an array,
+    or a tensor on its device and of its dtype (a tensor already so is returned as it is)."""
+    if isinstance(drafts, list):
+        return merged.tolist()
+    if isinstance(drafts, np.ndarray):
+        host = (
+            merged if isinstance(merged, np.ndarray) else merged.cpu().numpy()
+        )  # its tokens were on the host
+        return host.astype(drafts.dtype, copy=False)
+    import torch  # type: ignore[import-not-found]
+
+    t = torch.from_numpy(merged) if isinstance(merged, np.ndarray) else merged
+    return t.to(device=drafts.device, dtype=drafts.dtype)
