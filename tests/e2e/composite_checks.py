@@ -44,7 +44,7 @@ def request_rows(stack: Stack, resp: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def check_ngram_rows_accept_eagle_rows_do_not(
-    stack: Stack, plain: dict[str, list[int]], *, tokens: int, max_k: int, worker_ngram: str
+    stack: Stack, plain: dict[str, list[int]], *, tokens: int, max_k: int
 ) -> None:
     """Pinned to n-gram, a repetitive prompt's drafts are accepted; pinned to the dummy EAGLE head, they
     are not; either way the tokens are the plain engine's."""
@@ -73,7 +73,7 @@ def check_ngram_rows_accept_eagle_rows_do_not(
     # The worker's drafter is a V1 setting (scripts/gpu_check.sh runs the V2 runner too).
     if "V1 model runner hook installed" in log:
         # (the drafter is built on the first draft)
-        assert f"worker n-gram on the {worker_ngram}" in log, worker_ngram
+        assert f"worker n-gram on the {stack.worker_ngram}" in log, stack.worker_ngram
     else:
         assert ON_GPU, "the V1 runner's hook is missing"
 

@@ -115,6 +115,8 @@ class Stack:
     sidecar_cfg: Path
     sidecar: subprocess.Popen[bytes] | None = None
     admin: str = ""
+    #: The engine's SPECCONTROL_WORKER_NGRAM (which drafter the V1 worker builds under async scheduling).
+    worker_ngram: str = "auto"
 
     def start_sidecar(self) -> None:
         endpoints = self.tmp / "state" / "endpoints.json"
@@ -259,7 +261,8 @@ def running_stack(
         f"state_dir: {tmp}/state\ndefault_policy: default\nsnapshot_interval_s: 1.0\n"
     )
     port = free_port()
-    st = Stack(tmp=tmp, url=f"http://127.0.0.1:{port}", trace=tmp / "trace.jsonl", sidecar_cfg=cfg)
+    st = Stack(tmp=tmp, url=f"http://127.0.0.1:{port}", trace=tmp / "trace.jsonl", sidecar_cfg=cfg,
+               worker_ngram=engine_env.get("SPECCONTROL_WORKER_NGRAM", "auto"))  # fmt: skip
     st.start_sidecar()
     env = {
         **os.environ,

@@ -38,7 +38,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     env = {**ASYNC_ENV, "SPECCONTROL_WORKER_NGRAM": request.param}
     with running_stack(tmp_path_factory.mktemp(f"e2e-vllm-async-{request.param}"), max_k=MAX_K,
                        engine_env=env) as st:  # fmt: skip
-        st.worker_ngram = request.param  # type: ignore[attr-defined]
         yield st
 
 
@@ -55,13 +54,7 @@ def test_1_async_scheduling_runs_the_composite_drafter(stack: Stack) -> None:
 
 def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(stack: Stack) -> None:
     plain = plain_outputs(stack, max_k=MAX_K, tokens=TOKENS)
-    check_ngram_rows_accept_eagle_rows_do_not(
-        stack,
-        plain,
-        tokens=TOKENS,
-        max_k=MAX_K,
-        worker_ngram=stack.worker_ngram,  # type: ignore[attr-defined]
-    )
+    check_ngram_rows_accept_eagle_rows_do_not(stack, plain, tokens=TOKENS, max_k=MAX_K)
 
 
 def test_3_per_request_k_follows_policy_set(stack: Stack) -> None:

@@ -49,7 +49,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
         "SPECCONTROL_E2E_RANK_PROBE": str(tmp / "ranks"),
     }
     with running_stack(tmp, max_k=MAX_K, engine_env=env, engine_args=tp_args(RANKS)) as st:
-        st.worker_ngram = request.param  # type: ignore[attr-defined]
         yield st
 
 
@@ -69,16 +68,10 @@ def test_1_every_rank_runs_the_worker_merge(stack: Stack) -> None:
 
 def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(stack: Stack) -> None:
     plain = plain_outputs(stack, max_k=MAX_K, tokens=TOKENS, tp=RANKS)
-    check_ngram_rows_accept_eagle_rows_do_not(
-        stack,
-        plain,
-        tokens=TOKENS,
-        max_k=MAX_K,
-        worker_ngram=stack.worker_ngram,  # type: ignore[attr-defined]
-    )
+    check_ngram_rows_accept_eagle_rows_do_not(stack, plain, tokens=TOKENS, max_k=MAX_K)
     log = (stack.tmp / "vllm.log").read_text(errors="replace")
     # Every rank built its drafter (on the first n-gram draft it merged).
-    drafters = re.findall(r"\(\w+ pid=(\d+)\).*worker n-gram on the " + stack.worker_ngram, log)  # type: ignore[attr-defined]
+    drafters = re.findall(r"\(\w+ pid=(\d+)\).*worker n-gram on the " + stack.worker_ngram, log)
     assert len(set(drafters)) == RANKS, drafters
 
 
