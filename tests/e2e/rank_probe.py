@@ -1,11 +1,13 @@
-"""A test-only vLLM plugin that records, per worker process, the drafts the plugin's worker merge
-hands back each step, so a tensor-parallel test can require every rank to have verified the same
-drafts (``test_vllm_tp``). The tiny model's dummy weights cannot show a rank that drafted otherwise in
-its outputs: they are the same whatever the drafts.
+"""A test-only vLLM plugin for the tensor-parallel e2e (``test_vllm_tp``): it records, per worker
+process, the drafts the V1 runner hands on each step (after the plugin's merge and the ranks'
+agreement), so the test can require every rank to verify the same drafts; and it can make one rank's
+merge fail. The tiny model's dummy weights cannot show ranks that verified different drafts in its
+outputs: they are the same whatever the drafts.
 
-Registered beside the plugin by ``harness.plugin_path``; does nothing unless
-``SPECCONTROL_E2E_RANK_PROBE`` names a directory. Writes ``DIR/<pid>.jsonl``, one
-``{"reqs": [...], "drafts": [[...], ...]}`` a merge. CPU only (it reads the drafts on the host).
+Registered beside the plugin by ``harness.plugin_path``; idle unless ``SPECCONTROL_E2E_RANK_PROBE``
+names a directory. Writes ``DIR/<pid>.jsonl``, one ``{"rank", "reqs", "ngram_rows", "drafts"}`` a
+step. ``SPECCONTROL_E2E_RANK_FAULT=R:N``: rank R's N-th merge raises (N counts from 1). CPU only (it
+reads the drafts on the host).
 """
 
 from __future__ import annotations
@@ -21,17 +23,54 @@ def register() -> None:
         return
     import controller.vllm.worker as worker
 
-    merge = worker._merge_step
-    if getattr(merge, "probed", False):
+    install = worker.install_v1_runner
+    if getattr(install, "probed", False):
         return
     path = os.path.join(where, f"{os.getpid()}.jsonl")
 
-    def probed(runner: Any, merger: Any, so: Any, sampled: Any, drafts: Any) -> Any:
-        out = merge(runner, merger, so, sampled, drafts)
-        rows = out.tolist() if hasattr(out, "tolist") else [list(d) for d in out]
-        with open(path, "a") as f:
-            f.write(json.dumps({"reqs": list(runner.input_batch.req_ids), "drafts": rows}) + "\n")
-        return out
+    def install_then_probe(**kw: Any) -> None:
+        install(**kw)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # type: ignore[import-not-found]
 
-    probed.probed = True  # type: ignore[attr-defined]
-    worker._merge_step = probed
+        propose = GPUModelRunner.propose_draft_token_ids
+        if getattr(propose, "probed", False):
+            return
+
+        def probed(self: Any, so: Any, sampled: Any, *a: Any, **k: Any) -> Any:
+            out = propose(self, so, sampled, *a, **k)
+            rows = out.tolist() if hasattr(out, "tolist") else [list(d) for d in out]
+            rec = {
+                "rank": _rank(),
+                "reqs": list(self.input_batch.req_ids),
+                "ngram_rows": sorted(getattr(so, worker.NGRAM_ROWS_ATTR, None) or ()),
+                "drafts": rows,
+            }
+            with open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            return out
+
+        probed.probed = True  # type: ignore[attr-defined]
+        GPUModelRunner.propose_draft_token_ids = probed
+
+    install_then_probe.probed = True  # type: ignore[attr-defined]
+    worker.install_v1_runner = install_then_probe
+
+    fault = os.environ.get("SPECCONTROL_E2E_RANK_FAULT")
+    if fault:
+        rank, nth = (int(x) for x in fault.split(":"))
+        merge, calls = worker._merge_step, [0]
+
+        def failing(*a: Any) -> Any:
+            if _rank() == rank:
+                calls[0] += 1
+                if calls[0] == nth:
+                    raise RuntimeError(f"rank {rank}, merge {nth}: injected by tests/e2e/rank_probe.py")
+            return merge(*a)
+
+        worker._merge_step = failing
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0

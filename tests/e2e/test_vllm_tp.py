@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,20 +38,57 @@ pytestmark = [
 MAX_K = 4
 TOKENS = 48
 RANKS = 2
+#: The faulty stack's rank 1 fails on this merge.
+FAULT_AT = 6
+
+
+def _stack(tmp: Path, worker_ngram: str, **env: str) -> Any:
+    (tmp / "ranks").mkdir()
+    env = {
+        **ASYNC_ENV,
+        "SPECCONTROL_WORKER_NGRAM": worker_ngram,
+        "SPECCONTROL_E2E_RANK_PROBE": str(tmp / "ranks"),
+        **env,
+    }
+    return running_stack(tmp, max_k=MAX_K, engine_env=env, engine_args=tp_args(RANKS))
 
 
 @pytest.fixture(scope="module", params=["host", "device"])
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
     """Both of the worker's n-gram drafters (``SPECCONTROL_WORKER_NGRAM``), each rank running its own."""
-    tmp = tmp_path_factory.mktemp(f"e2e-vllm-tp-{request.param}")
-    (tmp / "ranks").mkdir()
-    env = {
-        **ASYNC_ENV,
-        "SPECCONTROL_WORKER_NGRAM": request.param,
-        "SPECCONTROL_E2E_RANK_PROBE": str(tmp / "ranks"),
-    }
-    with running_stack(tmp, max_k=MAX_K, engine_env=env, engine_args=tp_args(RANKS)) as st:
+    with _stack(tmp_path_factory.mktemp(f"e2e-vllm-tp-{request.param}"), request.param) as st:
         yield st
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The device drafter (where a failed allocation can hit one rank only), and rank 1's merge raising
+    on its FAULT_AT-th step."""
+    fault = {"SPECCONTROL_E2E_RANK_FAULT": f"1:{FAULT_AT}"}
+    with _stack(tmp_path_factory.mktemp("e2e-vllm-tp-fault"), "device", **fault) as st:
+        yield st
+
+
+def _steps(stack: Stack) -> list[list[dict[str, Any]]]:
+    """Each rank's record of the drafts its runner handed on, step by step (``rank_probe``), by rank."""
+    runs = [
+        [json.loads(line) for line in p.read_text().splitlines()] for p in (stack.tmp / "ranks").iterdir()
+    ]
+    return sorted(runs, key=lambda steps: steps[0]["rank"] if steps else -1)
+
+
+def _same_drafts_on_every_rank(stack: Stack) -> list[dict[str, Any]]:
+    """Rank 0's steps, once every rank is found to have handed on the same drafts at every step."""
+    per_rank = _steps(stack)
+    assert len(per_rank) == RANKS, f"{len(per_rank)} ranks recorded their steps"
+    first, *others = per_rank
+    assert first, "no step recorded"
+    for other in others:
+        assert len(other) == len(first)
+        for step, (a, b) in enumerate(zip(first, other, strict=True)):
+            a, b = {**a, "rank": None}, {**b, "rank": None}
+            assert a == b, f"step {step}: the ranks verify different drafts: {a} != {b}"
+    return first
 
 
 def _pids(log: str, line: str) -> set[str]:
@@ -80,16 +119,25 @@ def test_3_per_request_k_follows_policy_set(stack: Stack) -> None:
 
 
 def test_4_every_rank_verified_the_same_drafts(stack: Stack) -> None:
-    """The drafts each rank's merge handed back (``rank_probe``), step by step: the same on every rank,
-    with n-gram drafts among them (tests 2 and 3 pinned n-gram)."""
-    per_rank = [
-        [json.loads(line) for line in p.read_text().splitlines()]
-        for p in sorted((stack.tmp / "ranks").iterdir())
-    ]
-    assert len(per_rank) == RANKS, f"{len(per_rank)} ranks recorded their merges"
-    first, *others = per_rank
-    assert first, "no merge recorded"
-    for other in others:
-        assert len(other) == len(first)
-        for step, (a, b) in enumerate(zip(first, other, strict=True)):
-            assert a == b, f"merge {step}: the ranks verify different drafts: {a} != {b}"
+    """The drafts each rank's runner handed on, step by step: the same on every rank, with n-gram rows
+    among them (tests 2 and 3 pinned n-gram)."""
+    steps = _same_drafts_on_every_rank(stack)
+    assert any(s["ngram_rows"] for s in steps)
+
+
+def test_5_a_merge_failing_on_one_rank_switches_every_rank_to_eagle(faulty: Stack) -> None:
+    """Rank 1's merge raises once: from that step on every rank hands on EAGLE's drafts, so the ranks
+    still verify the same drafts and the outputs stay the plain engine's."""
+    plain = plain_outputs(faulty, max_k=MAX_K, tokens=TOKENS, tp=RANKS)
+    faulty.set_policy("pin-ngram", f"ngram:{MAX_K}")
+    resp = faulty.complete(TOKENS, "ngram-a")
+    assert resp["choices"][0]["token_ids"] == plain["ngram-a"]
+    steps = _same_drafts_on_every_rank(faulty)
+    log = (faulty.tmp / "vllm.log").read_text(errors="replace")
+    failed = re.findall(
+        r"\(\w+ pid=(\d+)\).*merge failed; disabled \(EAGLE drafts pass through, on every", log
+    )
+    assert len(failed) == 1, failed
+    # The ranks agreed after the failure too: steps with n-gram rows came after it (every step runs
+    # the merge, so the failing one is step FAULT_AT).
+    assert any(s["ngram_rows"] for s in steps[FAULT_AT:]), steps

@@ -269,3 +269,86 @@ def test_the_longest_suffix_wins_then_its_earliest_occurrence(history: list[int]
     both.step(["a"], sampled, np.full((1, K), -7, dtype=np.int64), {"a"}, {"a": history[:-1]}.get)
     got = both.dev.step(["a"], torch.zeros((1, 0), dtype=torch.int64), torch.full((1, K), -7), {"a"}, {}.get)
     assert got is not None and got.tolist() == [want]
+
+
+class _PeerGroup:
+    """vLLM's tensor-parallel group as the wrapper uses it, for a rank with one peer whose failures are
+    ``peer_failed``: ``all_reduce`` sums this rank's flag with the peer's and records what it got."""
+
+    world_size = 2
+
+    def __init__(self, peer_failed: bool) -> None:
+        self.peer_failed = peer_failed
+        self.flags: list[float] = []
+
+    def all_reduce(self, t: Any) -> Any:
+        self.flags.append(float(t.item()))
+        return t + float(self.peer_failed)
+
+
+def _wrapped_runner(monkeypatch: pytest.MonkeyPatch, eagle: Any, group: _PeerGroup) -> tuple[Any, Any]:
+    """The V1 runner's wrapped ``propose_draft_token_ids`` (over a stub that returns ``eagle``) and a
+    runner in a tensor-parallel group."""
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner", reason="vLLM is not installed")
+    from controller.vllm import worker
+
+    monkeypatch.setattr(
+        gmr.GPUModelRunner, "propose_draft_token_ids", lambda self, so, sampled, *a, **kw: eagle
+    )
+    monkeypatch.setattr(gmr.GPUModelRunner, "_speccontrol_patched", False, raising=False)
+    worker.install_v1_runner(max_k=K, min_n=1, max_n=3, where="device")
+    runner = _runner("cpu", ["a"], {"a": [5, 6, 7, 5, 6]})
+    runner._speccontrol_tp = group
+    return gmr.GPUModelRunner.propose_draft_token_ids, runner
+
+
+@pytest.mark.parametrize("peer_failed", [False, True])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_tensor_parallel_ranks_hand_on_eagles_drafts_once_any_rank_failed(
+    monkeypatch: pytest.MonkeyPatch, peer_failed: bool, as_list: bool
+) -> None:
+    """Ranks that verified different drafts would corrupt a sharded forward: on a step with n-gram rows
+    each rank adds its failures to the group's, and hands on EAGLE's drafts if any rank failed, else its
+    merged ones (drafts as a tensor: decided on the device; as host rows: read once)."""
+    from types import SimpleNamespace as NS
+
+    from controller.vllm.mode import NGRAM_ROWS_ATTR
+
+    eagle_rows = [[100] * K]
+    eagle = eagle_rows if as_list else torch.tensor(eagle_rows)
+    group = _PeerGroup(peer_failed)
+    propose, runner = _wrapped_runner(monkeypatch, eagle, group)
+    so = NS(finished_req_ids=(), scheduled_cached_reqs=None, **{NGRAM_ROWS_ATTR: {"a"}})
+    out = propose(runner, so, torch.tensor([[7]]))
+    got = out if as_list else out.tolist()
+    assert got == (eagle_rows if peer_failed else [[5, 6, 7, 7]])
+    assert group.flags == [0.0]
+    # A step without n-gram rows (the same steps on every rank) needs no agreement.
+    plain = NS(finished_req_ids=(), scheduled_cached_reqs=None, **{NGRAM_ROWS_ATTR: frozenset()})
+    assert propose(runner, plain, torch.tensor([[5]])) is eagle
+    assert group.flags == [0.0]
+
+
+def test_a_rank_whose_merge_failed_reports_it_on_every_later_ngram_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from types import SimpleNamespace as NS
+
+    from controller.vllm import worker
+    from controller.vllm.mode import NGRAM_ROWS_ATTR
+
+    eagle = torch.full((1, K), 100)
+    group = _PeerGroup(peer_failed=False)
+    propose, runner = _wrapped_runner(monkeypatch, eagle, group)
+
+    def boom(*a: Any) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(worker, "_merge_step", boom)
+    so = NS(finished_req_ids=(), scheduled_cached_reqs=None, **{NGRAM_ROWS_ATTR: {"a"}})
+    for _ in range(3):
+        assert propose(runner, so, torch.tensor([[7]])).tolist() == eagle.tolist()
+    assert group.flags == [1.0, 1.0, 1.0]  # its peers keep handing on EAGLE's drafts too
+    assert runner._speccontrol_merger is None
+    said = [r.getMessage() for r in caplog.records if "merge failed" in r.getMessage()]
+    assert len(said) == 1 and "on every tensor-parallel rank" in said[0], said
