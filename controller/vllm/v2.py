@@ -8,7 +8,8 @@ asks vLLM's GPU n-gram speculator for its drafts on the same batch, and returns
 ``where(mask[idx_mapping, None], ngram, eagle)``: ``mask`` is indexed by request-state slot and set each
 step from the scheduler output (``worker.NGRAM_ROWS_ATTR``). What must hold: rows of requests not on
 n-gram are EAGLE's, bit for bit; a dummy (warm-up / CUDA-graph capture) run returns EAGLE's drafts; any
-error disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through.
+error disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through, on
+every tensor-parallel rank (``ranks.py``).
 The GPU n-gram speculator needs the dense device token history, which the V2 runner keeps only for an
 n-gram engine: the install turns it on (``max_num_seqs x max_model_len x 4`` bytes of device memory).
 Its no-match rows repeat the last sampled token (verified and rejected, as vLLM's own n-gram does).
@@ -23,6 +24,7 @@ from typing import Any
 
 from controller.vllm import compat
 from controller.vllm.mode import NGRAM_ROWS_ATTR
+from controller.vllm.ranks import agree, tensor_parallel_group
 
 log = logging.getLogger("vllm.speccontrol")
 
@@ -78,20 +80,28 @@ class CompositeSpeculator:
 
     def propose(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
         drafts = self._eagle.propose(input_batch, *args, **kwargs)
-        if not self._rows or self._broken or kwargs.get("dummy_run", False):
+        if not self._rows or kwargs.get("dummy_run", False):
             return drafts
-        try:
-            # Slots resolved now: the step's new requests got theirs after set_ngram_requests.
-            slots = [self._slots[r] for r in self._rows if r in self._slots]
-            self.mask[:] = False
-            if slots:
-                self.mask[slots] = True
-            ngram = self._ngram.propose(input_batch, *args, **kwargs)
-            return merge_by_mask(drafts, ngram, self.mask, input_batch.idx_mapping, self._where)
-        except Exception:
-            log.exception("speccontrol: V2 n-gram merge failed; disabled (EAGLE drafts pass through)")
-            self._broken = True
-            return drafts
+        merged, failed = drafts, self._broken
+        if not self._broken:
+            try:
+                # Slots resolved now: the step's new requests got theirs after set_ngram_requests.
+                slots = [self._slots[r] for r in self._rows if r in self._slots]
+                self.mask[:] = False
+                if slots:
+                    self.mask[slots] = True
+                ngram = self._ngram.propose(input_batch, *args, **kwargs)
+                merged = merge_by_mask(drafts, ngram, self.mask, input_batch.idx_mapping, self._where)
+            except Exception:
+                log.exception("speccontrol: V2 n-gram merge failed; disabled (EAGLE drafts pass through)")
+                self._broken = True
+                merged, failed = drafts, True
+        # With tensor parallelism every rank must hand on the same drafts (ranks.py); the steps with
+        # n-gram rows are the same on every rank.
+        group = tensor_parallel_group(self)
+        if group is None:
+            return merged
+        return agree(group, merged, drafts, failed=failed, device=getattr(drafts, "device", "cpu"))
 
 
 def install_v2_runner(*, ngram_min: int, ngram_max: int) -> str | None:

@@ -10,7 +10,7 @@ consistent whatever is verified) and then overwrites the rows of n-gram requests
 What must hold: the merge only ever replaces whole rows of requests named in the attribute; a row
 whose n-gram draft is empty keeps EAGLE's draft (the scheduler has already reserved its slots); any
 exception disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through;
-with tensor parallelism, on every rank (``_agree``): ranks must verify the same drafts.
+with tensor parallelism, on every rank (``ranks.agree``): ranks must verify the same drafts.
 Each request's token history is kept here from its prompt plus every token the runner sampled
 (rejected positions are ``-1``, partial-prefill rows are discarded), exactly the tokens the n-gram
 matcher in the engine core sees one step later. A step is one compiled call for the whole batch
@@ -48,6 +48,7 @@ from controller.vllm import compat
 from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
 from controller.vllm.ngram import DRAFT_LEN, NgramIndex, _propose, advance_row, append_row, prefetch_row, room
 from controller.vllm.peagle import install_depth_fix
+from controller.vllm.ranks import agree, tensor_parallel_group
 from controller.vllm.settings import PluginSettings
 from controller.vllm.v2 import install_v2_runner
 from policies.arms import Method
@@ -466,61 +467,20 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int, where: str = "auto"
             except Exception:
                 log.exception(
                     "speccontrol: worker-side n-gram merge failed; disabled (EAGLE drafts pass through%s)",
-                    ", on every tensor-parallel rank" if _tp_group(self) is not None else "",
+                    ", on every tensor-parallel rank" if tensor_parallel_group(self) is not None else "",
                 )
                 self._speccontrol_merger = None
                 merged, failed = drafts, True
-        group = _tp_group(self)
+        group = tensor_parallel_group(self)
         if group is None or not getattr(scheduler_output, NGRAM_ROWS_ATTR, None):
             return merged
-        return _agree(group, merged, drafts, failed=failed, device=getattr(self, "device", "cpu"))
+        return agree(group, merged, drafts, failed=failed, device=getattr(self, "device", "cpu"))
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._speccontrol_patched = True
     log.info(
         "speccontrol: V1 model runner hook installed (worker-side composite drafting, pid %d)", os.getpid()
     )
-
-
-def _tp_group(runner: Any) -> Any:
-    """vLLM's tensor-parallel group when it has more than one rank (else None), looked up once per
-    runner."""
-    group = runner.__dict__.get("_speccontrol_tp", 0)
-    if group == 0:
-        try:
-            from vllm.distributed import get_tp_group  # type: ignore[import-not-found]
-
-            group = get_tp_group()
-        except Exception:  # no distributed state (a runner built outside an engine)
-            group = None
-        if group is not None and int(getattr(group, "world_size", 1)) <= 1:
-            group = None
-        runner._speccontrol_tp = group
-    return group
-
-
-def _agree(group: Any, merged: Any, drafts: Any, *, failed: bool, device: Any) -> Any:
-    """The drafts every tensor-parallel rank verifies: the merged ones, unless a rank's drafter failed,
-    in which case every rank keeps EAGLE's (``drafts``). Ranks that verified different drafts would
-    feed different tokens into the same sharded forward and corrupt the output, and a failure (a
-    device allocation, say) can hit one rank only. Called on the steps with n-gram rows, which are the
-    same on every rank (they come with the scheduler output), so every rank joins the same all-reduce:
-    the sum of the ranks' failures, on the device, and read on the host only where the runner's drafts
-    are host rows."""
-    import torch  # type: ignore[import-not-found]
-
-    try:
-        failures = group.all_reduce(torch.full((1,), float(failed), dtype=torch.float32, device=device))
-    except Exception:
-        log.exception(
-            "speccontrol: the tensor-parallel ranks could not agree on the drafts; EAGLE's pass through"
-        )
-        return drafts
-    if not torch.is_tensor(drafts):
-        return drafts if float(failures.item()) > 0 else merged
-    if merged is drafts:
-        return drafts
-    return torch.where(failures[0] > 0, drafts, merged)
 
 
 def _merge_step(runner: Any, merger: Any, so: Any, sampled: Any, drafts: Any) -> Any:

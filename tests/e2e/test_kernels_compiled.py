@@ -29,6 +29,8 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
         "tests/controller/vllm/test_hotpath.py",
         "tests/controller/vllm/test_worker.py",
         "tests/controller/vllm/test_device_ngram.py",
+        "tests/controller/vllm/test_ranks.py",
+        "tests/controller/vllm/test_v2.py",
         "tests/benchmarks/test_worker_drafter.py",
         "tests/policies/test_rules.py",
         "tests/policies/test_jit.py",

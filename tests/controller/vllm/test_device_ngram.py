@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (it runs in 
 
 from controller.vllm.device_ngram import DeviceDrafter  # noqa: E402
 from controller.vllm.worker import DraftMerger  # noqa: E402
+from tests.controller.vllm.fakes import PeerGroup  # noqa: E402
 from tests.controller.vllm.strategies import BatchStep, batch_steps  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -271,22 +272,7 @@ def test_the_longest_suffix_wins_then_its_earliest_occurrence(history: list[int]
     assert got is not None and got.tolist() == [want]
 
 
-class _PeerGroup:
-    """vLLM's tensor-parallel group as the wrapper uses it, for a rank with one peer whose failures are
-    ``peer_failed``: ``all_reduce`` sums this rank's flag with the peer's and records what it got."""
-
-    world_size = 2
-
-    def __init__(self, peer_failed: bool) -> None:
-        self.peer_failed = peer_failed
-        self.flags: list[float] = []
-
-    def all_reduce(self, t: Any) -> Any:
-        self.flags.append(float(t.item()))
-        return t + float(self.peer_failed)
-
-
-def _wrapped_runner(monkeypatch: pytest.MonkeyPatch, eagle: Any, group: _PeerGroup) -> tuple[Any, Any]:
+def _wrapped_runner(monkeypatch: pytest.MonkeyPatch, eagle: Any, group: PeerGroup) -> tuple[Any, Any]:
     """The V1 runner's wrapped ``propose_draft_token_ids`` (over a stub that returns ``eagle``) and a
     runner in a tensor-parallel group."""
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner", reason="vLLM is not installed")
@@ -316,7 +302,7 @@ def test_tensor_parallel_ranks_hand_on_eagles_drafts_once_any_rank_failed(
 
     eagle_rows = [[100] * K]
     eagle = eagle_rows if as_list else torch.tensor(eagle_rows)
-    group = _PeerGroup(peer_failed)
+    group = PeerGroup(peer_failed)
     propose, runner = _wrapped_runner(monkeypatch, eagle, group)
     so = NS(finished_req_ids=(), scheduled_cached_reqs=None, **{NGRAM_ROWS_ATTR: {"a"}})
     out = propose(runner, so, torch.tensor([[7]]))
@@ -338,7 +324,7 @@ def test_a_rank_whose_merge_failed_reports_it_on_every_later_ngram_step(
     from controller.vllm.mode import NGRAM_ROWS_ATTR
 
     eagle = torch.full((1, K), 100)
-    group = _PeerGroup(peer_failed=False)
+    group = PeerGroup(peer_failed=False)
     propose, runner = _wrapped_runner(monkeypatch, eagle, group)
 
     def boom(*a: Any) -> Any:

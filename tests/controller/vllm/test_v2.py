@@ -7,6 +7,7 @@ import types
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,3 +89,34 @@ def test_merge_by_mask_property(n: int, k: int, data: st.DataObject) -> None:
     out = merge_by_mask(eagle, ngram, mask, np.array(slots), np.where)
     for i, s in enumerate(slots):
         assert out[i].tolist() == (ngram if mask[s] else eagle)[i].tolist()
+
+
+def test_tensor_parallel_ranks_hand_on_eagles_drafts_once_any_rank_failed() -> None:
+    """Ranks must verify the same drafts (``controller.vllm.ranks``): with a peer whose merge failed,
+    this rank hands on EAGLE's; once this rank's merge failed, it tells its peers on every step with
+    n-gram rows (and joins no collective on a step without)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
+    from tests.controller.vllm.fakes import PeerGroup
+
+    class TorchSpeculator(FakeSpeculator):
+        def propose(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+            return torch.from_numpy(super().propose(input_batch, *args, **kwargs))
+
+    rows = types.SimpleNamespace(**{NGRAM_ROWS_ATTR: frozenset({"a"})})
+    for peer_failed in (False, True):
+        eagle, ngram = TorchSpeculator(100), TorchSpeculator(200)
+        w = CompositeSpeculator(eagle=eagle, ngram=ngram, mask=torch.zeros(4, dtype=torch.bool),
+                                req_id_to_index={"a": 1}, where=torch.where)  # fmt: skip
+        w._speccontrol_tp = group = PeerGroup(peer_failed)  # type: ignore[attr-defined]
+        w.set_ngram_requests(rows)
+        batch = types.SimpleNamespace(idx_mapping=torch.tensor([1]))
+        out = w.propose(batch)
+        assert out.tolist() == (eagle if peer_failed else ngram).propose(batch).tolist()
+        assert group.flags == [0.0]
+    w._ngram = None  # type: ignore[assignment]  # this rank's merge now fails
+    assert w.propose(batch).tolist() == eagle.propose(batch).tolist()
+    assert w.propose(batch).tolist() == eagle.propose(batch).tolist()
+    assert group.flags == [0.0, 1.0, 1.0]
+    w.set_ngram_requests(types.SimpleNamespace())
+    w.propose(batch)
+    assert group.flags == [0.0, 1.0, 1.0]

@@ -1,0 +1,50 @@
+"""``controller.vllm.ranks``: tensor-parallel ranks hand on the same drafts (a fake group; the real one
+runs in ``tests/e2e/test_vllm_tp.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
+
+from controller.vllm.ranks import agree, tensor_parallel_group  # noqa: E402
+from tests.controller.vllm.fakes import PeerGroup  # noqa: E402
+
+EAGLE = [[100, 100], [101, 101]]
+MERGED = [[5, 6], [101, 101]]
+
+
+@pytest.mark.parametrize("peer_failed", [False, True])
+@pytest.mark.parametrize("failed", [False, True])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_the_merged_drafts_only_when_no_rank_failed(peer_failed: bool, failed: bool, as_tensor: bool) -> None:
+    group = PeerGroup(peer_failed)
+    drafts, merged = (torch.tensor(EAGLE), torch.tensor(MERGED)) if as_tensor else (EAGLE, MERGED)
+    out = agree(group, drafts if failed else merged, drafts, failed=failed, device="cpu")
+    got = out.tolist() if as_tensor else out
+    assert got == (EAGLE if failed or peer_failed else MERGED)
+    assert group.flags == [float(failed)]  # every rank joins, the failed one too
+
+
+def test_a_collective_that_fails_hands_on_eagles_drafts(caplog: pytest.LogCaptureFixture) -> None:
+    drafts = torch.tensor(EAGLE)
+    assert agree(PeerGroup(raises=True), torch.tensor(MERGED), drafts, failed=False, device="cpu") is drafts
+    assert any("could not agree" in r.getMessage() for r in caplog.records)
+
+
+def test_the_group_is_looked_up_once_and_a_single_rank_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm.distributed", reason="vLLM is not installed")
+    import vllm.distributed
+
+    groups = iter([SimpleNamespace(world_size=1), PeerGroup()])
+    monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: next(groups))
+    single, tp = SimpleNamespace(), SimpleNamespace()
+    assert tensor_parallel_group(single) is None and tensor_parallel_group(single) is None
+    g = tensor_parallel_group(tp)
+    assert isinstance(g, PeerGroup) and tensor_parallel_group(tp) is g  # (the iterator is spent)
+
+
+def test_outside_an_engine_there_is_no_group() -> None:
+    assert tensor_parallel_group(SimpleNamespace()) is None
