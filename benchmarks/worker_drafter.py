@@ -4,8 +4,8 @@ Under async scheduling the plugin's worker merges n-gram drafts into EAGLE's (co
 ``host`` (``DraftMerger``) keeps the histories on the host: on a GPU a step with n-gram rows must read
 that step's sampled tokens on the host, which waits for the device. ``device`` (``DeviceDrafter``,
 controller/vllm/device_ngram.py, the default on CUDA) queues every step on the device and waits for
-nothing, but launches about 44 small operations on a step with n-gram rows. Which costs less on a GPU
-is what this measures, with nothing but torch (the device machine's image has it; vLLM is not needed):
+nothing, but launches a few dozen small operations on a step with n-gram rows (it counts them). Which
+costs less on a GPU is what this measures, with nothing but torch (the device machine's image has it; vLLM is not needed):
 
     python benchmarks/worker_drafter.py [--device cuda] [--batches 8,32] [--history 2000] [--steps 200]
         [--ngram-share 0.5] [--json FILE]
@@ -117,12 +117,14 @@ def _run(batch: int, history: int, steps: int, share: float, device: str, seed: 
         b = eagle_host if got is None else got.cpu().numpy()
         mismatches += int(not np.array_equal(a, b))
     warm = slice(min(10, steps // 4), None)  # the first steps compile and allocate
+    ops = _ops_per_step(plan, known, kw, device, start=warm.start)
     res: dict[str, Any] = {
         "batch": batch,
         "host_drafter_host_us": round(statistics.median(host_s[warm]) * 1e6, 1),
         "device_drafter_host_us": round(statistics.median(dev_s[warm]) * 1e6, 1),
         "mismatched_steps": mismatches,
         "steps": steps,
+        "device_ops_per_step": ops,
     }
     res["device_host_ratio"] = round(
         res["device_drafter_host_us"] / max(res["host_drafter_host_us"], 1e-9), 2
@@ -133,6 +135,41 @@ def _run(batch: int, history: int, steps: int, share: float, device: str, seed: 
             res["device_drafter_device_us"] / max(res["host_drafter_host_us"], 1e-9), 2
         )
     return res
+
+
+#: Operations that only view a tensor (no kernel, no launch), left out of the counts.
+_VIEWS = frozenset({"slice", "select", "alias", "view", "_unsafe_view", "detach", "unsqueeze", "expand", "unfold",
+                    "as_strided"})  # fmt: skip
+
+
+def _ops_per_step(plan: list[dict[str, Any]], known: Callable[[str], list[int]], kw: dict[str, int], device: str,
+                  start: int) -> dict[str, int]:  # fmt: skip
+    """The tensor operations (each a launch on a GPU; views left out) the device drafter queues per step,
+    counted with a torch dispatch mode on a fresh drafter replaying the same steps, every other one with
+    its n-gram rows taken away: the median over the steps after ``start``, with and without n-gram rows."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from controller.vllm.device_ngram import DeviceDrafter
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.n += func.overloadpacket.__name__ not in _VIEWS
+            return func(*args, **(kwargs or {}))
+
+    dev = DeviceDrafter(**kw, device=device)
+    eagle = torch.full((len(plan[0]["ids"]), int(kw["max_k"])), -7, dtype=torch.int32, device=device)
+    counts: dict[str, list[int]] = {"ngram": [], "no_ngram": []}
+    for i, s in enumerate(plan):
+        on = s["on"] if i % 2 else set()
+        sampled = torch.from_numpy(s["sampled"]).to(device)
+        with Count() as c:
+            dev.step(s["ids"], sampled, eagle, on, known, finished=s["finished"])
+        if i >= start:
+            counts["ngram" if on else "no_ngram"].append(c.n)
+    return {k: int(statistics.median(v)) if v else 0 for k, v in counts.items()}
 
 
 def main() -> int:
@@ -182,16 +219,21 @@ def main() -> int:
     dev_col = "device µs (/host)" if args.device.startswith("cuda") else ""
     print(
         f"{'batch':>5} {'host drafter µs':>16} {'device drafter host µs (/host)':>31} {dev_col:>18} mismatched steps"
+        "  device ops/step (n-gram rows / none)"
     )
     for r in rows:
         gpu = (f"{r['device_drafter_device_us']:>9.1f} (x{r['device_device_ratio']:.2f})"
                if "device_drafter_device_us" in r else "")  # fmt: skip
+        ops = r["device_ops_per_step"]
         print(f"{r['batch']:>5} {r['host_drafter_host_us']:>16.1f} {r['device_drafter_host_us']:>20.1f} "
-              f"(x{r['device_host_ratio']:.2f}) {gpu:>18} {r['mismatched_steps']:>6}")  # fmt: skip
+              f"(x{r['device_host_ratio']:.2f}) {gpu:>18} {r['mismatched_steps']:>16}  "
+              f"{ops['ngram']:>16} / {ops['no_ngram']}")  # fmt: skip
     print(f"({args.history}-token prompts, {args.ngram_share:.0%} of rows on n-gram, device {args.device}, "
           f"load average {load:.2f} on {os.cpu_count()} cores; host µs: the step call's wall time on the host, "
           "median over the steps; device µs: CUDA events around the device drafter's step; ratios: to the "
-          "host drafter's host time in the same run; the host drafter's wait for the forward is not in it)")  # fmt: skip
+          "host drafter's host time in the same run; the host drafter's wait for the forward is not in it; "
+          "device ops: tensor operations the device drafter queues per step, views left out, the same steps "
+          "replayed with every other one's n-gram rows taken away)")  # fmt: skip
     if args.json:
         doc = {"command": " ".join(["python", "benchmarks/worker_drafter.py", *sys.argv[1:]]), "device": args.device,
                "history_tokens": args.history, "ngram_share": args.ngram_share, "rows": rows,

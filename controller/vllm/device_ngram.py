@@ -34,6 +34,8 @@ import torch  # type: ignore[import-not-found]
 
 _MIN_ROWS = 16
 _MIN_COLS = 256
+#: Steps without n-gram rows whose appends may wait, to run as one (``DeviceDrafter.flush``).
+_DEFER = 16
 
 
 class DeviceDrafter:
@@ -56,6 +58,9 @@ class DeviceDrafter:
         self._free: list[int] = []
         self._arange = torch.arange(max_model_len + max_n + max_k, device=self.device)
         self._dev_slots: tuple[np.ndarray, Any] = (np.zeros(0, dtype=np.int64), None)
+        #: Deferred appends (``_defer``): each step's tokens of the slots ``_pending_slots``.
+        self._pending: list[Any] = []
+        self._pending_slots = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -118,7 +123,10 @@ class DeviceDrafter:
         """``DraftMerger.step`` with ``sampled`` (rows x width, negative: a rejected slot) and ``drafts``
         (rows x K, or None: no merge) as tensors on the device: returns the merged drafts as a new tensor
         on the device, or None when no row changes (no drafts, or no row on n-gram)."""
-        for rid in itertools.chain(finished, restarted):
+        gone = [*finished, *restarted]
+        if gone:
+            self.flush()  # a deferred append must reach the slot before another request may take it
+        for rid in gone:
             self._release(rid)
         n = len(req_ids)
         stepped = min(int(sampled.shape[0]), n)
@@ -130,27 +138,52 @@ class DeviceDrafter:
             if not skip[j]:
                 slots[j] = self._start(req_ids[j], known_tokens)
         rows = np.flatnonzero((slots[:stepped] >= 0) & ~skip[:stepped])  # rows that take this step's tokens
+        ng = np.zeros(0, dtype=np.int64)  # the rows whose drafts are n-gram's
+        if drafts is not None and drafts.ndim == 2 and drafts.shape[1] > 0 and ngram_rows:
+            on = np.fromiter(map(ngram_rows.__contains__, req_ids), dtype=np.bool_, count=n)
+            ng = np.flatnonzero(on & (slots >= 0))
+            ng = ng[ng < drafts.shape[0]]
         if len(rows) and sampled.shape[1] > 0:
-            self._append(sampled, rows, slots[rows])
-        if drafts is None or drafts.ndim != 2 or drafts.shape[1] == 0 or not ngram_rows:
-            return None
-        on = np.fromiter(map(ngram_rows.__contains__, req_ids), dtype=np.bool_, count=n)
-        ng = np.flatnonzero(on & (slots >= 0))
-        ng = ng[ng < drafts.shape[0]]
+            # Appended now only where a draft reads the histories: see ``_defer``.
+            self._defer(self._rows_of(sampled, rows), slots[rows], copy=not len(ng))
         if not len(ng):
             return None
+        self.flush()
         return self._merge(drafts, ng, slots[ng])
 
-    def _append(self, sampled: Any, rows: np.ndarray, slots: np.ndarray) -> None:
-        """Row ``rows[i]`` of ``sampled`` onto slot ``slots[i]``'s history, on the device."""
-        width = int(sampled.shape[1])
+    def _rows_of(self, sampled: Any, rows: np.ndarray) -> Any:
+        """The rows of ``sampled`` that take their tokens."""
+        if len(rows) == rows[-1] + 1:  # rows 0..r-1 (the usual step): no gather
+            return sampled[: len(rows)]
+        return sampled.index_select(0, self._upload(rows))
+
+    def _defer(self, tok: Any, slots: np.ndarray, *, copy: bool) -> None:
+        """Keep a step's tokens (row ``i``: slot ``slots[i]``'s) for an append at the next ``flush``,
+        which comes before anything reads the histories or a slot changes hands. The appends of up to
+        ``_DEFER`` steps of the same slots then run as one: a step without n-gram rows costs one copy
+        (``copy``: of rows of the runner's own tensor, which it may reuse), not a dozen operations."""
+        if self._pending and (len(self._pending) >= _DEFER or not np.array_equal(slots, self._pending_slots)):
+            self.flush()
+        if copy and tok._is_view():
+            tok = tok.clone()
+        self._pending.append(tok)
+        self._pending_slots = slots
+
+    def flush(self) -> None:
+        """Append the deferred steps' tokens: their columns side by side are the tokens in the order
+        the steps took them, so one append places each where the appends one by one would have."""
+        if not self._pending:
+            return
+        tok = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, 1)
+        slots = self._pending_slots
+        self._pending = []
+        self._append(tok, slots, self._on_device(slots))
+
+    def _append(self, tok: Any, slots: np.ndarray, dev_slots: Any) -> None:
+        """Row ``i`` of ``tok`` onto slot ``slots[i]``'s history (``dev_slots`` on the device)."""
+        width = int(tok.shape[1])
         bound = np.minimum(self._bound[slots] + width, self.max_model_len)
         self._fit(0, int(bound.max()))  # every valid position now has a column
-        if len(rows) == rows[-1] + 1:  # rows 0..r-1 (the usual step): no gather, and the slots as last time
-            tok, dev_slots = sampled[: len(rows)], self._on_device(slots)
-        else:
-            dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
-            tok = sampled.index_select(0, dev_rows)
         valid = tok >= 0
         count = valid.cumsum(1)  # (r, width): the tokens up to each place
         old = self._len[dev_slots]

@@ -43,3 +43,6 @@ def test_a_short_cpu_run_agrees_and_writes_numbers(tmp_path: Path) -> None:
         assert isinstance(row["host_drafter_host_us"], float) and row["host_drafter_host_us"] > 0
         assert isinstance(row["device_host_ratio"], float)
         assert "device_drafter_device_us" not in row  # CUDA events only on a GPU
+        ops = row["device_ops_per_step"]
+        # a step without n-gram rows only copies its tokens; one with some matches and merges
+        assert ops["no_ngram"] == 1 and ops["ngram"] > ops["no_ngram"], ops

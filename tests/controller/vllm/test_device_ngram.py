@@ -43,6 +43,8 @@ class _Both:
         assert got is None or got.dtype == torch.int64  # the drafts' own dtype
 
     def same_histories(self) -> None:
+        self.dev.flush()  # the appends of steps without n-gram rows may wait
+        self.meta.flush()
         assert set(self.host._slot) == set(self.dev._slot)
         for r, s in self.host._slot.items():
             d = self.dev._slot[r]
@@ -187,7 +189,49 @@ def test_a_step_without_ngram_rows_hands_back_the_runners_own_drafts() -> None:
     eagle = torch.full((1, K), 3)
     so = NS(finished_req_ids=(), scheduled_cached_reqs=None)
     assert worker._merge_step(runner, d, so, torch.tensor([[2]]), eagle) is eagle
+    d.flush()  # (the append of a step without n-gram rows waits for the next that has some)
     assert len(d) == 1 and int(d._len[0]) == 4  # the history took the step's token all the same
+
+
+def test_steps_without_ngram_rows_queue_one_copy_and_their_appends_run_as_one() -> None:
+    """On a GPU every tensor operation is a launch: a step without n-gram rows (of the batch last seen)
+    only copies its tokens, and the next step with n-gram rows appends all the waiting steps at once
+    (the ATen calls counted with a dispatch mode, which sees every operation the drafter queues)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    both = _Both()
+    ids, prompts = ["a", "b"], {"a": [1, 2, 3, 1, 2], "b": [7, 8, 7]}
+    eagle = np.full((2, K), -7, dtype=np.int64)
+    both.step(ids, _rows([3], [8]), eagle, {"a"}, prompts.get)  # the batch's slots are on the device now
+
+    def step(sampled: np.ndarray, on: set[str]) -> list[str]:
+        """One step of every drafter; the ATen calls of the device one."""
+        tok, dev_eagle = torch.from_numpy(sampled), torch.from_numpy(eagle)
+        with Ops() as ops:
+            both.dev.step(ids, tok, dev_eagle, on, prompts.get)
+        both.host.step(ids, sampled, eagle, on, prompts.get)
+        both.meta.step(ids, tok.to("meta"), dev_eagle.to("meta"), on, prompts.get)
+        return [n for n in ops.names if n not in ("slice", "alias", "view", "detach")]
+
+    assert [step(_rows([1 + t], [7 + t]), set()) for t in range(3)] == [["clone"]] * 3
+    names = step(_rows([2], [9]), {"a"})
+    assert names.count("cat") == 1 and names.count("cumsum") == 1, names  # one append for four steps
+    both.same_histories()
+    # No more than _DEFER steps wait: the next one appends them.
+    from controller.vllm.device_ngram import _DEFER
+
+    runs = [step(_rows([t % 5], [-1 if t % 3 else 4]), set()) for t in range(2 * _DEFER + 1)]
+    assert [i for i, names in enumerate(runs) if "cumsum" in names] == [_DEFER, 2 * _DEFER], runs
+    both.same_histories()
 
 
 def test_the_runner_step_reads_nothing_on_the_host() -> None:
