@@ -75,6 +75,18 @@ def verifying_plans(scheduler_output: Any) -> dict[str, tuple[int, int, int]]:
     return {rid: (m, k, p) for rid, (m, k, p) in zip(ids, plans.tolist(), strict=True) if m >= 0}
 
 
+def engine_id_of(settings: PluginSettings, model: str, vllm_config: Any) -> str:
+    """The id the engine core says Hello with: ``SPECCONTROL_ENGINE_ID``, else ``<model>@<host>``. With
+    data parallelism every rank has its own engine core, scheduler and stream, often on one host and
+    with one environment, so ``/dp<rank>`` is added: under one id the ranks' streams would be taken
+    for one engine."""
+    base = settings.engine_id or f"{model}@{socket.gethostname()}"
+    pc = vllm_config.parallel_config
+    if int(getattr(pc, "data_parallel_size", 1) or 1) <= 1:
+        return base
+    return f"{base}/dp{int(getattr(pc, 'data_parallel_rank', 0) or 0)}"
+
+
 def fixed_table_reason(vllm_config: Any, lookup: list[int] | None) -> str | None:
     """Why the plugin must leave vLLM's K table alone (None: it may swap it).
 
@@ -173,7 +185,7 @@ class EngineHooks:
         names = vc.model_config.served_model_name
         model = str(names[0] if isinstance(names, list | tuple) else names or vc.model_config.model)
         info = engine_info(
-            engine_id=settings.engine_id or f"{model}@{socket.gethostname()}",
+            engine_id=engine_id_of(settings, model, vc),
             model=model,
             method=method,
             max_k=max_k,

@@ -231,3 +231,28 @@ def test_fixed_table_is_never_swapped() -> None:
     s.schedule(h)
     assert s.dynamic_sd_lookup is vllm_table
     assert len(s.requests["a"].spec_token_ids) == 2  # K still cut per request
+
+
+@pytest.mark.parametrize(
+    ("given", "dp", "rank", "want"),
+    [
+        ("", 1, 0, "tiny@{host}"),
+        ("pod-7", 1, 0, "pod-7"),
+        ("pod-7", 2, 1, "pod-7/dp1"),
+        ("", 4, 3, "tiny@{host}/dp3"),
+        ("pod-7", 2, None, "pod-7/dp0"),
+    ],
+)
+def test_each_data_parallel_rank_attaches_under_its_own_id(
+    given: str, dp: int, rank: int | None, want: str
+) -> None:
+    """Data-parallel ranks share a host and an environment but are separate engines (each its own
+    scheduler and stream): one id for all would make their streams one engine's."""
+    import socket
+
+    from controller.vllm.engine_hooks import engine_id_of
+
+    pc = types.SimpleNamespace(data_parallel_size=dp, data_parallel_rank=rank)
+    settings = PluginSettings(sidecar="unix:///tmp/x.sock", engine_id=given)
+    got = engine_id_of(settings, "tiny", types.SimpleNamespace(parallel_config=pc))
+    assert got == want.format(host=socket.gethostname())
