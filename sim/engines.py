@@ -18,7 +18,8 @@ Every policy is scored under the constraints and the information a real engine h
   scheduling does; a step without n-gram rows does not.
 * ``composite-device``: ``composite`` with the worker's n-gram matched on the device
   (``controller/vllm/device_ngram.py``, the plugin's default on CUDA): no step waits. Its own device
-  time (about 44 small tensor operations on a step with n-gram rows) is not charged, because it has not
+  time (46 small tensor operations on a step with n-gram rows, one on a step without, as
+  ``benchmarks/worker_drafter.py`` counts them) is not charged, because it has not
   been measured on a GPU: ``composite`` (the wait) and this (no cost at all) bracket that path.
 * ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path; vLLM's
   async scheduling is the GPU default and the composite drafter runs under it too): it pays the

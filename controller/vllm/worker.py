@@ -456,6 +456,7 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int, where: str = "auto"
     ) -> Any:
         drafts = orig(self, scheduler_output, sampled_token_ids, *a, **kw)
         state = self.__dict__.get("_speccontrol_merger", 0)
+        group = tensor_parallel_group(self)
         merged, failed = drafts, state is None  # None: disabled after an error
         if state is not None:
             try:
@@ -467,11 +468,10 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int, where: str = "auto"
             except Exception:
                 log.exception(
                     "speccontrol: worker-side n-gram merge failed; disabled (EAGLE drafts pass through%s)",
-                    ", on every tensor-parallel rank" if tensor_parallel_group(self) is not None else "",
+                    ", on every tensor-parallel rank" if group is not None else "",
                 )
                 self._speccontrol_merger = None
                 merged, failed = drafts, True
-        group = tensor_parallel_group(self)
         if group is None or not getattr(scheduler_output, NGRAM_ROWS_ATTR, None):
             return merged
         return agree(group, merged, drafts, failed=failed, device=getattr(self, "device", "cpu"))

@@ -110,8 +110,9 @@ def test_the_device_drafter_gives_the_host_drafters_drafts(
 
 
 def test_the_device_drafter_at_serving_sizes() -> None:
-    """128 rows, 1,000-token repetitive prompts, 60 steps, a request replaced in some row every step,
-    vocabulary ids up to 2**31 - 1 (int32 histories), rows on n-gram changing every step."""
+    """128 rows, 1,000-token repetitive prompts, 60 steps, a request replaced in some row every step but
+    in steps 20-49, vocabulary ids up to 2**31 - 1 (int32 histories), rows on n-gram changing every step
+    but in steps 20-49, which have none (their appends wait: up to 16 steps, or until a request leaves)."""
     rng = np.random.default_rng(11)
     both = _Both(min_n=3, max_n=5)
     rows, width = 128, K + 1
@@ -129,8 +130,12 @@ def test_the_device_drafter_at_serving_sizes() -> None:
     for t in range(60):
         sampled = np.where(rng.random((rows, width)) < 0.6, np.resize(phrase, (rows, width)), -1)
         sampled[:, 0] = phrase[t % 40]
-        on = {r for r in ids if rng.random() < 0.5}
+        quiet = 20 <= t < 50
+        on = set() if quiet else {r for r in ids if rng.random() < 0.5}
         both.step(ids, sampled, np.full((rows, K), -7, dtype=np.int64), on, known, finished=finished)
+        finished = []
+        if quiet and t != 37:  # (one request leaves after step 37: the waiting appends run first)
+            continue
         gone = int(rng.integers(rows))
         finished = [ids[gone]]
         ids[gone] = f"r{fresh}"
