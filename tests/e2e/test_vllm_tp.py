@@ -120,7 +120,9 @@ def test_3_per_request_k_follows_policy_set(stack: Stack) -> None:
 
 def test_4_every_rank_verified_the_same_drafts(stack: Stack) -> None:
     """The drafts each rank's runner handed on, step by step: the same on every rank, with n-gram rows
-    among them (tests 2 and 3 pinned n-gram)."""
+    among them (this request's, and those of tests 2 and 3 where they ran)."""
+    stack.set_policy("pin-ngram-ranks", f"ngram:{MAX_K}")
+    stack.complete(TOKENS, "ngram-a")
     steps = _same_drafts_on_every_rank(stack)
     assert any(s["ngram_rows"] for s in steps)
 
