@@ -11,7 +11,7 @@ from controller.policy_store import MAX_SOURCE, NoPreviousPolicy, PolicyRecord
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
-from controller.validation import MAX_ENGINE_ID, escape_text, has_control
+from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
 from policies.presets import preset_names, preset_text
 from policies.spec import PolicyError, parse_policy
 

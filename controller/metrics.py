@@ -26,7 +26,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 import controller
-from controller.validation import PROTOCOL_VERSIONS, escape_text
+from controller.validation import PROTOCOL_VERSIONS
+from controller.wire.names import escape_text
 from policies.arms import METHODS_BY_CODE, Arm
 from policies.observation import StepBatch
 

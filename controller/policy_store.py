@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.snapshot import SnapshotError, float_field, int_field, list_field, mapping_field, str_field
-from controller.validation import MAX_ENGINE_ID, MAX_TIME_S
+from controller.validation import MAX_TIME_S
+from controller.wire.names import MAX_ENGINE_ID
 from policies.spec import MAX_DOCUMENT_BYTES, PolicyError, PolicySpec, parse_policy, render_policy
 
 HISTORY = 20

@@ -27,8 +27,9 @@ from controller.snapshot import (
     str_field,
 )
 from controller.v1 import controller_pb2 as pb
-from controller.validation import MAX_INSTANCE_ID, MAX_SEQUENCE, TelemetryError, escape_text, validate_hello
+from controller.validation import MAX_INSTANCE_ID, MAX_SEQUENCE, TelemetryError, validate_hello
 from controller.wire.convert import arm_to_pb
+from controller.wire.names import escape_text
 from policies.arms import Arm
 from policies.engine import EngineInfo
 from policies.loop import Totals

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,12 +26,12 @@ from controller.wire.codec import (
     unpack_columns,
 )
 from controller.wire.convert import engine_info_from_hello
+from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.engine import EngineInfo
 from policies.observation import NOT_SCORED, StepBatch, StepObservation
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
-MAX_ENGINE_ID = 128
 MAX_INSTANCE_ID = 128
 #: Hello.plugin_mode is a short sentence ("K table only: <reason>"); longer is a broken engine.
 MAX_PLUGIN_MODE = 512
@@ -66,21 +65,6 @@ MAX_SEQUENCE = (1 << 53) - 1
 #: Steps one engine can drop between two batches: a day at 10k steps/s, and far below 2^63.
 MAX_DROPPED_STEPS = 1 << 30
 _METHODS = frozenset(m.value for m in Method)
-
-
-#: Control characters (C0, DEL, C1) and Unicode line breaks: in engine-supplied names they would
-#: forge log lines or break a metric label.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def has_control(text: str) -> bool:
-    return _CONTROL.search(text) is not None
-
-
-def escape_text(text: str) -> str:
-    """``text`` with each control character written as an escape (``\\n``, ``\\x00``): safe in a
-    log line or a label value."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 class TelemetryError(ValueError):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import itertools
 import logging
 import operator
@@ -52,7 +53,7 @@ from controller.vllm.ngram import NgramIndex
 from controller.vllm.peagle import depth_fix_problem
 from controller.vllm.record import StepRecord
 from controller.vllm.rows import RequestTable
-from controller.vllm.settings import PluginSettings
+from controller.vllm.settings import MAX_ENGINE_ID_SETTING, PluginSettings
 from controller.vllm.v2 import V2_POINTS
 from controller.wire.convert import hello_from_engine_info
 from policies.arms import METHOD_CODES, Arm, Method
@@ -79,12 +80,20 @@ def engine_id_of(settings: PluginSettings, model: str, vllm_config: Any) -> str:
     """The id the engine core says Hello with: ``SPECCONTROL_ENGINE_ID``, else ``<model>@<host>``. With
     data parallelism every rank has its own engine core, scheduler and stream, often on one host and
     with one environment, so ``/dp<rank>`` is added: under one id the ranks' streams would be taken
-    for one engine."""
-    base = settings.engine_id or f"{model}@{socket.gethostname()}"
+    for one engine. A ``<model>@<host>`` beyond the sidecar's limit (a long model path) keeps its
+    tail behind a short hash of the whole, so it still attaches and stays distinct."""
+    base = settings.engine_id or _fit(f"{model}@{socket.gethostname()}", MAX_ENGINE_ID_SETTING)
     pc = vllm_config.parallel_config
     if int(getattr(pc, "data_parallel_size", 1) or 1) <= 1:
         return base
     return f"{base}/dp{int(getattr(pc, 'data_parallel_rank', 0) or 0)}"
+
+
+def _fit(name: str, limit: int) -> str:
+    if len(name) <= limit:
+        return name
+    digest = hashlib.blake2s(name.encode(), digest_size=4).hexdigest()
+    return f"{digest}~{name[len(name) - (limit - len(digest) - 1) :]}"
 
 
 def fixed_table_reason(vllm_config: Any, lookup: list[int] | None) -> str | None:
@@ -567,5 +576,7 @@ def install(settings: PluginSettings) -> bool:
     Scheduler.update_draft_token_ids = update_draft_token_ids  # type: ignore[method-assign]
     AsyncScheduler._update_after_schedule = _update_after_schedule  # type: ignore[method-assign]
     Scheduler._speccontrol_patched = True  # type: ignore[attr-defined]
-    log.info("speccontrol: scheduler hooks installed (pid %d)", os.getpid())
+    # Every process vLLM starts (API server, engine core, workers) gets here; only an engine core
+    # attaches, and says so (EngineHooks.create), so this line is for debugging only.
+    log.debug("speccontrol: scheduler hooks installed (pid %d)", os.getpid())
     return True

@@ -15,6 +15,7 @@ import grpc
 from controller.auth import ClientTLS, channel_credentials
 from controller.errors import ConfigError
 from controller.wire.address import is_loopback, parse_address
+from controller.wire.names import MAX_ENGINE_ID, has_control
 from policies.arms import Arm
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 
@@ -31,6 +32,10 @@ def enabled(env: Mapping[str, str]) -> bool:
     listed = [p.strip() for p in env.get("VLLM_PLUGINS", "").split(",")]
     return PLUGIN_NAME in listed
 
+
+#: The longest SPECCONTROL_ENGINE_ID: the sidecar takes ids of MAX_ENGINE_ID characters, and a
+#: data-parallel rank adds ``/dp<rank>`` (room for ranks up to 99999).
+MAX_ENGINE_ID_SETTING = MAX_ENGINE_ID - len("/dp99999")
 
 #: SPECCONTROL_WORKER_NGRAM's values (``PluginSettings.worker_ngram``).
 WORKER_NGRAM = ("auto", "device", "host")
@@ -87,6 +92,13 @@ class PluginSettings:
             raise SettingsError(
                 f"SPECCONTROL_NGRAM_MIN/MAX: need 1 <= min <= max <= 64, got {self.ngram_min}, {self.ngram_max}"
             )
+        if len(self.engine_id) > MAX_ENGINE_ID_SETTING:
+            raise SettingsError(
+                f"SPECCONTROL_ENGINE_ID: at most {MAX_ENGINE_ID_SETTING} characters (the sidecar takes "
+                f"{MAX_ENGINE_ID}, and a data-parallel rank adds /dp<rank>), got {len(self.engine_id)}"
+            )
+        if has_control(self.engine_id):
+            raise SettingsError("SPECCONTROL_ENGINE_ID: holds control characters (the sidecar refuses them)")
         if self.worker_ngram not in WORKER_NGRAM:
             raise SettingsError(
                 f"SPECCONTROL_WORKER_NGRAM: must be one of {', '.join(WORKER_NGRAM)}, got {self.worker_ngram!r}"

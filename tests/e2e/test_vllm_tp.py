@@ -102,7 +102,6 @@ def test_1_every_rank_runs_the_worker_merge(stack: Stack) -> None:
     assert stack.engine()["plugin_mode"] == "per-request composite"
     hooked = _pids(log, "V1 model runner hook installed")
     assert len(hooked) == RANKS, f"the worker merge is installed in {sorted(hooked)}, not in {RANKS} workers"
-    assert len(_pids(log, "scheduler hooks installed")) >= 1
 
 
 def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(stack: Stack) -> None:

@@ -256,3 +256,36 @@ def test_each_data_parallel_rank_attaches_under_its_own_id(
     settings = PluginSettings(sidecar="unix:///tmp/x.sock", engine_id=given)
     got = engine_id_of(settings, "tiny", types.SimpleNamespace(parallel_config=pc))
     assert got == want.format(host=socket.gethostname())
+
+
+@pytest.mark.parametrize("dp", [1, 100_000])
+def test_every_engine_id_fits_the_sidecars_hello(dp: int) -> None:
+    """The longest id a user may set, and a default built from a model path of any length (vLLM takes
+    paths up to the file system's limit), at any data-parallel rank, passes the sidecar's Hello check;
+    two long paths that differ only at the start stay distinct."""
+    import socket
+
+    from controller.validation import validate_hello
+    from controller.vllm.engine_hooks import engine_id_of
+    from controller.vllm.settings import MAX_ENGINE_ID_SETTING
+    from controller.wire.convert import hello_from_engine_info
+
+    pc = types.SimpleNamespace(data_parallel_size=dp, data_parallel_rank=dp - 1)
+    vc = types.SimpleNamespace(parallel_config=pc)
+    tail = "/snapshots/0123456789abcdef0123456789abcdef01234567" * 6
+    ids = [
+        engine_id_of(
+            PluginSettings(sidecar="unix:///tmp/x.sock", engine_id="e" * MAX_ENGINE_ID_SETTING), "m", vc
+        ),
+        engine_id_of(PluginSettings(sidecar="unix:///tmp/x.sock"), "/mnt/a" + tail, vc),
+        engine_id_of(PluginSettings(sidecar="unix:///tmp/x.sock"), "/mnt/b" + tail, vc),
+        engine_id_of(PluginSettings(sidecar="unix:///tmp/x.sock"), "x" * 4096, vc),
+    ]
+    assert len(set(ids)) == len(ids)
+    rank = "" if dp == 1 else f"/dp{dp - 1}"
+    assert ids[1].endswith(f"{tail[-40:]}@{socket.gethostname()}{rank}")  # the path's distinguishing end
+    for eid in ids:
+        info = engine_info(
+            engine_id=eid, model="m", method=Method.EAGLE3, max_k=MAX_K, max_batch_size=8, composite=True
+        )
+        assert validate_hello(hello_from_engine_info(info)).engine_id == eid

@@ -38,6 +38,15 @@ def test_from_env() -> None:
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_QUEUE_SIZE": "x"}, "SPECCONTROL_QUEUE_SIZE"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_QUEUE_SIZE": "1"}, "SPECCONTROL_QUEUE_SIZE"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_WORKER_NGRAM": "gpu"}, "SPECCONTROL_WORKER_NGRAM"),
+        # the sidecar refuses a Hello whose id is too long or holds control characters
+        (
+            {"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_ENGINE_ID": "e" * 121},
+            "SPECCONTROL_ENGINE_ID: at most 120",
+        ),
+        (
+            {"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_ENGINE_ID": "pod\n7"},
+            "SPECCONTROL_ENGINE_ID: holds control",
+        ),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], where: str) -> None:

@@ -1,0 +1,24 @@
+"""The names an engine gives the sidecar (its id, model, traffic classes): what the sidecar accepts,
+written once for both ends, so an engine can check its own names before it says Hello. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: The longest engine id the sidecar accepts in a Hello.
+MAX_ENGINE_ID = 128
+
+#: Control characters (C0, DEL, C1) and Unicode line breaks: in engine-supplied names they would
+#: forge log lines or break a metric label.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def has_control(text: str) -> bool:
+    return _CONTROL.search(text) is not None
+
+
+def escape_text(text: str) -> str:
+    """``text`` with each control character written as an escape (``\\n``, ``\\x00``): safe in a
+    log line or a label value."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
