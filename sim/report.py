@@ -243,28 +243,29 @@ def plot_all(cmp: Comparison, out_dir: Path) -> list[str]:
         fig.savefig(out_dir / name, dpi=90)
         plt.close(fig)
         names.append(name)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    for e in cmp.entries:
-        cs = sorted(c for c in e.runs if c in cmp.no_spec)
-        if len(cs) < 2:
-            continue
-        style = "--" if e.kind == "static" else (":" if e.kind == "oracle" else "-")
-        ratios = [e.runs[c].throughput / cmp.no_spec[c].throughput for c in cs]
-        ax.plot(cs, ratios, style, marker="o", label=e.label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(cmp.concurrency, [str(c) for c in cmp.concurrency])
-    ax.set_xlabel("concurrency (log2)")
-    ax.set_ylabel("throughput / no speculation")
-    ax.set_title("Throughput as a ratio to no speculation vs concurrency")
-    ax.legend(fontsize=7)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    name = "throughput_vs_concurrency.png"
-    fig.savefig(out_dir / name, dpi=90)
-    plt.close(fig)
-    names.append(name)
+    if len(cmp.concurrency) >= 2:  # a curve needs two levels; one level would draw an empty plot
+        fig, ax = plt.subplots(figsize=(8, 5))
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
+        for e in cmp.entries:
+            cs = sorted(c for c in e.runs if c in cmp.no_spec)
+            if len(cs) < 2:
+                continue
+            style = "--" if e.kind == "static" else (":" if e.kind == "oracle" else "-")
+            ratios = [e.runs[c].throughput / cmp.no_spec[c].throughput for c in cs]
+            ax.plot(cs, ratios, style, marker="o", label=e.label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cmp.concurrency, [str(c) for c in cmp.concurrency])
+        ax.set_xlabel("concurrency (log2)")
+        ax.set_ylabel("throughput / no speculation")
+        ax.set_title("Throughput as a ratio to no speculation vs concurrency")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        name = "throughput_vs_concurrency.png"
+        fig.savefig(out_dir / name, dpi=90)
+        plt.close(fig)
+        names.append(name)
     fig, axes = plt.subplots(1, len(cmp.concurrency), figsize=(5 * len(cmp.concurrency), 4), squeeze=False)
     for j, c in enumerate(cmp.concurrency):
         ax = axes[0][j]
