@@ -102,17 +102,28 @@ def test_compare_writes_report_and_plots(tmp_path: Path) -> None:
     assert ("default", "composite") in labels and ("static-eagle3-3", "stock-vllm") in labels
 
 
-
 @pytest.mark.filterwarnings("error")
 def test_compare_at_one_concurrency_draws_no_empty_curve(tmp_path: Path) -> None:
     """A curve over concurrency needs two levels: with one, that plot is left out (matplotlib would
     warn about an empty legend and write a blank figure), and the report names only what was drawn."""
     out = tmp_path / "rep"
-    args = ["sim", "compare", "--scenario", "chat", "--requests", "4", "--concurrency", "2", "--out", str(out)]
+    args = [
+        "sim",
+        "compare",
+        "--scenario",
+        "chat",
+        "--requests",
+        "4",
+        "--concurrency",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main([*args, "--policy", "static:eagle3:3", "--no-oracle", "--no-progress"]) == 0
     assert not (out / "throughput_vs_concurrency.png").exists()
     md = (out / "report.md").read_text()
     assert "throughput_vs_concurrency" not in md and "arms_over_time.png" in md
+
 
 @pytest.mark.parametrize(
     ("argv", "message"),
