@@ -373,6 +373,10 @@ class ControlLoop:
                     assert best is not None
                     choice = best
                     self.totals.exploration_denied += 1
+            # A class's first arm starts from its bucket's pooled arm, where it has one.
+            pooled_arm = self._ctx[Context(bucket=label)].arm
+            if c.arm < 0 and pooled_arm >= 0 and choice != pooled_arm:
+                choice = self.learner.bounded_move(key, allowed, pooled_arm, choice)
             learnt = (
                 self.learner.switch_check(
                     key, allowed, c.arm, choice, others={k: x.arm for k, x in self._ctx.items() if x.arm >= 0}

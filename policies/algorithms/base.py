@@ -153,6 +153,11 @@ class Learner(ABC):
         """
         return None
 
+    def bounded_move(self, ctx: Context, allowed: Sequence[int], current: int, new: int) -> int:
+        """The arm to move to from ``current`` when the plan says ``new``: ``new`` itself, unless the
+        learner cannot yet predict so far from what it has seen (then a nearer arm on the way)."""
+        return new
+
     def state_dict(self) -> dict[str, Any]:
         return {"tables": {c.key: t.to_json() for c, t in self.tables.items()}}
 

@@ -94,6 +94,13 @@ class GoodputModel(Learner):
             0.0,
             1.0,
         ),
+        "unsettled_step": Param(
+            2,
+            "Most draft positions a class's first arm lies from its bucket's pooled arm while the cost "
+            "model has not seen the step cost vary along that move (0: no limit).",
+            0,
+            64,
+        ),
     }
 
     def __init__(self, *, arms: Sequence[Arm], params: Mapping[str, Any], rng: np.random.Generator) -> None:
@@ -676,6 +683,28 @@ class GoodputModel(Learner):
             return True
         spread = float(d @ np.linalg.solve(self._xtx, d))
         return spread * need <= 2.0
+
+    def bounded_move(self, ctx: Context, allowed: Sequence[int], current: int, new: int) -> int:
+        """``new``, or, where the cost model has not seen the step cost vary between ``current`` and
+        ``new`` (an engine that has played one K so far), the arm of the same method at most
+        ``unsettled_step`` draft positions from ``current`` toward it. From one K alone the cost of the
+        draft passes cannot be told from the rest of the step (the features move together); the ridge
+        prior then puts most of the step on the passes, and the plan jumps to K = 1, a guess that
+        costs a quarter of the throughput at batch 32 for the whole dwell. A short move is as
+        informative (one more K identifies the slope) and costs little; once the slope is seen, the
+        next round may go straight to the plan's arm. The loop asks this for a class's first arm
+        (``current``: the bucket's pooled arm) only."""
+        step = int(self.params["unsettled_step"])
+        a, b = self.arms[current], self.arms[new]
+        if step <= 0 or a.method is not b.method or a.k == 0 or b.k == 0 or abs(b.k - a.k) <= step:
+            return new
+        if self._cost_settled(self._batch_size(ctx.bucket), current, new):
+            return new
+        toward = a.k + step if b.k > a.k else a.k - step
+        on_way = [i for i in allowed if self.arms[i].method is b.method and min(a.k, toward) <= self.arms[i].k <= max(a.k, toward) and i != current]  # fmt: skip
+        if not on_way:
+            return new
+        return min(on_way, key=lambda i: abs(self.arms[i].k - toward))
 
     def switch_check(
         self,
