@@ -91,6 +91,8 @@ class ControlLoop:
     def __init__(self, *, spec: PolicySpec, engine: EngineInfo, seed: int | None = None) -> None:
         self.spec = spec
         self.engine = engine
+        #: Bound every switch the cost model cannot price yet, not only first arms (see ``decide``).
+        self._bound_switches = engine.granularity is Granularity.BATCH_STEP
         self.arms: tuple[Arm, ...] = engine.playable(spec.arms) or engine.playable(())
         if not self.arms:
             raise ValueError(f"engine {engine.engine_id!r} offers no arm the policy {spec.name!r} can use")
@@ -373,10 +375,14 @@ class ControlLoop:
                     assert best is not None
                     choice = best
                     self.totals.exploration_denied += 1
-            # A class's first arm starts from its bucket's pooled arm, where it has one.
-            pooled_arm = self._ctx[Context(bucket=label)].arm
-            if c.arm < 0 and pooled_arm >= 0 and choice != pooled_arm:
-                choice = self.learner.bounded_move(key, allowed, pooled_arm, choice)
+            # Moves the cost model cannot price yet are bounded (``Learner.bounded_move``): a class's
+            # first arm, from its bucket's pooled arm; on an engine with one K per batch, every switch
+            # (there the cost model sees K vary only when a bucket's arm changes).
+            ref = c.arm if c.arm >= 0 and self._bound_switches else -1
+            if c.arm < 0:
+                ref = self._ctx[Context(bucket=label)].arm
+            if ref >= 0 and choice != ref and not forced:
+                choice = self.learner.bounded_move(key, allowed, ref, choice)
             learnt = (
                 self.learner.switch_check(
                     key, allowed, c.arm, choice, others={k: x.arm for k, x in self._ctx.items() if x.arm >= 0}

@@ -96,8 +96,9 @@ class GoodputModel(Learner):
         ),
         "unsettled_step": Param(
             2,
-            "Most draft positions a class's first arm lies from its bucket's pooled arm while the cost "
-            "model has not seen the step cost vary along that move (0: no limit).",
+            "Most draft positions K moves (a class's first arm from its bucket's pooled arm; on a "
+            "K-table engine every switch) while the cost model has not seen the step cost vary along "
+            "that move (0: no limit).",
             0,
             64,
         ),
@@ -693,7 +694,8 @@ class GoodputModel(Learner):
         costs a quarter of the throughput at batch 32 for the whole dwell. A short move is as
         informative (one more K identifies the slope) and costs little; once the slope is seen, the
         next round may go straight to the plan's arm. The loop asks this for a class's first arm
-        (``current``: the bucket's pooled arm) only."""
+        (``current``: the bucket's pooled arm) and, on an engine with one K per batch, for every
+        switch."""
         step = int(self.params["unsettled_step"])
         a, b = self.arms[current], self.arms[new]
         if step <= 0 or a.method is not b.method or a.k == 0 or b.k == 0 or abs(b.k - a.k) <= step:

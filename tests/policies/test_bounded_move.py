@@ -4,6 +4,7 @@ batch 32) was a guess that cost a quarter of the throughput for a whole dwell.""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -111,3 +112,33 @@ def test_a_cold_start_at_batch_32_never_jumps_to_k1() -> None:
     second = [arm for n, _, arm in at_32 if n == 2]
     # Round 2 had seen K 7 only: the maths class's first arm was eagle3:1 without the bound.
     assert second and all(a.k >= 5 for a in second), at_32
+
+
+def test_on_a_k_table_engine_every_unpriced_switch_is_bounded() -> None:
+    """Stock vLLM plays one K per batch, so its cost model sees K vary only when a bucket's arm
+    changes: maths at concurrency 32 went K 7 -> 1 -> 4 in its first rounds (every bucket to K 1 at
+    round 3); bounded, K 7 -> 5 -> 4."""
+    tr = generate("maths", n_requests=160, seed=0)
+    r = Replayer(
+        trace=tr, profile=load_profile("llama-3.1-8b-h100"), engine=ENGINES["stock-vllm"],
+        policy=load_preset("default"), concurrency=32, seed=0,
+    )  # fmt: skip
+    from policies.loop import ControlLoop
+
+    arms: list[Arm] = []
+    orig = ControlLoop.decide
+
+    def decide(self: ControlLoop, now: float) -> Any:
+        rounds = self.rounds
+        out = orig(self, now)
+        if self.rounds != rounds:
+            arms.extend(c.after for c in self.last_changes if str(c.context) == "17-32/*")
+        return out
+
+    ControlLoop.decide = decide  # type: ignore[method-assign]
+    try:
+        r.run()
+    finally:
+        ControlLoop.decide = orig  # type: ignore[method-assign]
+    assert arms[0] == Arm(Method.EAGLE3, 7) and len(arms) > 1, arms
+    assert all(abs(b.k - a.k) <= 2 for a, b in itertools.pairwise(arms)), arms
