@@ -32,7 +32,7 @@ done
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo "results: $1/9 $2" >&2; }
 if want 1; then
-  step 1 "decision quality (docs/decision-quality.md, the longest step, ~25 min; then drift and mixed alone)"
+  step 1 "decision quality (docs/decision-quality.md, the longest step, 10-25 min by the load; then drift and mixed alone)"
   "$BIN/python" benchmarks/decision_quality.py --requests 120 --seed 0 --jobs "$JOBS" --out docs/decision-quality.md >/dev/null
   "$BIN/python" benchmarks/decision_quality.py --requests 120 --seed 0 --jobs 1 --scenarios drift,mixed --policies default --no-hindsight --out docs/results/decision-quality-drift-mixed.md >/dev/null
 fi
