@@ -116,7 +116,8 @@ class _TelemetryCollector(Collector):
         guards = CounterMetricFamily(
             f"{p}_policy_guard_events",
             "Control-loop safety events: drift alarms, switches held by the margin, exploration denied "
-            "by the high-load budget, p99 TPOT guard trips.",
+            "by the high-load budget, p99 TPOT guard trips, moves the cost model could not price yet "
+            "cut short.",
             labels=["engine", "guard"],
         )
         now = self.clock()

@@ -498,6 +498,7 @@ class Sidecar:
                     "held_by_margin": t.held_by_margin,
                     "exploration_denied": t.exploration_denied,
                     "tpot_trip": t.tpot_trips,
+                    "bounded_move": t.bounded_moves,
                 },
             )
             self.metrics.decisions.labels(eid).inc()

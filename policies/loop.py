@@ -44,11 +44,13 @@ class Totals:
     busy_s: float = 0.0
     ignored_rows: int = 0
     #: Safety and drift events: Page-Hinkley alarms, switches held back by the margin, exploratory
-    #: choices replaced by the greedy one (budget at high load), TPOT-guard tightenings.
+    #: choices replaced by the greedy one (budget at high load), TPOT-guard tightenings, moves the
+    #: cost model could not price yet cut short (``Learner.bounded_move``).
     drift_alarms: int = 0
     held_by_margin: int = 0
     exploration_denied: int = 0
     tpot_trips: int = 0
+    bounded_moves: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -382,7 +384,10 @@ class ControlLoop:
             if c.arm < 0:
                 ref = self._ctx[Context(bucket=label)].arm
             if ref >= 0 and choice != ref and not forced:
-                choice = self.learner.bounded_move(key, allowed, ref, choice)
+                bounded = self.learner.bounded_move(key, allowed, ref, choice)
+                if bounded != choice:
+                    self.totals.bounded_moves += 1
+                    choice = bounded
             learnt = (
                 self.learner.switch_check(
                     key, allowed, c.arm, choice, others={k: x.arm for k, x in self._ctx.items() if x.arm >= 0}

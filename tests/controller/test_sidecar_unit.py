@@ -173,6 +173,29 @@ def test_tick_refreshes_before_the_ttl_and_versions_only_grow(sidecar: Sidecar, 
     assert versions == sorted(versions) and sidecar.engines()["e1"].loop.totals.steps == 1000
 
 
+def test_every_guard_count_of_the_loop_is_exported_after_a_round(sidecar: Sidecar, clock: Clock) -> None:
+    s = sidecar.attach(info("e1"))
+    t = sidecar.engines()["e1"].loop.totals
+    t.drift_alarms, t.held_by_margin, t.exploration_denied, t.bounded_moves = (
+        1,
+        2,
+        3,
+        5,
+    )  # (trips: the guard's)
+    for i in range(40):  # past the decision interval: at least one round
+        sidecar.ingest(s, batch(i + 1, 5, t0=clock.now))
+        clock.now += 0.05
+        sidecar.tick()
+    want = {"drift_alarm": 1, "held_by_margin": 2, "exploration_denied": 3, "tpot_trip": 0, "bounded_move": 5}
+    got = {
+        g: sidecar.registry.get_sample_value(
+            "speccontrol_policy_guard_events_total", {"engine": "e1", "guard": g}
+        )
+        for g in want
+    }
+    assert got == {g: float(v) for g, v in want.items()}
+
+
 def test_set_policy_and_rollback_switch_the_loops_and_write_through(sidecar: Sidecar) -> None:
     s = sidecar.attach(info("e1"))
     sidecar.ingest(s, batch(0, 20))

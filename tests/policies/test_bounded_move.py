@@ -112,6 +112,7 @@ def test_a_cold_start_at_batch_32_never_jumps_to_k1() -> None:
     second = [arm for n, _, arm in at_32 if n == 2]
     # Round 2 had seen K 7 only: the maths class's first arm was eagle3:1 without the bound.
     assert second and all(a.k >= 5 for a in second), at_32
+    assert r.final_state is not None and r.final_state["totals"]["bounded_moves"] >= 1  # counted
 
 
 def test_on_a_k_table_engine_every_unpriced_switch_is_bounded() -> None:
@@ -142,3 +143,4 @@ def test_on_a_k_table_engine_every_unpriced_switch_is_bounded() -> None:
         ControlLoop.decide = orig  # type: ignore[method-assign]
     assert arms[0] == Arm(Method.EAGLE3, 7) and len(arms) > 1, arms
     assert all(abs(b.k - a.k) <= 2 for a, b in itertools.pairwise(arms)), arms
+    assert r.final_state is not None and r.final_state["totals"]["bounded_moves"] >= 1
