@@ -380,10 +380,8 @@ class ControlLoop:
             # Moves the cost model cannot price yet are bounded (``Learner.bounded_move``): a class's
             # first arm, from its bucket's pooled arm; on an engine with one K per batch, every switch
             # (there the cost model sees K vary only when a bucket's arm changes).
-            ref = c.arm if c.arm >= 0 and self._bound_switches else -1
-            if c.arm < 0:
-                ref = self._ctx[Context(bucket=label)].arm
-            if ref >= 0 and choice != ref and not forced:
+            ref = c.arm if c.arm >= 0 else self._ctx[Context(bucket=label)].arm
+            if ref >= 0 and choice != ref and not forced and (c.arm < 0 or self._bound_switches):
                 bounded = self.learner.bounded_move(key, allowed, ref, choice)
                 if bounded != choice:
                     self.totals.bounded_moves += 1

@@ -102,6 +102,10 @@ def test_1_every_rank_runs_the_worker_merge(stack: Stack) -> None:
     assert stack.engine()["plugin_mode"] == "per-request composite"
     hooked = _pids(log, "V1 model runner hook installed")
     assert len(hooked) == RANKS, f"the worker merge is installed in {sorted(hooked)}, not in {RANKS} workers"
+    # Every process patches the scheduler class (a debug line); only the engine core builds a scheduler
+    # and attaches, once.
+    attached = re.findall(r"\(\w+ pid=(\d+)\).*speccontrol: engine \S+ attached to", log)
+    assert len(attached) == 1 and not set(attached) & hooked, (attached, hooked)
 
 
 def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(stack: Stack) -> None:

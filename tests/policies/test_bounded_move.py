@@ -13,12 +13,13 @@ import pytest
 from policies.algorithms import GoodputModel
 from policies.arms import Arm, Method
 from policies.context import Context
-from policies.observation import StepBatch, StepObservation
+from policies.observation import StepBatch
 from policies.presets import load_preset
 from sim.costmodel import load_profile
 from sim.engines import ENGINES
 from sim.replay import Replayer
 from sim.traffic import generate
+from tests.policies.test_goodput_model import steps
 
 ARMS = (*(Arm(Method.EAGLE3, k) for k in range(1, 9)), Arm(Method.NGRAM, 4), Arm(Method.OFF, 0))
 CTX = Context.parse("17-32/*")
@@ -34,20 +35,10 @@ def _i(arm: str) -> int:
     return ARMS.index(Arm.parse(arm))
 
 
-def _observe(m: GoodputModel, k: int, steps: int, batch: int = 32) -> None:
+def _observe(m: GoodputModel, k: int, n: int, batch: int = 32) -> None:
     rng = np.random.default_rng(k)
-    for _ in range(steps):
-        acc = np.minimum(rng.geometric(0.4, size=batch) - 1, k)
-        obs = StepObservation.build(
-            time_s=0.0,
-            duration_s=(6.0 + 0.05 * batch * (k + 1) + 0.3 + 0.4 * k) / 1e3,
-            traffic_class=["chat"] * batch,
-            method=[Method.EAGLE3] * batch,
-            k=[k] * batch,
-            drafted=[k] * batch,
-            accepted=acc,
-        )
-        m.observe(StepBatch.of(obs), ["17-32"], per_class=False)
+    for _ in range(n):
+        m.observe(StepBatch.of(steps(rng, Arm(Method.EAGLE3, k), batch, 0.6)), ["17-32"], per_class=False)
 
 
 @pytest.mark.parametrize(
@@ -81,18 +72,12 @@ def test_other_methods_no_limit_and_the_allowed_arms() -> None:
     assert m.bounded_move(CTX, only, seven, _i("eagle3:1")) == _i("eagle3:1")
 
 
-def test_a_cold_start_at_batch_32_never_jumps_to_k1() -> None:
-    """The whole loop on the simulator: maths at concurrency 32 starts on K 7 (round 1's plan for
-    the bucket); the first arm of the maths class, one round later, is at most 2 positions away."""
-    tr = generate("maths", n_requests=160, seed=0)
-    engine = ENGINES["composite"]
-    r = Replayer(
-        trace=tr, profile=load_profile("llama-3.1-8b-h100"), engine=engine, policy=load_preset("default"),
-        concurrency=32, seed=0,
-    )  # fmt: skip
+def _first_rounds(engine: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, str, Arm]], int]:
+    """Maths at concurrency 32 on ``engine`` under the default policy: every arm change in the batch-32
+    bucket (round, context, new arm), and the loop's count of moves cut short."""
     from policies.loop import ControlLoop
 
-    seen: list[tuple[int, str, Arm]] = []  # (round, context, its new arm)
+    seen: list[tuple[int, str, Arm]] = []
     orig = ControlLoop.decide
 
     def decide(self: ControlLoop, now: float) -> Any:
@@ -102,45 +87,33 @@ def test_a_cold_start_at_batch_32_never_jumps_to_k1() -> None:
             seen.extend((self.rounds, str(c.context), c.after) for c in self.last_changes)
         return out
 
-    ControlLoop.decide = decide  # type: ignore[method-assign]
-    try:
-        r.run()
-    finally:
-        ControlLoop.decide = orig  # type: ignore[method-assign]
-    at_32 = [(n, ctx, arm) for n, ctx, arm in seen if ctx.startswith("17-32/")]
+    monkeypatch.setattr(ControlLoop, "decide", decide)
+    r = Replayer(
+        trace=generate("maths", n_requests=160, seed=0), profile=load_profile("llama-3.1-8b-h100"),
+        engine=ENGINES[engine], policy=load_preset("default"), concurrency=32, seed=0,
+    )  # fmt: skip
+    r.run()
+    assert r.final_state is not None
+    return [s for s in seen if s[1].startswith("17-32/")], int(r.final_state["totals"]["bounded_moves"])
+
+
+def test_a_cold_start_at_batch_32_never_jumps_to_k1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole loop on the simulator: maths at concurrency 32 starts on K 7 (round 1's plan for
+    the bucket); the first arm of the maths class, one round later, is at most 2 positions away."""
+    at_32, bounded = _first_rounds("composite", monkeypatch)
     assert at_32[0] == (1, "17-32/*", Arm(Method.EAGLE3, 7)), at_32
     second = [arm for n, _, arm in at_32 if n == 2]
     # Round 2 had seen K 7 only: the maths class's first arm was eagle3:1 without the bound.
     assert second and all(a.k >= 5 for a in second), at_32
-    assert r.final_state is not None and r.final_state["totals"]["bounded_moves"] >= 1  # counted
+    assert bounded >= 1  # counted
 
 
-def test_on_a_k_table_engine_every_unpriced_switch_is_bounded() -> None:
+def test_on_a_k_table_engine_every_unpriced_switch_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stock vLLM plays one K per batch, so its cost model sees K vary only when a bucket's arm
     changes: maths at concurrency 32 went K 7 -> 1 -> 4 in its first rounds (every bucket to K 1 at
     round 3); bounded, K 7 -> 5 -> 4."""
-    tr = generate("maths", n_requests=160, seed=0)
-    r = Replayer(
-        trace=tr, profile=load_profile("llama-3.1-8b-h100"), engine=ENGINES["stock-vllm"],
-        policy=load_preset("default"), concurrency=32, seed=0,
-    )  # fmt: skip
-    from policies.loop import ControlLoop
-
-    arms: list[Arm] = []
-    orig = ControlLoop.decide
-
-    def decide(self: ControlLoop, now: float) -> Any:
-        rounds = self.rounds
-        out = orig(self, now)
-        if self.rounds != rounds:
-            arms.extend(c.after for c in self.last_changes if str(c.context) == "17-32/*")
-        return out
-
-    ControlLoop.decide = decide  # type: ignore[method-assign]
-    try:
-        r.run()
-    finally:
-        ControlLoop.decide = orig  # type: ignore[method-assign]
+    at_32, bounded = _first_rounds("stock-vllm", monkeypatch)
+    arms = [arm for _, ctx, arm in at_32 if ctx == "17-32/*"]
     assert arms[0] == Arm(Method.EAGLE3, 7) and len(arms) > 1, arms
     assert all(abs(b.k - a.k) <= 2 for a, b in itertools.pairwise(arms)), arms
-    assert r.final_state is not None and r.final_state["totals"]["bounded_moves"] >= 1
+    assert bounded >= 1
