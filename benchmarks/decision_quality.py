@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from policies.arms import Arm  # noqa: E402
 from policies.spec import PolicySpec, parse_policy, static_policy  # noqa: E402
+from sim import cli_types  # noqa: E402
 from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
 from sim.engines import ENGINES, engine_for_arm  # noqa: E402
 from sim.executor import ExecutorError, make_executor  # noqa: E402
@@ -175,9 +176,11 @@ def _any_job(item: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=120, help="requests per closed-loop scenario")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--requests", type=cli_types.requests, default=120, help="requests per closed-loop scenario"
+    )
+    ap.add_argument("--seed", type=cli_types.seed, default=0)
+    ap.add_argument("--jobs", type=cli_types.jobs, default=min(os.cpu_count() or 1, 1024))
     ap.add_argument("--scenarios", default=",".join((*CLOSED, "load-ramp")))
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", help="also write the tables as markdown here")

@@ -32,6 +32,7 @@ from controller.embedded.workload import DEMO_SCHEDULE  # noqa: E402
 from policies.arms import Arm, Method  # noqa: E402
 from policies.presets import load_preset  # noqa: E402
 from policies.spec import static_policy  # noqa: E402
+from sim import cli_types  # noqa: E402
 from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
 from sim.engines import ENGINES, engine_for_arm  # noqa: E402
 from sim.oracle import per_step_oracle  # noqa: E402
@@ -79,13 +80,10 @@ def _phase(cls: str, concurrency: int, n: int, seed: int) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=200, help="requests per phase")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--requests", type=cli_types.requests, default=200, help="requests per phase")
+    ap.add_argument("--seed", type=cli_types.seed, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON here")
     a = ap.parse_args()
-    if a.requests < 1:
-        print("--requests must be >= 1", file=sys.stderr)
-        return 2
     rows = []
     for i, p in enumerate(DEMO_SCHEDULE.phases):
         cls = next(iter(p.mix))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.arms import Arm
+from sim import cli_types
 from sim.compare import _static_spec, run_one
 from sim.costmodel import DEFAULT_PROFILE, load_profile
 from sim.engines import engine_for_arm
@@ -79,13 +80,10 @@ def p_eagle_depth(requests: int, seed: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=300, help="requests per generated trace")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=cli_types.requests, default=300, help="requests per generated trace")
+    ap.add_argument("--seed", type=cli_types.seed, default=0)
     ap.add_argument("--json", metavar="FILE", help="also write the tables as JSON here")
     a = ap.parse_args(argv)
-    if a.requests < 1:
-        print("--requests must be >= 1", file=sys.stderr)
-        return 2
     doc = {
         "command": "python benchmarks/sim_calibration.py"
         + (f" --requests {a.requests}" if a.requests != 300 else "")

@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 
 from policies.arms import Method  # noqa: E402
 from policies.spec import parse_policy, static_policy  # noqa: E402
+from sim import cli_types  # noqa: E402
 from sim.costmodel import load_profile  # noqa: E402
 from sim.engines import ENGINES  # noqa: E402
 from sim.replay import Replayer  # noqa: E402
@@ -57,7 +58,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli_types.seed, default=0)
     ap.add_argument(
         "--json", metavar="FILE", help="also write the figures here (make results: docs/results/)"
     )

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import signal
 import sys
@@ -33,7 +32,9 @@ from controller.config import FLEET_NAME_RE
 from controller.v1 import controller_pb2 as pb
 from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
+from sim import cli_types
 from sim.cli import register as register_sim_commands
+from sim.cli_types import float_in
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -194,6 +195,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"error: {e}") from None
 
 
+#: ObserverSettings' fields as the flags that set them (its errors name the field).
+_OBSERVE_FLAGS = {
+    "metrics_url": "--metrics-url",
+    "engine_target": "--sidecar",
+    "engine_id": "--engine-id",
+    "max_k": "--max-k",
+    "interval_s": "--interval",
+    "retries": "--retries",
+}
+
+
 def cmd_observe(args: argparse.Namespace) -> int:
     from controller.observe import ObserverError, ObserverSettings, run_observer
     from policies.arms import Method
@@ -210,7 +222,8 @@ def cmd_observe(args: argparse.Namespace) -> int:
             retries=args.retries,
         )
     except ValueError as e:
-        raise UserError(f"error: --{str(e).replace('_', '-', 1)}") from None
+        field, _, why = str(e).partition(":")
+        raise UserError(f"error: {_OBSERVE_FLAGS.get(field, field)}:{why}") from None
 
     def show(d: Any) -> None:
         print(
@@ -234,8 +247,6 @@ def cmd_observe(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from controller.demo import main as demo_main
 
-    if not (math.isfinite(args.seconds) and 0 < args.seconds <= 3600):
-        raise UserError(f"--seconds must be a number of seconds in (0, 3600], got {args.seconds:g}")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise UserError(f"--plot {args.plot}: no such directory {str(Path(args.plot).resolve().parent)!r}")
     try:
@@ -491,7 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"sidecar admin address (default: ${ADMIN_ENV} or {DEFAULT_ADMIN})",
     )
     p.add_argument(
-        "--timeout", type=float, default=5.0, metavar="S", help="admin (or broker) call timeout in seconds"
+        "--timeout",
+        type=float_in(0, 3600, lo_open=True),
+        default=5.0,
+        metavar="S",
+        help="admin (or broker) call timeout in seconds",
     )
     p.add_argument(
         "--token-file",
@@ -522,12 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="sidecar + simulated engines: adaptive vs static, live")
     s.add_argument(
         "--seconds",
-        type=float,
+        type=float_in(0, 3600, lo_open=True),
         default=40.0,
         metavar="N",
         help="seconds of an engine's traffic, played at up to twice real time (default 40)",
     )
-    s.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
+    s.add_argument("--seed", type=cli_types.seed, default=0, help="traffic seed (default 0)")
     s.add_argument("--json", action="store_true", help="print the result as JSON only")
     s.add_argument("--plot", metavar="FILE", help="also draw goodput over time per engine (PNG)")
     s.set_defaults(func=cmd_demo)

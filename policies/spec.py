@@ -96,11 +96,14 @@ def _defaults(schema: Mapping[str, Param]) -> dict[str, Any]:
     return {k: p.default for k, p in schema.items()}
 
 
+#: The largest seed a policy (and every command line's ``--seed``) takes: numpy seeds from 32-bit words.
+MAX_SEED = 2**32 - 1
+
 _SPEC_FIELDS: dict[str, Param] = {
     "decision_interval_s": Param(1.0, "Seconds between slow-loop decisions.", 0.01, 3600.0),
     "directive_ttl_s": Param(10.0, "Engines fall back to their safe default after this.", 0.1, 86400.0),
     "min_dwell_s": Param(2.0, "Minimum time between two switches of one context.", 0.0, 3600.0),
-    "seed": Param(0, "Seed of the policy's random generator.", 0, 2**32 - 1),
+    "seed": Param(0, "Seed of the policy's random generator.", 0, MAX_SEED),
     "switch_margin": Param(
         0.0, "Relative goodput margin a new arm must beat the current one's estimate by.", 0.0, 10.0
     ),

@@ -19,8 +19,12 @@ from sim.autoscale import (
     simulate_fleet,
     summarise,
 )
+from sim.cli_types import float_in, int_in
 from sim.costmodel import load_profile, profile_names
 from sim.engines import ENGINES
+
+DAY_S = 86_400.0
+WEEK_S = 7 * DAY_S
 
 
 def add_parser(ss: Any, resolve_policy: Any) -> None:
@@ -30,20 +34,31 @@ def add_parser(ss: Any, resolve_policy: Any) -> None:
         "--profile", default="llama-3.1-8b-h100", help=f"cost model ({', '.join(profile_names())})"
     )
     p.add_argument("--engine", default="composite", help=f"engine model ({', '.join(ENGINES)})")
-    p.add_argument("--concurrency", type=int, default=32, help="slots per replica (max_num_seqs)")
-    p.add_argument("--duration", type=float, default=1800.0, help="simulated seconds")
-    p.add_argument("--triple-at", type=float, default=300.0, help="when the load triples (s)")
-    p.add_argument("--utilisation", type=float, default=0.6, help="initial load per initial replica")
-    p.add_argument("--startup", type=float, default=120.0, help="pod start-up delay (s)")
-    p.add_argument("--target-wait", type=float, default=0.5, help="HPA target queue wait (s)")
-    p.add_argument("--scale-down-window", type=float, default=600.0, help="scale-down stabilisation (s)")
+    p.add_argument("--concurrency", type=int_in(1, 4096), default=32, help="slots per replica (max_num_seqs)")
+    p.add_argument("--duration", type=float_in(1, WEEK_S), default=1800.0, help="simulated seconds")
+    p.add_argument("--triple-at", type=float_in(0, WEEK_S), default=300.0, help="when the load triples (s)")
+    p.add_argument(
+        "--utilisation",
+        type=float_in(0, 100, lo_open=True),
+        default=0.6,
+        help="initial load per initial replica",
+    )
+    p.add_argument("--startup", type=float_in(0, DAY_S), default=120.0, help="pod start-up delay (s)")
+    p.add_argument(
+        "--target-wait", type=float_in(0, DAY_S, lo_open=True), default=0.5, help="HPA target queue wait (s)"
+    )
+    p.add_argument(
+        "--scale-down-window", type=float_in(0, DAY_S), default=600.0, help="scale-down stabilisation (s)"
+    )
     p.add_argument(
         "--target-utilisation",
-        type=float,
+        type=float_in(0, 1),
         default=0.8,
         help="second HPA metric, busy slots share (0: queue wait only)",
     )
-    p.add_argument("--max-replicas", type=int, default=16)
+    p.add_argument(
+        "--max-replicas", type=int_in(2, 10_000), default=16, help="at least the 2 replicas it starts with"
+    )
     p.add_argument("--out", help="directory for autoscale.md, autoscale.json and autoscale.png")
     p.add_argument("--json", help="write the figures as JSON to this file")
     p.set_defaults(func=lambda a: run(a, resolve_policy))

@@ -22,10 +22,19 @@ from typing import TYPE_CHECKING, Any
 from policies.presets import resolve_policy as resolve_named_policy
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from policies.spec import PolicyError, PolicySpec, static_policy
+from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
 from sim.engines import ENGINES, EngineModel
-from sim.trace import Trace, TraceError, read_trace, validate_trace, write_trace
+from sim.trace import (
+    MAX_OUTPUT_TOKENS,
+    MAX_PROMPT_TOKENS,
+    Trace,
+    TraceError,
+    read_trace,
+    validate_trace,
+    write_trace,
+)
 from sim.traffic import SCENARIOS, generate
 
 if TYPE_CHECKING:
@@ -79,8 +88,6 @@ def _need_matplotlib(flag: str) -> None:
 def _scenario(name: str, args: argparse.Namespace) -> Trace:
     if name not in SCENARIOS:
         raise _UsageError(f"--scenario: unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
-    if args.requests is not None and args.requests < 1:
-        raise _UsageError(f"--requests: must be >= 1, got {args.requests}")
     return generate(name, n_requests=args.requests, seed=args.seed)
 
 
@@ -320,10 +327,6 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
     from sim.steplog import StepLogError, read_steps
 
     try:
-        if not 0.5 <= args.level < 1.0:
-            raise _UsageError(f"--level: expected 0.5 <= level < 1, got {args.level}")
-        if args.prompt_tokens < 0:
-            raise _UsageError(f"--prompt-tokens: must be >= 0, got {args.prompt_tokens}")
         engines = _engines(args.engine)
         if len(engines) != 1:
             raise _UsageError("--engine: one engine model")
@@ -403,9 +406,6 @@ def cmd_trace_validate(args: argparse.Namespace) -> int:
 def cmd_trace_generate(args: argparse.Namespace) -> int:
     if args.scenario not in SCENARIOS:
         _err(f"--scenario: unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
-        return EXIT_USAGE
-    if args.requests is not None and args.requests < 1:
-        _err(f"--requests: must be >= 1, got {args.requests}")
         return EXIT_USAGE
     tr = generate(args.scenario, n_requests=args.requests, seed=args.seed)
     write_trace(tr, args.out)
@@ -502,7 +502,7 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
         help="where the sweep's jobs run: a local process pool, or Ray (pip install 'speccontrol[ray]')",
     )
     p.add_argument("--address", help="with --executor ray: an existing cluster (auto, ray://HOST:10001)")
-    p.add_argument("--jobs", type=int, default=None, help="workers (default: the CPU count)")
+    p.add_argument("--jobs", type=cli_types.jobs, default=None, help="workers (default: the CPU count)")
 
 
 def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
@@ -537,8 +537,10 @@ def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     p.add_argument(
         "--open-loop", action="store_true", help="use the trace's arrival times (concurrency = cap)"
     )
-    p.add_argument("--requests", type=int, default=None, help="requests to generate for --scenario")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--requests", type=cli_types.requests, default=None, help="requests to generate for --scenario"
+    )
+    p.add_argument("--seed", type=cli_types.seed, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the hindsight oracles")
     p.add_argument(
         "--progress",
@@ -566,13 +568,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--param", action="append", help="NAME=V1,V2 (algorithm parameter, or rule.NAME)")
     p.add_argument("--trace", action="append", help="a spectrace v1 file (repeatable)")
     p.add_argument("--scenario", help="comma-separated generated scenarios")
-    p.add_argument("--requests", type=int, default=None, help="requests to generate per scenario")
+    p.add_argument(
+        "--requests", type=cli_types.requests, default=None, help="requests to generate per scenario"
+    )
     p.add_argument(
         "--profile", default=DEFAULT_PROFILE, help=f"cost-model profile ({', '.join(profile_names())})"
     )
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--engine", default="composite", help=f"one engine model ({', '.join(ENGINES)})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli_types.seed, default=0)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--out", help="write the winning policy YAML here")
     _executor_args(p)
@@ -599,11 +603,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--draft-cost", default="auto", choices=["auto", "per_forward", "per_draft"])
     p.add_argument(
         "--prompt-tokens",
-        type=float,
+        type=cli_types.float_in(0, MAX_PROMPT_TOKENS),
         default=0.0,
         help="mean prompt tokens per request, added to decoded tokens where steps lack kv_tokens",
     )
-    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals")
+    p.add_argument(
+        "--level",
+        type=cli_types.float_in(0.5, 1, hi_open=True),
+        default=0.95,
+        help="confidence level of the intervals",
+    )
     p.add_argument("--plot", help="residual plot PNG to write")
     p.add_argument("--json", action="store_true", help="print the fit as JSON")
     p.set_defaults(func=cmd_profile_fit)
@@ -615,8 +624,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_trace_validate)
     p = ts.add_parser("generate", help="write a generated scenario as a trace file")
     p.add_argument("--scenario", required=True)
-    p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=cli_types.requests, default=None)
+    p.add_argument("--seed", type=cli_types.seed, default=0)
     p.add_argument("--out", required=True, help="output file (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_generate)
     p = ts.add_parser("import", help="a trace from vLLM responses with detailed per-request spec metrics")
@@ -647,8 +656,13 @@ def register(subparsers: Any) -> None:
         "--prompts", required=True, help="JSON Lines {prompt, class, max_tokens} or one prompt per line"
     )
     p.add_argument("--class", dest="traffic_class", default="default", help="class for prompts without one")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument(
+        "--max-tokens",
+        type=cli_types.int_in(2, MAX_OUTPUT_TOKENS),
+        default=256,
+        help="for prompts without their own",
+    )
+    p.add_argument("--concurrency", type=cli_types.int_in(1, 4096), default=4, help="requests in flight")
     p.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
     p.add_argument(
         "--min-n", type=int, default=DEFAULT_MIN_N,

@@ -12,6 +12,7 @@ import numpy as np
 from sim.compare import Comparison, Entry, arm_share, summary_rows
 from sim.costmodel import PluginMode, Profile
 from sim.engines import ENGINES
+from sim.files import replace_file
 from sim.run import RunResult, arm_of_code
 from sim.sizing import extra_sizings, profile_sizing
 
@@ -28,9 +29,7 @@ def write_json(cmp: Comparison, path: Path) -> None:
     data = cmp.to_json()
     # A single run is written as the one object of docs/simulator.md ("result JSON"); a comparison as {"runs": [...]}.
     out: dict[str, Any] = data["runs"][0] if len(data["runs"]) == 1 else data
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(out, indent=2, allow_nan=False, default=_nan_none) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    replace_file(path, (json.dumps(out, indent=2, allow_nan=False, default=_nan_none) + "\n").encode("utf-8"))
 
 
 def _nan_none(o: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import IO, Any
 import numpy as np
 
 from policies.arms import Method
+from sim.files import replace_file
 
 FORMAT_VERSION = 1
 MAX_K_LIMIT = 64
@@ -608,6 +609,4 @@ def write_trace(trace: Trace, path: str | Path) -> None:
     text = "".join(line + "\n" for line in trace_lines(trace)).encode("utf-8")
     if p.suffix == ".gz":
         text = gzip.compress(text, mtime=0)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_bytes(text)
-    tmp.replace(p)
+    replace_file(p, text)

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -31,5 +33,8 @@ def test_a_small_run_writes_what_the_doc_blocks_read(tmp_path: Path) -> None:
     assert "| gpt-oss-120b-h100 | 32 |" in rr.p_eagle_depth_table(doc)
 
 
-def test_bad_requests_is_a_usage_error() -> None:
-    assert sc.main(["--requests", "0"]) == 2
+def test_bad_requests_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        sc.main(["--requests", "0"])
+    assert e.value.code == 2
+    assert "argument --requests: must be an integer 1..1000000, got '0'" in capsys.readouterr().err

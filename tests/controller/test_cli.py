@@ -1,3 +1,4 @@
+import argparse
 import json
 import socket
 from pathlib import Path
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 
 from controller.cli import _dump, build_parser, main
 from controller.v1 import controller_pb2 as pb
+from sim import cli_types
 
 BROKEN = """apiVersion: speccontrol/v1
 kind: Policy
@@ -136,8 +138,10 @@ def test_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_demo_rejects_non_positive_seconds(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--seconds", "0"]) == 2
-    assert "--seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--seconds", "0"])
+    assert e.value.code == 2
+    assert "argument --seconds: must be a number in (0, 3600], got '0'" in capsys.readouterr().err
 
 
 def test_serve_with_an_unreadable_mqtt_password_file(
@@ -180,3 +184,65 @@ def test_json_int64_fields_are_numbers_at_every_size(revision: int, version: int
 def test_json_keeps_strings_strings() -> None:
     doc = _dump(pb.PolicyInfo(name="123", revision=7))
     assert doc["name"] == "123" and doc["revision"] == 7
+
+
+#: Numeric flags that stay plain ints because their command checks them together with other values
+#: (n-gram bounds against each other and max_k; the observer's settings), each exiting 2 naming the flag.
+CHECKED_BY_THEIR_COMMAND = {
+    ("observe", "--max-k"),
+    ("observe", "--interval"),
+    ("observe", "--retries"),
+    ("trace import", "--min-n"),
+    ("trace import", "--max-n"),
+    ("trace import", "--max-k"),
+    ("trace record", "--min-n"),
+    ("trace record", "--max-n"),
+}
+
+
+def _numeric_flags(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, str, object]]:
+    out = []
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                out += _numeric_flags(sub, (*path, name))
+        elif a.type is not None and a.option_strings:
+            out.append((" ".join(path), a.option_strings[-1], a.type))
+    return out
+
+
+def test_every_numeric_flag_checks_its_range_before_running() -> None:
+    # A plain type=int/float let `--seed -5` or `--duration nan` into the run (a traceback from numpy).
+    flags = _numeric_flags(build_parser())
+    plain = {(cmd, flag) for cmd, flag, t in flags if t in (int, float)}
+    assert plain == CHECKED_BY_THEIR_COMMAND
+    seeds = [(cmd, t) for cmd, flag, t in flags if flag == "--seed"]
+    assert len(seeds) >= 5 and all(t is cli_types.seed for _, t in seeds), seeds
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--timeout", "nan", "status"], "argument --timeout: must be a number in (0, 3600], got 'nan'"),
+        (["demo", "--seed", "-1"], "argument --seed: must be an integer 0..4294967295, got '-1'"),
+        (["sim", "autoscale", "--duration=-1"], "argument --duration: must be a number in [1, 604800]"),
+        (
+            ["sim", "tune", "--policy", "default", "--jobs", "0"],
+            "argument --jobs: must be an integer 1..1024",
+        ),
+    ],
+)
+def test_out_of_range_flags_exit_2_before_anything_runs(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_observe_names_the_flag_not_the_settings_field(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["observe", "--metrics-url", "http://127.0.0.1:1/metrics", "--sidecar", _closed_port()]
+    assert main([*argv, "--engine-id", "e", "--interval", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --interval: must be in (0, 3600] seconds"), err

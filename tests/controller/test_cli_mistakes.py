@@ -77,7 +77,15 @@ def _mistakes() -> list[Mistake]:
         Mistake("demo --seconds nan", ("demo", "--seconds", "nan"), 2, "--seconds"),
         Mistake("demo --seconds inf", ("demo", "--seconds", "inf"), 2, "--seconds"),
         Mistake("demo --seconds -1", ("demo", "--seconds", "-1"), 2, "--seconds"),
-        Mistake("demo --seconds word", ("demo", "--seconds", "soon"), 2, "invalid float value"),
+        Mistake("demo --seconds word", ("demo", "--seconds", "soon"), 2, "--seconds: must be a number"),
+        Mistake(
+            "negative seed",
+            ("sim", "replay", "--scenario", "chat", "--policy", "default", "--seed", "-5"),
+            2,
+            "--seed: must be an integer 0..4294967295",
+        ),
+        Mistake("timeout nan", ("--timeout", "nan", "status"), 2, "--timeout: must be a number"),
+        Mistake("autoscale duration nan", ("sim", "autoscale", "--duration", "nan"), 2, "--duration"),
         Mistake("sidecar config is binary", ("serve", "--config", "FILE"), 2, "FILE"),
         Mistake("config validate binary", ("config", "validate", "FILE"), 2, "FILE"),
         Mistake(
@@ -109,7 +117,7 @@ def _mistakes() -> list[Mistake]:
             "trace generate unwritable",
             ("trace", "generate", "--scenario", "chat", "--requests", "3", "--out", "/nonexistent/t.jsonl"),
             1,
-            "/nonexistent/t.jsonl",
+            "error: /nonexistent/t.jsonl: No such file",
         ),
         Mistake(
             "trace import binary", ("trace", "import", "FILE", "--out", "/tmp/never-written.jsonl"), 2, "FILE"

@@ -142,7 +142,6 @@ def test_compare_at_one_concurrency_draws_no_empty_curve(tmp_path: Path) -> None
             "unknown profile",
         ),
         (["sim", "replay", "--scenario", "chat", "--policy", "default", "--open-loop"], "arrival_s"),
-        (["sim", "replay", "--scenario", "chat", "--policy", "default", "--requests", "0"], "--requests"),
         (["sim", "replay", "--scenario", "chat", "--policy", "default", "--engine", "vllm9"], "--engine"),
     ],
 )
@@ -191,3 +190,28 @@ def test_static_k_is_capped_at_the_trace_max_k(hand_trace: Path, tmp_path: Path)
     assert main([*common, "--policy", "static:eagle3:4", "--json", str(b)]) == 0
     ja, jb = json.loads(a.read_text()), json.loads(b.read_text())
     assert ja["concurrency"]["1"]["throughput_tok_s"] == jb["concurrency"]["1"]["throughput_tok_s"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["sim", "replay", "--policy", "default", "--requests", "0"],
+            "--requests: must be an integer 1..1000000",
+        ),
+        (["sim", "compare", "--seed", "-1"], "--seed: must be an integer 0..4294967295, got '-1'"),
+        (["trace", "generate", "--seed", "2**32"], "--seed: must be an integer 0..4294967295"),
+        (
+            ["profile", "fit", "s.jsonl", "--out", "p.yaml", "--level", "1"],
+            "--level: must be a number in [0.5, 1)",
+        ),
+    ],
+)
+def test_out_of_range_flags_exit_2_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--scenario", "chat"] if argv[0] == "sim" else argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

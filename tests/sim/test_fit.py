@@ -210,8 +210,10 @@ def test_a_bad_line_is_named_file_line_field_and_nothing_is_written(
 def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "s.jsonl"
     write_steps(path, synthetic(50, 1))
-    assert main(["profile", "fit", str(path), "--out", str(tmp_path / "p.yaml"), "--level", "1.5"]) == 2
-    assert "--level" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "fit", str(path), "--out", str(tmp_path / "p.yaml"), "--level", "1.5"])
+    assert e.value.code == 2
+    assert "argument --level: must be a number in [0.5, 1), got '1.5'" in capsys.readouterr().err
     assert main(["profile", "fit", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
 

@@ -1,0 +1,27 @@
+"""Whole-file writes for the simulator's outputs (traces, result JSON): a reader never sees half a file.
+
+``replace_file`` writes a sibling ``NAME.tmp`` and renames it over ``NAME``. A failure removes the
+sibling and is reported against ``NAME``, the path the user gave (not the ``.tmp`` they never named).
+The sidecar's own state files have their own writer with fsync (``controller.snapshot``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+def replace_file(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``; OSError (naming ``path``) when it cannot be written."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(e.errno, e.strerror, str(p)) from None
+
+
+__all__ = ["replace_file"]

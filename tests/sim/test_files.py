@@ -1,0 +1,35 @@
+"""sim/files.py: whole-file replacement, and failures reported against the path the user gave."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.files import replace_file
+
+
+def test_replaces_the_whole_file_and_leaves_no_sibling(tmp_path: Path) -> None:
+    p = tmp_path / "out.json"
+    p.write_bytes(b"old, longer than the new content")
+    replace_file(p, b"new")
+    assert p.read_bytes() == b"new"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_a_missing_directory_is_reported_against_the_given_path(tmp_path: Path) -> None:
+    p = tmp_path / "no" / "such" / "dir" / "t.jsonl"
+    with pytest.raises(OSError) as e:
+        replace_file(p, b"x")
+    assert e.value.filename == str(p)  # not t.jsonl.tmp, which the user never named
+
+
+def test_a_failed_rename_removes_the_sibling_and_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "taken"
+    target.mkdir()  # a directory where the file should go: the rename fails
+    (target / "keep").write_bytes(b"1")
+    with pytest.raises(OSError) as e:
+        replace_file(target, b"x")
+    assert e.value.filename == str(target)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["taken"]
+    assert (target / "keep").read_bytes() == b"1"
