@@ -473,9 +473,15 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.file)
+        policy, source = cfg.load_default_policy()  # what serve loads at a first start
     except ConfigError as e:
         raise UserError(str(e)) from None
-    print(f"OK {args.file}: engines on {cfg.engine_address}, admin on {cfg.admin_listen}")
+    except PolicyError as e:
+        raise UserError(f"{args.file}: default_policy: {e}") from None
+    print(
+        f"OK {args.file}: engines on {cfg.engine_address}, admin on {cfg.admin_listen}, "
+        f"default policy {policy.name!r} ({source})"
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ from controller.wire.address import is_local_address, parse_address
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
+    from policies.spec import PolicySpec
 
 MAX_CONFIG_BYTES = 64 * 1024
 #: A bearer token shorter than this is refused (a guessable token is no protection).
@@ -272,6 +273,16 @@ class SidecarConfig:
         if password:
             opts["password"] = password
         return BrokerSettings.from_url(self.mqtt_url, **opts)
+
+    def load_default_policy(self) -> tuple[PolicySpec, str]:
+        """``default_policy`` as a policy, and where it came from (a preset or the file). Raises
+        PolicyError naming FILE:LINE and the field. The sidecar loads it at a first start (a snapshot's
+        active policy takes precedence on restart); ``controllerctl config validate`` always does."""
+        from policies.presets import resolve_policy_text
+        from policies.spec import parse_policy
+
+        text, source = resolve_policy_text(self.default_policy)
+        return parse_policy(text, source=source), source
 
     @property
     def fleet_node_id(self) -> str:

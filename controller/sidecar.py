@@ -47,8 +47,7 @@ from policies.directive import Directive
 from policies.engine import EngineInfo
 from policies.loop import ControlLoop, Totals
 from policies.observation import StepBatch, StepObservation
-from policies.presets import resolve_policy_text
-from policies.spec import PolicyError, PolicySpec, parse_policy
+from policies.spec import PolicyError, PolicySpec
 
 log = logging.getLogger(__name__)
 
@@ -758,10 +757,8 @@ class Sidecar:
         """
         saved = load_state(self.snapshots, clock=self.clock)
         if saved is None:
-            text, source = resolve_policy_text(self.config.default_policy)
-            self._store = PolicyStore(
-                default=parse_policy(text, source=source), source=source, clock=self.clock
-            )
+            default, source = self.config.load_default_policy()
+            self._store = PolicyStore(default=default, source=source, clock=self.clock)
             return
         self._store = saved.policies
         self._version = saved.directive_version

@@ -246,3 +246,28 @@ def test_observe_names_the_flag_not_the_settings_field(capsys: pytest.CaptureFix
     assert main([*argv, "--engine-id", "e", "--interval", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --interval: must be in (0, 3600] seconds"), err
+
+
+def test_config_validate_loads_the_default_policy_as_serve_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It said OK for a default_policy that serve then refused at start.
+    cfg = tmp_path / "sidecar.yaml"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BROKEN)
+    text = tmp_path / "text.yaml"
+    text.write_text("just a line of text\n")
+    for target, says in (
+        (str(bad), f"{cfg}: default_policy: {bad}:"),
+        (str(tmp_path / "missing.yaml"), "missing.yaml"),
+        (str(text), f"{text}:1: expected a mapping"),
+    ):
+        cfg.write_text(f"default_policy: {target}\n")
+        assert main(["config", "validate", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+    good = tmp_path / "mine.yaml"
+    good.write_text(Path("policies/library/default.yaml").read_text().replace("name: default", "name: mine"))
+    cfg.write_text(f"default_policy: {good}\n")
+    assert main(["config", "validate", str(cfg)]) == 0
+    assert f"default policy 'mine' ({good})" in capsys.readouterr().out
