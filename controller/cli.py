@@ -30,6 +30,7 @@ from controller.auth import ClientTLS
 from controller.client import AdminClient
 from controller.config import FLEET_NAME_RE
 from controller.v1 import controller_pb2 as pb
+from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
 from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
 from sim import cli_types
@@ -498,6 +499,21 @@ def package_version() -> str:
         return "0+unknown"
 
 
+def _engine_id(text: str) -> str:
+    """``--engine ID``: an engine id as engines send it. An empty one is refused: to the admin API it
+    means the default policy, so ``--engine "$UNSET"`` would have set (or rolled back) every engine's."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty engine id (leave out --engine for the default policy)")
+    if len(text) > MAX_ENGINE_ID or has_control(text):
+        shown = escape_text(text)
+        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+        raise argparse.ArgumentTypeError(
+            f"an engine id has 1-{MAX_ENGINE_ID} characters and no control characters, got '{shown}' "
+            f"({len(text)} characters)"
+        )
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
     p.add_argument("--version", action="version", version=f"controllerctl {package_version()}")
@@ -560,7 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("policy", metavar="FILE|NAME")
     scope = s.add_mutually_exclusive_group()
     scope.add_argument(
-        "--engine", metavar="ID", help="only this engine (default: the sidecar's default policy)"
+        "--engine",
+        metavar="ID",
+        type=_engine_id,
+        help="only this engine (default: the sidecar's default policy)",
     )
     scope.add_argument("--fleet", action="store_true", help="every sidecar of the fleet (over MQTT)")
     s.add_argument(
@@ -577,7 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--key-file", metavar="FILE", help="with --fleet and mqtts://: client key (mTLS)")
     s.set_defaults(func=cmd_policy_set)
     s = psub.add_parser("get", help="the policy in force")
-    s.add_argument("--engine", metavar="ID")
+    s.add_argument(
+        "--engine", metavar="ID", type=_engine_id, help="this engine's (default: the default policy)"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_policy_get)
     s = psub.add_parser("list", help="presets, and the active policies when a sidecar is reachable")
@@ -587,7 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file", metavar="FILE")
     s.set_defaults(func=cmd_policy_validate)
     s = psub.add_parser("rollback", help="back to the previous policy")
-    s.add_argument("--engine", metavar="ID")
+    s.add_argument(
+        "--engine", metavar="ID", type=_engine_id, help="this engine's (default: the default policy)"
+    )
     s.set_defaults(func=cmd_policy_rollback)
 
     s = sub.add_parser("status", help="the sidecar, its policy and engines")

@@ -271,3 +271,23 @@ def test_config_validate_loads_the_default_policy_as_serve_would(
     cfg.write_text(f"default_policy: {good}\n")
     assert main(["config", "validate", str(cfg)]) == 0
     assert f"default policy 'mine' ({good})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("action", [["set", "default"], ["get"], ["rollback"]])
+@pytest.mark.parametrize(
+    ("engine", "says"),
+    [
+        ("", "empty engine id (leave out --engine for the default policy)"),
+        ("a\nb", "got 'a\\nb' (3 characters)"),
+        ("e" * 129, "an engine id has 1-128 characters"),
+    ],
+)
+def test_policy_engine_ids_are_checked_before_the_sidecar_is_called(
+    action: list[str], engine: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # To the admin API an empty engine id means the default policy: `--engine "$UNSET"` rolled back or
+    # set every engine's policy. The sidecar here is unreachable: only the argument check can answer.
+    with pytest.raises(SystemExit) as e:
+        main(["--admin", _closed_port(), "policy", *action, f"--engine={engine}"])
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
