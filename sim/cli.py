@@ -99,6 +99,28 @@ def _load_traces(args: argparse.Namespace) -> list[Trace]:
     return [_scenario(n.strip(), args) for n in args.scenario.split(",") if n.strip()]
 
 
+def _check_methods(
+    trace: Trace, names: Sequence[str], policies: Sequence[PolicySpec], engines: Sequence[EngineModel]
+) -> None:
+    """Before the run: every method the run would draft with has acceptance data in the trace (the
+    replay would stop on the first step that needs it)."""
+    from sim.compare import static_arm_of
+    from sim.kernel import check_engine
+
+    has = ", ".join(m.value for m in trace.acc) or "none"
+    for name, spec in zip(names, policies, strict=True):
+        arm = static_arm_of(spec)
+        if arm is None:
+            for eng in engines:
+                try:
+                    check_engine(trace, eng)
+                except ValueError as e:
+                    raise _UsageError(f"--engine: {e} (it has: {has})") from None
+        elif arm.speculates and arm.method not in trace.acc:
+            raise _UsageError(f"--policy {name}: trace {trace.name!r} has no {arm.method.value} acceptance "
+                              f"(it has: {has})")  # fmt: skip
+
+
 def _engines(text: str) -> list[Any]:
     out = []
     for name in text.split(","):
@@ -161,6 +183,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         if not profiles or not traces:
             raise _UsageError("give at least one --profile and one --trace or --scenario")
         for trace in traces:
+            _check_methods(trace, names, policies, engines)
             if args.open_loop and not trace.has_arrivals:
                 raise _UsageError(
                     f"--open-loop: trace {trace.name!r} has no arrival_s (try --scenario load-ramp)"

@@ -215,3 +215,30 @@ def test_out_of_range_flags_exit_2_before_anything_runs(
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ([], "--engine: engine 'composite' drafts with ngram, which trace 'e3' lacks (it has: eagle3)"),
+        (
+            ["--policy", "static:ngram:3"],
+            "--policy static:ngram:3: trace 'e3' has no ngram acceptance (it has: eagle3)",
+        ),
+    ],
+)
+def test_a_method_the_trace_lacks_is_a_usage_error_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], says: str
+) -> None:
+    # It stopped the replay at its first step needing the method, exiting 1 (a runtime error).
+    p = write_lines(
+        tmp_path / "e3.jsonl",
+        {"spectrace": 1, "max_k": 4, "methods": ["eagle3"]},
+        {"id": "a", "output_tokens": 3, "acc": {"eagle3": [2, 1, 0]}},
+    )
+    out = tmp_path / "never.json"
+    argv = ["sim", "replay", "--trace", str(p), "--concurrency", "1", "--json", str(out), "--no-progress"]
+    assert main([*argv, *(extra or ["--policy", "default"])]) == 2
+    assert capsys.readouterr().err == says + "\n"
+    assert not out.exists()
+    assert main([*argv, "--policy", "default", "--engine", "stock-vllm"]) == 0  # an engine it can score
