@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.validation import MAX_QUEUE_LENGTH, MAX_QUEUE_WAIT_S, MAX_STEP_DURATION_S, MIN_STEP_DURATION_S
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, OFF, Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
@@ -32,6 +33,26 @@ from policies.observation import StepObservation
 log = logging.getLogger("speccontrol.observe")
 
 MAX_ROWS = 512
+#: The largest batch the adapter reports (the observer's Hello declares it; vLLM's max_num_seqs is far
+#: below it in practice).
+MAX_OBSERVED_BATCH = 4096
+#: Draft positions the adapter reads (vLLM's per-position counter has one per drafted position; K is at
+#: most this, as in every spectrace and policy).
+MAX_POSITIONS = 64
+#: The samples the adapter reads: all of them counters or gauges, never negative.
+_READ = frozenset(
+    {
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:iteration_tokens_total_count",
+        "vllm:request_queue_time_seconds_sum",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +72,9 @@ class VllmCounters:
 
 
 def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> VllmCounters:
-    """Read vLLM's exposition text; raises ValueError when it is not Prometheus text."""
+    """Read vLLM's exposition text; raises ValueError when it is not Prometheus text, or when a sample
+    the adapter reads is not a finite number >= 0 or names a draft position outside 0..63 (a scrape
+    that cannot be vLLM's: it is refused, as an unreadable one is, not turned into an observation)."""
     sums: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     try:
@@ -60,10 +83,15 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         raise ValueError(f"not Prometheus text: {e}") from None
     for fam in families:
         for s in fam.samples:
-            if model is not None and s.labels.get("model_name", model) != model:
+            if s.name not in _READ or (model is not None and s.labels.get("model_name", model) != model):
                 continue
+            if not (math.isfinite(s.value) and s.value >= 0):
+                raise ValueError(f"{s.name}: must be a finite number >= 0, got {s.value}")
             if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                pos = int(s.labels.get("position", "0"))
+                label = s.labels.get("position", "0")
+                if not (label.isdigit() and int(label) < MAX_POSITIONS):
+                    raise ValueError(f"{s.name}: position must be 0..{MAX_POSITIONS - 1}, got {label[:20]!r}")
+                pos = int(label)
                 per_pos[pos] = per_pos.get(pos, 0.0) + s.value
             else:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
@@ -83,9 +111,18 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
 
 
 def observation_between(
-    prev: VllmCounters, cur: VllmCounters, *, method: Method, max_rows: int = MAX_ROWS
+    prev: VllmCounters,
+    cur: VllmCounters,
+    *,
+    method: Method,
+    max_rows: int = MAX_ROWS,
+    max_k: int = MAX_POSITIONS,
 ) -> StepObservation | None:
-    """One observation for the interval, or None when nothing was verified (or a counter reset)."""
+    """One observation for the interval, or None when nothing was verified (or a counter reset).
+    ``max_k``: the engine's num_speculative_tokens; the rows' K never exceeds it, whatever the
+    counters' ratio of draft tokens to drafts says. Raises ValueError, saying what, for an interval no
+    engine produces (steps shorter than a microsecond or longer than an hour, a batch beyond
+    ``MAX_OBSERVED_BATCH``, a queue beyond the sidecar's limits): the sidecar would refuse its reports."""
     drafts = cur.drafts - prev.drafts
     dt = cur.time_s - prev.time_s
     if drafts <= 0 or dt <= 0 or cur.drafts < prev.drafts:
@@ -99,7 +136,8 @@ def observation_between(
     deltas = np.maximum(deltas, 0.0)
     # K: the mean drafted length, or more if some draft had a later position accepted (K varied).
     seen = int(np.flatnonzero(deltas)[-1]) + 1 if deltas.any() else 0
-    k = max(1, round((cur.draft_tokens - prev.draft_tokens) / drafts), seen)
+    mean_k = (cur.draft_tokens - prev.draft_tokens) / drafts
+    k = min(max(1, seen, round(min(mean_k, max_k))), max_k)
     pos = np.zeros(k)
     pos[: min(k, len(deltas))] = deltas[:k]
     # Drafts with exactly j accepted: reached position j, not position j + 1.
@@ -113,6 +151,16 @@ def observation_between(
     batch = max(1, round(drafts / iterations)) if iterations > 0 else max(1, round(cur.running))
     qn = cur.queue_time_count - prev.queue_time_count
     wait = (cur.queue_time_sum - prev.queue_time_sum) / qn if qn > 0 else 0.0
+    row_s = dt / drafts
+    step_s = row_s * min(batch, n)
+    if step_s < MIN_STEP_DURATION_S:
+        raise ValueError(f"no engine verifies {drafts:g} drafts in {dt:g} s")
+    if step_s > MAX_STEP_DURATION_S:
+        raise ValueError(f"{drafts:g} drafts in {dt:g} s: steps of more than {MAX_STEP_DURATION_S:g} s")
+    if batch > MAX_OBSERVED_BATCH:
+        raise ValueError(f"a batch of {batch} requests ({drafts:g} drafts over {iterations:g} iterations)")
+    if wait > MAX_QUEUE_WAIT_S or cur.waiting > MAX_QUEUE_LENGTH:
+        raise ValueError(f"a queue of {cur.waiting:g} requests waiting {wait:g} s on average")
     code = METHOD_CODES[method]
     return StepObservation(
         time_s=cur.time_s,
@@ -228,7 +276,7 @@ async def run_observer(
     s = settings
     say = on_status or (lambda m: log.warning("%s", m))
     arms = (*(Arm(s.method, k) for k in range(1, s.max_k + 1)), OFF)
-    info = EngineInfo(s.engine_id, s.model, s.max_k, arms, Granularity.BATCH_STEP)
+    info = EngineInfo(s.engine_id, s.model, s.max_k, arms, Granularity.BATCH_STEP, MAX_OBSERVED_BATCH)
     hello = hello_from_engine_info(info, engine_version="observe-only: vllm /metrics")
     hello.observe_only = True
     hello.instance_id = uuid.uuid4().hex
@@ -268,7 +316,15 @@ async def run_observer(
             if scrape_failures:
                 say(f"reading {s.metrics_url} again")
                 scrape_failures = 0
-            obs = observation_between(prev, cur, method=s.method) if prev is not None else None
+            try:
+                obs = (
+                    observation_between(prev, cur, method=s.method, max_k=s.max_k)
+                    if prev is not None
+                    else None
+                )
+            except ValueError as e:  # an interval no engine produces: its reports would be refused
+                say(f"skipped the interval from {s.metrics_url}: {e}")
+                obs = None
             prev = cur
             if obs is not None:
                 seq += 1

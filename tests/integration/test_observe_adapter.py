@@ -222,3 +222,41 @@ async def test_no_spec_counters_no_recommendation(sidecar: Sidecar) -> None:
     assert sent == 0 and got == []
     (msg,) = said  # said once, not every interval
     assert "no speculative decoding counters" in msg and "no recommendation without data" in msg
+
+
+class AbsurdOnce(Counters):
+    """Counters whose third scrape says 10^12 more drafts than the second (in a fraction of a second):
+    an interval no engine produces, then a counter that seems to go back (no interval either)."""
+
+    def text(self) -> str:
+        n = self.scrapes
+        text = super().text()
+        if n == 2:
+            text = text.replace(
+                f'drafts_total{{engine="0",model_name="m"}} {100 * n}',
+                'drafts_total{engine="0",model_name="m"} 1e12',
+            )
+        return text
+
+
+async def test_an_absurd_interval_is_skipped_and_the_observer_goes_on(sidecar: Sidecar) -> None:
+    said: list[str] = []
+    stop = asyncio.Event()
+    for url in _serve(AbsurdOnce()):
+        task = asyncio.create_task(
+            run_observer(_settings(url, sidecar.engine_target), on_status=said.append, stop=stop)
+        )
+        for _ in range(500):
+            st = sidecar.engines().get("plain-vllm")
+            if st is not None and st.loop.totals.steps >= 75:  # three good intervals of 25 steps
+                break
+            await asyncio.sleep(0.02)
+        stop.set()
+        sent = await asyncio.wait_for(task, 10)
+    assert sent >= 3
+    skipped = [m for m in said if m.startswith("skipped")]
+    assert len(skipped) == 1, said
+    assert skipped[0].startswith(f"skipped the interval from {url}: no engine verifies 1e+12 drafts in ")
+    st = sidecar.engines()["plain-vllm"]
+    assert st.rejected == 0  # every report the observer sent passed the sidecar's validation
+    assert st.loop.totals.steps >= 75 and st.loop.totals.steps % 25 == 0
