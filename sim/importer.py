@@ -67,6 +67,34 @@ def counts_from_steps(output_tokens: int, accepted: list[int], drafted: list[int
     return acc
 
 
+def _check_decodes(output_tokens: list[int], source: str) -> None:
+    """Refuse what the trace reader would refuse of the import's output: requests that each made one
+    token (prefill's), so that no replay has a decode step to compare."""
+    if all(n == 1 for n in output_tokens):
+        raise TraceError(
+            "every request has 1 output token (prefill's): a replay needs one with >= 2", source=source
+        )
+
+
+def _request_names(obj: dict[str, Any], lineno: int, fail: Any) -> tuple[str, str]:
+    """A line's request id (``line<N>`` when absent) and traffic class (``traffic_class`` or ``class``;
+    ``default`` when absent or null), as the trace format takes them: an id is a non-empty string (an
+    integer is written as one), a class a non-empty string. Anything else raises ``fail``'s TraceError,
+    where the import used to write it as text (a null class became the class ``None``)."""
+    rid: Any = obj.get("id", f"line{lineno}")
+    if isinstance(rid, int) and not isinstance(rid, bool):
+        rid = str(rid)
+    if not isinstance(rid, str) or not rid:
+        raise fail("id", f"must be a non-empty string, got {rid!r:.60}")
+    key = "traffic_class" if "traffic_class" in obj else "class"
+    cls: Any = obj.get(key)
+    if cls is None:
+        cls = "default"
+    if not isinstance(cls, str) or not cls:
+        raise fail(key, f"must be a non-empty string, got {cls!r:.60}")
+    return rid, cls
+
+
 def _response_token_ids(obj: dict[str, Any]) -> tuple[Any, Any]:
     """(prompt token ids, output token ids) of a response asked with ``return_token_ids`` (None where
     absent): the completions API puts both on the choice, the chat API the prompt's on the response."""
@@ -145,9 +173,15 @@ def import_vllm_metrics(
                 f"0..{MAX_K_LIMIT} (use --per-request-spec-decode-metrics detailed)",
             )
         assert isinstance(pa, list) and isinstance(pd, list)
-        rid = obj.get("id", f"line{lineno}")
-        ids.append(str(rid) if str(rid) not in ids else f"{rid}-{lineno}")
-        classes.append(str(obj.get("traffic_class", obj.get("class", "default"))))
+        over = next((i for i, (x, d) in enumerate(zip(pa, pd, strict=True)) if x > d), None)
+        if over is not None:
+            raise fail(
+                f"metrics.speculative_decoding.per_step_accepted[{over}]",
+                f"{pa[over]} accepted of {pd[over]} drafted: a step accepts at most what it drafted",
+            )
+        rid, cls = _request_names(obj, lineno, fail)
+        ids.append(rid if rid not in ids else f"{rid}-{lineno}")
+        classes.append(cls)
         prompt.append(n_in)
         out.append(n_out)
         arr: Any = obj.get("arrival_s")
@@ -169,6 +203,7 @@ def import_vllm_metrics(
                 token_ids.append((pid, oid))
     if not ids:
         raise TraceError("no responses found", source=str(p))
+    _check_decodes(out, src)
     arrivals = np.array(arrival)
     if np.isnan(arrivals).any():
         arrivals[:] = np.nan  # all or none
@@ -311,13 +346,12 @@ def import_token_ids(
             raise fail(
                 "acc", f"methods {[m.value for m in ms]} differ from the first line's (all lines alike)"
             )
-        rid = str(obj.get("id", f"line{lineno}"))
+        rid, cls = _request_names(obj, lineno, fail)
         if rid in seen:
             raise fail("id", f"duplicate id {rid!r}")
         seen.add(rid)
         ids.append(rid)
-        cls = obj.get("traffic_class", obj.get("class", "default"))
-        classes.append(str(cls) if cls else "default")
+        classes.append(cls)
         arr: Any = obj.get("arrival_s")
         arrival.append(float(arr) if _is_num(arr) and 0 <= arr <= MAX_ARRIVAL_S else float("nan"))
         prompt.append(len(pids))
@@ -327,6 +361,7 @@ def import_token_ids(
         proposals.append(prop)
     if not ids:
         raise TraceError("no requests found", source=src)
+    _check_decodes(out, src)
     arrivals = np.array(arrival)
     if np.isnan(arrivals).any():
         arrivals[:] = np.nan  # all or none

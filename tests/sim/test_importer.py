@@ -2,15 +2,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.arms import Method
 from sim.cli import main
 from sim.costmodel import load_profile
 from sim.engines import ENGINES
 from sim.importer import counts_from_steps, import_vllm_metrics
-from sim.trace import read_trace
+from sim.trace import TraceError, read_trace, write_trace
 from sim.vectorised import replay_static
 
 # The body captured from vLLM 0.32 in research/vllm-integration.md (max_tokens = 40).
@@ -60,3 +63,67 @@ def test_trace_import_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["trace", "import", str(src), "--out", str(tmp_path / "no.jsonl")]) == 2
     assert not (tmp_path / "no.jsonl").exists()
     assert capsys.readouterr().err.startswith(f"{src}:2: metrics.speculative_decoding: missing")
+
+
+_NAME = st.one_of(
+    st.none(),
+    st.text(max_size=8),
+    st.integers(min_value=-5, max_value=10**6),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rid=_NAME,
+    cls=_NAME,
+    cls_key=st.sampled_from(["class", "traffic_class"]),
+    steps=st.lists(
+        st.tuples(st.integers(min_value=0, max_value=8), st.integers(min_value=0, max_value=8)), max_size=12
+    ),
+    n_out=st.integers(min_value=1, max_value=60),
+)
+def test_an_import_is_refused_or_writes_a_trace_its_own_reader_accepts(
+    tmp_path_factory: pytest.TempPathFactory,
+    rid: Any,
+    cls: Any,
+    cls_key: str,
+    steps: list[tuple[int, int]],
+    n_out: int,
+) -> None:
+    """Through the public path (import, write, read): a line whose id, class or counts the trace format
+    cannot hold is a FILE:LINE error naming the field. The import used to write an empty class or id,
+    a null class as the class 'None', and cut 5 accepted of 3 drafted to 3 without a word."""
+    d = tmp_path_factory.mktemp("imp")
+    line: dict[str, Any] = {
+        "usage": {"prompt_tokens": 5, "completion_tokens": n_out},
+        "metrics": {
+            "speculative_decoding": {
+                "per_step_accepted": [a for a, _ in steps],
+                "per_step_drafted": [k for _, k in steps],
+            }
+        },
+    }
+    if rid is not None:
+        line["id"] = rid
+    line[cls_key] = cls
+    src = d / "r.jsonl"
+    src.write_text(json.dumps(line) + "\n")
+    try:
+        t = import_vllm_metrics(src)
+    except TraceError as e:
+        whole = f"{src}: every request has 1 output token (prefill's): a replay needs one with >= 2"
+        if str(e) == whole:  # the file's only request made prefill's token alone: nothing to replay
+            assert n_out == 1
+            return
+        assert str(e).startswith(f"{src}:1: ")
+        assert any(f in str(e) for f in ("id:", f"{cls_key}:", "per_step_accepted")), e
+        return
+    assert all(a <= k for a, k in steps)
+    assert t.classes[0] == ("default" if cls is None else cls) and isinstance(t.ids[0], str) and t.ids[0]
+    write_trace(t, d / "t.jsonl")
+    back = read_trace(d / "t.jsonl")
+    assert back.ids == t.ids and back.classes == t.classes
+    assert back.output_tokens.tolist() == [n_out]

@@ -127,6 +127,10 @@ def test_import_writes_a_valid_trace_with_the_signal(
         ({"prompt_token_ids": [1], "output_token_ids": [2], "acc": {"ngram": [0]}}, "acc.ngram"),
         ({"prompt_token_ids": [1], "output_token_ids": [2], "acc": {"eagle3": [2**31]}}, "acc.eagle3[0]"),
         ({"prompt_token_ids": [1], "output_token_ids": [2], "acc": {"eagle3": [0]}}, "acc"),
+        ({"prompt_token_ids": [1], "output_token_ids": [2], "class": ""}, "class"),
+        ({"prompt_token_ids": [1], "output_token_ids": [2], "traffic_class": 5}, "traffic_class"),
+        ({"prompt_token_ids": [1], "output_token_ids": [2], "id": ""}, "id"),
+        ({"prompt_token_ids": [1], "output_token_ids": [2], "id": [1]}, "id"),
     ],
 )
 def test_bad_lines_are_file_line_errors(
@@ -150,3 +154,24 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "Traceback" not in err and "min_n <= max_n" in err
     with pytest.raises(ValueError, match="max-k"):
         import_token_ids(src, max_k=65)
+
+
+def test_a_null_class_is_the_default_class_and_an_integer_id_is_text(tmp_path: Path) -> None:
+    # A null class was imported as the class 'None'.
+    src = _write(
+        tmp_path / "t.jsonl", {"prompt_token_ids": [1], "output_token_ids": [2, 3], "class": None, "id": 7}
+    )
+    t = import_token_ids(src)
+    assert (t.ids, t.classes) == (("7",), ("default",))
+
+
+def test_only_one_token_requests_are_refused_as_the_reader_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _write(tmp_path / "t.jsonl", {"prompt_token_ids": [1, 2], "output_token_ids": [3]})
+    assert main(["trace", "import", "--tokens", str(src), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"{src}: every request has 1 output token (prefill's): a replay needs one with >= 2\n"
+    )
+    assert not (tmp_path / "o.jsonl").exists()
