@@ -49,6 +49,12 @@ class AdminService(pb_grpc.AdminServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"source: longer than {MAX_SOURCE} characters"
             )
+        if has_control(request.source):  # it is echoed by policy list / get and in the sidecar's log
+            self.sidecar.admin_rejected("control_characters")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"source: holds control characters ({escape_text(request.source)[:80]})",
+            )
         await self._check_rate(context)
         try:
             rec = self.sidecar.set_policy(request.yaml, source=request.source, engine_id=request.engine_id)

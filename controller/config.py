@@ -18,6 +18,7 @@ import yaml
 
 from controller.errors import ConfigError
 from controller.wire.address import is_local_address, parse_address
+from controller.wire.names import NODE_ID_RE
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -31,7 +32,6 @@ MAX_TOKEN_BYTES = 4096
 MAX_UNIX_PATH = 107
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FLEET_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_NODE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 def read_secret_file(path: str, *, field: str) -> str:
@@ -235,7 +235,7 @@ class SidecarConfig:
                 f"expected true or false, got {self.mqtt_tls_insecure!r}", field="mqtt_tls_insecure"
             )
         node = _str(self, "node_id")
-        if node and not _NODE_RE.match(node):
+        if node and not NODE_ID_RE.match(node):
             raise ConfigError("1-128 letters, digits, '-', '_' or '.'", field="node_id")
         url = _str(self, "mqtt_url")
         if not url:

@@ -37,6 +37,8 @@ from urllib.parse import quote, unquote
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from controller._mqtt import BrokerSettings, ConnectionLost, MqttConnection, Received
+from controller.policy_store import MAX_SOURCE
+from controller.wire.names import NODE_ID_RE, has_control
 
 __all__ = [
     "PAYLOAD_VERSION",
@@ -163,7 +165,10 @@ def decode(kind: str, raw: bytes, *, limit: int) -> dict[str, Any]:
         raise MalformedPayload("version", f"payload version {doc.get('v')!r}, expected {PAYLOAD_VERSION}")
     if doc.get("kind") != kind:
         raise MalformedPayload("schema", f"kind {doc.get('kind')!r} on a {kind} topic")
-    _field(doc, "node", str)
+    if not NODE_ID_RE.match(_field(doc, "node", str)):
+        raise MalformedPayload(
+            "schema", f"node: 1-128 letters, digits, '-', '_' or '.', got {doc['node']!r:.80}"
+        )
     at = _field(doc, "published_at", float)
     if not math.isfinite(at):
         raise MalformedPayload("schema", "published_at: not a finite number")
@@ -180,6 +185,15 @@ def _field(doc: Mapping[str, Any], name: str, typ: type) -> Any:
     return v
 
 
+def _source(v: Any) -> str:
+    """A fleet policy's ``source`` (what the publisher named it): logged when the policy is applied."""
+    if not isinstance(v, str) or len(v) > MAX_SOURCE or has_control(v):
+        raise MalformedPayload(
+            "schema", f"source: a string of at most {MAX_SOURCE} characters, no control characters"
+        )
+    return v
+
+
 def policy_from(doc: Mapping[str, Any]) -> FleetPolicy:
     version = _field(doc, "version", int)
     if version < 1:
@@ -187,7 +201,7 @@ def policy_from(doc: Mapping[str, Any]) -> FleetPolicy:
     return FleetPolicy(
         version=version,
         yaml=_field(doc, "yaml", str),
-        source=str(doc.get("source", "")),
+        source=_source(doc.get("source", "")),
         published_at=float(doc["published_at"]),
         node=str(doc["node"]),
     )

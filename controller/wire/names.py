@@ -8,6 +8,8 @@ import re
 
 #: The longest engine id the sidecar accepts in a Hello.
 MAX_ENGINE_ID = 128
+#: A sidecar's name in the fleet (``node_id``, the MQTT client id and the ``node`` of its payloads).
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 #: Control characters (C0, DEL, C1) and Unicode line breaks: in engine-supplied names they would
 #: forge log lines or break a metric label.

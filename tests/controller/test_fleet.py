@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from controller import fleet
 from controller._mqtt import BrokerSettings, ConnectionLost, Received
-from controller.fleet import FleetLink, MalformedPayload, Topics, decode, encode
+from controller.fleet import FleetLink, MalformedPayload, Topics, decode, encode, policy_from
 
 B = BrokerSettings(host="broker.invalid", port=1883)
 
@@ -172,6 +172,9 @@ def test_payload_round_trip_and_envelope() -> None:
         (b'{"v": 1, "kind": "policy", "node": 3, "published_at": 1}', "schema"),
         (b'{"v": 1, "kind": "policy", "node": "n", "published_at": true}', "schema"),
         (b'{"v": 1, "kind": "policy", "node": "n", "published_at": NaN}', "schema"),
+        # a node name is logged and compared: only what a node_id may be
+        (b'{"v": 1, "kind": "policy", "node": "n\\nWARNING forged", "published_at": 1}', "schema"),
+        (b'{"v": 1, "kind": "policy", "node": "", "published_at": 1}', "schema"),
     ],
 )
 def test_decode_names_the_reason(raw: bytes, reason: str) -> None:
@@ -413,3 +416,13 @@ async def test_publish_fleet_policy_versions_above_the_retained_one(broker: Fake
     broker.up = False
     with pytest.raises(ConnectionLost):
         await fleet.publish_fleet_policy(broker=B, fleet="prod", yaml="x", source="c")
+
+
+@pytest.mark.parametrize("source", ["a\x1b[31m", "x" * 1025, 7, None, ["a"]])
+def test_a_fleet_policy_source_is_text_fit_for_a_log_line(source: object) -> None:
+    # The source is logged when the policy is applied; it was any value, made text with str().
+    doc = {"version": 1, "yaml": "y", "source": source, "published_at": 1.0, "node": "n"}
+    with pytest.raises(MalformedPayload, match="source: a string of at most 1024 characters") as e:
+        policy_from(doc)
+    assert e.value.reason == "schema"
+    assert policy_from({**doc, "source": "ops/rollout-7.yaml"}).source == "ops/rollout-7.yaml"

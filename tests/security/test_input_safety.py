@@ -89,6 +89,18 @@ async def test_oversized_policies_are_refused(sidecar: Sidecar) -> None:
     assert sidecar.policy_store.default.revision == 1
 
 
+@pytest.mark.parametrize("source", ["a\x00b\nc", "\x1b[2Jfake.yaml", "x\u2028y"])
+async def test_a_source_with_control_characters_is_refused_and_counted(sidecar: Sidecar, source: str) -> None:
+    # It was stored and echoed raw by `policy list` / `policy get` (a terminal escape, a forged line).
+    async with AdminClient(target=sidecar.admin_target) as admin:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await admin.set_policy(STATIC_EAGLE3_2, source=source)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("source: holds control characters (")
+    assert rejected(sidecar, "control_characters") == 1
+    assert sidecar.policy_store.default.revision == 1
+
+
 async def test_policy_changes_are_rate_limited(tmp_path: Path) -> None:
     cfg = SidecarConfig(
         engine_listen="127.0.0.1:0", admin_listen="127.0.0.1:0", metrics_listen="", state_dir=str(tmp_path / "s"),
