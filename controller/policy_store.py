@@ -52,13 +52,13 @@ class PolicyRecord:
         """Raises SnapshotError (a value of the wrong type or range) or PolicyError (the document)."""
         if not isinstance(d, Mapping):
             raise SnapshotError(f"{path}: expected an object, got {type(d).__name__}")
-        source = str_field(d, "source", path=path, max_len=MAX_SOURCE, default="<snapshot>")
+        source = str_field(d, "source", path=path, max_len=MAX_SOURCE, default="<snapshot>", name=True)
         return cls(
             parse_policy(str_field(d, "yaml", path=path, max_len=MAX_DOCUMENT_BYTES), source=source),
             int_field(d, "revision", path=path, lo=1),
             source,
             float_field(d, "set_at_s", path=path, hi=MAX_TIME_S),
-            str_field(d, "engine_id", path=path, max_len=MAX_ENGINE_ID, default=""),
+            str_field(d, "engine_id", path=path, max_len=MAX_ENGINE_ID, default="", name=True),
         )
 
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from controller.wire.names import escape_text, has_control
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -77,12 +79,18 @@ def float_field(
     return f
 
 
-def str_field(d: Mapping[str, Any], key: str, *, path: str, max_len: int, default: str | None = None) -> str:
+def str_field(
+    d: Mapping[str, Any], key: str, *, path: str, max_len: int, default: str | None = None, name: bool = False
+) -> str:
+    """``d[key]`` as a string of at most ``max_len`` characters; ``name``: also without control
+    characters (an id or a source the sidecar logs and echoes, as the admin API and the Hello refuse)."""
     v = d.get(key, default)
     if not isinstance(v, str):
         raise SnapshotError(f"{path}.{key}: expected a string, got {type(v).__name__}")
     if len(v) > max_len:
         raise SnapshotError(f"{path}.{key}: longer than {max_len} characters")
+    if name and has_control(v):
+        raise SnapshotError(f"{path}.{key}: holds control characters ({escape_text(v)[:80]})")
     return v
 
 

@@ -128,7 +128,9 @@ class SavedEngine:
                 mapping_field(loop, "totals", path=f"{path}.loop"), path=f"{path}.loop.totals"
             ),
             rejected=int_field(e, "rejected", path=path, default=0),
-            instance_id=str_field(e, "instance_id", path=path, max_len=MAX_INSTANCE_ID, default=""),
+            instance_id=str_field(
+                e, "instance_id", path=path, max_len=MAX_INSTANCE_ID, default="", name=True
+            ),
             last_sequence=int_field(e, "last_sequence", path=path, hi=MAX_SEQUENCE, default=0),
         )
 

@@ -73,6 +73,8 @@ WHOLE = {
     "fleet-version-float": _set("state.fleet_policy_version", 1.5),
     "deep-nesting": _raw("[" * 100_000 + "]" * 100_000),
     "nan-constant": _raw('{"format": 1, "saved_at_s": NaN, "state": {}}'),
+    # a source is echoed by policy list / get: the admin API refuses control characters in it
+    "source-control-characters": _set("state.policies.default.current.source", "a\nWARNING forged"),
 }
 
 
@@ -139,6 +141,7 @@ PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
     "totals-steps-float": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(steps=1.5)), {"e2"}),
     "totals-busy-huge": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(busy_s=1e300)), {"e2"}),
     "override-revision-2^70": (_edit(_override(2**70)), {"e1"}),
+    "instance-id-control-characters": (_and_e2(lambda d: _engine(d).update(instance_id="i\x1b[2J")), {"e2"}),
     "history-entry-bad": (
         _edit(lambda d: d["state"]["policies"]["default"]["history"].append({"yaml": 5})),
         {"e1"},
