@@ -305,6 +305,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         traces += [_scenario(n.strip(), args) for n in (args.scenario or "").split(",") if n.strip()]
         if not traces:
             raise _UsageError("give --trace FILE and/or --scenario A,B")
+        if args.out and not Path(args.out).resolve().parent.is_dir():
+            raise _UsageError(
+                f"--out {args.out}: no directory {Path(args.out).resolve().parent} to write it in"
+            )
         from sim.tune import with_params
 
         for v in itertools.product(*grid.values()):

@@ -13,6 +13,7 @@ either and with any number of workers.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,18 +32,31 @@ from sim.oracle import run_static_arms
 from sim.replay import Replayer
 from sim.trace import Trace
 
+#: The most grid points one sweep runs (each is a replay per trace and concurrency level).
+MAX_GRID_POINTS = 10_000
+
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[float]]:
-    """``["explore=0,0.3", "rule.min_run=2,3"]`` -> {"explore": [0.0, 0.3], "rule.min_run": [2.0, 3.0]}."""
+    """``["explore=0,0.3", "rule.min_run=2,3"]`` -> {"explore": [0.0, 0.3], "rule.min_run": [2.0, 3.0]}.
+
+    A value given twice counts once; a name given twice, or a grid of more than ``MAX_GRID_POINTS``
+    points, raises ValueError (the second ``--param explore=...`` used to replace the first silently,
+    and a long list ran for hours)."""
     out: dict[str, list[float]] = {}
     for it in items:
         name, sep, vals = it.partition("=")
+        name = name.strip()
         if not sep or not name or not vals:
             raise ValueError(f"--param {it!r}: expected NAME=V1,V2 (e.g. explore=0,0.3 or rule.min_run=2,3)")
+        if name in out:
+            raise ValueError(f"--param {name}: given twice (list every value once: {name}=V1,V2)")
         try:
-            out[name.strip()] = [float(v) for v in vals.split(",") if v.strip()]
+            out[name] = list(dict.fromkeys(float(v) for v in vals.split(",") if v.strip()))
         except ValueError:
             raise ValueError(f"--param {it!r}: values must be numbers") from None
+    points = math.prod(len(v) for v in out.values())
+    if points > MAX_GRID_POINTS:
+        raise ValueError(f"--param: {points} grid points; at most {MAX_GRID_POINTS} per sweep")
     return out
 
 

@@ -43,3 +43,30 @@ def test_tune_rejects_a_bad_param_in_one_line(capsys: pytest.CaptureFixture[str]
     assert rc != 0
     err = capsys.readouterr().err.strip()
     assert "nope" in err and "\n" not in err
+
+
+def test_a_grid_counts_each_value_once_and_refuses_repeats_and_huge_sweeps() -> None:
+    assert parse_grid(["max_k=1,2,1,2,2"]) == {"max_k": [1.0, 2.0]}
+    # The second --param explore=... replaced the first without a word.
+    with pytest.raises(ValueError, match=r"--param explore: given twice \(list every value once"):
+        parse_grid(["explore=0.1", "explore=0.2"])
+    assert len(parse_grid(["max_k=" + ",".join(["3"] * 5000)])["max_k"]) == 1
+    with pytest.raises(ValueError, match="--param: 10201 grid points; at most 10000 per sweep"):
+        parse_grid(
+            [
+                "explore=" + ",".join(str(i / 1000) for i in range(101)),
+                "ridge=" + ",".join(str(i + 1) for i in range(101)),
+            ]
+        )
+
+
+def test_an_unwritable_out_is_refused_before_the_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no" / "best.yaml"
+    rc = main(
+        ["sim", "tune", "--policy", "default", "--scenario", "chat", "--requests", "4", "--concurrency", "1",
+         "--param", "explore=0.1,0.2", "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 2
+    assert capsys.readouterr().err == f"--out {out}: no directory {out.parent} to write it in\n"
