@@ -22,6 +22,7 @@ from sim.autoscale import (
 from sim.cli_types import float_in, int_in
 from sim.costmodel import load_profile, profile_names
 from sim.engines import ENGINES
+from sim.files import missing_directory
 
 DAY_S = 86_400.0
 WEEK_S = 7 * DAY_S
@@ -78,6 +79,16 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
         print(
             f"--engine: unknown engine model {args.engine!r} (known: {', '.join(ENGINES)})", file=sys.stderr
         )
+        return 2
+    if args.triple_at >= args.duration:
+        print(
+            f"--triple-at {args.triple_at:g}: must be before the run ends (--duration {args.duration:g})",
+            file=sys.stderr,
+        )
+        return 2
+    missing = missing_directory(args.json) if args.json else None
+    if missing is not None:
+        print(f"--json {args.json}: no directory {missing} to write it in", file=sys.stderr)
         return 2
     try:
         hpa = HpaSettings(

@@ -26,6 +26,7 @@ from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
 from sim.engines import ENGINES, EngineModel
+from sim.files import missing_directory
 from sim.trace import (
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TOKENS,
@@ -73,6 +74,13 @@ def _concurrency(text: str) -> list[int]:
     if not levels or any(c < 1 or c > 4096 for c in levels):
         raise _UsageError(f"--concurrency: levels must be 1..4096, got {text!r}")
     return sorted(set(levels))
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """Before a long run: an output file whose directory is missing is a usage error now."""
+    missing = missing_directory(path) if path else None
+    if missing is not None:
+        raise _UsageError(f"{flag} {path}: no directory {missing} to write it in")
 
 
 def _need_matplotlib(flag: str) -> None:
@@ -192,6 +200,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         prices = load_prices()
         if args.out:
             _need_matplotlib("--out")
+        _check_output("--json", args.json)
     except (TraceError, PolicyError, ProfileError, _UsageError) as e:
         _err(str(e))
         return EXIT_USAGE
@@ -305,10 +314,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         traces += [_scenario(n.strip(), args) for n in (args.scenario or "").split(",") if n.strip()]
         if not traces:
             raise _UsageError("give --trace FILE and/or --scenario A,B")
-        if args.out and not Path(args.out).resolve().parent.is_dir():
-            raise _UsageError(
-                f"--out {args.out}: no directory {Path(args.out).resolve().parent} to write it in"
-            )
+        _check_output("--out", args.out)
         from sim.tune import with_params
 
         for v in itertools.product(*grid.values()):

@@ -24,4 +24,11 @@ def replace_file(path: str | Path, data: bytes) -> None:
         raise OSError(e.errno, e.strerror, str(p)) from None
 
 
-__all__ = ["replace_file"]
+def missing_directory(path: str | Path) -> Path | None:
+    """The directory a file at ``path`` would be written in, when it does not exist (None: it does):
+    commands check their output files with it before a long run, not after it."""
+    parent = Path(path).resolve().parent
+    return None if parent.is_dir() else parent
+
+
+__all__ = ["missing_directory", "replace_file"]

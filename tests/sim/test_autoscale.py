@@ -74,3 +74,25 @@ def test_load_triples_scales_out_drains_and_warm_starts_help() -> None:
         assert s.ready[-1] * 10.0 >= 36.0  # enough serving capacity at the end
     # New replicas at half speed for their first minute leave a longer queue than warm ones.
     assert summarise(warm, 300.0)["queue_wait_s_integral"] < summarise(cold, 300.0)["queue_wait_s_integral"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # the load triples after the run ends: the summary of the step had no samples (a traceback)
+        (["--duration", "60"], "--triple-at 300: must be before the run ends (--duration 60)\n"),
+        (["--duration", "300"], "--triple-at 300: must be before the run ends (--duration 300)\n"),
+        (
+            ["--json", "/nonexistent/a.json"],
+            "--json /nonexistent/a.json: no directory /nonexistent to write it in\n",
+        ),
+    ],
+)
+def test_a_run_that_cannot_report_is_refused_before_it_starts(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sim.cli import main
+
+    assert main(["sim", "autoscale", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == says and "measuring" not in captured.err

@@ -242,3 +242,24 @@ def test_a_method_the_trace_lacks_is_a_usage_error_before_the_run(
     assert capsys.readouterr().err == says + "\n"
     assert not out.exists()
     assert main([*argv, "--policy", "default", "--engine", "stock-vllm"]) == 0  # an engine it can score
+
+
+@pytest.mark.parametrize("verb", ["replay", "compare"])
+def test_a_json_file_with_no_directory_is_refused_before_the_run(
+    verb: str, hand_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It was found after the whole run, and exited 1.
+    out = tmp_path / "no" / "r.json"
+    argv = [
+        "sim",
+        verb,
+        "--trace",
+        str(hand_trace),
+        "--policy",
+        "default",
+        "--json",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(argv) == 2
+    assert capsys.readouterr() == ("", f"--json {out}: no directory {out.parent} to write it in\n")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.files import replace_file
+from sim.files import missing_directory, replace_file
 
 
 def test_replaces_the_whole_file_and_leaves_no_sibling(tmp_path: Path) -> None:
@@ -33,3 +33,9 @@ def test_a_failed_rename_removes_the_sibling_and_keeps_the_old_file(tmp_path: Pa
     assert e.value.filename == str(target)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["taken"]
     assert (target / "keep").read_bytes() == b"1"
+
+
+def test_missing_directory_names_the_directory_a_file_would_go_in(tmp_path: Path) -> None:
+    assert missing_directory(tmp_path / "out.json") is None
+    assert missing_directory(tmp_path / "a" / "b" / "out.json") == tmp_path / "a" / "b"
+    assert missing_directory("relative.json") is None  # the working directory exists
