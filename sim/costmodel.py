@@ -261,12 +261,30 @@ class Profile:
 # -- loading -------------------------------------------------------------------------------------
 
 
+#: The longest draft a profile's EAGLE-3 fit can have been measured at (K is at most 64 everywhere).
+MAX_FIT_K = 64
+
+
 def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0) -> float:
     v = d.get(key)
     # not (v >= lo): NaN fails too; and a profile's times and sizes are finite.
     if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= lo) or v == float("inf"):
-        raise ProfileError(f"{where}.{key}: expected a finite number >= {lo}, got {v!r}")
+        hint = ""
+        if isinstance(v, str):
+            try:
+                float(v)
+                hint = f" (YAML reads {v} as text: write it with a decimal point, e.g. 1.0e-4)"
+            except ValueError:
+                pass
+        raise ProfileError(f"{where}.{key}: expected a finite number >= {lo}, got {v!r}{hint}")
     return float(v)
+
+
+def _count(d: Mapping[str, Any], key: str, where: str, *, lo: int, hi: int) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ProfileError(f"{where}.{key}: expected an integer {lo}..{hi}, got {v!r}")
+    return v
 
 
 def _map(d: Any, where: str) -> Mapping[str, Any]:
@@ -328,10 +346,11 @@ def parse_profile(data: Any, *, source: str) -> Profile:
         moe = None
         if moe_d is not None:
             m = _map(moe_d, f"{source}: moe")
+            experts = _count(m, "num_experts", "moe", lo=1, hi=1 << 16)
             moe = MoE(
                 _num(m, "expert_bytes_per_gpu", "moe"),
-                int(_num(m, "num_experts", "moe", lo=1)),
-                int(_num(m, "experts_per_token", "moe", lo=1)),
+                experts,
+                _count(m, "experts_per_token", "moe", lo=1, hi=experts),  # a token reads at most all of them
                 _num(m, "bandwidth_bytes_per_s", "moe", lo=1.0),
                 _num(m, "efficiency", "moe", lo=1e-3),
             )
@@ -343,7 +362,7 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             derivation=str(d.get("derivation", "")),
             target=_linear(_map(d.get("target"), f"{source}: target"), "target"),
             eagle3_draft=_linear(e3, "draft.eagle3", "spec_s_per_token"),
-            fit_k=int(_num(e3, "fit_k", "draft.eagle3", lo=1)),
+            fit_k=_count(e3, "fit_k", "draft.eagle3", lo=1, hi=MAX_FIT_K),
             eagle3_cost=_draft_cost(e3, source),
             p_eagle_pass_forwards=_num(pe, "pass_forwards", "draft.p_eagle"),
             p_eagle_slot_s=_num(pe, "slot_s", "draft.p_eagle") if "slot_s" in pe else 0.0,
@@ -352,7 +371,7 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             memory=Memory(
                 gpu=str(mem["gpu"]),
                 gpu_memory_gb=_num(mem, "gpu_memory_gb", "memory", lo=1.0),
-                num_gpus=int(_num(mem, "num_gpus", "memory", lo=1)),
+                num_gpus=_count(mem, "num_gpus", "memory", lo=1, hi=4096),
                 weights_gb=_num(mem, "weights_gb", "memory"),
                 draft_weights_gb=_num(mem, "draft_weights_gb", "memory"),
                 kv_bytes_per_token=_num(mem, "kv_bytes_per_token", "memory", lo=1.0),

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -321,4 +323,43 @@ def test_bad_host_sections_are_one_clear_error(section: str, value: object, matc
     doc = yaml.safe_load((_profile_dir() / "llama-3.1-8b-h100.yaml").read_text())
     doc[section] = value
     with pytest.raises(ProfileError, match=match):
+        parse_profile(doc, source="p.yaml")
+
+
+def _shipped(name: str) -> dict[str, Any]:
+    import yaml
+
+    from sim.costmodel import _profile_dir
+
+    doc: dict[str, Any] = yaml.safe_load((_profile_dir() / f"{name}.yaml").read_text())
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "says"),
+    [
+        # int(1.5) made it 1 and 100000 was taken: a draft fit is measured at 1..64 positions
+        (("draft", "eagle3", "fit_k"), 1.5, r"draft\.eagle3\.fit_k: expected an integer 1\.\.64, got 1\.5"),
+        (("draft", "eagle3", "fit_k"), 100000, r"draft\.eagle3\.fit_k: expected an integer 1\.\.64"),
+        # a token reading more experts than exist made the touched fraction NaN
+        (("moe", "experts_per_token"), 200, r"moe\.experts_per_token: expected an integer 1\.\.128, got 200"),
+        (("moe", "num_experts"), 2.5, r"moe\.num_experts: expected an integer"),
+        (("memory", "num_gpus"), 0, r"memory\.num_gpus: expected an integer 1\.\.4096, got 0"),
+        # YAML 1.1 reads 1e-4 (no decimal point) as text
+        (
+            ("overhead_s",),
+            "1e-4",
+            r"overhead_s: expected a finite number >= 0\.0, got '1e-4' \(YAML reads 1e-4 as text",
+        ),
+    ],
+)
+def test_counts_are_integers_in_range_and_numbers_written_as_text_get_a_hint(
+    path: tuple[str, ...], value: object, says: str
+) -> None:
+    doc = _shipped("gpt-oss-120b-h100")
+    node: Any = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    with pytest.raises(ProfileError, match=says):
         parse_profile(doc, source="p.yaml")
