@@ -19,7 +19,6 @@ import signal
 import sys
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -35,7 +34,7 @@ from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
 from sim import cli_types
 from sim.cli import register as register_sim_commands
-from sim.cli_types import float_in
+from sim.files import missing_directory
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -248,8 +247,9 @@ def cmd_observe(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from controller.demo import main as demo_main
 
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise UserError(f"--plot {args.plot}: no such directory {str(Path(args.plot).resolve().parent)!r}")
+    missing = missing_directory(args.plot) if args.plot else None
+    if missing is not None:
+        raise UserError(f"--plot {args.plot}: no directory {missing} to write it in")
     try:
         return demo_main(seconds=args.seconds, as_json=args.json, seed=args.seed, plot_path=args.plot)
     except (RuntimeError, OSError) as e:
@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float_in(0, 3600, lo_open=True),
+        type=cli_types.float_in(0, 3600, lo_open=True),
         default=5.0,
         metavar="S",
         help="admin (or broker) call timeout in seconds",
@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="sidecar + simulated engines: adaptive vs static, live")
     s.add_argument(
         "--seconds",
-        type=float_in(0, 3600, lo_open=True),
+        type=cli_types.float_in(0, 3600, lo_open=True),
         default=40.0,
         metavar="N",
         help="seconds of an engine's traffic, played at up to twice real time (default 40)",

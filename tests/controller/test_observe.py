@@ -161,7 +161,7 @@ def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     try:
         obs = observation_between(prev, cur, method=Method.EAGLE3, max_k=max_k)
     except ValueError as e:
-        assert str(e).startswith(_IMPLAUSIBLE) or any(p in str(e) for p in _IMPLAUSIBLE), e
+        assert any(p in str(e) for p in _IMPLAUSIBLE), e
         return
     if obs is None:
         return
