@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.arms import METHOD_CODES, Arm, Method
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
-from policies.engine_rules import clamp_plan, safe_default_directive
+from policies.engine_rules import clamp_plan, clamp_row, safe_default_directive
 from policies.jit import kernel
 from policies.rules import FastLoop
 
@@ -97,6 +97,15 @@ class Controls:
         #: The K values vLLM prepared at start-up (num_speculative_tokens_per_batch_size); a table
         #: K between them is raised to the next one (the composite drafter cuts drafts per request).
         self._table_ks = sorted({k for k in table_ks if 0 < k <= engine.max_k}) if table_ks else []
+
+    @property
+    def safe_arm(self) -> Arm:
+        """The arm the safe default runs as on this engine: the configured one, or what this engine
+        makes of it (``clamp_row``: a method it cannot draft becomes its own, K at most its max)."""
+        arm = self.safe.plan[0].arm
+        m, k = clamp_row(METHOD_CODES[arm.method], arm.k, METHOD_CODES[self.method], self.composite,
+                         self.engine.max_k)  # fmt: skip
+        return Arm(METHODS_BY_CODE[m], k)
 
     def in_force(self, fresh: Directive | None) -> Directive:
         return self.safe if fresh is None else fresh

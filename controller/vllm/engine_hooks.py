@@ -233,6 +233,16 @@ class EngineHooks:
             table_ks=table_ks,
             p_eagle_depths=p_eagle_depths,
         )
+        if settings.safe_default is not None and controls.safe_arm != settings.safe_default:
+            log.warning(
+                "speccontrol: SPECCONTROL_SAFE_DEFAULT=%s is not playable here (%s, max K %d%s); "
+                "the safe default runs as %s",
+                settings.safe_default,
+                method.value,
+                max_k,
+                ", with n-gram" if composite and method is not Method.NGRAM else "",
+                controls.safe_arm,
+            )
         trace = open(settings.trace_path, "a", buffering=1) if settings.trace_path else None  # noqa: SIM115
         hooks = cls(
             settings=settings, controls=controls, link=link, scorer=scorer, method=method, trace=trace

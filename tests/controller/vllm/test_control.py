@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from controller.vllm.control import Controls, engine_info
 from policies.arms import METHOD_CODES, Arm, Method
@@ -56,6 +57,32 @@ def test_k_table_clamped_and_safe_default_when_stale() -> None:
     assert c.in_force(None).version == 0
     assert c.k_table(c.in_force(None)) == [4] * 9
     assert c.in_force(d) is d
+
+
+@pytest.mark.parametrize(
+    ("method", "composite", "safe", "runs_as"),
+    [
+        (Method.EAGLE3, True, "eagle3:2", "eagle3:2"),
+        (Method.EAGLE3, True, "ngram:3", "ngram:3"),  # the composite drafter drafts n-gram too
+        (Method.EAGLE3, False, "ngram:3", "eagle3:3"),  # K table only: its own method
+        (Method.EAGLE3, True, "p_eagle:3", "eagle3:3"),  # other weights: not this engine's head
+        (Method.EAGLE3, True, "eagle3:9", "eagle3:4"),  # K at most the engine's max
+        (Method.P_EAGLE, True, "eagle3:2", "p_eagle:2"),
+        (Method.NGRAM, False, "eagle3:2", "ngram:2"),
+        (Method.EAGLE3, True, "off", "off"),
+    ],
+)
+def test_safe_arm_is_what_the_engine_makes_of_its_safe_default(
+    method: Method, composite: bool, safe: str, runs_as: str
+) -> None:
+    info = engine_info(
+        engine_id="e", model="m", method=method, max_k=4, max_batch_size=8, composite=composite
+    )
+    c = Controls(engine=info, method=method, safe_default=Arm.parse(safe), composite=composite)
+    assert str(c.safe_arm) == runs_as
+    # and it is what the safe directive's plan gives every request
+    plan = c.plan(c.in_force(None), ["r"], ["default"], 1)
+    assert (int(plan.method[0]), int(plan.k[0])) == (METHOD_CODES[c.safe_arm.method], c.safe_arm.k)
 
 
 def test_p_eagle_table_only_zero_or_max() -> None:
