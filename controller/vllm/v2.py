@@ -80,7 +80,9 @@ class CompositeSpeculator:
 
     def propose(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
         drafts = self._eagle.propose(input_batch, *args, **kwargs)
-        if not self._rows or kwargs.get("dummy_run", False):
+        # vLLM 0.33 asks for no drafts (K = 0) in a step where no request can use them (its
+        # ``skip_drafts``); the runner then discards them, so there is nothing to merge.
+        if not self._rows or kwargs.get("dummy_run", False) or kwargs.get("num_speculative_tokens") == 0:
             return drafts
         merged, failed = drafts, self._broken
         if not self._broken:

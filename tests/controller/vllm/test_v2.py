@@ -73,6 +73,16 @@ def test_no_ngram_rows_dummy_runs_and_errors_pass_eagle_through() -> None:
     assert w.propose(batch).tolist() == eagle.propose(batch).tolist()  # stays off after an error
 
 
+def test_a_step_asking_for_no_drafts_is_eagles_and_leaves_the_merge_on() -> None:
+    """vLLM 0.33's V2 runner proposes with K = 0 where no request can use the drafts (skip_drafts)."""
+    w, eagle, ngram = _wrapper({"a": 0})
+    batch = _batch([0])
+    w.set_ngram_requests(types.SimpleNamespace(**{NGRAM_ROWS_ATTR: frozenset({"a"})}))
+    assert w.propose(batch, num_speculative_tokens=0).tolist() == eagle.propose(batch).tolist()
+    assert not ngram.calls
+    assert w.propose(batch, num_speculative_tokens=K).tolist() == ngram.propose(batch).tolist()
+
+
 def test_wider_ngram_drafts_are_cut_to_eagles_width() -> None:
     w, _, _ = _wrapper({"a": 0}, ngram_width=K + 2)
     w.set_ngram_requests(types.SimpleNamespace(**{NGRAM_ROWS_ATTR: frozenset({"a"})}))
