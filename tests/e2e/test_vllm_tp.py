@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,25 @@ def _steps(stack: Stack) -> list[list[dict[str, Any]]]:
     return sorted(runs, key=lambda steps: steps[0]["rank"] if steps else -1)
 
 
+def _settled_steps(stack: Stack, timeout_s: float = 30.0) -> list[list[dict[str, Any]]]:
+    """``_steps`` once the ranks have written the same number of steps and stopped writing: under async
+    scheduling the step after a request's last token may still be running on some rank when its
+    response returns (seen with vLLM 0.33: rank 1 one step behind rank 0). Bounded: what is there at
+    the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: list[int] = []
+    while True:
+        per_rank = _steps(stack)
+        counts = [len(r) for r in per_rank]
+        if (counts == last and len(set(counts)) == 1) or time.monotonic() > deadline:
+            return per_rank
+        last = counts
+        time.sleep(0.5)
+
+
 def _same_drafts_on_every_rank(stack: Stack) -> list[dict[str, Any]]:
     """Rank 0's steps, once every rank is found to have handed on the same drafts at every step."""
-    per_rank = _steps(stack)
+    per_rank = _settled_steps(stack)
     assert len(per_rank) == RANKS, f"{len(per_rank)} ranks recorded their steps"
     first, *others = per_rank
     assert first, "no step recorded"
