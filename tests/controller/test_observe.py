@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from controller.observe import (
@@ -134,6 +134,13 @@ _IMPLAUSIBLE = ("no engine verifies", "steps of more than", "a batch of", "a que
     dt=st.sampled_from([1e-3, 1.0, 5.0, 5000.0]),
     max_k=st.integers(min_value=1, max_value=64),
 )
+# An iteration counter that grew by a denormal: drafts / iterations overflowed to inf (a traceback).
+@example(
+    before=dict.fromkeys(_COUNTERS, 0.0),
+    growth={**dict.fromkeys(_COUNTERS, 0.0), "vllm:spec_decode_num_drafts_total": 1.0,
+            "vllm:iteration_tokens_total_count": 5e-324},
+    pos_before=[], pos_growth=[], dt=1e-3, max_k=1,
+)  # fmt: skip
 def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     before: dict[str, float],
     growth: dict[str, float],
