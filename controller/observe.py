@@ -148,13 +148,9 @@ def observation_between(
     counts = _apportion(hist, n)
     accepted = np.repeat(np.arange(k + 1), counts).astype(np.int32)
     iterations = cur.iterations - prev.iterations
-    # drafts / iterations overflows to inf for an iteration count that grew by a denormal
     per_step = drafts / iterations if iterations > 0 else cur.running
-    if not math.isfinite(per_step) or per_step > MAX_OBSERVED_BATCH:
-        raise ValueError(
-            f"a batch of {per_step:g} requests ({drafts:g} drafts over {iterations:g} iterations)"
-        )
-    batch = max(1, round(per_step))
+    # min(): an iteration count that grew by a denormal makes per_step inf, which round() refuses
+    batch = max(1, round(min(per_step, MAX_OBSERVED_BATCH + 1)))
     qn = cur.queue_time_count - prev.queue_time_count
     wait = (cur.queue_time_sum - prev.queue_time_sum) / qn if qn > 0 else 0.0
     row_s = dt / drafts
@@ -163,6 +159,10 @@ def observation_between(
         raise ValueError(f"no engine verifies {drafts:g} drafts in {dt:g} s")
     if step_s > MAX_STEP_DURATION_S:
         raise ValueError(f"{drafts:g} drafts in {dt:g} s: steps of more than {MAX_STEP_DURATION_S:g} s")
+    if batch > MAX_OBSERVED_BATCH:
+        raise ValueError(
+            f"a batch of {per_step:g} requests ({drafts:g} drafts over {iterations:g} iterations)"
+        )
     if wait > MAX_QUEUE_WAIT_S or cur.waiting > MAX_QUEUE_LENGTH:
         raise ValueError(f"a queue of {cur.waiting:g} requests waiting {wait:g} s on average")
     code = METHOD_CODES[method]
