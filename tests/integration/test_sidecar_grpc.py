@@ -130,14 +130,22 @@ class TestEngine:
         await self.channel.close(None)
 
 
+def loopback_config(tmp_path: Path, **overrides: object) -> SidecarConfig:
+    """A sidecar on loopback with ephemeral ports, its state under ``tmp_path``, no metrics listener and
+    a fast decision tick: what the socket-level tests start from (``overrides`` on top)."""
+    fields: dict[str, object] = {
+        "engine_listen": "127.0.0.1:0",
+        "admin_listen": "127.0.0.1:0",
+        "metrics_listen": "",
+        "state_dir": str(tmp_path / "state"),
+        "decision_tick_s": 0.02,
+        **overrides,
+    }
+    return SidecarConfig(**fields)  # type: ignore[arg-type]
+
+
 def _config(tmp_path: Path) -> SidecarConfig:
-    return SidecarConfig(
-        engine_listen="127.0.0.1:0",
-        admin_listen="127.0.0.1:0",
-        metrics_listen="127.0.0.1:0",
-        state_dir=str(tmp_path / "state"),
-        decision_tick_s=0.02,
-    )
+    return loopback_config(tmp_path, metrics_listen="127.0.0.1:0")
 
 
 @pytest.fixture

@@ -27,7 +27,14 @@ from policies.arms import Arm, Method
 from policies.engine import EngineInfo
 from policies.presets import preset_text, resolve_policy_text
 from policies.spec import MAX_DOCUMENT_BYTES, PolicyError
-from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, TestEngine, hello, step, until
+from tests.integration.test_sidecar_grpc import (
+    STATIC_EAGLE3_2,
+    TestEngine,
+    hello,
+    loopback_config,
+    step,
+    until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -36,15 +43,11 @@ U64_MAX = (1 << 64) - 1
 
 def _config(tmp_path: Path, **kw: object) -> SidecarConfig:
     base: dict[str, object] = {
-        "engine_listen": "127.0.0.1:0",
-        "admin_listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
-        "state_dir": str(tmp_path / "state"),
         "decision_tick_s": 0.01,
         "snapshot_interval_s": 3600.0,
     }
-    base.update(kw)
-    return SidecarConfig(**base)  # type: ignore[arg-type]
+    return loopback_config(tmp_path, **{**base, **kw})
 
 
 @pytest.fixture

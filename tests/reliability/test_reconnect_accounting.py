@@ -22,23 +22,14 @@ from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import demo_workload
 from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
-from tests.integration.test_sidecar_grpc import WAIT_S, TestEngine, hello, step, until
+from tests.integration.test_sidecar_grpc import WAIT_S, TestEngine, hello, loopback_config, step, until
 from tests.reliability.proxy import CuttableProxy
 
 pytestmark = pytest.mark.integration
 
 
 def _config(tmp_path: Path, **kw: object) -> SidecarConfig:
-    base: dict[str, object] = {
-        "engine_listen": "127.0.0.1:0",
-        "admin_listen": "127.0.0.1:0",
-        "metrics_listen": "",
-        "state_dir": str(tmp_path / "state"),
-        "decision_tick_s": 0.01,
-        "ack_interval_s": 0.05,
-    }
-    base.update(kw)
-    return SidecarConfig(**base)  # type: ignore[arg-type]
+    return loopback_config(tmp_path, **{"decision_tick_s": 0.01, "ack_interval_s": 0.05, **kw})
 
 
 @pytest.fixture

@@ -19,19 +19,20 @@ from prometheus_client import CollectorRegistry
 from controller.config import SidecarConfig
 from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
-from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, TestEngine, hello, step, until
+from tests.integration.test_sidecar_grpc import (
+    STATIC_EAGLE3_2,
+    TestEngine,
+    hello,
+    loopback_config,
+    step,
+    until,
+)
 
 pytestmark = pytest.mark.integration
 
 
 def _config(tmp_path: Path) -> SidecarConfig:
-    return SidecarConfig(
-        engine_listen="127.0.0.1:0",
-        admin_listen="127.0.0.1:0",
-        metrics_listen="",
-        state_dir=str(tmp_path / "state"),
-        snapshot_interval_s=3600.0,
-    )
+    return loopback_config(tmp_path, snapshot_interval_s=3600.0)
 
 
 async def _with_state(tmp_path: Path) -> Path:

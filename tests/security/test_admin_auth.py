@@ -18,7 +18,7 @@ from controller.client import AdminClient
 from controller.config import SidecarConfig
 from controller.errors import ConfigError
 from controller.server import SidecarServer as Sidecar
-from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S
+from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S, loopback_config
 from tests.security.certs import Certs, make_certs
 
 pytestmark = pytest.mark.integration
@@ -28,15 +28,7 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 
 
 def _config(tmp_path: Path, **kw: object) -> SidecarConfig:
-    base: dict[str, object] = {
-        "engine_listen": "127.0.0.1:0",
-        "admin_listen": "127.0.0.1:0",
-        "metrics_listen": "",
-        "state_dir": str(tmp_path / "state"),
-        "decision_tick_s": 0.02,
-    }
-    base.update(kw)
-    return SidecarConfig(**base)  # type: ignore[arg-type]
+    return loopback_config(tmp_path, **kw)
 
 
 def _token_file(tmp_path: Path, token: str = TOKEN) -> str:
