@@ -9,6 +9,7 @@ the stack closes, whatever failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -303,11 +304,17 @@ def running_stack(
         wait_for(healthy, START_TIMEOUT_S, "the vLLM server", interval=1.0)
         yield st
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        # A server that died at start has no process group left: the sidecar must still be stopped
+        # (a ProcessLookupError here left it running and hid the start failure).
         try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        if st.sidecar is not None and st.sidecar.poll() is None:
-            st.sidecar.terminate()
-            st.sidecar.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)
+        finally:
+            if st.sidecar is not None and st.sidecar.poll() is None:
+                st.sidecar.terminate()
+                st.sidecar.wait(10)
