@@ -34,7 +34,7 @@ from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
 from sim import cli_types
 from sim.cli import register as register_sim_commands
-from sim.files import missing_directory
+from sim.files import output_problem
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -247,9 +247,9 @@ def cmd_observe(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from controller.demo import main as demo_main
 
-    missing = missing_directory(args.plot) if args.plot else None
-    if missing is not None:
-        raise UserError(f"--plot {args.plot}: no directory {missing} to write it in")
+    problem = output_problem("--plot", args.plot)
+    if problem is not None:
+        raise UserError(problem)
     try:
         return demo_main(seconds=args.seconds, as_json=args.json, seed=args.seed, plot_path=args.plot)
     except (RuntimeError, OSError) as e:

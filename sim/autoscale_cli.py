@@ -22,7 +22,7 @@ from sim.autoscale import (
 from sim.cli_types import float_in, int_in
 from sim.costmodel import load_profile, profile_names
 from sim.engines import ENGINES
-from sim.files import missing_directory
+from sim.files import output_problem
 
 DAY_S = 86_400.0
 WEEK_S = 7 * DAY_S
@@ -86,9 +86,9 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    missing = missing_directory(args.json) if args.json else None
-    if missing is not None:
-        print(f"--json {args.json}: no directory {missing} to write it in", file=sys.stderr)
+    problem = output_problem("--json", args.json)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     try:
         hpa = HpaSettings(

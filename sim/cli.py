@@ -26,7 +26,7 @@ from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
 from sim.engines import ENGINES, EngineModel
-from sim.files import missing_directory
+from sim.files import output_problem
 from sim.trace import (
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TOKENS,
@@ -78,9 +78,9 @@ def _concurrency(text: str) -> list[int]:
 
 def _check_output(flag: str, path: str | None) -> None:
     """Before a long run: an output file whose directory is missing is a usage error now."""
-    missing = missing_directory(path) if path else None
-    if missing is not None:
-        raise _UsageError(f"{flag} {path}: no directory {missing} to write it in")
+    problem = output_problem(flag, path)
+    if problem is not None:
+        raise _UsageError(problem)
 
 
 def _need_matplotlib(flag: str) -> None:

@@ -31,4 +31,11 @@ def missing_directory(path: str | Path) -> Path | None:
     return None if parent.is_dir() else parent
 
 
-__all__ = ["missing_directory", "replace_file"]
+def output_problem(flag: str, path: str | Path | None) -> str | None:
+    """What is wrong with ``path`` as the output file of ``flag`` before a long run (None: nothing, or
+    no output asked for): every command says it in these words."""
+    missing = missing_directory(path) if path else None
+    return None if missing is None else f"{flag} {path}: no directory {missing} to write it in"
+
+
+__all__ = ["missing_directory", "output_problem", "replace_file"]

@@ -233,7 +233,8 @@ class EngineHooks:
             table_ks=table_ks,
             p_eagle_depths=p_eagle_depths,
         )
-        if settings.safe_default is not None and controls.safe_arm != settings.safe_default:
+        safe_arm = controls.safe_arm
+        if settings.safe_default is not None and safe_arm != settings.safe_default:
             log.warning(
                 "speccontrol: SPECCONTROL_SAFE_DEFAULT=%s is not playable here (%s, max K %d%s); "
                 "the safe default runs as %s",
@@ -241,7 +242,7 @@ class EngineHooks:
                 method.value,
                 max_k,
                 ", with n-gram" if composite and method is not Method.NGRAM else "",
-                controls.safe_arm,
+                safe_arm,
             )
         trace = open(settings.trace_path, "a", buffering=1) if settings.trace_path else None  # noqa: SIM115
         hooks = cls(

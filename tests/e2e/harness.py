@@ -228,6 +228,12 @@ def speculative_config(
     }
 
 
+def checkout_pythonpath(*first: str) -> str:
+    """A ``PYTHONPATH`` with ``first`` and this checkout ahead of the caller's own (which stays:
+    scripts/e2e_vllm_033.sh lays vLLM 0.33.0 there)."""
+    return os.pathsep.join(p for p in (*first, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def plugin_path(tmp: Path) -> str:
     """A ``PYTHONPATH`` on which vLLM finds this checkout's plugin entry point and code (and the
     test-only ``rank_probe``, idle unless its variable is set)."""
@@ -238,8 +244,7 @@ def plugin_path(tmp: Path) -> str:
         "[vllm.general_plugins]\nspeccontrol = controller.vllm.plugin:register\n"
         "speccontrol_e2e_rank_probe = tests.e2e.rank_probe:register\n"
     )
-    rest = os.environ.get("PYTHONPATH", "")
-    return os.pathsep.join(p for p in (str(dist.parent), str(ROOT), rest) if p)
+    return checkout_pythonpath(str(dist.parent))
 
 
 @contextmanager

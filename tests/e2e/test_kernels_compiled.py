@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
+from tests.e2e.harness import ROOT, VLLM_PY, checkout_pythonpath
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -36,10 +34,7 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
         "tests/policies/test_jit.py",
         "tests/policies/test_engine_rules.py",
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-    }
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
     proc = subprocess.run(
         [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,

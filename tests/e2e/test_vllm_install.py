@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.harness import ROOT, VLLM_PY, skip_module_without_vllm
+from tests.e2e.harness import ROOT, VLLM_PY, checkout_pythonpath, skip_module_without_vllm
 
 skip_module_without_vllm()
 
@@ -47,10 +47,9 @@ print("RESULT " + json.dumps(out))
 
 
 def _run(kind: str) -> dict[str, object]:
-    # The caller's PYTHONPATH stays behind the checkout: scripts/e2e_vllm_033.sh lays vLLM 0.33.0 there.
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONPATH": checkout_pythonpath(),
         "SPECCONTROL_PLUGIN": "1",
         "SPECCONTROL_SIDECAR": "unix:///tmp/speccontrol-install-test.sock",
     }

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.files import missing_directory, replace_file
+from sim.files import missing_directory, output_problem, replace_file
 
 
 def test_replaces_the_whole_file_and_leaves_no_sibling(tmp_path: Path) -> None:
@@ -39,3 +39,10 @@ def test_missing_directory_names_the_directory_a_file_would_go_in(tmp_path: Path
     assert missing_directory(tmp_path / "out.json") is None
     assert missing_directory(tmp_path / "a" / "b" / "out.json") == tmp_path / "a" / "b"
     assert missing_directory("relative.json") is None  # the working directory exists
+
+
+def test_output_problem_is_the_one_message_every_command_gives(tmp_path: Path) -> None:
+    assert output_problem("--json", None) is None and output_problem("--json", "") is None  # none asked for
+    assert output_problem("--json", tmp_path / "r.json") is None
+    out = tmp_path / "no" / "r.json"
+    assert output_problem("--out", out) == f"--out {out}: no directory {out.parent} to write it in"

@@ -80,9 +80,13 @@ def test_safe_arm_is_what_the_engine_makes_of_its_safe_default(
     )
     c = Controls(engine=info, method=method, safe_default=Arm.parse(safe), composite=composite)
     assert str(c.safe_arm) == runs_as
-    # and it is what the safe directive's plan gives every request
-    plan = c.plan(c.in_force(None), ["r"], ["default"], 1)
-    assert (int(plan.method[0]), int(plan.k[0])) == (METHOD_CODES[c.safe_arm.method], c.safe_arm.k)
+    # and it is what the safe directive's plan gives every request, at any batch size and class mix
+    for n in (1, 8, 512):
+        ids = [f"r{n}-{i}" for i in range(n)]
+        plan = c.plan(c.in_force(None), ids, [("chat", "code", "default")[i % 3] for i in range(n)], n)
+        assert set(zip(plan.method.tolist(), plan.k.tolist(), strict=True)) == {
+            (METHOD_CODES[c.safe_arm.method], c.safe_arm.k)
+        }
 
 
 def test_p_eagle_table_only_zero_or_max() -> None:
