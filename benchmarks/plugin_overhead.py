@@ -395,8 +395,19 @@ def _median_run(runs: list[dict[str, Any]], key: str = "cpu_median") -> dict[str
 
 
 def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
+    import importlib.util
+
     from policies.jit import compiling
 
+    if importlib.util.find_spec("torch") is None:
+        # The async mode hands the worker's merge EAGLE's drafts as a torch tensor, as vLLM does.
+        print(
+            f"plugin_overhead: --scripted needs torch (the async mode's EAGLE drafts are a torch tensor), "
+            f"and {sys.executable} has none: run it with the vLLM virtualenv's Python "
+            "(.venv-vllm/bin/python, built by `make e2e-vllm`)",
+            file=sys.stderr,
+        )
+        return 1
     how = "compiled" if compiling() else "plain Python (numba not importable)"
     load = os.getloadavg()[0]
     print(

@@ -1,6 +1,8 @@
 """benchmarks/plugin_overhead.py: a mistaken command line is a usage error (exit 2, no traceback)
 before anything starts (its measurements need the vLLM virtualenv and run in `make results`)."""
 
+import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,3 +52,15 @@ def test_a_cold_run_flushes_before_every_hook_and_the_next_warm_run_does_not() -
     finally:
         for (owner, name), orig in po._ORIGINALS.items():  # leave the plugin's hooks as they were
             setattr(owner, name, orig)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="this Python has torch")
+def test_scripted_without_torch_says_which_python_to_use() -> None:
+    # The project's own virtualenv has no torch; the async mode needs it. One line, exit 1, no
+    # traceback, before any hook is timed.
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--scripted"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1
+    assert "--scripted needs torch" in r.stderr and ".venv-vllm/bin/python" in r.stderr
+    assert "Traceback" not in r.stderr and "plugin_overhead: run" not in r.stderr
