@@ -228,9 +228,18 @@ class Sidecar:
         st.observe_only = observe_only
         st.plugin_mode = plugin_mode
         q = st.link.open(instance_id)
+        try:
+            before = st.directive
+            try:
+                self._decide(st, now)
+            except Exception:  # a restored or fleet-warmed loop that cannot decide: as in tick_engine
+                log.exception("engine %s: decision failed at attach", info.engine_id)
+                self._reset_loop(st, "its decision failed")
+                self._decide(st, now)
+        except BaseException:
+            st.link.close(q)  # a refused stream must not leave the engine shown as connected
+            raise
         self.metrics.set_connected(info.engine_id, True)
-        before = st.directive
-        self._decide(st, now)
         if st.directive is not None and st.directive is before:
             put_latest(q, st.directive)  # nothing new for the others: this stream still needs one
         log.info(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from controller.policy_store import PolicyStore
@@ -21,7 +21,6 @@ from controller.snapshot import (
     MAX_COUNT,
     SnapshotError,
     SnapshotStore,
-    float_field,
     int_field,
     mapping_field,
     str_field,
@@ -82,13 +81,10 @@ def info_from_json(d: Mapping[str, Any]) -> EngineInfo:
 
 def totals_from_json(d: Mapping[str, Any], *, path: str) -> Totals:
     """A loop's lifetime counters from a snapshot, each in range. Raises SnapshotError."""
-    values: dict[str, Any] = {}
-    for f in fields(Totals):
-        if f.type in (float, "float"):
-            values[f.name] = float_field(d, f.name, path=path, hi=float(MAX_COUNT), default=0.0)
-        else:
-            values[f.name] = int_field(d, f.name, path=path, default=0)
-    return Totals(**values)
+    try:
+        return Totals.from_json(d, path=path)
+    except ValueError as e:
+        raise SnapshotError(str(e)) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

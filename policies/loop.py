@@ -12,7 +12,7 @@ per traffic class when the engine can choose per request and the policy learns p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,9 @@ from policies.engine import EngineInfo, Granularity
 from policies.guards import ExplorationBudget, TpotGuard, greedy_choice, keeps_current
 from policies.observation import NOT_SCORED, StepBatch
 from policies.spec import PolicySpec
+
+#: The largest counter a saved state may hold: every JSON reader keeps integers up to it exact.
+MAX_COUNT = (1 << 53) - 1
 
 _OFF_CODE = METHODS_BY_CODE.index(Method.OFF)
 
@@ -51,6 +54,26 @@ class Totals:
     exploration_denied: int = 0
     tpot_trips: int = 0
     bounded_moves: int = 0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], *, path: str) -> Totals:
+        """Counters saved by ``dataclasses.asdict`` (a snapshot, the fleet), each in range (a missing
+        one is 0). Raises ValueError naming the field."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{path}: expected an object, got {type(d).__name__}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            v = d.get(f.name, 0)
+            where = f"{path}.{f.name}"
+            if f.type in (float, "float"):
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ValueError(f"{where}: expected a number, got {type(v).__name__}")
+                if not 0 <= v <= MAX_COUNT:  # NaN and the infinities fail it too
+                    raise ValueError(f"{where}: {v!r} is outside [0, {MAX_COUNT}]")
+                values[f.name] = float(v)
+            else:
+                values[f.name] = _count(v, where)
+        return cls(**values)
 
     @property
     def acceptance_rate(self) -> float:
@@ -482,26 +505,67 @@ class ControlLoop:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what ``state_dict`` saved. Raises ValueError, naming the field, for any state this loop
+        cannot take (another version or arm set, or a document of the wrong shape: snapshots and the
+        fleet's posteriors come from disk and the network). On error the loop is half loaded: the
+        caller discards it (the sidecar builds a fresh one)."""
+        try:
+            self._load(state)
+        except ValueError:
+            raise
+        except (ArithmeticError, LookupError, AttributeError, TypeError) as e:
+            # The learners' and guards' own loaders trust the shape ``state_dict`` wrote.
+            raise ValueError(f"loop state of the wrong shape: {type(e).__name__}: {e}") from e
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise ValueError(f"loop state: a mapping expected, got {type(state).__name__}")
         if state.get("state_version") != STATE_VERSION:
             raise ValueError(f"loop state version {state.get('state_version')!r} is not {STATE_VERSION}")
         if [str(a) for a in self.arms] != list(state["arms"]):
             raise ValueError("loop state was saved for a different arm set")
-        self.learner.load_state_dict(state["learner"])
-        self.rounds = int(state["rounds"])
-        self.version = int(state["version"])
-        self.totals = Totals(**state["totals"])
-        self._ctx = {
-            Context.parse(k): _Ctx(arm=int(v["arm"]), since=-np.inf, rounds=int(v["rounds"]))
-            for k, v in state["contexts"].items()
-        }
-        self.rng.bit_generator.state = state["rng"]
+        for key in ("learner", "totals", "contexts"):
+            if not isinstance(state.get(key), Mapping):
+                raise ValueError(f"loop state.{key}: a mapping expected, got {type(state.get(key)).__name__}")
         guards = state.get("guards") or {}
+        if not isinstance(guards, Mapping):
+            raise ValueError(f"loop state.guards: a mapping expected, got {type(guards).__name__}")
+        contexts = {}
+        for k, v in state["contexts"].items():
+            where = f"loop state.contexts[{k!r}]"
+            if not isinstance(v, Mapping):
+                raise ValueError(f"{where}: a mapping expected, got {type(v).__name__}")
+            arm, rounds = v.get("arm"), _count(v.get("rounds"), f"{where}.rounds")
+            # -1: the context has not been given an arm yet
+            if isinstance(arm, bool) or not isinstance(arm, int) or not -1 <= arm < len(self.arms):
+                raise ValueError(
+                    f"{where}.arm: {arm!r} is not an arm index (-1 or one of the policy's {len(self.arms)} arms)"
+                )
+            contexts[Context.parse(k)] = _Ctx(arm=arm, since=-np.inf, rounds=rounds)
+        self.learner.load_state_dict(state["learner"])
+        self.rounds = _count(state.get("rounds"), "loop state.rounds")
+        self.version = _count(state.get("version"), "loop state.version")
+        self.totals = Totals.from_json(state["totals"], path="loop state.totals")
+        self._ctx = contexts
+        self.rng.bit_generator.state = state["rng"]
         if self.drift is not None and guards.get("drift"):
             self.drift.load_state_dict(guards["drift"])
+        for key in ("tpot", "budget"):
+            if not isinstance(guards.get(key) or {}, Mapping):
+                raise ValueError(f"loop state.guards.{key}: a mapping expected")
         self.tpot_guard.load_state_dict(guards.get("tpot") or {})
         self.budget.load_state_dict(guards.get("budget") or {})
         self._directive = None
         self._last_decision = None
+
+
+def _count(x: Any, where: str) -> int:
+    """A saved counter: an integer in [0, MAX_COUNT]. Raises ValueError naming ``where``."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{where}: expected an integer, got {type(x).__name__}")
+    if not 0 <= x <= MAX_COUNT:
+        raise ValueError(f"{where}: {x} is outside [0, {MAX_COUNT}]")
+    return x
 
 
 def _rows(share: float | np.ndarray, rows: np.ndarray) -> float | np.ndarray:

@@ -1,0 +1,142 @@
+"""ControlLoop.load_state_dict with saved state of the wrong shape: snapshots come from disk and the
+fleet's posteriors from the network, so any JSON value may stand anywhere in them. The loader either
+takes the state (and the loop then decides and observes as usual) or raises ValueError naming what is
+wrong; never another exception (the sidecar catches ValueError and starts that loop afresh)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.arms import Arm
+from policies.engine import EngineInfo, Granularity
+from policies.loop import ControlLoop
+from policies.observation import StepBatch, StepObservation
+from policies.presets import preset_text
+from policies.spec import parse_policy
+
+ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:4", "ngram:4", "off"))
+ENGINE = EngineInfo("e1", "m", 4, ARMS, Granularity.REQUEST_METHOD)
+PRESETS = ("default", "ucb1", "thompson")
+
+
+def _obs(arm: Arm, n: int) -> StepObservation:
+    return StepObservation.build(
+        time_s=0.0,
+        duration_s=0.02,
+        traffic_class=["code", "chat"] * (n // 2),
+        method=[arm.method] * n,
+        k=[arm.k] * n,
+        drafted=[arm.k] * n,
+        accepted=[min(arm.k, 2)] * n,
+    )
+
+
+def _loop(preset: str, seed: int = 0) -> ControlLoop:
+    return ControlLoop(spec=parse_policy(preset_text(preset)), engine=ENGINE, seed=seed)
+
+
+def _trained(preset: str) -> dict[str, Any]:
+    loop = _loop(preset)
+    for r in range(30):
+        arm = loop.decide(float(r)).arm_for("code", 32)
+        loop.observe(StepBatch.of(_obs(arm, 32)))
+    state: dict[str, Any] = json.loads(json.dumps(loop.state_dict()))
+    return state
+
+
+SAVED = {p: _trained(p) for p in PRESETS}
+
+
+def _paths(node: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a JSON document (the root excluded)."""
+    out: list[tuple[Any, ...]] = []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        out.append((*at, k))
+        out.extend(_paths(v, (*at, k)))
+    return out
+
+
+def _put(doc: Any, path: tuple[Any, ...], value: Any) -> None:
+    for k in path[:-1]:
+        doc = doc[k]
+    doc[path[-1]] = value
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.sampled_from([0, 1, -1, 99, 2**53, 2**63, 1e308, float("inf"), float("-inf"), float("nan"), 0.5])
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+def _use(loop: ControlLoop) -> None:
+    """What the sidecar does with a loop next: decide, observe, decide, save."""
+    d = loop.decide(1e6)
+    loop.observe(StepBatch.of(_obs(d.arm_for("code", 32), 32)))
+    loop.decide(1e6 + 60.0)
+    json.dumps(loop.state_dict())
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), preset=st.sampled_from(PRESETS))
+def test_any_value_anywhere_is_taken_or_refused_with_a_value_error(data: st.DataObject, preset: str) -> None:
+    state = copy.deepcopy(SAVED[preset])
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(_paths(state)))
+        _put(state, path, data.draw(JSON_VALUES))
+    loop = _loop(preset, seed=1)
+    try:
+        loop.load_state_dict(state)
+    except ValueError:
+        return
+    _use(loop)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "says"),
+    [
+        (("contexts",), [], "state.contexts: a mapping expected, got list"),
+        (("guards",), "x", "state.guards: a mapping expected, got str"),
+        (("guards", "tpot"), [1], "state.guards.tpot: a mapping expected"),
+        (("rounds",), float("inf"), "state.rounds: expected an integer, got float"),
+        (("rounds",), -2, "state.rounds: -2 is outside [0, 9007199254740991]"),
+        (("totals", "steps"), None, "state.totals.steps: expected an integer, got NoneType"),
+        (("totals", "busy_s"), 1e300, "state.totals.busy_s: 1e+300 is outside [0, 9007199254740991]"),
+        (("version",), 2.5, "state.version: expected an integer, got float"),
+        (("learner", "acc"), [], "wrong shape"),
+    ],
+)
+def test_a_field_of_the_wrong_shape_is_named(path: tuple[str, ...], value: Any, says: str) -> None:
+    state = copy.deepcopy(SAVED["default"])
+    _put(state, path, value)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        _loop("default").load_state_dict(state)
+
+
+def test_a_saved_arm_index_beyond_the_arm_set_is_refused() -> None:
+    state = copy.deepcopy(SAVED["default"])
+    ctx = next(iter(state["contexts"]))
+    state["contexts"][ctx]["arm"] = 99
+    with pytest.raises(
+        ValueError, match=r"contexts\[.*\]\.arm: 99 is not an arm index \(-1 or one of the policy's 5 arms\)"
+    ):
+        _loop("default").load_state_dict(state)
+
+
+def test_a_good_state_still_loads_and_decides_the_same() -> None:
+    a, b = _loop("default", seed=5), _loop("default", seed=5)
+    b.load_state_dict(copy.deepcopy(SAVED["default"]))
+    a.load_state_dict(copy.deepcopy(SAVED["default"]))
+    assert a.decide(1e6).plan == b.decide(1e6).plan
