@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from controller.policy_store import MAX_SOURCE, NoPreviousPolicy, PolicyRecord
+from controller.policy_store import MAX_SOURCE, NoPreviousPolicy, PolicyNotSaved, PolicyRecord
 from controller.sidecar import Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
@@ -61,6 +61,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
         except PolicyError as e:
             self.sidecar.admin_rejected("invalid_policy")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0])
+        except PolicyNotSaved as e:  # the sidecar's fault, not the request's: the CLI exits 1
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         return self.sidecar.policy_info(rec)
 
     async def GetPolicy(self, request: pb.GetPolicyRequest, context: Ctx) -> pb.PolicyInfo:
@@ -93,6 +95,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
             rec = self.sidecar.rollback_policy(request.engine_id)
         except NoPreviousPolicy as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except PolicyNotSaved as e:  # the sidecar's fault, not the request's: the CLI exits 1
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         return self.sidecar.policy_info(rec)
 
     async def GetStatus(self, request: pb.StatusRequest, context: Ctx) -> pb.Status:

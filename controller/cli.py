@@ -48,6 +48,8 @@ MQTT_URL_ENV = "SPECCONTROL_MQTT_URL"
 MQTT_PASSWORD_ENV = "SPECCONTROL_MQTT_PASSWORD"
 FLEET_ENV = "SPECCONTROL_FLEET"
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+#: The sidecar could not do what was asked, through no fault of the request (a state write failed).
+_RUNTIME = {grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}
 _GRANULARITY = {0: "-", 1: "batch", 2: "request-k", 3: "request-method"}
 
 T = TypeVar("T")
@@ -176,7 +178,7 @@ def _admin_call(args: argparse.Namespace, fn: Callable[[AdminClient], Awaitable[
             raise UserError(
                 f"unauthenticated: {details} (give the token with --token-file or ${ADMIN_TOKEN_ENV})", 2
             ) from None
-        raise UserError(f"{e.code().name.lower()}: {details}", 2) from None
+        raise UserError(f"{e.code().name.lower()}: {details}", 1 if e.code() in _RUNTIME else 2) from None
 
 
 # -- commands --------------------------------------------------------------------------------------------

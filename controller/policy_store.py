@@ -22,6 +22,10 @@ HISTORY = 20
 MAX_SOURCE = 1024
 
 
+class PolicyNotSaved(RuntimeError):
+    """A policy change that could not be written to the state directory: it was not made."""
+
+
 class NoPreviousPolicy(LookupError):
     """Rollback asked for with no earlier revision to return to."""
 
@@ -103,6 +107,16 @@ class PolicyStore:
         """Earlier revisions, newest first."""
         s = self._engines.get(engine_id) if engine_id else self._default
         return list(reversed(s.history)) if s is not None else []
+
+    def copy(self) -> PolicyStore:
+        """An independent copy (records are immutable; the slots and histories are copied)."""
+        new = PolicyStore.__new__(PolicyStore)
+        new.clock, new._limit = self.clock, self._limit
+        new._default = _Slot(self._default.current, deque(self._default.history, maxlen=self._limit))
+        new._engines = {
+            e: _Slot(s.current, deque(s.history, maxlen=self._limit)) for e, s in self._engines.items()
+        }
+        return new
 
     # -- changing --------------------------------------------------------------------------------
 

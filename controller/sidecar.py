@@ -28,7 +28,7 @@ from controller.config import SidecarConfig
 from controller.fleet import FleetLink, policy_digest
 from controller.limits import TokenBucket
 from controller.metrics import SidecarMetrics
-from controller.policy_store import PolicyRecord, PolicyStore
+from controller.policy_store import PolicyNotSaved, PolicyRecord, PolicyStore
 from controller.snapshot import SnapshotStore
 from controller.state import SavedEngine, load_state, oneline, report_problems, state_to_json
 from controller.state_dir import StateDirLock
@@ -383,7 +383,8 @@ class Sidecar:
     # -- policies (called by AdminService) -------------------------------------------------------
 
     def set_policy(self, yaml_text: str, *, source: str, engine_id: str = "") -> PolicyRecord:
-        """Parse, check every affected engine can run it, then switch. Raises PolicyError."""
+        """Parse, check every affected engine can run it, write it through, then switch. Raises
+        PolicyError, or PolicyNotSaved (nothing changed)."""
         spec = parse_policy_checked(yaml_text, source=source or "<policy>")
         overrides = self.policy_store.overrides()
         if engine_id and engine_id not in overrides and len(overrides) >= self.config.max_engines:
@@ -393,16 +394,27 @@ class Sidecar:
             )
         affected = self._affected(engine_id)
         loops = {eid: self._loop_for(self._engines[eid].info, spec) for eid in affected}
-        rec = self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id)
+        rec = self._durably(
+            lambda: self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id)
+        )
         self._swap(loops)
         log.info("policy %s (revision %d) set for %s", spec.name, rec.revision, engine_id or "all engines")
-        self._write_through()
         return rec
 
-    def _write_through(self) -> None:
-        """Snapshot now (a policy change must survive a kill -9 right after it is acknowledged)."""
+    def _durably(self, change: Callable[[], PolicyRecord]) -> PolicyRecord:
+        """Make a policy change in the store and write it through before anything acts on it (it
+        must survive a kill -9 right after it is acknowledged). When the write fails, the store is
+        as it was and PolicyNotSaved says why: a change that is not on disk is not made."""
+        before = self.policy_store.copy()
+        rec = change()
         if not self.save_snapshot():
-            log.error("policy change not yet on disk: the snapshot write failed (retried every interval)")
+            self._store = before
+            why = self.snapshots.last_error or "see the sidecar's log"
+            log.error("policy change refused: the state could not be written (%s)", why)
+            raise PolicyNotSaved(
+                f"policy not changed: the state could not be written to {self.snapshots.path}: {why}"
+            )
+        return rec
 
     def _on_fleet_policy(self, yaml_text: str, version: int) -> None:
         """A newer fleet policy arrived: switch like a local SetPolicy. A PolicyError refuses it."""
@@ -425,14 +437,13 @@ class Sidecar:
         return self._fleet_digest
 
     def rollback_policy(self, engine_id: str = "") -> PolicyRecord:
-        """Raises NoPreviousPolicy."""
+        """Raises NoPreviousPolicy, or PolicyNotSaved (nothing changed)."""
         affected = self._affected(engine_id)
-        rec = self.policy_store.rollback(engine_id)
+        rec = self._durably(lambda: self.policy_store.rollback(engine_id))
         self._swap({eid: self._new_loop(self._engines[eid].info) for eid in affected})
         log.info(
             "policy rolled back to %s (revision %d) for %s", rec.spec.name, rec.revision, engine_id or "all"
         )
-        self._write_through()
         return rec
 
     def _affected(self, engine_id: str) -> list[str]:

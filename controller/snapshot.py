@@ -126,6 +126,8 @@ class SnapshotStore:
         self.path = path
         self.clock = clock
         self.last_saved_s: float = 0.0
+        #: Why the last failed write failed ("" before any failure).
+        self.last_error = ""
         self._lock = threading.Lock()
         self._written = 0
 
@@ -141,6 +143,7 @@ class SnapshotStore:
                 )
             except (OSError, TypeError, ValueError) as e:
                 log.error("snapshot %s: write failed, previous snapshot kept: %s", self.path, e)
+                self.last_error = f"{type(e).__name__}: {e}"
                 return False
             self._written = max(self._written, generation)
             self.last_saved_s = self.clock()

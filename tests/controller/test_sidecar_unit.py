@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
-from controller.policy_store import NoPreviousPolicy
+from controller.policy_store import NoPreviousPolicy, PolicyNotSaved
 from controller.sidecar import EngineSession, Sidecar
 from controller.state import CRASH_VERSION_GAP
 from controller.state_dir import StateDirLocked
@@ -215,6 +215,38 @@ def test_set_policy_and_rollback_switch_the_loops_and_write_through(sidecar: Sid
     assert sidecar.engines()["e1"].loop.spec.name == before
     with pytest.raises(NoPreviousPolicy):
         sidecar.rollback_policy("nobody")
+
+
+@pytest.mark.parametrize("change", ["set", "set-engine", "rollback"])
+def test_a_policy_change_that_cannot_be_written_is_not_made(sidecar: Sidecar, change: str) -> None:
+    # Acknowledged means on disk (a kill -9 right after must not lose it): when the write fails (a
+    # full disk, a read-only volume; here a directory where the snapshot goes), the call fails and
+    # the store, the loops and the directives are as before.
+    s = sidecar.attach(info("e1"))
+    sidecar.ingest(s, batch(0, 20))
+    sidecar.set_policy(preset_text("static-eagle3-3"), source="unit.yaml")
+    drain(s.queue)
+    path = sidecar.snapshots.path
+    good = path.read_bytes()
+    store_before = json.dumps(sidecar.policy_store.to_json())
+    loop_before = sidecar.engines()["e1"].loop
+    path.unlink()
+    (path / "blocker").mkdir(parents=True)
+    with pytest.raises(PolicyNotSaved, match=r"policy not changed: the state could not be written to .*: "):
+        if change == "set":
+            sidecar.set_policy(preset_text("ucb1"), source="unit.yaml")
+        elif change == "set-engine":
+            sidecar.set_policy(preset_text("ucb1"), source="unit.yaml", engine_id="e1")
+        else:
+            sidecar.rollback_policy()
+    assert json.dumps(sidecar.policy_store.to_json()) == store_before
+    assert sidecar.engines()["e1"].loop is loop_before
+    assert not [d for d in drain(s.queue) if isinstance(d, Directive)]
+    (path / "blocker").rmdir()
+    path.rmdir()
+    path.write_bytes(good)
+    rec = sidecar.set_policy(preset_text("ucb1"), source="unit.yaml")  # writable again
+    assert rec.revision == 3 and "ucb1" in path.read_text()
 
 
 def test_a_periodic_write_in_flight_never_undoes_a_policy_change(sidecar: Sidecar) -> None:
