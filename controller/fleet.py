@@ -25,7 +25,6 @@ import hashlib
 import inspect
 import json
 import logging
-import math
 import random
 import time
 import uuid
@@ -38,6 +37,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from controller._mqtt import BrokerSettings, ConnectionLost, MqttConnection, Received
 from controller.policy_store import MAX_SOURCE
+from controller.snapshot import MAX_COUNT
+from controller.validation import MAX_TIME_S
 from controller.wire.names import NODE_ID_RE, has_control
 
 __all__ = [
@@ -159,6 +160,9 @@ def decode(kind: str, raw: bytes, *, limit: int) -> dict[str, Any]:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MalformedPayload("not_json", f"not JSON: {e}") from None
+    except RecursionError:  # deep nesting: its exception would end the session, and the retained
+        # message would come back at every reconnect
+        raise MalformedPayload("not_json", "not JSON this link reads: nested too deeply") from None
     if not isinstance(doc, dict):
         raise MalformedPayload("schema", f"expected a JSON object, got {type(doc).__name__}")
     if doc.get("v") != PAYLOAD_VERSION:
@@ -170,8 +174,8 @@ def decode(kind: str, raw: bytes, *, limit: int) -> dict[str, Any]:
             "schema", f"node: 1-128 letters, digits, '-', '_' or '.', got {doc['node']!r:.80}"
         )
     at = _field(doc, "published_at", float)
-    if not math.isfinite(at):
-        raise MalformedPayload("schema", "published_at: not a finite number")
+    if not -MAX_TIME_S <= at <= MAX_TIME_S:  # NaN fails it too; an integer beyond a double's range too
+        raise MalformedPayload("schema", f"published_at: not a time in seconds (|t| <= {MAX_TIME_S:g})")
     return doc
 
 
@@ -196,8 +200,8 @@ def _source(v: Any) -> str:
 
 def policy_from(doc: Mapping[str, Any]) -> FleetPolicy:
     version = _field(doc, "version", int)
-    if version < 1:
-        raise MalformedPayload("schema", f"version: must be >= 1, got {version}")
+    if not 1 <= version <= MAX_COUNT:  # a snapshot keeps the applied version: it must hold it
+        raise MalformedPayload("schema", f"version: must be in [1, {MAX_COUNT}], got {version}")
     return FleetPolicy(
         version=version,
         yaml=_field(doc, "yaml", str),

@@ -173,6 +173,14 @@ def _digest_field(state: Mapping[str, Any], problems: list[str]) -> str:
     return ""
 
 
+def _fleet_version_field(state: Mapping[str, Any], problems: list[str]) -> int:
+    try:
+        return int_field(state, "fleet_policy_version", path="state", default=0)
+    except SnapshotError as e:  # the next retained fleet policy is then taken as new
+        problems.append(f"{e}; dropped (treated as no fleet policy applied)")
+        return 0
+
+
 def parse_state(state: Mapping[str, Any], *, clock: Callable[[], float] = time.time) -> SavedState:
     """Raises SnapshotError/PolicyError when the snapshot as a whole is unusable; a bad engine entry,
     override or history entry is dropped and named in ``problems``."""
@@ -184,7 +192,7 @@ def parse_state(state: Mapping[str, Any], *, clock: Callable[[], float] = time.t
     out = SavedState(
         policies=store,
         directive_version=saved if state.get("clean") is True else saved + CRASH_VERSION_GAP,
-        fleet_policy_version=int_field(state, "fleet_policy_version", path="state", default=0),
+        fleet_policy_version=_fleet_version_field(state, problems),
         fleet_policy_digest=_digest_field(state, problems),
         problems=problems,
     )

@@ -163,7 +163,7 @@ def test_payload_round_trip_and_envelope() -> None:
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
-        (b"x" * 2000, "too_large"),
+        (b"x" * ((1 << 20) + 1), "too_large"),
         (b"{not json", "not_json"),
         (b"\xff\xfe", "not_json"),
         (b"[1, 2]", "schema"),
@@ -175,12 +175,29 @@ def test_payload_round_trip_and_envelope() -> None:
         # a node name is logged and compared: only what a node_id may be
         (b'{"v": 1, "kind": "policy", "node": "n\\nWARNING forged", "published_at": 1}', "schema"),
         (b'{"v": 1, "kind": "policy", "node": "", "published_at": 1}', "schema"),
+        # nested beyond the parser's recursion limit (under the size limit): a RecursionError ended
+        # the session, and the retained message came back at every reconnect
+        (b"[" * 100_000, "not_json"),
+        (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "not_json"),
+        # an integer beyond a double's range: math.isfinite raised OverflowError
+        (b'{"v": 1, "kind": "policy", "node": "n", "published_at": 1' + b"0" * 400 + b"}", "schema"),
+        (b'{"v": 1, "kind": "policy", "node": "n", "published_at": 1e11000}', "schema"),
     ],
 )
 def test_decode_names_the_reason(raw: bytes, reason: str) -> None:
     with pytest.raises(MalformedPayload) as e:
-        decode("policy", raw, limit=1000)
+        decode("policy", raw, limit=1 << 20)
     assert e.value.reason == reason
+
+
+@pytest.mark.parametrize("version", [0, -1, 2**53, 2**60, 10**400])
+def test_a_fleet_policy_version_a_snapshot_cannot_hold_is_malformed(version: int) -> None:
+    # The applied version is saved; beyond 2^53 - 1 the next restart refused the snapshot.
+    doc = {"v": 1, "kind": "policy", "node": "n", "published_at": 1.0, "version": version, "yaml": "x"}
+    with pytest.raises(MalformedPayload, match=r"version: must be in \[1, 9007199254740991\]") as e:
+        policy_from(doc)
+    assert e.value.reason == "schema"
+    assert policy_from({**doc, "version": 2**53 - 1}).version == 2**53 - 1
 
 
 def test_broker_settings_validate_and_parse_urls() -> None:

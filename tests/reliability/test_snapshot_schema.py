@@ -70,7 +70,6 @@ WHOLE = {
     "revision-2^70": _set("state.policies.default.current.revision", 2**70),
     "revision-0": _set("state.policies.default.current.revision", 0),
     "set-at-string": _set("state.policies.default.current.set_at_s", "yesterday"),
-    "fleet-version-float": _set("state.fleet_policy_version", 1.5),
     "deep-nesting": _raw("[" * 100_000 + "]" * 100_000),
     "nan-constant": _raw('{"format": 1, "saved_at_s": NaN, "state": {}}'),
     # a source is echoed by policy list / get: the admin API refuses control characters in it
@@ -142,6 +141,9 @@ PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
     "totals-busy-huge": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(busy_s=1e300)), {"e2"}),
     "override-revision-2^70": (_edit(_override(2**70)), {"e1"}),
     "instance-id-control-characters": (_and_e2(lambda d: _engine(d).update(instance_id="i\x1b[2J")), {"e2"}),
+    # what an older sidecar took from the fleet unbounded: dropped alone, not the whole snapshot
+    "fleet-version-float": (_set("state.fleet_policy_version", 1.5), {"e1"}),
+    "fleet-version-2^60": (_set("state.fleet_policy_version", 2**60), {"e1"}),
     "history-entry-bad": (
         _edit(lambda d: d["state"]["policies"]["default"]["history"].append({"yaml": 5})),
         {"e1"},
