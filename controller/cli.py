@@ -516,12 +516,33 @@ def _engine_id(text: str) -> str:
     return text
 
 
+def _admin_address(text: str) -> str:
+    """``--admin`` (or $SPECCONTROL_ADMIN): an address a client can dial. A port beyond 65535 would
+    otherwise wrap around to another port (the token and the change would go there)."""
+    from controller.errors import ConfigError
+    from controller.wire.address import parse_address
+
+    try:
+        addr = parse_address(text, field="admin")
+        if isinstance(addr, tuple) and addr[1] == 0:
+            raise ConfigError("0 is no port a client can dial")
+    except ConfigError as e:
+        why = (
+            e.message
+            if not e.message.startswith(("port", "0 is"))
+            else f"port must be 1..65535, got {text!r}"
+        )
+        raise argparse.ArgumentTypeError(f"{why} (from --admin or ${ADMIN_ENV})") from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
     p.add_argument("--version", action="version", version=f"controllerctl {package_version()}")
     p.add_argument(
         "--admin",
         default=os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN,
+        type=_admin_address,
         metavar="ADDR",
         help=f"sidecar admin address (default: ${ADMIN_ENV} or {DEFAULT_ADMIN})",
     )

@@ -58,6 +58,15 @@ def _mistakes() -> list[Mistake]:
     closed = f"127.0.0.1:{_closed_port()}"
     return [
         Mistake("no command", (), 2, "usage:"),
+        # a port beyond 65535 wrapped around to another port: the change (and the token) went there
+        Mistake(
+            "admin port 116603",
+            ("--admin", "127.0.0.1:116603", "policy", "get"),
+            2,
+            "--admin: port must be 1..65535, got '127.0.0.1:116603'",
+        ),
+        Mistake("admin port 0", ("--admin", "127.0.0.1:0", "status"), 2, "--admin: port must be 1..65535"),
+        Mistake("admin no port", ("--admin", "sidecar", "status"), 2, "--admin: expected 'host:port'"),
         Mistake("unknown command", ("frobnicate",), 2, "invalid choice"),
         Mistake("unknown flag", ("status", "--jsn"), 2, "unrecognized arguments"),
         Mistake("policy file is binary", ("policy", "validate", "FILE"), 2, "FILE"),
