@@ -28,7 +28,7 @@ from typing import Any
 from policies.arms import Method
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from sim.importer import import_vllm_metrics
-from sim.trace import Trace, TraceError
+from sim.trace import Trace, TraceError, load_json_line, read_json_lines
 
 MAX_PROMPTS = 100_000
 
@@ -44,20 +44,12 @@ def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> li
     """Prompts from JSON Lines or plain text; errors name the file and line."""
     p = Path(path)
     out: list[Prompt] = []
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"cannot read prompts: {e}", source=str(p)) from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for lineno, raw in read_json_lines(p):
+        line = raw.rstrip("\r\n")
         if len(out) >= MAX_PROMPTS:
             raise TraceError(f"more than {MAX_PROMPTS} prompts", source=str(p), line=lineno)
         if line.lstrip().startswith("{"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"invalid JSON: {e.msg}", source=str(p), line=lineno) from None
+            obj = load_json_line(line, source=str(p), line=lineno)
             text = obj.get("prompt") if isinstance(obj, dict) else None
             if not isinstance(text, str) or not text:
                 raise TraceError("expected a non-empty string", source=str(p), line=lineno, field="prompt")

@@ -34,6 +34,7 @@ import numpy as np
 
 from policies.arms import METHOD_CODES, Method
 from policies.observation import StepObservation
+from sim.trace import TraceError, load_json_line, read_json_lines
 
 log = logging.getLogger(__name__)
 
@@ -229,29 +230,23 @@ def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int]
 def read_steps(path: str | Path) -> StepLog:
     """Reads and validates a step file; raises StepLogError naming FILE:LINE: field on the first fault."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise StepLogError(f"{p}: cannot read: {e}") from None
     steps: list[dict[str, Any]] = []
     g: list[int] = []
     method: list[int] = []
     k: list[int] = []
     acc: list[int] = []
-    for ln, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{p}:{ln}"
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise StepLogError(f"{where}: invalid JSON: {e.msg}") from None
-        fields, codes, ks, a = parse_step(d, where)
-        g.extend([len(steps)] * len(codes))
-        steps.append(fields)
-        method.extend(codes)
-        k.extend(ks)
-        acc.extend(a)
+    try:
+        # The trace reader's bounded line reader and JSON loader (sizes, nesting, long integers).
+        for ln, line in read_json_lines(p):
+            d = load_json_line(line, source=str(p), line=ln)
+            fields, codes, ks, a = parse_step(d, f"{p}:{ln}")
+            g.extend([len(steps)] * len(codes))
+            steps.append(fields)
+            method.extend(codes)
+            k.extend(ks)
+            acc.extend(a)
+    except TraceError as e:
+        raise StepLogError(str(e)) from None
     if not steps:
         raise StepLogError(f"{p}: no steps (an empty file)")
     kv = [s["kv_tokens"] for s in steps]

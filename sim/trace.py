@@ -21,6 +21,7 @@ import gzip
 import io
 import json
 import math
+import sys
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -227,13 +228,20 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
 
 
 def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = DEFAULT_LIMITS) -> Any:
-    """One line's JSON value; TraceError (``FILE:LINE``) when invalid or nested too deep."""
+    """One line's JSON value; TraceError (``FILE:LINE``) when invalid, nested too deep or holding an
+    integer too long to convert. Every JSON Lines reader of the simulator goes through it."""
     if not _depth_ok(text, limits.max_depth):
         raise TraceError(f"JSON nested deeper than {limits.max_depth} levels", source=source, line=line)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(f"invalid JSON: {e.msg} (column {e.colno})", source=source, line=line) from None
+    except ValueError:  # Python's int-string conversion limit, which is not a JSONDecodeError
+        raise TraceError(
+            f"invalid JSON: a number longer than {sys.get_int_max_str_digits()} digits",
+            source=source,
+            line=line,
+        ) from None
     except RecursionError:  # a nesting the pre-check missed must still not escape as a traceback
         raise TraceError("JSON nested too deeply", source=source, line=line) from None
 

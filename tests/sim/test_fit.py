@@ -190,6 +190,9 @@ def test_profile_fit_cli_writes_a_loadable_profile_and_a_plot(
             "k: expected 1 entries",
         ),
         ("[1, 2]", "expected a JSON object"),
+        # Tracebacks (ValueError, RecursionError): read_steps called json.loads itself.
+        ('{"x": ' + "9" * 5000 + "}", "invalid JSON: a number longer than 4300 digits"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested deeper than 32 levels"),
     ],
 )
 def test_a_bad_line_is_named_file_line_field_and_nothing_is_written(

@@ -132,3 +132,22 @@ def test_prompt_file_errors_name_the_line(tmp_path: Path) -> None:
     f.write_text("\n\n")
     with pytest.raises(TraceError, match="no prompts"):
         read_prompts(f, default_class="chat", max_tokens=16)
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        (
+            '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}",
+            "invalid JSON: a number longer than 4300 digits",
+        ),
+        ('{"prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested deeper than 32 levels"),
+    ],
+)
+def test_prompt_files_go_through_the_trace_json_loader(tmp_path: Path, line: str, says: str) -> None:
+    # Each ended in a traceback (ValueError, RecursionError): read_prompts called json.loads itself.
+    f = tmp_path / "p.jsonl"
+    f.write_text("plain prompt\n" + line + "\n")
+    with pytest.raises(TraceError) as e:
+        read_prompts(f, default_class="chat", max_tokens=16)
+    assert str(e.value) == f"{f}:2: {says}"

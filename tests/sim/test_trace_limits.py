@@ -129,3 +129,25 @@ def test_importers_share_the_limits(tmp_path: Path) -> None:
     big.write_text('{"prompt_token_ids": [1], "output_token_ids": [' + ",".join(["1"] * 3000) + "]}\n")
     with pytest.raises(TraceError, match=r"huge.jsonl:1: line longer"):
         import_token_ids(big, limits=TraceLimits(max_line_bytes=1000))
+
+
+def test_an_integer_too_long_to_convert_is_a_file_line_error(tmp_path: Path) -> None:
+    # Python's int-string conversion limit raised a ValueError that was not a JSONDecodeError: a traceback.
+    p = tmp_path / "long.jsonl"
+    p.write_text(
+        json.dumps(HEADER) + "\n" + json.dumps(OK) + '\n{"id": "x", "output_tokens": ' + "9" * 5000 + "}\n"
+    )
+    e = _one_error(p)
+    assert e.line == 3 and "invalid JSON: a number longer than 4300 digits" in e.message
+
+
+@pytest.mark.parametrize("line", ['{"id": "x", "n": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000])
+def test_the_importers_name_the_line_of_a_long_integer_or_deep_nesting(tmp_path: Path, line: str) -> None:
+    p = tmp_path / "in.jsonl"
+    p.write_text("\n" + line + "\n")
+    for importer in (import_vllm_metrics, import_token_ids):
+        with pytest.raises(TraceError) as exc:
+            importer(p)
+        assert str(exc.value).startswith(f"{p}:2: ") and (
+            "longer than 4300 digits" in exc.value.message or "nested deeper" in exc.value.message
+        )
