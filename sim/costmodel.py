@@ -38,6 +38,7 @@ with the same arithmetic.
 from __future__ import annotations
 
 import importlib.resources
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,8 +268,9 @@ MAX_FIT_K = 64
 
 def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0) -> float:
     v = d.get(key)
-    # not (v >= lo): NaN fails too; and a profile's times and sizes are finite.
-    if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= lo) or v == float("inf"):
+    # A comparison chain: NaN fails it, and so does an integer beyond a double's range (float() of it
+    # would raise OverflowError); a profile's times and sizes are finite.
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= sys.float_info.max:
         hint = ""
         if isinstance(v, str):
             try:
@@ -276,7 +278,7 @@ def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0) -> floa
                 hint = f" (YAML reads {v} as text: write it with a decimal point, e.g. 1.0e-4)"
             except ValueError:
                 pass
-        raise ProfileError(f"{where}.{key}: expected a finite number >= {lo}, got {v!r}{hint}")
+        raise ProfileError(f"{where}.{key}: expected a finite number >= {lo}, got {v!r:.60}{hint}")
     return float(v)
 
 

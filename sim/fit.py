@@ -315,6 +315,8 @@ def fit_steps(
     resid = y - pred
     dof = steps.n - int(free.sum())
     s2 = float(resid @ resid) / dof
+    if not (np.isfinite(theta).all() and np.isfinite(s2)):  # never a profile of inf/NaN
+        raise FitError(f"{steps.source}: the fit is not finite; check the steps' durations")
     cov = s2 * np.linalg.inv(J.T @ J)
     t = t_quantile(0.5 + level / 2.0, dof)
     params: list[Param] = []

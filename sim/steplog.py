@@ -6,7 +6,7 @@ JSON Lines, one engine step per line, in the order the sidecar applied them::
      "kv_tokens": null, "decoded_tokens": 1830, "method": ["eagle3", ...], "k": [3, ...],
      "accepted": [2, ...]}
 
-* ``duration_s``: the step's wall time (draft + verify + overhead), > 0.
+* ``duration_s``: the step's wall time (draft + verify + overhead), 1 us..1 h (``MIN/MAX_DURATION_S``).
 * ``batch``: running requests; ``method``/``k``/``accepted``: one entry per reported request (the
   method whose draft was verified, ``off`` for none).
 * ``prefill_tokens``: prompt tokens computed in the same step (0: none or unknown).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,16 @@ FORMAT = "speccontrol-steps/1"
 MAX_TRACKED_REQUESTS = 100_000
 _NAMES = {code: m.value for m, code in METHOD_CODES.items()}
 _MAX_K = 64
+#: Physical ranges of a step, those the sidecar's telemetry checks (controller.validation) hold every
+#: recorded step to: a step lasts 1 us..1 h, batches are under a million requests, a step prefills at
+#: most 2^22 prompt tokens, and clocks stay below 1e11 s. Tokens held by a step's requests: a million
+#: requests of 2^22 tokens. Beyond them a line is garbage, and the fit's arrays overflow.
+MIN_DURATION_S = 1e-6
+MAX_DURATION_S = 3600.0
+MAX_BATCH = 1 << 20
+MAX_PREFILL_TOKENS = 1 << 22
+MAX_TOKENS = 1 << 42
+MAX_TIME_S = 1e11
 
 
 class StepLogError(ValueError):
@@ -159,12 +168,12 @@ class StepRecorder:
 # -- reading ---------------------------------------------------------------------------------------
 
 
-def _int(d: dict[str, Any], key: str, where: str, *, lo: int = 0, null: bool = False) -> int | None:
+def _int(d: dict[str, Any], key: str, where: str, *, hi: int, null: bool = False) -> int | None:
     v = d.get(key)
     if v is None and null and key in d:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise StepLogError(f"{where}: {key}: expected an integer >= {lo}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+        raise StepLogError(f"{where}: {key}: expected an integer 0..{hi}, got {v!r:.60}")
     return v
 
 
@@ -176,14 +185,15 @@ def _ints(d: dict[str, Any], key: str, where: str, n: int | None) -> list[int]:
         raise StepLogError(f"{where}: {key}: expected {n} entries (one per method), got {len(v)}")
     for i, x in enumerate(v):
         if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= _MAX_K:
-            raise StepLogError(f"{where}: {key}[{i}]: expected an integer 0..{_MAX_K}, got {x!r}")
+            raise StepLogError(f"{where}: {key}[{i}]: expected an integer 0..{_MAX_K}, got {x!r:.60}")
     return v
 
 
-def _time(d: dict[str, Any], where: str) -> float:
-    v = d.get("time_s", 0.0)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise StepLogError(f"{where}: time_s: expected a finite number, got {v!r}")
+def _seconds(d: dict[str, Any], key: str, where: str, lo: float, hi: float, default: Any = None) -> float:
+    v = d.get(key, default)
+    # Comparisons, not float(): an integer beyond a double's range compares, where float() overflows.
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise StepLogError(f"{where}: {key}: expected a number {lo:g}..{hi:g}, got {v!r:.60}")
     return float(v)
 
 
@@ -194,9 +204,7 @@ def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int]
     eng = d.get("engine", "")
     if not isinstance(eng, str):
         raise StepLogError(f"{where}: engine: expected a string, got {eng!r}")
-    dur = d.get("duration_s")
-    if isinstance(dur, bool) or not isinstance(dur, int | float) or not math.isfinite(dur) or dur <= 0:
-        raise StepLogError(f"{where}: duration_s: expected a finite number > 0, got {dur!r}")
+    dur = _seconds(d, "duration_s", where, MIN_DURATION_S, MAX_DURATION_S)
     methods = d.get("method")
     if not isinstance(methods, list):
         raise StepLogError(f"{where}: method: expected a list, got {type(methods).__name__}")
@@ -209,20 +217,23 @@ def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int]
             raise StepLogError(f"{where}: method[{i}]: unknown method {m!r} (known: {known})") from None
     ks = _ints(d, "k", where, len(codes))
     acc = _ints(d, "accepted", where, len(codes))
-    for i, (a, k) in enumerate(zip(acc, ks, strict=True)):
+    off = METHOD_CODES[Method.OFF]
+    for i, (c, a, k) in enumerate(zip(codes, acc, ks, strict=True)):
         if a > k:
             raise StepLogError(f"{where}: accepted[{i}]: {a} accepted of a draft of k = {k}")
-    batch = _int(d, "batch", where) or 0
+        if c == off and k:
+            raise StepLogError(f"{where}: k[{i}]: a draft of k = {k} with method off (which drafts nothing)")
+    batch = _int(d, "batch", where, hi=MAX_BATCH) or 0
     if batch < len(codes):
         raise StepLogError(f"{where}: batch: {batch} running but {len(codes)} requests reported")
     fields = {
         "engine": eng,
-        "duration_s": float(dur),
-        "time_s": _time(d, where),
+        "duration_s": dur,
+        "time_s": _seconds(d, "time_s", where, 0.0, MAX_TIME_S, 0.0),
         "batch": batch,
-        "prefill_tokens": _int(d, "prefill_tokens", where),
-        "kv_tokens": _int(d, "kv_tokens", where, null=True) if "kv_tokens" in d else None,
-        "decoded_tokens": _int(d, "decoded_tokens", where) if "decoded_tokens" in d else 0,
+        "prefill_tokens": _int(d, "prefill_tokens", where, hi=MAX_PREFILL_TOKENS),
+        "kv_tokens": _int(d, "kv_tokens", where, hi=MAX_TOKENS, null=True) if "kv_tokens" in d else None,
+        "decoded_tokens": _int(d, "decoded_tokens", where, hi=MAX_TOKENS) if "decoded_tokens" in d else 0,
     }
     return fields, codes, ks, acc
 

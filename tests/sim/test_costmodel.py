@@ -351,6 +351,10 @@ def _shipped(name: str) -> dict[str, Any]:
             "1e-4",
             r"overhead_s: expected a finite number >= 0\.0, got '1e-4' \(YAML reads 1e-4 as text",
         ),
+        # beyond a double's range: float() of them raised OverflowError, a traceback
+        (("overhead_s",), 10**400, r"profile\.overhead_s: expected a finite number >= 0\.0, got 1000"),
+        (("target", "const_s"), 2**1100, r"target\.const_s: expected a finite number"),
+        (("moe", "efficiency"), -(10**400), r"moe\.efficiency: expected a finite number"),
     ],
 )
 def test_counts_are_integers_in_range_and_numbers_written_as_text_get_a_hint(

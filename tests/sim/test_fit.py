@@ -156,6 +156,12 @@ def test_profile_fit_cli_writes_a_loadable_profile_and_a_plot(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def _step(**fields: Any) -> str:
+    """A valid step line with ``fields`` replaced."""
+    d = {"duration_s": 0.01, "batch": 1, "prefill_tokens": 0, "method": ["eagle3"], "k": [2], "accepted": [1]}
+    return json.dumps({**d, **fields})
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
@@ -193,6 +199,16 @@ def test_profile_fit_cli_writes_a_loadable_profile_and_a_plot(
         # Tracebacks (ValueError, RecursionError): read_steps called json.loads itself.
         ('{"x": ' + "9" * 5000 + "}", "invalid JSON: a number longer than 4300 digits"),
         ("[" * 100_000 + "]" * 100_000, "JSON nested deeper than 32 levels"),
+        # Beyond int64 or a double: OverflowError tracebacks when the columns were built.
+        (_step(batch=2**63), "batch: expected an integer 0..1048576, got 9223372036854775808"),
+        (_step(prefill_tokens=10**30), "prefill_tokens: expected an integer 0..4194304"),
+        (_step(decoded_tokens=10**400), "decoded_tokens: expected an integer 0..4398046511104"),
+        (_step(time_s=10**400), "time_s: expected a number 0..1e+11"),
+        # Not physics: a fit over them wrote a profile with infinite intervals, or a different fit.
+        (_step(duration_s=1e308), "duration_s: expected a number 1e-06..3600, got 1e+308"),
+        (_step(duration_s=1e-9), "duration_s: expected a number 1e-06..3600"),
+        (_step(method=["off"], k=[64], accepted=[64]), "k[0]: a draft of k = 64 with method off"),
+        (_step(method=["off"], k=[0], accepted=[1]), "accepted[0]: 1 accepted of a draft of k = 0"),
     ],
 )
 def test_a_bad_line_is_named_file_line_field_and_nothing_is_written(
