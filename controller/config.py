@@ -14,11 +14,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from controller.errors import ConfigError
 from controller.wire.address import is_local_address, parse_address
 from controller.wire.names import NODE_ID_RE
+from policies import yamldoc
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -326,30 +325,13 @@ FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SidecarConfig))
 
 
 def _key_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
-    """The document and the line of each top-level key (1-based)."""
-    lines: dict[str, int] = {}
+    """The document and the line of each key (1-based; "" is the document's). Duplicate keys,
+    deep nesting and alias bombs are refused (``policies.yamldoc``)."""
     try:
-        loader = yaml.SafeLoader(text)
-        try:
-            node = loader.get_single_node()
-            if node is None:
-                return {}, lines
-            if isinstance(node, yaml.MappingNode):
-                for k, _ in node.value:
-                    if isinstance(k, yaml.ScalarNode):
-                        lines.setdefault(str(k.value), k.start_mark.line + 1)
-            lines[""] = node.start_mark.line + 1
-            data = loader.construct_document(node)
-        finally:
-            loader.dispose()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        raise ConfigError(
-            f"invalid YAML: {e.problem or e.context}", source=source, line=mark.line + 1 if mark else None
-        ) from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML: {str(e).splitlines()[0]}", source=source) from None
-    return data, lines
+        data, lines = yamldoc.load(text, max_depth=8, max_nodes=10_000)
+    except yamldoc.YamlProblem as e:
+        raise ConfigError(e.message, source=source, line=e.line, field=e.path) from None
+    return ({} if data is None else data), lines.by_path
 
 
 def parse_config(text: str, *, source: str = "<config>") -> SidecarConfig:

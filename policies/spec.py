@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from policies import yamldoc
 from policies.algorithms import REGISTRY
 from policies.arms import Arm
 from policies.context import DEFAULT_BUCKET_BOUNDS, BatchBuckets
@@ -117,47 +118,13 @@ _SECTIONS: dict[str, Mapping[str, Param]] = {
 
 
 class _Lines:
-    """Line numbers of every node in a composed YAML document, by field path."""
+    """A document's lines (``yamldoc.Lines``) and its source, for errors at a field's line."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.by_path: dict[str, int] = {}
-        self.visits = 0
-
-    def walk(self, node: yaml.Node, path: str, depth: int = 0) -> None:
-        # Aliases make the composed document a graph: count every visit so that a small document whose
-        # aliases expand exponentially ("billion laughs") is refused instead of walked.
-        self.visits += 1
-        if self.visits > MAX_NODES:
-            raise PolicyError(
-                f"document expands to more than {MAX_NODES} nodes (YAML aliases)",
-                source=self.source,
-                line=node.start_mark.line + 1,
-                field=path or "<root>",
-            )
-        if depth > MAX_DEPTH:
-            raise PolicyError(
-                f"nested deeper than {MAX_DEPTH} levels",
-                source=self.source,
-                line=node.start_mark.line + 1,
-                field=path or "<root>",
-            )
-        self.by_path[path] = node.start_mark.line + 1
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = k.value if isinstance(k, yaml.ScalarNode) else "?"
-                self.by_path.setdefault(f"{path}.{key}" if path else key, k.start_mark.line + 1)
-                self.walk(v, f"{path}.{key}" if path else key, depth + 1)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                self.walk(v, f"{path}[{i}]", depth + 1)
+    def __init__(self, source: str, lines: yamldoc.Lines) -> None:
+        self.source, self._lines = source, lines
 
     def line(self, path: str) -> int | None:
-        while path:
-            if path in self.by_path:
-                return self.by_path[path]
-            path = path.rpartition(".")[0] if "." in path else ""
-        return self.by_path.get("")
+        return self._lines.line(path)
 
     def error(self, path: str, message: str) -> PolicyError:
         return PolicyError(message, source=self.source, line=self.line(path), field=path)
@@ -166,26 +133,13 @@ class _Lines:
 def _load(text: str, source: str) -> tuple[Any, _Lines]:
     if len(text.encode("utf-8", "replace")) > MAX_DOCUMENT_BYTES:
         raise PolicyError(f"document larger than {MAX_DOCUMENT_BYTES} bytes", source=source)
-    lines = _Lines(source)
     try:
-        loader = yaml.SafeLoader(text)
-        try:
-            node = loader.get_single_node()
-            if node is None:
-                raise PolicyError("empty document", source=source, line=1)
-            lines.walk(node, "")
-            data = loader.construct_document(node)
-        finally:
-            loader.dispose()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = mark.line + 1 if mark is not None else None
-        raise PolicyError(f"invalid YAML: {e.problem or e.context}", source=source, line=line) from None
-    except yaml.YAMLError as e:
-        raise PolicyError(f"invalid YAML: {e}", source=source) from None
-    except RecursionError:
-        raise PolicyError("document nested too deeply", source=source) from None
-    return data, lines
+        data, lines = yamldoc.load(text, max_depth=MAX_DEPTH, max_nodes=MAX_NODES)
+    except yamldoc.YamlProblem as e:
+        raise PolicyError(e.message, source=source, line=e.line, field=e.path) from None
+    if data is None:
+        raise PolicyError("empty document", source=source, line=1)
+    return data, _Lines(source, lines)
 
 
 def _mapping(lines: _Lines, value: Any, path: str) -> Mapping[str, Any]:

@@ -75,6 +75,19 @@ def test_unknown_field_and_bad_yaml() -> None:
         parse_config("- 1\n", source="c.yaml")
 
 
+def test_a_setting_given_twice_or_nested_too_deeply_is_refused() -> None:
+    # PyYAML keeps the last of two equal keys (and the error, if any, named the first one's line)
+    with pytest.raises(ConfigError) as e:
+        parse_config("state_dir: /a\nadmin_listen: 127.0.0.1:0\nstate_dir: /b\n", source="c.yaml")
+    assert str(e.value) == (
+        "c.yaml:3: state_dir: duplicate key (first on line 1; YAML would keep only the last)"
+    )
+    with pytest.raises(ConfigError, match=r"^c.yaml: document nested too deeply"):
+        parse_config("a: " + "[" * 20_000 + "]" * 20_000, source="c.yaml")
+    with pytest.raises(ConfigError, match=r"^c.yaml:1: a\[0\]\[0\].*: nested deeper than 8 levels"):
+        parse_config("a: " + "[" * 10 + "]" * 10, source="c.yaml")
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"nope.yaml: cannot read"):
         load_config(str(tmp_path / "nope.yaml"))

@@ -18,7 +18,9 @@ STOCK = EngineInfo("e", "m", 4, (E1, E2, E4, OFF))
 def policy(algorithm: str, extra: str = "", params: str = "{}") -> str:
     return (
         "apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: t}\n"
-        f"spec:\n  algorithm: {{name: {algorithm}, params: {params}}}\n  min_dwell_s: 0\n{extra}"
+        f"spec:\n  algorithm: {{name: {algorithm}, params: {params}}}\n"
+        + ("" if "min_dwell_s:" in extra else "  min_dwell_s: 0\n")
+        + extra
     )
 
 

@@ -20,10 +20,10 @@ STOCK = EngineInfo(
 
 
 def policy(algorithm: str = "discounted_thompson", **spec: object) -> str:
-    extra = "".join(f"  {k}: {v}\n" for k, v in spec.items())
+    extra = "".join(f"  {k}: {v}\n" for k, v in {"min_dwell_s": 0, **spec}.items())
     return (
         "apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: t}\n"
-        f"spec:\n  algorithm: {{name: {algorithm}}}\n  min_dwell_s: 0\n{extra}"
+        f"spec:\n  algorithm: {{name: {algorithm}}}\n{extra}"
     )
 
 

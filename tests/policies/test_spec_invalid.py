@@ -71,6 +71,7 @@ def test_yaml_syntax_error_has_a_line() -> None:
         ("x: " + "y" * (MAX_DOCUMENT_BYTES + 1), "larger than"),
         ("!!python/object:os.system {}", "invalid YAML"),
         ("a: &x [1]\nb: *x\n", "unknown field"),
+        ("a: " + "[" * 20_000 + "]" * 20_000, "nested too deeply"),  # beyond the parser's recursion
     ],
 )
 def test_malformed_documents(text: str, needle: str) -> None:
@@ -149,3 +150,29 @@ def test_a_non_string_algorithm_name_is_a_policy_error() -> None:
     with pytest.raises(PolicyError) as e:
         parse_policy(broken("name: discounted_thompson", "name: []"), source="p.yaml")
     assert e.value.field == "spec.algorithm.name" and e.value.line == 7
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        # PyYAML keeps the last of two equal keys: the first spec (or value) would be dropped unread
+        (
+            "apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: dup}\n"
+            "spec:\n  algorithm: {name: static, params: {arm: 'eagle3:2'}}\nspec:\n  algorithm: {name: ucb1}\n",
+            "p.yaml:6: spec: duplicate key (first on line 4",
+        ),
+        (
+            "apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: dup}\nspec:\n"
+            "  algorithm: {name: ucb1}\n  directive_ttl_s: 10\n  directive_ttl_s: 0.1\n",
+            "p.yaml:7: spec.directive_ttl_s: duplicate key (first on line 6",
+        ),
+        (
+            "apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: a, name: b}\nspec: {algorithm: {name: ucb1}}\n",
+            "p.yaml:3: metadata.name: duplicate key (first on line 3",
+        ),
+    ],
+)
+def test_a_key_given_twice_is_refused_at_its_second_line(text: str, where: str) -> None:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, source="p.yaml")
+    assert str(e.value).startswith(where), str(e.value)

@@ -1,0 +1,95 @@
+"""One YAML document as the project's files read it (policies, the sidecar's config): safe YAML only,
+with the line of every field, and refused when a person would be misled or a parser hurt.
+
+What must hold: a document with a key given twice in one mapping is refused (PyYAML keeps the last
+silently, so the author's first value, maybe a whole ``spec``, would be dropped unread); so is one
+nested deeper than ``max_depth`` or whose aliases expand beyond ``max_nodes`` ("billion laughs"),
+and one that would hit the parser's recursion limit. Errors are ``YamlProblem`` with the line and the
+field path; each caller turns it into its own error type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+
+class YamlProblem(ValueError):
+    """What is wrong with the document, at ``line`` (1-based, None: unknown) and field ``path``."""
+
+    def __init__(self, message: str, *, line: int | None = None, path: str = "") -> None:
+        super().__init__(message)
+        self.message, self.line, self.path = message, line, path
+
+
+class Lines:
+    """Line numbers of every node in a composed document, by field path (``a.b[2].c``)."""
+
+    def __init__(self, *, max_depth: int, max_nodes: int) -> None:
+        self.by_path: dict[str, int] = {}
+        self.max_depth, self.max_nodes = max_depth, max_nodes
+        self.visits = 0
+
+    def walk(self, node: yaml.Node, path: str, depth: int = 0) -> None:
+        # Aliases make the composed document a graph: every visit counts, so that a small document
+        # whose aliases expand exponentially is refused instead of walked.
+        self.visits += 1
+        line = node.start_mark.line + 1
+        if self.visits > self.max_nodes:
+            raise YamlProblem(
+                f"document expands to more than {self.max_nodes} nodes (YAML aliases)", line=line, path=path
+            )
+        if depth > self.max_depth:
+            raise YamlProblem(f"nested deeper than {self.max_depth} levels", line=line, path=path)
+        self.by_path[path] = line
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for k, v in node.value:
+                key = str(k.value) if isinstance(k, yaml.ScalarNode) else "?"
+                at = f"{path}.{key}" if path else key
+                if isinstance(k, yaml.ScalarNode) and key in first:
+                    raise YamlProblem(
+                        f"duplicate key (first on line {first[key]}; YAML would keep only the last)",
+                        line=k.start_mark.line + 1,
+                        path=at,
+                    )
+                first[key] = k.start_mark.line + 1
+                self.by_path.setdefault(at, k.start_mark.line + 1)
+                self.walk(v, at, depth + 1)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                self.walk(v, f"{path}[{i}]", depth + 1)
+
+    def line(self, path: str) -> int | None:
+        """The line of ``path``, else of its nearest parent."""
+        while path:
+            if path in self.by_path:
+                return self.by_path[path]
+            path = path.rpartition(".")[0] if "." in path else ""
+        return self.by_path.get("")
+
+
+def load(text: str, *, max_depth: int, max_nodes: int) -> tuple[Any, Lines]:
+    """The document (None when empty) and its lines. Raises YamlProblem."""
+    lines = Lines(max_depth=max_depth, max_nodes=max_nodes)
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None, lines
+            lines.walk(node, "")
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise YamlProblem(
+            f"invalid YAML: {e.problem or e.context}", line=mark.line + 1 if mark is not None else None
+        ) from None
+    except yaml.YAMLError as e:
+        raise YamlProblem(f"invalid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:  # the composer recurses per level, before ``walk`` can count them
+        raise YamlProblem("document nested too deeply") from None
+    return data, lines
