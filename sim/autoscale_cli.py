@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    problem = output_problem("--json", args.json)
+    problem = output_problem("--json", args.json) or output_problem("--out", args.out, directory=True)
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2

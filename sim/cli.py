@@ -26,7 +26,7 @@ from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
 from sim.engines import ENGINES, EngineModel
-from sim.files import output_problem
+from sim.files import output_problem, replace_file
 from sim.trace import (
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TOKENS,
@@ -76,9 +76,10 @@ def _concurrency(text: str) -> list[int]:
     return sorted(set(levels))
 
 
-def _check_output(flag: str, path: str | None) -> None:
-    """Before a long run: an output file whose directory is missing is a usage error now."""
-    problem = output_problem(flag, path)
+def _check_output(flag: str, path: str | None, *, directory: bool = False, suffix: str = "") -> None:
+    """Before any work: an output that cannot be written there (see ``output_problem``) is a usage
+    error now, not a runtime error after the run."""
+    problem = output_problem(flag, path, directory=directory, suffix=suffix)
     if problem is not None:
         raise _UsageError(problem)
 
@@ -198,6 +199,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
                 )
         executor = make_executor(args.executor, jobs=args.jobs, address=args.address) if compare else None
         prices = load_prices()
+        _check_output("--out", args.out, directory=True)
         if args.out:
             _need_matplotlib("--out")
         _check_output("--json", args.json)
@@ -360,6 +362,10 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
     from sim.steplog import StepLogError, read_steps
 
     try:
+        _check_output("--out", args.out)
+        _check_output("--plot", args.plot, suffix=".png")
+        if args.plot:
+            _need_matplotlib("--plot")
         engines = _engines(args.engine)
         if len(engines) != 1:
             raise _UsageError("--engine: one engine model")
@@ -380,15 +386,19 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
     except (StepLogError, FitError, ProfileError, _UsageError) as e:
         _err(str(e))
         return EXIT_USAGE
+    # The plot first: a profile is never left behind by a plot that failed.
     try:
-        Path(args.out).write_text(text, encoding="utf-8")
         if args.plot:
             residual_plot(fit, Path(args.plot))
-    except ImportError as e:
-        _err(f"--plot: needs matplotlib (pip install 'speccontrol[sim]'): {e}")
-        return EXIT_USAGE
     except OSError as e:
-        _err(f"{args.out}: {e}")
+        _err(f"{args.plot}: {e.strerror or e}")
+        return EXIT_RUNTIME
+    try:
+        replace_file(args.out, text.encode("utf-8"))
+    except OSError as e:
+        if args.plot:
+            Path(args.plot).unlink(missing_ok=True)
+        _err(f"{args.out}: {e.strerror or e}")
         return EXIT_RUNTIME
     if args.json:
         print(json.dumps({"profile": args.out, **fit.summary()}, indent=2))
@@ -440,6 +450,10 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
     if args.scenario not in SCENARIOS:
         _err(f"--scenario: unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
         return EXIT_USAGE
+    problem = output_problem("--out", args.out)
+    if problem is not None:
+        _err(problem)
+        return EXIT_USAGE
     tr = generate(args.scenario, n_requests=args.requests, seed=args.seed)
     write_trace(tr, args.out)
     print(f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens")
@@ -455,6 +469,10 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.tokens is None and (args.min_n, args.max_n, args.max_k) != (4, 5, 8):
         _err("--min-n/--max-n/--max-k: only with --tokens")
+        return EXIT_USAGE
+    problem = output_problem("--out", args.out)
+    if problem is not None:
+        _err(problem)
         return EXIT_USAGE
     try:
         if args.tokens is not None:
@@ -488,6 +506,10 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     from sim.progress import ProgressBar
     from sim.record import read_prompts, record_trace
 
+    problem = output_problem("--out", args.out)
+    if problem is not None:
+        _err(problem)
+        return EXIT_USAGE
     try:
         prompts = read_prompts(args.prompts, default_class=args.traffic_class, max_tokens=args.max_tokens)
     except TraceError as e:
@@ -646,7 +668,7 @@ def register(subparsers: Any) -> None:
         default=0.95,
         help="confidence level of the intervals",
     )
-    p.add_argument("--plot", help="residual plot PNG to write")
+    p.add_argument("--plot", help="residual plot to write (a .png file)")
     p.add_argument("--json", action="store_true", help="print the fit as JSON")
     p.set_defaults(func=cmd_profile_fit)
 

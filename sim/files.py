@@ -31,10 +31,27 @@ def missing_directory(path: str | Path) -> Path | None:
     return None if parent.is_dir() else parent
 
 
-def output_problem(flag: str, path: str | Path | None) -> str | None:
-    """What is wrong with ``path`` as the output file of ``flag`` before a long run (None: nothing, or
-    no output asked for): every command says it in these words."""
-    missing = missing_directory(path) if path else None
+def output_problem(
+    flag: str, path: str | Path | None, *, directory: bool = False, suffix: str = ""
+) -> str | None:
+    """What is wrong with ``path`` as the output of ``flag`` before a long run (None: nothing, or no
+    output asked for, ``path`` None): every command says it in these words, and exits 2 before any
+    work rather than 1 after it. A file's path must name a file (not '', '/' or a directory) in a
+    directory that exists, ending in ``suffix`` when one is given (plots: the format is the
+    extension, so ``x.xyz`` failed after the run and ``x`` became ``x.png``); a ``directory`` (made
+    when missing) must not be a file."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not str(path):
+        return f"{flag} '': not a {'directory' if directory else 'file'} name"
+    if directory:
+        return f"{flag} {path}: is a file, not a directory" if p.exists() and not p.is_dir() else None
+    if p.is_dir() or p.name in ("", ".", ".."):
+        return f"{flag} {path}: is a directory, not a file"
+    if suffix and p.suffix.lower() != suffix:
+        return f"{flag} {path}: must name a {suffix} file"
+    missing = missing_directory(p)
     return None if missing is None else f"{flag} {path}: no directory {missing} to write it in"
 
 

@@ -122,11 +122,33 @@ def _mistakes() -> list[Mistake]:
             2,
             "--concurrency",
         ),
+        # exit 1 after the work; '' and / were ValueError tracebacks
         Mistake(
             "trace generate unwritable",
             ("trace", "generate", "--scenario", "chat", "--requests", "3", "--out", "/nonexistent/t.jsonl"),
-            1,
-            "error: /nonexistent/t.jsonl: No such file",
+            2,
+            "--out /nonexistent/t.jsonl: no directory /nonexistent to write it in",
+        ),
+        Mistake(
+            "trace generate --out ''",
+            ("trace", "generate", "--scenario", "chat", "--requests", "3", "--out", ""),
+            2,
+            "--out '': not a file name",
+        ),
+        Mistake(
+            "trace import --out /", ("trace", "import", "FILE", "--out", "/"), 2, "--out /: is a directory"
+        ),
+        Mistake(
+            "replay --json ''",
+            ("sim", "replay", "--scenario", "chat", "--policy", "default", "--json", ""),
+            2,
+            "--json '': not a file name",
+        ),
+        Mistake(
+            "profile fit --plot p.xyz",
+            ("profile", "fit", "FILE", "--out", "/tmp/never-written.jsonl", "--plot", "p.xyz"),
+            2,
+            "--plot p.xyz: must name a .png file",
         ),
         Mistake(
             "trace import binary", ("trace", "import", "FILE", "--out", "/tmp/never-written.jsonl"), 2, "FILE"

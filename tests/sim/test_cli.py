@@ -263,3 +263,98 @@ def test_a_json_file_with_no_directory_is_refused_before_the_run(
     ]
     assert main(argv) == 2
     assert capsys.readouterr() == ("", f"--json {out}: no directory {out.parent} to write it in\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # ValueError tracebacks ("PosixPath('.') has an empty name")
+        (
+            ["trace", "generate", "--scenario", "chat", "--requests", "2", "--out", ""],
+            "--out '': not a file name",
+        ),
+        (["trace", "import", "TRACE", "--out", "/"], "--out /: is a directory, not a file"),
+        (["trace", "import", "--tokens", "TRACE", "--out", ""], "--out '': not a file name"),
+        # exit 1 after the work
+        (
+            ["trace", "generate", "--scenario", "chat", "--requests", "2", "--out", "DIR/no/t.jsonl"],
+            "--out DIR/no/t.jsonl: no directory DIR/no to write it in",
+        ),
+        # silently ignored: the result went to stdout
+        (
+            ["sim", "replay", "--trace", "TRACE", "--policy", "default", "--json", ""],
+            "--json '': not a file name",
+        ),
+        (
+            ["sim", "replay", "--trace", "TRACE", "--policy", "default", "--out", ""],
+            "--out '': not a directory",
+        ),
+        # found after the run (exit 1)
+        (
+            ["sim", "replay", "--trace", "TRACE", "--policy", "default", "--json", "DIR"],
+            "--json DIR: is a directory",
+        ),
+        (
+            ["sim", "replay", "--trace", "TRACE", "--policy", "default", "--out", "TRACE"],
+            "is a file, not a directory",
+        ),
+        (
+            [
+                "sim",
+                "tune",
+                "--policy",
+                "default",
+                "--param",
+                "explore=0,0.3",
+                "--trace",
+                "TRACE",
+                "--out",
+                "DIR",
+            ],
+            "--out DIR: is a directory, not a file",
+        ),
+        (
+            [
+                "sim",
+                "autoscale",
+                "--duration",
+                "60",
+                "--triple-at",
+                "10",
+                "--json",
+                "DIR/a.json",
+                "--out",
+                "TRACE",
+            ],
+            "--out TRACE: is a file, not a directory",
+        ),
+        # a traceback after the fit, with the profile written; x silently became x.png
+        (
+            ["profile", "fit", "STEPS", "--out", "DIR/p.yaml", "--plot", "DIR/p.xyz"],
+            "--plot DIR/p.xyz: must name a .png",
+        ),
+        (
+            ["profile", "fit", "STEPS", "--out", "DIR/p.yaml", "--plot", "DIR/p"],
+            "--plot DIR/p: must name a .png file",
+        ),
+        (["profile", "fit", "STEPS", "--out", "", "--plot", "DIR/p.png"], "--out '': not a file name"),
+        (["profile", "fit", "STEPS", "--out", "DIR/p.yaml", "--plot", "DIR/no/p.png"], "no directory DIR/no"),
+    ],
+)
+def test_outputs_that_cannot_be_written_are_usage_errors_before_any_work(
+    hand_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    from sim.steplog import write_steps
+    from tests.sim.test_fit import synthetic
+
+    d = tmp_path / "d"
+    d.mkdir()
+    write_steps(tmp_path / "s.jsonl", synthetic(50, 1))
+    sub = {"TRACE": str(hand_trace), "STEPS": str(tmp_path / "s.jsonl"), "DIR": str(d)}
+    for k, v in sub.items():
+        argv = [a.replace(k, v) for a in argv]
+        says = says.replace(k, v)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not list(d.iterdir())  # nothing written

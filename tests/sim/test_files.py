@@ -42,7 +42,37 @@ def test_missing_directory_names_the_directory_a_file_would_go_in(tmp_path: Path
 
 
 def test_output_problem_is_the_one_message_every_command_gives(tmp_path: Path) -> None:
-    assert output_problem("--json", None) is None and output_problem("--json", "") is None  # none asked for
+    assert output_problem("--json", None) is None  # none asked for
     assert output_problem("--json", tmp_path / "r.json") is None
     out = tmp_path / "no" / "r.json"
     assert output_problem("--out", out) == f"--out {out}: no directory {out.parent} to write it in"
+
+
+@pytest.mark.parametrize(
+    ("path", "kw", "says"),
+    [
+        # '' was ignored (the result went to stdout) or a ValueError traceback ("has an empty name")
+        ("", {}, "--out '': not a file name"),
+        ("", {"directory": True}, "--out '': not a directory name"),
+        ("/", {}, "--out /: is a directory, not a file"),
+        ("DIR", {}, "--out DIR: is a directory, not a file"),
+        ("DIR/.", {}, "--out DIR/.: is a directory, not a file"),
+        ("FILE", {"directory": True}, "--out FILE: is a file, not a directory"),
+        ("FILE/x.json", {}, "--out FILE/x.json: no directory FILE to write it in"),
+        # a plot's format is its extension: x.xyz failed after the run, and x silently became x.png
+        ("DIR/p.xyz", {"suffix": ".png"}, "--out DIR/p.xyz: must name a .png file"),
+        ("DIR/p", {"suffix": ".png"}, "--out DIR/p: must name a .png file"),
+        ("DIR/p.PNG", {"suffix": ".png"}, None),
+        ("DIR", {"directory": True}, None),
+        ("DIR/new", {"directory": True}, None),  # made by the command
+    ],
+)
+def test_an_output_that_cannot_be_written_there_is_named_before_the_run(
+    tmp_path: Path, path: str, kw: dict[str, object], says: str | None
+) -> None:
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "FILE").write_text("x")
+    full = path.replace("DIR", str(tmp_path / "DIR")).replace("FILE", str(tmp_path / "FILE"))
+    got = output_problem("--out", full, **kw)  # type: ignore[arg-type]
+    expected = says and says.replace("DIR", str(tmp_path / "DIR")).replace("FILE", str(tmp_path / "FILE"))
+    assert got == expected
