@@ -37,8 +37,8 @@ with the same arithmetic.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,13 +264,20 @@ class Profile:
 
 #: The longest draft a profile's EAGLE-3 fit can have been measured at (K is at most 64 everywhere).
 MAX_FIT_K = 64
+#: Physical ranges of a profile's figures (beyond them a replay's figures mean nothing, or overflow):
+#: a step lasts 1 us..1 h (the sidecar's telemetry bounds), no GPU spends a second per token, and
+#: memory sizes stay below a petabyte.
+MIN_STEP_S = 1e-6
+MAX_STEP_S = 3600.0
+MAX_S_PER_TOKEN = 1.0
+MAX_GB = 1e6
 
 
-def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0) -> float:
+def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0, hi: float = MAX_STEP_S) -> float:
     v = d.get(key)
     # A comparison chain: NaN fails it, and so does an integer beyond a double's range (float() of it
-    # would raise OverflowError); a profile's times and sizes are finite.
-    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= sys.float_info.max:
+    # would raise OverflowError).
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
         hint = ""
         if isinstance(v, str):
             try:
@@ -278,7 +285,7 @@ def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0) -> floa
                 hint = f" (YAML reads {v} as text: write it with a decimal point, e.g. 1.0e-4)"
             except ValueError:
                 pass
-        raise ProfileError(f"{where}.{key}: expected a finite number >= {lo}, got {v!r:.60}{hint}")
+        raise ProfileError(f"{where}.{key}: expected a number {lo:g}..{hi:g}, got {v!r:.60}{hint}")
     return float(v)
 
 
@@ -295,8 +302,55 @@ def _map(d: Any, where: str) -> Mapping[str, Any]:
     return d
 
 
+def _text(d: Mapping[str, Any], key: str, where: str, *, default: str | None = None) -> str:
+    """A string field (``str()`` took a list as its text: ``name: [1, 2]`` was the profile ``[1, 2]``)."""
+    v = d.get(key, default)
+    if v is None:
+        raise KeyError(key)
+    if not isinstance(v, str) or (default is None and not v):
+        raise ProfileError(
+            f"{where}{key}: expected {'a non-empty' if default is None else 'a'} string, got {v!r:.60}"
+        )
+    return v
+
+
 def _linear(d: Mapping[str, Any], where: str, batched_key: str = "batched_s_per_token") -> Linear:
-    return Linear(_num(d, "kv_s_per_token", where), _num(d, batched_key, where), _num(d, "const_s", where))
+    return Linear(
+        _num(d, "kv_s_per_token", where, hi=MAX_S_PER_TOKEN),
+        _num(d, batched_key, where, hi=MAX_S_PER_TOKEN),
+        _num(d, "const_s", where),
+    )
+
+
+@functools.cache
+def _gpu_price_keys() -> frozenset[str]:
+    from sim.prices import load_prices
+
+    return frozenset(load_prices().gpu_hour)
+
+
+def _check_physics(p: Profile) -> None:
+    """What each figure in range can still get wrong together: a step that takes no time (its
+    throughput is infinite, or 0 tok/s where a division guards it, and sim autoscale's learning curve
+    had no samples) and a model that does not fit in the memory given to it."""
+    t = p.plain_step_time(1, 0)
+    if not t >= MIN_STEP_S:
+        raise ProfileError(
+            f"target.const_s: a step of one request takes {t:g} s (target + overhead_s): at least "
+            f"{MIN_STEP_S:g} s, as every engine step"
+        )
+    m = p.memory
+    if m.kv_room_gb() <= 0:
+        usable = m.gpu_memory_gb * m.num_gpus * m.gpu_memory_utilization
+        raise ProfileError(
+            f"memory.weights_gb: weights {m.weights_gb:g} GB + draft {m.draft_weights_gb:g} GB + reserve "
+            f"{m.reserve_gb * m.num_gpus:g} GB leave no room for the KV cache in the usable {usable:g} GB"
+        )
+    if p.gpu_price_key not in _gpu_price_keys():
+        raise ProfileError(
+            f"gpu_price: unknown GPU {p.gpu_price_key!r} (sim/data/prices.yaml has: "
+            f"{', '.join(sorted(_gpu_price_keys()))})"
+        )
 
 
 def _draft_cost(e3: Mapping[str, Any], source: str) -> DraftCost:
@@ -350,48 +404,53 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             m = _map(moe_d, f"{source}: moe")
             experts = _count(m, "num_experts", "moe", lo=1, hi=1 << 16)
             moe = MoE(
-                _num(m, "expert_bytes_per_gpu", "moe"),
+                _num(m, "expert_bytes_per_gpu", "moe", hi=MAX_GB * 1e9),
                 experts,
                 _count(m, "experts_per_token", "moe", lo=1, hi=experts),  # a token reads at most all of them
-                _num(m, "bandwidth_bytes_per_s", "moe", lo=1.0),
-                _num(m, "efficiency", "moe", lo=1e-3),
+                _num(m, "bandwidth_bytes_per_s", "moe", lo=1.0, hi=1e18),
+                _num(m, "efficiency", "moe", lo=1e-3, hi=1.0),
             )
-        return Profile(
-            name=str(d["name"]),
-            description=str(d.get("description", "")),
-            model=str(d["model"]),
-            hardware=str(d["hardware"]),
-            derivation=str(d.get("derivation", "")),
+        sources = d.get("sources", [])
+        if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
+            raise ProfileError(f"sources: expected a list of strings, got {sources!r:.60}")
+        profile = Profile(
+            name=_text(d, "name", ""),
+            description=_text(d, "description", "", default=""),
+            model=_text(d, "model", ""),
+            hardware=_text(d, "hardware", ""),
+            derivation=_text(d, "derivation", "", default=""),
             target=_linear(_map(d.get("target"), f"{source}: target"), "target"),
             eagle3_draft=_linear(e3, "draft.eagle3", "spec_s_per_token"),
             fit_k=_count(e3, "fit_k", "draft.eagle3", lo=1, hi=MAX_FIT_K),
             eagle3_cost=_draft_cost(e3, source),
-            p_eagle_pass_forwards=_num(pe, "pass_forwards", "draft.p_eagle"),
+            p_eagle_pass_forwards=_num(pe, "pass_forwards", "draft.p_eagle", hi=MAX_FIT_K),
             p_eagle_slot_s=_num(pe, "slot_s", "draft.p_eagle") if "slot_s" in pe else 0.0,
-            ngram_verify_fraction=_num(ng, "verify_fraction", "draft.ngram"),
+            ngram_verify_fraction=_num(ng, "verify_fraction", "draft.ngram", hi=1.0),
             overhead_s=_num(d, "overhead_s", "profile"),
             memory=Memory(
-                gpu=str(mem["gpu"]),
-                gpu_memory_gb=_num(mem, "gpu_memory_gb", "memory", lo=1.0),
+                gpu=_text(mem, "gpu", "memory."),
+                gpu_memory_gb=_num(mem, "gpu_memory_gb", "memory", lo=1.0, hi=MAX_GB),
                 num_gpus=_count(mem, "num_gpus", "memory", lo=1, hi=4096),
-                weights_gb=_num(mem, "weights_gb", "memory"),
-                draft_weights_gb=_num(mem, "draft_weights_gb", "memory"),
-                kv_bytes_per_token=_num(mem, "kv_bytes_per_token", "memory", lo=1.0),
-                reserve_gb=_num(mem, "reserve_gb", "memory"),
-                gpu_memory_utilization=_num(mem, "gpu_memory_utilization", "memory", lo=0.01),
+                weights_gb=_num(mem, "weights_gb", "memory", hi=MAX_GB),
+                draft_weights_gb=_num(mem, "draft_weights_gb", "memory", hi=MAX_GB),
+                kv_bytes_per_token=_num(mem, "kv_bytes_per_token", "memory", lo=1.0, hi=MAX_GB * 1e9),
+                reserve_gb=_num(mem, "reserve_gb", "memory", hi=MAX_GB),
+                gpu_memory_utilization=_num(mem, "gpu_memory_utilization", "memory", lo=0.01, hi=1.0),
             ),
-            gpu_price_key=str(d["gpu_price"]),
-            api_price_key=str(d.get("api_price", "")),
+            gpu_price_key=_text(d, "gpu_price", ""),
+            api_price_key=_text(d, "api_price", "", default=""),
             moe=moe,
-            sources=tuple(str(s) for s in d.get("sources", [])),
+            sources=tuple(sources),
             **_host_section(d, source),
         )
+        _check_physics(profile)
+        return profile
     except KeyError as e:
         raise ProfileError(f"{source}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
-        if isinstance(e, ProfileError):
-            raise
-        raise ProfileError(f"{source}: {e}") from None
+        # Every message names the file, then the field.
+        msg = str(e)
+        raise ProfileError(msg if msg.startswith(f"{source}: ") else f"{source}: {msg}") from None
 
 
 def _profile_dir() -> Path:

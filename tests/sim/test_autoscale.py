@@ -1,5 +1,7 @@
 """The HPA model and the fleet's fluid queue (synthetic replicas; the measured ones are slow)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,24 @@ def test_a_run_that_cannot_report_is_refused_before_it_starts(
     assert main(["sim", "autoscale", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.err == says and "measuring" not in captured.err
+
+
+def test_a_profile_whose_steps_take_no_time_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # LearningCurve.at raised IndexError (no samples) after a 7 s measurement.
+    import yaml
+
+    from sim.cli import main
+    from sim.costmodel import _profile_dir
+
+    doc = yaml.safe_load((_profile_dir() / "llama-3.1-8b-h100.yaml").read_text())
+    doc["target"] = {"kv_s_per_token": 0, "batched_s_per_token": 0, "const_s": 0}
+    doc["overhead_s"] = 0
+    p = tmp_path / "zero.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    argv = ["sim", "autoscale", "--profile", str(p), "--duration", "60", "--triple-at", "10"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"{p}: target.const_s: a step of one request takes 0 s")
+    assert "measuring" not in captured.err

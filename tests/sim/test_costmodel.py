@@ -305,14 +305,14 @@ def test_a_flat_plugin_section_is_one_charge_for_every_mode_and_a_mode_overrides
         (
             "plugin",
             {"composite": {"step_s": float("nan"), "per_request_s": 0.0}},
-            r"composite\.step_s: expected a finite",
+            r"composite\.step_s: expected a number 0\.\.3600, got (nan|inf)",
         ),
         (
             "plugin",
             {"composite": {"step_s": float("inf"), "per_request_s": 0.0}},
-            r"composite\.step_s: expected a finite",
+            r"composite\.step_s: expected a number 0\.\.3600, got (nan|inf)",
         ),
-        ("scheduling", {"sync_step_s": float("nan")}, "sync_step_s: expected a finite"),
+        ("scheduling", {"sync_step_s": float("nan")}, "sync_step_s: expected a number 0..3600, got nan"),
     ],
 )
 def test_bad_host_sections_are_one_clear_error(section: str, value: object, match: str) -> None:
@@ -349,12 +349,12 @@ def _shipped(name: str) -> dict[str, Any]:
         (
             ("overhead_s",),
             "1e-4",
-            r"overhead_s: expected a finite number >= 0\.0, got '1e-4' \(YAML reads 1e-4 as text",
+            r"p\.yaml: profile\.overhead_s: expected a number 0\.\.3600, got '1e-4' \(YAML reads 1e-4 as text",
         ),
         # beyond a double's range: float() of them raised OverflowError, a traceback
-        (("overhead_s",), 10**400, r"profile\.overhead_s: expected a finite number >= 0\.0, got 1000"),
-        (("target", "const_s"), 2**1100, r"target\.const_s: expected a finite number"),
-        (("moe", "efficiency"), -(10**400), r"moe\.efficiency: expected a finite number"),
+        (("overhead_s",), 10**400, r"profile\.overhead_s: expected a number 0\.\.3600, got 1000"),
+        (("target", "const_s"), 2**1100, r"target\.const_s: expected a number 0\.\.3600"),
+        (("moe", "efficiency"), -(10**400), r"moe\.efficiency: expected a number 0\.001\.\.1"),
     ],
 )
 def test_counts_are_integers_in_range_and_numbers_written_as_text_get_a_hint(
@@ -365,5 +365,53 @@ def test_counts_are_integers_in_range_and_numbers_written_as_text_get_a_hint(
     for k in path[:-1]:
         node = node[k]
     node[path[-1]] = value
+    with pytest.raises(ProfileError, match=says):
+        parse_profile(doc, source="p.yaml")
+
+
+def _zero_costs(doc: dict[str, Any]) -> None:
+    doc["target"] = {"kv_s_per_token": 0, "batched_s_per_token": 0, "const_s": 0}
+    doc["overhead_s"] = 0
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        # replayed at 0 tok/s with 0 ms latencies; sim autoscale: an IndexError traceback
+        (_zero_costs, r"p\.yaml: target\.const_s: a step of one request takes 0 s"),
+        # overflow warnings and 0 tok/s
+        (lambda d: d["target"].update(const_s=1e308), r"target\.const_s: expected a number 0\.\.3600"),
+        (
+            lambda d: d["target"].update(kv_s_per_token=5.0),
+            r"target\.kv_s_per_token: expected a number 0\.\.1,",
+        ),
+        (
+            lambda d: d["draft"]["ngram"].update(verify_fraction=3),
+            r"draft\.ngram\.verify_fraction: .* 0\.\.1,",
+        ),
+        # a cost of null, silently
+        (
+            lambda d: d.update(gpu_price="nope"),
+            r"p\.yaml: gpu_price: unknown GPU 'nope' \(sim/data/prices\.yaml",
+        ),
+        (lambda d: d.update(gpu_price=3), r"gpu_price: expected a non-empty string, got 3"),
+        # reported as the profile "[1, 2]"
+        (lambda d: d.update(name=[1, 2]), r"p\.yaml: name: expected a non-empty string, got \[1, 2\]"),
+        (lambda d: d.update(sources="one"), r"sources: expected a list of strings"),
+        (lambda d: d["memory"].update(gpu=None), r"p\.yaml: missing field 'gpu'"),
+        # a model that does not fit, taken without a word
+        (
+            lambda d: d["memory"].update(weights_gb=1000),
+            r"memory\.weights_gb: weights 1000 GB .* leave no room",
+        ),
+        (
+            lambda d: d["memory"].update(gpu_memory_utilization=50),
+            r"gpu_memory_utilization: expected a number",
+        ),
+    ],
+)
+def test_profiles_outside_physics_are_refused_naming_the_field(change: Any, says: str) -> None:
+    doc = _shipped("llama-3.1-8b-h100")
+    change(doc)
     with pytest.raises(ProfileError, match=says):
         parse_profile(doc, source="p.yaml")
