@@ -6,7 +6,6 @@ Every field has a default, so the sidecar serves with no file at all. Errors rea
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
@@ -308,8 +307,11 @@ def _number(cfg: SidecarConfig, name: str, lo: float, hi: float) -> None:
     v = getattr(cfg, name)
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise ConfigError(f"expected a number, got {type(v).__name__} {v!r}", field=name)
-    if not math.isfinite(v) or not lo <= v <= hi:
-        raise ConfigError(f"must be between {lo} and {hi}, got {v!r}", field=name)
+    if not lo <= v <= hi:  # NaN fails it too; an integer beyond a double's range never reaches float()
+        shown = (
+            repr(v) if not isinstance(v, int) or abs(v) < 1e18 else f"an integer of {len(str(abs(v)))} digits"
+        )
+        raise ConfigError(f"must be between {lo} and {hi}, got {shown}", field=name)
     object.__setattr__(cfg, name, float(v))
 
 

@@ -18,6 +18,11 @@ METHOD_CODES: dict[Method, int] = {m: i for i, m in enumerate(Method)}
 METHODS_BY_CODE: tuple[Method, ...] = tuple(Method)
 
 
+#: The longest draft an arm may name: vLLM's own bound on num_speculative_tokens is far below it, and
+#: the wire protocol refuses an engine's max_k above it.
+MAX_K = 64
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class Arm:
     """A speculation configuration. ``off`` is the only method with K = 0 and always has K = 0."""
@@ -35,6 +40,8 @@ class Arm:
                 raise ValueError(f"arm 'off' has k = 0, got k = {self.k}")
         elif self.k < 1:
             raise ValueError(f"arm '{self.method}' needs k >= 1 (use 'off' for no speculation), got {self.k}")
+        elif self.k > MAX_K:
+            raise ValueError(f"arm '{self.method}': k must be at most {MAX_K}, got {self.k}")
 
     @classmethod
     def parse(cls, text: str) -> Arm:
@@ -50,11 +57,10 @@ class Arm:
         except ValueError:
             known = ", ".join(x.value for x in Method)
             raise ValueError(f"arm {s!r}: unknown method {method!r} (known: {known})") from None
-        try:
-            kv = int(k)
-        except ValueError:
-            raise ValueError(f"arm {s!r}: k must be an integer") from None
-        return cls(m, kv)
+        # digits only: int() also takes "1_0", "+3" and " 3"
+        if not (k.isascii() and k.isdigit() and len(k) <= 3 and 1 <= int(k) <= MAX_K):
+            raise ValueError(f"arm {s!r}: k must be an integer 1..{MAX_K}")
+        return cls(m, int(k))
 
     @property
     def speculates(self) -> bool:

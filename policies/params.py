@@ -30,6 +30,8 @@ class Param:
                 raise ValueError(f"{name}: expected an integer, got {value!r}")
             value = int(value)
         else:
+            if isinstance(value, int) and abs(value) > 1e308:  # float() would raise OverflowError
+                raise ValueError(f"{name}: must be finite, got an integer of {len(str(abs(value)))} digits")
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"{name}: must be finite, got {value!r}")

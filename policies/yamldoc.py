@@ -92,4 +92,8 @@ def load(text: str, *, max_depth: int, max_nodes: int) -> tuple[Any, Lines]:
         raise YamlProblem(f"invalid YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:  # the composer recurses per level, before ``walk`` can count them
         raise YamlProblem("document nested too deeply") from None
+    except YamlProblem:
+        raise
+    except ValueError as e:  # int() of a number beyond Python's 4,300-digit limit, in the constructor
+        raise YamlProblem(f"invalid value: {str(e).splitlines()[0]}") from None
     return data, lines

@@ -56,6 +56,10 @@ def test_file_values_are_typed(tmp_path: Path) -> None:
             "c.yaml:1: log_level: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'LOUD'",
         ),
         ("decision_tick_s: true\n", "c.yaml:1: decision_tick_s: expected a number, got bool True"),
+        (
+            "snapshot_interval_s: 1" + "0" * 400 + "\n",
+            "c.yaml:1: snapshot_interval_s: must be between 0.1 and 86400.0, got an integer of 401 digits",
+        ),
     ],
 )
 def test_errors_name_file_line_and_field(text: str, expected: str) -> None:

@@ -26,6 +26,8 @@ def doc(algorithm: str, params: str) -> str:
         ("sw_ucb", "{window: 1}", ">= 2"),
         ("sw_ucb", "{window: 2.5}", "integer"),
         ("hedge", "{eta: .nan}", "finite"),
+        # an integer beyond a double's range: float() raised OverflowError
+        ("hedge", "{eta: 1" + "0" * 400 + "}", "must be finite, got an integer of 401 digits"),
         ("ngram_fallback", "{k: 0}", ">= 1"),
         ("thompson", "{discount: 0.9}", "unknown parameter"),
     ],
