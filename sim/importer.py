@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from policies.arms import Method
-from policies.prompt_lookup import match_ngram
 from sim.trace import (
     DEFAULT_LIMITS,
     MAX_ARRIVAL_S,
@@ -95,6 +94,17 @@ def _request_names(obj: dict[str, Any], lineno: int, fail: Any) -> tuple[str, st
     return rid, cls
 
 
+def _arrival(obj: dict[str, Any], fail: Any) -> float:
+    """A line's ``arrival_s`` (NaN when absent: a trace has arrivals on every request or on none).
+    One out of range is refused: it used to drop every request's arrival silently."""
+    arr: Any = obj.get("arrival_s")
+    if arr is None:
+        return float("nan")
+    if not _is_num(arr) or not 0 <= arr <= MAX_ARRIVAL_S:
+        raise fail("arrival_s", f"must be a number 0..{MAX_ARRIVAL_S:g}, got {arr!r:.60}")
+    return float(arr)
+
+
 def _response_token_ids(obj: dict[str, Any]) -> tuple[Any, Any]:
     """(prompt token ids, output token ids) of a response asked with ``return_token_ids`` (None where
     absent): the completions API puts both on the choice, the chat API the prompt's on the response."""
@@ -126,6 +136,7 @@ def import_vllm_metrics(
         raise TraceError(f"cannot import method {method.value!r}", source=str(path))
     p = Path(path)
     ids: list[str] = []
+    seen: set[str] = set()  # ids' membership: a list made the import quadratic in its responses
     classes: list[str] = []
     prompt: list[int] = []
     out: list[int] = []
@@ -179,13 +190,22 @@ def import_vllm_metrics(
                 f"metrics.speculative_decoding.per_step_accepted[{over}]",
                 f"{pa[over]} accepted of {pd[over]} drafted: a step accepts at most what it drafted",
             )
+        before_last = 1 + sum(pa[:-1]) + len(pa[:-1])  # prefill's token, then a + 1 per step
+        if pa and before_last >= n_out:
+            raise fail(
+                "metrics.speculative_decoding.per_step_accepted",
+                f"{len(pa)} steps emit more than usage.completion_tokens ({n_out}): {before_last} tokens "
+                "before the last step",
+            )
         rid, cls = _request_names(obj, lineno, fail)
-        ids.append(rid if rid not in ids else f"{rid}-{lineno}")
+        while rid in seen:  # a repeated id gets its line number, as often as it takes to be unique
+            rid = f"{rid}-{lineno}"
+        seen.add(rid)
+        ids.append(rid)
         classes.append(cls)
         prompt.append(n_in)
         out.append(n_out)
-        arr: Any = obj.get("arrival_s")
-        arrival.append(float(arr) if _is_num(arr) and 0 <= arr <= MAX_ARRIVAL_S else float("nan"))
+        arrival.append(_arrival(obj, fail))
         acc.append(counts_from_steps(n_out, pa, pd))
         max_k = max([max_k, *pd])
         if ngram is not None:
@@ -245,6 +265,8 @@ def import_vllm_metrics(
 #: The longest n-gram draft scored per position (acc.ngram is capped here, as the generator's counts).
 NGRAM_HORIZON = MAX_K_LIMIT
 _TOKEN_ID_MAX = (1 << 31) - 1
+#: The longest n-gram matched, as the plugin's n-gram proposer and ``trace record`` take it.
+MAX_NGRAM = 63
 
 
 def ngram_columns(
@@ -257,16 +279,35 @@ def ngram_columns(
     earlier, earliest occurrence) drafts the tokens that followed the match; the proposal is that
     draft's length capped at ``max_k``, and the count is how many of its first ``NGRAM_HORIZON``
     tokens equal the output tokens that really came next (exact under greedy decoding).
+
+    The same matches as ``match_ngram`` at every position, found in an index of each n-gram's first
+    occurrence that grows by one token per position: calling the matcher per position rescanned the
+    whole history, quadratic in the request's length (60k tokens took minutes).
     """
     tokens = np.concatenate([prompt_ids, output_ids]).astype(np.int32)
+    raw = tokens.tobytes()  # n-gram keys: exact byte slices, 4 bytes per token
+    w = tokens.itemsize
     p, n = len(prompt_ids), len(output_ids)
     acc = np.zeros(n, dtype=np.int32)
     proposal = np.zeros(n, dtype=np.int32)
+    first: list[dict[bytes, int]] = [{} for _ in range(max_n + 1)]  # by length: key -> earliest start
+    indexed = 0  # n-grams ending before this position are in ``first``
     for t in range(n):
         end = p + t + 1  # tokens the engine holds after output token t
-        draft = match_ngram(tokens[:end], min_n, max_n, 1 << 30, NGRAM_HORIZON)
-        if not len(draft):
+        # A match must end before the last token (it cannot be the suffix itself).
+        while indexed < end - 1:
+            indexed += 1
+            for m in range(min_n, min(max_n, indexed) + 1):
+                first[m].setdefault(raw[(indexed - m) * w : indexed * w], indexed - m)
+        start = None
+        for m in range(min(max_n, end - 1), min_n - 1, -1):
+            hit = first[m].get(raw[(end - m) * w : end * w])
+            if hit is not None:
+                start = hit + m
+                break
+        if start is None:
             continue
+        draft = tokens[start : start + min(NGRAM_HORIZON, end - start)]
         proposal[t] = min(len(draft), max_k)
         nxt = tokens[end : end + len(draft)]
         same = draft[: len(nxt)] == nxt
@@ -297,8 +338,8 @@ def import_token_ids(
     ``class`` (or ``traffic_class``), ``arrival_s`` and ``acc`` (per-position counts of other methods,
     e.g. ``{"eagle3": [...]}``, ``output_token_ids`` entries each; on every line or on none).
     """
-    if not 1 <= min_n <= max_n:
-        raise ValueError(f"--min-n/--max-n: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+    if not 1 <= min_n <= max_n <= MAX_NGRAM:
+        raise ValueError(f"--min-n/--max-n: need 1 <= min_n <= max_n <= {MAX_NGRAM}, got {min_n}, {max_n}")
     if not 1 <= max_k <= MAX_K_LIMIT:
         raise ValueError(f"--max-k: must be 1..{MAX_K_LIMIT}, got {max_k}")
     p = Path(path)
@@ -352,8 +393,7 @@ def import_token_ids(
         seen.add(rid)
         ids.append(rid)
         classes.append(cls)
-        arr: Any = obj.get("arrival_s")
-        arrival.append(float(arr) if _is_num(arr) and 0 <= arr <= MAX_ARRIVAL_S else float("nan"))
+        arrival.append(_arrival(obj, fail))
         prompt.append(len(pids))
         out.append(len(oids))
         a, prop = ngram_columns(pids, oids, min_n=min_n, max_n=max_n, max_k=max_k)

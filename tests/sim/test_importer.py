@@ -127,3 +127,60 @@ def test_an_import_is_refused_or_writes_a_trace_its_own_reader_accepts(
     back = read_trace(d / "t.jsonl")
     assert back.ids == t.ids and back.classes == t.classes
     assert back.output_tokens.tolist() == [n_out]
+
+
+def _response(**extra: Any) -> str:
+    r = {
+        "usage": {"prompt_tokens": 10, "completion_tokens": 8},
+        "metrics": {"speculative_decoding": {"per_step_accepted": [2, 1, 0], "per_step_drafted": [3, 3, 3]}},
+    }
+    return json.dumps({**r, **extra})
+
+
+def test_repeated_ids_are_renamed_to_ids_no_other_line_has(tmp_path: Path) -> None:
+    # a, a-3, a: the third became a-3, which the trace reader refused as a duplicate.
+    src = tmp_path / "dup.jsonl"
+    src.write_text("\n".join(_response(id=i) for i in ("a", "a-3", "a", "a", "a-3")) + "\n")
+    t = import_vllm_metrics(src)
+    assert t.ids == ("a", "a-3", "a-3-3", "a-4", "a-3-5")
+    write_trace(t, tmp_path / "t.jsonl")
+    assert main(["trace", "validate", str(tmp_path / "t.jsonl")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("lines", "says"),
+    [
+        # one bad arrival_s silently dropped every request's arrival
+        (
+            [_response(arrival_s=0.5), _response(arrival_s=-3)],
+            ":2: arrival_s: must be a number 0..1e+09, got -3",
+        ),
+        ([_response(arrival_s="soon")], ":1: arrival_s: must be a number"),
+        # 5 steps emitting 30 tokens for a 3-token completion were cut to fit without a word
+        (
+            [
+                json.dumps(
+                    {
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 3},
+                        "metrics": {
+                            "speculative_decoding": {
+                                "per_step_accepted": [5] * 5,
+                                "per_step_drafted": [5] * 5,
+                            }
+                        },
+                    }
+                )
+            ],
+            ":1: metrics.speculative_decoding.per_step_accepted: 5 steps emit more than usage.completion_tokens (3)",
+        ),
+    ],
+)
+def test_what_the_trace_cannot_hold_is_refused_not_dropped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lines: list[str], says: str
+) -> None:
+    src = tmp_path / "r.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["trace", "import", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith(f"{src}{says}")
+    assert not out.exists()

@@ -175,3 +175,74 @@ def test_only_one_token_requests_are_refused_as_the_reader_would(
         == f"{src}: every request has 1 output token (prefill's): a replay needs one with >= 2\n"
     )
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def _per_position(
+    prompt: np.ndarray, out: np.ndarray, min_n: int, max_n: int, max_k: int
+) -> tuple[list[int], list[int]]:
+    """The implementation before the index: ``match_ngram`` over the whole history at every position."""
+    from policies.prompt_lookup import match_ngram
+
+    tokens = np.concatenate([prompt, out]).astype(np.int32)
+    acc, prop = [], []
+    for t in range(len(out)):
+        end = len(prompt) + t + 1
+        draft = match_ngram(tokens[:end], min_n, max_n, 1 << 30, 64)
+        nxt = tokens[end : end + len(draft)]
+        same = draft[: len(nxt)] == nxt
+        acc.append(0 if not len(draft) else (len(nxt) if same.all() else int(np.argmin(same))))
+        prop.append(min(len(draft), max_k))
+    return acc, prop
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_index_finds_what_the_matcher_found_at_every_position(seed: int) -> None:
+    # ngram_columns called match_ngram per position: quadratic in the request (60k tokens: minutes).
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.choice([2, 5, 50]))
+    prompt = rng.integers(0, vocab, int(rng.integers(0, 300)))
+    out = rng.integers(0, vocab, int(rng.integers(200, 500)))
+    if len(prompt):
+        out[100:160] = np.resize(prompt, 60)  # a copied span
+    min_n = int(rng.integers(1, 6))
+    max_n = min_n + int(rng.integers(0, 4))
+    acc, prop = ngram_columns(prompt, out, min_n=min_n, max_n=max_n, max_k=8)
+    assert (acc.tolist(), prop.tolist()) == _per_position(prompt, out, min_n, max_n, 8)
+
+
+def test_a_long_request_imports(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    src = _write(
+        tmp_path / "long.jsonl",
+        {"prompt_token_ids": [1, 2, 3], "output_token_ids": rng.integers(0, 1000, 60_000).tolist()},
+    )
+    assert main(["trace", "import", "--tokens", str(src), "--out", str(tmp_path / "o.jsonl")]) == 0
+    assert read_trace(tmp_path / "o.jsonl").total_output_tokens == 60_000
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(64, 64), (100_000, 100_000), (1, 64), (0, 4)])
+def test_ngram_sizes_are_bounded_as_trace_record_bounds_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lo: int, hi: int
+) -> None:
+    # 100000 was taken: slow, and written into a header that trace validate refuses.
+    src = _write(tmp_path / "t.jsonl", {"prompt_token_ids": [1], "output_token_ids": [2, 3]})
+    out = tmp_path / "o.jsonl"
+    assert (
+        main(
+            [
+                "trace",
+                "import",
+                "--tokens",
+                str(src),
+                "--min-n",
+                str(lo),
+                "--max-n",
+                str(hi),
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
+    assert f"need 1 <= min_n <= max_n <= 63, got {lo}, {hi}" in capsys.readouterr().err
+    assert not out.exists()
