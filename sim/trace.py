@@ -139,9 +139,17 @@ class TraceLimits:
     max_decompressed_bytes: int = 16 << 30
     max_line_bytes: int = 64 << 20
     max_depth: int = 32
+    #: Blank lines are read one at a time: a 400 KB gzip of 400M newlines took minutes to refuse.
+    max_blank_lines: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for f in ("max_file_bytes", "max_decompressed_bytes", "max_line_bytes", "max_depth"):
+        for f in (
+            "max_file_bytes",
+            "max_decompressed_bytes",
+            "max_line_bytes",
+            "max_depth",
+            "max_blank_lines",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"TraceLimits.{f}: must be an integer >= 1, got {v!r}")
@@ -200,6 +208,7 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
         raise TraceError(f"file is {size} bytes, over the limit of {limits.max_file_bytes}", source=source)
     lineno = 0
     total = 0
+    blank = 0
     try:
         with _open_text(path) as f:
             while True:
@@ -223,6 +232,12 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
                     )
                 if text.strip():
                     yield lineno, text
+                else:
+                    blank += 1
+                    if blank > limits.max_blank_lines:
+                        raise TraceError(
+                            f"more than {limits.max_blank_lines} blank lines", source=source, line=lineno
+                        )
     except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile, zlib.error) as e:
         raise TraceError(f"cannot read: {e}", source=source) from None
 
@@ -513,7 +528,7 @@ def _parse(
     if hdr is not None and reqs:
         has = [not math.isnan(r.arrival) for r in reqs]
         if any(has) and not all(has):
-            errs.line = next(i for i, r in enumerate(reqs) if math.isnan(r.arrival)) + 2
+            errs.line = seen[next(r.id for r in reqs if math.isnan(r.arrival))]
             errs("arrival_s", "given on some requests but not on this one (all or none)")
         has = [r.proposal is not None for r in reqs]
         if any(has) and not all(has):

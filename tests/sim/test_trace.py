@@ -123,3 +123,13 @@ def test_corrupt_gzip_is_one_error(tmp_path: Path) -> None:
     p.write_bytes(gzip.compress(json.dumps(HEADER).encode())[:-8])
     errors = validate_trace(p)
     assert len(errors) == 1 and str(errors[0]).startswith(str(p))
+
+
+def test_arrival_all_or_none_names_the_line_of_the_request_without_one(tmp_path: Path) -> None:
+    # It counted requests, not lines: blank lines and refused requests moved it (line 3 was blank).
+    hdr = {"spectrace": 1, "max_k": 4, "methods": ["eagle3"]}
+    a = {"id": "a", "arrival_s": 1, "output_tokens": 3, "acc": {"eagle3": [1, 0, 0]}}
+    b = {"id": "b", "output_tokens": 3, "acc": {"eagle3": [1, 0, 0]}}
+    p = write_lines(tmp_path / "al.jsonl", hdr, "", "", "", a, "", b)
+    errors = validate_trace(p)
+    assert [(e.line, e.field) for e in errors] == [(7, "arrival_s")]

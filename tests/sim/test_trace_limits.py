@@ -151,3 +151,12 @@ def test_the_importers_name_the_line_of_a_long_integer_or_deep_nesting(tmp_path:
         assert str(exc.value).startswith(f"{p}:2: ") and (
             "longer than 4300 digits" in exc.value.message or "nested deeper" in exc.value.message
         )
+
+
+def test_a_gzip_of_blank_lines_is_refused_at_the_blank_line_limit(tmp_path: Path) -> None:
+    # 400M newlines in 400 KB of gzip hung every trace reader (one readline per blank line).
+    p = tmp_path / "nl.jsonl.gz"
+    p.write_bytes(gzip.compress((json.dumps(HEADER) + "\n" + json.dumps(OK) + "\n" + "\n" * 5000).encode()))
+    e = _one_error(p, TraceLimits(max_blank_lines=1000))
+    assert e.line == 1003 and "more than 1000 blank lines" in e.message
+    assert read_trace(p).n == 1  # the default limit takes a few thousand
