@@ -191,6 +191,11 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
             raise _UsageError("sim replay: one trace or scenario and one profile (sim compare takes several)")
         if not profiles or not traces:
             raise _UsageError("give at least one --profile and one --trace or --scenario")
+        # A sweep names each comparison (and its --out directory) TRACE--PROFILE: two alike overwrote.
+        for what, seen in (("trace", [t.name for t in traces]), ("profile", [p.name for p in profiles])):
+            twice = next((n for i, n in enumerate(seen) if n in seen[:i]), None)
+            if twice is not None:
+                raise _UsageError(f"--{what}: two {what}s named {twice!r}: a sweep names its results by them")
         for trace in traces:
             _check_methods(trace, names, policies, engines)
             if args.open_loop and not trace.has_arrivals:

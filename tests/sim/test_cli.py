@@ -358,3 +358,34 @@ def test_outputs_that_cannot_be_written_are_usage_errors_before_any_work(
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err
     assert not list(d.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("same", ["trace", "profile"])
+def test_a_sweep_refuses_two_traces_or_profiles_of_one_name(
+    hand_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], same: str
+) -> None:
+    # Their reports went to one directory, TRACE--PROFILE: the second overwrote the first.
+    other = tmp_path / "d2" / hand_trace.name
+    other.parent.mkdir()
+    other.write_bytes(hand_trace.read_bytes())
+    argv = [
+        "sim",
+        "compare",
+        "--trace",
+        str(hand_trace),
+        "--policy",
+        "default",
+        "--out",
+        str(tmp_path / "cmp"),
+    ]
+    if same == "trace":
+        argv += ["--trace", str(other)]
+    else:
+        argv += ["--profile", "llama-3.1-8b-h100,llama-3.1-8b-h100"]
+    assert main(argv) == 2
+    named = "hand" if same == "trace" else "llama-3.1-8b-h100"
+    assert (
+        capsys.readouterr().err
+        == f"--{same}: two {same}s named {named!r}: a sweep names its results by them\n"
+    )
+    assert not (tmp_path / "cmp").exists()
