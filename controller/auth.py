@@ -19,6 +19,8 @@ import grpc
 from controller.errors import ConfigError
 
 AUTH_HEADER = "authorization"
+#: Larger than any certificate chain or key a listener would use.
+MAX_PEM_BYTES = 1 << 20
 ADMIN_SERVICE = "/controller.v1.AdminService/"
 #: Admin methods that change what engines do.
 MUTATING_METHODS = frozenset({ADMIN_SERVICE + "SetPolicy", ADMIN_SERVICE + "RollbackPolicy"})
@@ -28,10 +30,25 @@ READ_METHODS = frozenset(
 
 
 def _read(path: str, field: str) -> bytes:
+    """A PEM file (a certificate, a key or a CA bundle). Raises ConfigError naming ``field``: grpc
+    would report a file that is not PEM only as a failed bind, naming no file."""
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}", field=field) from None
+    if len(data) > MAX_PEM_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_PEM_BYTES} bytes, not a PEM file", field=field)
+    want = b"PRIVATE KEY-----" if field.endswith("key_file") else b"CERTIFICATE-----"
+    if b"-----BEGIN " not in data or want not in data:
+        what = "private key" if field.endswith("key_file") else "certificate"
+        raise ConfigError(f"{path}: not a PEM {what} (no '-----BEGIN ...{want.decode()}' block)", field=field)
+    return data
+
+
+def check_pem_files(cert_file: str, key_file: str, client_ca_file: str, *, field: str) -> None:
+    """What ``server_credentials`` reads, read and checked now (``config validate``, before binding)."""
+    server_credentials(cert_file=cert_file, key_file=key_file, client_ca_file=client_ca_file, field=field)
 
 
 def server_credentials(

@@ -249,7 +249,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from controller.demo import main as demo_main
 
-    problem = output_problem("--plot", args.plot)
+    problem = output_problem("--plot", args.plot, suffix=".png")
     if problem is not None:
         raise UserError(problem)
     try:
@@ -460,6 +460,9 @@ def cmd_engines(args: argparse.Namespace) -> int:
 def cmd_config_reference(args: argparse.Namespace) -> int:
     from controller.config_reference import reference_markdown
 
+    problem = output_problem("--out", args.out)
+    if problem is not None:
+        raise UserError(problem)
     text = reference_markdown()
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -476,9 +479,12 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.file)
+        if not args.no_files:
+            cfg.check_files()  # the files serve reads before it binds
         policy, source = cfg.load_default_policy()  # what serve loads at a first start
     except ConfigError as e:
-        raise UserError(str(e)) from None
+        source = e.source if e.source != "<config>" else args.file
+        raise UserError(str(ConfigError(e.message, source=source, line=e.line, field=e.field))) from None
     except PolicyError as e:
         raise UserError(f"{args.file}: default_policy: {e}") from None
     print(
@@ -669,6 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_config_reference)
     s = csub.add_parser("validate", help="check a sidecar config file (FILE:LINE: field: message)")
     s.add_argument("file", metavar="FILE")
+    s.add_argument(
+        "--no-files",
+        action="store_true",
+        help="check the document only, not the files it names (state_dir, tokens, TLS): for a config "
+        "written for another machine, e.g. a pod's mounted secrets",
+    )
     s.set_defaults(func=cmd_config_validate)
 
     register_sim_commands(sub)  # sim, profile, trace

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from controller.errors import ConfigError
 from controller.wire.address import is_local_address, parse_address
-from controller.wire.names import NODE_ID_RE
+from controller.wire.names import NODE_ID_RE, escape_text, has_control
 from policies import yamldoc
 
 if TYPE_CHECKING:
@@ -140,7 +140,8 @@ class SidecarConfig:
             raise ConfigError("must not be empty (a preset name or a YAML file)", field="default_policy")
         _number(self, "snapshot_interval_s", 0.1, 86400.0)
         _number(self, "decision_tick_s", 0.005, 60.0)
-        _integer(self, "max_message_bytes", 1024, 256 * 1024 * 1024)
+        # At least what the admin API's answers need: one policy document is up to 64 KiB.
+        _integer(self, "max_message_bytes", 128 * 1024, 256 * 1024 * 1024)
         _integer(self, "max_steps_per_batch", 1, 1_000_000)
         _integer(self, "max_requests_per_step", 1, 1_000_000)
         _number(self, "max_engine_steps_per_s", 1.0, 1e7)
@@ -149,6 +150,7 @@ class SidecarConfig:
         _number(self, "ack_interval_s", 0.01, 3600.0)
         _number(self, "max_policy_changes_per_s", 0.01, 1000.0)
         _integer(self, "max_watchers", 0, 100_000)
+        self._check_listeners()
         self._check_security()
         if not FLEET_NAME_RE.match(_str(self, "fleet")):
             raise ConfigError("1-64 letters, digits, '-', '_' or '.'", field="fleet")
@@ -160,6 +162,22 @@ class SidecarConfig:
                 f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}", field="log_level"
             )
         object.__setattr__(self, "log_level", level)
+
+    def _check_listeners(self) -> None:
+        """What only the bind would find otherwise (``config validate`` checks it too)."""
+        addrs = {}
+        for side in ("engine", "admin"):
+            addr = parse_address(self.listen_address(side), field=f"{side}_listen")
+            if isinstance(addr, str) and len(addr.encode()) > MAX_UNIX_PATH:
+                raise ConfigError(
+                    f"socket path {addr} is longer than {MAX_UNIX_PATH} bytes; use a shorter path"
+                    + (" (or a shorter state_dir)" if side == "engine" and not self.engine_listen else ""),
+                    field=f"{side}_listen",
+                )
+            addrs[side] = addr
+        e, a = addrs["engine"], addrs["admin"]
+        if e == a and not (isinstance(e, tuple) and e[1] == 0):
+            raise ConfigError("the engine and admin listeners need different addresses", field="admin_listen")
 
     def _check_security(self) -> None:
         for side in ("engine", "admin"):
@@ -218,6 +236,29 @@ class SidecarConfig:
                 field="admin_token_file",
             )
         return token
+
+    def check_files(self) -> None:
+        """What the config names on disk, read and checked as ``serve`` will use it: the state
+        directory (or where it will be made), the token, password and TLS files. ``serve`` calls it
+        before binding and ``config validate`` too, so the two agree. Raises ConfigError."""
+        from controller.auth import check_pem_files
+
+        _dir_usable(self.state_dir, field="state_dir")
+        engine = parse_address(self.engine_address, field="engine_listen")
+        if isinstance(engine, str):
+            _dir_usable(os.path.dirname(engine), field="engine_listen")
+        self.admin_token()
+        if self.mqtt_url:
+            self.broker_settings()  # reads mqtt_password_file
+        for side in ("engine", "admin"):
+            cert = getattr(self, f"{side}_tls_cert_file")
+            if cert:
+                check_pem_files(
+                    cert,
+                    getattr(self, f"{side}_tls_key_file"),
+                    getattr(self, f"{side}_tls_client_ca_file"),
+                    field=side,
+                )
 
     def _check_mqtt(self) -> None:
         for name in (
@@ -296,10 +337,22 @@ class SidecarConfig:
         return Path(self.state_dir) / "endpoints.json"
 
 
+def _dir_usable(path: str, *, field: str) -> None:
+    """``path`` is a directory, or can be made one: its nearest existing ancestor is a directory."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        where = "" if str(p) == os.path.abspath(path) else f" (where {path} would be made)"
+        raise ConfigError(f"{p} exists and is not a directory{where}", field=field)
+
+
 def _str(cfg: SidecarConfig, name: str) -> str:
     v = getattr(cfg, name)
     if not isinstance(v, str):
         raise ConfigError(f"expected a string, got {type(v).__name__} {v!r}", field=name)
+    if has_control(v):  # paths and addresses: a NUL broke open() later, a newline forged log lines
+        raise ConfigError(f"holds control characters ({escape_text(v)[:120]})", field=name)
     return v
 
 

@@ -82,10 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         "--record-steps", metavar="FILE", help="append applied engine steps to FILE (for profile fit)"
     )
     args = parser.parse_args(argv)
+    if args.record_steps and os.path.isdir(args.record_steps):
+        print(
+            f"error: --record-steps: {args.record_steps} is a directory; name a file to append to",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = load_config(args.config)
+        config.check_files()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # errors found after parsing name no file: the config's (the defaults when none was given)
+        source = e.source if e.source != "<config>" else (args.config or "<defaults>")
+        print(f"error: {ConfigError(e.message, source=source, line=e.line, field=e.field)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -26,9 +26,8 @@ from prometheus_client import CollectorRegistry
 
 from controller.admin_service import AdminService
 from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
-from controller.config import MAX_UNIX_PATH, SidecarConfig
+from controller.config import SidecarConfig
 from controller.engine_service import EngineService
-from controller.errors import ConfigError
 from controller.fleet import FleetLink
 from controller.metrics import MetricsServer
 from controller.sidecar import Sidecar
@@ -230,12 +229,7 @@ class SidecarServer(Sidecar):
         cfg = self.config
         listen = cfg.listen_address(side)
         addr = parse_address(listen, field=f"{side}_listen")
-        if isinstance(addr, str):
-            if len(addr.encode()) > MAX_UNIX_PATH:
-                raise ConfigError(
-                    f"socket path {addr} is longer than {MAX_UNIX_PATH} bytes; use a shorter path",
-                    field=f"{side}_listen",
-                )
+        if isinstance(addr, str):  # its length was checked with the config
             parent = Path(addr).parent
             if not parent.exists():
                 parent.mkdir(parents=True, mode=0o700)

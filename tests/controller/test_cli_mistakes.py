@@ -100,8 +100,15 @@ def _mistakes() -> list[Mistake]:
         Mistake(
             "config reference unwritable",
             ("config", "reference", "--out", "/nonexistent/c.md"),
-            1,
+            2,
             "/nonexistent/c.md",
+        ),
+        # the format is the extension: x.xyz failed after the run, x became x.png
+        Mistake(
+            "demo --plot x.xyz",
+            ("demo", "--seconds", "1", "--plot", "x.xyz"),
+            2,
+            "--plot x.xyz: must name a .png file",
         ),
         Mistake("trace validate binary", ("trace", "validate", "FILE"), 2, "FILE"),
         Mistake(
@@ -185,6 +192,38 @@ def _mistakes() -> list[Mistake]:
 
 
 MISTAKES = _mistakes()
+
+
+@pytest.mark.parametrize("command", [("serve", "--config"), ("config", "validate")])
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ("state_dir: FILE", "state_dir: FILE exists and is not a directory"),
+        ("engine_listen: unix://FILE/e.sock", "engine_listen: FILE exists and is not a directory"),
+        ("admin_token_file: DIR", "admin_token_file: cannot read DIR: Is a directory"),
+        (
+            "admin_tls_cert_file: FILE\nadmin_tls_key_file: FILE",
+            "admin_tls_cert_file: FILE: not a PEM certificate",
+        ),
+    ],
+)
+def test_serve_and_config_validate_read_the_files_a_config_names_alike(
+    command: tuple[str, ...], setting: str, says: str, tmp_path: Path
+) -> None:
+    # config validate said OK to what serve then refused with a bare errno (exit 1, no key, or
+    # "Failed to bind" for a file that is not a certificate)
+    scratch = tmp_path / "input.bin"
+    scratch.write_bytes(BINARY)
+    cfg = tmp_path / "c.yaml"
+    body = setting.replace("FILE", str(scratch)).replace("DIR", str(tmp_path))
+    state = "" if setting.startswith("state_dir") else f"state_dir: {tmp_path}/state\n"
+    cfg.write_text(f"admin_listen: 127.0.0.1:0\nmetrics_listen: ''\n{state}{body}\n")
+    out = ctl(*command, str(cfg), timeout=60)
+    no_traceback(out)
+    assert out.returncode == 2, out.stderr[-2000:]
+    want = f"{cfg}: " + says.replace("FILE", str(scratch)).replace("DIR", str(tmp_path))
+    assert want in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "state").exists()  # nothing was started or made
 
 
 @pytest.mark.parametrize("m", MISTAKES, ids=[m.name for m in MISTAKES])

@@ -146,3 +146,64 @@ def test_fleet_link_errors(text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config(text, source="c.yaml")
     assert str(e.value).startswith(expected), str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a NUL broke open() later (a traceback at start), a newline forged log lines
+        ('state_dir: "/tmp/n\\x00x"\n', "c.yaml:1: state_dir: holds control characters (/tmp/n\\x00x)"),
+        (
+            'admin_token_file: "/t\\nWARNING forged"\n',
+            "c.yaml:1: admin_token_file: holds control characters (/t\\nWARNING forged)",
+        ),
+        # the admin API's answers did not fit: a policy alone is up to 64 KiB
+        (
+            "max_message_bytes: 1024\n",
+            "c.yaml:1: max_message_bytes: must be between 131072 and 268435456, got 1024",
+        ),
+        (
+            "engine_listen: 127.0.0.1:5000\nadmin_listen: 127.0.0.1:5000\n",
+            "c.yaml:2: admin_listen: the engine and admin listeners need different addresses",
+        ),
+        (
+            "state_dir: /tmp/" + "a" * 120 + "\n",
+            "c.yaml:1: engine_listen: socket path /tmp/"
+            + "a" * 120
+            + "/engine.sock is longer than 107 bytes; "
+            "use a shorter path (or a shorter state_dir)",
+        ),
+    ],
+)
+def test_what_only_the_bind_found_is_refused_with_the_config(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(text, source="c.yaml")
+    assert str(e.value) == expected
+
+
+def test_check_files_reads_what_serve_will_read(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    cases = {
+        f"state_dir: {afile}\n": f"state_dir: {afile} exists and is not a directory",
+        f"state_dir: {tmp_path}/s\nengine_listen: unix://{afile}/x.sock\n": (
+            f"engine_listen: {afile} exists and is not a directory"
+        ),
+        f"state_dir: {tmp_path}/s\nadmin_token_file: {tmp_path}\n": (
+            f"admin_token_file: cannot read {tmp_path}: Is a directory"
+        ),
+        f"state_dir: {tmp_path}/s\nadmin_listen: 127.0.0.1:0\nadmin_tls_cert_file: {afile}\n"
+        f"admin_tls_key_file: {afile}\n": (
+            f"admin_tls_cert_file: {afile}: not a PEM certificate (no '-----BEGIN ...CERTIFICATE-----' block)"
+        ),
+    }
+    for text, says in cases.items():
+        cfg = parse_config(text, source="c.yaml")  # the document itself is fine
+        with pytest.raises(ConfigError) as e:
+            cfg.check_files()
+        assert str(e.value).endswith(says), str(e.value)
+    ok = parse_config(f"state_dir: {tmp_path}/new/s\nadmin_token_file: {token}\n", source="c.yaml")
+    ok.check_files()  # a state_dir still to be made is fine
+    assert not (tmp_path / "new").exists()  # and checking makes nothing

@@ -187,7 +187,7 @@ def _info(i: int) -> EngineInfo:
 async def test_status_is_bounded_and_list_engines_pages_through_everything(tmp_path: Path) -> None:
     # A slow tick: 300 engines deciding every 10 ms would only slow the test.
     sc = Sidecar(
-        config=_config(tmp_path, max_message_bytes=64 * 1024, decision_tick_s=1.0),
+        config=_config(tmp_path, max_message_bytes=128 * 1024, decision_tick_s=1.0),
         registry=CollectorRegistry(),
     )
     await sc.start()
@@ -250,7 +250,7 @@ def _big_policy(name: str) -> str:
 
 async def test_engine_overrides_are_capped_and_list_policies_is_bounded(tmp_path: Path) -> None:
     sc = Sidecar(
-        config=_config(tmp_path, max_engines=3, max_message_bytes=64 * 1024), registry=CollectorRegistry()
+        config=_config(tmp_path, max_engines=3, max_message_bytes=128 * 1024), registry=CollectorRegistry()
     )
     await sc.start()
     try:
@@ -262,7 +262,7 @@ async def test_engine_overrides_are_capped_and_list_policies_is_bounded(tmp_path
         ch, admin = await _admin(sc)
         async with ch:
             resp = await admin.ListPolicies(pb.ListPoliciesRequest())
-        assert resp.truncated and resp.ByteSize() <= 64 * 1024
+        assert resp.truncated and resp.ByteSize() <= 128 * 1024
         assert resp.active[0].engine_id == "" and resp.active[0].name == "default"
         assert 1 <= len(resp.active) < 4 and resp.presets
     finally:
