@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, overload
 
 import numpy as np
-import yaml
 
+from policies import yamldoc
 from policies.arms import Method
 
 
@@ -264,6 +264,8 @@ class Profile:
 
 #: The longest draft a profile's EAGLE-3 fit can have been measured at (K is at most 64 everywhere).
 MAX_FIT_K = 64
+#: A profile is a page of YAML; a larger file is refused before it is read.
+MAX_PROFILE_BYTES = 1 << 20
 #: Physical ranges of a profile's figures (beyond them a replay's figures mean nothing, or overflow):
 #: a step lasts 1 us..1 h (the sidecar's telemetry bounds), no GPU spends a second per token, and
 #: memory sizes stay below a petabyte.
@@ -469,9 +471,18 @@ def load_profile(name_or_path: str) -> Profile:
         if not p.exists():
             raise ProfileError(f"unknown profile {name_or_path!r} (known: {', '.join(profile_names())})")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ProfileError(f"{p}: invalid YAML: {e}") from None
+        if p.stat().st_size > MAX_PROFILE_BYTES:
+            raise ProfileError(f"{p}: larger than {MAX_PROFILE_BYTES} bytes, not a profile")
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(f"{p}: not UTF-8 text") from None
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read: {e.strerror or e}") from None
+    try:  # one YAML reader with the policies and the config: duplicate keys and deep nesting refused
+        data, _ = yamldoc.load(text, max_depth=12, max_nodes=100_000)
+    except yamldoc.YamlProblem as e:
+        where = f"{p}:{e.line}" if e.line else str(p)
+        raise ProfileError(f"{where}: {e.path + ': ' if e.path else ''}{e.message}") from None
     return parse_profile(data, source=str(p))
 
 

@@ -415,3 +415,27 @@ def test_profiles_outside_physics_are_refused_naming_the_field(change: Any, says
     change(doc)
     with pytest.raises(ProfileError, match=says):
         parse_profile(doc, source="p.yaml")
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        # YAML keeps the last of two equal keys: the author's first value was dropped unread
+        (b"name: a\nname: b\n", "p.yaml:2: name: duplicate key (first on line 1"),
+        (b"a: " + b"[" * 20_000 + b"]" * 20_000, "p.yaml: document nested too deeply"),  # was RecursionError
+        (
+            b"name: x\n  bad: [\n",
+            "p.yaml:2: invalid YAML: mapping values are not allowed here",
+        ),  # had no line
+        (b"\xff\xfe", "p.yaml: not UTF-8 text"),  # named no file
+        (b"x: 1" + b"0" * 5000, "p.yaml: invalid value: Exceeds the limit"),
+    ],
+)
+def test_a_profile_file_that_is_not_a_profile_is_named_with_its_line(
+    tmp_path: Any, content: bytes, says: str
+) -> None:
+    p = tmp_path / "p.yaml"
+    p.write_bytes(content)
+    with pytest.raises(ProfileError) as e:
+        load_profile(str(p))
+    assert str(e.value).startswith(f"{tmp_path}/{says}"), str(e.value)
