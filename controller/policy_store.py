@@ -14,7 +14,7 @@ from typing import Any
 
 from controller.snapshot import SnapshotError, float_field, int_field, list_field, mapping_field, str_field
 from controller.validation import MAX_TIME_S
-from controller.wire.names import MAX_ENGINE_ID
+from controller.wire.names import MAX_ENGINE_ID, has_control
 from policies.spec import MAX_DOCUMENT_BYTES, PolicyError, PolicySpec, parse_policy, render_policy
 
 HISTORY = 20
@@ -198,9 +198,13 @@ class PolicyStore:
         for eid, s in mapping_field(d, "engines", path=path).items():
             at = f"{path}.engines[{eid!r}]"
             try:
-                if not eid or len(eid) > MAX_ENGINE_ID:
+                if not eid or len(eid) > MAX_ENGINE_ID or has_control(eid):
                     raise SnapshotError(f"{at}: not an engine id")
-                store._engines[eid] = slot(s, at)
+                own = slot(s, at)
+                # the key decides which engine runs it, the record's id is what policy list shows
+                if own.current.engine_id != eid:
+                    raise SnapshotError(f"{at}: holds engine {own.current.engine_id!r}'s policy")
+                store._engines[eid] = own
             except (SnapshotError, PolicyError) as e:
                 dropped.append(f"{e}: the engine's own policy dropped (it follows the default)")
         return store

@@ -154,6 +154,13 @@ class SnapshotStore:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
+            if self.path.is_symlink():  # a dangling link: say so, rather than start clean in silence
+                log.warning(
+                    "snapshot %s is a link to %s, which does not exist: starting clean; the first "
+                    "snapshot replaces the link with a file",
+                    self.path,
+                    os.readlink(self.path),
+                )
             return None
         try:
             doc = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)

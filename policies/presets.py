@@ -57,6 +57,10 @@ def resolve_policy_text(name_or_path: str) -> tuple[str, str]:
     p = Path(name_or_path)
     if p.is_file():
         return read_policy_file(p), str(p)
+    if p.exists():  # a directory, a FIFO (whose read would block), a device
+        raise PolicyError(
+            "not a regular file (a policy is a YAML file, or a preset name)", source=name_or_path
+        )
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         raise PolicyError(
             f"no such policy file, and not a preset (presets: {', '.join(preset_names())})",

@@ -95,3 +95,14 @@ def test_a_bad_fleet_policy_digest_is_dropped_alone() -> None:
         assert saved.fleet_policy_digest == "" and saved.fleet_policy_version == 2
         assert any("fleet_policy_digest" in p for p in saved.problems)
     assert parse_state({k: v for k, v in doc.items() if k != "fleet_policy_digest"}).fleet_policy_digest == ""
+
+
+def test_a_dangling_link_in_place_of_the_snapshot_is_said_not_silent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = store(tmp_path)
+    s.path.parent.mkdir(parents=True)
+    s.path.symlink_to(tmp_path / "gone" / "x.json")
+    assert s.load() is None  # nothing to restore: a clean start, as without a file...
+    assert "is a link to" in caplog.text and "does not exist" in caplog.text  # ...but said
+    assert s.save({"a": 1}) and s.load() == {"a": 1}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from policies.presets import load_preset, preset_names, preset_text, resolve_policy
+from policies.presets import load_preset, preset_names, preset_text, resolve_policy, resolve_policy_text
 from policies.spec import PolicyError
 
 
@@ -27,3 +28,12 @@ def test_every_preset_parses_and_a_file_wins_over_a_preset(tmp_path: Path) -> No
     assert resolve_policy(str(f)).name == "mine"
     with pytest.raises(PolicyError, match="unknown policy preset"):
         load_preset("../default")
+
+
+def test_a_path_that_exists_but_is_no_file_is_named_as_such(tmp_path: Path) -> None:
+    # a directory (or a FIFO, whose read would block) was "no such policy file"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for p in (tmp_path, fifo):
+        with pytest.raises(PolicyError, match="not a regular file"):
+            resolve_policy_text(str(p))

@@ -128,7 +128,20 @@ def _override(revision: int) -> Callable[[Doc], None]:
     return fn
 
 
+def _override_under(key: str) -> Callable[[Doc], None]:
+    """An override for engine e9 saved under another key (it would run on that engine while policy
+    list named e9)."""
+
+    def fn(doc: Doc) -> None:
+        cur = dict(doc["state"]["policies"]["default"]["current"], engine_id="e9", revision=1)
+        doc["state"]["policies"]["engines"][key] = {"current": cur, "history": []}
+
+    return fn
+
+
 PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
+    "override-under-another-key": (_edit(_override_under("e1")), {"e1"}),
+    "override-key-control-characters": (_edit(_override_under("e9\x1b[2J\nFORGED")), {"e1"}),
     "engines-list": (_set("state.engines", []), set()),
     "loop-list": (_and_e2(lambda d: _engine(d).update(loop=[])), {"e2"}),
     "entry-string": (_and_e2(lambda d: d["state"]["engines"].update(e1="x")), {"e2"}),
