@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controller.errors import ConfigError
-from controller.wire.address import is_local_address, parse_address
+from controller.wire.address import MAX_UNIX_PATH, is_local_address, parse_address
 from controller.wire.names import NODE_ID_RE, escape_text, has_control
 from policies import yamldoc
 
@@ -27,7 +27,6 @@ MAX_CONFIG_BYTES = 64 * 1024
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_BYTES = 4096
 #: sun_path is 108 bytes on Linux, including the terminating NUL.
-MAX_UNIX_PATH = 107
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FLEET_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 

@@ -75,7 +75,10 @@ def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        obj = json.loads(resp.read())
+        try:
+            obj = json.loads(resp.read())
+        except RecursionError:  # a hostile or broken server: an error like any unreadable answer
+            raise ValueError("the server answered with JSON nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise ValueError("the server answered with something other than a JSON object")
     return obj

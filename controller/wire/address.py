@@ -10,6 +10,9 @@ import ipaddress
 
 from controller.errors import ConfigError
 
+#: The longest Unix socket path the kernel takes (sun_path, 108 bytes with its NUL).
+MAX_UNIX_PATH = 107
+
 
 def parse_address(value: str, *, field: str) -> tuple[str, int] | str:
     """``host:port`` -> (host, port); ``unix:/path`` or ``unix:///path`` -> the path. Raises ConfigError."""

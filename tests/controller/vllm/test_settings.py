@@ -54,6 +54,24 @@ def test_bad_settings_name_the_variable(env: dict[str, str], where: str) -> None
         PluginSettings.from_env(env)
 
 
+@pytest.mark.parametrize(
+    ("sidecar", "says"),
+    [
+        # the link could never dial these, and retried forever without naming the variable
+        (
+            "unix:///tmp/" + "a" * 200 + ".sock",
+            "SPECCONTROL_SIDECAR: the socket path is longer than 107 bytes",
+        ),
+        ("127.0.0.1:0", "SPECCONTROL_SIDECAR: port 0 cannot be dialled"),
+        ("nowhere", "SPECCONTROL_SIDECAR: expected 'host:port'"),  # starts with the variable, no '<config>'
+    ],
+)
+def test_a_sidecar_address_that_cannot_be_dialled_is_refused(sidecar: str, says: str) -> None:
+    with pytest.raises(SettingsError) as e:
+        PluginSettings.from_env({"SPECCONTROL_SIDECAR": sidecar})
+    assert str(e.value).startswith(says), str(e.value)
+
+
 def test_tls_settings(tmp_path: Path) -> None:
     ca, cert, key = (tmp_path / n for n in ("ca.pem", "c.pem", "k.pem"))
     for f in (ca, cert, key):
