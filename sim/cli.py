@@ -321,6 +321,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         traces += [_scenario(n.strip(), args) for n in (args.scenario or "").split(",") if n.strip()]
         if not traces:
             raise _UsageError("give --trace FILE and/or --scenario A,B")
+        for tr in traces:  # before the baseline jobs run, not after
+            _check_methods(tr, [args.policy], [spec], engines)
         _check_output("--out", args.out)
         from sim.tune import with_params
 

@@ -70,3 +70,20 @@ def test_an_unwritable_out_is_refused_before_the_sweep(
     )  # fmt: skip
     assert rc == 2
     assert capsys.readouterr().err == f"--out {out}: no directory {out.parent} to write it in\n"
+
+
+def test_a_trace_the_engine_cannot_replay_is_a_usage_error_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # an EAGLE-3-only trace on the composite engine (which drafts n-gram too): exit 1 after the
+    # baseline jobs ran, before
+    t = tmp_path / "v.jsonl"
+    t.write_text(
+        '{"spectrace":1,"max_k":4,"methods":["eagle3"]}\n'
+        '{"id":"a","output_tokens":6,"acc":{"eagle3":[3,0,5,4,0,0]}}\n'
+    )
+    out = tmp_path / "best.yaml"
+    argv = ["sim", "tune", "--trace", str(t), "--policy", "default", "--engine", "composite"]
+    rc = main([*argv, "--param", "switch_margin=0,0.1", "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    assert "--engine: engine 'composite' drafts with ngram, which trace 'v' lacks" in capsys.readouterr().err
