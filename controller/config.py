@@ -174,9 +174,15 @@ class SidecarConfig:
                     field=f"{side}_listen",
                 )
             addrs[side] = addr
-        e, a = addrs["engine"], addrs["admin"]
-        if e == a and not (isinstance(e, tuple) and e[1] == 0):
-            raise ConfigError("the engine and admin listeners need different addresses", field="admin_listen")
+        if self.metrics_listen:
+            addrs["metrics"] = parse_address(self.metrics_listen, field="metrics_listen")
+        seen: dict[object, str] = {}
+        for side, addr in addrs.items():
+            if isinstance(addr, tuple) and addr[1] == 0:
+                continue  # any free port: never a clash
+            if addr in seen:
+                raise ConfigError(f"the same address as {seen[addr]}_listen", field=f"{side}_listen")
+            seen[addr] = side
 
     def _check_security(self) -> None:
         for side in ("engine", "admin"):

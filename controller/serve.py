@@ -73,6 +73,19 @@ async def serve(config: SidecarConfig, *, record_steps: Path | None = None) -> N
             loop.remove_signal_handler(sig)
 
 
+def record_steps_problem(path: str | None) -> str:
+    """What keeps ``--record-steps PATH`` from being appended to ("" when nothing does): found
+    before the sidecar starts, not as a bare errno after."""
+    if not path:
+        return ""
+    if os.path.isdir(path):
+        return f"{path} is a directory; name a file to append to"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{path}: no directory {parent} to write it in"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="controllerctl serve", description="Run the speculation-control sidecar."
@@ -82,11 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         "--record-steps", metavar="FILE", help="append applied engine steps to FILE (for profile fit)"
     )
     args = parser.parse_args(argv)
-    if args.record_steps and os.path.isdir(args.record_steps):
-        print(
-            f"error: --record-steps: {args.record_steps} is a directory; name a file to append to",
-            file=sys.stderr,
-        )
+    problem = record_steps_problem(args.record_steps)
+    if problem:
+        print(f"error: --record-steps: {problem}", file=sys.stderr)
         return 2
     try:
         config = load_config(args.config)
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(serve(config, record_steps=Path(args.record_steps) if args.record_steps else None))
     except PolicyError as e:
-        print(f"error: default_policy: {e}", file=sys.stderr)
+        print(f"error: {args.config or '<defaults>'}: default_policy: {e}", file=sys.stderr)
         return 2
     except ConfigError as e:  # found at bind time (a socket path naming something else)
         print(f"error: {e}", file=sys.stderr)

@@ -29,6 +29,7 @@ from controller.wire.convert import engine_info_from_hello
 from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
 from policies.arms import MAX_K as ARM_MAX_K
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
+from policies.context import MAX_BATCH_SIZE
 from policies.engine import EngineInfo
 from policies.observation import NOT_SCORED, StepBatch, StepObservation
 from policies.spec import PolicyError, PolicySpec, parse_policy
@@ -49,8 +50,6 @@ MAX_MODEL = 512
 MAX_ENGINE_VERSION = 128
 MAX_ARMS = 4 * (MAX_K + 1)
 MAX_COUNTERFACTUAL_METHODS = 8
-#: vLLM's max_num_seqs is in the hundreds; a batch of a million sequences is not an engine.
-MAX_BATCH_SIZE = 1 << 20
 #: A step is at least a microsecond (below that, tokens per second are meaningless: 5e-324 s would
 #: give an infinite goodput) and at most an hour (beyond that the learner's squared costs overflow).
 #: 0 means "not measured": the step is counted but not learned from.

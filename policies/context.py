@@ -22,6 +22,11 @@ DEFAULT_CLASS = "default"
 ANY_CLASS = "*"
 
 
+#: vLLM's max_num_seqs is in the hundreds; a batch of a million sequences is not an engine (the wire
+#: protocol's bound on a step's batch size, and on a policy's bucket bounds).
+MAX_BATCH_SIZE = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class BatchBuckets:
     """Batch sizes grouped into buckets by their inclusive upper bounds; the last bucket is open."""
@@ -32,8 +37,8 @@ class BatchBuckets:
         b = tuple(self.bounds)
         if not b:
             raise ValueError("batch buckets: need at least one bound")
-        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b):
-            raise ValueError(f"batch buckets: bounds must be positive integers, got {list(b)}")
+        if any(isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_BATCH_SIZE for x in b):
+            raise ValueError(f"batch buckets: bounds must be integers 1..{MAX_BATCH_SIZE}, got {list(b)}")
         if any(x >= y for x, y in pairwise(b)):
             raise ValueError(f"batch buckets: bounds must be strictly increasing, got {list(b)}")
         object.__setattr__(self, "bounds", b)

@@ -78,10 +78,13 @@ class PluginSettings:
     worker_ngram: str = "auto"
 
     def __post_init__(self) -> None:
+        if has_control(self.sidecar):  # gRPC would dial the path up to a NUL: another socket
+            raise SettingsError("SPECCONTROL_SIDECAR: holds control characters")
         try:
             where = parse_address(self.sidecar, field="SPECCONTROL_SIDECAR")
         except ConfigError as e:
-            raise SettingsError(f"SPECCONTROL_SIDECAR: {e.message}") from None
+            why = e.message if not e.message.startswith("port") else "port must be 1..65535"
+            raise SettingsError(f"SPECCONTROL_SIDECAR: {why}, got {self.sidecar!r}") from None
         # what the link could never dial: it would retry forever without naming the variable
         if isinstance(where, str) and len(where.encode()) > MAX_UNIX_PATH:
             raise SettingsError(

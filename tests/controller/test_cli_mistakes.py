@@ -103,6 +103,19 @@ def _mistakes() -> list[Mistake]:
             2,
             "/nonexistent/c.md",
         ),
+        # a bare errno with exit 1 once the sidecar had started
+        Mistake(
+            "serve --record-steps in a missing directory",
+            ("serve", "--record-steps", "/nonexistent/s.jsonl"),
+            2,
+            "--record-steps: /nonexistent/s.jsonl: no directory /nonexistent to write it in",
+        ),
+        Mistake(
+            "serve --record-steps under a file",
+            ("serve", "--record-steps", "FILE/s.jsonl"),
+            2,
+            "--record-steps: FILE/s.jsonl: no directory FILE to write it in",
+        ),
         # the format is the extension: x.xyz failed after the run, x became x.png
         Mistake(
             "demo --plot x.xyz",

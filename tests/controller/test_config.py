@@ -164,7 +164,11 @@ def test_fleet_link_errors(text: str, expected: str) -> None:
         ),
         (
             "engine_listen: 127.0.0.1:5000\nadmin_listen: 127.0.0.1:5000\n",
-            "c.yaml:2: admin_listen: the engine and admin listeners need different addresses",
+            "c.yaml:2: admin_listen: the same address as engine_listen",
+        ),
+        (
+            "admin_listen: 127.0.0.1:5001\nmetrics_listen: 127.0.0.1:5001\n",
+            "c.yaml:2: metrics_listen: the same address as admin_listen",
         ),
         (
             "state_dir: /tmp/" + "a" * 120 + "\n",

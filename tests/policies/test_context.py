@@ -26,7 +26,8 @@ def test_default_buckets_match_design() -> None:
     assert b.range(5) == (33, 0)
 
 
-@pytest.mark.parametrize("bounds", [(), (4, 4), (0, 2), (8, 4)])
+# 2**63: a bound no engine's batch reaches was taken (the policy validated)
+@pytest.mark.parametrize("bounds", [(), (4, 4), (0, 2), (8, 4), (1, 2, 2**63), (1, (1 << 20) + 1)])
 def test_invalid_bounds(bounds: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="batch buckets"):
         BatchBuckets(bounds)
