@@ -242,13 +242,31 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
         raise TraceError(f"cannot read: {e}", source=source) from None
 
 
+class _RepeatedKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _RepeatedKey(k)
+            seen.add(k)
+    return out
+
+
 def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = DEFAULT_LIMITS) -> Any:
     """One line's JSON value; TraceError (``FILE:LINE``) when invalid, nested too deep or holding an
     integer too long to convert. Every JSON Lines reader of the simulator goes through it."""
     if not _depth_ok(text, limits.max_depth):
         raise TraceError(f"JSON nested deeper than {limits.max_depth} levels", source=source, line=line)
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_no_repeated_keys)
+    except _RepeatedKey as e:  # JSON keeps the last of two equal keys: the first would be dropped unread
+        raise TraceError(f"{e.key}: given twice in one object", source=source, line=line) from None
     except json.JSONDecodeError as e:
         raise TraceError(f"invalid JSON: {e.msg} (column {e.colno})", source=source, line=line) from None
     except ValueError:  # Python's int-string conversion limit, which is not a JSONDecodeError
@@ -294,7 +312,7 @@ def _check_header(obj: Any, err: Any) -> _Header | None:
     if not isinstance(obj, dict):
         err("", "header must be a JSON object")
         return None
-    if obj.get("spectrace") != FORMAT_VERSION:
+    if not _is_int(obj.get("spectrace")) or obj.get("spectrace") != FORMAT_VERSION:  # not true, not 1.0
         err("spectrace", f"must be {FORMAT_VERSION}, got {obj.get('spectrace')!r}")
         return None
     max_k: Any = obj.get("max_k")

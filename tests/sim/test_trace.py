@@ -133,3 +133,18 @@ def test_arrival_all_or_none_names_the_line_of_the_request_without_one(tmp_path:
     p = write_lines(tmp_path / "al.jsonl", hdr, "", "", "", a, "", b)
     errors = validate_trace(p)
     assert [(e.line, e.field) for e in errors] == [(7, "arrival_s")]
+
+
+def test_a_key_given_twice_or_a_version_that_is_not_an_integer_is_refused(tmp_path: Path) -> None:
+    # JSON keeps the last of two equal keys: "max_k": 4, "max_k": 2 read as 2 without a word
+    row = '{"id": "a", "output_tokens": 2, "output_tokens": 3, "acc": {"eagle3": [1, 0, 0]}}'
+    p = write_lines(
+        tmp_path / "d.jsonl", '{"spectrace": 1, "max_k": 4, "max_k": 2, "methods": ["eagle3"]}', row
+    )
+    errors = validate_trace(p)
+    assert (errors[0].line, str(errors[0])) == (1, f"{p}:1: max_k: given twice in one object")
+    p = write_lines(tmp_path / "r.jsonl", {"spectrace": 1, "max_k": 4, "methods": ["eagle3"]}, row)
+    assert [str(e) for e in validate_trace(p)] == [f"{p}:2: output_tokens: given twice in one object"]
+    for version in (True, 1.0):  # both compared equal to 1
+        p = write_lines(tmp_path / "v.jsonl", {"spectrace": version, "max_k": 4, "methods": ["eagle3"]})
+        assert [(e.line, e.field) for e in validate_trace(p)] == [(1, "spectrace")]
