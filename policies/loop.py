@@ -11,7 +11,7 @@ per traffic class when the engine can choose per request and the policy learns p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -542,21 +542,32 @@ class ControlLoop:
                     f"{where}.arm: {arm!r} is not an arm index (-1 or one of the policy's {len(self.arms)} arms)"
                 )
             contexts[Context.parse(k)] = _Ctx(arm=arm, since=-np.inf, rounds=rounds)
-        self.learner.load_state_dict(state["learner"])
+        _section("learner", self.learner.load_state_dict, state["learner"])
         self.rounds = _count(state.get("rounds"), "loop state.rounds")
         self.version = _count(state.get("version"), "loop state.version")
         self.totals = Totals.from_json(state["totals"], path="loop state.totals")
         self._ctx = contexts
-        self.rng.bit_generator.state = state["rng"]
+        _section("rng", setattr, self.rng.bit_generator, "state", state["rng"])
         if self.drift is not None and guards.get("drift"):
-            self.drift.load_state_dict(guards["drift"])
+            _section("guards.drift", self.drift.load_state_dict, guards["drift"])
         for key in ("tpot", "budget"):
             if not isinstance(guards.get(key) or {}, Mapping):
                 raise ValueError(f"loop state.guards.{key}: a mapping expected")
-        self.tpot_guard.load_state_dict(guards.get("tpot") or {})
-        self.budget.load_state_dict(guards.get("budget") or {})
+        _section("guards.tpot", self.tpot_guard.load_state_dict, guards.get("tpot") or {})
+        _section("guards.budget", self.budget.load_state_dict, guards.get("budget") or {})
         self._directive = None
         self._last_decision = None
+
+
+def _section(name: str, load: Callable[..., Any], *args: Any) -> None:
+    """Run one part's own loader (they trust the shape ``state_dict`` wrote); any error of the wrong
+    shape becomes a ValueError naming the part."""
+    try:
+        load(*args)
+    except ValueError as e:
+        raise ValueError(f"loop state.{name}: {e}") from e
+    except (ArithmeticError, LookupError, AttributeError, TypeError) as e:
+        raise ValueError(f"loop state.{name}: of the wrong shape ({type(e).__name__}: {e})") from e
 
 
 def _count(x: Any, where: str) -> int:

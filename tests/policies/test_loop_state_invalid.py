@@ -115,7 +115,8 @@ def test_any_value_anywhere_is_taken_or_refused_with_a_value_error(data: st.Data
         (("totals", "steps"), None, "state.totals.steps: expected an integer, got NoneType"),
         (("totals", "busy_s"), 1e300, "state.totals.busy_s: 1e+300 is outside [0, 9007199254740991]"),
         (("version",), 2.5, "state.version: expected an integer, got float"),
-        (("learner", "acc"), [], "wrong shape"),
+        (("learner", "acc"), [], "state.learner: of the wrong shape (AttributeError"),
+        (("rng",), "x", "state.rng: "),
     ],
 )
 def test_a_field_of_the_wrong_shape_is_named(path: tuple[str, ...], value: Any, says: str) -> None:
