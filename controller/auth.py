@@ -47,8 +47,28 @@ def _read(path: str, field: str) -> bytes:
 
 
 def check_pem_files(cert_file: str, key_file: str, client_ca_file: str, *, field: str) -> None:
-    """What ``server_credentials`` reads, read and checked now (``config validate``, before binding)."""
+    """What ``server_credentials`` reads, read and checked now (``config validate``, before binding):
+    each file PEM, the certificate and the CA parsed and the key the certificate's own (Python's ssl,
+    the same OpenSSL checks; gRPC would say only "Failed to bind to address")."""
+    import ssl
+
     server_credentials(cert_file=cert_file, key_file=key_file, client_ca_file=client_ca_file, field=field)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as e:
+        raise ConfigError(
+            f"{cert_file} with {key_file}: not a certificate and its own private key ({e.reason or e})",
+            field=f"{field}_tls_key_file",
+        ) from None
+    if client_ca_file:
+        try:
+            ctx.load_verify_locations(cafile=client_ca_file)
+        except ssl.SSLError as e:
+            raise ConfigError(
+                f"{client_ca_file}: not a CA certificate bundle ({e.reason or e})",
+                field=f"{field}_tls_client_ca_file",
+            ) from None
 
 
 def server_credentials(

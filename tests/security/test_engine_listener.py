@@ -182,3 +182,43 @@ async def test_the_plugin_link_attaches_over_mtls_from_its_settings(tmp_path: Pa
             link.close()
     finally:
         await sc.stop(snapshot=False)
+
+
+def test_tls_files_that_do_not_belong_together_are_named_before_the_bind(
+    tmp_path: Path, certs: Certs
+) -> None:
+    # serve said only "Failed to bind to address ..." (exit 1) for all of these, config validate OK
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n")
+    cases = [
+        (certs.server_cert, certs.client_key, certs.ca, "engine_tls_key_file", "KEY_VALUES_MISMATCH"),
+        (
+            garbage,
+            certs.server_key,
+            certs.ca,
+            "engine_tls_key_file",
+            "not a certificate and its own private key",
+        ),
+        (
+            certs.server_cert,
+            certs.server_key,
+            garbage,
+            "engine_tls_client_ca_file",
+            "not a CA certificate bundle",
+        ),
+    ]
+    for cert, key, ca, field, says in cases:
+        cfg = SidecarConfig(
+            engine_listen="127.0.0.1:0", engine_tls_cert_file=str(cert), engine_tls_key_file=str(key),
+            engine_tls_client_ca_file=str(ca), admin_listen="127.0.0.1:0", metrics_listen="",
+            state_dir=str(tmp_path / "state"),
+        )  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            cfg.check_files()
+        assert e.value.field == field and says in str(e.value), str(e.value)
+    good = SidecarConfig(
+        engine_listen="127.0.0.1:0", engine_tls_cert_file=str(certs.server_cert),
+        engine_tls_key_file=str(certs.server_key), engine_tls_client_ca_file=str(certs.ca),
+        admin_listen="127.0.0.1:0", metrics_listen="", state_dir=str(tmp_path / "state"),
+    )  # fmt: skip
+    good.check_files()
