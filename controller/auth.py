@@ -52,7 +52,10 @@ def check_pem_files(cert_file: str, key_file: str, client_ca_file: str, *, field
     the same OpenSSL checks; gRPC would say only "Failed to bind to address")."""
     import ssl
 
-    server_credentials(cert_file=cert_file, key_file=key_file, client_ca_file=client_ca_file, field=field)
+    _read(cert_file, f"{field}_tls_cert_file")
+    _read(key_file, f"{field}_tls_key_file")
+    if client_ca_file:
+        _read(client_ca_file, f"{field}_tls_client_ca_file")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         ctx.load_cert_chain(cert_file, key_file)

@@ -483,8 +483,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
             cfg.check_files()  # the files serve reads before it binds
         policy, source = cfg.load_default_policy()  # what serve loads at a first start
     except ConfigError as e:
-        source = e.source if e.source != "<config>" else args.file
-        raise UserError(str(ConfigError(e.message, source=source, line=e.line, field=e.field))) from None
+        raise UserError(str(e.located(args.file))) from None
     except PolicyError as e:
         raise UserError(f"{args.file}: default_policy: {e}") from None
     print(
@@ -529,16 +528,9 @@ def _admin_address(text: str) -> str:
     from controller.wire.address import parse_address
 
     try:
-        addr = parse_address(text, field="admin")
-        if isinstance(addr, tuple) and addr[1] == 0:
-            raise ConfigError("0 is no port a client can dial")
+        parse_address(text, field="admin", dial=True)
     except ConfigError as e:
-        why = (
-            e.message
-            if not e.message.startswith(("port", "0 is"))
-            else f"port must be 1..65535, got {text!r}"
-        )
-        raise argparse.ArgumentTypeError(f"{why} (from --admin or ${ADMIN_ENV})") from None
+        raise argparse.ArgumentTypeError(f"{e.message} (from --admin or ${ADMIN_ENV})") from None
     return text
 
 

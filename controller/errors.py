@@ -16,3 +16,10 @@ class ConfigError(ValueError):
         self.message, self.source, self.line, self.field = message, source, line, field
         where = source if line is None else f"{source}:{line}"
         super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
+
+    def located(self, source: str) -> ConfigError:
+        """This error in ``source`` when it names no file yet (raised after parsing, e.g. by
+        ``SidecarConfig.check_files``, which does not know the file it was read from)."""
+        if self.source != "<config>":
+            return self
+        return ConfigError(self.message, source=source, line=self.line, field=self.field)

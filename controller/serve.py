@@ -26,6 +26,7 @@ from controller.snapshot import write_json_atomic
 from controller.state_dir import StateDirLocked
 from controller.wire.address import parse_address
 from policies.spec import PolicyError
+from sim.files import output_problem
 
 log = logging.getLogger("controller.serve")
 
@@ -73,19 +74,6 @@ async def serve(config: SidecarConfig, *, record_steps: Path | None = None) -> N
             loop.remove_signal_handler(sig)
 
 
-def record_steps_problem(path: str | None) -> str:
-    """What keeps ``--record-steps PATH`` from being appended to ("" when nothing does): found
-    before the sidecar starts, not as a bare errno after."""
-    if not path:
-        return ""
-    if os.path.isdir(path):
-        return f"{path} is a directory; name a file to append to"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"{path}: no directory {parent} to write it in"
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="controllerctl serve", description="Run the speculation-control sidecar."
@@ -95,17 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         "--record-steps", metavar="FILE", help="append applied engine steps to FILE (for profile fit)"
     )
     args = parser.parse_args(argv)
-    problem = record_steps_problem(args.record_steps)
+    problem = output_problem("--record-steps", args.record_steps)  # before start, not a bare errno after
     if problem:
-        print(f"error: --record-steps: {problem}", file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         config = load_config(args.config)
         config.check_files()
     except ConfigError as e:
-        # errors found after parsing name no file: the config's (the defaults when none was given)
-        source = e.source if e.source != "<config>" else (args.config or "<defaults>")
-        print(f"error: {ConfigError(e.message, source=source, line=e.line, field=e.field)}", file=sys.stderr)
+        print(f"error: {e.located(args.config or '<defaults>')}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

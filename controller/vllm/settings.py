@@ -14,7 +14,7 @@ import grpc
 
 from controller.auth import ClientTLS, channel_credentials
 from controller.errors import ConfigError
-from controller.wire.address import MAX_UNIX_PATH, is_loopback, parse_address
+from controller.wire.address import is_loopback, parse_address
 from controller.wire.names import MAX_ENGINE_ID, has_control
 from policies.arms import Arm
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
@@ -78,20 +78,10 @@ class PluginSettings:
     worker_ngram: str = "auto"
 
     def __post_init__(self) -> None:
-        if has_control(self.sidecar):  # gRPC would dial the path up to a NUL: another socket
-            raise SettingsError("SPECCONTROL_SIDECAR: holds control characters")
         try:
-            where = parse_address(self.sidecar, field="SPECCONTROL_SIDECAR")
+            where = parse_address(self.sidecar, field="SPECCONTROL_SIDECAR", dial=True)
         except ConfigError as e:
-            why = e.message if not e.message.startswith("port") else "port must be 1..65535"
-            raise SettingsError(f"SPECCONTROL_SIDECAR: {why}, got {self.sidecar!r}") from None
-        # what the link could never dial: it would retry forever without naming the variable
-        if isinstance(where, str) and len(where.encode()) > MAX_UNIX_PATH:
-            raise SettingsError(
-                f"SPECCONTROL_SIDECAR: the socket path is longer than {MAX_UNIX_PATH} bytes ({len(where.encode())})"
-            )
-        if isinstance(where, tuple) and where[1] == 0:
-            raise SettingsError(f"SPECCONTROL_SIDECAR: port 0 cannot be dialled, got {self.sidecar!r}")
+            raise SettingsError(f"SPECCONTROL_SIDECAR: {e.message}") from None
         if not 16 <= self.queue_size <= 1_000_000:
             raise SettingsError(f"SPECCONTROL_QUEUE_SIZE: must be 16..1000000, got {self.queue_size}")
         if not 1 <= self.batch_max <= 1024:

@@ -9,13 +9,20 @@ from __future__ import annotations
 import ipaddress
 
 from controller.errors import ConfigError
+from controller.wire.names import has_control
 
 #: The longest Unix socket path the kernel takes (sun_path, 108 bytes with its NUL).
 MAX_UNIX_PATH = 107
 
 
-def parse_address(value: str, *, field: str) -> tuple[str, int] | str:
-    """``host:port`` -> (host, port); ``unix:/path`` or ``unix:///path`` -> the path. Raises ConfigError."""
+def parse_address(value: str, *, field: str, dial: bool = False) -> tuple[str, int] | str:
+    """``host:port`` -> (host, port); ``unix:/path`` or ``unix:///path`` -> the path. Raises ConfigError.
+
+    ``dial``: the address a client connects to (``controllerctl --admin``, the plugin's sidecar), so
+    also one it can reach: port 1..65535 (0 only means "any free port" to a listener) and a socket
+    path the kernel takes (a client would retry such an address forever)."""
+    if has_control(value):  # gRPC would take a path up to a NUL: another socket
+        raise ConfigError("holds control characters", field=field)
     if value.startswith("unix:"):
         path = value[len("unix:") :]
         path = path[2:] if path.startswith("//") else path
@@ -23,10 +30,16 @@ def parse_address(value: str, *, field: str) -> tuple[str, int] | str:
             raise ConfigError(
                 "unix socket address needs an absolute path, e.g. unix:///run/sc.sock", field=field
             )
+        if dial and len(path.encode()) > MAX_UNIX_PATH:
+            raise ConfigError(
+                f"the socket path is longer than {MAX_UNIX_PATH} bytes ({len(path.encode())})", field=field
+            )
         return path
     host, sep, port = value.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()):  # "²".isdigit(), and int() refuses it
         raise ConfigError(f"expected 'host:port' or 'unix:///path', got {value!r}", field=field)
+    if dial and not 1 <= int(port) <= 65535:
+        raise ConfigError(f"port must be 1..65535, got {value!r}", field=field)
     if not 0 <= int(port) <= 65535:
         raise ConfigError(f"port must be 0..65535 (0: any free port), got {port}", field=field)
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host

@@ -108,13 +108,13 @@ def _mistakes() -> list[Mistake]:
             "serve --record-steps in a missing directory",
             ("serve", "--record-steps", "/nonexistent/s.jsonl"),
             2,
-            "--record-steps: /nonexistent/s.jsonl: no directory /nonexistent to write it in",
+            "--record-steps /nonexistent/s.jsonl: no directory /nonexistent to write it in",
         ),
         Mistake(
             "serve --record-steps under a file",
             ("serve", "--record-steps", "FILE/s.jsonl"),
             2,
-            "--record-steps: FILE/s.jsonl: no directory FILE to write it in",
+            "--record-steps FILE/s.jsonl: no directory FILE to write it in",
         ),
         # the format is the extension: x.xyz failed after the run, x became x.png
         Mistake(

@@ -62,7 +62,7 @@ def test_bad_settings_name_the_variable(env: dict[str, str], where: str) -> None
             "unix:///tmp/" + "a" * 200 + ".sock",
             "SPECCONTROL_SIDECAR: the socket path is longer than 107 bytes",
         ),
-        ("127.0.0.1:0", "SPECCONTROL_SIDECAR: port 0 cannot be dialled"),
+        ("127.0.0.1:0", "SPECCONTROL_SIDECAR: port must be 1..65535, got '127.0.0.1:0'"),
         ("nowhere", "SPECCONTROL_SIDECAR: expected 'host:port'"),  # starts with the variable, no '<config>'
         ("127.0.0.1:99999", "SPECCONTROL_SIDECAR: port must be 1..65535, got '127.0.0.1:99999'"),
         ("unix:///tmp/a\x00b.sock", "SPECCONTROL_SIDECAR: holds control characters"),  # gRPC dialled /tmp/a

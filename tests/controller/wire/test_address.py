@@ -54,3 +54,20 @@ def test_any_text_parses_or_raises_config_error(value: str) -> None:
         assert (isinstance(out, str) and out.startswith("/")) or (
             isinstance(out, tuple) and 0 <= out[1] <= 65535
         )
+
+
+def test_an_address_to_dial_is_one_a_client_can_reach_at_the_edges_of_each_range() -> None:
+    # a listener may take port 0 (any free port); a client dialling it would retry forever
+    assert parse_address("127.0.0.1:0", field="f") == ("127.0.0.1", 0)
+    for port in ("1", "65535"):
+        assert parse_address(f"127.0.0.1:{port}", field="f", dial=True) == ("127.0.0.1", int(port))
+    for port in ("0", "65536", "116603", "9" * 30):
+        with pytest.raises(ConfigError, match=r"^<config>: f: port must be 1\.\.65535, got '127\.0\.0\.1:"):
+            parse_address(f"127.0.0.1:{port}", field="f", dial=True)
+    longest = "/" + "s" * 106  # 107 bytes: what sun_path holds besides its NUL
+    assert parse_address(f"unix://{longest}", field="f", dial=True) == longest
+    with pytest.raises(ConfigError, match=r"the socket path is longer than 107 bytes \(108\)"):
+        parse_address(f"unix://{longest}x", field="f", dial=True)
+    for bad in ("unix:///tmp/a\x00b.sock", "127.0.0.1:5\n", "h\x1b:5"):  # gRPC dialled /tmp/a
+        with pytest.raises(ConfigError, match="holds control characters"):
+            parse_address(bad, field="f")
