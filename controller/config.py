@@ -17,6 +17,7 @@ from controller.errors import ConfigError
 from controller.wire.address import MAX_UNIX_PATH, is_local_address, parse_address
 from controller.wire.names import NODE_ID_RE, escape_text, has_control
 from policies import yamldoc
+from policies.params import shown
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -366,10 +367,7 @@ def _number(cfg: SidecarConfig, name: str, lo: float, hi: float) -> None:
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise ConfigError(f"expected a number, got {type(v).__name__} {v!r}", field=name)
     if not lo <= v <= hi:  # NaN fails it too; an integer beyond a double's range never reaches float()
-        shown = (
-            repr(v) if not isinstance(v, int) or abs(v) < 1e18 else f"an integer of {len(str(abs(v)))} digits"
-        )
-        raise ConfigError(f"must be between {lo} and {hi}, got {shown}", field=name)
+        raise ConfigError(f"must be between {lo} and {hi}, got {shown(v)}", field=name)
     object.__setattr__(cfg, name, float(v))
 
 

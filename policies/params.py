@@ -8,6 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """``value`` as an error message quotes it: its repr, or, when longer than ``limit``, an integer's
+    digit count (its first 60 digits read like a number 1e59) or the repr's start with an ellipsis."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"an integer of {len(str(abs(value)))} digits"
+    return text[: limit - 1] + "…"
+
+
 @dataclass(frozen=True, slots=True)
 class Param:
     """One tunable parameter: its type, default, inclusive bounds and what it means."""
@@ -31,7 +42,7 @@ class Param:
             value = int(value)
         else:
             if isinstance(value, int) and abs(value) > 1e308:  # float() would raise OverflowError
-                raise ValueError(f"{name}: must be finite, got an integer of {len(str(abs(value)))} digits")
+                raise ValueError(f"{name}: must be finite, got {shown(value)}")
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"{name}: must be finite, got {value!r}")

@@ -48,6 +48,7 @@ import numpy as np
 
 from policies import yamldoc
 from policies.arms import Method
+from policies.params import shown
 
 
 class ProfileError(ValueError):
@@ -287,7 +288,7 @@ def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0, hi: flo
                 hint = f" (YAML reads {v} as text: write it with a decimal point, e.g. 1.0e-4)"
             except ValueError:
                 pass
-        raise ProfileError(f"{where}.{key}: expected a number {lo:g}..{hi:g}, got {v!r:.60}{hint}")
+        raise ProfileError(f"{where}.{key}: expected a number {lo:g}..{hi:g}, got {shown(v)}{hint}")
     return float(v)
 
 
@@ -311,7 +312,7 @@ def _text(d: Mapping[str, Any], key: str, where: str, *, default: str | None = N
         raise KeyError(key)
     if not isinstance(v, str) or (default is None and not v):
         raise ProfileError(
-            f"{where}{key}: expected {'a non-empty' if default is None else 'a'} string, got {v!r:.60}"
+            f"{where}{key}: expected {'a non-empty' if default is None else 'a'} string, got {shown(v)}"
         )
     return v
 
@@ -414,7 +415,7 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             )
         sources = d.get("sources", [])
         if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
-            raise ProfileError(f"sources: expected a list of strings, got {sources!r:.60}")
+            raise ProfileError(f"sources: expected a list of strings, got {shown(sources)}")
         profile = Profile(
             name=_text(d, "name", ""),
             description=_text(d, "description", "", default=""),

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from policies.arms import Method
+from policies.params import shown
 from sim.trace import (
     DEFAULT_LIMITS,
     MAX_ARRIVAL_S,
@@ -84,13 +85,13 @@ def _request_names(obj: dict[str, Any], lineno: int, fail: Any) -> tuple[str, st
     if isinstance(rid, int) and not isinstance(rid, bool):
         rid = str(rid)
     if not isinstance(rid, str) or not rid:
-        raise fail("id", f"must be a non-empty string, got {rid!r:.60}")
+        raise fail("id", f"must be a non-empty string, got {shown(rid)}")
     key = "traffic_class" if "traffic_class" in obj else "class"
     cls: Any = obj.get(key)
     if cls is None:
         cls = "default"
     if not isinstance(cls, str) or not cls:
-        raise fail(key, f"must be a non-empty string, got {cls!r:.60}")
+        raise fail(key, f"must be a non-empty string, got {shown(cls)}")
     return rid, cls
 
 
@@ -101,7 +102,7 @@ def _arrival(obj: dict[str, Any], fail: Any) -> float:
     if arr is None:
         return float("nan")
     if not _is_num(arr) or not 0 <= arr <= MAX_ARRIVAL_S:
-        raise fail("arrival_s", f"must be a number 0..{MAX_ARRIVAL_S:g}, got {arr!r:.60}")
+        raise fail("arrival_s", f"must be a number 0..{MAX_ARRIVAL_S:g}, got {shown(arr)}")
     return float(arr)
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from policies.arms import METHOD_CODES, Method
 from policies.observation import StepObservation
+from policies.params import shown
 from sim.trace import TraceError, load_json_line, read_json_lines
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def _int(d: dict[str, Any], key: str, where: str, *, hi: int, null: bool = False
     if v is None and null and key in d:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
-        raise StepLogError(f"{where}: {key}: expected an integer 0..{hi}, got {v!r:.60}")
+        raise StepLogError(f"{where}: {key}: expected an integer 0..{hi}, got {shown(v)}")
     return v
 
 
@@ -185,7 +186,7 @@ def _ints(d: dict[str, Any], key: str, where: str, n: int | None) -> list[int]:
         raise StepLogError(f"{where}: {key}: expected {n} entries (one per method), got {len(v)}")
     for i, x in enumerate(v):
         if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= _MAX_K:
-            raise StepLogError(f"{where}: {key}[{i}]: expected an integer 0..{_MAX_K}, got {x!r:.60}")
+            raise StepLogError(f"{where}: {key}[{i}]: expected an integer 0..{_MAX_K}, got {shown(x)}")
     return v
 
 
@@ -193,7 +194,7 @@ def _seconds(d: dict[str, Any], key: str, where: str, lo: float, hi: float, defa
     v = d.get(key, default)
     # Comparisons, not float(): an integer beyond a double's range compares, where float() overflows.
     if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-        raise StepLogError(f"{where}: {key}: expected a number {lo:g}..{hi:g}, got {v!r:.60}")
+        raise StepLogError(f"{where}: {key}: expected a number {lo:g}..{hi:g}, got {shown(v)}")
     return float(v)
 
 

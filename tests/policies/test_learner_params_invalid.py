@@ -2,6 +2,7 @@
 
 import pytest
 
+from policies.params import shown
 from policies.spec import PolicyError, parse_policy
 
 
@@ -45,3 +46,15 @@ def test_bad_rule_param_names_the_rule_field() -> None:
     text = doc("goodput_model", "{}") + "  rule: {kind: ngram_span, params: {min_run: 0}}\n"
     with pytest.raises(PolicyError, match=r"spec\.rule\.params\.min_run: must be >= 1"):
         parse_policy(text, source="p.yaml")
+
+
+def test_a_value_too_long_to_quote_is_described_not_cut() -> None:
+    # an integer cut at 60 digits read like 1e59; one message style for every edge check
+    assert shown(10**59) == str(10**59)  # 60 digits: quoted whole
+    assert shown(10**60) == "an integer of 61 digits"
+    assert shown(-(10**400)) == "an integer of 401 digits"
+    assert shown(True) == "True" and shown(1e308) == "1e+308" and shown(float("nan")) == "nan"
+    assert shown("x" * 58) == repr("x" * 58)  # 60 characters with its quotes
+    long = shown("x" * 59)
+    assert len(long) == 60 and long.endswith("…")
+    assert shown([1] * 100).endswith("…") and len(shown([1] * 100)) == 60
