@@ -213,6 +213,9 @@ async def test_set_policy_changes_the_directive(sidecar: Sidecar, admin: pb_grpc
     watch = admin.WatchDecisions(pb.WatchDecisionsRequest(engine_id="e1"))
     try:
         first = await eng.directive()
+        # The watch's handler must be subscribed before the change, or it never sees its decision
+        # (a race CI's two workers lost once).
+        await until(lambda: sidecar.watcher_count == 1)
         info = await admin.SetPolicy(pb.SetPolicyRequest(yaml=STATIC_EAGLE3_2, source="static.yaml"))
         assert (info.name, info.revision, info.source) == ("static-eagle3-2", 2, "static.yaml")
         d = await eng.directive(lambda d: d.policy == "static-eagle3-2")
