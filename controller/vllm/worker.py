@@ -422,26 +422,48 @@ def _runner_for(vc: Any, settings: PluginSettings) -> None:
         min_n=settings.ngram_min,
         max_n=settings.ngram_max,
         where=settings.worker_ngram,
+        kernels=settings.worker_kernels,
     )
 
 
-def _new_drafter(runner: Any, *, max_k: int, min_n: int, max_n: int, where: str) -> Any:
+def _new_drafter(
+    runner: Any, *, max_k: int, min_n: int, max_n: int, where: str, kernels: str = "auto"
+) -> Any:
     """The runner's drafter: ``DeviceDrafter`` (histories on the runner's device; no step waits) for
-    ``where="device"``, or ``"auto"`` on CUDA; else ``DraftMerger`` (histories on the host)."""
+    ``where="device"``, or ``"auto"`` on CUDA; else ``DraftMerger`` (histories on the host). The device
+    drafter's ``kernels``: Triton where asked, or for ``auto`` on CUDA, and only where they pass
+    ``device_ngram.triton_problem`` on this device (else torch's, with one line saying why)."""
     device = getattr(runner, "device", None)
     kw = {"max_k": max_k, "min_n": min_n, "max_n": max_n, "max_model_len": int(runner.max_model_len)}
     if where == "device" or (where == "auto" and getattr(device, "type", None) == "cuda"):
-        from controller.vllm.device_ngram import DeviceDrafter  # imports torch: only in the worker
-
-        log.info(
-            "speccontrol: worker n-gram on the device (%s): no step waits for its sampled tokens", device
+        from controller.vllm.device_ngram import (  # imports torch: only in the worker
+            DeviceDrafter,
+            triton_problem,
         )
-        return DeviceDrafter(**kw, device=device if device is not None else "cpu")
+
+        on = device if device is not None else "cpu"
+        use = "torch"
+        if kernels == "triton" or (kernels == "auto" and getattr(device, "type", None) == "cuda"):
+            why = triton_problem(on, max_k=max_k, min_n=min_n, max_n=max_n)
+            if why is None:
+                use = "triton"
+            else:
+                log.warning(
+                    "speccontrol: worker n-gram with torch's operations, not Triton's kernels: %s", why
+                )
+        log.info(
+            "speccontrol: worker n-gram on the device (%s, %s kernels): no step waits for its sampled tokens",
+            device,
+            use,
+        )
+        return DeviceDrafter(**kw, device=on, kernels=use)
     log.info("speccontrol: worker n-gram on the host: a step with n-gram rows waits for its sampled tokens")
     return DraftMerger(**kw)
 
 
-def install_v1_runner(*, max_k: int, min_n: int, max_n: int, where: str = "auto") -> None:
+def install_v1_runner(
+    *, max_k: int, min_n: int, max_n: int, where: str = "auto", kernels: str = "auto"
+) -> None:
     """Wrap ``GPUModelRunner.propose_draft_token_ids`` (idempotent). The caller has checked the symbol
     (``compat.V1_WORKER_POINTS``). Each runner builds its drafter (``_new_drafter``) on its first draft
     (after the model loaded: the index's kernels compile there, not before vLLM's own start-up)."""
@@ -462,7 +484,7 @@ def install_v1_runner(*, max_k: int, min_n: int, max_n: int, where: str = "auto"
             try:
                 if state == 0:
                     state = self._speccontrol_merger = _new_drafter(
-                        self, max_k=max_k, min_n=min_n, max_n=max_n, where=where
+                        self, max_k=max_k, min_n=min_n, max_n=max_n, where=where, kernels=kernels
                     )
                 merged = _merge_step(self, state, scheduler_output, sampled_token_ids, drafts)
             except Exception:

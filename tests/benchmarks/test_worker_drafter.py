@@ -2,7 +2,9 @@
 (vLLM's environment; tests/e2e/test_kernels_compiled.py runs this file there) a short CPU run finds the
 two drafters' drafts equal and writes its figures as JSON numbers."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +32,11 @@ def test_usage_errors_exit_2_and_say_what(args: list[str], says: str) -> None:
 def test_a_short_cpu_run_agrees_and_writes_numbers(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
     out = tmp_path / "wd.json"
+    triton = importlib.util.find_spec("triton") is not None
     r = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--batches", "4,16", "--history", "300", "--steps", "24",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -46,3 +49,9 @@ def test_a_short_cpu_run_agrees_and_writes_numbers(tmp_path: Path) -> None:
         ops = row["device_ops_per_step"]
         # a step without n-gram rows only copies its tokens; one with some matches and merges
         assert ops["no_ngram"] == 1 and ops["ngram"] > ops["no_ngram"], ops
+        if triton:  # (Triton's interpreter on CPU: the drafts and the launches, not the times)
+            tri = row["triton"]
+            assert tri["kernels"] == "triton" and tri["mismatched_steps"] == 0
+            assert tri["device_ops_per_step"]["no_ngram"] == 1
+            assert 1 < tri["device_ops_per_step"]["ngram"] < ops["ngram"] // 4, (tri, ops)
+    assert (doc["triton_problem"] is None) == triton

