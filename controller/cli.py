@@ -227,7 +227,12 @@ def cmd_observe(args: argparse.Namespace) -> int:
         field, _, why = str(e).partition(":")
         raise UserError(f"error: {_OBSERVE_FLAGS.get(field, field)}:{why}") from None
 
+    shown: list[int] = []
+
     def show(d: Any) -> None:
+        if shown and shown[-1] == d.version:  # a refresh of the same recommendation
+            return
+        shown.append(d.version)
         print(
             f"recommend v{d.version}: K table {[(r.bs_min, r.bs_max, r.k) for r in d.k_table]} ({d.reason})",
             flush=True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import math
 import time
@@ -24,7 +25,10 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.errors import ConfigError
 from controller.validation import MAX_QUEUE_LENGTH, MAX_QUEUE_WAIT_S, MAX_STEP_DURATION_S, MIN_STEP_DURATION_S
+from controller.wire.address import parse_address
+from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, OFF, Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
@@ -71,6 +75,16 @@ class VllmCounters:
     waiting: float = 0.0
 
 
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+#: The counters an observation is derived from, beside the drafts counter (the gauges may be absent).
+_NEEDED = (
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:iteration_tokens_total_count",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_queue_time_seconds_count",
+)
+
+
 def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> VllmCounters:
     """Read vLLM's exposition text; raises ValueError when it is not Prometheus text, or when a sample
     the adapter reads is not a finite number >= 0 or names a draft position outside 0..63 (a scrape
@@ -89,12 +103,19 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 raise ValueError(f"{s.name}: must be a finite number >= 0, got {s.value}")
             if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
                 label = s.labels.get("position", "0")
-                if not (label.isdigit() and int(label) < MAX_POSITIONS):
+                if not (label.isascii() and label.isdigit() and int(label) < MAX_POSITIONS):
                     raise ValueError(f"{s.name}: position must be 0..{MAX_POSITIONS - 1}, got {label[:20]!r}")
                 pos = int(label)
                 per_pos[pos] = per_pos.get(pos, 0.0) + s.value
             else:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
+    if "vllm:spec_decode_num_drafts_total" in sums:
+        # A scrape that has the drafts counter but lacks one this adapter derives steps or acceptance
+        # from cannot be read as zeros: the next interval would carry the engine's whole lifetime.
+        missing = [m for m in _NEEDED if m not in sums]
+        missing += [] if per_pos or not sums["vllm:spec_decode_num_drafts_total"] else [_PER_POS]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: missing beside vllm:spec_decode_num_drafts_total")
     k = max(per_pos) + 1 if per_pos else 0
     return VllmCounters(
         time_s=time_s,
@@ -216,8 +237,16 @@ class ObserverSettings:
     backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.metrics_url.startswith(("http://", "https://")):
-            raise ValueError(f"metrics_url: expected http://host:port/metrics, got {self.metrics_url!r}")
+        _check_url(self.metrics_url)
+        try:
+            parse_address(self.engine_target, field="engine_target", dial=True)
+        except ConfigError as e:
+            raise ValueError(f"engine_target: {e.message}") from None
+        if not self.engine_id or len(self.engine_id) > MAX_ENGINE_ID or has_control(self.engine_id):
+            raise ValueError(
+                f"engine_id: an engine id has 1-{MAX_ENGINE_ID} characters and no control characters, got "
+                f"'{escape_text(self.engine_id)[:80]}' ({len(self.engine_id)} characters)"
+            )
         if not 1 <= self.max_k <= 64:
             raise ValueError(f"max_k: must be 1..64, got {self.max_k}")
         if not (math.isfinite(self.interval_s) and 0 < self.interval_s <= 3600):
@@ -236,12 +265,48 @@ class ObserverError(RuntimeError):
     """The observer gave up: /metrics or the sidecar stayed unreachable, or the sidecar refused it."""
 
 
-def scrape(url: str, *, timeout_s: float = 5.0) -> str:
+def _check_url(url: str) -> None:
+    """``metrics_url``: http(s)://host[:port]/path, printable; raises ValueError saying what is wrong."""
+    import urllib.parse
+
+    shown = escape_text(url)[:120]
+    if not url.startswith(("http://", "https://")) or has_control(url) or any(c.isspace() for c in url):
+        raise ValueError(f"metrics_url: expected http://host:port/metrics, got '{shown}'")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        raise ValueError(f"metrics_url: {e}, in '{shown}'") from None
+    if not parts.hostname or port == 0:
+        raise ValueError(
+            f"metrics_url: expected http://host:port/metrics (a host, a port 1..65535), got '{shown}'"
+        )
+
+
+#: How long one scrape may take, all of it.
+_SCRAPE_S = 5.0
+#: The longest /metrics body read; a longer one is an error, not a cut one parsed.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def scrape(url: str, *, timeout_s: float = _SCRAPE_S, max_bytes: int = MAX_BODY_BYTES) -> str:
+    """The body at ``url``. Raises OSError (TimeoutError when the whole response takes longer than
+    ``timeout_s``, however slowly it trickles in), ``http.client.HTTPException`` or ValueError (a body
+    over ``max_bytes``)."""
     import urllib.request
 
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    size = 0
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        body: bytes = resp.read(8 * 1024 * 1024)
-    return body.decode("utf-8", "replace")
+        while chunk := resp.read1(65536):
+            size += len(chunk)
+            if size > max_bytes:
+                raise ValueError(f"the response is over {max_bytes} bytes")
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no whole response within {timeout_s:g} s")
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def _reason(e: BaseException) -> str:
@@ -301,9 +366,12 @@ async def run_observer(
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             try:
-                text = await loop.run_in_executor(None, scrape, s.metrics_url)
+                # (scrape's own deadline bounds the body; this one, a server that trickles its headers)
+                text = await asyncio.wait_for(
+                    loop.run_in_executor(None, scrape, s.metrics_url), 3 * _SCRAPE_S
+                )
                 cur = parse_metrics(text, time_s=clock(), model=s.model_name)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, http.client.HTTPException) as e:
                 scrape_failures += 1
                 if scrape_failures > s.retries:
                     raise ObserverError(

@@ -84,6 +84,16 @@ def test_backoff_doubles_and_is_capped(base: float, cap: float, failures: list[i
         ("interval_s", float("nan"), "interval_s"),
         ("retries", -1, "retries"),
         ("backoff_s", 0.0, "backoff"),
+        ("metrics_url", "http://a b/metrics", "metrics_url: expected"),
+        ("metrics_url", "http://127.0.0.1:abc/metrics", "metrics_url: Port could not be cast"),
+        ("metrics_url", "http://127.0.0.1:70000/metrics", "metrics_url: Port out of range"),
+        ("metrics_url", "http://", "metrics_url: expected http://host:port/metrics \\(a host"),
+        ("metrics_url", "http://h:1/m\x1b[2J", "metrics_url: expected"),
+        # (a port beyond 65535 used to be dialled modulo 65536; the sidecar refused bad ids only after a scrape)
+        ("engine_target", "127.0.0.1:70000", "engine_target: "),
+        ("engine_id", "", "engine_id: an engine id has 1-"),
+        ("engine_id", "e\n2", "engine_id: an engine id has 1-"),
+        ("engine_id", "e" * 129, "engine_id: an engine id has 1-"),
     ],
 )
 def test_bad_settings_name_the_field(field: str, value: object, says: str) -> None:
@@ -162,8 +172,8 @@ def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     try:
         prev = parse_metrics(_exposition(before, pos_before), time_s=0.0)
         cur = parse_metrics(_exposition(after, pos_after), time_s=dt)
-    except ValueError as e:
-        assert "must be a finite number >= 0" in str(e)
+    except ValueError as e:  # (drafts verified, and no per-position counter to say what they accepted)
+        assert "must be a finite number >= 0" in str(e) or "missing beside" in str(e)
         return
     try:
         obs = observation_between(prev, cur, method=Method.EAGLE3, max_k=max_k)
@@ -178,7 +188,7 @@ def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     validate_batch(pb.StepReportBatch(sequence=1, steps=_reports(obs)), engine, Limits())
 
 
-@pytest.mark.parametrize("label", ["100000000", "64", "-1", "abc", ""])
+@pytest.mark.parametrize("label", ["100000000", "64", "-1", "abc", "", "\u0663", "\u00b2"])
 def test_a_draft_position_outside_0_to_63_refuses_the_scrape(label: str) -> None:
     text = (
         CAPTURE
@@ -218,3 +228,57 @@ def test_an_interval_no_engine_produces_is_refused_saying_why(
     cur = parse_metrics(_exposition(after, [50.0]), time_s=dt)
     with pytest.raises(ValueError, match=re.escape(says)):
         observation_between(prev, cur, method=Method.EAGLE3, max_k=4)
+
+
+@pytest.mark.parametrize(
+    "missing", ["vllm:iteration_tokens_total_count", "vllm:spec_decode_num_draft_tokens_total",
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total"],
+)  # fmt: skip
+def test_a_scrape_without_a_counter_the_drafts_need_is_refused(missing: str) -> None:
+    """Read as 0, a counter missing from one scrape made the next interval carry the engine's whole
+    lifetime: steps of microseconds, goodput nearly doubled."""
+    text = "\n".join(line for line in CAPTURE.splitlines() if not line.startswith(missing)) + "\n"
+    with pytest.raises(ValueError, match=f"{missing}.*: missing beside vllm:spec_decode_num_drafts_total"):
+        parse_metrics(text, time_s=0.0)
+
+
+def _serve(body: bytes, *, drip_s: float = 0.0) -> tuple[str, object]:
+    """A /metrics server on loopback that sends ``body`` (a byte every ``drip_s`` when set)."""
+    import http.server
+    import threading
+    import time
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(len(body)) if drip_s else [None]:
+                self.wfile.write(body[i : i + 1] if i is not None else body)
+                self.wfile.flush()
+                if drip_s:
+                    time.sleep(drip_s)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}/metrics", srv
+
+
+def test_a_scrape_that_trickles_in_times_out_and_one_too_long_is_refused() -> None:
+    """A body sent a byte at a time hung the observer forever (the timeout was per read); a body over
+    the limit was cut and parsed (a counter of 12 for 12346678)."""
+    from controller.observe import scrape
+
+    url, srv = _serve(CAPTURE.encode() * 100, drip_s=0.02)
+    with pytest.raises(TimeoutError, match=r"no whole response within 0\.5 s"):  # (the whole takes minutes)
+        scrape(url, timeout_s=0.5)
+    srv.shutdown()  # type: ignore[attr-defined]
+    url, srv = _serve(CAPTURE.encode() * 4)
+    with pytest.raises(ValueError, match="over 1000 bytes"):
+        scrape(url, max_bytes=1000)
+    assert scrape(url) == CAPTURE * 4
+    srv.shutdown()  # type: ignore[attr-defined]
