@@ -445,7 +445,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"sidecar {st.version} at {args.admin}, up {st.uptime_s:.0f} s")
     print(f"default policy: {_policy_line(st.policy)}")
     print(f"snapshot: {st.snapshot_path} (last {snap})")
-    print(f"engines: {len(st.engines)}")
+    if st.engines_truncated:  # the status message holds what fits; `engines` pages through them all
+        print(
+            f"engines: {st.engines_total} (the first {len(st.engines)} below; `controllerctl engines` lists all)"
+        )
+    else:
+        print(f"engines: {len(st.engines)}")
     if st.engines:
         print(_engine_rows(st.engines))
     return 0
