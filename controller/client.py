@@ -84,16 +84,18 @@ class AdminClient:
     async def engines(self) -> list[pb.EngineStatus]:
         """Every attached engine, page after page (a page holds what fits a quarter of the sidecar's
         message limit: one call listed 331 of 607 engines, and said nothing of the rest)."""
-        engines: list[pb.EngineStatus] = []
+        engines: dict[str, pb.EngineStatus] = {}
         offset = 0
         while True:
             out: pb.ListEnginesResponse = await self.stub.ListEngines(
                 pb.ListEnginesRequest(offset=offset), timeout=self.timeout, metadata=self._md
             )
-            engines.extend(out.engines)
+            # Pages are positions in the sorted ids: an engine attaching meanwhile shifts the rest by
+            # one, so one may come twice (kept once, its later status).
+            engines.update((e.engine_id, e) for e in out.engines)
             # (an offset that does not move on would loop forever: a sidecar's bug, not a reason to hang)
             if not out.next_offset or out.next_offset <= offset or not out.engines:
-                return engines
+                return sorted(engines.values(), key=lambda e: e.engine_id)
             offset = out.next_offset
 
     async def watch_decisions(self, engine_id: str = "") -> AsyncIterator[pb.Decision]:

@@ -73,16 +73,14 @@ class VllmCounters:
     queue_time_count: float = 0.0
     running: float = 0.0
     waiting: float = 0.0
+    #: Whether the scrape had vllm:spec_decode_num_drafts_total at all (its absence reads as 0 above).
+    has_drafts: bool = True
 
 
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-#: The counters an observation is derived from, beside the drafts counter (the gauges may be absent).
-_NEEDED = (
-    "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:iteration_tokens_total_count",
-    "vllm:request_queue_time_seconds_sum",
-    "vllm:request_queue_time_seconds_count",
-)
+#: The counters an observation's steps and acceptance come from, beside the drafts counter (the gauges
+#: and the queue histogram may be absent: a wait averaged over a longer span is still a wait).
+_NEEDED = ("vllm:spec_decode_num_draft_tokens_total", "vllm:iteration_tokens_total_count")
 
 
 def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> VllmCounters:
@@ -128,6 +126,7 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         queue_time_count=sums.get("vllm:request_queue_time_seconds_count", 0.0),
         running=sums.get("vllm:num_requests_running", 0.0),
         waiting=sums.get("vllm:num_requests_waiting", 0.0),
+        has_drafts="vllm:spec_decode_num_drafts_total" in sums,
     )
 
 
@@ -270,7 +269,11 @@ def _check_url(url: str) -> None:
     import urllib.parse
 
     shown = escape_text(url)[:120]
-    if not url.startswith(("http://", "https://")) or has_control(url) or any(c.isspace() for c in url):
+    if (
+        not url.lower().startswith(("http://", "https://"))
+        or has_control(url)
+        or any(c.isspace() for c in url)
+    ):
         raise ValueError(f"metrics_url: expected http://host:port/metrics, got '{shown}'")
     try:
         parts = urllib.parse.urlsplit(url)
@@ -306,14 +309,65 @@ def scrape(url: str, *, timeout_s: float = _SCRAPE_S, max_bytes: int = MAX_BODY_
             chunks.append(chunk)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no whole response within {timeout_s:g} s")
+        if getattr(resp, "length", None):  # what Content-Length promised and never came
+            raise http.client.IncompleteRead(b"", resp.length)
     return b"".join(chunks).decode("utf-8", "replace")
+
+
+#: Scrapes still hanging (a server that trickles its headers in: urllib's timeout is per read) beyond
+#: which the observer starts no more and counts the attempt as failed.
+_MAX_HANGING = 4
+
+
+class _Scraper:
+    """Each scrape on a daemon thread of its own, awaited at most ``timeout_s``: a server that trickles
+    its response in can hold a thread (urllib's timeout is per read), never the observer, the
+    process's exit (asyncio's executor joins its threads at exit) or a pool later scrapes need."""
+
+    def __init__(self, url: str, *, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self._hanging = 0
+
+    async def __call__(self) -> str:
+        import threading
+
+        if self._hanging >= _MAX_HANGING:
+            raise TimeoutError(f"{self._hanging} earlier scrapes still hang")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str] = loop.create_future()
+
+        def deliver(value: str | BaseException) -> None:
+            self._hanging -= 1
+            if done.done():
+                return
+            if isinstance(value, BaseException):
+                done.set_exception(value)
+            else:
+                done.set_result(value)
+
+        def work() -> None:
+            value: str | BaseException
+            try:
+                value = scrape(self.url, timeout_s=self.timeout_s)
+            except BaseException as e:  # (handed to the awaiting side, which sorts it)
+                value = e
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+                loop.call_soon_threadsafe(deliver, value)
+
+        self._hanging += 1
+        threading.Thread(target=work, name="speccontrol-scrape", daemon=True).start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no whole response within {self.timeout_s:g} s") from None
 
 
 def _reason(e: BaseException) -> str:
     """One line for a scrape error (urllib nests the interesting part in ``reason``)."""
     inner = getattr(e, "reason", None)
     text = str(inner if inner is not None else e) or type(e).__name__
-    return text.splitlines()[0]
+    return escape_text(text.splitlines()[0] if text.strip() else type(e).__name__)[:300]
 
 
 _RETRYABLE_RPC = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
@@ -363,14 +417,10 @@ async def run_observer(
 
     async def produce(outbox: asyncio.Queue[pb.EngineMessage | None]) -> None:
         nonlocal sent, seq, prev, scrape_failures, said_no_data
-        loop = asyncio.get_running_loop()
+        scraper = _Scraper(s.metrics_url, timeout_s=_SCRAPE_S)
         while not stop.is_set():
             try:
-                # (scrape's own deadline bounds the body; this one, a server that trickles its headers)
-                text = await asyncio.wait_for(
-                    loop.run_in_executor(None, scrape, s.metrics_url), 3 * _SCRAPE_S
-                )
-                cur = parse_metrics(text, time_s=clock(), model=s.model_name)
+                cur = parse_metrics(await scraper(), time_s=clock(), model=s.model_name)
             except (OSError, ValueError, http.client.HTTPException) as e:
                 scrape_failures += 1
                 if scrape_failures > s.retries:
@@ -397,7 +447,10 @@ async def run_observer(
             except ValueError as e:  # an interval no engine produces: its reports would be refused
                 say(f"skipped the interval from {s.metrics_url}: {e}")
                 obs = None
-            prev = cur
+            # A scrape without the drafts counter (vLLM not serving speculation yet, or a scrape that
+            # lost every vllm sample) is no baseline: read as zeros, the next interval would carry the
+            # engine's whole lifetime.
+            prev = cur if cur.has_drafts else prev
             if obs is not None:
                 seq += 1
                 await outbox.put(

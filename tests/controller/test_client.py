@@ -47,3 +47,22 @@ async def test_engines_reads_every_page_and_status_says_it_shows_the_first(
         )
     finally:
         await server.stop(snapshot=False)
+
+
+async def test_an_engine_listed_twice_while_others_attach_is_kept_once() -> None:
+    """Pages are positions in the sorted ids: an engine attaching between two pages shifts the rest by
+    one, so the last of one page comes again first on the next (695 rows for 687 engines)."""
+    from controller.v1 import controller_pb2 as pb
+
+    pages = {0: (["a", "b", "c"], 3), 3: (["c", "d"], 5), 5: (["e"], 0)}
+
+    class Stub:
+        async def ListEngines(self, req: pb.ListEnginesRequest, **kw: object) -> pb.ListEnginesResponse:
+            ids, nxt = pages[req.offset]
+            return pb.ListEnginesResponse(
+                engines=[pb.EngineStatus(engine_id=i) for i in ids], next_offset=nxt
+            )
+
+    client = AdminClient(target="unix:///nowhere")
+    client._stub = Stub()  # type: ignore[assignment]
+    assert [e.engine_id for e in await client.engines()] == ["a", "b", "c", "d", "e"]

@@ -282,3 +282,66 @@ def test_a_scrape_that_trickles_in_times_out_and_one_too_long_is_refused() -> No
         scrape(url, max_bytes=1000)
     assert scrape(url) == CAPTURE * 4
     srv.shutdown()  # type: ignore[attr-defined]
+
+
+def _raw_server(reply: bytes, *, drip_s: float = 0.0) -> tuple[str, object]:
+    """A loopback TCP server answering every connection with ``reply`` (a byte every ``drip_s`` when
+    set), then closing it: HTTP as a broken or hostile server speaks it."""
+    import socket
+    import threading
+    import time
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            try:
+                if not drip_s:
+                    conn.sendall(reply)
+                for b in reply if drip_s else b"":
+                    conn.sendall(bytes([b]))
+                    time.sleep(drip_s)
+            except OSError:
+                pass
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}/metrics", srv
+
+
+async def test_a_server_that_trickles_its_headers_holds_a_thread_never_the_observer() -> None:
+    """A status line and headers sent a byte at a time defeat urllib's timeout (it is per read): the
+    scrape ran on asyncio's executor, which the process joins at exit, so the observer hung for good."""
+    from controller.observe import _MAX_HANGING, _Scraper
+
+    url, srv = _raw_server(b"HTTP/1.1 200 OK\r\n" + b"X-Slow: 1\r\n" * 1000, drip_s=0.05)
+    scraper = _Scraper(url, timeout_s=0.3)
+    for _ in range(_MAX_HANGING):
+        with pytest.raises(TimeoutError, match=r"no whole response within 0\.3 s"):
+            await scraper()
+    # Beyond a few hanging scrapes no more threads are started: the attempt fails at once.
+    with pytest.raises(TimeoutError, match=f"{_MAX_HANGING} earlier scrapes still hang"):
+        await scraper()
+    srv.close()  # type: ignore[attr-defined]
+
+
+def test_a_body_shorter_than_its_content_length_is_refused() -> None:
+    """It was parsed as complete: a drafts counter of 3 for about 360,000."""
+    import http.client
+
+    from controller.observe import scrape
+
+    url, srv = _raw_server(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nvllm:spec_decode_num_drafts_total 3"
+    )
+    with pytest.raises(http.client.IncompleteRead):
+        scrape(url)
+    srv.close()  # type: ignore[attr-defined]

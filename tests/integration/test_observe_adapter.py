@@ -1,6 +1,7 @@
 """The observe-only adapter: a vLLM /metrics endpoint (served over real HTTP) fed to a real sidecar."""
 
 import asyncio
+import itertools
 import socket
 import threading
 from collections.abc import Iterator
@@ -260,3 +261,41 @@ async def test_an_absurd_interval_is_skipped_and_the_observer_goes_on(sidecar: S
     st = sidecar.engines()["plain-vllm"]
     assert st.rejected == 0  # every report the observer sent passed the sidecar's validation
     assert st.loop.totals.steps >= 75 and st.loop.totals.steps % 25 == 0
+
+
+class VanishOnce(Counters):
+    """Counters whose third scrape holds no vLLM sample at all (a scrape of a restarting exporter)."""
+
+    def text(self) -> str:
+        n = self.scrapes
+        text = super().text()
+        return 'other_metric{engine="0"} 3\n' if n == 2 else text
+
+
+async def _observed_rate(sidecar: Sidecar, counters: Counters, engine_id: str) -> tuple[float, int]:
+    """Tokens per busy second the sidecar learnt from ``counters``, scraped every 5 s of a fake clock."""
+    ticks = itertools.count()
+    stop = asyncio.Event()
+    for url in _serve(counters):
+        settings = ObserverSettings(metrics_url=url, engine_target=sidecar.engine_target, engine_id=engine_id,
+                                    interval_s=0.02, retries=3, backoff_s=0.01, backoff_max_s=0.04)  # fmt: skip
+        task = asyncio.create_task(run_observer(settings, stop=stop, clock=lambda: 5.0 * next(ticks)))
+        for _ in range(500):
+            st = sidecar.engines().get(engine_id)
+            if st is not None and st.loop.totals.steps >= 100 and counters.scrapes > 4:
+                break
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    t = sidecar.engines()[engine_id].loop.totals
+    return t.emitted / t.busy_s, t.steps
+
+
+async def test_a_scrape_without_vllm_samples_is_no_baseline(sidecar: Sidecar) -> None:
+    """Read as zeros, a scrape that lost every vLLM sample made the next interval carry the engine's
+    whole lifetime (goodput nearly doubled for the same traffic); now the interval runs from the scrape
+    before it, at the traffic's own rate."""
+    steady, _ = await _observed_rate(sidecar, Counters(), "steady")
+    vanished, steps = await _observed_rate(sidecar, VanishOnce(), "vanished")
+    assert steps >= 100
+    assert vanished == pytest.approx(steady, rel=1e-9)
