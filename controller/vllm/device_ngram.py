@@ -26,11 +26,14 @@ What must hold:
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch  # type: ignore[import-not-found]
+
+log = logging.getLogger("vllm.speccontrol")
 
 #: The device drafter's kernels (``DeviceDrafter.kernels``).
 KERNELS = ("torch", "triton")
@@ -57,6 +60,8 @@ class DeviceDrafter:
         #: ``triton``: the append and the match one launch each (``device_kernels``; on CPU tensors
         #: through Triton's interpreter, for the tests); ``torch``: tensor operations only.
         self.kernels = kernels
+        #: Why the Triton kernels were given up while serving ("": they were not).
+        self.failure = ""
         if kernels == "triton":
             from controller.vllm.device_kernels import interpreted
 
@@ -202,10 +207,8 @@ class DeviceDrafter:
         width = int(tok.shape[1])
         bound = np.minimum(self._bound[slots] + width, self.max_model_len)
         self._fit(0, int(bound.max()))  # every valid position now has a column
-        if self.kernels == "triton":
-            from controller.vllm.device_kernels import append_rows
-
-            append_rows(self._hist, self._len, tok.contiguous(), dev_slots, self.max_model_len)
+        if self.kernels == "triton" and self._launch("append_rows", self._hist, self._len, tok.contiguous(),
+                                                     dev_slots, self.max_model_len):  # fmt: skip
             self._bound[slots] = bound
             return
         valid = tok >= 0
@@ -216,6 +219,30 @@ class DeviceDrafter:
         self._hist[dev_slots.unsqueeze(1), pos] = tok.to(torch.int32)
         self._len[dev_slots] = (old + count[:, -1]).clamp_(max=self.max_model_len)
         self._bound[slots] = bound
+
+    def _launch(self, name: str, *args: Any, **kwargs: Any) -> bool:
+        """``device_kernels.<name>`` on this drafter's device (a launch goes to the thread's current
+        device, a torch operation to its tensors'); False, and the torch path from now on, where it
+        raises: a variant first compiled while serving (a new dtype or width) that fails costs this
+        drafter its kernels, not the runner its n-gram drafts. (The launch failed before running, so
+        the torch path redoes the same step.)"""
+        from controller.vllm import device_kernels
+
+        try:
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    getattr(device_kernels, name)(*args, **kwargs)
+            else:
+                getattr(device_kernels, name)(*args, **kwargs)
+        except Exception as e:
+            self.kernels = "torch"
+            self.failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning(
+                "speccontrol: the Triton kernels failed (%s); the device drafter goes on with torch's operations",
+                self.failure,
+            )
+            return False
+        return True
 
     def _on_device(self, slots: np.ndarray) -> Any:
         """``slots`` on the device: the last upload again while the batch has not changed."""
@@ -237,12 +264,10 @@ class DeviceDrafter:
         width = max(int(self._bound[slots].max()), 2)  # every history in the match is at most this long
         dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
         if self.kernels == "triton":
-            from controller.vllm.device_kernels import match_rows
-
             merged = drafts.clone(memory_format=torch.contiguous_format)
-            match_rows(self._hist, self._len, dev_slots, dev_rows, merged, min_n=self.min_n, max_n=big,
-                       max_k=self.max_k, max_model_len=self.max_model_len)  # fmt: skip
-            return merged
+            if self._launch("match_rows", self._hist, self._len, dev_slots, dev_rows, merged, min_n=self.min_n,
+                            max_n=big, max_k=self.max_k, max_model_len=self.max_model_len):  # fmt: skip
+                return merged
         total = self._len[dev_slots].unsqueeze(1)  # (b, 1)
         # c >= total reads the first token (never a match: n <= total - c below).
         at = (total - 1 - self._steps(width + big - 1)).clamp_(min=0)
@@ -285,36 +310,52 @@ def triton_problem(device: Any, *, max_k: int, min_n: int, max_n: int) -> str | 
     if dev.type != ("cpu" if interpreted() else "cuda"):
         return f"Triton kernels do not run on {dev} here (TRITON_INTERPRET={int(interpreted())})"
     try:
-        kw = {"max_k": max_k, "min_n": min_n, "max_n": max_n, "max_model_len": 300, "device": dev}
-        ref, tri = DeviceDrafter(**kw), DeviceDrafter(**kw, kernels="triton")
-        rng = np.random.default_rng(0)
-        prompts = {f"r{i}": (rng.integers(0, 5, 40 + 30 * i)).tolist() for i in range(12)}
-        ids = [f"r{i}" for i in range(6)]
-        drafts = torch.full((6, max_k), -7, dtype=torch.int64, device=dev)
-        for t in range(40):
-            sampled = rng.integers(0, 5, (6, max_k + 1))
-            sampled[rng.random(sampled.shape) < 0.3] = -1
-            on = {r for r in ids if rng.random() < 0.6}
-            finished = []
-            if t % 8 == 7:  # a request leaves, another takes its row
-                finished = [ids[t % 6]]
-                ids[t % 6] = f"r{6 + t // 8}"
-            got = [d.step(ids, torch.from_numpy(sampled).to(dev), drafts, on if t % 3 else set(), prompts.get,
-                          finished=finished) for d in (ref, tri)]  # fmt: skip
-            want, have = ((drafts if g is None else g).cpu().tolist() for g in got)
-            if want != have:
-                return f"its drafts differ from the torch path's at step {t}"
-        ref.flush()
-        tri.flush()
-        for r, sl in ref._slot.items():
-            n = int(ref._len[sl])
-            if (
-                n != int(tri._len[tri._slot[r]])
-                or ref._hist[sl, :n].tolist() != tri._hist[tri._slot[r], :n].tolist()
-            ):
-                return f"its history of {r} differs from the torch path's"
+        # As serving runs them: the sampled tokens as int32 (vLLM's) and int64, the drafts as int32
+        # and int64; a stretch of steps without n-gram rows, whose appends wait and then run as one
+        # (wider than one block of the append); discarded rows; requests leaving and arriving.
+        for tokens, out in ((torch.int32, torch.int64), (torch.int64, torch.int32)):
+            why = _compare_kernels(dev, tokens, out, max_k=max_k, min_n=min_n, max_n=max_n)
+            if why is not None:
+                return why
     except Exception as e:
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def _compare_kernels(dev: Any, tokens: Any, out: Any, *, max_k: int, min_n: int, max_n: int) -> str | None:
+    """``triton_problem``'s run with sampled tokens of dtype ``tokens`` and drafts of dtype ``out``."""
+    kw = {"max_k": max_k, "min_n": min_n, "max_n": max_n, "max_model_len": 400, "device": dev}
+    ref, tri = DeviceDrafter(**kw), DeviceDrafter(**kw, kernels="triton")
+    rng = np.random.default_rng(0)
+    prompts = {f"r{i}": (rng.integers(0, 5, 40 + 30 * i)).tolist() for i in range(12)}
+    ids = [f"r{i}" for i in range(6)]
+    drafts = torch.full((6, max_k), -7, dtype=out, device=dev)
+    for t in range(60):
+        sampled = rng.integers(0, 5, (6, max_k + 1))
+        sampled[rng.random(sampled.shape) < 0.3] = -1
+        quiet = 20 <= t < 40  # appends wait (up to _DEFER steps), then run as one
+        on = set() if quiet or t % 3 == 0 else {r for r in ids if rng.random() < 0.6}
+        finished = []
+        if t % 8 == 7 and not quiet:  # a request leaves, another takes its row
+            finished = [ids[t % 6]]
+            ids[t % 6] = f"r{6 + t // 8}"
+        discarded = rng.random(6) < (0.0 if quiet else 0.1)  # (a batch that changes appends at once)
+        got = [d.step(ids, torch.from_numpy(sampled).to(device=dev, dtype=tokens), drafts, on, prompts.get,
+                      discarded=discarded, finished=finished) for d in (ref, tri)]  # fmt: skip
+        want, have = ((drafts if g is None else g).cpu().tolist() for g in got)
+        if want != have:
+            return f"its drafts differ from the torch path's at step {t} ({tokens} tokens)"
+        if tri.kernels != "triton":
+            return f"a launch failed: {tri.failure}"
+    ref.flush()
+    tri.flush()
+    for r, sl in ref._slot.items():
+        n = int(ref._len[sl])
+        if (
+            n != int(tri._len[tri._slot[r]])
+            or ref._hist[sl, :n].tolist() != tri._hist[tri._slot[r], :n].tolist()
+        ):
+            return f"its history of {r} differs from the torch path's ({tokens} tokens)"
     return None
 
 

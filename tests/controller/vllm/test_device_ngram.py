@@ -209,7 +209,62 @@ def test_the_start_check_refuses_kernels_that_differ(broken: str, monkeypatch: p
         raise RuntimeError("ptxas fatal: no such GPU\nmore")
 
     monkeypatch.setattr(device_kernels, name, fails)
-    assert triton_problem("cpu", max_k=K, min_n=1, max_n=3) == "RuntimeError: ptxas fatal: no such GPU"
+    assert (
+        triton_problem("cpu", max_k=K, min_n=1, max_n=3)
+        == "a launch failed: RuntimeError: ptxas fatal: no such GPU"
+    )
+
+
+@pytest.mark.parametrize("broken", ["int32 tokens", "wide appends"])
+def test_the_start_check_runs_the_appends_serving_runs(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM samples int32 tokens, and the appends of steps without n-gram rows wait and run as one, wider
+    than one block of the kernel: an append broken only there was not caught (the check sampled int64,
+    a step at a time)."""
+    from controller.vllm import device_kernels
+    from controller.vllm.device_ngram import triton_problem
+
+    _needs_triton()
+    real = device_kernels.append_rows
+
+    def append(hist: Any, lens: Any, tok: Any, slots: Any, max_model_len: int) -> None:
+        bad = (
+            tok.dtype == torch.int32
+            if broken == "int32 tokens"
+            else tok.shape[1] > device_kernels.APPEND_BLOCK
+        )
+        real(hist, lens, tok[:, :1] if bad else tok, slots, max_model_len)  # (drops all but the first token)
+
+    monkeypatch.setattr(device_kernels, "append_rows", append)
+    assert "from the torch path's" in (triton_problem("cpu", max_k=K, min_n=1, max_n=3) or "")
+
+
+def test_kernels_that_fail_while_serving_leave_the_drafter_on_torchs_operations(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A variant first compiled while serving (a dtype or width the start check did not meet) that fails
+    cost the runner its n-gram drafts for good (the worker disables a drafter that raises); now the
+    drafter redoes the step with torch's operations and keeps them."""
+    from controller.vllm import device_kernels
+
+    _needs_triton()
+
+    def fails(*a: Any, **k: Any) -> None:
+        raise RuntimeError("out of resources: shared memory")
+
+    both = _Both()
+    assert both.tri is not None
+    prompts = {"a": [5, 6, 7, 5, 6], "b": [1, 2, 3]}
+    eagle = np.full((2, K), -7, dtype=np.int64)
+    both.step(["a", "b"], _rows([7], [4]), eagle, {"a"}, prompts.get)
+    monkeypatch.setattr(device_kernels, "match_rows", fails)
+    with caplog.at_level(logging.WARNING, logger="vllm.speccontrol"):
+        both.step(
+            ["a", "b"], _rows([5], [1]), eagle, {"a", "b"}, prompts.get
+        )  # the same drafts as the others
+    assert both.tri.kernels == "torch" and both.tri.failure == "RuntimeError: out of resources: shared memory"
+    assert "the Triton kernels failed (RuntimeError: out of resources: shared memory)" in caplog.text
+    both.step(["a", "b"], _rows([6], [2]), eagle, {"b"}, prompts.get)
+    both.same_histories()
 
 
 def test_the_worker_uses_triton_where_asked_and_torch_where_its_check_fails(
