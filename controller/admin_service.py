@@ -103,7 +103,11 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return self.sidecar.status()
 
     async def ListEngines(self, request: pb.ListEnginesRequest, context: Ctx) -> pb.ListEnginesResponse:
-        engines, next_offset = self.sidecar.engine_page(request.offset, request.limit)
+        if request.after_engine_id:
+            await self._check_engine_id(request.after_engine_id, context)
+        engines, next_offset = self.sidecar.engine_page(
+            request.offset, request.limit, request.after_engine_id
+        )
         return pb.ListEnginesResponse(
             engines=engines, total=len(self.sidecar.engines()), next_offset=next_offset
         )

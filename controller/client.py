@@ -85,18 +85,19 @@ class AdminClient:
         """Every attached engine, page after page (a page holds what fits a quarter of the sidecar's
         message limit: one call listed 331 of 607 engines, and said nothing of the rest)."""
         engines: dict[str, pb.EngineStatus] = {}
-        offset = 0
+        after = ""
         while True:
+            # Each page starts after the last id of the one before (not at a position: engines attaching
+            # or evicted between pages shifted positions, so some came twice and others never).
             out: pb.ListEnginesResponse = await self.stub.ListEngines(
-                pb.ListEnginesRequest(offset=offset), timeout=self.timeout, metadata=self._md
+                pb.ListEnginesRequest(after_engine_id=after), timeout=self.timeout, metadata=self._md
             )
-            # Pages are positions in the sorted ids: an engine attaching meanwhile shifts the rest by
-            # one, so one may come twice (kept once, its later status).
             engines.update((e.engine_id, e) for e in out.engines)
-            # (an offset that does not move on would loop forever: a sidecar's bug, not a reason to hang)
-            if not out.next_offset or out.next_offset <= offset or not out.engines:
+            last = max((e.engine_id for e in out.engines), default="")
+            # (a page that does not move on would loop forever: a sidecar's bug, not a reason to hang)
+            if not out.next_offset or last <= after:
                 return sorted(engines.values(), key=lambda e: e.engine_id)
-            offset = out.next_offset
+            after = last
 
     async def watch_decisions(self, engine_id: str = "") -> AsyncIterator[pb.Decision]:
         """Every decision change (all engines, or one); runs until the caller stops iterating."""

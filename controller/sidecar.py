@@ -13,6 +13,7 @@ alone and never breaks status, snapshots or other engines; the registry never gr
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 import time
@@ -673,10 +674,13 @@ class Sidecar:
             engines_truncated=len(engines) < total,
         )
 
-    def engine_page(self, offset: int, limit: int) -> tuple[list[pb.EngineStatus], int]:
-        """Engines by id from ``offset``: at most ``limit`` (0: no count limit), and no more than fit
-        a quarter of the message size limit. Returns them and the next page's offset (0: no more)."""
+    def engine_page(self, offset: int, limit: int, after: str = "") -> tuple[list[pb.EngineStatus], int]:
+        """Engines by id from ``offset`` (or, where ``after`` is given, from the first id after it): at
+        most ``limit`` (0: no count limit), and no more than fit a quarter of the message size limit.
+        Returns them and the next page's offset (0: no more)."""
         ids = sorted(self._engines)
+        if after:
+            offset = bisect.bisect_right(ids, after)
         budget = self.config.max_message_bytes // 4
         out: list[pb.EngineStatus] = []
         size = 0

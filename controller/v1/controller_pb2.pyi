@@ -357,12 +357,14 @@ class Status(_message.Message):
     def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., snapshot_path: _Optional[str] = ..., last_snapshot_s: _Optional[float] = ..., engines_total: _Optional[int] = ..., engines_truncated: _Optional[bool] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
-    __slots__ = ("offset", "limit")
+    __slots__ = ("offset", "limit", "after_engine_id")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     offset: int
     limit: int
-    def __init__(self, offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    after_engine_id: str
+    def __init__(self, offset: _Optional[int] = ..., limit: _Optional[int] = ..., after_engine_id: _Optional[str] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines", "total", "next_offset")

@@ -49,20 +49,38 @@ async def test_engines_reads_every_page_and_status_says_it_shows_the_first(
         await server.stop(snapshot=False)
 
 
-async def test_an_engine_listed_twice_while_others_attach_is_kept_once() -> None:
-    """Pages are positions in the sorted ids: an engine attaching between two pages shifts the rest by
-    one, so the last of one page comes again first on the next (695 rows for 687 engines)."""
-    from controller.v1 import controller_pb2 as pb
+async def test_engines_attaching_between_pages_shift_nothing(tmp_path: Path) -> None:
+    """Pages were positions in the sorted ids: engines attaching (or evicted) between two pages shifted
+    the rest, so some came twice and others never (695 rows for 687 engines; 9 missed at the 1024 cap).
+    Each page starts after the previous page's last id now: every engine held throughout comes once."""
+    admin = f"unix://{tmp_path}/admin.sock"
+    cfg = SidecarConfig(state_dir=str(tmp_path / "state"), engine_listen=f"unix://{tmp_path}/engine.sock",
+                        admin_listen=admin, metrics_listen="", max_message_bytes=128 * 1024)  # fmt: skip
+    server = SidecarServer(config=cfg, registry=CollectorRegistry())
+    await server.start()
+    try:
+        held = [f"m-{i:04d}-" + "x" * 60 for i in range(600)]
+        passing = [f"a-{i:04d}" for i in range(200)]  # sort before every held engine
+        for eid in passing + held:
+            server.attach(info(eid))
+        page = server.engine_page
+        calls = [0]
 
-    pages = {0: (["a", "b", "c"], 3), 3: (["c", "d"], 5), 5: (["e"], 0)}
+        def churn(offset: int, limit: int, after: str = "") -> object:
+            out = page(offset, limit, after)
+            calls[0] += 1
+            for _ in range(40):  # between two pages, engines ahead of them leave (evicted at the cap)
+                if passing:
+                    server._engines.pop(passing.pop())
+            for j in range(10):  # and others arrive
+                server.attach(info(f"b-{calls[0]:02d}-{j:02d}"))
+            return out
 
-    class Stub:
-        async def ListEngines(self, req: pb.ListEnginesRequest, **kw: object) -> pb.ListEnginesResponse:
-            ids, nxt = pages[req.offset]
-            return pb.ListEnginesResponse(
-                engines=[pb.EngineStatus(engine_id=i) for i in ids], next_offset=nxt
-            )
-
-    client = AdminClient(target="unix:///nowhere")
-    client._stub = Stub()  # type: ignore[assignment]
-    assert [e.engine_id for e in await client.engines()] == ["a", "b", "c", "d", "e"]
+        server.engine_page = churn  # type: ignore[method-assign]
+        async with AdminClient(target=admin) as client:
+            listed = [e.engine_id for e in await client.engines()]
+        assert calls[0] > 1  # several pages
+        assert len(listed) == len(set(listed))
+        assert set(held) <= set(listed)
+    finally:
+        await server.stop(snapshot=False)
