@@ -410,13 +410,14 @@ async def run_observer(
     scrape_failures = 0
     connect_failures = 0
     said_no_data = False
+    said_gone = False  # said that the drafts counter vanished after data had flowed
 
     async def pause(seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), seconds)
 
     async def produce(outbox: asyncio.Queue[pb.EngineMessage | None]) -> None:
-        nonlocal sent, seq, prev, scrape_failures, said_no_data
+        nonlocal sent, seq, prev, scrape_failures, said_no_data, said_gone
         scraper = _Scraper(s.metrics_url, timeout_s=_SCRAPE_S)
         while not stop.is_set():
             try:
@@ -464,6 +465,14 @@ async def run_observer(
                     f"no speculative decoding counters in {s.metrics_url} yet (vllm:spec_decode_num_drafts_total "
                     "is absent or 0: is vLLM serving with --speculative-config?); no recommendation without data"
                 )
+            elif sent and not cur.has_drafts and not said_gone:  # (it went silent without a word)
+                said_gone = True
+                say(
+                    f"vllm:spec_decode_num_drafts_total is gone from {s.metrics_url}; no data until it is back"
+                )
+            if cur.has_drafts and said_gone:
+                said_gone = False
+                say(f"vllm:spec_decode_num_drafts_total is back in {s.metrics_url}")
             await pause(s.interval_s)
 
     async def session() -> bool:

@@ -291,6 +291,37 @@ async def _observed_rate(sidecar: Sidecar, counters: Counters, engine_id: str) -
     return t.emitted / t.busy_s, t.steps
 
 
+class GoneForAWhile(Counters):
+    """Counters that vanish from the fourth to the sixth scrape (an exporter restarting), then return."""
+
+    def text(self) -> str:
+        n = self.scrapes
+        text = super().text()
+        return 'other_metric{engine="0"} 3\n' if 3 <= n <= 5 else text
+
+
+async def test_counters_that_vanish_after_data_are_said_once_and_their_return_too(sidecar: Sidecar) -> None:
+    """After data had flowed, counters that vanished made the observer go silent without a word."""
+    said: list[str] = []
+    stop = asyncio.Event()
+    counters = GoneForAWhile()
+    for url in _serve(counters):
+        task = asyncio.create_task(
+            run_observer(_settings(url, sidecar.engine_target), on_status=said.append, stop=stop)
+        )
+        for _ in range(500):
+            if counters.scrapes > 8:
+                break
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert said[0].startswith("no speculative decoding counters")  # the first scrape: 0 drafts yet
+    assert said[1:] == [
+        f"vllm:spec_decode_num_drafts_total is gone from {url}; no data until it is back",
+        f"vllm:spec_decode_num_drafts_total is back in {url}",
+    ], said
+
+
 async def test_a_scrape_without_vllm_samples_is_no_baseline(sidecar: Sidecar) -> None:
     """Read as zeros, a scrape that lost every vLLM sample made the next interval carry the engine's
     whole lifetime (goodput nearly doubled for the same traffic); now the interval runs from the scrape
