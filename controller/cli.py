@@ -29,7 +29,7 @@ from controller.auth import ClientTLS
 from controller.client import AdminClient
 from controller.config import FLEET_NAME_RE
 from controller.v1 import controller_pb2 as pb
-from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
+from controller.wire.names import engine_id_problem
 from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
 from sim import cli_types
@@ -521,13 +521,9 @@ def _engine_id(text: str) -> str:
     means the default policy, so ``--engine "$UNSET"`` would have set (or rolled back) every engine's."""
     if not text:
         raise argparse.ArgumentTypeError("empty engine id (leave out --engine for the default policy)")
-    if len(text) > MAX_ENGINE_ID or has_control(text):
-        shown = escape_text(text)
-        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
-        raise argparse.ArgumentTypeError(
-            f"an engine id has 1-{MAX_ENGINE_ID} characters and no control characters, got '{shown}' "
-            f"({len(text)} characters)"
-        )
+    problem = engine_id_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

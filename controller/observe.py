@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.errors import ConfigError
 from controller.validation import MAX_QUEUE_LENGTH, MAX_QUEUE_WAIT_S, MAX_STEP_DURATION_S, MIN_STEP_DURATION_S
 from controller.wire.address import parse_address
-from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
+from controller.wire.names import engine_id_problem, escape_text, has_control
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, OFF, Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
@@ -77,6 +77,7 @@ class VllmCounters:
     has_drafts: bool = True
 
 
+_DRAFTS = "vllm:spec_decode_num_drafts_total"
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 #: The counters an observation's steps and acceptance come from, beside the drafts counter (the gauges
 #: and the queue histogram may be absent: a wait averaged over a longer span is still a wait).
@@ -99,7 +100,7 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 continue
             if not (math.isfinite(s.value) and s.value >= 0):
                 raise ValueError(f"{s.name}: must be a finite number >= 0, got {s.value}")
-            if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            if s.name == _PER_POS:
                 label = s.labels.get("position", "0")
                 if not (label.isascii() and label.isdigit() and int(label) < MAX_POSITIONS):
                     raise ValueError(f"{s.name}: position must be 0..{MAX_POSITIONS - 1}, got {label[:20]!r}")
@@ -107,17 +108,17 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 per_pos[pos] = per_pos.get(pos, 0.0) + s.value
             else:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
-    if "vllm:spec_decode_num_drafts_total" in sums:
+    if _DRAFTS in sums:
         # A scrape that has the drafts counter but lacks one this adapter derives steps or acceptance
         # from cannot be read as zeros: the next interval would carry the engine's whole lifetime.
         missing = [m for m in _NEEDED if m not in sums]
-        missing += [] if per_pos or not sums["vllm:spec_decode_num_drafts_total"] else [_PER_POS]
+        missing += [] if per_pos or not sums[_DRAFTS] else [_PER_POS]
         if missing:
-            raise ValueError(f"{', '.join(missing)}: missing beside vllm:spec_decode_num_drafts_total")
+            raise ValueError(f"{', '.join(missing)}: missing beside {_DRAFTS}")
     k = max(per_pos) + 1 if per_pos else 0
     return VllmCounters(
         time_s=time_s,
-        drafts=sums.get("vllm:spec_decode_num_drafts_total", 0.0),
+        drafts=sums.get(_DRAFTS, 0.0),
         draft_tokens=sums.get("vllm:spec_decode_num_draft_tokens_total", 0.0),
         accepted=sums.get("vllm:spec_decode_num_accepted_tokens_total", 0.0),
         per_position=tuple(per_pos.get(i, 0.0) for i in range(k)),
@@ -126,7 +127,7 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         queue_time_count=sums.get("vllm:request_queue_time_seconds_count", 0.0),
         running=sums.get("vllm:num_requests_running", 0.0),
         waiting=sums.get("vllm:num_requests_waiting", 0.0),
-        has_drafts="vllm:spec_decode_num_drafts_total" in sums,
+        has_drafts=_DRAFTS in sums,
     )
 
 
@@ -241,11 +242,9 @@ class ObserverSettings:
             parse_address(self.engine_target, field="engine_target", dial=True)
         except ConfigError as e:
             raise ValueError(f"engine_target: {e.message}") from None
-        if not self.engine_id or len(self.engine_id) > MAX_ENGINE_ID or has_control(self.engine_id):
-            raise ValueError(
-                f"engine_id: an engine id has 1-{MAX_ENGINE_ID} characters and no control characters, got "
-                f"'{escape_text(self.engine_id)[:80]}' ({len(self.engine_id)} characters)"
-            )
+        problem = engine_id_problem(self.engine_id)
+        if problem is not None:
+            raise ValueError(f"engine_id: {problem}")
         if not 1 <= self.max_k <= 64:
             raise ValueError(f"max_k: must be 1..64, got {self.max_k}")
         if not (math.isfinite(self.interval_s) and 0 < self.interval_s <= 3600):
@@ -467,12 +466,10 @@ async def run_observer(
                 )
             elif sent and not cur.has_drafts and not said_gone:  # (it went silent without a word)
                 said_gone = True
-                say(
-                    f"vllm:spec_decode_num_drafts_total is gone from {s.metrics_url}; no data until it is back"
-                )
+                say(f"{_DRAFTS} is gone from {s.metrics_url}; no data until it is back")
             if cur.has_drafts and said_gone:
                 said_gone = False
-                say(f"vllm:spec_decode_num_drafts_total is back in {s.metrics_url}")
+                say(f"{_DRAFTS} is back in {s.metrics_url}")
             await pause(s.interval_s)
 
     async def session() -> bool:

@@ -62,15 +62,9 @@ class DeviceDrafter:
         self.kernels = kernels
         #: Why the Triton kernels were given up while serving ("": they were not).
         self.failure = ""
-        if kernels == "triton":
-            from controller.vllm.device_kernels import interpreted
-
-            if self.device.type != ("cpu" if interpreted() else "cuda"):
-                raise ValueError(
-                    f"DeviceDrafter: Triton kernels run on CUDA, or on CPU in Triton's interpreter "
-                    f"(TRITON_INTERPRET=1, for tests); not on {self.device} with TRITON_INTERPRET="
-                    f"{int(interpreted())}"
-                )
+        problem = _triton_device_problem(self.device) if kernels == "triton" else None
+        if problem is not None:
+            raise ValueError(f"DeviceDrafter: {problem}")
         self._pin = self.device.type == "cuda"
         #: Columns in use (the longest history fits); column ``_cols`` takes the writes with no place.
         self._cols = min(_MIN_COLS, max_model_len)
@@ -236,7 +230,7 @@ class DeviceDrafter:
                 getattr(device_kernels, name)(*args, **kwargs)
         except Exception as e:
             self.kernels = "torch"
-            self.failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.failure = _first_line(e)
             log.warning(
                 "speccontrol: the Triton kernels failed (%s); the device drafter goes on with torch's operations",
                 self.failure,
@@ -261,13 +255,13 @@ class DeviceDrafter:
         earliest occurrence); the draft is ``rev[c - 1], rev[c - 2], ...``: vLLM's rule, in a fixed
         number of tensor operations (a GPU launch each), whatever ``max_n``."""
         cols, big = int(drafts.shape[1]), self.max_n
-        width = max(int(self._bound[slots].max()), 2)  # every history in the match is at most this long
         dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
         if self.kernels == "triton":
             merged = drafts.clone(memory_format=torch.contiguous_format)
             if self._launch("match_rows", self._hist, self._len, dev_slots, dev_rows, merged, min_n=self.min_n,
                             max_n=big, max_k=self.max_k, max_model_len=self.max_model_len):  # fmt: skip
                 return merged
+        width = max(int(self._bound[slots].max()), 2)  # every history in the match is at most this long
         total = self._len[dev_slots].unsqueeze(1)  # (b, 1)
         # c >= total reads the first token (never a match: n <= total - c below).
         at = (total - 1 - self._steps(width + big - 1)).clamp_(min=0)
@@ -300,15 +294,10 @@ def triton_problem(device: Any, *, max_k: int, min_n: int, max_n: int) -> str | 
     torch path's drafts and histories on a scripted run of growing, repeating histories, requests
     leaving and arriving, rejected slots and ``max_model_len`` reached). Run once, when the worker
     builds its drafter: it reads results on the host, which no serving step does."""
-    try:
-        import triton  # type: ignore[import-not-found]  # noqa: F401
-
-        from controller.vllm.device_kernels import interpreted
-    except Exception as e:
-        return f"triton cannot be imported ({type(e).__name__}: {e})"
     dev = torch.device(device)
-    if dev.type != ("cpu" if interpreted() else "cuda"):
-        return f"Triton kernels do not run on {dev} here (TRITON_INTERPRET={int(interpreted())})"
+    problem = _triton_device_problem(dev)
+    if problem is not None:
+        return problem
     try:
         # As serving runs them: the sampled tokens as int32 (vLLM's) and int64, the drafts as int32
         # and int64; a stretch of steps without n-gram rows, whose appends wait and then run as one
@@ -318,8 +307,25 @@ def triton_problem(device: Any, *, max_k: int, min_n: int, max_n: int) -> str | 
             if why is not None:
                 return why
     except Exception as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return _first_line(e)
     return None
+
+
+def _triton_device_problem(dev: Any) -> str | None:
+    """Why the Triton kernels cannot run on ``dev`` at all: not importable, or not CUDA (CPU tensors
+    only in Triton's interpreter, ``TRITON_INTERPRET=1``, for the tests)."""
+    try:
+        from controller.vllm.device_kernels import interpreted
+    except Exception as e:
+        return f"triton cannot be imported ({_first_line(e)})"
+    if dev.type != ("cpu" if interpreted() else "cuda"):
+        return f"Triton kernels run on CUDA (on CPU in Triton's interpreter), not on {dev} (TRITON_INTERPRET={int(interpreted())})"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _compare_kernels(dev: Any, tokens: Any, out: Any, *, max_k: int, min_n: int, max_n: int) -> str | None:

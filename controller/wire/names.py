@@ -20,6 +20,18 @@ def has_control(text: str) -> bool:
     return _CONTROL.search(text) is not None
 
 
+def engine_id_problem(text: str) -> str | None:
+    """Why ``text`` is no engine id the sidecar takes (None: it is one), naming it escaped and cut."""
+    if text and len(text) <= MAX_ENGINE_ID and not has_control(text):
+        return None
+    shown = escape_text(text)
+    shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+    return (
+        f"an engine id has 1-{MAX_ENGINE_ID} characters and no control characters, got '{shown}' "
+        f"({len(text)} characters)"
+    )
+
+
 def escape_text(text: str) -> str:
     """``text`` with each control character written as an escape (``\\n``, ``\\x00``): safe in a
     log line or a label value."""
