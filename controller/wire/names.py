@@ -11,9 +11,11 @@ MAX_ENGINE_ID = 128
 #: A sidecar's name in the fleet (``node_id``, the MQTT client id and the ``node`` of its payloads).
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
-#: Control characters (C0, DEL, C1) and Unicode line breaks: in engine-supplied names they would
-#: forge log lines or break a metric label.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: Control characters (C0, DEL, C1), Unicode line breaks and bidirectional controls: in
+#: engine-supplied names the first two would forge log lines or break a metric label, the last
+#: (embeddings, overrides, isolates, the marks) would show a log line or a terminal's table in an
+#: order other than the bytes' ("Trojan Source", CVE-2021-42574).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 
 def has_control(text: str) -> bool:

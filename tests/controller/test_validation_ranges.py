@@ -120,6 +120,8 @@ def test_batch_counters_out_of_range(batch: pb.StepReportBatch, reason: str, pat
         ({"model": "m\r"}, "control_characters", "hello.model"),
         ({"instance_id": "i\u2028"}, "control_characters", "hello.instance_id"),
         ({"engine_version": "\x1b[31mred"}, "control_characters", "hello.engine_version"),
+        # A right-to-left override: "pod-\u202eevil" shows as "pod-live" in a log or a table.
+        ({"engine_id": "pod-\u202eevil"}, "control_characters", "hello.engine_id"),
     ],
 )
 def test_hello_strings_and_lists_are_bounded(kw: dict[str, object], reason: str, path: str) -> None:

@@ -89,7 +89,7 @@ async def test_oversized_policies_are_refused(sidecar: Sidecar) -> None:
     assert sidecar.policy_store.default.revision == 1
 
 
-@pytest.mark.parametrize("source", ["a\x00b\nc", "\x1b[2Jfake.yaml", "x\u2028y"])
+@pytest.mark.parametrize("source", ["a\x00b\nc", "\x1b[2Jfake.yaml", "x\u2028y", "lmay.\u202etxt"])
 async def test_a_source_with_control_characters_is_refused_and_counted(sidecar: Sidecar, source: str) -> None:
     # It was stored and echoed raw by `policy list` / `policy get` (a terminal escape, a forged line).
     async with AdminClient(target=sidecar.admin_target) as admin:
