@@ -90,8 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         config.check_files()
+        if not config.snapshot_path.exists():
+            # A first start loads it: refused here, before the state directory and its lock exist
+            # (a restart takes the snapshot's policy and does not read it).
+            config.load_default_policy()
     except ConfigError as e:
         print(f"error: {e.located(args.config or '<defaults>')}", file=sys.stderr)
+        return 2
+    except PolicyError as e:
+        print(f"error: {args.config or '<defaults>'}: default_policy: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

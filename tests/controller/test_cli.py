@@ -159,6 +159,24 @@ def test_serve_with_an_unreadable_mqtt_password_file(
     assert not (tmp_path / "state").exists()  # nothing started, nothing written
 
 
+@pytest.mark.parametrize("policy", ["not-a-preset", "FILE"])
+def test_serve_with_a_refused_default_policy_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], policy: str
+) -> None:
+    # It exited 2 with the reason, but had already created the state directory and its lock.
+    bad = tmp_path / "p.yaml"
+    bad.write_text("garbage: [\n")
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"state_dir: {tmp_path / 'state'}\nengine_listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n"
+        f"metrics_listen: ''\ndefault_policy: {bad if policy == 'FILE' else policy}\n"
+    )
+    assert main(["serve", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {cfg}: default_policy: ") and err.count("\n") == 1
+    assert not (tmp_path / "state").exists()
+
+
 # -- --json numbers ----------------------------------------------------------------------------------
 
 

@@ -13,7 +13,9 @@ BIDI = ["\u061c", "\u200e", "\u200f", "\u202a", "\u202b", "\u202c", "\u202d", "\
         "\u2068", "\u2069"]  # fmt: skip
 
 
-@pytest.mark.parametrize("ch", ["\x00", "\n", "\r", "\x1b", "\x7f", "\x85", "\x9f", "\u2028", "\u2029", *BIDI])
+@pytest.mark.parametrize(
+    "ch", ["\x00", "\n", "\r", "\x1b", "\x7f", "\x85", "\x9f", "\u2028", "\u2029", *BIDI]
+)
 def test_control_characters_and_line_breaks_are_found_and_escaped(ch: str) -> None:
     text = f"pod{ch}7"
     assert has_control(text)
