@@ -65,6 +65,7 @@ class SidecarServer(Sidecar):
         super().__init__(config=config, registry=registry, clock=clock)
         self._engine_server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None
+        self._admin_service: AdminService | None = None
         self._metrics_server: MetricsServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._engine_target = ""
@@ -146,7 +147,8 @@ class SidecarServer(Sidecar):
         self._engine_server = grpc.aio.server(options=opts)
         pb_grpc.add_EngineServiceServicer_to_server(EngineService(self), self._engine_server)  # type: ignore[no-untyped-call]
         self._admin_server = grpc.aio.server(options=opts, interceptors=interceptors)
-        pb_grpc.add_AdminServiceServicer_to_server(AdminService(self), self._admin_server)  # type: ignore[no-untyped-call]
+        self._admin_service = AdminService(self)
+        pb_grpc.add_AdminServiceServicer_to_server(self._admin_service, self._admin_server)  # type: ignore[no-untyped-call]
         for server, name in ((self._engine_server, engine_name), (self._admin_server, admin_name)):
             hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
             await hs.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -261,6 +263,8 @@ class SidecarServer(Sidecar):
         return client_target(listen, bound)
 
     async def _close_servers(self) -> None:
+        if self._admin_service is not None:
+            await self._admin_service.end_watches(timeout_s=0.5)
         for server in (self._engine_server, self._admin_server):
             if server is not None:
                 await server.stop(grace=0.5)
