@@ -32,6 +32,7 @@ from controller.v1 import controller_pb2 as pb
 from controller.wire.names import engine_id_problem
 from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
+from policies.text import one_line
 from sim import cli_types
 from sim.cli import register as register_sim_commands
 from sim.files import output_problem
@@ -131,7 +132,7 @@ def read_policy(name_or_path: str) -> tuple[str, str, PolicySpec]:
         text, source = resolve_policy_text(name_or_path)
         return text, source, parse_policy_checked(text, source=source)
     except PolicyError as e:
-        raise UserError(str(e).splitlines()[0]) from None
+        raise UserError(one_line(str(e))) from None
 
 
 def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
@@ -319,7 +320,7 @@ def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: st
             f"the MQTT broker at {broker.describe()} did not answer within {args.timeout:g} s", 1
         ) from None
     except ValueError as e:
-        raise UserError(f"{source}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{source}: {one_line(str(e))}") from None
     print(f"published {name} from {source} to fleet {fleet} as version {version} ({broker.describe()})")
     return 0
 
@@ -710,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        _err(f"error: {where}{e.strerror or str(e).splitlines()[0]}")
+        _err(f"error: {one_line(where)}{e.strerror or one_line(str(e))}")
         return 1
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.text import one_line
 from sim.autoscale import (
     HpaSettings,
     LearningCurve,
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
         policy = resolve_policy(args.policy)
         profile = load_profile(args.profile)
     except (ValueError, OSError) as e:
-        print(str(e).splitlines()[0], file=sys.stderr)
+        print(one_line(str(e)), file=sys.stderr)
         return 2
     if args.out:
         try:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from policies.presets import resolve_policy as resolve_named_policy
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from policies.spec import PolicyError, PolicySpec, static_policy
+from policies.text import one_line
 from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
@@ -53,7 +54,7 @@ class _UsageError(ValueError):
 
 
 def _err(msg: str) -> None:
-    print(msg.splitlines()[0] if msg else "error", file=sys.stderr)
+    print(one_line(msg), file=sys.stderr)
 
 
 def resolve_policy(name_or_path: str) -> PolicySpec:
@@ -445,11 +446,11 @@ def cmd_trace_validate(args: argparse.Namespace) -> int:
     for f in args.files:
         errors = validate_trace(f)
         for e in errors:
-            print(str(e), file=sys.stderr)
+            _err(str(e))
         if errors:
             bad += 1
         else:
-            print(f"{f}: ok")
+            print(f"{one_line(str(f))}: ok")
     return EXIT_USAGE if bad else 0
 
 

@@ -250,6 +250,27 @@ def test_mistake(m: Mistake, tmp_path: Path) -> None:
     assert not Path("/tmp/never-written.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [("sim", "compare", "--trace", "FILE"), ("sim", "replay", "--policy", "default", "--trace", "FILE"),
+     ("policy", "validate", "FILE"), ("trace", "validate", "FILE")],
+    ids=["sim compare", "sim replay", "policy validate", "trace validate"],
+)  # fmt: skip
+@pytest.mark.parametrize("exists", [True, False], ids=["bad", "missing"])
+def test_a_file_name_with_a_newline_is_named_whole(
+    tmp_path: Path, argv: tuple[str, ...], exists: bool
+) -> None:
+    # Messages were cut at the first line break: "error: /tmp/.../bad" and nothing else.
+    bad = tmp_path / "bad\nname.jsonl"
+    if exists:
+        bad.write_text("garbage\n")
+    out = ctl(*(a.replace("FILE", str(bad)) for a in argv))
+    no_traceback(out)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()  # one per error (trace validate lists every error it found)
+    assert lines and all(f"{tmp_path}/bad\\nname.jsonl" in line for line in lines), out.stderr
+
+
 def test_version() -> None:
     out = ctl("--version")
     assert out.returncode == 0 and out.stdout.startswith("controllerctl 0.")

@@ -1,4 +1,4 @@
-"""controller.wire.names: what counts as a control character in an engine's names, and its escape."""
+"""policies.text: what counts as a control character in outside text, its escape, one-line messages."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.wire.names import escape_text, has_control
-
+from policies.text import escape_text, has_control, one_line
 
 BIDI = ["\u061c", "\u200e", "\u200f", "\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067",
         "\u2068", "\u2069"]  # fmt: skip
@@ -39,3 +38,16 @@ def test_a_bidirectional_override_cannot_reorder_a_log_line() -> None:
     shown = escape_text("pod-\u202eevil")
     assert shown == "pod-\\u202eevil"
     assert escape_text("a\u2066b\u2069c") == "a\\u2066b\\u2069c"
+
+
+def test_a_message_naming_a_file_with_a_newline_is_shown_whole_on_one_line() -> None:
+    # The CLIs printed the first line only: "error: /tmp/bad" for /tmp/bad<newline>name.jsonl.
+    assert one_line("/tmp/bad\nname.jsonl: line 1: not JSON\n") == "/tmp/bad\\nname.jsonl: line 1: not JSON"
+    assert one_line("") == "error"
+
+
+@given(st.text())
+def test_one_line_keeps_every_printable_character_on_one_line(text: str) -> None:
+    shown = one_line(text)
+    assert not has_control(shown) and shown
+    assert set(shown) >= {c for c in text.rstrip("\r\n") if not has_control(c)}
