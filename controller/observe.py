@@ -176,7 +176,7 @@ def observation_between(
     wait = (cur.queue_time_sum - prev.queue_time_sum) / qn if qn > 0 else 0.0
     row_s = dt / drafts
     step_s = row_s * min(batch, n)
-    if step_s < MIN_STEP_DURATION_S:
+    if row_s * min((hi - lo for lo, hi in step_bounds(n, batch)), default=0) < MIN_STEP_DURATION_S:
         raise ValueError(f"no engine verifies {drafts:g} drafts in {dt:g} s")
     if step_s > MAX_STEP_DURATION_S:
         raise ValueError(f"{drafts:g} drafts in {dt:g} s: steps of more than {MAX_STEP_DURATION_S:g} s")
@@ -335,6 +335,10 @@ class _Scraper:
             raise TimeoutError(f"{self._hanging} earlier scrapes still hang")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[str] = loop.create_future()
+        # Its error is read here as well: when the observer stopped waiting (its deadline passed, or
+        # it ended on another error) the error came later to nobody, and asyncio printed it with a
+        # traceback as "Future exception was never retrieved".
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
 
         def deliver(value: str | BaseException) -> None:
             self._hanging -= 1
@@ -538,15 +542,30 @@ async def run_observer(
     return sent
 
 
+def step_bounds(n: int, batch: int) -> list[tuple[int, int]]:
+    """``n`` rows as engine steps of at most ``batch`` rows, as even as can be (sizes differ by one at
+    most): a last step of one row would be given a duration too short for the sidecar to take."""
+    steps = -(-n // max(1, batch))
+    if steps <= 0:
+        return []
+    size, extra = divmod(n, steps)
+    bounds, lo = [], 0
+    for i in range(steps):
+        hi = lo + size + (1 if i < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
 def _reports(obs: StepObservation) -> list[Any]:
-    """The interval's rows as engine steps of ``batch_size`` rows each (what a real engine reports)."""
+    """The interval's rows as engine steps of at most ``batch_size`` rows each (what a real engine
+    reports)."""
     from controller.v1 import controller_pb2 as pb
     from controller.wire.codec import request_steps
 
     n, b = obs.n, max(1, obs.batch_size)
     out = []
-    for lo in range(0, n, b):
-        hi = min(n, lo + b)
+    for lo, hi in step_bounds(n, b):
         out.append(
             pb.StepReport(
                 time_s=obs.time_s,

