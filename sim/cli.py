@@ -125,7 +125,11 @@ def _check_methods(
                 try:
                     check_engine(trace, eng)
                 except ValueError as e:
-                    raise _UsageError(f"--engine: {e} (it has: {has})") from None
+                    able = [
+                        n for n, m in ENGINES.items() if m.methods and all(x in trace.acc for x in m.methods)
+                    ]
+                    hint = f"; engines that can replay it: {', '.join(able)}" if able else ""
+                    raise _UsageError(f"--engine: {e} (it has: {has}){hint}") from None
         elif arm.speculates and arm.method not in trace.acc:
             raise _UsageError(f"--policy {name}: trace {trace.name!r} has no {arm.method.value} acceptance "
                               f"(it has: {has})")  # fmt: skip

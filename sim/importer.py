@@ -120,6 +120,7 @@ def import_vllm_metrics(
     method: Method = Method.EAGLE3,
     limits: TraceLimits = DEFAULT_LIMITS,
     ngram: tuple[int, int] | None = None,
+    greedy: bool = False,
 ) -> Trace:
     """A trace from JSON Lines of vLLM responses (completions or chat) carrying detailed spec metrics.
 
@@ -132,6 +133,9 @@ def import_vllm_metrics(
     plugin runs (see ``ngram_columns``), the signal the engine reports per step; a trace recorded with
     n-gram drafting then takes its ``acc.ngram`` from the token ids too (exact, where the engine's counts
     are censored at the recorded K and could disagree with the proposal inside an accepted run).
+    ``greedy``: the responses were decoded greedily (``trace record``), so n-gram's counts computed
+    from the token ids are exact whatever method drafted: a trace recorded with another method gets
+    ``acc.ngram`` as well (what the composite drafter's replay needs).
     """
     if method not in TRACE_METHODS:
         raise TraceError(f"cannot import method {method.value!r}", source=str(path))
@@ -234,27 +238,33 @@ def import_vllm_metrics(
         "censored_at_recorded_k": True,
         "note": "counts are exact below the recorded K and censored at it; K = 0 phases are not recorded",
     }
-    proposal = None
+    proposal = ngram_acc = None
     if ngram is not None and token_ids and all(t is not None for t in token_ids):
         cols = [
             ngram_columns(*t, min_n=ngram[0], max_n=ngram[1], max_k=max_k) for t in token_ids if t is not None
         ]
         proposal = np.concatenate([prop for _, prop in cols])
         meta["ngram"] = {"min_n": ngram[0], "max_n": ngram[1]}
-        if method is Method.NGRAM:
-            acc = [a for a, _ in cols]
+        if method is Method.NGRAM or greedy:
             meta["note"] += (
                 f"; acc.ngram computed from the token ids (exact for greedy decoding, capped at {NGRAM_HORIZON})"
             )
+        if method is Method.NGRAM:
+            acc = [a for a, _ in cols]
+        elif greedy:
+            ngram_acc = np.concatenate([a for a, _ in cols])
+    accs = {method: np.concatenate(acc)}
+    if ngram_acc is not None:
+        accs[Method.NGRAM] = ngram_acc
     return Trace(
         max_k=max_k,
-        methods=(method,),
+        methods=tuple(accs),
         ids=tuple(ids),
         classes=tuple(classes),
         prompt_tokens=np.array(prompt, dtype=np.int64),
         output_tokens=np.array(out, dtype=np.int64),
         arrival_s=arrivals,
-        acc={method: np.concatenate(acc)},
+        acc=accs,
         meta=meta,
         name=p.name.removesuffix(".gz").removesuffix(".jsonl"),
         ngram_proposal=proposal,

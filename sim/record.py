@@ -153,4 +153,4 @@ def record_trace(
         concurrency=concurrency,
         on_done=on_done,
     )
-    return import_vllm_metrics(responses, method=method, ngram=ngram), failures, responses
+    return import_vllm_metrics(responses, method=method, ngram=ngram, greedy=True), failures, responses

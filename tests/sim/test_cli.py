@@ -220,7 +220,11 @@ def test_out_of_range_flags_exit_2_before_anything_runs(
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        ([], "--engine: engine 'composite' drafts with ngram, which trace 'e3' lacks (it has: eagle3)"),
+        (
+            [],
+            "--engine: engine 'composite' drafts with ngram, which trace 'e3' lacks (it has: eagle3); "
+            "engines that can replay it: stock-vllm, per-request-k",
+        ),
         (
             ["--policy", "static:ngram:3"],
             "--policy static:ngram:3: trace 'e3' has no ngram acceptance (it has: eagle3)",

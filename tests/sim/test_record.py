@@ -7,9 +7,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from policies.arms import Method
+from sim.importer import ngram_columns
 from sim.record import read_prompts, record_trace
 from sim.trace import TraceError, read_trace, write_trace
 
@@ -78,6 +80,16 @@ def test_record_writes_a_trace_and_counts_failures(server: str, tmp_path: Path) 
     assert all(b["return_token_ids"] is True for b in SEEN)
     assert trace.ngram_proposal is not None
     assert trace.ngram_proposal[trace.offsets[0] : trace.offsets[1]].tolist() == [2, 2, 2, 2, 0, 1]
+    # Greedy: n-gram's counts follow from the token ids whatever drafted, so the trace has them too
+    # (the composite drafter's replay needs them; `sim compare --trace` refused the trace without).
+    assert trace.methods == (Method.EAGLE3, Method.NGRAM)
+    lines = [json.loads(x) for x in responses.read_text().splitlines()]
+    by_id = {r["id"]: r["choices"][0] for r in lines if "choices" in r}
+    want = [
+        ngram_columns(np.array(c["prompt_token_ids"]), np.array(c["token_ids"]), min_n=1, max_n=3, max_k=2)[0]
+        for c in (by_id[i] for i in trace.ids)
+    ]
+    assert trace.acc[Method.NGRAM].tolist() == np.concatenate(want).tolist()
     write_trace(trace, out)
     back = read_trace(out)
     assert back.n == 2 and back.meta["ngram"] == {"min_n": 1, "max_n": 3}
