@@ -118,6 +118,7 @@ class SidecarConfig:
     node_id: str = ""
     #: Seconds between shares of the learned statistics per model (the warm start of new replicas).
     posteriors_interval_s: float = 30.0
+    #: The sidecar's log level: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case).
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ starting anything with `controllerctl config validate FILE` (errors read `FILE:L
 the policy's read `FILE: default_policy: POLICY_FILE:LINE: field: message`); it also reads the files
 the config names (state directory, token, password and TLS files) as `serve` will, unless
 `--no-files` (a config written for another machine, e.g. a pod's mounted secrets). The vLLM plugin's
-own settings are environment variables, listed in docs/production.md.
+own settings are environment variables, listed in docs/vllm-plugin.md ("Enabling it").
 
 """
 
