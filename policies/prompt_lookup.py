@@ -11,6 +11,9 @@ import numpy as np
 #: The plugin's n-gram sizes unless SPECCONTROL_NGRAM_MIN/MAX say otherwise (vLLM's own n-gram
 #: drafter: prompt_lookup_min/max); ``trace record`` computes proposals with them by default.
 DEFAULT_MIN_N, DEFAULT_MAX_N = 1, 3
+#: The longest n-gram matched anywhere (plugin, importer, trace record): the plugin's index keeps n in
+#: 6 bits of a position word.
+MAX_NGRAM = 63
 
 
 def match_ngram(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> np.ndarray:
@@ -30,4 +33,4 @@ def match_ngram(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, 
     return tokens[:0]
 
 
-__all__ = ["DEFAULT_MAX_N", "DEFAULT_MIN_N", "match_ngram"]
+__all__ = ["DEFAULT_MAX_N", "DEFAULT_MIN_N", "MAX_NGRAM", "match_ngram"]

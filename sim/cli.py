@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies.presets import resolve_policy as resolve_named_policy
-from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
+from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, MAX_NGRAM
 from policies.spec import PolicyError, PolicySpec, static_policy
 from policies.text import one_line
 from sim import cli_types
@@ -527,8 +527,8 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     except TraceError as e:
         _err(str(e))
         return EXIT_USAGE
-    if not 1 <= args.min_n <= args.max_n <= 63:
-        _err(f"--min-n/--max-n: need 1 <= min_n <= max_n <= 63, got {args.min_n}, {args.max_n}")
+    if not 1 <= args.min_n <= args.max_n <= MAX_NGRAM:
+        _err(f"--min-n/--max-n: need 1 <= min_n <= max_n <= {MAX_NGRAM}, got {args.min_n}, {args.max_n}")
         return EXIT_USAGE
     bar = ProgressBar(total=len(prompts), label="recording")
     try:

@@ -25,6 +25,7 @@ import numpy as np
 
 from policies.arms import Method
 from policies.params import shown
+from policies.prompt_lookup import MAX_NGRAM
 from sim.trace import (
     DEFAULT_LIMITS,
     MAX_ARRIVAL_S,
@@ -276,8 +277,6 @@ def import_vllm_metrics(
 #: The longest n-gram draft scored per position (acc.ngram is capped here, as the generator's counts).
 NGRAM_HORIZON = MAX_K_LIMIT
 _TOKEN_ID_MAX = (1 << 31) - 1
-#: The longest n-gram matched, as the plugin's n-gram proposer and ``trace record`` take it.
-MAX_NGRAM = 63
 
 
 def ngram_columns(

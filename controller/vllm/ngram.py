@@ -33,6 +33,7 @@ import numpy as np
 
 from policies.jit import kernel, prefetch
 from policies.observation import NOT_SCORED
+from policies.prompt_lookup import MAX_NGRAM
 
 # Per-slot state columns (int64).
 BASE, CAP, LEN, INDEXED, GEN, PEND_START, PEND_LEN, DRAFT_LEN = range(8)
@@ -421,8 +422,8 @@ class NgramIndex:
     def __init__(
         self, *, max_k: int, min_n: int = 1, max_n: int = 3, max_model_len: int = 1 << 30, capacity: int = 64
     ) -> None:
-        if not 1 <= min_n <= max_n <= 63:
-            raise ValueError(f"n-gram sizes: need 1 <= min_n <= max_n <= 63, got {min_n}, {max_n}")
+        if not 1 <= min_n <= max_n <= MAX_NGRAM:
+            raise ValueError(f"n-gram sizes: need 1 <= min_n <= max_n <= {MAX_NGRAM}, got {min_n}, {max_n}")
         if max_k < 1:
             raise ValueError(f"max_k: need >= 1, got {max_k}")
         self.max_k = max_k

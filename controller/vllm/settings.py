@@ -17,7 +17,7 @@ from controller.errors import ConfigError
 from controller.wire.address import is_loopback, parse_address
 from controller.wire.names import MAX_ENGINE_ID, has_control
 from policies.arms import Arm
-from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
+from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, MAX_NGRAM
 
 PLUGIN_NAME = "speccontrol"
 
@@ -94,9 +94,10 @@ class PluginSettings:
             raise SettingsError(f"SPECCONTROL_BATCH_MAX: must be 1..1024, got {self.batch_max}")
         if not 0.001 <= self.flush_s <= 10:
             raise SettingsError(f"SPECCONTROL_FLUSH_S: must be 0.001..10, got {self.flush_s}")
-        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+        if not 1 <= self.ngram_min <= self.ngram_max <= MAX_NGRAM:
             raise SettingsError(
-                f"SPECCONTROL_NGRAM_MIN/MAX: need 1 <= min <= max <= 64, got {self.ngram_min}, {self.ngram_max}"
+                f"SPECCONTROL_NGRAM_MIN/MAX: need 1 <= min <= max <= {MAX_NGRAM}, got {self.ngram_min}, "
+                f"{self.ngram_max}"
             )
         if len(self.engine_id) > MAX_ENGINE_ID_SETTING:
             raise SettingsError(

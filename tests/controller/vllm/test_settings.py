@@ -44,6 +44,11 @@ def test_from_env() -> None:
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_QUEUE_SIZE": "1"}, "SPECCONTROL_QUEUE_SIZE"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_WORKER_NGRAM": "gpu"}, "SPECCONTROL_WORKER_NGRAM"),
         ({"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_WORKER_KERNELS": "cuda"}, "SPECCONTROL_WORKER_KERNELS"),
+        # 64 was taken here, and then refused by the n-gram index (its positions keep 6 bits of n)
+        (
+            {"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_NGRAM_MAX": "64"},
+            r"SPECCONTROL_NGRAM_MIN/MAX: need 1 <= min <= max <= 63, got 1, 64",
+        ),
         # the sidecar refuses a Hello whose id is too long or holds control characters
         (
             {"SPECCONTROL_SIDECAR": "h:1", "SPECCONTROL_ENGINE_ID": "e" * 121},
