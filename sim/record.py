@@ -93,8 +93,10 @@ def record(
     concurrency: int = 4,
     timeout_s: float = 600.0,
     on_done: Callable[[int], None] | None = None,
+    errors: list[str] | None = None,
 ) -> int:
-    """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures."""
+    """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures
+    (``errors``, when given, gets each failed request's error)."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     failures = 0
@@ -124,6 +126,8 @@ def record(
         for done, obj in enumerate(pool.map(one, enumerate(prompts)), start=1):
             if obj is None or "error" in obj:
                 failures += 1
+                if errors is not None:
+                    errors.append(str(obj["error"]) if obj is not None else "no response")
             else:
                 f.write(json.dumps(obj) + "\n")
             if on_done is not None:
@@ -145,6 +149,7 @@ def record_trace(
     """Record responses and convert them; returns the trace, the failed requests and the responses file.
     ``ngram``: the (min_n, max_n) of the n-gram proposals computed from the responses' token ids."""
     responses = out.with_name(out.name.removesuffix(".gz").removesuffix(".jsonl") + ".responses.jsonl")
+    errors: list[str] = []
     failures = record(
         base_url=base_url,
         model=model,
@@ -152,5 +157,8 @@ def record_trace(
         responses_path=responses,
         concurrency=concurrency,
         on_done=on_done,
+        errors=errors,
     )
+    if prompts and failures == len(prompts):  # (the import would say only "no responses found")
+        raise TraceError(f"every request failed ({failures}); the first: {errors[0]}", source=base_url)
     return import_vllm_metrics(responses, method=method, ngram=ngram, greedy=True), failures, responses

@@ -163,3 +163,22 @@ def test_prompt_files_go_through_the_trace_json_loader(tmp_path: Path, line: str
     with pytest.raises(TraceError) as e:
         read_prompts(f, default_class="chat", max_tokens=16)
     assert str(e.value) == f"{f}:2: {says}"
+
+
+def test_a_server_that_answers_nothing_is_named_with_the_reason(tmp_path: Path) -> None:
+    # It said only "rec.responses.jsonl: no responses found", never that every request had failed.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompts_file = tmp_path / "p.txt"
+    prompts_file.write_text("hello\nthere\n")
+    prompts = read_prompts(prompts_file, default_class="chat", max_tokens=4)
+    with pytest.raises(TraceError) as e:
+        record_trace(
+            base_url=f"http://127.0.0.1:{port}", model="m", prompts=prompts, out=tmp_path / "t.jsonl",
+            method=Method.EAGLE3,
+        )  # fmt: skip
+    assert str(e.value).startswith(f"http://127.0.0.1:{port}: every request failed (2); the first: ")
+    assert "Connection refused" in str(e.value)
