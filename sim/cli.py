@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+#: Generated scenarios defined by their arrival rate (a closed-loop replay ignores it).
+OPEN_LOOP_SCENARIOS = ("load-ramp",)
 
 
 class _UsageError(ValueError):
@@ -206,6 +208,12 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
             if args.open_loop and not trace.has_arrivals:
                 raise _UsageError(
                     f"--open-loop: trace {trace.name!r} has no arrival_s (try --scenario load-ramp)"
+                )
+            if not args.open_loop and not args.trace and trace.name in OPEN_LOOP_SCENARIOS:
+                # A closed loop ignores the arrival rate this scenario exists for: say so, then run.
+                _err(
+                    f"note: --scenario {trace.name} is replayed closed loop, its arrival times ignored "
+                    "(add --open-loop to follow them)"
                 )
         executor = make_executor(args.executor, jobs=args.jobs, address=args.address) if compare else None
         prices = load_prices()

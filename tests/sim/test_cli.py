@@ -393,3 +393,16 @@ def test_a_sweep_refuses_two_traces_or_profiles_of_one_name(
         == f"--{same}: two {same}s named {named!r}: a sweep names its results by them\n"
     )
     assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("open_loop", [False, True])
+def test_load_ramp_in_a_closed_loop_says_its_arrivals_are_ignored(
+    capsys: pytest.CaptureFixture[str], open_loop: bool
+) -> None:
+    # It replayed closed loop without a word, so "load-ramp" ran its requests back to back.
+    argv = ["sim", "replay", "--scenario", "load-ramp", "--requests", "40", "--policy", "static:eagle3:3",
+            "--concurrency", "4", *(["--open-loop"] if open_loop else [])]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    note = "note: --scenario load-ramp is replayed closed loop, its arrival times ignored (add --open-loop"
+    assert (note in err) is not open_loop
