@@ -5,7 +5,7 @@ every bucket both ways, round after round (same directives, same random stream).
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from policies.algorithms.base import Learner
@@ -49,6 +49,7 @@ def report(rng: np.random.Generator, t: float, batch: int, granularity: Granular
     granularity=st.sampled_from(list(Granularity)),
     batches=st.lists(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 200]), min_size=3, max_size=12),
 )
+@example(seed=3234, granularity=Granularity.REQUEST_METHOD, batches=[1, 1, 1])  # NaN estimates compared
 def test_draws_only_for_idle_buckets_decides_as_planning_every_bucket(
     seed: int, granularity: Granularity, batches: list[int]
 ) -> None:
@@ -67,5 +68,11 @@ def test_draws_only_for_idle_buckets_decides_as_planning_every_bucket(
         t += 1.5
         a, b = lazy.decide(t), full.decide(t)
         assert a == b
-        assert lazy.last_changes == full.last_changes
+        # Field by field: a change's estimate may be NaN (no estimate), which == never matches.
+        assert [(c.context, c.before, c.after) for c in lazy.last_changes] == [
+            (c.context, c.before, c.after) for c in full.last_changes
+        ]
+        np.testing.assert_array_equal(
+            [c.estimate for c in lazy.last_changes], [c.estimate for c in full.last_changes]
+        )
     assert lazy.learner.rng.bit_generator.state == full.learner.rng.bit_generator.state
