@@ -198,6 +198,19 @@ def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     validate_batch(pb.StepReportBatch(sequence=1, steps=_reports(obs)), engine, Limits())
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3, 7, 30, 31, 32, 64, 255, 256, 511, 512, 513, MAX_OBSERVED_BATCH])
+def test_rows_split_into_steps_evenly_at_every_size(batch: int) -> None:
+    # Every row count an interval makes (1..512) at batches from 1 to the largest observed: whole,
+    # in order, no step above the batch, sizes one apart at most (a 2-row last step was too short).
+    for n in range(0, 513):
+        bounds = step_bounds(n, batch)
+        sizes = [hi - lo for lo, hi in bounds]
+        assert len(bounds) == -(-n // batch) and sum(sizes) == n
+        if n:
+            assert [lo for lo, _ in bounds] == [0, *[hi for _, hi in bounds][:-1]]
+            assert max(sizes) <= batch and max(sizes) - min(sizes) <= 1
+
+
 @pytest.mark.parametrize("label", ["100000000", "64", "-1", "abc", "", "\u0663", "\u00b2"])
 def test_a_draft_position_outside_0_to_63_refuses_the_scrape(label: str) -> None:
     text = (
