@@ -15,15 +15,17 @@ from sim.engines import ENGINES, EngineModel, engine_for_arm
 from sim.oracle import Oracles, compute_oracles, static_arms
 from sim.prices import Prices
 from sim.progress import ProgressBar
-from sim.replay import Replayer
+from sim.replay import Replayer, needs_plugin
 from sim.run import RunResult, metrics_block
 from sim.trace import Trace
 from sim.vectorised import replay_static
 
 
 def static_arm_of(spec: PolicySpec) -> Arm | None:
-    """The arm of a static policy (replayed vectorised), else None."""
-    if spec.algorithm != "static":
+    """The arm of a static policy without a per-request rule (a plain vLLM configured once, replayed
+    vectorised on the engine that plays the arm), else None. A static arm with a rule is driven by the
+    plugin, so it runs stepwise on the engines asked for and pays the plugin's cost."""
+    if needs_plugin(spec):
         return None
     return Arm.parse(str(spec.params["arm"]))
 

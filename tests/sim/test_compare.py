@@ -68,3 +68,31 @@ def test_best_static_among_skips_arms_that_did_not_run(drift: Comparison) -> Non
     label, run = best_static_among(static, arms)  # type: ignore[misc]
     assert run.throughput == max(r.throughput for r in static.values())
     assert label == drift.oracles[1].best_static[0]
+
+
+def test_a_static_arm_with_a_per_request_rule_runs_driven_on_the_engines_asked_for() -> None:
+    # A static arm with a rule is the plugin drafting n-gram where it proposes: it must run stepwise
+    # on the engine the user names and pay the plugin, not be replayed as the plain static arm.
+    from policies.spec import parse_policy
+
+    ruled = parse_policy(
+        "apiVersion: speccontrol/v1\nkind: Policy\nmetadata: {name: ruled}\nspec:\n"
+        "  algorithm: {name: static, params: {arm: 'eagle3:3'}}\n  rule: {kind: ngram_span}\n",
+        source="<test>",
+    )
+    trace = generate("code-edit", n_requests=12, seed=1)
+    cmp = run_comparison(
+        trace,
+        load_profile("llama-3.1-8b-h100"),
+        load_prices(),
+        policies=[ruled, resolve_policy("static:eagle3:3")],
+        engines=(ENGINES["composite"],),
+        concurrency=(1,),
+        baselines=None,
+    )
+    by_policy = {e.policy: e for e in cmp.entries if e.kind == "policy"}
+    assert by_policy["ruled"].engine == "composite"
+    assert by_policy["static-eagle3-3"].engine == "stock-vllm"
+    ruled_run, plain_run = by_policy["ruled"].runs[1], by_policy["static-eagle3-3"].runs[1]
+    # code-edit is copy-heavy: drafting n-gram where it proposes accepts more per step
+    assert ruled_run.accepted / ruled_run.request_steps > plain_run.accepted / plain_run.request_steps
