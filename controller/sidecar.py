@@ -188,6 +188,13 @@ class Sidecar:
         except BaseException:
             self._release_lock()
             raise
+        # The file must stop saying where the version counter was before anything is issued: a clean
+        # snapshot restores its exact counter, and one of a crash its counter past the gap; left as
+        # it is, a kill -9 before the next periodic snapshot would issue the same versions again at
+        # the start after it (engines drop a version they have seen as stale).
+        if not self.save_snapshot():
+            log.warning("the state could not be written at start; a crash before the next snapshot may "
+                        "issue directive versions again")  # fmt: skip
 
     def end_streams(self) -> None:
         """Tell every open stream to end (the engines reconnect to whoever serves next)."""

@@ -317,6 +317,26 @@ def test_snapshot_round_trip_restores_engines_sequences_and_policy(tmp_path: Pat
         crashed.close(snapshot=False)
 
 
+@pytest.mark.parametrize("first_stop", ["clean", "kill -9"])
+def test_versions_are_never_issued_twice_across_a_kill_right_after_a_start(
+    tmp_path: Path, clock: Clock, first_stop: str
+) -> None:
+    # A restart, directives issued, then a kill -9 before any periodic snapshot, twice over: each
+    # start must continue past every version issued before, whatever the file said when it began.
+    issued: list[int] = []
+    for run in range(4):
+        sc = make(tmp_path, clock)
+        sc.open()
+        for i in range(3):
+            s = sc.attach(info(f"e{run}-{i}"), instance_id=f"{run}{i}".ljust(32, "x"))
+            issued += [d.version for d in drain(s.queue) if isinstance(d, Directive)]
+        if run == 0 and first_stop == "clean":
+            sc.close(snapshot=True)
+        else:
+            sc._release_lock()  # as a kill -9 would: no snapshot since the start
+    assert len(issued) == 12 and issued == sorted(set(issued)), issued
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seqs=st.lists(st.integers(1, 60), min_size=1, max_size=120),

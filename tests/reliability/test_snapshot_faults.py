@@ -90,9 +90,9 @@ async def test_failing_snapshot_write_is_logged_counted_and_keeps_the_old_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = await _with_state(tmp_path)
-    good = path.read_bytes()
     sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
     await sc.start()
+    good = path.read_bytes()  # as the start wrote it (no longer marked clean)
     try:
         if os.geteuid() == 0:
             # root writes through directory permissions: stand in for a read-only file system.
