@@ -23,7 +23,7 @@ from controller.config import SidecarConfig, load_config
 from controller.errors import ConfigError
 from controller.server import SidecarServer
 from controller.snapshot import write_json_atomic
-from controller.state_dir import StateDirLocked
+from controller.state_dir import SocketInUse, StateDirLocked
 from controller.wire.address import parse_address
 from policies.spec import PolicyError
 from sim.files import output_problem
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # found at bind time (a socket path naming something else)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except StateDirLocked as e:  # the state dir held by another sidecar
+    except (StateDirLocked, SocketInUse) as e:  # the state dir or a socket path held by another process
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (OSError, RuntimeError) as e:  # grpc reports a failed bind as RuntimeError

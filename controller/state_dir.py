@@ -3,8 +3,10 @@
 What must hold: one sidecar per state directory (a second one would take over the engine socket and
 the endpoints file and write the same snapshot), enforced by an exclusive ``flock`` on
 ``<state_dir>/sidecar.lock`` that the kernel releases when the process dies, kill -9 included; and a
-socket path is only ever unlinked when what is there is a socket (a stale one from an earlier run),
-never a regular file, directory or symlink a mistyped ``engine_listen`` happens to name.
+socket path is only ever unlinked when what is there is a socket nobody listens on (a stale one from
+an earlier run), never a live one (another sidecar with another state directory but the same socket
+path would cut the first off from its engines for good) nor a regular file, directory or symlink a
+mistyped ``engine_listen`` happens to name.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -22,6 +25,10 @@ LOCK_NAME = "sidecar.lock"
 
 class StateDirLocked(OSError):
     """Another live process holds the state directory."""
+
+
+class SocketInUse(OSError):
+    """Another live process listens on a Unix socket path the sidecar was told to listen on."""
 
 
 class StateDirLock:
@@ -63,8 +70,9 @@ class StateDirLock:
 
 
 def remove_stale_socket(path: Path, *, field: str) -> None:
-    """Unlink ``path`` if it is a socket (left by an earlier run, it would block the bind). Anything
-    else there is refused with a ConfigError: the sidecar never deletes a file it did not make."""
+    """Unlink ``path`` if it is a socket nobody listens on (left by an earlier run, it would block the
+    bind); a live one raises SocketInUse. Anything else there is refused with a ConfigError: the
+    sidecar never deletes a file it did not make."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -78,4 +86,22 @@ def remove_stale_socket(path: Path, *, field: str) -> None:
             else "a file"
         )
         raise ConfigError(f"{path} exists and is {kind}, not a socket; refusing to remove it", field=field)
+    if _listened_on(path):
+        raise SocketInUse(f"{field} {path} is in use: another process listens there; refusing to remove it")
     path.unlink()
+
+
+def _listened_on(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``. A connection refused is a
+    stale socket; one that is accepted, or waits (a live listener with a full backlog), is in use."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except TimeoutError:
+        return True
+    except OSError:  # refused, or gone meanwhile: nobody serves there
+        return False
+    finally:
+        probe.close()
+    return True

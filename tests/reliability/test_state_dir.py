@@ -117,3 +117,37 @@ def test_a_socket_path_naming_something_else_is_refused_and_left_alone(tmp_path:
     # The refused start released the state dir: a correct config serves at once.
     cfg.write_text(f"admin_listen: 127.0.0.1:0\nmetrics_listen: ''\nstate_dir: {state}\n")
     assert Serve(cfg, state).stop() == 0
+
+
+def test_a_second_sidecar_on_the_same_socket_path_exits_1_and_leaves_the_first_serving(
+    config: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # Another state directory, the same engine socket: the second must not unlink the first's live
+    # socket (the first would keep running with no way for an engine to reach it, for good).
+    cfg, state = config
+    first = Serve(cfg, state)
+    try:
+        sock = state / "engine.sock"
+        inode = sock.stat().st_ino
+        other = tmp_path / "other.yaml"
+        other.write_text(
+            f"engine_listen: unix://{sock}\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n"
+            f"state_dir: {tmp_path / 'other-state'}\n"
+        )
+        second = subprocess.run(
+            [*CTL, "serve", "--config", str(other)],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
+        assert second.returncode == 1, second.stderr
+        assert f"engine_listen {sock} is in use: another process listens there" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert sock.stat().st_ino == inode
+        assert ctl("--admin", first.admin, "status").returncode == 0  # the first serves on
+        first.kill9()  # its socket is now stale: the second takes the path
+        assert Serve(other, tmp_path / "other-state").stop() == 0
+    finally:
+        first.stop()
