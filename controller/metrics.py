@@ -4,9 +4,11 @@ Token counters and everything derived from them (acceptance rate, mean accepted 
 goodput, queue wait, current arms, directive age) come from one custom collector that keeps the raw
 sums and computes ratios at scrape time, so a ratio can never disagree with its counters.
 
-What must hold: every per-engine series goes with its engine (``forget_engine``), so unique engine
-ids cannot grow ``/metrics`` without bound; label values carry no control characters; the endpoint
-serves no ``*_created`` series (a view of the registry without them, not a process-wide switch).
+What must hold: the per-engine gauges (goodput, queue wait and length, current arms, directive version
+and age) are exported only while the engine is connected; every per-engine series goes with its
+engine (``forget_engine``), so unique engine ids cannot grow ``/metrics`` without bound; label values
+carry no control characters; the endpoint serves no ``*_created`` series (a view of the registry
+without them, not a process-wide switch).
 """
 
 from __future__ import annotations
@@ -138,6 +140,14 @@ class _TelemetryCollector(Collector):
                     if n:
                         mean.add_metric(lv, a / n)
                 steps.add_metric([eid], e.steps)
+                for g, v in sorted(e.guards.items()):
+                    guards.add_metric([eid, g], v)
+                if not e.connected:
+                    # The gauges below describe an engine as it is now: a detached one's last values
+                    # would go on driving what scales on them (the fleet's max queue wait) while it
+                    # is down. Its counters above stay (they only grow).
+                    continue
+                n_connected += 1
                 if e.recent:
                     busy = sum(r[1] for r in e.recent)
                     goodput.add_metric([eid], sum(r[0] for r in e.recent) / busy if busy > 0 else 0.0)
@@ -150,9 +160,6 @@ class _TelemetryCollector(Collector):
                 if e.directive_issued_at is not None:
                     version.add_metric([eid], e.directive_version)
                     age.add_metric([eid], max(0.0, now - e.directive_issued_at))
-                n_connected += e.connected
-                for g, v in sorted(e.guards.items()):
-                    guards.add_metric([eid, g], v)
         connected.add_metric([], n_connected)
         yield from (drafted, accepted, emitted, rsteps, rate, mean, steps, goodput, qwait, qlen)
         yield from (arm, cur_k, version, age, connected, guards)
@@ -285,7 +292,11 @@ class SidecarMetrics:
 
     def set_connected(self, engine_id: str, connected: bool) -> None:
         with self._t.lock:
-            self._t.engine(engine_id).connected = connected
+            e = self._t.engine(engine_id)
+            e.connected = connected
+            if not connected:  # what it measured described it before it went away, not once it is back
+                e.recent.clear()
+                e.queue_length = 0
 
     def set_directive(self, engine_id: str, *, version: int, issued_at: float, arms: dict[str, Arm]) -> None:
         with self._t.lock:

@@ -36,6 +36,7 @@ def obs(**kw: object) -> StepObservation:
 def test_token_counters_and_ratios_are_exact() -> None:
     reg = CollectorRegistry()
     m = SidecarMetrics(registry=reg, clock=Clock())
+    m.set_connected("e1", True)
     m.observe("e1", StepBatch.of(obs()))
     m.observe("e1", StepBatch.of(obs(accepted=[1, 1, 4], queue_wait_s=0.1, queue_length=2)))
     e3 = {"engine": "e1", "method": "eagle3", "k": "2"}
@@ -78,6 +79,32 @@ def test_arm_directive_age_and_connection_gauges() -> None:
     assert reg.get_sample_value("speccontrol_current_k", {"engine": "e1", "context": "2-4/*"}) is None
     m.set_connected("e1", False)
     assert reg.get_sample_value("speccontrol_engines_connected") == 0
+
+
+def test_a_detached_engine_keeps_its_counters_and_exports_no_gauges() -> None:
+    # An engine that went away overloaded must not keep reporting its last queue wait (the fleet
+    # scales on the max of it) nor a directive age that grows while it is down.
+    reg = CollectorRegistry()
+    clock = Clock()
+    m = SidecarMetrics(registry=reg, clock=clock)
+    m.set_connected("e1", True)
+    m.observe("e1", StepBatch.of(obs(queue_wait_s=12.0, queue_length=40)))
+    m.set_directive("e1", version=3, issued_at=999.0, arms={"1/*": Arm(Method.EAGLE3, 3)})
+    e1 = {"engine": "e1"}
+    gauges = ("goodput_tokens_per_second", "queue_wait_seconds", "queue_length", "directive_version",
+              "directive_age_seconds")  # fmt: skip
+    assert all(reg.get_sample_value(f"speccontrol_{g}", e1) is not None for g in gauges)
+    m.set_connected("e1", False)
+    clock.t = 4600.0
+    assert [g for g in gauges if reg.get_sample_value(f"speccontrol_{g}", e1) is not None] == []
+    assert reg.get_sample_value("speccontrol_current_k", {"engine": "e1", "context": "1/*"}) is None
+    assert reg.get_sample_value("speccontrol_engine_steps_total", e1) == 1  # counters stay
+    assert reg.get_sample_value("speccontrol_engines_connected") == 0
+    m.set_connected("e1", True)  # re-attached: what it reports from now on
+    assert reg.get_sample_value("speccontrol_queue_wait_seconds", e1) is None
+    assert reg.get_sample_value("speccontrol_queue_length", e1) == 0
+    m.observe("e1", StepBatch.of(obs(queue_wait_s=0.5, queue_length=2)))
+    assert reg.get_sample_value("speccontrol_queue_wait_seconds", e1) == 0.5
 
 
 def test_plain_counters() -> None:

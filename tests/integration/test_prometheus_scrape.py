@@ -140,6 +140,7 @@ async def test_prometheus_scrapes_the_sidecar_and_evaluates_rules(tmp_path: Path
             )
             await asyncio.sleep(0.1)
 
+    sidecar.metrics.set_connected("engine-0", True)  # as its attach does: gauges describe attached engines
     feeder = asyncio.create_task(feed())
     try:
         target = sidecar.metrics_url.removeprefix("http://").removesuffix("/metrics")
