@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
     from sim.executor import ExecutorError, ExecutorUsageError, ShippedPolicy, make_executor
     from sim.prices import load_prices
     from sim.progress import ProgressBar
-    from sim.report import write_json, write_report
+    from sim.report import json_text, write_json, write_report
 
     try:
         levels = _concurrency(args.concurrency)
@@ -298,8 +298,9 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         if many:
             print(json.dumps(_sweep_json(cmps), indent=2))
         else:
-            cmp = cmps[0]
-            print(json.dumps(cmp.to_json() if compare else cmp.result(cmp.entries[0]), indent=2))
+            # Exactly what --json writes: one run as its object; several (--engine a,b, or a
+            # comparison) in the compare layout, {"runs": [...]}.
+            sys.stdout.write(json_text(cmps[0]))
     return 0
 
 
@@ -580,6 +581,14 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=cli_types.jobs, default=None, help="workers (default: the CPU count)")
 
 
+#: ``--seed`` of the commands that replay policies. One seed for the whole run, so a run is repeated
+#: from its command line alone; a policy's own ``seed`` applies where it runs live (the sidecar).
+SEED_HELP = (
+    "seeds the generated traffic (--scenario), the sampled acceptance of a trace's acc.*.alpha, and "
+    "every policy replayed: it replaces each policy's own `seed` (default 0)"
+)
+
+
 def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     if compare:
@@ -615,7 +624,7 @@ def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     p.add_argument(
         "--requests", type=cli_types.requests, default=None, help="requests to generate for --scenario"
     )
-    p.add_argument("--seed", type=cli_types.seed, default=0)
+    p.add_argument("--seed", type=cli_types.seed, default=0, help=SEED_HELP)
     p.add_argument("--no-oracle", action="store_true", help="skip the hindsight oracles")
     p.add_argument(
         "--progress",
@@ -651,7 +660,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--engine", default="composite", help=f"one engine model ({', '.join(ENGINES)})")
-    p.add_argument("--seed", type=cli_types.seed, default=0)
+    p.add_argument("--seed", type=cli_types.seed, default=0, help=SEED_HELP)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--out", help="write the winning policy YAML here")
     _executor_args(p)
@@ -700,7 +709,7 @@ def register(subparsers: Any) -> None:
     p = ts.add_parser("generate", help="write a generated scenario as a trace file")
     p.add_argument("--scenario", required=True)
     p.add_argument("--requests", type=cli_types.requests, default=None)
-    p.add_argument("--seed", type=cli_types.seed, default=0)
+    p.add_argument("--seed", type=cli_types.seed, default=0, help="seed of the generated traffic (default 0)")
     p.add_argument("--out", required=True, help="output file (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_generate)
     p = ts.add_parser("import", help="a trace from vLLM responses with detailed per-request spec metrics")

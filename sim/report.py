@@ -25,11 +25,17 @@ def _f(v: Any, nd: int = 1) -> str:
     return str(v)
 
 
-def write_json(cmp: Comparison, path: Path) -> None:
+def json_text(cmp: Comparison) -> str:
+    """The result JSON of ``cmp`` as text: what ``--json`` writes, and what ``sim replay`` and ``sim
+    compare`` print without ``--json`` or ``--out``."""
     data = cmp.to_json()
     # A single run is written as the one object of docs/simulator.md ("result JSON"); a comparison as {"runs": [...]}.
     out: dict[str, Any] = data["runs"][0] if len(data["runs"]) == 1 else data
-    replace_file(path, (json.dumps(out, indent=2, allow_nan=False, default=_nan_none) + "\n").encode("utf-8"))
+    return json.dumps(out, indent=2, allow_nan=False, default=_nan_none) + "\n"
+
+
+def write_json(cmp: Comparison, path: Path) -> None:
+    replace_file(path, json_text(cmp).encode("utf-8"))
 
 
 def _nan_none(o: Any) -> Any:

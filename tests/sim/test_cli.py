@@ -406,3 +406,60 @@ def test_load_ramp_in_a_closed_loop_says_its_arrivals_are_ignored(
     err = capsys.readouterr().err
     note = "note: --scenario load-ramp is replayed closed loop, its arrival times ignored (add --open-loop"
     assert (note in err) is not open_loop
+
+
+@pytest.mark.parametrize("engines", ["stock-vllm", "stock-vllm,composite"])
+def test_replay_prints_what_json_writes(
+    hand_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], engines: str
+) -> None:
+    # Without --json/--out, `sim replay` printed the first engine's run only and dropped the others.
+    argv = ["sim", "replay", "--trace", str(hand_trace), "--policy", "default", "--engine", engines]
+    argv += ["--concurrency", "1", "--no-progress"]
+    out = tmp_path / "r.json"
+    assert main([*argv, "--json", str(out)]) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed == out.read_text(encoding="utf-8")
+    data = json.loads(printed)
+    if "," in engines:
+        assert [r["engine"] for r in data["runs"]] == engines.split(",")
+    else:
+        assert data["engine"] == engines
+
+
+@pytest.mark.parametrize("verb", ["replay", "compare", "tune"])
+def test_seed_help_says_it_replaces_the_policys_seed(verb: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # --seed seeds the policy too, in place of its own `seed`: the help did not say so.
+    with pytest.raises(SystemExit) as e:
+        main(["sim", verb, "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "seeds the generated traffic (--scenario)" in text
+    assert "every policy replayed: it replaces each policy's own `seed`" in text
+
+
+def test_replay_seeds_the_policy_with_seed_not_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The documented behaviour (docs/simulator.md, Reproducibility): policies differing only in `seed`
+    # replay identically; --seed draws the policy (and the traffic) anew.
+    from policies.presets import preset_text
+    from policies.spec import parse_policy
+
+    text = preset_text("epsilon-greedy")  # seed 0 (the default); the spec is its last section
+    assert "seed:" not in text and text.endswith("\n")
+    (tmp_path / "s7.yaml").write_text(text + "  seed: 7\n", encoding="utf-8")
+    assert parse_policy((tmp_path / "s7.yaml").read_text(encoding="utf-8")).seed == 7
+    argv = ["sim", "replay", "--scenario", "mixed", "--requests", "40", "--concurrency", "8", "--no-oracle"]
+    argv += ["--no-progress"]
+    runs: dict[str, float] = {}
+    for name, extra in {
+        "0": ["--policy", "epsilon-greedy"],
+        "7": ["--policy", str(tmp_path / "s7.yaml")],
+        "--seed 7": ["--policy", "epsilon-greedy", "--seed", "7"],
+    }.items():
+        assert main([*argv, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["concurrency"]["8"]["throughput_tok_s"]
+    assert runs["0"] == runs["7"]
+    assert runs["--seed 7"] != runs["0"]
