@@ -78,8 +78,11 @@ class Hpa:
         while self._history and self._history[0][0] < now - s.scale_down_window_s:
             self._history.popleft()
         if raw < current:
-            # Stabilisation: never below the highest recommendation of the window.
-            return max(raw, max(r for _, r in self._history))
+            # Stabilisation: never below the highest recommendation of the window, and, as in Kubernetes,
+            # never above the current count: the window holds raw recommendations, which exceed the
+            # current count after a rate-limited scale-up, and a scale-down must not turn into a
+            # scale-up that skips the scale-up limits.
+            return min(current, max(r for _, r in self._history))
         limit = max(current + s.scale_up_pods, math.floor(current * (1 + s.scale_up_percent / 100)))
         return min(raw, limit, s.max_replicas)
 

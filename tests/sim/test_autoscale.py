@@ -47,6 +47,15 @@ def test_scale_down_waits_for_the_stabilisation_window() -> None:
     assert hpa.decide(301.0, 8, 0.0) == 1
 
 
+def test_scale_down_never_rises_above_the_current_count() -> None:
+    # The window holds the raw recommendation of 16 that the scale-up limit cut to 6; a later scale-down
+    # recommendation returned that 16, a scale-up past the limit.
+    hpa = Hpa(HpaSettings(target_queue_wait_s=0.5, target_utilisation=None, scale_down_window_s=300.0))
+    assert hpa.decide(0.0, 2, 4.0) == 6  # ceil(2 x 8) = 16, limited to max(2 + 4, 2 x 200 %)
+    assert hpa.decide(15.0, 6, 0.3) == 6  # recommends ceil(6 x 0.6) = 4; stabilised at 6, not 16
+    assert hpa.decide(30.0, 6, 0.3) == 6
+
+
 def test_the_larger_recommendation_wins() -> None:
     hpa = Hpa(HpaSettings(target_queue_wait_s=0.5, target_utilisation=0.8))
     assert hpa.decide(0.0, 4, 0.0, 1.0) == 5  # no queue, but every slot busy: ceil(4 x 1.0 / 0.8)
