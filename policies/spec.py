@@ -270,6 +270,15 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
         sections[sec] = _checked(lines, path, partial(resolve, schema, given_sec, path))
     if sections["drift"]["detector"] not in DETECTORS:
         raise lines.error("spec.drift.detector", f"unknown detector (known: {', '.join(DETECTORS)})")
+    slo = sections["slo"]
+    if slo["min_samples"] > slo["window"]:
+        # The TPOT guard keeps at most `window` request-steps per bucket and acts only once it holds
+        # `min_samples`: with more samples needed than it keeps, it would never act.
+        raise lines.error(
+            "spec.slo.min_samples",
+            f"must be at most spec.slo.window ({slo['window']}), got {slo['min_samples']}: "
+            "the TPOT guard keeps only `window` request-steps per bucket, so it would never act",
+        )
 
     scalars = _checked(
         lines, "spec", lambda: resolve(_SPEC_FIELDS, {k: spec[k] for k in _SPEC_FIELDS if k in spec}, "spec")

@@ -127,6 +127,21 @@ def test_safety_sections_parse() -> None:
             "<= 1.0",
         ),
         ("  slo:\n    p99_tpot_ms: 50", "  slo: [50]", 17, "spec.slo", "expected a mapping"),
+        # A guard that needs more samples than its window keeps would never act.
+        (
+            "p99_tpot_ms: 50",
+            "p99_tpot_ms: 50\n    window: 100\n    min_samples: 101",
+            20,
+            "spec.slo.min_samples",
+            "must be at most spec.slo.window (100), got 101",
+        ),
+        (  # the default min_samples (64) against a smaller window: the error points at the section
+            "p99_tpot_ms: 50",
+            "p99_tpot_ms: 50\n    window: 32",
+            18,
+            "spec.slo.min_samples",
+            "must be at most spec.slo.window (32), got 64",
+        ),
     ],
 )
 def test_safety_section_errors_name_line_and_field(
@@ -137,6 +152,13 @@ def test_safety_section_errors_name_line_and_field(
         parse_policy(SAFE.replace(old, new), source="p.yaml")
     assert (e.value.line, e.value.field) == (line, field)
     assert needle in e.value.message
+
+
+def test_slo_min_samples_equal_to_the_window_is_accepted() -> None:
+    s = parse_policy(
+        SAFE.replace("p99_tpot_ms: 50", "p99_tpot_ms: 50\n    window: 100\n    min_samples: 100")
+    )
+    assert (s.slo["window"], s.slo["min_samples"]) == (100, 100)
 
 
 def test_alias_bombs_are_refused_not_walked() -> None:
