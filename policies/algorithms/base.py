@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -11,7 +12,7 @@ import numpy as np
 from policies.arms import Arm, Method
 from policies.context import Context
 from policies.observation import StepBatch, StepObservation
-from policies.params import Param
+from policies.params import Param, shown
 
 
 class ArmTable:
@@ -185,3 +186,31 @@ def greedy(means: np.ndarray, allowed: Sequence[int]) -> int:
         if np.isnan(means[i]):
             return i
     return max(allowed, key=lambda i: means[i])
+
+
+def saved_numbers(
+    value: Any, where: str, shape: tuple[int | None, ...], *, lo: float = 0.0, hi: float = math.inf
+) -> np.ndarray:
+    """A saved array of ``shape`` (a leading None: any length), every value a finite number in [lo, hi]; for
+    learners' ``load_state_dict``, whose snapshots come from disk and the network. Raises ValueError
+    naming ``where`` (a string of digits or a bool is not a number here, though numpy would take it)."""
+    dims = " x ".join("n" if d is None else str(d) for d in shape)
+
+    def fits(v: Any, rest: tuple[int | None, ...]) -> bool:
+        if not rest:
+            return isinstance(v, int | float) and not isinstance(v, bool)
+        return (
+            isinstance(v, list | tuple)
+            and (rest[0] is None or len(v) == rest[0])
+            and all(fits(x, rest[1:]) for x in v)
+        )
+
+    if not fits(value, shape):
+        raise ValueError(f"{where}: expected a list of numbers of shape ({dims}), got {shown(value)}")
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except OverflowError:  # an integer beyond a double's range
+        raise ValueError(f"{where}: holds a number beyond a double's range") from None
+    if not (np.isfinite(arr).all() and (arr >= lo).all() and (arr <= hi).all()):
+        raise ValueError(f"{where}: every value must be finite and in [{lo:g}, {hi:g}], got {shown(value)}")
+    return arr

@@ -10,13 +10,14 @@
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner, StepwiseLearner
+from policies.algorithms.base import Learner, StepwiseLearner, saved_numbers
 from policies.arms import METHOD_CODES, OFF, Arm, Method
 from policies.context import ANY_CLASS, Context
 from policies.observation import StepObservation
@@ -34,24 +35,33 @@ def _nearest(arms: Sequence[Arm], want: Arm, allowed: Sequence[int]) -> int:
     return int(off[0] if off else allowed[0])
 
 
+#: A schedule entry's batch range: ``LO-HI``, ``N`` (``N-N``) or ``LO+`` (unbounded), ASCII digits only.
+_RANGE = re.compile(r"(?P<lo>[0-9]+)\s*(?:-\s*(?P<hi>[0-9]+)|(?P<plus>\+))?")
+
+
 def parse_schedule(text: str) -> list[tuple[int, int, int]]:
     """``"1-16:5,17-32:4,129+:0"`` -> [(1, 16, 5), (17, 32, 4), (129, 0, 0)] (0: unbounded)."""
     out: list[tuple[int, int, int]] = []
     for part in text.split(","):
-        rng, sep, k = part.strip().partition(":")
+        entry = part.strip()
+        rng, sep, k = entry.partition(":")
         if not sep:
-            raise ValueError(f"schedule entry {part.strip()!r}: expected 'LO-HI:K' or 'LO+:K'")
+            raise ValueError(f"schedule entry {entry!r}: expected 'LO-HI:K' or 'LO+:K'")
+        # Digits only on each side of '-': 0 is the unbounded sentinel inside the table, so a written
+        # HI of 0 ('1-0:5') or an empty one ('5-:3') must not slip through as 'LO+' or 'LO-LO'.
+        m = _RANGE.fullmatch(rng.strip())
         try:
-            if rng.endswith("+"):
-                lo, hi = int(rng[:-1]), 0
-            else:
-                a, _, b = rng.partition("-")
-                lo, hi = int(a), int(b or a)
+            if m is None:
+                raise ValueError
+            lo = int(m["lo"])
+            hi = 0 if m["plus"] else int(m["hi"] or lo)
             kv = int(k)
         except ValueError:
-            raise ValueError(f"schedule entry {part.strip()!r}: expected integers") from None
-        if lo < 1 or (hi and hi < lo) or kv < 0:
-            raise ValueError(f"schedule entry {part.strip()!r}: need 1 <= LO <= HI and K >= 0")
+            raise ValueError(
+                f"schedule entry {entry!r}: expected integers, as 'LO-HI:K', 'N:K' or 'LO+:K'"
+            ) from None
+        if lo < 1 or (not m["plus"] and hi < lo) or kv < 0:
+            raise ValueError(f"schedule entry {entry!r}: need 1 <= LO <= HI and K >= 0")
         out.append((lo, hi, kv))
     return out
 
@@ -113,8 +123,10 @@ class SpeculationGate(StepwiseLearner):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
+        rates = saved_numbers(state.get("rates", []), "rates", (None,), hi=1.0)
         self.closed = bool(state.get("closed", False))
-        self._rates.extend(float(x) for x in state.get("rates", []))
+        # The saved window replaces this one (extending it mixed in what this learner had seen itself).
+        self._rates = deque(rates.tolist(), maxlen=int(self.params["window"]))
 
 
 class NgramFallback(StepwiseLearner):
@@ -152,8 +164,24 @@ class NgramFallback(StepwiseLearner):
         return _nearest(self.arms, Arm(method, int(self.params["k"])), allowed)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "fell_back": sorted(self.fell_back)}
+        return {
+            **super().state_dict(),
+            "fell_back": sorted(self.fell_back),
+            # The rolling windows too: a class one step from falling back must not start a new window.
+            "rates": {c: list(w) for c, w in self._rates.items()},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
+        saved = state.get("rates", {})  # absent from snapshots of older versions: empty windows
+        if not isinstance(saved, Mapping):
+            raise ValueError(
+                f"rates: a mapping of traffic class to rates expected, got {type(saved).__name__}"
+            )
+        w = int(self.params["window"])
+        rates = {
+            str(c): deque(saved_numbers(v, f"rates[{c!r}]", (None,), hi=1.0).tolist(), maxlen=w)
+            for c, v in saved.items()
+        }
         self.fell_back = set(state.get("fell_back", []))
+        self._rates = rates

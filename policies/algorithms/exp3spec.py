@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner
+from policies.algorithms.base import Learner, saved_numbers
 from policies.arms import Arm
 from policies.context import Context
 from policies.params import Param
@@ -68,10 +68,17 @@ class EXP3Spec(Learner):
             "loss": {c.key: v.tolist() for c, v in self._loss.items()},
             "t": {c.key: v for c, v in self._t.items()},
             "top": {c.key: v for c, v in self._top.items()},
+            # The last draw's probabilities: the next update divides the played arm's loss by its own.
+            "p": {c.key: v.tolist() for c, v in self._p.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
+        saved = state.get("p", {})  # absent from snapshots of older versions: the next update takes p = 1
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"p: a mapping of context to probabilities expected, got {type(saved).__name__}")
+        n = len(self.arms)
+        self._p = {Context.parse(c): saved_numbers(v, f"p[{c!r}]", (n,), hi=1.0) for c, v in saved.items()}
         self._loss = {
             Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("loss", {}).items()
         }

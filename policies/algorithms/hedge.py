@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import StepwiseLearner
+from policies.algorithms.base import StepwiseLearner, saved_numbers
 from policies.arms import METHOD_CODES, Arm
 from policies.context import ANY_CLASS, Context
 from policies.observation import NOT_SCORED, StepObservation
@@ -99,10 +99,23 @@ class Hedge(StepwiseLearner):
         return int(idx[int(self.rng.choice(len(idx), p=w / w.sum()))])
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "cum": {c.key: v.tolist() for c, v in self._cum.items()}}
+        return {
+            **super().state_dict(),
+            "cum": {c.key: v.tolist() for c, v in self._cum.items()},
+            # Time per row (seconds and rows per arm), kept across rounds: without it, a restored
+            # learner scores its first round on the time of whatever arms that round happened to play.
+            "time": {c.key: v.tolist() for c, v in self._time.items()},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
+        saved = state.get("time", {})  # absent from snapshots of older versions: no time measured yet
+        if not isinstance(saved, Mapping):
+            raise ValueError(
+                f"time: a mapping of context to time per row expected, got {type(saved).__name__}"
+            )
+        shape = (2, len(self.arms))
+        self._time = {Context.parse(c): saved_numbers(v, f"time[{c!r}]", shape) for c, v in saved.items()}
         self._cum = {
             Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("cum", {}).items()
         }

@@ -19,6 +19,10 @@ def doc(algorithm: str, params: str) -> str:
         ("batch_schedule", '{schedule: "1-16:x"}', "expected integers"),
         ("batch_schedule", '{schedule: "16-1:3"}', "LO <= HI"),
         ("batch_schedule", '{schedule: "1-16"}', "LO-HI:K"),
+        # HI of 0 (the table's unbounded sentinel) and an empty HI were read as 'LO+' and 'LO-LO'
+        ("batch_schedule", '{schedule: "1-0:5"}', "schedule entry '1-0:5': need 1 <= LO <= HI"),
+        ("batch_schedule", '{schedule: "1-16:5,5-:3"}', "schedule entry '5-:3': expected integers"),
+        ("batch_schedule", '{schedule: "-3:1"}', "schedule entry '-3:1': expected integers"),
         ("batch_schedule", "{method: medusa}", "medusa"),
         ("speculation_gate", '{arm: "eagle3"}', "method:k"),
         ("speculation_gate", "{threshold: 1.5}", "<= 1.0"),

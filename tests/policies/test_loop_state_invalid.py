@@ -141,3 +141,95 @@ def test_a_good_state_still_loads_and_decides_the_same() -> None:
     b.load_state_dict(copy.deepcopy(SAVED["default"]))
     a.load_state_dict(copy.deepcopy(SAVED["default"]))
     assert a.decide(1e6).plan == b.decide(1e6).plan
+
+
+#: Learner fields saved since snapshots kept the learners' whole state (preset -> the field).
+NEWER = {"exp3spec": "p", "hedge": "time", "ngram-fallback": "rates", "trtllm-gate": "rates"}
+SAVED_NEWER = {p: _trained(p) for p in NEWER}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), preset=st.sampled_from(sorted(NEWER)))
+def test_any_value_in_the_newer_learner_fields_is_taken_or_refused(data: st.DataObject, preset: str) -> None:
+    state = copy.deepcopy(SAVED_NEWER[preset])
+    field = ("learner", NEWER[preset])
+    places = [field, *((*field, *p) for p in _paths(state["learner"][NEWER[preset]]))]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(places))
+        try:
+            _put(state, path, data.draw(JSON_VALUES))
+        except (LookupError, TypeError):  # an earlier draw replaced the place's parent
+            continue
+    loop = _loop(preset, seed=1)
+    try:
+        loop.load_state_dict(state)
+    except ValueError:
+        return
+    _use(loop)
+
+
+@pytest.mark.parametrize(
+    ("preset", "path", "value", "says"),
+    [
+        (
+            "exp3spec",
+            ("p",),
+            [],
+            "state.learner: p: a mapping of context to probabilities expected, got list",
+        ),
+        ("exp3spec", ("p", "1/*"), [0.5], "state.learner: p['1/*']: expected a list of numbers of shape (5)"),
+        (
+            "exp3spec",
+            ("p", "1/*"),
+            [0.2, 0.2, 0.2, 0.2, 1.5],
+            "p['1/*']: every value must be finite and in [0, 1]",
+        ),
+        ("exp3spec", ("p", "1/*"), ["0.2"] * 5, "p['1/*']: expected a list of numbers"),
+        (
+            "hedge",
+            ("time",),
+            "x",
+            "state.learner: time: a mapping of context to time per row expected, got str",
+        ),
+        (
+            "hedge",
+            ("time", "17-32/*"),
+            [[0.0] * 5],
+            "time['17-32/*']: expected a list of numbers of shape (2 x 5)",
+        ),
+        (
+            "hedge",
+            ("time", "17-32/*"),
+            [[-1.0] * 5, [1.0] * 5],
+            "time['17-32/*']: every value must be finite",
+        ),
+        ("hedge", ("time", "17-32/*"), [[10**400] * 5, [1] * 5], "time['17-32/*']: holds a number beyond"),
+        (
+            "ngram-fallback",
+            ("rates",),
+            [0.5],
+            "state.learner: rates: a mapping of traffic class to rates expected",
+        ),
+        (
+            "ngram-fallback",
+            ("rates", "*"),
+            [float("nan")],
+            "state.learner: rates['*']: every value must be finite",
+        ),
+        ("ngram-fallback", ("rates", "*"), [True], "rates['*']: expected a list of numbers of shape (n)"),
+        (
+            "trtllm-gate",
+            ("rates",),
+            {"a": 1},
+            "state.learner: rates: expected a list of numbers of shape (n)",
+        ),
+        ("trtllm-gate", ("rates",), [2.0], "state.learner: rates: every value must be finite and in [0, 1]"),
+    ],
+)
+def test_a_newer_learner_field_of_the_wrong_shape_is_named(
+    preset: str, path: tuple[str, ...], value: Any, says: str
+) -> None:
+    state = copy.deepcopy(SAVED_NEWER[preset])
+    _put(state["learner"], path, value)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        _loop(preset).load_state_dict(state)
