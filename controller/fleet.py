@@ -15,6 +15,11 @@ The link never blocks the caller: ``publish_*`` put the message in an outbox (th
 wins) that the link's one background task drains while connected, so a broker that is down or slow
 changes nothing for local control. The task reconnects with exponential backoff and jitter; on
 return, the broker's retained messages resync the policy and posteriors and the outbox is flushed.
+
+A fleet policy counts as applied (its version, the gauge, the copy this node republishes) only once
+``on_policy`` returned: one it refuses with a ValueError (an invalid document) is refused for good; one
+it refuses otherwise (the sidecar could not write its state) is tried again, with backoff, while it is
+the newest the fleet has.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ ROOT: Final = "speccontrol/v1"
 MAX_PAYLOAD_BYTES: Final = 1024 * 1024
 #: How long ``publish_fleet_policy`` and the link wait for the broker's retained messages.
 SYNC_TIMEOUT_S: Final = 5.0
+#: The first and the longest wait before a fleet policy refused for a reason that may pass is retried.
+RETRY_REFUSED_MIN_S: Final = 5.0
+RETRY_REFUSED_MAX_S: Final = 60.0
 
 PolicyCallback = Callable[[str, int], Awaitable[None] | None]
 PosteriorsCallback = Callable[[str, Mapping[str, Any]], Awaitable[None] | None]
@@ -245,7 +253,10 @@ class FleetMetrics:
             f"{p}_stale_policies", "Fleet policies ignored as older than the one applied.", registry=registry
         )
         self.rejected = Counter(
-            f"{p}_rejected_policies", "Fleet policies the sidecar refused (invalid).", registry=registry
+            f"{p}_rejected_policies",
+            "Fleet policy applications the sidecar refused (invalid, or its state could not be written: "
+            "those are retried, and each refused try counts).",
+            registry=registry,
         )
         self.callback_errors = Counter(
             f"{p}_callback_errors",
@@ -301,6 +312,12 @@ class FleetLink:
         self.rng = rng or random.Random()
         self._policy: FleetPolicy | None = None
         self._policy_version = policy_version
+        #: The newest version seen, applied or not: what this node's own next policy numbers above.
+        self._newest_version = policy_version
+        #: A policy refused for a reason that may pass (not a ValueError), retried while it is newest.
+        self._refused: FleetPolicy | None = None
+        self._retry_s = RETRY_REFUSED_MIN_S
+        self._policy_lock: asyncio.Lock | None = None
         #: Digest of the applied policy when only its version is known (restored from a snapshot).
         self._applied_digest = policy_digest
         self._posteriors: dict[str, dict[str, Any]] = {}
@@ -340,6 +357,7 @@ class FleetLink:
         if self._task is not None:
             raise RuntimeError("the fleet link is already started")
         self._wake, self._synced = asyncio.Event(), asyncio.Event()
+        self._policy_lock = asyncio.Lock()
         self._task = asyncio.create_task(self._run(), name=f"fleet-link-{self.topics.fleet}")
         self._task.add_done_callback(self._task_done)
 
@@ -368,11 +386,12 @@ class FleetLink:
         The version is one above the newest this node has seen, so it is applied everywhere unless
         another node published concurrently (then the broker's order decides, see ``_on_policy``).
         """
-        version = self._policy_version + 1
+        version = max(self._policy_version, self._newest_version) + 1
         p = FleetPolicy(version, yaml_text, source, self.clock(), self.node_id)
         self._queue(self.topics.policy, "policy", _policy_fields(p), qos=1, retain=True, at=p.published_at)
         # The caller applied it locally already: the broker's echo must not apply it a second time.
         self._policy, self._policy_version = p, version
+        self._newest_version, self._refused = version, None
         self.metrics.policy_version.set(version)
         return version
 
@@ -480,6 +499,7 @@ class FleetLink:
         tasks = [
             asyncio.create_task(self._read(conn), name="fleet-read"),
             asyncio.create_task(self._drain(conn), name="fleet-drain"),
+            asyncio.create_task(self._retry_refused(), name="fleet-retry-refused"),
         ]
         deadline = asyncio.create_task(self._sync_deadline(), name="fleet-sync-deadline")
         try:
@@ -494,6 +514,16 @@ class FleetLink:
     async def _read(self, conn: MqttConnection) -> None:
         async for msg in conn.messages():
             await self._dispatch(msg)
+
+    async def _retry_refused(self) -> None:
+        # While connected (a reconnect redelivers the retained policy, which tries it again anyway).
+        while True:
+            await asyncio.sleep(self._retry_s)
+            p = self._refused
+            if p is not None:
+                self._retry_s = min(RETRY_REFUSED_MAX_S, 2 * self._retry_s)
+                log.info("fleet link: trying fleet policy v%d again", p.version)
+                await self._on_policy(p)
 
     async def _sync_deadline(self) -> None:
         # A broker whose ACLs drop the probe must not keep the link "unsynced" forever.
@@ -536,6 +566,11 @@ class FleetLink:
             log.warning("fleet link: dropped a malformed %s message on %s: %s", kind, msg.topic, e)
 
     async def _on_policy(self, p: FleetPolicy) -> None:
+        assert self._policy_lock is not None
+        async with self._policy_lock:  # a retry and a delivery must not apply concurrently
+            await self._apply_policy(p)
+
+    async def _apply_policy(self, p: FleetPolicy) -> None:
         current = self._policy
         if p.version < self._policy_version:
             self.metrics.stale.inc()
@@ -549,6 +584,28 @@ class FleetLink:
             # different document under the same number is new: a broker restarted without its
             # retained copy makes the next publisher number from 1 again.
             return
+        if self._refused is not None and p.version < self._refused.version:
+            return  # older than the one waiting for a retry, which the fleet has moved on to
+        retry = p is self._refused
+        if not retry:
+            self.metrics.received.labels("policy").inc()
+            self._newest_version = max(self._newest_version, p.version)
+        # Applied, or refused for good, the newest supersedes one waiting for a retry.
+        self._refused = None
+        if self.on_policy is not None:
+            try:
+                await _maybe_await(self.on_policy(p.yaml, p.version))
+            except Exception as e:
+                self.metrics.rejected.inc()
+                if isinstance(e, ValueError):  # the document itself: no retry can change that
+                    log.error("fleet link: fleet policy v%d from %s refused: %s", p.version, p.node, e)
+                    return
+                if not retry:
+                    self._retry_s = RETRY_REFUSED_MIN_S
+                self._refused = p
+                log.error("fleet link: fleet policy v%d from %s refused (retried in %.0f s): %s", p.version,
+                          p.node, self._retry_s, e)  # fmt: skip
+                return
         # Equal versions with different documents come from concurrent publishers: taking the later
         # delivery converges on the broker's retained one, which is also what new replicas get.
         self._policy, self._policy_version = p, p.version
@@ -558,15 +615,7 @@ class FleetLink:
             "policy",
         )
         self.metrics.policy_version.set(p.version)
-        self.metrics.received.labels("policy").inc()
-        if self.on_policy is None:
-            return
-        try:
-            await _maybe_await(self.on_policy(p.yaml, p.version))
-        except Exception as e:
-            self.metrics.rejected.inc()
-            log.error("fleet link: fleet policy v%d from %s refused: %s", p.version, p.node, e)
-        else:
+        if self.on_policy is not None:
             log.info("fleet link: applied fleet policy v%d from %s (%s)", p.version, p.node, p.source or "-")
 
     async def _on_posteriors(self, model: str, doc: Mapping[str, Any]) -> None:

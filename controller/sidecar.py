@@ -61,6 +61,10 @@ WATCH_QUEUE = 256
 POLICY_CHANGE_BURST = 10.0
 
 
+class FleetPolicyLimited(RuntimeError):
+    """A fleet policy came while ``max_policy_changes_per_s`` was spent (the fleet link retries it)."""
+
+
 @dataclass(eq=False, slots=True)
 class EngineState:
     info: EngineInfo
@@ -425,7 +429,13 @@ class Sidecar:
         return rec
 
     def _on_fleet_policy(self, yaml_text: str, version: int) -> None:
-        """A newer fleet policy arrived: switch like a local SetPolicy. A PolicyError refuses it."""
+        """A newer fleet policy arrived: switch like a local SetPolicy. A PolicyError refuses it (for
+        good); PolicyNotSaved or FleetPolicyLimited refuse it for now (the fleet link tries again)."""
+        if not self.policy_changes.take():  # the admin changes' budget: a flood of fleet policies
+            # must not rebuild every loop and write the state at the publisher's pace
+            raise FleetPolicyLimited(
+                f"policy changes are limited to {self.config.max_policy_changes_per_s:g}/s"
+            )
         before = self._fleet_version, self._fleet_digest
         self._fleet_version, self._fleet_digest = version, policy_digest(yaml_text)
         try:

@@ -382,6 +382,67 @@ async def test_broker_down_then_back_resyncs_and_republishes(broker: FakeBroker)
     assert sample(reg, "speccontrol_fleet_connected") == 0.0
 
 
+async def test_a_policy_refused_for_a_passing_reason_is_not_applied_until_it_is(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sidecar could not write its state: the policy is not applied, so the link must not say it
+    # is (version, gauge), nor stand behind it on a broker that lost it, and must try it again.
+    monkeypatch.setattr(fleet, "RETRY_REFUSED_MIN_S", 0.05)
+    disk_ok = False
+    got: list[int] = []
+
+    def on_policy(yaml: str, version: int) -> None:
+        if not disk_ok:
+            raise RuntimeError("policy not changed: the state could not be written")
+        got.append(version)
+
+    lk, reg = link(node_id="n1", policy_version=2, on_policy=on_policy)
+    await lk.start()
+    try:
+        assert await lk.wait_synced(2)
+        t = Topics("prod")
+        broker.route(t.policy, policy_payload(3, "name: three\n"), True)
+        await until(lambda: sample(reg, "speccontrol_fleet_rejected_policies_total") == 1.0, "refusal")
+        assert lk.policy_version == 2 and sample(reg, "speccontrol_fleet_policy_version") == 0.0
+        # A broker restarted without persistence: this node must not put back a policy it never applied.
+        broker.crash(lose_retained=True)
+        broker.up = True
+        await until(lambda: sample(reg, "speccontrol_fleet_connections_total") == 2.0, "reconnect")
+        assert await lk.wait_synced(2)
+        await asyncio.sleep(0.01)
+        assert t.policy not in broker.retained
+        # Its own next policy numbers above the one it refused (the fleet has seen 3).
+        disk_ok = True
+        await until(lambda: got == [3], "the retry")
+        assert lk.policy_version == 3 and sample(reg, "speccontrol_fleet_policy_version") == 3.0
+        assert sample(reg, "speccontrol_fleet_messages_received_total", kind="policy") == 1.0
+        await asyncio.sleep(0.2)
+        assert got == [3]  # applied once, no more retries
+    finally:
+        await lk.stop()
+
+
+async def test_an_invalid_policy_is_refused_for_good_and_numbered_past(broker: FakeBroker) -> None:
+    tries: list[int] = []
+
+    def on_policy(yaml: str, version: int) -> None:
+        tries.append(version)
+        raise ValueError("policy.yaml:1: name: bad")
+
+    lk, reg = link(node_id="n1", on_policy=on_policy)
+    await lk.start()
+    try:
+        assert await lk.wait_synced(2)
+        broker.route(Topics("prod").policy, policy_payload(4, "name: bad\n"), True)
+        await until(lambda: tries == [4], "refusal")
+        assert lk.policy_version == 0 and sample(reg, "speccontrol_fleet_policy_version") == 0.0
+        assert lk.publish_policy("name: mine\n") == 5  # above what the fleet has seen
+        await asyncio.sleep(0.05)
+        assert tries == [4]
+    finally:
+        await lk.stop()
+
+
 async def test_restored_version_skips_the_retained_copy(broker: FakeBroker) -> None:
     broker.retained[Topics("prod").policy] = policy_payload(7)
     got: list[int] = []

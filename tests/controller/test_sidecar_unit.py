@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
 from controller.policy_store import NoPreviousPolicy, PolicyNotSaved
-from controller.sidecar import EngineSession, Sidecar
+from controller.sidecar import EngineSession, FleetPolicyLimited, Sidecar
 from controller.state import CRASH_VERSION_GAP
 from controller.state_dir import StateDirLocked
 from controller.streams import StreamEnd
@@ -315,6 +315,30 @@ def test_snapshot_round_trip_restores_engines_sequences_and_policy(tmp_path: Pat
         assert crashed.directive_version == clean.directive_version + CRASH_VERSION_GAP
     finally:
         crashed.close(snapshot=False)
+
+
+def test_fleet_policies_spend_the_policy_change_budget(tmp_path: Path, clock: Clock) -> None:
+    # A publisher flooding the fleet topic must not rebuild every loop and write the state at its
+    # pace: past the budget a fleet policy is refused for now (the fleet link tries it again).
+    cfg = SidecarConfig(state_dir=str(tmp_path / "state"), max_policy_changes_per_s=0.01)
+    sc = Sidecar(config=cfg, registry=CollectorRegistry(), clock=clock)
+    sc.open()
+    try:
+        applied = 0
+        for v in range(1, 31):
+            try:
+                sc._on_fleet_policy(preset_text("static-eagle3-3" if v % 2 else "static-off"), v)
+                applied += 1
+            except FleetPolicyLimited:
+                break
+        assert applied == 10  # the burst
+        rev = sc.policy_store.default.revision
+        assert (sc.fleet_policy_version, rev) == (10, 11)
+        with pytest.raises(FleetPolicyLimited, match="limited to 0.01/s"):
+            sc._on_fleet_policy(preset_text("static-eagle3-3"), 11)
+        assert (sc.fleet_policy_version, sc.policy_store.default.revision) == (10, rev)  # nothing changed
+    finally:
+        sc.close(snapshot=False)
 
 
 @pytest.mark.parametrize("first_stop", ["clean", "kill -9"])
