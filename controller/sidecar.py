@@ -31,7 +31,14 @@ from controller.limits import TokenBucket
 from controller.metrics import SidecarMetrics
 from controller.policy_store import PolicyNotSaved, PolicyRecord, PolicyStore
 from controller.snapshot import SnapshotStore
-from controller.state import SavedEngine, load_state, oneline, report_problems, state_to_json
+from controller.state import (
+    MAX_CLASSES_PER_ENGINE,
+    SavedEngine,
+    load_state,
+    oneline,
+    report_problems,
+    state_to_json,
+)
 from controller.state_dir import StateDirLock
 from controller.streams import EngineStreams, Session, StreamEnd, put_latest
 from controller.v1 import controller_pb2 as pb
@@ -52,8 +59,6 @@ from policies.spec import PolicyError, PolicySpec
 
 log = logging.getLogger(__name__)
 
-#: Distinct traffic classes one engine's loop learns about; later ones are pooled into "default".
-MAX_CLASSES_PER_ENGINE = 256
 #: Contexts listed per engine in status (each is one class x batch bucket it learned about).
 MAX_STATUS_CONTEXTS = 256
 WATCH_QUEUE = 256
@@ -112,6 +117,7 @@ class EngineState:
             rejected=self.rejected,
             instance_id=self.link.instance_id,
             last_sequence=self.link.last_sequence,
+            classes=tuple(self.classes),
         )
 
 
@@ -842,4 +848,6 @@ class Sidecar:
                 instance_id=e.instance_id, last_sequence=e.last_sequence, durable_sequence=e.last_sequence
             ),
             rejected=e.rejected,
+            # The classes it named before count against its bound after a restart too.
+            classes={"default", *e.classes},
         )

@@ -26,13 +26,22 @@ from controller.snapshot import (
     str_field,
 )
 from controller.v1 import controller_pb2 as pb
-from controller.validation import MAX_INSTANCE_ID, MAX_SEQUENCE, TelemetryError, validate_hello
+from controller.validation import (
+    MAX_INSTANCE_ID,
+    MAX_SEQUENCE,
+    MAX_TRAFFIC_CLASS,
+    TelemetryError,
+    validate_hello,
+)
 from controller.wire.convert import arm_to_pb
-from controller.wire.names import escape_text
+from controller.wire.names import escape_text, has_control
 from policies.arms import Arm
 from policies.engine import EngineInfo
 from policies.loop import Totals
 from policies.spec import PolicyError
+
+#: Distinct traffic classes one engine's loop learns about; later ones are pooled into "default".
+MAX_CLASSES_PER_ENGINE = 256
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +107,9 @@ class SavedEngine:
     rejected: int = 0
     instance_id: str = ""
     last_sequence: int = 0
+    #: The traffic classes the engine's loop learns about (the bound on them must hold across
+    #: restarts); empty in snapshots written before they were kept.
+    classes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -106,6 +118,7 @@ class SavedEngine:
             "rejected": self.rejected,
             "instance_id": self.instance_id,
             "last_sequence": self.last_sequence,
+            "classes": sorted(self.classes),
         }
 
     @classmethod
@@ -128,7 +141,27 @@ class SavedEngine:
                 e, "instance_id", path=path, max_len=MAX_INSTANCE_ID, default="", name=True
             ),
             last_sequence=int_field(e, "last_sequence", path=path, hi=MAX_SEQUENCE, default=0),
+            classes=_classes_field(e, path=path),
         )
+
+
+def _classes_field(e: Mapping[str, Any], *, path: str) -> tuple[str, ...]:
+    v = e.get("classes", [])
+    if not isinstance(v, list):
+        raise SnapshotError(f"{path}.classes: expected a list, got {type(v).__name__}")
+    if len(v) > MAX_CLASSES_PER_ENGINE:
+        raise SnapshotError(
+            f"{path}.classes: {len(v)} classes, more than the {MAX_CLASSES_PER_ENGINE} an engine has"
+        )
+    for i, c in enumerate(v):
+        at = f"{path}.classes[{i}]"
+        if not isinstance(c, str):
+            raise SnapshotError(f"{at}: expected a string, got {type(c).__name__}")
+        if len(c) > MAX_TRAFFIC_CLASS:
+            raise SnapshotError(f"{at}: longer than {MAX_TRAFFIC_CLASS} characters")
+        if has_control(c):
+            raise SnapshotError(f"{at}: holds control characters ({escape_text(c)[:80]})")
+    return tuple(v)
 
 
 @dataclass(slots=True, kw_only=True)

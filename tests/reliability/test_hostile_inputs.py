@@ -300,7 +300,9 @@ def _class_step(i: int, form: str) -> pb.StepReport:
 async def test_an_engine_naming_a_new_class_every_step_grows_nothing_beyond_the_cap(
     sidecar: Sidecar, form: str
 ) -> None:
-    eng = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello("classy")))
+    h = hello("classy")
+    h.granularity = pb.GRANULARITY_REQUEST_METHOD  # classes are learnt per request
+    eng = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=h))
     try:
         await eng.directive()
         for b in range(4):  # 400 steps, each with a class never seen before
@@ -314,6 +316,39 @@ async def test_an_engine_naming_a_new_class_every_step_grows_nothing_beyond_the_
         MAX_CLASSES_PER_ENGINE - 1
     )
     learned = {ctx.split("/", 1)[1] for ctx in st.loop.state_dict()["contexts"]}
-    assert learned <= st.classes | {"*"}
+    assert learned <= st.classes | {"*"} and len(learned) > 100  # learnt, up to the bound
     mix = st.loop.state_dict()["learner"]["mix"]
     assert all(set(m) <= st.classes for m in mix.values())
+
+
+async def test_the_class_bound_holds_across_restarts(tmp_path: Path) -> None:
+    # The classes an engine named count against its bound after a restart too: else every restart
+    # let it add about 255 more (contexts, snapshot and status grew 257 -> 512 -> 767 -> 1022).
+    seen: list[int] = []
+    for run in range(3):
+        sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+        await sc.start()
+        try:
+            if run == 0:
+                sc.set_policy(preset_text("default"), source="preset:default")
+            h = hello("classy")
+            h.granularity = pb.GRANULARITY_REQUEST_METHOD  # classes are learnt per request
+            eng = TestEngine(sc.engine_target, pb.EngineMessage(hello=h))
+            try:
+                await eng.directive()
+                for b in range(3):  # 300 steps, each with a class never seen before
+                    eng.report(*(_class_step(run * 1000 + b * 100 + j, "rows") for j in range(100)))
+                st = sc.engines()["classy"]
+                want, rounds = 300 * (run + 1), st.loop.rounds
+                await until(lambda st=st, want=want: st.loop.totals.steps == want)
+                await until(lambda st=st, rounds=rounds: st.loop.rounds > rounds)
+            finally:
+                await eng.close()
+            st = sc.engines()["classy"]
+            learned = {ctx.split("/", 1)[1] for ctx in st.loop.state_dict()["contexts"]} - {"*"}
+            mix = st.loop.state_dict()["learner"]["mix"]
+            seen.append(len(learned | {c for m in mix.values() for c in m}))
+            assert len(st.classes) == MAX_CLASSES_PER_ENGINE
+        finally:
+            await sc.stop()  # a clean stop: the next run restores this one
+    assert max(seen) <= MAX_CLASSES_PER_ENGINE, seen

@@ -154,6 +154,10 @@ PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
     "totals-busy-huge": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(busy_s=1e300)), {"e2"}),
     "override-revision-2^70": (_edit(_override(2**70)), {"e1"}),
     "instance-id-control-characters": (_and_e2(lambda d: _engine(d).update(instance_id="i\x1b[2J")), {"e2"}),
+    "classes-string": (_and_e2(lambda d: _engine(d).update(classes="chat")), {"e2"}),
+    "classes-300": (_and_e2(lambda d: _engine(d).update(classes=[f"c{i}" for i in range(300)])), {"e2"}),
+    "class-number": (_and_e2(lambda d: _engine(d).update(classes=["chat", 7])), {"e2"}),
+    "class-control-characters": (_and_e2(lambda d: _engine(d).update(classes=["a\nFORGED"])), {"e2"}),
     # what an older sidecar took from the fleet unbounded: dropped alone, not the whole snapshot
     "fleet-version-float": (_set("state.fleet_policy_version", 1.5), {"e1"}),
     "fleet-version-2^60": (_set("state.fleet_policy_version", 2**60), {"e1"}),
