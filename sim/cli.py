@@ -193,6 +193,8 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         names = (args.policy or ["default", "epsilon-greedy"]) if compare else [args.policy]
         policies = [resolve_policy(n) for n in names]
         engines = _engines(args.engine)
+        if args.trace and args.requests is not None:
+            raise _UsageError("--requests: applies to --scenario (a --trace replays all its requests)")
         traces = _load_traces(args)
         if not compare and (len(traces) != 1 or len(profiles) != 1):
             raise _UsageError("sim replay: one trace or scenario and one profile (sim compare takes several)")

@@ -463,3 +463,14 @@ def test_replay_seeds_the_policy_with_seed_not_its_own(
         runs[name] = json.loads(capsys.readouterr().out)["concurrency"]["8"]["throughput_tok_s"]
     assert runs["0"] == runs["7"]
     assert runs["--seed 7"] != runs["0"]
+
+
+@pytest.mark.parametrize("cmd", ["replay", "compare"])
+def test_requests_with_a_trace_is_a_usage_error(
+    hand_trace: Path, capsys: pytest.CaptureFixture[str], cmd: str
+) -> None:
+    # --requests sizes a generated scenario; with a trace it was silently ignored.
+    argv = ["sim", cmd, "--trace", str(hand_trace), "--requests", "5", "--no-oracle", "--no-progress"]
+    assert main([*argv, "--policy", "default"]) == 2
+    err = capsys.readouterr().err
+    assert "--requests: applies to --scenario" in err and "Traceback" not in err
