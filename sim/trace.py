@@ -593,7 +593,15 @@ def read_trace(path: str | Path, *, seed: int = 0, limits: TraceLimits = DEFAULT
         parts = []
         for r in reqs:
             v = r.acc[m]
-            parts.append(sample_counts(v, r.output, rng) if m in r.alpha else np.asarray(v, dtype=np.int32))
+            if m not in r.alpha:
+                parts.append(np.asarray(v, dtype=np.int32))
+                continue
+            drawn = sample_counts(v, r.output, rng)
+            if m is Method.NGRAM and r.proposal is not None:
+                # n-gram cannot accept more than it proposes (nothing where it finds no match), as the
+                # reader requires of given counts
+                drawn = np.minimum(drawn, np.asarray(r.proposal, dtype=drawn.dtype))
+            parts.append(drawn)
         acc[m] = np.concatenate(parts).astype(np.int32)
     name = p.name
     for suffix in (".gz", ".jsonl", ".json"):

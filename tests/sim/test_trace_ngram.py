@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from policies.arms import Method
 from sim.trace import read_trace, trace_lines, validate_trace, write_trace
 from sim.traffic import generate
 from tests.sim.conftest import HEADER, write_lines
@@ -104,3 +105,14 @@ def test_generated_traces_carry_a_valid_signal(tmp_path: Path) -> None:
     assert validate_trace(p) == []
     u = read_trace(p)
     assert u.ngram_proposal is not None and u.meta["ngram"] == {"min_n": 4, "max_n": 5}
+
+
+def test_ngram_counts_drawn_from_alpha_never_exceed_the_proposal(tmp_path: Path) -> None:
+    # Given counts above the proposal are refused; drawn ones (alpha 1.0 at every position would
+    # accept the whole draft) must be held to the same rule, none where the matcher finds nothing.
+    proposal = [0, 2, 0, 4, 1, 0] * 50
+    req = _req("a", [0] * len(proposal), proposal)
+    req["acc"]["ngram"] = {"alpha": [1.0] * HEADER["max_k"]}
+    t = read_trace(write_lines(tmp_path / "t.jsonl", NG_HEADER, req))
+    drawn = t.acc[Method.NGRAM]
+    assert drawn.tolist() == proposal
