@@ -334,7 +334,7 @@ def test_fleet_policies_spend_the_policy_change_budget(tmp_path: Path, clock: Cl
         assert applied == 10  # the burst
         rev = sc.policy_store.default.revision
         assert (sc.fleet_policy_version, rev) == (10, 11)
-        with pytest.raises(FleetPolicyLimited, match="limited to 0.01/s"):
+        with pytest.raises(FleetPolicyLimited, match=r"limited to 0\.01/s"):
             sc._on_fleet_policy(preset_text("static-eagle3-3"), 11)
         assert (sc.fleet_policy_version, sc.policy_store.default.revision) == (10, rev)  # nothing changed
     finally:
