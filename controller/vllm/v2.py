@@ -9,7 +9,9 @@ asks vLLM's GPU n-gram speculator for its drafts on the same batch, and returns
 step from the scheduler output (``worker.NGRAM_ROWS_ATTR``). What must hold: rows of requests not on
 n-gram are EAGLE's, bit for bit; a dummy (warm-up / CUDA-graph capture) run returns EAGLE's drafts; any
 error disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through, on
-every tensor-parallel rank (``ranks.py``).
+every tensor-parallel rank (``ranks.py``). An error building the n-gram speculator (or the dense
+history) inside vLLM's runner constructor is logged and vLLM's own speculator (or history) is kept: the
+plugin never stops an engine from starting.
 The GPU n-gram speculator needs the dense device token history, which the V2 runner keeps only for an
 n-gram engine: the install turns it on (``max_num_seqs x max_model_len x 4`` bytes of device memory).
 Its no-match rows repeat the last sampled token (verified and rejected, as vLLM's own n-gram does).
@@ -124,27 +126,48 @@ def install_v2_runner(*, ngram_min: int, ngram_max: int) -> str | None:
     orig_state_init = states.RequestState.__init__
     orig_execute = model_runner.GPUModelRunner.execute_model
 
+    # Both run inside vLLM's GPUModelRunner constructor, where an exception stops the engine from
+    # starting; the plugin must never do that, so each falls back to what vLLM builds on its own.
     def state_init(self: Any, *a: Any, **kw: Any) -> None:
-        kw["use_dense_all_token_ids"] = True  # the GPU n-gram speculator reads it
-        orig_state_init(self, *a, **kw)
+        try:
+            # The GPU n-gram speculator scans it every step: dense on the device, as for vLLM's n-gram.
+            orig_state_init(self, *a, **{**kw, "use_dense_all_token_ids": True})
+        except Exception as e:
+            # E.g. out of device memory (it is allocated before vLLM profiles memory). The n-gram
+            # speculator then reads vLLM's default host-backed (UVA) history: slower, still correct.
+            log.warning(
+                "speccontrol: V2 dense token history not allocated (%s: %s); falling back to vLLM's own",
+                type(e).__name__,
+                e,
+            )
+            orig_state_init(self, *a, **kw)
 
     def init_speculator(vllm_config: Any, device: Any, req_states: Any) -> Any:
         eagle = orig_init_speculator(vllm_config, device, req_states)
-        spec = vllm_config.speculative_config
-        if not spec.use_eagle():
+        try:
+            spec = vllm_config.speculative_config
+            if not spec.use_eagle():
+                return eagle
+            vc = copy.copy(vllm_config)
+            vc.speculative_config = copy.copy(spec)
+            vc.speculative_config.prompt_lookup_min = ngram_min
+            vc.speculative_config.prompt_lookup_max = ngram_max
+            mask = torch.zeros(req_states.max_num_reqs, dtype=torch.bool, device=device)
+            return CompositeSpeculator(
+                eagle=eagle,
+                ngram=NgramGPUSpeculator(vc, device, req_states),
+                mask=mask,
+                req_id_to_index=req_states.req_id_to_index,
+                where=torch.where,
+            )
+        except Exception as e:
+            # E.g. no Triton, or a device allocation: n-gram rows then verify EAGLE's drafts.
+            log.warning(
+                "speccontrol: V2 composite drafting not built (%s: %s); falling back to vLLM's speculator",
+                type(e).__name__,
+                e,
+            )
             return eagle
-        vc = copy.copy(vllm_config)
-        vc.speculative_config = copy.copy(spec)
-        vc.speculative_config.prompt_lookup_min = ngram_min
-        vc.speculative_config.prompt_lookup_max = ngram_max
-        mask = torch.zeros(req_states.max_num_reqs, dtype=torch.bool, device=device)
-        return CompositeSpeculator(
-            eagle=eagle,
-            ngram=NgramGPUSpeculator(vc, device, req_states),
-            mask=mask,
-            req_id_to_index=req_states.req_id_to_index,
-            where=torch.where,
-        )
 
     def execute_model(self: Any, scheduler_output: Any, *a: Any, **kw: Any) -> Any:
         sp = self.speculator

@@ -3,6 +3,7 @@ is the same ``where(mask[idx_mapping, None], ngram, eagle)`` the engine runs wit
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -130,3 +131,97 @@ def test_tensor_parallel_ranks_hand_on_eagles_drafts_once_any_rank_failed() -> N
     w.set_ngram_requests(types.SimpleNamespace())
     w.propose(batch)
     assert group.flags == [0.0, 1.0, 1.0]
+
+
+class _FakeRequestState:
+    """vLLM's V2 ``RequestState``: the dense history is a device allocation that can fail."""
+
+    def __init__(
+        self, max_num_reqs: int, *, use_dense_all_token_ids: bool = False, oom: bool = False
+    ) -> None:
+        if use_dense_all_token_ids and oom:
+            raise RuntimeError("CUDA out of memory (test)")
+        self.max_num_reqs, self.dense = max_num_reqs, use_dense_all_token_ids
+        self.req_id_to_index: dict[str, int] = {}
+
+
+def _fake_v2_vllm(monkeypatch: pytest.MonkeyPatch, *, ngram_raises: bool) -> dict[str, types.ModuleType]:
+    """Just the modules ``install_v2_runner`` patches (and a torch with what it calls), so this runs
+    without vLLM or torch."""
+    import sys
+
+    names = ("vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.model_runner",
+             "vllm.v1.worker.gpu.states", "vllm.v1.worker.gpu.spec_decode", "vllm.v1.worker.gpu.spec_decode.ngram",
+             "vllm.v1.worker.gpu.spec_decode.ngram.speculator", "torch")  # fmt: skip
+    mods = {n: types.ModuleType(n) for n in names}
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+    eagle = types.SimpleNamespace(name="vLLM's own speculator")
+
+    def init_speculator(vllm_config: Any, device: Any, req_states: Any) -> Any:
+        return eagle
+
+    class GPUModelRunner:
+        def execute_model(self, scheduler_output: Any) -> None:
+            return None
+
+    class NgramGPUSpeculator:
+        def __init__(self, vllm_config: Any, device: Any, req_states: Any) -> None:
+            if ngram_raises:
+                raise RuntimeError("ngram_gpu speculative decoding requires Triton.")
+
+    mr, st_, sp, torch = (mods["vllm.v1.worker.gpu.model_runner"], mods["vllm.v1.worker.gpu.states"],
+                          mods["vllm.v1.worker.gpu.spec_decode.ngram.speculator"], mods["torch"])  # fmt: skip
+    mr.init_speculator = init_speculator  # type: ignore[attr-defined]
+    mr.GPUModelRunner = GPUModelRunner  # type: ignore[attr-defined]
+    st_.RequestState = type("RequestState", (_FakeRequestState,), {})  # type: ignore[attr-defined]
+    sp.NgramGPUSpeculator = NgramGPUSpeculator  # type: ignore[attr-defined]
+    torch.bool = bool  # type: ignore[attr-defined]
+    torch.where = np.where  # type: ignore[attr-defined]
+    torch.zeros = lambda n, dtype, device: np.zeros(n, dtype=dtype)  # type: ignore[attr-defined]
+    return mods
+
+
+def _eagle_config() -> Any:
+    return types.SimpleNamespace(speculative_config=types.SimpleNamespace(use_eagle=lambda: True))
+
+
+@pytest.mark.parametrize("ngram_raises", [False, True])
+def test_an_error_building_the_ngram_speculator_keeps_vllms_own(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ngram_raises: bool
+) -> None:
+    """The patched ``init_speculator`` runs inside vLLM's runner constructor: an exception there (no
+    Triton, an assert, a device allocation) would stop the engine from starting. It must fall back to
+    vLLM's own speculator with one log line instead."""
+    from controller.vllm.v2 import install_v2_runner
+
+    mods = _fake_v2_vllm(monkeypatch, ngram_raises=ngram_raises)
+    assert install_v2_runner(ngram_min=1, ngram_max=3) is None
+    mr = mods["vllm.v1.worker.gpu.model_runner"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.speccontrol"):
+        sp = mr.init_speculator(_eagle_config(), "cpu", _FakeRequestState(4))  # type: ignore[attr-defined]
+    if not ngram_raises:
+        assert isinstance(sp, CompositeSpeculator) and not caplog.records
+        return
+    assert sp.name == "vLLM's own speculator"  # returned unchanged
+    assert len(caplog.records) == 1 and "falling back" in caplog.records[0].getMessage()
+    assert "requires Triton" in caplog.records[0].getMessage()
+
+
+def test_a_dense_history_that_cannot_be_allocated_falls_back_to_vllms(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The dense history (max_num_seqs x max_model_len x 4 bytes) is allocated in the runner's
+    constructor before vLLM profiles memory; failing to allocate it must leave vLLM's own history."""
+    from controller.vllm.v2 import install_v2_runner
+
+    mods = _fake_v2_vllm(monkeypatch, ngram_raises=False)
+    assert install_v2_runner(ngram_min=1, ngram_max=3) is None
+    RequestState = mods["vllm.v1.worker.gpu.states"].RequestState  # type: ignore[attr-defined]
+    assert RequestState(4).dense  # the install turns it on
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.speccontrol"):
+        rs = RequestState(4, oom=True)
+    assert rs.max_num_reqs == 4 and not rs.dense
+    assert len(caplog.records) == 1 and "falling back" in caplog.records[0].getMessage()
