@@ -75,6 +75,17 @@ V1_WORKER_POINTS: tuple[PatchPoint, ...] = (
     ),
 )
 
+#: Reached every step after sampling, whether or not vLLM ran the drafter: a step it does not draft
+#: (a request within K tokens of ``max_model_len``) feeds the worker's histories here. Optional: without
+#: it the worker merge still installs, and its histories lose such steps (logged once).
+V1_WORKER_GAP_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._bookkeeping_sync",
+        ("self", "scheduler_output", "sampler_output"),
+    ),
+)
+
 #: The drafter P-EAGLE runs on (any process hosting a worker): the depth fix (``peagle.py``) wraps it.
 P_EAGLE_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(

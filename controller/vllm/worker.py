@@ -13,7 +13,9 @@ exception disables the merge for the runner's lifetime (logged once) and EAGLE's
 with tensor parallelism, on every rank (``ranks.agree``): ranks must verify the same drafts.
 Each request's token history is kept here from its prompt plus every token the runner sampled
 (rejected positions are ``-1``, partial-prefill rows are discarded), exactly the tokens the n-gram
-matcher in the engine core sees one step later. A step is one compiled call for the whole batch
+matcher in the engine core sees one step later; a step on which vLLM does not call the drafter (a
+request within K tokens of ``max_model_len``) feeds them from ``GPUModelRunner._bookkeeping_sync``,
+which every step reaches after sampling, since the runner never holds them on the host to rebuild from. A step is one compiled call for the whole batch
 (``_step_merge``: the new tokens into the incremental index, the drafts of the n-gram rows, the merge);
 rows not on n-gram only index their tokens (their drafts are never read).
 
@@ -465,7 +467,8 @@ def install_v1_runner(
     *, max_k: int, min_n: int, max_n: int, where: str = "auto", kernels: str = "auto"
 ) -> None:
     """Wrap ``GPUModelRunner.propose_draft_token_ids`` (idempotent). The caller has checked the symbol
-    (``compat.V1_WORKER_POINTS``). Each runner builds its drafter (``_new_drafter``) on its first draft
+    (``compat.V1_WORKER_POINTS``). Also ``_bookkeeping_sync`` where it matches
+    (``compat.V1_WORKER_GAP_POINTS``), for the steps vLLM does not draft. Each runner builds its drafter (``_new_drafter``) on its first draft
     (after the model loaded: the index's kernels compile there, not before vLLM's own start-up)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # type: ignore[import-not-found]
 
@@ -473,32 +476,70 @@ def install_v1_runner(
         return
     orig = GPUModelRunner.propose_draft_token_ids
 
+    def drafter_of(runner: Any, state: Any) -> Any:
+        """The runner's drafter, built on first use; None: disabled after an error."""
+        if state == 0:
+            state = runner._speccontrol_merger = _new_drafter(
+                runner, max_k=max_k, min_n=min_n, max_n=max_n, where=where, kernels=kernels
+            )
+        return state
+
+    def failed_now(runner: Any, group: Any) -> None:
+        log.exception(
+            "speccontrol: worker-side n-gram merge failed; disabled (EAGLE drafts pass through%s)",
+            ", on every tensor-parallel rank" if group is not None else "",
+        )
+        runner._speccontrol_merger = None
+
     def propose_draft_token_ids(
         self: Any, scheduler_output: Any, sampled_token_ids: Any, *a: Any, **kw: Any
     ) -> Any:
         drafts = orig(self, scheduler_output, sampled_token_ids, *a, **kw)
+        self._speccontrol_fed = scheduler_output  # this step's tokens reach the histories here
         state = self.__dict__.get("_speccontrol_merger", 0)
         group = tensor_parallel_group(self)
         merged, failed = drafts, state is None  # None: disabled after an error
         if state is not None:
             try:
-                if state == 0:
-                    state = self._speccontrol_merger = _new_drafter(
-                        self, max_k=max_k, min_n=min_n, max_n=max_n, where=where, kernels=kernels
-                    )
+                state = drafter_of(self, state)
                 merged = _merge_step(self, state, scheduler_output, sampled_token_ids, drafts)
             except Exception:
-                log.exception(
-                    "speccontrol: worker-side n-gram merge failed; disabled (EAGLE drafts pass through%s)",
-                    ", on every tensor-parallel rank" if group is not None else "",
-                )
-                self._speccontrol_merger = None
+                failed_now(self, group)
                 merged, failed = drafts, True
         if group is None or not getattr(scheduler_output, NGRAM_ROWS_ATTR, None):
             return merged
         return agree(group, merged, drafts, failed=failed, device=getattr(self, "device", "cpu"))
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    gap = compat.problems(compat.V1_WORKER_GAP_POINTS, version=None)
+    if gap:
+        log.warning(
+            "speccontrol: the worker's n-gram histories miss the steps vLLM does not draft (%s)",
+            "; ".join(gap),
+        )
+    else:
+        orig_bookkeeping = GPUModelRunner._bookkeeping_sync
+
+        def _bookkeeping_sync(
+            self: Any, scheduler_output: Any, sampler_output: Any, *a: Any, **kw: Any
+        ) -> Any:
+            # vLLM skips the drafter on a step where any request is within K tokens of max_model_len
+            # (``_input_fits_in_drafter``) and goes on to here; under async scheduling (the only mode
+            # the merge runs in) a step it drafts reached the drafter first. A skipped step's tokens
+            # still belong in every history: fed as a step without n-gram rows, which reads nothing on
+            # the host (the runner's input batch and masks are still this step's). The common step
+            # pays one identity check.
+            if self.__dict__.get("_speccontrol_fed") is not scheduler_output:
+                state = self.__dict__.get("_speccontrol_merger", 0)
+                if state is not None:
+                    try:
+                        state = drafter_of(self, state)
+                        _merge_step(self, state, scheduler_output, sampler_output.sampled_token_ids, None)
+                    except Exception:
+                        failed_now(self, tensor_parallel_group(self))
+            return orig_bookkeeping(self, scheduler_output, sampler_output, *a, **kw)
+
+        GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner._speccontrol_patched = True
     log.info(
         "speccontrol: V1 model runner hook installed (worker-side composite drafting, pid %d)", os.getpid()

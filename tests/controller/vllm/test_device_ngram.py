@@ -440,6 +440,9 @@ def test_a_drafter_that_fails_is_switched_off_and_eagles_drafts_pass_through(
         gmr.GPUModelRunner, "propose_draft_token_ids", lambda self, so, sampled, *a, **kw: eagle
     )
     monkeypatch.setattr(gmr.GPUModelRunner, "_speccontrol_patched", False, raising=False)
+    monkeypatch.setattr(
+        gmr.GPUModelRunner, "_bookkeeping_sync", gmr.GPUModelRunner._bookkeeping_sync
+    )  # wrapped too
     worker.install_v1_runner(max_k=K, min_n=1, max_n=3, where="device")
     calls = []
 
@@ -486,6 +489,9 @@ def _wrapped_runner(monkeypatch: pytest.MonkeyPatch, eagle: Any, group: PeerGrou
         gmr.GPUModelRunner, "propose_draft_token_ids", lambda self, so, sampled, *a, **kw: eagle
     )
     monkeypatch.setattr(gmr.GPUModelRunner, "_speccontrol_patched", False, raising=False)
+    monkeypatch.setattr(
+        gmr.GPUModelRunner, "_bookkeeping_sync", gmr.GPUModelRunner._bookkeeping_sync
+    )  # wrapped too
     worker.install_v1_runner(max_k=K, min_n=1, max_n=3, where="device")
     runner = _runner("cpu", ["a"], {"a": [5, 6, 7, 5, 6]})
     runner._speccontrol_tp = group

@@ -3,6 +3,8 @@ only for requests named on n-gram, checked against the n-gram rule on the full h
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -207,3 +209,93 @@ def test_a_deferred_step_gives_the_same_drafts_at_serving_sizes() -> None:
     assert set(now._slot) == set(later._slot) and len(now) >= rows
     for r, s in now._slot.items():
         assert now._index.tokens(s).tolist() == later._index.tokens(later._slot[r]).tolist()
+
+
+def _fake_runner_module(monkeypatch: pytest.MonkeyPatch, eagle: np.ndarray) -> type:
+    """A ``vllm.v1.worker.gpu_model_runner`` whose ``GPUModelRunner`` samples as vLLM 0.32's does under
+    async scheduling (``sample_tokens``, gpu_model_runner.py:4381-4483): the drafter runs first unless
+    the batch does not fit it, then ``_bookkeeping_sync`` every step."""
+    import sys
+    import types
+
+    class GPUModelRunner:
+        max_model_len = 1 << 20
+        device = "cpu"
+
+        def __init__(self, prompts: dict[str, list[int]]) -> None:
+            self.input_batch = types.SimpleNamespace(req_ids=list(prompts))
+            self.requests = {
+                r: types.SimpleNamespace(prompt_token_ids=p, output_token_ids=[-1])
+                for r, p in prompts.items()
+            }  # async scheduling: the runner's outputs are placeholders, never the tokens
+            self.discard_request_mask = types.SimpleNamespace(np=np.zeros(8, dtype=bool))
+
+        def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *a: Any) -> Any:
+            return eagle.copy()
+
+        def _bookkeeping_sync(self, scheduler_output: Any, sampler_output: Any, *a: Any) -> None:
+            return None
+
+        def sample_tokens(self, so: Any, sampled: np.ndarray, *, fits: bool) -> Any:
+            drafts = self.propose_draft_token_ids(so, sampled) if fits else None
+            self._bookkeeping_sync(so, types.SimpleNamespace(sampled_token_ids=sampled), None, None, 0)
+            return drafts
+
+    names = ("vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu_model_runner")
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].GPUModelRunner = GPUModelRunner  # type: ignore[attr-defined]
+    return GPUModelRunner
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_step_vllm_does_not_draft_still_reaches_the_histories(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """vLLM skips the drafter on a step where any request of the batch is within K tokens of
+    max_model_len (``_input_fits_in_drafter``); every other request's tokens of that step must still
+    enter its history, or its later n-gram drafts match a history with a gap (review finding 1)."""
+    if where == "device":
+        pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
+    from types import SimpleNamespace as NS
+
+    from controller.vllm import worker
+    from controller.vllm.mode import NGRAM_ROWS_ATTR
+
+    eagle = np.full((2, 3), 999, dtype=np.int64)
+    runner_cls = _fake_runner_module(monkeypatch, eagle)
+    worker.install_v1_runner(max_k=3, min_n=1, max_n=3, where=where, kernels="torch")
+    prompt_a = [5, 13, 7, 7, 10, 11, 12, 13, 14, 15]  # "13" twice, each with its own continuation
+    runner = runner_cls({"a": prompt_a, "b": [1] * 8})  # b: the request near max_model_len
+
+    def so(ngram: set[str]) -> Any:
+        return NS(scheduled_cached_reqs=NS(resumed_req_ids=set()), finished_req_ids=set(),
+                  **{NGRAM_ROWS_ATTR: frozenset(ngram)})  # fmt: skip
+
+    truth = list(prompt_a)
+    for sampled, fits in (([10, -1], True), ([11, 12], False), ([13, -1], True)):
+        on = {"a"} if sampled[0] == 13 else set()
+        out = runner.sample_tokens(so(on), np.array([sampled, [1, -1]], dtype=np.int64), fits=fits)
+        truth += [t for t in sampled if t >= 0]
+    want = match_ngram(np.array(truth, dtype=np.int32), 1, 3, 1 << 20, 3).tolist()
+    assert want == [14, 15, 10]  # "13" last followed by 14 15 10, not the gapped history's 7 7 10
+    assert np.asarray(out)[0].tolist() == want and np.asarray(out)[1].tolist() == [999] * 3
+    if where == "host":
+        merger = runner._speccontrol_merger
+        merger.flush()
+        assert merger._index.tokens(merger._slot["a"]).tolist() == truth
+
+
+def test_without_the_bookkeeping_point_the_merge_still_installs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``_bookkeeping_sync`` is optional: a vLLM whose runner lacks it (or changed it) keeps the merge,
+    with one line saying the histories miss the steps vLLM does not draft."""
+    from controller.vllm import worker
+
+    runner_cls = _fake_runner_module(monkeypatch, np.zeros((1, 3), dtype=np.int64))
+    monkeypatch.delattr(runner_cls, "_bookkeeping_sync")
+    worker.install_v1_runner(max_k=3, min_n=1, max_n=3, where="host")
+    assert runner_cls._speccontrol_patched  # type: ignore[attr-defined]
+    said = [r.getMessage() for r in caplog.records if "miss the steps" in r.getMessage()]
+    assert len(said) == 1 and "_bookkeeping_sync" in said[0], said
