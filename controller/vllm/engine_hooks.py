@@ -32,7 +32,7 @@ import operator
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TextIO
 
 import numpy as np
@@ -143,6 +143,8 @@ class EngineHooks:
         self._t0 = 0.0
         self._queue_len = 0
         self._queue_wait = 0.0
+        #: The requests of the last update that sampled nothing (None: none; ``choose_drafts``).
+        self._idle: set[str] | None = None
         self.original_lookup: list[int] | None = None
         #: "per-request composite" or "K table only: <reason>" (Hello.plugin_mode).
         self.mode = PER_REQUEST_COMPOSITE
@@ -319,9 +321,11 @@ class EngineHooks:
             rows = list(map([*(sampled or ()), ()].__getitem__, map(min, map(index, requests, past), past)))
         if all(rows):  # every request sampled (no prefill chunk)
             ids, gens = list(requests), rows
+            self._idle = None
         else:
             ids = list(itertools.compress(requests, rows))
             gens = list(filter(None, rows))
+            self._idle = set(itertools.compress(requests, map(operator.not_, rows)))
         n = len(ids)
         done = getattr(scheduler, "finished_req_ids", None)
         is_finished: Callable[[str], bool] | None
@@ -339,6 +343,13 @@ class EngineHooks:
             if self.scorer is not None:
                 self.scorer.start(slot, req._all_token_ids)
 
+        # A resumed request's history restarts from its own tokens: vLLM may have dropped output the
+        # index already took (drop-mode stale output after a preemption, a failed KV load) and
+        # resamples those positions. Only on a step that resumes a request (no cost on the others).
+        # Its plan too: the draft planned before its preemption was never verified (vLLM cleared it).
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        resumed = getattr(cached, "resumed_req_ids", None)
+        indexed = self._restart(resumed, ids, requests) if resumed else ()
         # async scheduling: the plans the verified drafts were made with travelled with the output
         plans = getattr(scheduler_output, VERIFYING_ATTR, None)
         cols, finished, ended = self.kernels.after_update(
@@ -349,6 +360,7 @@ class EngineHooks:
             self._alpha,
             start,
             plans,
+            indexed,
         )
         now = self.wall()
         duration = max(self.perf() - self._t0, 0.0)
@@ -392,6 +404,27 @@ class EngineHooks:
         if self.trace is not None:
             self.trace.write(rec.to_json() + "\n")
 
+    def _restart(self, resumed: Collection[str], ids: list[str], requests: dict[str, Any]) -> list[int]:
+        """Forget each resumed request's pending plan, and restart the n-gram history of each one the
+        index holds from the request's own tokens (after vLLM's update: this step's included); the
+        rows of ``ids`` restarted so, which then bring no tokens to the index. A request the index has
+        not started starts from its tokens anyway."""
+        row = {rid: j for j, rid in enumerate(ids)}
+        out = []
+        verifying = self.rows.arrays()[0]
+        for rid in resumed:
+            req = requests.get(rid)
+            s = self.controls.fast.slot_of(rid, -1)
+            if 0 <= s < len(verifying):
+                verifying[s] = -1
+            if req is None or s < 0 or self.scorer is None or not self.scorer.live(s):
+                continue
+            self.scorer.start(s, req._all_token_ids)
+            j = row.get(rid)
+            if j is not None:
+                out.append(j)
+        return out
+
     def _traffic_class(self, req: Any) -> str:
         sp = getattr(req, "sampling_params", None)
         extra = getattr(sp, "extra_args", None) or {}
@@ -408,7 +441,12 @@ class EngineHooks:
     # -- update_draft_token_ids (synchronous scheduling) -----------------------------------------
 
     def choose_drafts(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        return self.kernels.choose(self.directive, req_ids, drafts)
+        # vLLM drops the draft of a row that sampled nothing in the update just before (a prefill
+        # chunk, scheduler.py:2560-2564): its plan must not be read as the plan of the draft its next
+        # sampling step verifies (none). The usual step (every row sampled) checks one attribute.
+        idle = self._idle
+        unplanned = [j for j, rid in enumerate(req_ids) if rid in idle] if idle else []
+        return self.kernels.choose(self.directive, req_ids, drafts, unplanned)
 
     def warm_up(self) -> None:
         """Run every step kernel once on throwaway state, so numba compiles before serving (growth
@@ -470,6 +508,7 @@ class EngineHooks:
             rooms,
             len(scheduled),
             so.scheduled_spec_decode_tokens,
+            lambda j, slot: self.rows.set_class(slot, self._traffic_class(rq[j])),  # a request's first plan
         )
         setattr(so, VERIFYING_ATTR, verifying)
         # Each row's own placeholders (one shared list per K; nobody mutates them: vLLM shares one too).

@@ -99,8 +99,8 @@ def _after_update(
         at += n
     tokens = buf[at:]
     given = params[7] != 0
-    for j in range(n):
-        if slots[j] < 0 or not live[slots[j]]:
+    for j in range(n):  # (async scheduling admits a request, its class set, before its index starts)
+        if slots[j] < 0 or not live[slots[j]] or (scoring and state[slots[j], LEN] < 0):
             return _UNSEEN
     if scoring and not room(state, pool, table, meta, slots, sizes, max_n - min_n + 1):
         return _NO_ROOM
@@ -338,13 +338,17 @@ class StepKernel:
         alpha: float,
         start: Callable[[int, int], None],
         plans: tuple[list[str], np.ndarray] | None = None,
+        indexed: Sequence[int] = (),
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """The step's columns (rows METHOD..PROPOSAL of an int32 array), finished flags and how many
         rows finished, for requests ``ids`` that sampled ``gens`` after verifying the drafts ``spec``
         names (none where absent); ``is_finished`` None: none finished. ``start(j, slot)`` is called
-        for a request the hooks have not seen: it admits the slot (class, n-gram history). ``plans``:
+        for a request the hooks have not seen, or whose n-gram history has not started (``place``
+        admitted it): it admits the slot (class, n-gram history). ``plans``:
         the plans the drafts were made with, where they travelled with the scheduler output (async
         scheduling; ``place``'s requests and plans); otherwise the plan recorded by ``choose``.
+        ``indexed``: rows whose n-gram history the caller restarted with this step's tokens in it (a
+        resumed request), so they bring none to the index.
 
         Everything else the kernel reads per row is laid out in one int64 buffer by one
         ``np.fromiter`` over C-level maps (each numpy call, and each Python-level row, costs more
@@ -362,6 +366,11 @@ class StepKernel:
         if plans is not None:
             aligned = plans[1] if plans[0] == ids else _aligned(plans, ids)
         index_gens: list[Sequence[int]] | None = None  # the tokens each row brings, where not all
+        if indexed and sc is not None:
+            index_gens = list(gens)
+            for j in indexed:
+                index_gens[j] = ()
+            params[8] = 1
         while True:
             slots = self.slots_of(ids)
             parts: list[Iterable[int]] = [map(len, gens), map(len, map(spec.get, ids, itertools.repeat(())))]
@@ -387,6 +396,8 @@ class StepKernel:
                 new_slots = self.fast.slots(ids)  # new requests get their slots here
                 self._reserve()
                 fresh = self.rows.admit(new_slots)
+                if sc is not None:  # admitted by ``place`` (its class known) but its index not started
+                    fresh = sorted({*fresh, *(j for j in range(n) if not sc.live(int(new_slots[j])))})
                 for j in fresh:
                     start(j, int(new_slots[j]))
                 if fresh and sc is not None:  # a new request's tokens are in the history it started with
@@ -398,10 +409,15 @@ class StepKernel:
                 sc.make_room()
 
     def choose(
-        self, directive: Directive, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+        self,
+        directive: Directive,
+        req_ids: Sequence[str],
+        drafts: Sequence[Sequence[int]],
+        unplanned: Sequence[int] = (),
     ) -> list[list[int]]:
         """Per request the draft to verify next (the configured drafter's, n-gram's or none, cut to
-        its K); the plan is recorded for the step that verifies it."""
+        its K); the plan is recorded for the step that verifies it, except for the rows ``unplanned``
+        (whose draft vLLM drops: no step verifies it)."""
         slots = self.fast.slots(req_ids)
         self._reserve()
         n = len(req_ids)
@@ -416,6 +432,8 @@ class StepKernel:
         )
         taken = _choose(*self.fast.arrays(), self.rows.arrays()[0], self.rows.arrays()[1], self._arms(directive, n),
                         state, drafts_ix, slots, out, ngram, self._choose_params, p0, p1, p2)  # fmt: skip
+        if unplanned:
+            self.rows.arrays()[0][slots[list(unplanned)]] = -1
         # The n-gram drafts are read only when a row takes one (most steps of most batches do not).
         return pick_drafts(out[0], out[1], drafts, ngram.tolist() if taken else drafts)
 
@@ -426,17 +444,20 @@ class StepKernel:
         rooms: list[int],
         batch_size: int,
         verifying: Iterable[str],
+        admit: Callable[[int, int], None] | None = None,
     ) -> tuple[list[int], list[int], tuple[list[str], np.ndarray]]:
         """Async scheduling: per request its next draft's K (at most its ``rooms`` placeholders: one
         per request, or one for every request) and
         whether it is n-gram's (0/1), as two lists; the plan (method code, off where K is 0; K; the
         n-gram proposal) is recorded per slot until a step verifies the draft. The plans of the drafts
         the ``verifying`` requests verify now are taken out and returned (for ``after_update``, with
-        the scheduler output that carries them): the requests, and one plan row each (-1: none)."""
+        the scheduler output that carries them): the requests, and one plan row each (-1: none).
+        ``admit(j, slot)`` sets the class of a request seen for the first time before it is planned
+        (vLLM gives a request placeholders in the schedule its prefill completes, before any update
+        of it): its first drafts follow its own class's arm, not the default's."""
         n = len(req_ids)
         vids = list(verifying)
         p0, p1, p2 = self._rule(directive)
-        arms = self._arms(directive, batch_size)
         room = self._room
         if len(rooms) == 1 or (n and rooms.count(rooms[0]) == n):  # every row the same placeholders
             room[0] = rooms[0]
@@ -446,6 +467,7 @@ class StepKernel:
         out = np.empty((2, n), dtype=np.int64)
         taken = np.empty((len(vids), 3), dtype=np.int64)
         while True:
+            arms = self._arms(directive, batch_size)  # (cached; ``admit`` may add a class)
             slots = self.slots_of(req_ids)
             vslots = slots if vids == req_ids else self.fast_slots_of(vids)
             status = _place(*self.fast.arrays(), self.rows.arrays()[1], arms,
@@ -454,8 +476,11 @@ class StepKernel:
             if status == 0:
                 ks, on_ngram = out.tolist()
                 return ks, on_ngram, (vids, taken)
-            self.fast.slots(req_ids)  # new requests get their slots
+            new = self.fast.slots(req_ids)  # new requests get their slots
             self._reserve()
+            if admit is not None:
+                for j in self.rows.admit(new):
+                    admit(j, int(new[j]))
 
     def fast_slots_of(self, ids: Sequence[str]) -> np.ndarray:
         """The fast loop's slot of each request (-1: none), not kept."""

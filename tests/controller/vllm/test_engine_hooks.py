@@ -9,6 +9,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from controller.vllm.control import Controls, engine_info
@@ -289,3 +290,91 @@ def test_every_engine_id_fits_the_sidecars_hello(dp: int) -> None:
             engine_id=eid, model="m", method=Method.EAGLE3, max_k=MAX_K, max_batch_size=8, composite=True
         )
         assert validate_hello(hello_from_engine_info(info)).engine_id == eid
+
+
+@pytest.mark.parametrize("samples_on_resume", [True, False])
+def test_a_resumed_requests_history_restarts_from_its_own_tokens(samples_on_resume: bool) -> None:
+    """vLLM drops the in-flight output of a request preempted in drop mode (``drop_stale_output``: a
+    prefix-cache reset, a KV hand-off; also a failed KV load) and resamples those positions once it
+    resumes it. The index took the dropped tokens; from the step that resumes the request (sampling
+    or, a recompute chunk, not) its history is the request's again (review finding 5)."""
+    h, _ = _hooks(_directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 2))))
+    s = FakeAsyncScheduler([Req("r", "chat")])
+    req = s.requests["r"]
+
+    def update(so: Any, toks: list[int], vllm_keeps: bool) -> None:
+        reqs = h.before_update(s, so)
+        if vllm_keeps:  # what vLLM's update_from_output does with the tokens
+            req._all_token_ids += toks
+        mro = types.SimpleNamespace(sampled_token_ids=[toks] if toks else [], req_id_to_index={"r": 0})
+        h.after_update(s, so, mro, reqs)
+
+    update(s.schedule(h), [40], True)
+    update(s.schedule(h), [41, 42], False)  # preempted in drop mode: vLLM drops this output
+    so = s.schedule(h)
+    so.scheduled_cached_reqs = types.SimpleNamespace(resumed_req_ids={"r"})  # resumed now
+    update(so, [51] if samples_on_resume else [], samples_on_resume)
+    update(s.schedule(h), [52], True)
+    slot = h.controls.fast.slot_of("r", -1)
+    assert h.scorer is not None and h.scorer.tokens(slot).tolist() == req._all_token_ids
+    assert req._all_token_ids == [1, 2, 3, 1, 2, 3, 40, *([51] if samples_on_resume else []), 52]
+
+
+def test_a_new_requests_first_drafts_follow_its_own_class() -> None:
+    """vLLM gives a request placeholders in the schedule its prefill completes, and with the batch
+    queue plans its second draft before the first update of it: both must follow the request's own
+    class's arm (here ``off``), not the default class's (review finding 3); and its n-gram history
+    still starts at that first update."""
+    d = _directive(
+        1, PlanEntry("bulk", 1, 0, Arm(Method.OFF, 0)), PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 4))
+    )
+    h, link = _hooks(d)
+    s = FakeAsyncScheduler([Req("c", "bulk")])
+    pending = [s.schedule(h)]  # no update first: vLLM's order
+    placeholders = [len(s.requests["c"].spec_token_ids)]
+    for _ in range(4):  # batch queue: schedule N+1, then update N
+        pending.append(s.schedule(h))
+        placeholders.append(len(s.requests["c"].spec_token_ids))
+        s.update(h, pending.pop(0))
+    assert placeholders == [0] * 5
+    assert [(rid, method, k) for _, rid, method, k, _ in _rows(link)] == [("c", "off", 0)] * 4
+    slot = h.controls.fast.slot_of("c", -1)
+    # started at the first update from the request's tokens (the fake's do not grow), then one a step
+    assert h.scorer is not None and h.scorer.tokens(slot).tolist() == [1, 2, 3, 1, 2, 3, 7, 7, 7]
+
+
+def _sync_step(h: EngineHooks, sched: Any, sampled: list[int], *, resumed: bool = False) -> list[list[int]]:
+    """One synchronous step of request ``r``: the update (``sampled``: what it sampled, none for a
+    prefill chunk; no draft verified), then post_step's ``update_draft_token_ids``, which lists r."""
+    so = types.SimpleNamespace(num_scheduled_tokens={"r": 100}, scheduled_spec_decode_tokens={},
+                               finished_req_ids=set(), total_num_scheduled_tokens=100,
+                               num_spec_tokens_to_schedule=3, scheduled_new_reqs=[],
+                               scheduled_cached_reqs=types.SimpleNamespace(resumed_req_ids={"r"} if resumed else set()))  # fmt: skip
+    h.before_schedule(sched)
+    reqs = h.before_update(sched, so)
+    h.after_update(
+        sched, so, types.SimpleNamespace(sampled_token_ids=[sampled], req_id_to_index={"r": 0}), reqs
+    )
+    return h.choose_drafts(["r"], [[9, 9, 9]])
+
+
+def test_a_plan_whose_draft_vllm_drops_is_not_reported() -> None:
+    """Synchronous scheduling lists every row of the batch in post_step, prefill chunks too, and vLLM
+    drops their drafts (and a preemption clears a request's draft): a step that verified no draft is
+    not reported as an n-gram step that drafted 0 and accepted 0, nor fed to the fast loop as one
+    (review finding 4). An empty n-gram draft that was handed on still reports as n-gram."""
+    h, link = _hooks(_directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 3))))
+    h.async_composite = False
+    r = Req("r", "chat")
+    r._all_token_ids = [1, 2, 3, 4]  # no n-gram match: its n-gram draft is empty
+    sched = types.SimpleNamespace(requests={"r": r}, finished_req_ids=set(), waiting=[])
+    assert _sync_step(h, sched, []) == [[]]  # chunk 1 samples nothing; vLLM drops what it gets
+    _sync_step(h, sched, [7])  # chunk 2, the last: samples, verified no draft
+    assert [(rid, method, k) for _, rid, method, k, _ in _rows(link)] == [("r", "off", 0)]
+    slot = h.controls.fast.slot_of("r", -1)
+    assert np.isnan(h.controls.fast._ewma[slot]).all()  # no n-gram step recorded
+    _sync_step(h, sched, [8])  # its empty n-gram draft was handed on: an n-gram step
+    assert _rows(link)[-1][1:4] == ("r", "ngram", 3)
+    # preempted after that plan (vLLM clears its draft), resumed: nothing was verified
+    _sync_step(h, sched, [5], resumed=True)
+    assert _rows(link)[-1][1:4] == ("r", "off", 0)

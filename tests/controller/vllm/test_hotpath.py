@@ -124,7 +124,9 @@ class Reference:
             if self.index is not None:
                 self.index.release(s)
 
-    def choose(self, d: Directive, ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+    def choose(
+        self, d: Directive, ids: list[str], drafts: list[list[int]], idle: set[str] = frozenset()
+    ) -> list[list[int]]:
         slots = self.controls.fast.slots(ids)
         self.rows.admit(slots, mark=False)
         prop = None
@@ -140,6 +142,8 @@ class Reference:
         else:
             chosen = self.controls.choose_drafts(plan, drafts, drafts, np.zeros(len(ids), dtype=np.int64))
         self.rows.planned(slots, plan.method, plan.k, prop)
+        dropped = [int(s) for s, r in zip(slots, ids, strict=True) if r in idle]  # vLLM drops their drafts
+        self.rows.arrays()[0][dropped] = -1
         return chosen
 
 
@@ -253,9 +257,10 @@ def test_hooks_report_and_draft_as_the_batch_apis(composite: bool, rule: str) ->
         live = list(reqs)
         eagle = [[100 + i] * MAX_K for i in range(len(live))]
         chosen = hooks.choose_drafts(live, eagle)
-        assert chosen == ref.choose(d, live, eagle), f"step {step}: drafts"
+        idle = {r for r, g in zip(ids, gens, strict=True) if not g}  # prefill chunks
+        assert chosen == ref.choose(d, live, eagle, idle), f"step {step}: drafts"
         for r, dr in zip(live, chosen, strict=True):
-            drafts[r] = dr
+            drafts[r] = [] if r in idle else dr  # vLLM drops a prefill chunk's draft
             if dr and dr[0] < 100:  # an n-gram draft: vLLM's rule on the request's history
                 toks = np.array(reqs[r]._all_token_ids, dtype=np.int32)
                 assert dr == match_ngram(toks, 1, 3, 400, MAX_K).tolist()[: len(dr)]
