@@ -58,7 +58,9 @@ class PolicyRecord:
             raise SnapshotError(f"{path}: expected an object, got {type(d).__name__}")
         source = str_field(d, "source", path=path, max_len=MAX_SOURCE, default="<snapshot>", name=True)
         return cls(
-            parse_policy(str_field(d, "yaml", path=path, max_len=MAX_DOCUMENT_BYTES), source=source),
+            parse_policy(
+                str_field(d, "yaml", path=path, max_len=MAX_DOCUMENT_BYTES), source=source, saved=True
+            ),
             int_field(d, "revision", path=path, lo=1),
             source,
             float_field(d, "set_at_s", path=path, hi=MAX_TIME_S),

@@ -103,7 +103,10 @@ class TpotGuard:
 
     @classmethod
     def from_params(cls, p: Mapping[str, Any]) -> TpotGuard:
-        return cls(float(p["p99_tpot_ms"]), int(p["window"]), int(p["min_samples"]), float(p["release"]))
+        # At most `window` samples are kept: a saved policy from before min_samples <= window was
+        # required (parse_policy(saved=True)) acts once its window is full rather than never.
+        window = int(p["window"])
+        return cls(float(p["p99_tpot_ms"]), window, min(int(p["min_samples"]), window), float(p["release"]))
 
     @property
     def enabled(self) -> bool:

@@ -178,8 +178,11 @@ def _yaml11_off(value: Any) -> Any:
     return "off" if value is False else value
 
 
-def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
-    """Parse and validate a policy document. Raises PolicyError naming file, line and field."""
+def parse_policy(text: str, *, source: str = "<policy>", saved: bool = False) -> PolicySpec:
+    """Parse and validate a policy document. Raises PolicyError naming file, line and field.
+
+    ``saved``: a document an earlier version accepted and saved (a snapshot): the rules added since
+    for new documents are not applied to it, so an upgrade never discards what it restores."""
     data, lines = _load(text, source)
     root = _mapping(lines, data, "")
     _unknown(lines, root, "", {"apiVersion", "kind", "metadata", "spec"})
@@ -271,7 +274,7 @@ def parse_policy(text: str, *, source: str = "<policy>") -> PolicySpec:
     if sections["drift"]["detector"] not in DETECTORS:
         raise lines.error("spec.drift.detector", f"unknown detector (known: {', '.join(DETECTORS)})")
     slo = sections["slo"]
-    if slo["min_samples"] > slo["window"]:
+    if slo["min_samples"] > slo["window"] and not saved:  # (the guard acts at `window` then)
         # The TPOT guard keeps at most `window` request-steps per bucket and acts only once it holds
         # `min_samples`: with more samples needed than it keeps, it would never act.
         raise lines.error(

@@ -70,3 +70,15 @@ def test_history_is_bounded() -> None:
         s.set(preset_text("static-off"), source="off")
     assert len(s.history()) == 3
     assert s.default.revision == 11
+
+
+def test_a_saved_policy_an_older_version_accepted_still_restores() -> None:
+    # slo.min_samples above slo.window is refused for new documents since; a snapshot holding one
+    # (window 32 with the default min_samples of 64) must still restore, not be moved aside.
+    text = preset_text("static-off").replace("spec:\n", "spec:\n  slo: {p99_tpot_ms: 40, window: 32}\n", 1)
+    with pytest.raises(PolicyError, match=r"spec\.slo\.min_samples"):
+        make().set(text, source="new")
+    saved = make().to_json()
+    saved["default"]["current"]["yaml"] = text
+    restored = PolicyStore.from_json(saved)
+    assert restored.default.spec.slo["window"] == 32

@@ -188,3 +188,12 @@ def test_exploration_budget_limits_exploratory_choices_at_high_load(share: float
         assert off_greedy[Context.parse("17-32/*")] > 0.25 * rounds
     # Below the high-load batch size the learner explores freely either way.
     assert off_greedy[Context.parse("5-8/*")] > 0.25 * rounds
+
+
+def test_a_guard_whose_min_samples_exceed_its_window_acts_once_the_window_is_full() -> None:
+    # What a saved policy from before the rule may hold: it acts at `window` samples, not never.
+    g = TpotGuard.from_params({"p99_tpot_ms": 40.0, "window": 32, "min_samples": 64, "release": 0.9})
+    g.observe("b", 0.060, np.zeros(31, dtype=np.int32))
+    assert g.update("b", 4) is None
+    g.observe("b", 0.060, np.zeros(1, dtype=np.int32))
+    assert g.update("b", 4) == 4 and g.trips == 1
