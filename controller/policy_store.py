@@ -176,9 +176,13 @@ class PolicyStore:
         history: int = HISTORY,
         problems: list[str] | None = None,
         path: str = "policies",
+        fallback: Callable[[], tuple[PolicySpec, str]] | None = None,
     ) -> PolicyStore:
         """The store a snapshot saved. The default policy's current record is required (SnapshotError
-        or PolicyError without it); a bad history entry or engine override is dropped alone, with a
+        or PolicyError without it), but for ``fallback``: where the record is whole and only its
+        document is refused (a rule added since the version that saved it), ``fallback()`` (the
+        configured default policy and its source) serves instead, at the next revision, and the rest
+        of the snapshot is kept. A bad history entry or engine override is dropped alone, with a
         line appended to ``problems``."""
         dropped = problems if problems is not None else []
 
@@ -194,7 +198,19 @@ class PolicyStore:
                     dropped.append(f"{e}: history entry dropped")
             return _Slot(current, past)
 
-        default = slot(d.get("default"), f"{path}.default")
+        try:
+            default = slot(d.get("default"), f"{path}.default")
+        except PolicyError as e:
+            if fallback is None:
+                raise
+            spec, source = fallback()
+            cur = d.get("default", {}).get("current", {})
+            try:  # (the record's shape was checked up to its document)
+                revision = int_field(cur, "revision", path=f"{path}.default.current", lo=1) + 1
+            except SnapshotError:
+                revision = 1
+            dropped.append(f"{e}; the configured default policy {spec.name!r} serves instead")
+            default = _Slot(PolicyRecord(spec, revision, source, clock()), deque(maxlen=history))
         store = cls(default=default.current.spec, source=default.current.source, clock=clock, history=history)
         store._default = default
         for eid, s in mapping_field(d, "engines", path=path).items():

@@ -798,11 +798,13 @@ class Sidecar:
     def _restore(self) -> None:
         """Restore what the snapshot holds; the sidecar starts whatever the file contains.
 
-        A file that is not a snapshot, or whose default policy or counters are unusable, is moved
-        aside and the start is clean; a bad engine entry, override or history entry is dropped alone
-        (the original file is copied aside) and the rest restored.
+        A file that is not a snapshot, or whose default policy record or counters are unusable, is
+        moved aside and the start is clean; a bad engine entry, override or history entry is dropped
+        alone (the original file is copied aside) and the rest restored, and so is a default policy
+        document this version refuses (a rule added since): the configured one serves instead, and
+        the engines, counters and version counter are kept, not moved aside with it.
         """
-        saved = load_state(self.snapshots, clock=self.clock)
+        saved = load_state(self.snapshots, clock=self.clock, fallback=self.config.load_default_policy)
         if saved is None:
             default, source = self.config.load_default_policy()
             self._store = PolicyStore(default=default, source=source, clock=self.clock)

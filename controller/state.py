@@ -38,7 +38,7 @@ from controller.wire.names import escape_text, has_control
 from policies.arms import Arm
 from policies.engine import EngineInfo
 from policies.loop import Totals
-from policies.spec import PolicyError
+from policies.spec import PolicyError, PolicySpec
 
 #: Distinct traffic classes one engine's loop learns about; later ones are pooled into "default".
 MAX_CLASSES_PER_ENGINE = 256
@@ -214,12 +214,18 @@ def _fleet_version_field(state: Mapping[str, Any], problems: list[str]) -> int:
         return 0
 
 
-def parse_state(state: Mapping[str, Any], *, clock: Callable[[], float] = time.time) -> SavedState:
+def parse_state(
+    state: Mapping[str, Any],
+    *,
+    clock: Callable[[], float] = time.time,
+    fallback: Callable[[], tuple[PolicySpec, str]] | None = None,
+) -> SavedState:
     """Raises SnapshotError/PolicyError when the snapshot as a whole is unusable; a bad engine entry,
-    override or history entry is dropped and named in ``problems``."""
+    override or history entry is dropped and named in ``problems``, and so is a default policy this
+    version refuses where ``fallback`` gives the one to serve instead (``PolicyStore.from_json``)."""
     problems: list[str] = []
     store = PolicyStore.from_json(
-        mapping_field(state, "policies", path="state"), clock=clock, problems=problems
+        mapping_field(state, "policies", path="state"), clock=clock, problems=problems, fallback=fallback
     )
     saved = int_field(state, "directive_version", path="state", hi=MAX_COUNT - CRASH_VERSION_GAP)
     out = SavedState(
@@ -244,14 +250,19 @@ def parse_state(state: Mapping[str, Any], *, clock: Callable[[], float] = time.t
     return out
 
 
-def load_state(snapshots: SnapshotStore, *, clock: Callable[[], float] = time.time) -> SavedState | None:
+def load_state(
+    snapshots: SnapshotStore,
+    *,
+    clock: Callable[[], float] = time.time,
+    fallback: Callable[[], tuple[PolicySpec, str]] | None = None,
+) -> SavedState | None:
     """The state the snapshot file holds, or None when there is none or it cannot be restored as a
     whole (the file is then moved aside)."""
     state = snapshots.load()
     if state is None:
         return None
     try:
-        return parse_state(state, clock=clock)
+        return parse_state(state, clock=clock, fallback=fallback)
     except (PolicyError, SnapshotError) as e:
         snapshots.quarantine(f"cannot be restored: {oneline(str(e))}")
         return None

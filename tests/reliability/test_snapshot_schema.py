@@ -1,9 +1,10 @@
 """Snapshots are validated on load (issue 15, finding 2): valid JSON of the wrong shape, numbers
 beyond their range, NaN/Infinity and deep nesting never stop the sidecar from starting.
 
-A snapshot unusable as a whole (another format, a broken default policy or version counter) is moved
-aside and the start is clean; a bad engine entry, engine override or history entry is dropped alone,
-with a warning, the rest restored (the active policy first) and the original copied aside.
+A snapshot unusable as a whole (another format, a default policy record of the wrong shape, a broken
+version counter) is moved aside and the start is clean; a bad engine entry, engine override or history
+entry is dropped alone, with a warning, the rest restored (the active policy first) and the original
+copied aside; so is a default policy document this version refuses (the configured one serves).
 """
 
 from __future__ import annotations
@@ -200,3 +201,34 @@ async def _attach_works(sc: Sidecar, policy: str) -> None:
         assert d.policy == policy and 0 < d.version < 2**53
     finally:
         await eng.close()
+
+
+async def test_a_saved_default_policy_this_version_refuses_gives_way_to_the_configured_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A rule added since the version that saved it: the rest of the snapshot (engines, counters, the
+    # version counter) must survive an upgrade, not be moved aside with the policy.
+    path = await _with_state(tmp_path)
+    doc = json.loads(path.read_text())
+    version = doc["state"]["directive_version"]
+    cur = doc["state"]["policies"]["default"]["current"]
+    assert "    name: static\n" in cur["yaml"]
+    cur["yaml"] = cur["yaml"].replace("    name: static\n", "    name: from_a_later_version\n")
+    path.write_text(json.dumps(doc))
+    caplog.set_level(logging.WARNING)
+    sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+    await sc.start()
+    try:
+        want = sc.config.load_default_policy()[0].name
+        assert sc.policy_store.default.spec.name == want != "static-eagle3-2"
+        assert sc.policy_store.default.revision == cur["revision"] + 1
+        assert sc.engines()["e1"].loop.totals.steps == 1
+        assert sc.directive_version >= version
+        assert not [p for p in path.parent.iterdir() if ".corrupt-" in p.name]
+        assert [p for p in path.parent.iterdir() if ".partial-" in p.name]
+        assert (
+            "from_a_later_version" in caplog.text and f"default policy {want!r} serves instead" in caplog.text
+        )
+        await _attach_works(sc, want)
+    finally:
+        await sc.stop()
