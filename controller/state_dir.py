@@ -92,16 +92,17 @@ def remove_stale_socket(path: Path, *, field: str) -> None:
 
 
 def _listened_on(path: Path) -> bool:
-    """Whether a process accepts connections on the Unix socket ``path``. A connection refused is a
-    stale socket; one that is accepted, or waits (a live listener with a full backlog), is in use."""
+    """Whether a process listens on the Unix socket ``path``. Only a connection refused (or the path
+    gone meanwhile) means nobody does: anything else, a full backlog's EAGAIN or a timeout included,
+    is a live listener that is busy, and its socket must stay."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(str(path))
-    except TimeoutError:
-        return True
-    except OSError:  # refused, or gone meanwhile: nobody serves there
+    except (ConnectionRefusedError, FileNotFoundError):
         return False
+    except OSError:
+        return True
     finally:
         probe.close()
     return True

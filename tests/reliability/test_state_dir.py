@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,3 +152,32 @@ def test_a_second_sidecar_on_the_same_socket_path_exits_1_and_leaves_the_first_s
         assert Serve(other, tmp_path / "other-state").stop() == 0
     finally:
         first.stop()
+
+
+def test_a_live_socket_with_a_full_backlog_is_not_taken_for_a_stale_one(tmp_path: Path) -> None:
+    # A busy sidecar that has not accepted for a moment: the probe's connect fails at once (EAGAIN),
+    # which is not "nobody listens".
+    from controller.state_dir import SocketInUse, remove_stale_socket
+
+    path = tmp_path / "engine.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(str(path))
+        srv.listen(0)
+        held = []
+        try:
+            for _ in range(8):  # fill the backlog
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.setblocking(False)
+                held.append(c)
+                try:
+                    c.connect(str(path))
+                except BlockingIOError:
+                    break
+            with pytest.raises(SocketInUse, match="in use"):
+                remove_stale_socket(path, field="engine_listen")
+            assert path.exists()
+        finally:
+            for c in held:
+                c.close()
+    remove_stale_socket(path, field="engine_listen")  # closed: stale now, removed
+    assert not path.exists()
