@@ -318,6 +318,8 @@ class FleetLink:
         self._refused: FleetPolicy | None = None
         self._retry_s = RETRY_REFUSED_MIN_S
         self._policy_lock: asyncio.Lock | None = None
+        #: Set when a newly delivered policy is refused: its retry waits its own (short) delay.
+        self._refused_now: asyncio.Event | None = None
         #: Digest of the applied policy when only its version is known (restored from a snapshot).
         self._applied_digest = policy_digest
         self._posteriors: dict[str, dict[str, Any]] = {}
@@ -358,6 +360,7 @@ class FleetLink:
             raise RuntimeError("the fleet link is already started")
         self._wake, self._synced = asyncio.Event(), asyncio.Event()
         self._policy_lock = asyncio.Lock()
+        self._refused_now = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name=f"fleet-link-{self.topics.fleet}")
         self._task.add_done_callback(self._task_done)
 
@@ -517,8 +520,14 @@ class FleetLink:
 
     async def _retry_refused(self) -> None:
         # While connected (a reconnect redelivers the retained policy, which tries it again anyway).
+        assert self._refused_now is not None
         while True:
-            await asyncio.sleep(self._retry_s)
+            self._refused_now.clear()
+            try:
+                await asyncio.wait_for(self._refused_now.wait(), self._retry_s)
+                continue  # a new policy refused meanwhile: its delay starts now, not the old one's
+            except TimeoutError:
+                pass
             p = self._refused
             if p is not None:
                 self._retry_s = min(RETRY_REFUSED_MAX_S, 2 * self._retry_s)
@@ -602,6 +611,8 @@ class FleetLink:
                     return
                 if not retry:
                     self._retry_s = RETRY_REFUSED_MIN_S
+                    if self._refused_now is not None:
+                        self._refused_now.set()
                 self._refused = p
                 log.error("fleet link: fleet policy v%d from %s refused (retried in %.0f s): %s", p.version,
                           p.node, self._retry_s, e)  # fmt: skip

@@ -422,6 +422,36 @@ async def test_a_policy_refused_for_a_passing_reason_is_not_applied_until_it_is(
         await lk.stop()
 
 
+async def test_a_newly_refused_policy_is_retried_after_its_own_delay_not_an_earlier_one(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # v3 is refused while the delay is long (as after a grown backoff) and stays pending; v4, newer,
+    # is refused once with a short delay: its retry must not wait out the sleep v3's retry began.
+    monkeypatch.setattr(fleet, "RETRY_REFUSED_MIN_S", 3600.0)
+    refusals = {3: 1, 4: 1}
+    applied: list[int] = []
+
+    def on_policy(yaml: str, version: int) -> None:
+        if refusals[version]:
+            refusals[version] -= 1
+            raise RuntimeError("policy not changed: the state could not be written")
+        applied.append(version)
+
+    lk, reg = link(node_id="n1", on_policy=on_policy)
+    await lk.start()
+    try:
+        assert await lk.wait_synced(2)
+        t = Topics("prod")
+        broker.route(t.policy, policy_payload(3, "name: three\n"), True)
+        await until(lambda: sample(reg, "speccontrol_fleet_rejected_policies_total") == 1.0, "v3 refused")
+        monkeypatch.setattr(fleet, "RETRY_REFUSED_MIN_S", 0.01)
+        broker.route(t.policy, policy_payload(4, "name: four\n"), True)
+        await until(lambda: applied == [4], "v4 retried and applied")
+        assert lk.policy_version == 4
+    finally:
+        await lk.stop()
+
+
 async def test_an_invalid_policy_is_refused_for_good_and_numbered_past(broker: FakeBroker) -> None:
     tries: list[int] = []
 
