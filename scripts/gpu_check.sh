@@ -38,6 +38,8 @@ fi
 status=0
 DRAFTER_PY=${DRAFTER_PY:-python3}
 OUT_DIR=${GPU_CHECK_OUT:-/tmp}
+# A file an earlier run left must not be judged as this run's.
+rm -f "$OUT_DIR"/gpu_check_drafter.json "$OUT_DIR"/gpu_check_hooks.json "$OUT_DIR"/gpu_check_overhead_*.json
 echo "gpu_check: part 1, the worker's n-gram drafters on the GPU (torch only)"
 if ! timeout 300 "$DRAFTER_PY" benchmarks/worker_drafter.py \
     --device cuda --json "$OUT_DIR/gpu_check_drafter.json"; then
