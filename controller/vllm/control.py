@@ -92,7 +92,9 @@ class Controls:
         self.p_eagle_depths = p_eagle_depths
         self.safe = safe_default_directive(safe_default, max_k=engine.max_k)
         self.fast = FastLoop(capacity=capacity)
-        self._table_key: tuple[int, str] | None = None
+        #: The directive the cached table was built from (by identity: a sidecar that restarted
+        #: without its state numbers from 1 again, so version and policy name can repeat).
+        self._table_of: Directive | None = None
         self._table: list[int] = []
         #: The K values vLLM prepared at start-up (num_speculative_tokens_per_batch_size); a table
         #: K between them is raised to the next one (the composite drafter cuts drafts per request).
@@ -116,8 +118,7 @@ class Controls:
         Without the depth fix P-EAGLE drafts either max_k or nothing (vLLM misaligns drafts in
         between); per-request K is then done by truncation in the composite drafter.
         """
-        key = (d.version, d.policy)
-        if key == self._table_key:
+        if d is self._table_of:  # the usual step: the directive in force is the one object
             return self._table
         n, mk = self.engine.max_batch_size, self.engine.max_k
         table = [d.k_for_batch(bs, mk) if bs else mk for bs in range(n + 1)]
@@ -126,7 +127,7 @@ class Controls:
         elif self._table_ks:
             top = self._table_ks[-1]
             table = [k if k <= 0 else next((t for t in self._table_ks if t >= k), top) for k in table]
-        self._table_key, self._table = key, table
+        self._table_of, self._table = d, table
         return table
 
     def plan(

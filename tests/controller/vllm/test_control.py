@@ -163,3 +163,14 @@ def test_table_only_uses_the_k_values_vllm_prepared() -> None:
         table_ks={0, 2, 4},
     )
     assert [str(a) for a in table_only.arms] == ["eagle3:2", "eagle3:4", "off"]
+
+
+def test_a_directive_reusing_a_version_and_policy_name_gets_its_own_table() -> None:
+    # A sidecar that restarted without its state numbers from 1 again: the same version and policy
+    # name may carry another table, which must not be served from the cache of the old one.
+    c = _controls()
+    first = _directive(table=(KRange(1, 0, 4),))
+    assert c.k_table(first) == [4] * 9
+    again = _directive(table=(KRange(1, 0, 1),))
+    assert (again.version, again.policy) == (first.version, first.policy)
+    assert c.k_table(again) == [4] + [1] * 8
