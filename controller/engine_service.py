@@ -56,7 +56,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
             )
         except TelemetryError as e:
             self.sidecar.reject(None, e)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}: {e}")
+            code = (
+                grpc.StatusCode.ALREADY_EXISTS
+                if e.reason == "engine_id_in_use"
+                else grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
+            await context.abort(code, f"{e.reason}: {e}")
         reader = asyncio.create_task(self._read(it, session), name=f"attach-{info.engine_id}")
         try:
             while True:

@@ -227,9 +227,24 @@ class Sidecar:
     def attach(
         self, info: EngineInfo, *, instance_id: str = "", observe_only: bool = False, plugin_mode: str = ""
     ) -> EngineSession:
-        """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines."""
+        """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines, or
+        when another engine process holds this engine id on an open stream."""
         st = self._engines.get(info.engine_id)
         now = self.clock()
+        if (
+            st is not None
+            and instance_id
+            and st.link.connected
+            and st.link.instance_id not in ("", instance_id)
+        ):
+            # Two processes under one id would reset each other's sequences (and one would be acked
+            # for the other's batches): the second waits until the first's streams end (a restarted
+            # engine retries while its predecessor's stream closes).
+            raise TelemetryError(
+                "engine_id_in_use",
+                f"engine id {info.engine_id!r} is attached by another engine process (instance "
+                f"{st.link.instance_id}); give each engine its own id (SPECCONTROL_ENGINE_ID)",
+            )
         if st is None:
             self._make_room()
             st = self._engines[info.engine_id] = EngineState(info, self._warm_loop(info))

@@ -136,6 +136,29 @@ def test_ingest_applies_each_batch_once_and_counts_gaps(sidecar: Sidecar) -> Non
     assert sample(sidecar, "speccontrol_lost_report_batches_total", engine="e1") == 2
 
 
+def test_a_second_process_under_an_attached_engine_id_is_refused_until_the_first_leaves(
+    sidecar: Sidecar,
+) -> None:
+    # Two processes under one id reset each other's sequences: the first's resends after its
+    # reconnect were applied a second time (80 steps for 60), and one was acked for the other's.
+    a = sidecar.attach(info("e1"), instance_id="a" * 32)
+    sidecar.ingest(a, batch(1, 10))
+    sidecar.ingest(a, batch(2, 10))
+    with pytest.raises(TelemetryError, match="attached by another engine process") as e:
+        sidecar.attach(info("e1"), instance_id="b" * 32)
+    assert e.value.reason == "engine_id_in_use"
+    st_ = sidecar.engines()["e1"]
+    assert (st_.instance_id, st_.last_sequence, len(st_.link.queues)) == ("a" * 32, 2, 1)
+    again = sidecar.attach(info("e1"), instance_id="a" * 32)  # the same process reconnecting: fine
+    sidecar.ingest(again, batch(2, 10))  # its resend is a duplicate
+    assert st_.loop.totals.steps == 20
+    sidecar.detach(a)
+    sidecar.detach(again)
+    b = sidecar.attach(info("e1"), instance_id="b" * 32)  # the first gone: a new process starts afresh
+    sidecar.ingest(b, batch(1, 10))
+    assert st_.loop.totals.steps == 30 and st_.instance_id == "b" * 32
+
+
 def test_a_stream_without_instance_counts_its_own_sequences(sidecar: Sidecar) -> None:
     first = sidecar.attach(info("old"))
     sidecar.ingest(first, batch(1, 3))
