@@ -1,6 +1,7 @@
 """The observe-only adapter: a vLLM /metrics endpoint (served over real HTTP) fed to a real sidecar."""
 
 import asyncio
+import contextlib
 import itertools
 import socket
 import threading
@@ -128,10 +129,13 @@ async def test_observer_feeds_the_sidecar_which_recommends(metrics_url: str, tmp
 # -- unreachable /metrics or sidecar: retries with backoff, clear messages, no recommendation without data
 
 
-def _closed_port() -> int:
+@contextlib.contextmanager
+def _closed_port() -> Iterator[int]:
+    """A port nobody listens on while the test runs: held bound, not listening (a connection is
+    refused), so no other process can take it meanwhile (closed at once, one did under load)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        yield int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -156,16 +160,19 @@ def _settings(metrics: str, target: str, **kw: Any) -> ObserverSettings:
 
 
 async def test_unreachable_metrics_retries_with_backoff_then_gives_up(sidecar: Sidecar) -> None:
-    url = f"http://127.0.0.1:{_closed_port()}/metrics"
     said: list[str] = []
     got: list[Directive] = []
-    with pytest.raises(ObserverError, match=r"cannot read http://127\.0\.0\.1:\d+/metrics .*gave up after 4"):
-        await asyncio.wait_for(
-            run_observer(
-                _settings(url, sidecar.engine_target), on_status=said.append, on_directive=got.append
-            ),
-            30,
-        )
+    with _closed_port() as port:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with pytest.raises(
+            ObserverError, match=r"cannot read http://127\.0\.0\.1:\d+/metrics .*gave up after 4"
+        ):
+            await asyncio.wait_for(
+                run_observer(
+                    _settings(url, sidecar.engine_target), on_status=said.append, on_directive=got.append
+                ),
+                30,
+            )
     retries = [m for m in said if m.startswith(f"cannot read {url}")]
     assert [m.rsplit(" in ", 1)[1] for m in retries] == ["0.01 s", "0.02 s", "0.04 s"]  # doubling, capped
     assert all("refused" in m for m in retries), retries
@@ -173,10 +180,11 @@ async def test_unreachable_metrics_retries_with_backoff_then_gives_up(sidecar: S
 
 
 async def test_unreachable_sidecar_retries_then_gives_up(metrics_url: str) -> None:
-    target = f"127.0.0.1:{_closed_port()}"
     said: list[str] = []
-    with pytest.raises(ObserverError, match=f"cannot reach the sidecar at {target} .*gave up after 4"):
-        await asyncio.wait_for(run_observer(_settings(metrics_url, target), on_status=said.append), 60)
+    with _closed_port() as port:
+        target = f"127.0.0.1:{port}"
+        with pytest.raises(ObserverError, match=f"cannot reach the sidecar at {target} .*gave up after 4"):
+            await asyncio.wait_for(run_observer(_settings(metrics_url, target), on_status=said.append), 60)
     assert len([m for m in said if m.startswith(f"sidecar at {target} unreachable")]) == 3
 
 
