@@ -16,7 +16,8 @@ The model is linear in each parameter alone (bilinear overall: P-EAGLE and n-gra
 so it is fitted by Levenberg-Marquardt least squares; confidence intervals come from the Jacobian at
 the optimum (``s² (JᵀJ)⁻¹``, Student t). A parameter the steps cannot inform (no P-EAGLE steps, no KV
 variation, columns collinear with others) is fixed at the base profile's value; one whose estimate is
-negative is fixed at 0. Both are said in the result and in the written YAML.
+negative is fixed at 0. Both are said in the result and in the written YAML. Steps that leave no
+parameter free (one batch size, no drafting) are refused with FitError.
 """
 
 from __future__ import annotations
@@ -234,6 +235,17 @@ def _lm(
     return u, jac(u)
 
 
+def _lacking(steps: StepLog) -> str:
+    """What the steps lack for a fit, said as what to record."""
+    lack = []
+    if np.ptp(steps.batch) == 0:
+        lack.append(f"every step at batch {int(steps.batch[0])}")
+    if not (steps.k > 0).any():
+        lack.append("no request drafted")
+    said = "; ".join(lack) or "the columns are collinear"
+    return f"{said}: record steps at varied batch sizes, with speculative decoding on"
+
+
 def fit_steps(
     steps: StepLog,
     *,
@@ -276,6 +288,10 @@ def fit_steps(
     u = start / scale
     for _ in range(2 * len(PARAMS)):
         n_free = int(free.sum())
+        if n_free == 0:
+            # Every parameter was fixed in turn (typically one batch size with drafting off: the
+            # batched tokens are then constant and collinear with the constants): nothing to fit.
+            raise FitError(f"{steps.source}: the steps inform none of the parameters ({_lacking(steps)})")
         if steps.n - n_free < 5:
             raise FitError(
                 f"{steps.source}: {steps.n} steps for {n_free} parameters: record more steps (hundreds)"

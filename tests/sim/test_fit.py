@@ -250,3 +250,26 @@ def test_collinear_parameters_are_fixed_and_named(tmp_path: Path) -> None:
     fixed = {p.name: p.note for p in fit.params if p.status == "fixed"}
     assert any("collinear with" in n for n in fixed.values()), fixed
     assert fit.rmse_s == pytest.approx(1e-4, rel=0.15)  # what is fixed is absorbed by the rest
+
+
+def test_steps_that_inform_no_parameter_are_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every step at batch 1 with drafting off (an idle engine): the batched tokens are constant and
+    collinear with the constants, so each parameter is fixed in turn; the fit says what to record
+    rather than failing inside numpy."""
+    rng = np.random.default_rng(13)
+    recs = synthetic(300, 13, kinds=("off",))
+    for r in recs:
+        r["batch"], r["method"], r["k"], r["accepted"] = 1, ["off"], [0], [0]
+        r["prefill_tokens"], r["decoded_tokens"] = 0, int(rng.integers(0, 600))
+        r["duration_s"] = 7e-3 + 5e-8 * r["decoded_tokens"] + float(rng.normal(0.0, 2e-4))
+    path = tmp_path / "steps.jsonl"
+    write_steps(path, recs)
+    with pytest.raises(FitError, match=r"inform none of the parameters \(every step at batch 1; no request"):
+        fit_steps(read_steps(path), base=BASE, engine=ENGINES["stock-vllm"])
+    out = tmp_path / "p.yaml"
+    assert main(["profile", "fit", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{path}: the steps inform none") and "varied batch sizes" in err
+    assert err.count("\n") == 1 and not out.exists()
