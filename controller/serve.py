@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "--record-steps", metavar="FILE", help="append applied engine steps to FILE (for profile fit)"
     )
     args = parser.parse_args(argv)
-    problem = output_problem("--record-steps", args.record_steps)  # before start, not a bare errno after
+    # before start, not a bare errno after; appended to in place, so a FIFO may take the stream
+    problem = output_problem("--record-steps", args.record_steps, appended=True)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

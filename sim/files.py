@@ -2,22 +2,30 @@
 
 ``replace_file`` writes a sibling ``NAME.tmp`` and renames it over ``NAME``. A failure removes the
 sibling and is reported against ``NAME``, the path the user gave (not the ``.tmp`` they never named).
+A symlink ``NAME`` has its target replaced (the link stays); a device, FIFO or socket is never
+replaced by a file (refused: a rename would swap the node itself, e.g. ``/dev/full``, for a file).
 The sidecar's own state files have their own writer with fsync (``controller.snapshot``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 from pathlib import Path
 
 
 def replace_file(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data``; OSError (naming ``path``) when it cannot be written."""
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
+    # The rename replaces the node it names: a link's target is what the user means to write.
+    real = Path(os.path.realpath(p))
+    if real.exists() and not real.is_file() and not real.is_dir():
+        raise OSError(errno.EINVAL, "is not a regular file", str(p))
+    tmp = real.with_name(real.name + ".tmp")
     try:
         tmp.write_bytes(data)
-        tmp.replace(p)
+        tmp.replace(real)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -32,14 +40,16 @@ def missing_directory(path: str | Path) -> Path | None:
 
 
 def output_problem(
-    flag: str, path: str | Path | None, *, directory: bool = False, suffix: str = ""
+    flag: str, path: str | Path | None, *, directory: bool = False, suffix: str = "", appended: bool = False
 ) -> str | None:
     """What is wrong with ``path`` as the output of ``flag`` before a long run (None: nothing, or no
     output asked for, ``path`` None): every command says it in these words, and exits 2 before any
     work rather than 1 after it. A file's path must name a file (not '', '/' or a directory) in a
     directory that exists, ending in ``suffix`` when one is given (plots: the format is the
-    extension, so ``x.xyz`` failed after the run and ``x`` became ``x.png``); a ``directory`` (made
-    when missing) must not be a file."""
+    extension, so ``x.xyz`` failed after the run and ``x`` became ``x.png``), and an existing one must
+    be a regular file (or a link to one): a device, FIFO or socket is refused, as outputs are written
+    by replacing the file (``appended``: an output written in place, as a stream, may be a FIFO or
+    device); a ``directory`` (made when missing) must not be a file."""
     if path is None:
         return None
     p = Path(path)
@@ -51,6 +61,8 @@ def output_problem(
         return f"{flag} {path}: is a directory, not a file"
     if suffix and p.suffix.lower() != suffix:
         return f"{flag} {path}: must name a {suffix} file"
+    if p.exists() and not p.is_file() and not appended:
+        return f"{flag} {path}: is not a regular file (a device, FIFO or socket): name a file"
     missing = missing_directory(p)
     return None if missing is None else f"{flag} {path}: no directory {missing} to write it in"
 

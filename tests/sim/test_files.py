@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,57 @@ def test_an_output_that_cannot_be_written_there_is_named_before_the_run(
     got = output_problem("--out", full, **kw)  # type: ignore[arg-type]
     expected = says and says.replace("DIR", str(tmp_path / "DIR")).replace("FILE", str(tmp_path / "FILE"))
     assert got == expected
+
+
+def test_a_fifo_is_refused_before_the_run_and_never_replaced(tmp_path: Path) -> None:
+    """A rename swaps the node itself: run as root, ``--out /dev/full`` replaced the device with a file.
+    A FIFO stands in for every non-regular file here (tests must not touch real device nodes)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert (
+        output_problem("--out", fifo)
+        == f"--out {fifo}: is not a regular file (a device, FIFO or socket): name a file"
+    )
+    link = tmp_path / "to-fifo"
+    link.symlink_to(fifo)
+    assert output_problem("--out", link) is not None  # a link to one is the same node
+    for p in (fifo, link):
+        with pytest.raises(OSError, match="is not a regular file") as e:
+            replace_file(p, b"x")
+        assert e.value.filename == str(p)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and link.is_symlink()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["fifo", "to-fifo"]
+    # An output appended to in place (serve --record-steps, a stream) may be a FIFO.
+    assert output_problem("--record-steps", fifo, appended=True) is None
+
+
+def test_a_symlinked_output_writes_its_target_and_keeps_the_link(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    target = tmp_path / "d" / "target.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)  # dangling: the target is made
+    assert output_problem("--out", link) is None
+    replace_file(link, b"first")
+    replace_file(link, b"second")  # and replaced again, through the link
+    assert link.is_symlink() and target.read_bytes() == b"second"
+    assert sorted(x.name for x in (tmp_path / "d").iterdir()) == ["target.json"]
+
+
+def test_cli_outputs_refuse_a_fifo_and_write_through_a_symlink(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sim.cli import main
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert main(["trace", "generate", "--scenario", "chat", "--requests", "3", "--out", str(fifo)]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"--out {fifo}: is not a regular file (a device, FIFO or socket): name a file"
+    )
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    target = tmp_path / "t.jsonl"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert main(["trace", "generate", "--scenario", "chat", "--requests", "3", "--out", str(link)]) == 0
+    assert link.is_symlink() and target.read_text().startswith('{"spectrace"')
