@@ -542,6 +542,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         _err(f"--min-n/--max-n: need 1 <= min_n <= max_n <= {MAX_NGRAM}, got {args.min_n}, {args.max_n}")
         return EXIT_USAGE
     bar = ProgressBar(total=len(prompts), label="recording")
+    warnings: list[str] = []  # said after the progress bar's last line, not inside it
     try:
         tr, failures, responses = record_trace(
             base_url=args.url,
@@ -552,12 +553,15 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
             concurrency=max(1, args.concurrency),
             on_done=lambda _: bar.advance(),
             ngram=(args.min_n, args.max_n),
+            warn=warnings.append,
         )
     except TraceError as e:
         _err(str(e))
         return EXIT_RUNTIME
     finally:
         bar.close()
+    for w in warnings:
+        _err(w)
     write_trace(tr, args.out)
     signal = (
         f"n-gram match at {float((tr.ngram_proposal > 0).mean()):.1%} of positions (min_n {args.min_n}, "

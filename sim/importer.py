@@ -13,11 +13,19 @@ an approximation of ``spectrace`` semantics, stated in its header ``meta``:
 * Positions inside an accepted run get the rest of the run (t + j accepts a - j), as the same
   drafter would have proposed the same accepted tokens.
 * Steps without drafts (K = 0 phases) are not reported by vLLM, so positions after such a phase are
-  misaligned; import traces recorded at a fixed K > 0.
+  misaligned; import traces recorded at a fixed K > 0. Responses whose steps account for clearly fewer
+  tokens than they produced are counted in one warning; a file in which no response has a drafted
+  step is refused (its trace would say "nothing accepted" everywhere).
+
+Both imports take ``arrival_s`` on every line or on none (as the trace holds it): a file with it on
+some lines only drops it from every request, said in one warning naming the first line without it.
+Warnings go to ``warn`` (stderr when None), one line each.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,7 @@ import numpy as np
 from policies.arms import Method
 from policies.params import shown
 from policies.prompt_lookup import MAX_NGRAM
+from policies.text import one_line
 from sim.trace import (
     DEFAULT_LIMITS,
     MAX_ARRIVAL_S,
@@ -96,6 +105,28 @@ def _request_names(obj: dict[str, Any], lineno: int, fail: Any) -> tuple[str, st
     return rid, cls
 
 
+def _to_stderr(message: str) -> None:
+    print(one_line(message), file=sys.stderr)
+
+
+def _arrivals(arrival: list[float], lines: list[int], src: str, warn: Callable[[str], None]) -> np.ndarray:
+    """The requests' arrivals, all or none as a trace holds them: some lines without one drop every
+    request's, said in one warning (they were dropped silently, and the trace then cannot be replayed
+    open loop)."""
+    arrivals = np.array(arrival)
+    missing = np.isnan(arrivals)
+    if missing.any():
+        if not missing.all():
+            first = lines[int(np.argmax(missing))]
+            has = lines[int(np.argmin(missing))]
+            warn(
+                f"{src}:{first}: arrival_s: missing, but line {has} has one: arrival times dropped from "
+                f"every request (a trace has them on all or none)"
+            )
+        arrivals[:] = np.nan
+    return arrivals
+
+
 def _arrival(obj: dict[str, Any], fail: Any) -> float:
     """A line's ``arrival_s`` (NaN when absent: a trace has arrivals on every request or on none).
     One out of range is refused: it used to drop every request's arrival silently."""
@@ -122,6 +153,7 @@ def import_vllm_metrics(
     limits: TraceLimits = DEFAULT_LIMITS,
     ngram: tuple[int, int] | None = None,
     greedy: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> Trace:
     """A trace from JSON Lines of vLLM responses (completions or chat) carrying detailed spec metrics.
 
@@ -140,6 +172,7 @@ def import_vllm_metrics(
     """
     if method not in TRACE_METHODS:
         raise TraceError(f"cannot import method {method.value!r}", source=str(path))
+    say = warn or _to_stderr
     p = Path(path)
     ids: list[str] = []
     seen: set[str] = set()  # ids' membership: a list made the import quadratic in its responses
@@ -149,6 +182,9 @@ def import_vllm_metrics(
     arrival: list[float] = []
     acc: list[np.ndarray] = []
     token_ids: list[tuple[np.ndarray, np.ndarray] | None] = []
+    lines: list[int] = []
+    drafted = False  # a step with drafts on some line
+    uncovered: list[tuple[int, int]] = []  # (line, tokens) of responses their steps fall short of
     max_k = 1
     src = str(p)
     for lineno, text in read_json_lines(p, limits):
@@ -203,6 +239,12 @@ def import_vllm_metrics(
                 f"{len(pa)} steps emit more than usage.completion_tokens ({n_out}): {before_last} tokens "
                 "before the last step",
             )
+        # Tokens the steps account for: prefill's, then a + 1 per step. Short of the output by more than
+        # one step's reach, K = 0 steps (not reported) made the rest: counts 0 there, later ones misaligned.
+        short = n_out - (1 + sum(pa) + len(pa))
+        if short > max(pd, default=0) + 1:
+            uncovered.append((lineno, short))
+        drafted = drafted or any(d > 0 for d in pd)
         rid, cls = _request_names(obj, lineno, fail)
         while rid in seen:  # a repeated id gets its line number, as often as it takes to be unique
             rid = f"{rid}-{lineno}"
@@ -212,6 +254,7 @@ def import_vllm_metrics(
         prompt.append(n_in)
         out.append(n_out)
         arrival.append(_arrival(obj, fail))
+        lines.append(lineno)
         acc.append(counts_from_steps(n_out, pa, pd))
         max_k = max([max_k, *pd])
         if ngram is not None:
@@ -230,9 +273,21 @@ def import_vllm_metrics(
     if not ids:
         raise TraceError("no responses found", source=str(p))
     _check_decodes(out, src)
-    arrivals = np.array(arrival)
-    if np.isnan(arrivals).any():
-        arrivals[:] = np.nan  # all or none
+    if not drafted:
+        raise TraceError(
+            "no response carries speculative steps (per_step_drafted empty or 0 on every line): the "
+            "engine did not speculate; record at a fixed K > 0",
+            source=src,
+        )
+    if uncovered:
+        tokens = sum(t for _, t in uncovered)
+        say(
+            f"{src}: {len(uncovered)} of {len(ids)} responses ({tokens} of {sum(out)} output tokens) not "
+            f"covered by their speculative steps, the first at line {uncovered[0][0]}: K = 0 phases, which "
+            f"vLLM does not report; the trace counts 0 accepted there and misaligns what follows (record at "
+            f"a fixed K > 0)"
+        )
+    arrivals = _arrivals(arrival, lines, src, say)
     meta: dict[str, Any] = {
         "imported_from": "vllm per-request spec decode metrics (detailed)",
         "source_file": p.name,
@@ -341,6 +396,7 @@ def import_token_ids(
     max_n: int = 5,
     max_k: int = 8,
     limits: TraceLimits = DEFAULT_LIMITS,
+    warn: Callable[[str], None] | None = None,
 ) -> Trace:
     """A trace with exact ``acc.ngram`` and ``ngram_proposal`` from JSON Lines of greedy token ids.
 
@@ -352,6 +408,7 @@ def import_token_ids(
         raise ValueError(f"--min-n/--max-n: need 1 <= min_n <= max_n <= {MAX_NGRAM}, got {min_n}, {max_n}")
     if not 1 <= max_k <= MAX_K_LIMIT:
         raise ValueError(f"--max-k: must be 1..{MAX_K_LIMIT}, got {max_k}")
+    say = warn or _to_stderr
     p = Path(path)
     src = str(p)
     ids: list[str] = []
@@ -364,6 +421,7 @@ def import_token_ids(
     proposals: list[np.ndarray] = []
     other: dict[Method, list[np.ndarray]] = {}
     other_methods: tuple[Method, ...] | None = None
+    lines: list[int] = []
     for lineno, text in read_json_lines(p, limits):
 
         def fail(fld: str, msg: str, lineno: int = lineno) -> TraceError:
@@ -404,6 +462,7 @@ def import_token_ids(
         ids.append(rid)
         classes.append(cls)
         arrival.append(_arrival(obj, fail))
+        lines.append(lineno)
         prompt.append(len(pids))
         out.append(len(oids))
         a, prop = ngram_columns(pids, oids, min_n=min_n, max_n=max_n, max_k=max_k)
@@ -412,9 +471,7 @@ def import_token_ids(
     if not ids:
         raise TraceError("no requests found", source=src)
     _check_decodes(out, src)
-    arrivals = np.array(arrival)
-    if np.isnan(arrivals).any():
-        arrivals[:] = np.nan  # all or none
+    arrivals = _arrivals(arrival, lines, src, say)
     methods_all = (*(other_methods or ()), Method.NGRAM)
     acc = {m: np.concatenate(other[m]) for m in other_methods or ()}
     acc[Method.NGRAM] = np.concatenate(ngram)

@@ -10,11 +10,13 @@ their token ids (``return_token_ids``), from which the importer computes each po
 the signal the plugin reports per step.
 
 Prompt file: JSON Lines of ``{"prompt": "...", "class": "code", "max_tokens": 256}`` (class and
-max_tokens optional), or plain text with one prompt per line.
+max_tokens optional; a class is a non-empty string, max_tokens in --max-tokens' range 2..2^22, both
+checked before any request is sent), or plain text with one prompt per line.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -28,7 +30,7 @@ from typing import Any
 from policies.arms import Method
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from sim.importer import import_vllm_metrics
-from sim.trace import Trace, TraceError, load_json_line, read_json_lines
+from sim.trace import MAX_OUTPUT_TOKENS, Trace, TraceError, load_json_line, read_json_lines
 
 MAX_PROMPTS = 100_000
 
@@ -55,12 +57,21 @@ def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> li
                 raise TraceError("expected a non-empty string", source=str(p), line=lineno, field="prompt")
             cls = obj.get("class", default_class)
             n = obj.get("max_tokens", max_tokens)
-            if not isinstance(cls, str) or not isinstance(n, int) or isinstance(n, bool) or n < 2:
+            # Refused here, before any request: the importer refuses an empty class only after every
+            # prompt was sent, and a max_tokens past the flag's range is sent as is (a failed request).
+            if not isinstance(cls, str) or not cls:
                 raise TraceError(
-                    "class must be a string and max_tokens an integer >= 2",
+                    f"expected a non-empty string, got {json.dumps(cls)}",
                     source=str(p),
                     line=lineno,
-                    field="class" if not isinstance(cls, str) else "max_tokens",
+                    field="class",
+                )
+            if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= MAX_OUTPUT_TOKENS:
+                raise TraceError(
+                    f"expected an integer 2..{MAX_OUTPUT_TOKENS} (as --max-tokens), got {json.dumps(n)}",
+                    source=str(p),
+                    line=lineno,
+                    field="max_tokens",
                 )
             out.append(Prompt(text, cls, n))
         else:
@@ -116,6 +127,11 @@ def record(
             obj = _post(url, body, timeout_s)
         except (urllib.error.URLError, OSError, ValueError) as e:
             return {"error": str(e), "index": i}
+        except http.client.HTTPException as e:
+            # urllib passes a non-HTTP answer (BadStatusLine: a wrong port) or a cut body (IncompleteRead)
+            # through unwrapped; like any failed request it is counted, not a traceback. Its str() alone
+            # is the bytes received, so the kind is said too.
+            return {"error": f"not a whole HTTP answer ({type(e).__name__}: {e!s:.200})", "index": i}
         obj["traffic_class"] = p.traffic_class
         obj["arrival_s"] = round(sent, 6)
         obj["id"] = f"r{i}"
@@ -145,9 +161,11 @@ def record_trace(
     concurrency: int = 4,
     on_done: Callable[[int], None] | None = None,
     ngram: tuple[int, int] = (DEFAULT_MIN_N, DEFAULT_MAX_N),
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[Trace, int, Path]:
     """Record responses and convert them; returns the trace, the failed requests and the responses file.
-    ``ngram``: the (min_n, max_n) of the n-gram proposals computed from the responses' token ids."""
+    ``ngram``: the (min_n, max_n) of the n-gram proposals computed from the responses' token ids;
+    ``warn``: gets the import's warnings (default: stderr)."""
     responses = out.with_name(out.name.removesuffix(".gz").removesuffix(".jsonl") + ".responses.jsonl")
     errors: list[str] = []
     failures = record(
@@ -161,4 +179,5 @@ def record_trace(
     )
     if prompts and failures == len(prompts):  # (the import would say only "no responses found")
         raise TraceError(f"every request failed ({failures}); the first: {errors[0]}", source=base_url)
-    return import_vllm_metrics(responses, method=method, ngram=ngram, greedy=True), failures, responses
+    trace = import_vllm_metrics(responses, method=method, ngram=ngram, greedy=True, warn=warn)
+    return trace, failures, responses

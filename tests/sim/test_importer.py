@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -118,6 +119,9 @@ def test_an_import_is_refused_or_writes_a_trace_its_own_reader_accepts(
         if str(e) == whole:  # the file's only request made prefill's token alone: nothing to replay
             assert n_out == 1
             return
+        if str(e).startswith(f"{src}: no response carries speculative steps"):  # nothing drafted
+            assert all(k == 0 for _, k in steps)
+            return
         assert str(e).startswith(f"{src}:1: ")
         assert any(f in str(e) for f in ("id:", f"{cls_key}:", "per_step_accepted")), e
         return
@@ -184,3 +188,73 @@ def test_what_the_trace_cannot_hold_is_refused_not_dropped(
     assert main(["trace", "import", str(src), "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith(f"{src}{says}")
     assert not out.exists()
+
+
+def _steps(out: int, accepted: list[int], drafted: list[int], **extra: Any) -> str:
+    sd = {"per_step_accepted": accepted, "per_step_drafted": drafted}
+    return json.dumps(
+        {
+            "usage": {"prompt_tokens": 10, "completion_tokens": out},
+            "metrics": {"speculative_decoding": sd},
+            **extra,
+        }
+    )
+
+
+def test_a_file_without_drafted_steps_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Speculation off for every request: it imported as 'nothing accepted anywhere', max_k 1, rc 0."""
+    src = tmp_path / "r.jsonl"
+    src.write_text(_steps(50, [], [], id="a") + "\n" + _steps(40, [0, 0], [0, 0], id="b") + "\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["trace", "import", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"{src}: no response carries speculative steps (per_step_drafted empty or 0 on every line): "
+        "the engine did not speculate; record at a fixed K > 0\n"
+    )
+    assert not out.exists()
+
+
+def test_tokens_the_steps_do_not_cover_are_counted_in_one_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """K = 0 phases (not reported by vLLM) left positions at 0 and misaligned the rest without a word."""
+    src = tmp_path / "r.jsonl"
+    lines = [
+        _steps(8, [2, 1, 0], [3, 3, 3]),  # 1 + 3 + 2 + 1 = 7 of 8: the last step's cut, covered
+        _steps(50, [2, 1], [3, 3]),  # 6 of 50: 44 made at K = 0
+        _steps(40, [], []),  # 1 of 40: speculation off for the whole request
+        _steps(12, [3, 3, 3], [3, 3, 3]),  # 13 >= 12: covered
+    ]
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["trace", "import", str(src), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"{src}: 2 of 4 responses (83 of 110 output tokens) not covered by their speculative steps, the "
+        "first at line 2: K = 0 phases, which vLLM does not report; the trace counts 0 accepted there and "
+        "misaligns what follows (record at a fixed K > 0)\n"
+    )
+    assert captured.out.startswith(f"wrote {out}: 4 requests")
+    assert read_trace(out).n == 4  # the import still works
+
+
+def test_arrivals_on_some_lines_only_are_dropped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every request's arrival was dropped silently when one line lacked it."""
+    src = tmp_path / "r.jsonl"
+    src.write_text("\n".join([_response(arrival_s=1.0), _response(arrival_s=2.0), _response()]) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["trace", "import", str(src), "--out", str(out)]) == 0
+    assert capsys.readouterr().err == (
+        f"{src}:3: arrival_s: missing, but line 1 has one: arrival times dropped from every request "
+        "(a trace has them on all or none)\n"
+    )
+    assert np.isnan(read_trace(out).arrival_s).all()
+    # All or none: no warning.
+    src.write_text("\n".join([_response(arrival_s=1.0), _response(arrival_s=2.0)]) + "\n")
+    assert main(["trace", "import", str(src), "--out", str(out)]) == 0
+    assert capsys.readouterr().err == ""
+    src.write_text("\n".join([_response(), _response()]) + "\n")
+    assert main(["trace", "import", str(src), "--out", str(out)]) == 0
+    assert capsys.readouterr().err == ""

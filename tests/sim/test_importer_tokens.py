@@ -246,3 +246,18 @@ def test_ngram_sizes_are_bounded_as_trace_record_bounds_them(
     )
     assert f"need 1 <= min_n <= max_n <= 63, got {lo}, {hi}" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_arrivals_on_some_lines_only_are_dropped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``trace import`` of responses: every request's arrival was dropped silently."""
+    row = {"prompt_token_ids": [1, 2, 3], "output_token_ids": [1, 2, 3, 4]}
+    src = _write(tmp_path / "tok.jsonl", row, {**row, "id": "b", "arrival_s": 0.5}, {**row, "id": "c"})
+    out = tmp_path / "o.jsonl"
+    assert main(["trace", "import", "--tokens", str(src), "--out", str(out)]) == 0
+    assert capsys.readouterr().err == (
+        f"{src}:1: arrival_s: missing, but line 2 has one: arrival times dropped from every request "
+        "(a trace has them on all or none)\n"
+    )
+    assert np.isnan(read_trace(out).arrival_s).all()

@@ -182,3 +182,159 @@ def test_a_server_that_answers_nothing_is_named_with_the_reason(tmp_path: Path) 
         )  # fmt: skip
     assert str(e.value).startswith(f"http://127.0.0.1:{port}: every request failed (2); the first: ")
     assert "Connection refused" in str(e.value)
+
+
+class _CutBody(BaseHTTPRequestHandler):
+    """Promises 100 bytes more than it sends, then closes (a proxy that cuts the body)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "102")
+        self.end_headers()
+        self.wfile.write(b"{}")
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _not_http_server() -> tuple[str, Any]:
+    """Answers every connection with bytes that are not HTTP (as an HTTP/2 or gRPC port would)."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:  # closed: the test is over
+                return
+            with c:
+                c.recv(65536)
+                c.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00garbage-not-http\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", srv
+
+
+@pytest.mark.parametrize("kind", ["not http", "cut body"])
+def test_a_server_that_answers_no_whole_http_fails_the_requests_not_the_command(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """BadStatusLine and IncompleteRead (http.client.HTTPException, not OSError) were tracebacks."""
+    from sim.cli import main
+
+    if kind == "not http":
+        url, srv = _not_http_server()
+        stop = srv.close
+    else:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), _CutBody)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        url, stop = f"http://127.0.0.1:{httpd.server_address[1]}", httpd.shutdown
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\nthere\n")
+    try:
+        argv = ["trace", "record", "--url", url, "--model", "m", "--prompts", str(prompts)]
+        assert main([*argv, "--out", str(tmp_path / "t.jsonl"), "--max-tokens", "4"]) == 1
+    finally:
+        stop()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    name = "BadStatusLine" if kind == "not http" else "IncompleteRead"
+    assert err.startswith(f"{url}: every request failed (2); the first: not a whole HTTP answer ({name}: ")
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "says"),
+    [
+        ('{"prompt": "x", "class": ""}', "class", 'expected a non-empty string, got ""'),
+        ('{"prompt": "x", "class": 3}', "class", "expected a non-empty string, got 3"),
+        (
+            '{"prompt": "x", "max_tokens": 1}',
+            "max_tokens",
+            "expected an integer 2..4194304 (as --max-tokens), got 1",
+        ),
+        (
+            '{"prompt": "x", "max_tokens": 4194305}',
+            "max_tokens",
+            "expected an integer 2..4194304 (as --max-tokens), got 4194305",
+        ),
+        (
+            '{"prompt": "x", "max_tokens": true}',
+            "max_tokens",
+            "expected an integer 2..4194304 (as --max-tokens), got true",
+        ),
+    ],
+)
+def test_prompt_fields_the_importer_or_the_flag_would_refuse_are_refused_before_any_request(
+    server: str, tmp_path: Path, line: str, field: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty class was refused by the importer only after every prompt had been sent (exit 1); a huge
+    max_tokens was sent as is."""
+    from sim.cli import main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    argv = ["trace", "record", "--url", server, "--model", "m", "--prompts", str(f)]
+    assert main([*argv, "--out", str(tmp_path / "t.jsonl")]) == 2
+    assert capsys.readouterr().err == f"{f}:2: {field}: {says}\n"
+    assert SEEN == [] and not (tmp_path / "t.responses.jsonl").exists()
+
+
+class _KZeroTail(FakeVllm):
+    """Its steps (7 tokens) cover a third of the 20 it made: the rest came at K = 0."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        sd = {"per_step_accepted": [2, 0, 1], "per_step_drafted": [2, 2, 2]}
+        resp = {"usage": {"prompt_tokens": 5, "completion_tokens": 20}, "choices": [{"text": body["prompt"]}],
+                "metrics": {"speculative_decoding": sd}}  # fmt: skip
+        data = json.dumps(resp).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_record_says_what_its_steps_do_not_cover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The import's warning reaches trace record's stderr (after the progress bar), and the trace is written."""
+    from sim.cli import main
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _KZeroTail)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\nthere\n")
+    out = tmp_path / "t.jsonl"
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert (
+            main(
+                [
+                    "trace",
+                    "record",
+                    "--url",
+                    url,
+                    "--model",
+                    "m",
+                    "--prompts",
+                    str(prompts),
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+    finally:
+        httpd.shutdown()
+    err = capsys.readouterr().err
+    assert err == (
+        f"{tmp_path / 't.responses.jsonl'}: 2 of 2 responses (26 of 40 output tokens) not covered by their "
+        "speculative steps, the first at line 1: K = 0 phases, which vLLM does not report; the trace counts 0 "
+        "accepted there and misaligns what follows (record at a fixed K > 0)\n"
+    )
+    assert read_trace(out).n == 2
