@@ -15,6 +15,7 @@ Every replay is one job on ``--executor`` (a local process pool, or Ray: ``--add
 existing cluster); jobs are seeded, so both give the same tables. Progress goes to stderr. Prints
 figures; asserts nothing. ``--out`` writes the whole file (make results writes docs/decision-quality.md
 so): notes that no run regenerates belong in docs/decision-quality-history.md, which the header links.
+Unknown scenario or policy names and an ``--out`` that cannot be written exit 2 before any replay.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from sim import cli_types  # noqa: E402
 from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
 from sim.engines import ENGINES, engine_for_arm  # noqa: E402
 from sim.executor import ExecutorError, make_executor  # noqa: E402
+from sim.files import output_problem, replace_file  # noqa: E402
 from sim.oracle import compute_oracles, latent_oracle, per_step_oracle  # noqa: E402
 from sim.replay import Replayer  # noqa: E402
 from sim.run import RunResult  # noqa: E402
 from sim.trace import Trace  # noqa: E402
-from sim.traffic import generate, generate_with_latent  # noqa: E402
+from sim.traffic import SCENARIOS, generate, generate_with_latent  # noqa: E402
 
 LIBRARY = Path(__file__).resolve().parent.parent / "policies" / "library"
 #: Before/after measurements at named commits: hand-written, linked from every generated header.
@@ -174,7 +176,7 @@ def _any_job(item: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
     return _oracle_job(args) if kind == "oracle" else _job(args)  # type: ignore[arg-type]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--requests", type=cli_types.requests, default=120, help="requests per closed-loop scenario"
@@ -197,14 +199,30 @@ def main() -> int:
     )
     ap.add_argument("--executor", default="local", choices=["local", "ray"], help="where the jobs run")
     ap.add_argument("--address", help="with --executor ray: an existing cluster (auto, ray://HOST:10001)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    # Checked before the run (10-25 minutes): a bad name failed in a worker, a bad --out after the run.
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    pols = [p for p in a.policies.split(",") if p]
+    known_scenarios = (*SCENARIOS, "load-ramp")
+    known_policies = sorted(f.stem for f in LIBRARY.glob("*.yaml"))
+    bad = [s for s in scenarios if s not in known_scenarios]
+    if bad or not scenarios:
+        ap.error(
+            f"--scenarios: unknown {', '.join(map(repr, bad)) or 'none given'} (known: {', '.join(known_scenarios)})"
+        )
+    bad = [p for p in pols if p not in known_policies]
+    if bad or not pols:
+        ap.error(
+            f"--policies: unknown {', '.join(map(repr, bad)) or 'none given'} (known: {', '.join(known_policies)})"
+        )
+    problem = output_problem("--out", a.out)
+    if problem:
+        ap.error(problem)
     try:
         executor = make_executor(a.executor, jobs=a.jobs, address=a.address)
     except ExecutorError as e:
         print(e, file=sys.stderr)
         return 2
-    scenarios = [s for s in a.scenarios.split(",") if s]
-    pols = [p for p in a.policies.split(",") if p]
     max_k = 8
     signal = a.ngram_signal == "on"
     jobs: list[tuple[str, int, int, int, str, str, bool]] = []
@@ -252,7 +270,11 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if a.out:
-        Path(a.out).write_text(text + "\n", encoding="utf-8")
+        try:
+            replace_file(a.out, (text + "\n").encode("utf-8"))
+        except OSError as e:
+            print(f"decision_quality: {a.out}: {e.strerror or e}", file=sys.stderr)
+            return 1
         print(f"wrote {a.out}", file=sys.stderr)
     return 0
 

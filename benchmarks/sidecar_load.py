@@ -11,7 +11,8 @@ event loop wakes (event-loop lag), the sidecar's CPU use and peak RSS, the load 
 long the sidecar's main thread waited for its core (pinning keeps the sidecar on the core, not other
 processes off it), and the machine's load average before and after (the figures depend on it).
 The generator sends pre-encoded batches, so its own cost stays small. Target: 128 engines, zero
-drops on one core, p99 under 5 ms. Measures, never asserts.
+drops on one core, p99 under 5 ms. Measures, never asserts. A mistaken flag or an unwritable
+``--json``/``--profile`` exits 2 before the sidecar starts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from sim import cli_types  # noqa: E402
+from sim.files import output_problem, replace_file  # noqa: E402
 
 
 def _sidecar_main(
@@ -240,14 +244,18 @@ async def _drain(call: Any) -> None:
         pass
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--steps-per-s", type=float, default=100.0)
-    ap.add_argument("--batch", type=int, default=32)
+    # Range-checked: --seconds 0 ended in a ZeroDivisionError after the run.
+    ap.add_argument("--engines", type=cli_types.int_in(1, 4096), default=64)
+    ap.add_argument("--seconds", type=cli_types.float_in(0, 3600, lo_open=True), default=10.0)
+    ap.add_argument("--steps-per-s", type=cli_types.float_in(0, 100_000, lo_open=True), default=100.0)
+    ap.add_argument("--batch", type=cli_types.int_in(1, 4096), default=32)
     ap.add_argument(
-        "--flush-ms", type=float, default=100.0, help="report batch interval (the plugin's default: 100 ms)"
+        "--flush-ms",
+        type=cli_types.float_in(0, 60_000, lo_open=True),
+        default=100.0,
+        help="report batch interval (the plugin's default: 100 ms)",
     )
     ap.add_argument(
         "--rows", action="store_true", help="send per-request rows (RequestStep) instead of columns"
@@ -257,7 +265,9 @@ def main() -> int:
         action="store_true",
         help="columns in repeated fields (what engines send a sidecar older than protocol 2), not packed",
     )
-    ap.add_argument("--core", type=int, default=0, help="CPU core for the sidecar (-1: no pinning)")
+    ap.add_argument(
+        "--core", type=cli_types.int_in(-1, 4095), default=0, help="CPU core for the sidecar (-1: no pinning)"
+    )
     ap.add_argument(
         "--profile", default="", metavar="FILE", help="run the sidecar under cProfile, stats to FILE (pstats)"
     )
@@ -266,7 +276,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--ack-interval-s",
-        type=float,
+        type=cli_types.float_in(0, 3600, lo_open=True),
         default=1.0,
         help="the sidecar's ack_interval_s (acknowledgements wait for a snapshot, written this often)",
     )
@@ -275,7 +285,14 @@ def main() -> int:
         action="store_true",
         help="run twice: first without acknowledgement snapshots (baseline), then with --ack-interval-s",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.core >= (os.cpu_count() or 1):
+        ap.error(
+            f"--core: this machine has cores 0..{(os.cpu_count() or 1) - 1} (-1: no pinning), got {args.core}"
+        )
+    problem = output_problem("--json", args.json) or output_problem("--profile", args.profile or None)
+    if problem:
+        ap.error(problem)
     base = _measure(args, ack_interval_s=3600.0) if args.compare_acks else None
     doc = _measure(args, ack_interval_s=args.ack_interval_s)
     if base is not None and base["steps"] and doc["steps"]:
@@ -402,7 +419,10 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             "cores": os.cpu_count(),
             "load_average_1min": [round(load_before[0], 2), round(load[0], 2)],
         }
-        Path(args.json).write_text(json.dumps(out_doc, indent=1) + "\n", encoding="utf-8")
+        try:
+            replace_file(args.json, (json.dumps(out_doc, indent=1) + "\n").encode("utf-8"))
+        except OSError as e:
+            sys.exit(f"sidecar_load: {args.json}: {e.strerror or e}")  # one line, exit 1
     return doc
 
 

@@ -3,7 +3,8 @@
     python benchmarks/sim_speed.py [--tokens 200000] [--concurrency 32] [--repeat 3] [--json FILE]
 
 Prints figures; asserts nothing (timing targets live here, not in tests). Single-threaded: the
-thread pools of numerical libraries are pinned to one thread before numpy is imported.
+thread pools of numerical libraries are pinned to one thread before numpy is imported. A mistaken
+flag or an unwritable ``--json`` exits 2 before the run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -25,6 +27,7 @@ from policies.spec import parse_policy, static_policy  # noqa: E402
 from sim import cli_types  # noqa: E402
 from sim.costmodel import load_profile  # noqa: E402
 from sim.engines import ENGINES  # noqa: E402
+from sim.files import output_problem, replace_file  # noqa: E402
 from sim.replay import Replayer  # noqa: E402
 from sim.run import RunResult  # noqa: E402
 from sim.trace import Trace  # noqa: E402
@@ -53,16 +56,20 @@ def _best(fn: Callable[[], RunResult], repeat: int) -> tuple[float, RunResult]:
     return best, r
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=200_000)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3)
+    # Range-checked: --repeat 0 and --concurrency 0 ended in tracebacks inside the run.
+    ap.add_argument("--tokens", type=cli_types.int_in(1, 100_000_000), default=200_000)
+    ap.add_argument("--concurrency", type=cli_types.int_in(1, 4096), default=32)
+    ap.add_argument("--repeat", type=cli_types.int_in(1, 100), default=3)
     ap.add_argument("--seed", type=cli_types.seed, default=0)
     ap.add_argument(
         "--json", metavar="FILE", help="also write the figures here (make results: docs/results/)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    problem = output_problem("--json", args.json)  # now, not after the run
+    if problem:
+        ap.error(problem)
     load_before = os.getloadavg()[0]
     prof = load_profile("llama-3.1-8b-h100")
     t0 = time.perf_counter()
@@ -143,8 +150,13 @@ def main() -> None:
             "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "runs": rows,
         }
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        try:
+            replace_file(args.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        except OSError as e:
+            print(f"sim_speed: {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
