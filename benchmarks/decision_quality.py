@@ -437,6 +437,12 @@ def render(
         "Before/after measurements at named commits (the n-gram proposer's match, value hysteresis), which "
         f"this command does not rerun: [decision-quality-history.md]({_history_link(a.out)}).",
         "",
+        "**Known gap:** the composite drafter here is the `composite` engine model, which lets the "
+        "per-request rule draft n-gram past the step's K table and charges EAGLE-3 per verified "
+        "position; vLLM's async path cuts each request's draft to the table's placeholders and runs "
+        "EAGLE-3 at the table's K for every row (the `composite-capped` model; its figures, well below "
+        "these, are in docs/simulator.md, \"Known gap\").",
+        "",
         "## Goals for the default policy on the composite drafter",
         "",
         "| scenario | c | result |",

@@ -21,6 +21,12 @@ Every policy is scored under the constraints and the information a real engine h
   time (46 small tensor operations on a step with n-gram rows, one on a step without, as
   ``benchmarks/worker_drafter.py`` counts them) is not charged, because it has not
   been measured on a GPU: ``composite`` (the wait) and this (no cost at all) bracket that path.
+* ``composite-capped``: ``composite`` with each request's K at most the step's K-table entry, as the
+  async plugin gets it: vLLM gives every request of a step ``num_spec_tokens_to_schedule`` placeholders
+  (the K table at the step's batch size) and the plugin can only shorten them, so a per-request rule
+  drafting n-gram beyond the table is cut to it (``hotpath.StepKernel.place``). ``composite`` lets
+  such drafts run to ``max_k``, as synchronous scheduling does, and overstates the async path
+  wherever the rule drafts longer than the table (docs/simulator.md, "Known gaps").
 * ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path; vLLM's
   async scheduling is the GPU default and the composite drafter runs under it too): it pays the
   profile's ``scheduling.sync_step_s`` on every step.
@@ -69,6 +75,9 @@ class EngineModel:
     #: vLLM's scheduling: "async" (the GPU default), "sync" (pays ``Profile.sync_step_s`` every step) or
     #: "async-ngram-waits" (pays it on the steps where a request drafts n-gram).
     scheduling: Scheduling = "async"
+    #: Each request's K is at most the directive's K table at the step's batch size (the async
+    #: scheduler's placeholders; per-request engines only).
+    table_cap: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULINGS:
@@ -160,6 +169,17 @@ ENGINES: Mapping[str, EngineModel] = {
             counterfactual=(Method.NGRAM,),
             head_first_position=True,
             scheduling="async-ngram-waits",
+        ),
+        EngineModel(
+            "composite-capped",
+            "the composite drafter, each request's K capped at the step's K table (the async placeholders)",
+            Granularity.REQUEST_METHOD,
+            (Method.EAGLE3, Method.NGRAM),
+            always_runs=(Method.EAGLE3,),
+            counterfactual=(Method.NGRAM,),
+            head_first_position=True,
+            scheduling="async-ngram-waits",
+            table_cap=True,
         ),
         EngineModel(
             "composite-device",

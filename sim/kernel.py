@@ -162,6 +162,7 @@ class StepKernel:
         prefill = int(self._prompt[admit].sum()) if take else 0
         max_k = self.max_k
         prop: np.ndarray | None = None
+        table_k = -1  # the step's K-table entry where the engine drafts at it (table_cap)
         if nd:
             pos = self._m_base + d - 1
             remaining = self._m_out - d
@@ -187,6 +188,11 @@ class StepKernel:
                     composite=self._composite,
                     max_k=max_k,
                 )
+                if self.engine.table_cap:  # the async placeholders: the plugin can only shorten them
+                    table_k = directive.k_for_batch(batch_size, max_k)
+                    if int(ks.max()) > table_k:
+                        ks = np.minimum(ks, table_k)
+                        methods = np.where(ks > 0, methods, _OFF).astype(methods.dtype)
                 a = np.zeros(nd, dtype=np.int64)
                 for code_m, arr in self._acc.items():
                     sel = methods == code_m
@@ -198,7 +204,7 @@ class StepKernel:
             methods = np.zeros(0, dtype=np.int8)
             ks = e = pos = _EMPTY
             ksum = 0
-        dt = self._price(d, methods, ks, ksum, nd, prefill)
+        dt = self._price(d, methods, ks, ksum, nd, prefill, table_k)
 
         accepted = e - 1
         cf: dict[Method, np.ndarray] = {}
@@ -241,7 +247,14 @@ class StepKernel:
         )
 
     def _price(
-        self, done: np.ndarray, methods: np.ndarray, ks: np.ndarray, ksum: int, nd: int, prefill: int
+        self,
+        done: np.ndarray,
+        methods: np.ndarray,
+        ks: np.ndarray,
+        ksum: int,
+        nd: int,
+        prefill: int,
+        table_k: int = -1,
     ) -> float:
         kv = float((self._m_prompt + done).sum()) if nd else 0.0
         batched = float(ksum + nd + prefill)
@@ -263,6 +276,10 @@ class StepKernel:
             pe_used = bool(pe.any())
             pe_spec = float(ks[pe].sum()) if pe_used else 0.0
             is_ng = bool((methods == _NG).any())
+            if table_k > 0:
+                # Async: EAGLE runs unmodified at the step's K (num_spec_tokens_to_schedule) for every
+                # row; the plugin shortens the drafts verified, not the ones proposed.
+                eagle_fwd, e3_spec = float(table_k), float(table_k * nd)
         if self._e3_always:
             eagle_fwd = max(eagle_fwd, 1.0)
         gpu = self.profile.step_time(

@@ -102,3 +102,35 @@ def test_every_row_is_playable_and_k_zero_means_off(method: Method, k: int, engi
     off = s.method == METHOD_CODES[Method.OFF]
     assert ((s.k == 0) == off).all()
     assert (s.accepted <= s.k).all() and (s.accepted >= 0).all()
+
+
+def test_the_capped_engine_keeps_every_draft_within_the_step_table_and_prices_eagle_at_it() -> None:
+    # Under async scheduling vLLM gives each request the K table's placeholders and the plugin can
+    # only shorten them: the rule's long n-gram drafts are cut to the table, and EAGLE proposes the
+    # table's K for every row. `composite` lets them run to max_k (as synchronous scheduling does).
+    from dataclasses import replace
+
+    from policies.rules import validate_rule
+
+    tr = generate("code-edit", n_requests=16, seed=2, methods=(Method.EAGLE3, Method.NGRAM))
+    d = replace(
+        safe_default_directive(Arm(Method.EAGLE3, 2), max_k=tr.max_k), rule=validate_rule("ngram_span", {})
+    )
+    longest = {}
+    for name in ("composite", "composite-capped"):
+        kern = StepKernel(trace=tr, profile=PROFILE, engine=ENGINES[name])
+        s = kern.step(d, np.arange(16, dtype=np.int64))
+        ks = []
+        while kern.running:
+            s = kern.step(d)
+            ks.append(int(s.k.max()) if len(s.k) else 0)
+        longest[name] = max(ks)
+    assert longest["composite-capped"] == 2 < longest["composite"]
+    # Priced: one step of 16 rows all planned at K 1 (below the table's 2) still pays EAGLE at 2.
+    one = replace(safe_default_directive(Arm(Method.EAGLE3, 1), max_k=tr.max_k), k_table=d.k_table)
+    times = {}
+    for name in ("composite", "composite-capped"):
+        kern = StepKernel(trace=tr, profile=PROFILE, engine=ENGINES[name])
+        kern.step(one, np.arange(16, dtype=np.int64))
+        times[name] = kern.step(one).duration_s
+    assert times["composite-capped"] > times["composite"]
