@@ -175,6 +175,7 @@ def feedback_row(
     i: int,
     m: int,
     a: int,
+    d: int,
     cf_codes: np.ndarray,
     cf: np.ndarray,
     j: int,
@@ -183,9 +184,10 @@ def feedback_row(
     alpha: float,
     max_k: int,
 ) -> None:
-    """Slot ``i``'s verified (method ``m``, ``a`` accepted) and counterfactual (``cf[:, j]``) counts
-    into its averages, and its expected n-gram run at its next position (see ``ngram_span``;
-    skipped until a rule recorded a K)."""
+    """Slot ``i``'s verified (method ``m``, ``a`` accepted of ``d`` drafted) and counterfactual
+    (``cf[:, j]``) counts into its averages, and its expected n-gram run at its next position (see
+    ``ngram_span``; skipped until a rule recorded a K). ``d`` < 0: the draft's length is not known,
+    the K the rule last recorded stands for it."""
     steps[i] += 1
     if m != _OFF:
         _mix(ewma, i, m, float(a), alpha)
@@ -197,7 +199,10 @@ def feedback_row(
         return
     ng = m == _NGRAM
     score = a if ng else NOT_SCORED
-    cut = ng and a >= int(last_k[i])  # the draft ended at K, not at a rejection
+    # The draft ended at its own length, not at a rejection. Its length, not the K last planned: the
+    # plugin plans the next draft before this one's feedback (async), and vLLM's placeholders may
+    # have cut it below the K planned.
+    cut = ng and a >= (d if d >= 0 else int(last_k[i]))
     if ngram_row >= 0 and not ng:
         x = int(cf[ngram_row, j])
         if x != NOT_SCORED:
@@ -221,6 +226,7 @@ def _feedback(
     s: np.ndarray,
     methods: np.ndarray,
     accepted: np.ndarray,
+    drafted: np.ndarray,
     cf_codes: np.ndarray,
     cf: np.ndarray,
     cf_mixed: np.ndarray,
@@ -229,8 +235,8 @@ def _feedback(
     max_k: int,
 ) -> None:
     for j in range(len(s)):
-        feedback_row(ewma, steps, run, last_k, int(s[j]), int(methods[j]), int(accepted[j]), cf_codes, cf, j,
-                     cf_mixed, ngram_row, alpha, max_k)  # fmt: skip
+        feedback_row(ewma, steps, run, last_k, int(s[j]), int(methods[j]), int(accepted[j]), int(drafted[j]),
+                     cf_codes, cf, j, cf_mixed, ngram_row, alpha, max_k)  # fmt: skip
 
 
 class FastLoop:
@@ -358,11 +364,13 @@ class FastLoop:
         depth: Mapping[Method, int] | None = None,
         *,
         slots: np.ndarray | None = None,
+        drafted: np.ndarray | None = None,
     ) -> None:
         """Fold one step's verified and counterfactual accepted counts into the moving averages.
 
         Counterfactuals with a limited ``depth`` (e.g. an EAGLE head's first position) are not on the
-        same scale as full drafts, so they stay out of the averages the rule compares.
+        same scale as full drafts, so they stay out of the averages the rule compares. ``drafted``:
+        each verified draft's length (None: the K the rule last planned stands for it).
         """
         n = len(request_ids)
         if not n:
@@ -382,6 +390,7 @@ class FastLoop:
             slots,
             np.asarray(methods, dtype=np.int64),
             np.asarray(accepted, dtype=np.int64),
+            np.full(n, -1, dtype=np.int64) if drafted is None else np.asarray(drafted, dtype=np.int64),
             codes,
             cf,
             mixed,

@@ -228,6 +228,7 @@ class StepKernel:
                     cf,
                     alpha=rule_alpha(directive.rule),
                     depth=self.counterfactual_depth,
+                    drafted=ks,
                 )
         finished = self._advance(e, admit)
         return Step(

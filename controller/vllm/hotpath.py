@@ -138,7 +138,9 @@ def _after_update(
         out[CF, j] = c
         out[CLASS, j] = cls[s]
         out[PROPOSAL, j] = p
-        feedback_row(ewma, steps, run, last_k, s, m, a, ngram, cf_rows, j, mixed, ngram_row, alpha, fl_max_k)
+        feedback_row(
+            ewma, steps, run, last_k, s, m, a, d, ngram, cf_rows, j, mixed, ngram_row, alpha, fl_max_k
+        )
     return ended
 
 

@@ -92,6 +92,24 @@ def test_a_draft_cut_by_k_goes_on_while_the_match_holds() -> None:
     assert method_names(m) == ["ngram"] and k.tolist() == [8]
 
 
+def test_a_span_ends_or_goes_on_by_the_verified_drafts_length_not_the_k_planned_since() -> None:
+    # The plugin plans the next draft before this one's feedback (async) and vLLM's placeholders may
+    # cut a draft below its plan: "cut at K" must be judged against the draft verified.
+    def run_after(drafted: int, accepted: int, plan_again: int | None) -> float:
+        fl = FastLoop()
+        d = directive()
+        m, k = fl.plan(d, ["a"], ["chat"], 1, 8, ngram_proposal=np.array([8]))
+        assert method_names(m) == ["ngram"] and k.tolist() == [8]
+        if plan_again is not None:  # the next draft planned first, at another K
+            fl.plan(d, ["a"], ["chat"], 1, 8, ngram_proposal=np.array([plan_again]))
+        fl.feedback(["a"], m, np.array([accepted]), {}, drafted=np.array([drafted]))
+        return float(fl.arrays()[2][fl.slots(["a"])[0]])
+
+    assert run_after(8, 5, plan_again=2) < 0  # 5 of the 8 verified: the span ended
+    assert run_after(3, 3, plan_again=None) == 8  # all 3 the placeholders let through: it goes on
+    assert run_after(8, 8, plan_again=None) == 8
+
+
 def test_when_off_zero_keeps_planned_off_requests_off() -> None:
     fl = FastLoop()
     d = directive(RequestRule("ngram_span", {**RULE.params, "when_off": 0}), off_class=True)
