@@ -765,7 +765,8 @@ class GoodputModel(Learner):
             "yy": self._yy,
             "w": self._w,
             "batch": {b: v.tolist() for b, v in self._batch.items()},
-            "mix": self._mix,
+            # A copy: the sidecar writes the state on another thread while this one goes on learning.
+            "mix": {b: dict(m) for b, m in self._mix.items()},
             "head": self._head,
             "ngram_rows": {c.key: v.tolist() for c, v in self._ngram_rows.items()},
         }
