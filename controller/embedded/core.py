@@ -159,6 +159,12 @@ class EngineCore:
 
     # -- directives --------------------------------------------------------------------------------
 
+    def new_stream(self) -> None:
+        """A new stream to the sidecar: its directives are ordered among themselves only (a sidecar
+        that restarted without its state numbers from 1 again), so the first is taken whatever its
+        version."""
+        self._last_version = 0
+
     def receive(self, directive: Directive) -> None:
         """A directive from the sidecar; it takes effect at the next step. Refreshes restart the TTL."""
         if directive.version < self._last_version:

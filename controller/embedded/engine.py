@@ -218,6 +218,7 @@ class EmbeddedEngine:
         async with channel:
             stub = pb_grpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
             call = stub.Attach(self._messages(ready))
+            self.core.new_stream()
             async for msg in call:
                 try:
                     d = self.wire.received(msg)

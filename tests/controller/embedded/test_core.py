@@ -109,6 +109,21 @@ def test_stale_directives_are_ignored() -> None:
     assert core.totals.stale_directives == 1
 
 
+def test_a_new_stream_takes_its_first_directive_whatever_its_version() -> None:
+    # A sidecar that restarted without its state numbers from 1 again: every directive of the new
+    # stream was dropped as stale and the engine ran the dead sidecar's directive on.
+    core = _core()
+    core.receive(_directive("ngram:4", 1_000_007))
+    core.step()
+    core.new_stream()
+    core.receive(_directive("off", 1))
+    core.step()
+    assert core.step().directive_version == 1
+    core.receive(_directive("eagle3:3", 2))
+    core.step()
+    assert core.step().directive_version == 2 and core.totals.stale_directives == 0
+
+
 def test_counterfactual_ngram_on_every_row_not_verified_by_ngram() -> None:
     core = _core()
     core.step()
