@@ -113,6 +113,12 @@ class SidecarLink:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        lost = self.core.discard()
+        if lost:
+            log.warning(
+                "speccontrol: %d engine steps not sent to the sidecar before shutdown (counted as dropped)",
+                lost,
+            )
 
     # -- background thread -----------------------------------------------------------------------
 

@@ -204,6 +204,14 @@ class LinkCore(Generic[T]):
                     self._evicted += old
             return batch
 
+    def discard(self) -> int:
+        """The link is closing for good: the steps never put in a batch are counted as dropped (every
+        offered step is sent, resent or counted); how many. For when the engine offers no more."""
+        n = len(self._queue)
+        self._queue.clear()
+        self._dropped += n
+        return n
+
     def closed(self) -> None:
         """The stream ended (cancelled, failed or closed by the sidecar)."""
         with self._lock:

@@ -126,6 +126,17 @@ def test_offer_never_blocks_and_drops_are_counted_then_reported(tmp_path: Path) 
         link.close()
 
 
+def test_steps_still_queued_at_close_are_counted_as_dropped(tmp_path: Path) -> None:
+    # Every offered step is sent, resent or counted: steps offered just before shutdown to a sidecar
+    # that is not there were neither sent nor counted.
+    link = SidecarLink(target=f"unix://{tmp_path}/nobody.sock", hello=_hello(), queue_size=64, flush_s=0.01)
+    link.start()
+    assert all(link.offer(_record(i)) for i in range(40))
+    link.close()
+    st = link.stats()
+    assert (st.sent_steps, st.dropped_steps) == (0, 40)
+
+
 def test_ttl_lapses_to_none_on_the_links_clock(tmp_path: Path) -> None:
     target = f"unix://{tmp_path}/s.sock"
     now = [100.0]
