@@ -16,6 +16,7 @@ import numpy as np
 
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import (
+    MAX_DROPPED_STEPS,
     StepColumns,
     columns_count,
     columns_observation,
@@ -62,8 +63,6 @@ MAX_QUEUE_LENGTH = 1 << 24
 #: Sequences and versions count batches and directives: 2^53 (exact in a JSON number, a float64)
 #: takes 285 years at a million a second. Beyond it, a counter is garbage, not a count.
 MAX_SEQUENCE = (1 << 53) - 1
-#: Steps one engine can drop between two batches: a day at 10k steps/s, and far below 2^63.
-MAX_DROPPED_STEPS = 1 << 30
 _METHODS = frozenset(m.value for m in Method)
 
 

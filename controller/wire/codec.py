@@ -94,6 +94,9 @@ _UINT32_MAX = (1 << 32) - 1
 #: The engine protocol that reads ``RequestColumns.packed`` (a sidecar says it reads it in
 #: ``Directive.protocol_version``; engines send packed columns only then).
 PACKED_PROTOCOL = 2
+#: Steps one batch may report dropped since the batch before (a day at 10k steps/s, far below 2^63):
+#: the sidecar refuses a batch beyond it, so an engine reports more in several batches.
+MAX_DROPPED_STEPS = 1 << 30
 
 #: The packed form's columns in their order (then ngram_proposal and finished, when flagged).
 PACKED_COLUMNS = ("traffic_class", "method", "k", "drafted", "accepted")

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from controller.v1 import controller_pb2 as pb
-from controller.wire.codec import PACKED_PROTOCOL
+from controller.wire.codec import MAX_DROPPED_STEPS, PACKED_PROTOCOL
 from controller.wire.convert import directive_from_pb
 from policies.directive import Directive
 
@@ -191,7 +191,9 @@ class LinkCore(Generic[T]):
             records = [self._queue.popleft() for _ in range(n)]
             steps = [self._encode(step, self._packed) for step in records]
             self._sequence += 1
-            dropped = self._dropped - self._dropped_reported
+            # At most what the sidecar takes in one batch (it refuses more, and the batch would be
+            # resent first on every stream, forever); the rest goes with the batches after it.
+            dropped = min(self._dropped - self._dropped_reported, MAX_DROPPED_STEPS)
             self._dropped_reported += dropped
             batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
             self._sent += n

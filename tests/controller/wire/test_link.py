@@ -197,6 +197,24 @@ def test_a_full_queue_drops_and_the_next_batch_reports_the_count() -> None:
     assert core.stats().dropped_steps == 2
 
 
+def test_more_drops_than_one_batch_may_report_go_in_several_batches() -> None:
+    # The sidecar refuses a batch reporting more than MAX_DROPPED_STEPS (unconsumed: it would be
+    # resent first on every stream, and nothing after it ever applied).
+    from controller.validation import check_batch_header
+    from controller.wire.codec import MAX_DROPPED_STEPS
+
+    core: LinkCore[int] = LinkCore(encode=_step, queue_steps=100, resend_steps=100)
+    core._dropped = 2 * MAX_DROPPED_STEPS + 5  # a long outage's drops (2^31 offers take too long here)
+    reported = []
+    for i in range(1, 4):
+        core.offer(i)
+        b = core.next_batch(256)
+        assert b is not None
+        check_batch_header(b)  # the sidecar takes it
+        reported.append(b.dropped_steps)
+    assert reported == [MAX_DROPPED_STEPS, MAX_DROPPED_STEPS, 5]
+
+
 def test_eviction_keeps_the_newest_batch_and_counts_the_rest() -> None:
     core: LinkCore[int] = LinkCore(encode=_step, queue_steps=10_000, resend_steps=5)
     core.opened()
