@@ -45,7 +45,7 @@ a plain vLLM.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies.arms import OFF, Arm, Method
@@ -126,6 +126,17 @@ class EngineModel:
         return arm in self.arms(max_k)
 
 
+_COMPOSITE = EngineModel(
+    "composite",
+    "the plugin's composite drafter: method and K per request",
+    Granularity.REQUEST_METHOD,
+    (Method.EAGLE3, Method.NGRAM),
+    always_runs=(Method.EAGLE3,),
+    counterfactual=(Method.NGRAM,),
+    head_first_position=True,
+    scheduling="async-ngram-waits",
+)
+
 ENGINES: Mapping[str, EngineModel] = {
     e.name: e
     for e in (
@@ -160,25 +171,11 @@ ENGINES: Mapping[str, EngineModel] = {
             always_runs=(Method.EAGLE3,),
             head_first_position=True,
         ),
-        EngineModel(
-            "composite",
-            "the plugin's composite drafter: method and K per request",
-            Granularity.REQUEST_METHOD,
-            (Method.EAGLE3, Method.NGRAM),
-            always_runs=(Method.EAGLE3,),
-            counterfactual=(Method.NGRAM,),
-            head_first_position=True,
-            scheduling="async-ngram-waits",
-        ),
-        EngineModel(
-            "composite-capped",
-            "the composite drafter, each request's K capped at the step's K table (the async placeholders)",
-            Granularity.REQUEST_METHOD,
-            (Method.EAGLE3, Method.NGRAM),
-            always_runs=(Method.EAGLE3,),
-            counterfactual=(Method.NGRAM,),
-            head_first_position=True,
-            scheduling="async-ngram-waits",
+        _COMPOSITE,
+        replace(
+            _COMPOSITE,
+            name="composite-capped",
+            description="the composite drafter, each request's K capped at the step's K table (the async placeholders)",
             table_cap=True,
         ),
         EngineModel(
