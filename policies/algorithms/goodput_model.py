@@ -660,6 +660,8 @@ class GoodputModel(Learner):
         (discounted) for ``cls``: positions deeper than the K in play are never verified, and their
         estimates fall back to the prior as the counts decay."""
         need = float(self.params["switch_settled_trials"])
+        if not self._drafts[arm].any():  # off verifies no position: nothing to settle (no table exists)
+            return True
         code = int(self._arm_code[arm])
         t = self._acc.get((cls, code))
         if t is None and cls != ANY_CLASS:

@@ -133,3 +133,32 @@ def test_a_k_table_engine_leaves_its_first_k_when_another_is_better() -> None:
         trace=tr, profile=prof, engine=ENGINES["stock-vllm"], policy=_default(), concurrency=32, seed=0
     ).run()
     assert r.throughput >= 0.95 * best
+
+
+def test_a_move_to_off_is_judged_by_value_like_any_other() -> None:
+    # `off` verifies no position, so nothing is left to settle; it was treated as never estimated and
+    # the hysteresis never held a draw of `off` back (a bucket near `off` could flip on noise).
+    from policies.arms import OFF
+    from policies.engine import EngineInfo, Granularity
+    from policies.loop import ControlLoop
+    from policies.observation import StepBatch, StepObservation
+
+    arms = (*(Arm(Method.EAGLE3, k) for k in range(1, 9)), OFF)
+    eng = EngineInfo(engine_id="e", model="m", max_k=8, arms=arms, granularity=Granularity.BATCH_STEP)
+    loop = ControlLoop(spec=_default(), engine=eng, seed=0)
+    rng = np.random.default_rng(1)
+    t = 0.0
+    for i in range(3000):  # batch 32, K 0 / 2 / 4 in turn: every direction of the cost model seen
+        k = (0, 2, 4)[i % 3]
+        acc = np.minimum(rng.geometric(0.35, 32) - 1, k)
+        dur = (20 + 3.5 * (k + 1) + 1.5 * k) / 1e3
+        t += dur
+        loop.observe(StepBatch.of(StepObservation.build(
+            time_s=t, duration_s=dur, traffic_class=["c"] * 32, method=["off" if k == 0 else "eagle3"] * 32,
+            k=[k] * 32, drafted=[k] * 32, accepted=acc.tolist())))  # fmt: skip
+    learner = loop.learner  # type: ignore[attr-defined]
+    i4, ioff = arms.index(Arm(Method.EAGLE3, 4)), arms.index(OFF)
+    judged = learner.switch_check(Context.parse("17-32/*"), list(range(len(arms))), i4, ioff)
+    assert judged is not None
+    gain, margin = judged
+    assert gain < 0 < margin  # off is worse here: a draw of it is held back
