@@ -441,7 +441,7 @@ def render(
         "per-request rule draft n-gram past the step's K table and charges EAGLE-3 per verified "
         "position; vLLM's async path cuts each request's draft to the table's placeholders and runs "
         "EAGLE-3 at the table's K for every row (the `composite-capped` model; its figures, well below "
-        "these, are in docs/simulator.md, \"Known gap\").",
+        'these, are in docs/simulator.md, "Known gap").',
         "",
         "## Goals for the default policy on the composite drafter",
         "",
