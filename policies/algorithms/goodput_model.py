@@ -193,7 +193,9 @@ class GoodputModel(Learner):
         flags[:, 2] = (method == _NGRAM) & drafting
         per_step = np.maximum.reduceat(flags, starts)
         passes = np.maximum(per_step[:, 0], np.array(head[1:], dtype=np.int64))
-        tokens = np.add.reduceat(spec, starts) + batch.n + batch.prefill_tokens
+        # Verified tokens are the drafted ones: an n-gram draft can fall short of its K (the passes
+        # above stay K: EAGLE-3 runs its K forwards whatever it drafts).
+        tokens = np.add.reduceat(np.minimum(spec, batch.drafted), starts) + batch.n + batch.prefill_tokens
         x = cost_features(tokens, passes, per_step[:, 1], per_step[:, 2])
         y = batch.duration_s * 1e3
         xw = x.T * w

@@ -259,3 +259,25 @@ def test_derived_acceptance_follows_every_update_and_plans_draw_as_without_it() 
         # Sampled plans draw from the same parameters, so they consume the random streams alike.
         assert asked.plan_bucket("8-15", ["chat"], allowed) == quiet.plan_bucket("8-15", ["chat"], allowed)
     assert asked.rng.bit_generator.state == quiet.rng.bit_generator.state
+
+
+def test_the_cost_model_counts_the_tokens_drafted_not_the_k_planned() -> None:
+    # An n-gram draft can fall short of its K (the match runs out): the step verified what was
+    # drafted, and charging K per row biased the per-token slope fitted from mixed steps.
+    def step(k: int, drafted: int) -> StepObservation:
+        return StepObservation.build(
+            time_s=0.0,
+            duration_s=cost_ms(4, 0, 4 * (drafted + 1)) / 1e3,
+            traffic_class=["chat"] * 4,
+            method=[Method.NGRAM] * 4,
+            k=[k] * 4,
+            drafted=[drafted] * 4,
+            accepted=[drafted] * 4,
+        )
+
+    short, exact = model(), model()
+    for _ in range(20):
+        short.observe(StepBatch.of(step(4, 2)), ["2-4"], per_class=True)
+        exact.observe(StepBatch.of(step(2, 2)), ["2-4"], per_class=True)
+    np.testing.assert_allclose(short._xtx, exact._xtx)
+    np.testing.assert_allclose(short._xty, exact._xty)
