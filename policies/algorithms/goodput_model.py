@@ -68,7 +68,13 @@ class GoodputModel(Learner):
         ),
         "max_k": Param(8, "Longest draft the acceptance model tracks.", 1, 64),
         "ridge": Param(1e-3, "Ridge precision on the cost model's coefficients.", 1e-9, 1e3),
-        "explore": Param(1.0, "Scale of the posterior noise in Thompson draws (0: greedy).", 0.0, 10.0),
+        "explore": Param(
+            1.0,
+            "Scale of the cost model's posterior noise in Thompson draws (0: greedy, no draws at all; "
+            "acceptance draws use the full posterior whenever it is above 0).",
+            0.0,
+            10.0,
+        ),
         "rule_memory_rounds": Param(
             10.0, "Decision rounds after which the per-request rule's share of rows weighs 1/e.", 1.0, 1e6
         ),
