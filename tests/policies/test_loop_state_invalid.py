@@ -89,6 +89,16 @@ def _use(loop: ControlLoop) -> None:
     json.dumps(loop.state_dict())
 
 
+def _loaded_or_refused(preset: str, state: dict[str, Any]) -> None:
+    """A state is refused with ValueError, or loaded into a loop that then decides, observes and saves."""
+    loop = _loop(preset, seed=1)
+    try:
+        loop.load_state_dict(state)
+    except ValueError:
+        return
+    _use(loop)
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), preset=st.sampled_from(PRESETS))
 def test_any_value_anywhere_is_taken_or_refused_with_a_value_error(data: st.DataObject, preset: str) -> None:
@@ -96,12 +106,7 @@ def test_any_value_anywhere_is_taken_or_refused_with_a_value_error(data: st.Data
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(_paths(state)))
         _put(state, path, data.draw(JSON_VALUES))
-    loop = _loop(preset, seed=1)
-    try:
-        loop.load_state_dict(state)
-    except ValueError:
-        return
-    _use(loop)
+    _loaded_or_refused(preset, state)
 
 
 @pytest.mark.parametrize(
@@ -160,12 +165,7 @@ def test_any_value_in_the_newer_learner_fields_is_taken_or_refused(data: st.Data
             _put(state, path, data.draw(JSON_VALUES))
         except (LookupError, TypeError):  # an earlier draw replaced the place's parent
             continue
-    loop = _loop(preset, seed=1)
-    try:
-        loop.load_state_dict(state)
-    except ValueError:
-        return
-    _use(loop)
+    _loaded_or_refused(preset, state)
 
 
 @pytest.mark.parametrize(

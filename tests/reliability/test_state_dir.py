@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2, WAIT_S
-from tests.reliability.serve_process import CTL, ENV, REPO, Serve, ctl
+from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2
+from tests.reliability.serve_process import Serve, ctl
 
 pytestmark = pytest.mark.integration
 
@@ -66,14 +65,7 @@ def test_a_second_sidecar_on_the_same_state_dir_exits_1(config: tuple[Path, Path
         endpoints = first.endpoints.read_bytes()
         sock = state / "engine.sock"
         inode = sock.stat().st_ino
-        second = subprocess.run(
-            [*CTL, "serve", "--config", str(cfg)],
-            cwd=REPO,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=WAIT_S,
-        )
+        second = ctl("serve", "--config", str(cfg))
         assert second.returncode == 1
         assert f"state_dir {state} is in use by another sidecar (pid {first.proc.pid})" in second.stderr
         assert "Traceback" not in second.stderr
@@ -101,14 +93,7 @@ def test_a_socket_path_naming_something_else_is_refused_and_left_alone(tmp_path:
     cfg.write_text(
         f"engine_listen: unix://{target}\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\nstate_dir: {state}\n"
     )
-    done = subprocess.run(
-        [*CTL, "serve", "--config", str(cfg)],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    done = ctl("serve", "--config", str(cfg))
     assert done.returncode == 2, done.stderr
     assert f"{target} exists and is a {kind}, not a socket; refusing to remove it" in done.stderr
     assert "Traceback" not in done.stderr
@@ -135,14 +120,7 @@ def test_a_second_sidecar_on_the_same_socket_path_exits_1_and_leaves_the_first_s
             f"engine_listen: unix://{sock}\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n"
             f"state_dir: {tmp_path / 'other-state'}\n"
         )
-        second = subprocess.run(
-            [*CTL, "serve", "--config", str(other)],
-            cwd=REPO,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=WAIT_S,
-        )
+        second = ctl("serve", "--config", str(other))
         assert second.returncode == 1, second.stderr
         assert f"engine_listen {sock} is in use: another process listens there" in second.stderr
         assert "Traceback" not in second.stderr
