@@ -524,7 +524,8 @@ class FleetLink:
         while True:
             self._refused_now.clear()
             try:
-                await asyncio.wait_for(self._refused_now.wait(), self._retry_s)
+                async with asyncio.timeout(self._retry_s):  # (not wait_for: 3.11's can eat a cancel)
+                    await self._refused_now.wait()
                 continue  # a new policy refused meanwhile: its delay starts now, not the old one's
             except TimeoutError:
                 pass

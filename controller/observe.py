@@ -361,7 +361,8 @@ class _Scraper:
         self._hanging += 1
         threading.Thread(target=work, name="speccontrol-scrape", daemon=True).start()
         try:
-            return await asyncio.wait_for(asyncio.shield(done), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # (not wait_for: see pause in run_observer)
+                return await asyncio.shield(done)
         except TimeoutError:
             raise TimeoutError(f"no whole response within {self.timeout_s:g} s") from None
 
@@ -416,8 +417,12 @@ async def run_observer(
     said_gone = False  # said that the drafts counter vanished after data had flowed
 
     async def pause(seconds: float) -> None:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that arrives as its
+        # timeout fires, and a producer that lived on past its session's end blocked on a full outbox
+        # for good (the observer hung instead of retrying).
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await stop.wait()
 
     async def produce(outbox: asyncio.Queue[pb.EngineMessage | None]) -> None:
         nonlocal sent, seq, prev, scrape_failures, said_no_data, said_gone

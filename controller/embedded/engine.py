@@ -148,8 +148,9 @@ class EmbeddedEngine:
         link = asyncio.create_task(self._link_loop(), name=f"engine-link-{self.settings.engine_id}")
         try:
             if self.link.await_directive_s > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._first_directive.wait(), self.link.await_directive_s)
+                with contextlib.suppress(TimeoutError):  # (asyncio.timeout: 3.11's wait_for can eat a cancel)
+                    async with asyncio.timeout(self.link.await_directive_s):
+                        await self._first_directive.wait()
             await self._step_loop()
             await self._drain(timeout=DRAIN_S)
         finally:
@@ -240,8 +241,9 @@ class EmbeddedEngine:
         hello.instance_id = self.instance_id
         yield pb.EngineMessage(hello=hello)
         # The first directive says what the sidecar already has; resend only the rest.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ready.wait(), self.link.ack_wait_s)
+        with contextlib.suppress(TimeoutError):  # (asyncio.timeout: 3.11's wait_for can eat a cancel)
+            async with asyncio.timeout(self.link.ack_wait_s):
+                await ready.wait()
         for batch in self.wire.resume():
             yield pb.EngineMessage(reports=batch)
         while True:
