@@ -29,12 +29,14 @@ class PatchPoint:
     """A class attribute the plugin wraps or replaces.
 
     ``params``: the parameter names it must start with (``self`` included); None: only that it
-    exists and is callable.
+    exists and is callable. ``reads``: lines its source must still contain (what the plugin relies on
+    it doing inside, which no signature shows), each stripped of indentation.
     """
 
     module: str
     attr: str  # "Class.method" or "Class"
     params: tuple[str, ...] | None = None
+    reads: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -86,6 +88,34 @@ V1_WORKER_GAP_POINTS: tuple[PatchPoint, ...] = (
     ),
 )
 
+#: The worker running EAGLE at the step's own K (``worker.propose_at_eagle_k``, ``mode.EAGLE_K_ATTR``).
+#: Optional: without them the merge still installs and EAGLE drafts at the full width (logged once).
+#: The runner reads the step's K once, at the start, and hands it to the proposer as its K (so setting
+#: it for the call is enough); the proposer takes K per call; the next step reads each request's drafts
+#: at ``row * width`` of the drafts handed back (``prev_num_spec_tokens``), so they are widened back.
+V1_EAGLE_K_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.propose_draft_token_ids",
+        ("self", "scheduler_output", "sampled_token_ids"),
+        reads=(
+            "num_spec_tokens_to_schedule = scheduler_output.num_spec_tokens_to_schedule",
+            "num_speculative_tokens=num_spec_tokens_to_schedule,",
+        ),
+    ),
+    PatchPoint(
+        "vllm.v1.spec_decode.llm_base_proposer",
+        "SpecDecodeBaseProposer.propose",
+        ("self", "num_speculative_tokens"),
+    ),
+    PatchPoint(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._copy_draft_token_ids_to_cpu",
+        ("self", "scheduler_output"),
+        reads=("self.prev_num_spec_tokens = self._draft_token_ids.shape[1]",),
+    ),
+)
+
 #: The drafter P-EAGLE runs on (any process hosting a worker): the depth fix (``peagle.py``) wraps it.
 P_EAGLE_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
@@ -131,14 +161,26 @@ def point_problem(
     if not callable(obj):
         return f"{point.name}: not callable"
     if point.params is None:
-        return None
+        return reads_problem(point, obj)
     try:
         got = tuple(inspect.signature(obj).parameters)
     except (TypeError, ValueError) as e:
         return f"{point.name}: no signature ({e})"
     if got[: len(point.params)] != point.params:
         return f"{point.name}: expected parameters ({', '.join(point.params)}, ...), found ({', '.join(got)})"
-    return None
+    return reads_problem(point, obj)
+
+
+def reads_problem(point: PatchPoint, obj: Any) -> str | None:
+    """None when ``obj``'s source has every line of ``point.reads`` (or there are none)."""
+    if not point.reads:
+        return None
+    try:
+        lines = {line.strip() for line in inspect.getsource(inspect.unwrap(obj)).splitlines()}
+    except (OSError, TypeError) as e:
+        return f"{point.name}: no source to check ({e})"
+    missing = [r for r in point.reads if r not in lines]
+    return f"{point.name}: no longer has {missing[0]!r}" if missing else None
 
 
 def problems(

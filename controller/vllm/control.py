@@ -99,6 +99,9 @@ class Controls:
         #: The K values vLLM prepared at start-up (num_speculative_tokens_per_batch_size); a table
         #: K between them is raised to the next one (the composite drafter cuts drafts per request).
         self._table_ks = sorted({k for k in table_ks if 0 < k <= engine.max_k}) if table_ks else []
+        #: Async scheduling (``EngineHooks.size_placeholders``): per K planned for the step's rows on the
+        #: configured drafter (index 0..max_k), the K that drafter runs at (``drafter_k``).
+        self.drafter_ks = [self.drafter_k(k) for k in range(engine.max_k + 1)]
 
     @property
     def safe_arm(self) -> Arm:
@@ -129,6 +132,19 @@ class Controls:
             table = [k if k <= 0 else next((t for t in self._table_ks if t >= k), top) for k in table]
         self._table_of, self._table = d, table
         return table
+
+    def drafter_k(self, k: int) -> int:
+        """The K the configured drafter (EAGLE-3, P-EAGLE) runs at when ``k`` is the largest K planned
+        for its rows in a step: at least 1 (its first forward keeps its hidden states current, whatever
+        is verified), raised to the smallest K vLLM prepared at start-up (on a GPU the proposer has
+        CUDA graphs per prepared K; the largest where none is as large), and max_k for P-EAGLE without
+        the depth fix (it drafts max_k or nothing). The caller caps it at the step's table K."""
+        k = max(1, k)
+        if self.method is Method.P_EAGLE and not self.p_eagle_depths:
+            return self.engine.max_k
+        if self._table_ks:
+            return next((t for t in self._table_ks if t >= k), self._table_ks[-1])
+        return k
 
     def plan(
         self,

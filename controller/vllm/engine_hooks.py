@@ -14,6 +14,11 @@ Everything the plugin does happens in the engine-core process, between steps:
   request's next draft and the scheduler receives, per request, the EAGLE draft, the n-gram draft
   (vLLM's n-gram matcher on the same tokens) or nothing, cut to that request's K.
 
+* ``AsyncScheduler._update_after_schedule`` (after; async scheduling only): each request's placeholders
+  cut to its own planned K, the n-gram requests named for the worker (``NGRAM_ROWS_ATTR``) and the K
+  the worker runs EAGLE at (``EAGLE_K_ATTR``: the largest of its own rows', at least 1, a prepared K;
+  V1 runner only, see ``worker.py``). Under synchronous scheduling EAGLE runs at the table's K.
+
 The per-request work of both update hooks runs as one compiled batch kernel each (``hotpath.py``).
 
 Because the choice is made where the scheduler holds the drafts, no per-request choice has to travel
@@ -42,6 +47,7 @@ from controller.vllm.control import Controls, engine_info
 from controller.vllm.hotpath import StepKernel
 from controller.vllm.link import SidecarLink
 from controller.vllm.mode import (
+    EAGLE_K_ATTR,
     NGRAM_ROWS_ATTR,
     PER_REQUEST_COMPOSITE,
     configured_method,
@@ -154,6 +160,8 @@ class EngineHooks:
         self.swap_table = True
         #: vLLM's ``-1`` placeholders for a draft of K tokens, index K (async scheduling).
         self._placeholder_lists = [[-1] * k for k in range(controls.engine.max_k + 1)]
+        #: Per largest K planned for the configured drafter's rows, the K it runs at (``EAGLE_K_ATTR``).
+        self._drafter_ks = controls.drafter_ks
 
     @classmethod
     def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
@@ -481,7 +489,10 @@ class EngineHooks:
 
     def size_placeholders(self, scheduler: Any, scheduler_output: Any) -> None:
         """Each request's next draft: its own number of ``-1`` placeholders (its K) and, for the
-        worker, which requests get the n-gram draft (``NGRAM_ROWS_ATTR`` on the scheduler output).
+        worker, which requests get the n-gram draft (``NGRAM_ROWS_ATTR`` on the scheduler output) and
+        the K the configured drafter proposes at (``EAGLE_K_ATTR``: the largest K of its own rows, at
+        least 1, raised to a K vLLM prepared, at most ``num_spec_tokens_to_schedule``; the V1 worker
+        runs EAGLE at it and n-gram rows fill the rest of the width).
 
         The plan made here is verified in the next step that schedules the request; it travels on
         that step's output (``VERIFYING_ATTR``), because with the batch queue the update of step N
@@ -518,7 +529,12 @@ class EngineHooks:
             ),
             maxlen=0,
         )
+        # The K the configured drafter proposes at in the worker: its own rows' largest (n-gram rows
+        # only fill placeholders; off rows have none), raised to a prepared K, at most the width.
+        top = max(itertools.compress(ks, map(operator.not_, on_ngram)), default=0)
+        eagle_k = min(self._drafter_ks[top], so.num_spec_tokens_to_schedule)
         setattr(so, NGRAM_ROWS_ATTR, frozenset(itertools.compress(ids, on_ngram)))
+        setattr(so, EAGLE_K_ATTR, eagle_k)  # last: set only where the plan above is whole
 
     def close(self) -> None:
         self.link.close()

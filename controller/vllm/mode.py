@@ -20,6 +20,11 @@ P_EAGLE_MAX_K_ONLY = "P-EAGLE table K in {0, max} only"
 #: SchedulerOutput attribute (async scheduling): the request ids whose next draft, proposed in the
 #: worker in this step, is n-gram's. Pickled to the worker with the output.
 NGRAM_ROWS_ATTR = "speccontrol_ngram_rows"
+#: SchedulerOutput attribute (async scheduling, V1 runner): the K the configured drafter (EAGLE-3,
+#: P-EAGLE) proposes at in the worker in this step, at most ``num_spec_tokens_to_schedule`` (the
+#: placeholders' width, which n-gram rows may fill): the largest K planned for its rows, at least 1,
+#: raised to a K vLLM prepared (``Controls.drafter_k``). Absent: the full width.
+EAGLE_K_ATTR = "speccontrol_eagle_k"
 
 
 def configured_method(spec: Any) -> Method | None:

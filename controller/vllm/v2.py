@@ -15,6 +15,8 @@ plugin never stops an engine from starting.
 The GPU n-gram speculator needs the dense device token history, which the V2 runner keeps only for an
 n-gram engine: the install turns it on (``max_num_seqs x max_model_len x 4`` bytes of device memory).
 Its no-match rows repeat the last sampled token (verified and rejected, as vLLM's own n-gram does).
+EAGLE runs at the table's K here (``num_spec_tokens_to_schedule``) for every row: the step's own EAGLE
+K (``mode.EAGLE_K_ATTR``), which the V1 worker runs EAGLE at, is not read on this runner.
 """
 
 from __future__ import annotations

@@ -7,6 +7,15 @@ request's placeholders to its own K and name the requests on n-gram in an attrib
 ``GPUModelRunner.propose_draft_token_ids`` lets EAGLE propose unmodified (its draft state stays
 consistent whatever is verified) and then overwrites the rows of n-gram requests with the n-gram draft.
 
+EAGLE's draft length is decoupled from the placeholders' width: vLLM runs its proposer at the
+step's ``num_spec_tokens_to_schedule`` (the K table's entry) for every row, but the engine core also
+puts the K the configured drafter's own rows need on the scheduler output (``EAGLE_K_ATTR``: their
+largest planned K, at least 1, raised to a K vLLM prepared), and ``propose_at_eagle_k`` runs the
+proposer at that K and widens its drafts back to the width, so n-gram rows can draft long (to max K
+in a copy span) without EAGLE paying as many forwards for the whole batch. Under synchronous
+scheduling (the engine core cuts drafts, ``engine_hooks.py``) and on the V2 runner (``v2.py``) EAGLE
+still runs at the table's K.
+
 What must hold: the merge only ever replaces whole rows of requests named in the attribute; a row
 whose n-gram draft is empty keeps EAGLE's draft (the scheduler has already reserved its slots); any
 exception disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through;
@@ -47,7 +56,13 @@ from typing import Any
 import numpy as np
 
 from controller.vllm import compat
-from controller.vllm.mode import NGRAM_ROWS_ATTR, configured_method, is_async, k_table_only_reason
+from controller.vllm.mode import (
+    EAGLE_K_ATTR,
+    NGRAM_ROWS_ATTR,
+    configured_method,
+    is_async,
+    k_table_only_reason,
+)
 from controller.vllm.ngram import DRAFT_LEN, NgramIndex, _propose, advance_row, append_row, prefetch_row, room
 from controller.vllm.peagle import install_depth_fix
 from controller.vllm.ranks import agree, tensor_parallel_group
@@ -475,6 +490,14 @@ def install_v1_runner(
     if getattr(GPUModelRunner, "_speccontrol_patched", False):
         return
     orig = GPUModelRunner.propose_draft_token_ids
+    # (checked before the wrapper below replaces the method whose source it reads)
+    narrow_bad = compat.problems(compat.V1_EAGLE_K_POINTS, version=None)
+    if narrow_bad:
+        log.warning(
+            "speccontrol: EAGLE drafts at the full placeholder width, not its rows' own K (%s)",
+            "; ".join(narrow_bad),
+        )
+    propose = (lambda o, r, so, *a, **kw: o(r, so, *a, **kw)) if narrow_bad else propose_at_eagle_k
 
     def drafter_of(runner: Any, state: Any) -> Any:
         """The runner's drafter, built on first use; None: disabled after an error."""
@@ -494,7 +517,7 @@ def install_v1_runner(
     def propose_draft_token_ids(
         self: Any, scheduler_output: Any, sampled_token_ids: Any, *a: Any, **kw: Any
     ) -> Any:
-        drafts = orig(self, scheduler_output, sampled_token_ids, *a, **kw)
+        drafts = propose(orig, self, scheduler_output, sampled_token_ids, *a, **kw)
         self._speccontrol_fed = scheduler_output  # this step's tokens reach the histories here
         state = self.__dict__.get("_speccontrol_merger", 0)
         group = tensor_parallel_group(self)
@@ -544,6 +567,61 @@ def install_v1_runner(
     log.info(
         "speccontrol: V1 model runner hook installed (worker-side composite drafting, pid %d)", os.getpid()
     )
+
+
+def propose_at_eagle_k(orig: Callable[..., Any], runner: Any, so: Any, *args: Any, **kw: Any) -> Any:
+    """vLLM's ``propose_draft_token_ids`` (``orig``) with EAGLE at the step's ``EAGLE_K_ATTR`` where it
+    is below ``num_spec_tokens_to_schedule`` (the placeholders' width), the drafts then widened back
+    to the width (``widen``) so n-gram rows can fill it. The scheduler output's
+    ``num_spec_tokens_to_schedule`` is the EAGLE K only during the call (vLLM reads it once, at the
+    start, for the proposer's K: gpu_model_runner.py:4763 in 0.32, :4729 in 0.33) and restored after.
+    Any exception: narrowing is off for the runner's lifetime (logged once) and vLLM runs again at
+    the full width, today's behaviour. With tensor parallelism every rank reads the same scheduler
+    output, so the ranks narrow together and their EAGLE forwards (and collectives) pair up; a
+    failure on one rank only would rerun its forwards alone (none is known: widening allocates one
+    small matrix after EAGLE's own, larger, allocations succeeded)."""
+    width = so.num_spec_tokens_to_schedule
+    k = getattr(so, EAGLE_K_ATTR, None)
+    if k is None or not 0 < k < width or runner.__dict__.get("_speccontrol_narrow", True) is False:
+        return orig(runner, so, *args, **kw)
+    try:
+        so.num_spec_tokens_to_schedule = k
+        try:
+            drafts = orig(runner, so, *args, **kw)
+        finally:
+            so.num_spec_tokens_to_schedule = width
+        return widen(drafts, width)
+    except Exception:
+        log.exception(
+            "speccontrol: EAGLE at the step's own K (%d of %d) failed; it drafts at the full width from now on",
+            k,
+            width,
+        )
+        runner._speccontrol_narrow = False
+    return orig(runner, so, *args, **kw)
+
+
+def widen(drafts: Any, width: int) -> Any:
+    """EAGLE's drafts (rows x K: a tensor, an array, or a list of rows) as rows of ``width``, of the
+    same type (and device, dtype), each padded with its own last token. vLLM's next step reads each
+    request's drafts at ``row * width`` (``prev_num_spec_tokens`` is the drafts' width,
+    gpu_model_runner.py:4638 and :1796 in 0.32) and verifies no more than the request's placeholders:
+    an EAGLE row's are at most the K drafted, so its padding is never verified; an n-gram row is
+    overwritten whole by the merge, except one whose n-gram draft came out empty, which keeps this
+    row, and whose padded tokens are then verified as guesses, after every token before them was
+    accepted (verification is exact: a wrong guess is rejected)."""
+    if isinstance(drafts, list):
+        return [[*r, *([r[-1]] * (width - len(r)))] if 0 < len(r) < width else r for r in drafts]
+    if getattr(drafts, "ndim", 0) != 2 or drafts.shape[1] == 0:
+        raise ValueError(f"drafts: expected rows x K > 0, got shape {getattr(drafts, 'shape', None)}")
+    k = drafts.shape[1]
+    if k >= width:
+        return drafts
+    if isinstance(drafts, np.ndarray):
+        return np.concatenate([drafts, np.repeat(drafts[:, -1:], width - k, axis=1)], axis=1)
+    import torch  # type: ignore[import-not-found]
+
+    return torch.cat([drafts, drafts[:, -1:].expand(-1, width - k)], dim=1)
 
 
 def _merge_step(runner: Any, merger: Any, so: Any, sampled: Any, drafts: Any) -> Any:

@@ -227,3 +227,24 @@ def test_cpu_async_switch_checks_the_hook(
         "Renamed" not in caplog.text
         and "CpuPlatform.check_and_update_config: expected parameters" in caplog.text
     )
+
+
+def test_a_point_whose_source_no_longer_reads_a_line_is_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PatchPoint.reads``: what the plugin relies on a method doing inside (no signature shows it)."""
+
+    class Runner:
+        def propose(self, scheduler_output: Any) -> Any:
+            k = scheduler_output.k
+            return k
+
+    mod = types.ModuleType("fake_runner_mod")
+    mod.Runner = Runner  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_runner_mod", mod)
+    ok = compat.PatchPoint(
+        "fake_runner_mod", "Runner.propose", ("self", "scheduler_output"), reads=("k = scheduler_output.k",)
+    )
+    gone = compat.PatchPoint("fake_runner_mod", "Runner.propose", None, reads=("return k", "k = other.k"))
+    assert compat.problems([ok], version=None) == []
+    assert compat.problems([gone], version=None) == [
+        "fake_runner_mod.Runner.propose: no longer has 'k = other.k'"
+    ]

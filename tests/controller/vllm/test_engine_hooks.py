@@ -378,3 +378,58 @@ def test_a_plan_whose_draft_vllm_drops_is_not_reported() -> None:
     # preempted after that plan (vLLM clears its draft), resumed: nothing was verified
     _sync_step(h, sched, [5], resumed=True)
     assert _rows(link)[-1][1:4] == ("r", "off", 0)
+
+
+def _hooks_at(max_k: int, directive: Directive, table_ks: set[int] | None = None) -> EngineHooks:
+    """Hooks of an EAGLE-3 engine of K max ``max_k`` whose start-up table prepared ``table_ks``."""
+    info = engine_info(engine_id="e", model="m", method=Method.EAGLE3, max_k=max_k, max_batch_size=8,
+                       composite=True, table_ks=table_ks)  # fmt: skip
+    controls = Controls(engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, max_k),
+                        composite=True, table_ks=table_ks)  # fmt: skip
+    h = EngineHooks(settings=SETTINGS, controls=controls, link=FakeLink(directive),  # type: ignore[arg-type]
+                    scorer=NgramIndex(max_k=max_k), method=Method.EAGLE3)  # fmt: skip
+    h.async_composite = True
+    return h
+
+
+@pytest.mark.parametrize(
+    ("arms", "table_ks", "eagle_k"),
+    [
+        ({"code": "ngram:8", "chat": "eagle3:3"}, None, 3),  # n-gram rows fill the width, EAGLE's own K
+        ({"code": "ngram:8", "chat": "eagle3:3"}, {2, 4, 8}, 4),  # raised to a K vLLM prepared
+        ({"code": "ngram:8", "chat": "eagle3:2", "bulk": "eagle3:1"}, None, 2),  # the largest of EAGLE's
+        ({"code": "ngram:8"}, None, 1),  # no EAGLE row: its first forward still runs
+        ({"code": "ngram:8", "bulk": "off"}, {2, 4, 8}, 2),  # off rows need nothing: 1, prepared 2
+        ({"code": "ngram:3", "chat": "eagle3:8"}, None, 8),  # EAGLE's rows need the width
+    ],
+)
+def test_eagle_k_is_its_own_rows_largest_k(
+    arms: dict[str, str], table_ks: set[int] | None, eagle_k: int
+) -> None:
+    """The worker runs EAGLE at ``EAGLE_K_ATTR``: n-gram rows may draft to the table's width (8) while
+    EAGLE runs only as many forwards as its own rows' plans need."""
+    from controller.vllm.mode import EAGLE_K_ATTR
+
+    d = _directive(1, *(PlanEntry(c, 1, 0, Arm.parse(a)) for c, a in arms.items()), k=8)
+    h = _hooks_at(8, d, table_ks)
+    s = FakeAsyncScheduler([Req(c, c) for c in arms])
+    s.dynamic_sd_lookup = [8] * 9
+    pending = [s.schedule(h)]
+    for _ in range(6):  # batch queue: schedule N+1, then update N
+        pending.append(s.schedule(h))
+        s.update(h, pending.pop(0))
+    last = pending[-1]
+    assert last.num_spec_tokens_to_schedule == 8
+    want = {c: Arm.parse(a).k for c, a in arms.items()}
+    assert {r: len(q.spec_token_ids) for r, q in s.requests.items()} == want
+    assert getattr(last, NGRAM_ROWS_ATTR) == frozenset(c for c, a in arms.items() if a.startswith("ngram"))
+    assert getattr(last, EAGLE_K_ATTR) == eagle_k
+
+
+def test_eagle_k_never_exceeds_the_step_width() -> None:
+    from controller.vllm.mode import EAGLE_K_ATTR
+
+    h = _hooks_at(8, _directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 8)), k=2))
+    s = FakeAsyncScheduler([Req("a", "chat")])
+    so = s.schedule(h)
+    assert so.num_spec_tokens_to_schedule == 2 and getattr(so, EAGLE_K_ATTR) == 2

@@ -299,3 +299,154 @@ def test_without_the_bookkeeping_point_the_merge_still_installs(
     assert runner_cls._speccontrol_patched  # type: ignore[attr-defined]
     said = [r.getMessage() for r in caplog.records if "miss the steps" in r.getMessage()]
     assert len(said) == 1 and "_bookkeeping_sync" in said[0], said
+
+
+def _fake_eagle_runner_module(
+    monkeypatch: pytest.MonkeyPatch, kind: str, fail_below_width: bool = False
+) -> type:
+    """A ``vllm.v1.worker.gpu_model_runner`` whose ``propose_draft_token_ids`` reads the step's K as vLLM
+    0.32's does (gpu_model_runner.py:4763, :5006-5007: once, at the start, handed to the proposer) and
+    whose proposer (``vllm.v1.spec_decode.llm_base_proposer``) drafts rows x K of ``kind`` ("array",
+    "tensor", "list"): row i's token t is ``900 + 10 * i + t``. The Ks it was asked for are in
+    ``GPUModelRunner.asked``; ``fail_below_width``: a proposal at a K below the step's width raises."""
+    import sys
+    import types
+
+    asked: list[int] = []
+
+    class SpecDecodeBaseProposer:
+        def propose(self, num_speculative_tokens: int, rows: int, width: int) -> Any:
+            asked.append(num_speculative_tokens)
+            if fail_below_width and num_speculative_tokens < width:
+                raise RuntimeError("no CUDA graph for this K (test)")
+            out = np.array([[900 + 10 * i + t for t in range(num_speculative_tokens)] for i in range(rows)])
+            if kind == "tensor":
+                import torch
+
+                return torch.from_numpy(out).to(torch.int32)
+            return out.tolist() if kind == "list" else out
+
+    class GPUModelRunner:
+        max_model_len = 1 << 20
+        device = "cpu"
+
+        def __init__(self, prompts: dict[str, list[int]], width: int) -> None:
+            self.input_batch = types.SimpleNamespace(req_ids=list(prompts))
+            self.requests = {
+                r: types.SimpleNamespace(prompt_token_ids=p, output_token_ids=[-1])
+                for r, p in prompts.items()
+            }
+            self.discard_request_mask = types.SimpleNamespace(np=np.zeros(8, dtype=bool))
+            self.drafter = SpecDecodeBaseProposer()
+            self.width = width
+            self.prev_num_spec_tokens = 0
+
+        def propose_draft_token_ids(self, scheduler_output: Any, sampled_token_ids: Any, *a: Any) -> Any:
+            num_spec_tokens_to_schedule = scheduler_output.num_spec_tokens_to_schedule
+            return self.drafter.propose(
+                num_speculative_tokens=num_spec_tokens_to_schedule,
+                rows=len(self.input_batch.req_ids),
+                width=self.width,
+            )
+
+        def _copy_draft_token_ids_to_cpu(self, scheduler_output: Any) -> None:
+            self.prev_num_spec_tokens = self._draft_token_ids.shape[1]
+
+        def sample_tokens(self, so: Any, sampled: np.ndarray) -> Any:
+            self._draft_token_ids = self.propose_draft_token_ids(so, sampled)
+            if not isinstance(self._draft_token_ids, list):
+                self._copy_draft_token_ids_to_cpu(so)
+            return self._draft_token_ids
+
+    GPUModelRunner.asked = asked  # type: ignore[attr-defined]
+    names = ("vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu_model_runner", "vllm.v1.spec_decode",
+             "vllm.v1.spec_decode.llm_base_proposer")  # fmt: skip
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[3]].GPUModelRunner = GPUModelRunner  # type: ignore[attr-defined]
+    sys.modules[names[5]].SpecDecodeBaseProposer = SpecDecodeBaseProposer  # type: ignore[attr-defined]
+    return GPUModelRunner
+
+
+def _step_output(width: int, eagle_k: int | None, ngram: set[str]) -> Any:
+    from types import SimpleNamespace as NS
+
+    from controller.vllm.mode import EAGLE_K_ATTR, NGRAM_ROWS_ATTR
+
+    extra = {} if eagle_k is None else {EAGLE_K_ATTR: eagle_k}
+    return NS(scheduled_cached_reqs=NS(resumed_req_ids=set()), finished_req_ids=set(),
+              num_spec_tokens_to_schedule=width, **{NGRAM_ROWS_ATTR: frozenset(ngram)}, **extra)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["array", "tensor", "list"])
+def test_eagle_runs_at_its_own_k_and_ngram_rows_fill_the_width(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Width 8 (the K table's), EAGLE's rows planned at 3: vLLM's proposer runs 3 forwards, not 8; the
+    drafts come back 8 wide, of the runner's own type (the next step reads them at ``row * 8``), the
+    n-gram row's a whole n-gram draft of 8, the EAGLE row's 3 tokens then its last repeated (never
+    verified: its placeholders are 3)."""
+    if kind == "tensor":
+        pytest.importorskip("torch", reason="torch is not installed (it runs in vLLM's environment)")
+    from controller.vllm import worker
+
+    runner_cls = _fake_eagle_runner_module(monkeypatch, kind)
+    worker.install_v1_runner(max_k=8, min_n=1, max_n=3, where="host")
+    prompt_a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]  # then 3: "1 2 3" is followed by 4 .. 10 1
+    runner = runner_cls({"a": prompt_a, "b": [1] * 8}, 8)
+    so = _step_output(8, 3, {"a"})
+    out = runner.sample_tokens(so, np.array([[3, -1], [1, -1]], dtype=np.int64))
+    assert runner_cls.asked == [3]
+    assert so.num_spec_tokens_to_schedule == 8
+    want = match_ngram(np.array([*prompt_a, 3], dtype=np.int32), 1, 3, 1 << 20, 8).tolist()
+    assert want == [4, 5, 6, 7, 8, 9, 10, 1]
+    assert type(out).__name__ == {"array": "ndarray", "tensor": "Tensor", "list": "list"}[kind]
+    rows = out if kind == "list" else out.tolist()
+    assert rows == [want, [910, 911, 912, 912, 912, 912, 912, 912]]
+    if kind == "tensor":
+        assert str(out.dtype) == "torch.int32"
+    if kind != "list":
+        assert runner.prev_num_spec_tokens == 8
+    # A step whose EAGLE rows need the width, or without the attribute: vLLM as it is.
+    runner.sample_tokens(_step_output(8, 8, {"a"}), np.array([[4, -1], [1, -1]], dtype=np.int64))
+    runner.sample_tokens(_step_output(8, None, set()), np.array([[5, -1], [1, -1]], dtype=np.int64))
+    assert runner_cls.asked == [3, 8, 8]
+
+
+def test_eagle_k_failure_falls_back_to_the_full_width(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proposal at the step's own K that raises: vLLM runs again at the full width (today's drafts),
+    the step's K is restored, one line is logged, and later steps draft at the full width."""
+    from controller.vllm import worker
+
+    runner_cls = _fake_eagle_runner_module(monkeypatch, "array", fail_below_width=True)
+    worker.install_v1_runner(max_k=8, min_n=1, max_n=3, where="host")
+    runner = runner_cls({"a": [1, 2, 3], "b": [4, 5, 6]}, 8)
+    outs = []
+    for t in (7, 8):
+        so = _step_output(8, 2, set())
+        outs.append(runner.sample_tokens(so, np.array([[t, -1], [t, -1]], dtype=np.int64)))
+        assert so.num_spec_tokens_to_schedule == 8
+    assert runner_cls.asked == [2, 8, 8]
+    assert [o.tolist() for o in outs] == [[[900 + t for t in range(8)], [910 + t for t in range(8)]]] * 2
+    said = [r.getMessage() for r in caplog.records if "EAGLE at the step's own K" in r.getMessage()]
+    assert len(said) == 1 and "(2 of 8)" in said[0], said
+
+
+def test_a_vllm_that_reads_the_k_elsewhere_keeps_the_full_width(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the runner no longer reads the step's K as the plugin relies on (``compat.V1_EAGLE_K_POINTS``),
+    EAGLE drafts at the full width, with one line saying why; the merge still installs."""
+    from controller.vllm import worker
+
+    runner_cls = _fake_eagle_runner_module(monkeypatch, "array")
+    monkeypatch.delattr(runner_cls, "_copy_draft_token_ids_to_cpu")
+    worker.install_v1_runner(max_k=8, min_n=1, max_n=3, where="host")
+    runner = runner_cls({"a": [1, 2, 3]}, 8)
+    runner._copy_draft_token_ids_to_cpu = lambda so: None
+    out = runner.sample_tokens(_step_output(8, 2, set()), np.array([[7, -1]], dtype=np.int64))
+    assert runner_cls.asked == [8] and out.shape == (1, 8)
+    said = [r.getMessage() for r in caplog.records if "full placeholder width" in r.getMessage()]
+    assert len(said) == 1 and "_copy_draft_token_ids_to_cpu" in said[0], said
