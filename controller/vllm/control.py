@@ -136,9 +136,10 @@ class Controls:
     def drafter_k(self, k: int) -> int:
         """The K the configured drafter (EAGLE-3, P-EAGLE) runs at when ``k`` is the largest K planned
         for its rows in a step: at least 1 (its first forward keeps its hidden states current, whatever
-        is verified), raised to the smallest K vLLM prepared at start-up (on a GPU the proposer has
-        CUDA graphs per prepared K; the largest where none is as large), and max_k for P-EAGLE without
-        the depth fix (it drafts max_k or nothing). The caller caps it at the step's table K."""
+        is verified), raised to the smallest K vLLM prepared at start-up (it set up dynamic K, CUDA-graph
+        sizes included, for those only: the conservative choice on a GPU; the largest where none is as
+        large), and max_k for P-EAGLE without the depth fix (it drafts max_k or nothing). The caller caps
+        it at the step's table K."""
         k = max(1, k)
         if self.method is Method.P_EAGLE and not self.p_eagle_depths:
             return self.engine.max_k
