@@ -96,18 +96,25 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     assert _spec(resp)["draft_acceptance_rate"] > 0.5
 
     # live switch inside one request
-    v_e2 = stack.set_policy("pin-eagle-2", "eagle3:4")
-    result: dict[str, Any] = {}
-    # Long enough (prompt + 1,800 of max_model_len 2,048) that the n-gram pin, set through a fresh
-    # controllerctl process once EAGLE steps show, reaches the request before it ends.
-    t = threading.Thread(target=lambda: result.update(stack.complete(1800, "switch")))
-    t.start()
-    wait_for(
-        lambda: any(r["method"] == "eagle3" and r["drafted"] for r in stack.rows()[-5:]), 120, "eagle steps"
-    )
-    v_ng = stack.set_policy("pin-ngram-2", "ngram:4")
-    t.join(300)
-    rows = _req_rows(stack, result)
+    for attempt in range(3):
+        v_e2 = stack.set_policy(f"pin-eagle-2-{attempt}", "eagle3:4")
+        result: dict[str, Any] = {}
+        # Long enough (prompt + 1,800 of max_model_len 2,048) that the n-gram pin, set through a fresh
+        # controllerctl process once EAGLE steps show, reaches the request before it ends.
+        t = threading.Thread(target=_complete_into, args=(stack, result, 1800, f"switch {attempt}"))
+        t.start()
+        wait_for(
+            lambda: any(r["method"] == "eagle3" and r["drafted"] for r in stack.rows()[-5:]),
+            120,
+            "eagle steps",
+        )
+        v_ng = stack.set_policy(f"pin-ngram-2-{attempt}", "ngram:4")
+        t.join(300)
+        rows = _req_rows(stack, result)
+        # On a machine so busy that the CLI's start took longer than the request, the pin lands after
+        # it ended: no step of it ran under the pin, which says nothing of the switch. Try again.
+        if any(r["dv"] >= v_ng for r in rows):
+            break
     methods = [r["method"] for r in rows if r["drafted"]]
     assert "ngram" in methods, (
         f"no n-gram draft in the request: {len(methods)} drafted steps under directive versions "
@@ -124,6 +131,10 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     n_eagle = first_ng
     head, tail = acc[:n_eagle], acc[n_eagle:]
     assert head and tail and sum(head) / len(head) < sum(tail) / len(tail), acc
+
+
+def _complete_into(stack: Stack, out: dict[str, Any], max_tokens: int, tag: str) -> None:
+    out.update(stack.complete(max_tokens, tag))
 
 
 def _follow(stack: Stack, version: int, until: int | None, k: int) -> None:
