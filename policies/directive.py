@@ -83,6 +83,18 @@ class Directive:
                 return max(0, min(r.k, max_k))
         return 0
 
+    def width_for_batch(self, batch_size: int, max_k: int) -> int:
+        """The draft room an engine leaves each request of a step where it must reserve it before the
+        drafts exist (async scheduling's placeholders, which can then only be shortened): the K table's
+        entry, or ``max_k`` where the per-request rule may draft n-gram past the plan's K
+        (``ngram_span`` drafts a copy span's expected run, up to ``max_k``). A bucket the table turns
+        off keeps 0 unless the rule drafts for planned-off requests too (``when_off``). Engines that
+        take whole drafts (synchronous scheduling) need no room: they use ``k_for_batch``."""
+        k = self.k_for_batch(batch_size, max_k)
+        if self.rule.kind == "ngram_span" and (k > 0 or self.rule.params.get("when_off", 1)):
+            return max(0, max_k)
+        return k
+
     def arm_for(self, traffic_class: str, batch_size: int) -> Arm:
         """The planned arm for one request (request-granular engines)."""
         fallback: Arm | None = None

@@ -84,10 +84,15 @@ class Controls:
         capacity: int = 1024,
         table_ks: Collection[int] | None = None,
         p_eagle_depths: bool = False,
+        placeholders: bool = False,
     ) -> None:
         self.engine = engine
         self.method = method
         self.composite = composite
+        #: Async scheduling with the composite drafter: the table is each request's placeholder room
+        #: (``Directive.width_for_batch``: max K where the rule drafts n-gram past the plan), which the
+        #: plugin shortens per request; the configured drafter runs at its own rows' K (``drafter_k``).
+        self.placeholders = placeholders
         #: P-EAGLE's table may hold 0 < K < max (the depth fix is in); otherwise only 0 or max.
         self.p_eagle_depths = p_eagle_depths
         self.safe = safe_default_directive(safe_default, max_k=engine.max_k)
@@ -124,7 +129,8 @@ class Controls:
         if d is self._table_of:  # the usual step: the directive in force is the one object
             return self._table
         n, mk = self.engine.max_batch_size, self.engine.max_k
-        table = [d.k_for_batch(bs, mk) if bs else mk for bs in range(n + 1)]
+        per_batch = d.width_for_batch if self.placeholders else d.k_for_batch
+        table = [per_batch(bs, mk) if bs else mk for bs in range(n + 1)]
         if self.method is Method.P_EAGLE and not self.p_eagle_depths:
             table = [mk if k > 0 else 0 for k in table]
         elif self._table_ks:

@@ -242,6 +242,7 @@ class EngineHooks:
             capacity=int(vc.scheduler_config.max_num_seqs) * 2,
             table_ks=table_ks,
             p_eagle_depths=p_eagle_depths,
+            placeholders=composite and async_sched,
         )
         safe_arm = controls.safe_arm
         if settings.safe_default is not None and safe_arm != settings.safe_default:

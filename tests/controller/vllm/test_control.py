@@ -59,6 +59,25 @@ def test_k_table_clamped_and_safe_default_when_stale() -> None:
     assert c.in_force(d) is d
 
 
+def test_under_async_scheduling_the_table_leaves_the_span_rule_room_to_max_k() -> None:
+    # The table is the placeholders' width under async scheduling: the span rule's n-gram drafts run
+    # to max K inside copy spans (EAGLE runs at its own rows' K, drafter_k). Synchronously, or
+    # without the span rule, it is the directive's table; a bucket it turns off keeps 0 when the rule
+    # leaves planned-off requests alone.
+    info = engine_info(
+        engine_id="e", model="m", method=Method.EAGLE3, max_k=4, max_batch_size=8, composite=True
+    )
+    table = (KRange(1, 2, 2), KRange(3, 0, 0))
+    span = RequestRule("ngram_span", {"min_run": 2.0, "when_off": 1.0, "alpha": 0.3, "fresh_k": 0.0})
+    span_not_off = RequestRule("ngram_span", {"min_run": 2.0, "when_off": 0.0, "alpha": 0.3, "fresh_k": 0.0})
+    async_c = Controls(engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, 4), composite=True,
+                       placeholders=True)  # fmt: skip
+    assert async_c.k_table(_directive(table=table, rule=span)) == [4] * 9
+    assert async_c.k_table(_directive(table=table, rule=span_not_off)) == [4, 4, 4, 0, 0, 0, 0, 0, 0]
+    assert async_c.k_table(_directive(table=table)) == [4, 2, 2, 0, 0, 0, 0, 0, 0]
+    assert _controls().k_table(_directive(table=table, rule=span)) == [4, 2, 2, 0, 0, 0, 0, 0, 0]
+
+
 @pytest.mark.parametrize(
     ("method", "composite", "safe", "runs_as"),
     [
