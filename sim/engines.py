@@ -10,26 +10,25 @@ Every policy is scored under the constraints and the information a real engine h
   at K is aligned in any vLLM); the head runs one pass even at K = 0.
 * ``per-request-k``: EAGLE-3 only, but K per request (the per-request plan's K applies).
 * ``composite``: the plugin's composite drafter, method and K per request (EAGLE-3 and n-gram in one
-  engine); n-gram is scored counterfactually on every request and step; EAGLE-3 always runs at least
-  its first forward (its hidden states must stay current), so its first position is reported when
-  a request used n-gram. Async scheduling with the V1 runner's worker-side merge: a step in which a
-  request drafts n-gram waits for its sampled tokens on the host (the n-gram draft starts after
-  them; ``controller/vllm/worker.py``), so it pays ``scheduling.sync_step_s`` as synchronous
-  scheduling does; a step without n-gram rows does not.
+  engine), as it runs under async scheduling (vLLM's GPU default) with the V1 runner; n-gram is scored
+  counterfactually on every request and step; EAGLE-3 runs for every row, at least its first forward
+  (its hidden states must stay current), so its first position is reported when a request used
+  n-gram. vLLM gives every request of a step ``num_spec_tokens_to_schedule`` placeholders (the K
+  table at the step's batch size) and the plugin can only shorten them, so each request's K is at most
+  the table's (``table_cap``; the policy sets the table to ``max_k`` where its rule drafts n-gram);
+  the plugin's worker runs EAGLE-3 at the longest K a row drafting it has, not at the table's
+  (``controller/vllm/worker.py``). A step in which a request drafts n-gram waits for its sampled
+  tokens on the host (the n-gram draft starts after them), so it pays ``scheduling.sync_step_s`` as
+  synchronous scheduling does; a step without n-gram rows does not.
 * ``composite-device``: ``composite`` with the worker's n-gram matched on the device
   (``controller/vllm/device_ngram.py``, the plugin's default on CUDA): no step waits. Its own device
   time (46 small tensor operations on a step with n-gram rows, one on a step without, as
   ``benchmarks/worker_drafter.py`` counts them) is not charged, because it has not
   been measured on a GPU: ``composite`` (the wait) and this (no cost at all) bracket that path.
-* ``composite-capped``: ``composite`` with each request's K at most the step's K-table entry, as the
-  async plugin gets it: vLLM gives every request of a step ``num_spec_tokens_to_schedule`` placeholders
-  (the K table at the step's batch size) and the plugin can only shorten them, so a per-request rule
-  drafting n-gram beyond the table is cut to it (``hotpath.StepKernel.place``). ``composite`` lets
-  such drafts run to ``max_k``, as synchronous scheduling does, and overstates the async path
-  wherever the rule drafts longer than the table (docs/simulator.md, "Known gaps").
-* ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path; vLLM's
-  async scheduling is the GPU default and the composite drafter runs under it too): it pays the
-  profile's ``scheduling.sync_step_s`` on every step.
+* ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path): it
+  pays the profile's ``scheduling.sync_step_s`` on every step; the drafts reach vLLM whole (no
+  placeholders to fit), and vLLM's own EAGLE-3 proposer runs at the step's K-table entry for every
+  row (``eagle_at_table``).
 * ``no-spec``: speculation not configured at all (the baseline for "speedup vs no spec").
 
 Every model assumes vLLM's GPU default, async scheduling, unless it says ``sync`` (or, ``composite``,
@@ -78,6 +77,9 @@ class EngineModel:
     #: Each request's K is at most the directive's K table at the step's batch size (the async
     #: scheduler's placeholders; per-request engines only).
     table_cap: bool = False
+    #: EAGLE-3 proposes the step's K-table entry for every row (vLLM's proposer as it is); False: the
+    #: longest K a row drafting EAGLE-3 has (the plugin's async worker; per-request engines only).
+    eagle_at_table: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULINGS:
@@ -135,6 +137,7 @@ _COMPOSITE = EngineModel(
     counterfactual=(Method.NGRAM,),
     head_first_position=True,
     scheduling="async-ngram-waits",
+    table_cap=True,
 )
 
 ENGINES: Mapping[str, EngineModel] = {
@@ -174,28 +177,17 @@ ENGINES: Mapping[str, EngineModel] = {
         _COMPOSITE,
         replace(
             _COMPOSITE,
-            name="composite-capped",
-            description="the composite drafter, each request's K capped at the step's K table (the async placeholders)",
-            table_cap=True,
+            name="composite-device",
+            description="the composite drafter, the worker's n-gram on the device: no step waits (its device time uncharged)",
+            scheduling="async",
         ),
-        EngineModel(
-            "composite-device",
-            "the composite drafter, the worker's n-gram on the device: no step waits (its device time uncharged)",
-            Granularity.REQUEST_METHOD,
-            (Method.EAGLE3, Method.NGRAM),
-            always_runs=(Method.EAGLE3,),
-            counterfactual=(Method.NGRAM,),
-            head_first_position=True,
-        ),
-        EngineModel(
-            "composite-sync",
-            "the plugin's composite drafter under synchronous scheduling",
-            Granularity.REQUEST_METHOD,
-            (Method.EAGLE3, Method.NGRAM),
-            always_runs=(Method.EAGLE3,),
-            counterfactual=(Method.NGRAM,),
-            head_first_position=True,
+        replace(
+            _COMPOSITE,
+            name="composite-sync",
+            description="the plugin's composite drafter under synchronous scheduling (EAGLE-3 at the table's K)",
             scheduling="sync",
+            table_cap=False,
+            eagle_at_table=True,
         ),
         EngineModel("no-spec", "speculation not configured", Granularity.BATCH_STEP, ()),
     )

@@ -162,7 +162,7 @@ class StepKernel:
         prefill = int(self._prompt[admit].sum()) if take else 0
         max_k = self.max_k
         prop: np.ndarray | None = None
-        table_k = -1  # the step's K-table entry where the engine drafts at it (table_cap)
+        table_k = -1  # the step's K-table entry, where EAGLE-3 drafts at it (eagle_at_table)
         if nd:
             pos = self._m_base + d - 1
             remaining = self._m_out - d
@@ -188,10 +188,12 @@ class StepKernel:
                     composite=self._composite,
                     max_k=max_k,
                 )
-                if self.engine.table_cap:  # the async placeholders: the plugin can only shorten them
+                if self.engine.eagle_at_table:  # vLLM's own proposer drafts the table's K
                     table_k = directive.k_for_batch(batch_size, max_k)
-                    if int(ks.max()) > table_k:
-                        ks = np.minimum(ks, table_k)
+                if self.engine.table_cap:  # the async placeholders: the plugin can only shorten them
+                    width = directive.width_for_batch(batch_size, max_k)
+                    if int(ks.max()) > width:
+                        ks = np.minimum(ks, width)
                         methods = np.where(ks > 0, methods, _OFF).astype(methods.dtype)
                 a = np.zeros(nd, dtype=np.int64)
                 for code_m, arr in self._acc.items():
@@ -272,15 +274,18 @@ class StepKernel:
             e3 = methods == _E3
             pe = methods == _PE
             any_e3 = bool(e3.any())
+            # EAGLE-3 proposes for every row of the step (its draft state must stay current, whatever
+            # each row verifies), at the longest K a row drafting it has (the plugin's async worker) or
+            # at the step's K-table entry (vLLM's proposer as it is: ``eagle_at_table``).
             eagle_fwd = float(ks[e3].max()) if any_e3 else 0.0
-            e3_spec = float(ks[e3].sum()) if any_e3 else 0.0
+            if self.engine.eagle_at_table and table_k > 0:
+                eagle_fwd = float(table_k)
+            if self._e3_always:
+                eagle_fwd = max(eagle_fwd, 1.0)
+            e3_spec = eagle_fwd * nd
             pe_used = bool(pe.any())
             pe_spec = float(ks[pe].sum()) if pe_used else 0.0
             is_ng = bool((methods == _NG).any())
-            if table_k > 0:
-                # Async: EAGLE runs unmodified at the step's K (num_spec_tokens_to_schedule) for every
-                # row; the plugin shortens the drafts verified, not the ones proposed.
-                eagle_fwd, e3_spec = float(table_k), float(table_k * nd)
         if self._e3_always:
             eagle_fwd = max(eagle_fwd, 1.0)
         gpu = self.profile.step_time(

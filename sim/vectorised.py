@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from policies.arms import METHOD_CODES, Method
+from policies.engine import Granularity
 from sim.costmodel import Profile
 from sim.engines import EngineModel
 from sim.run import RunResult, Timeline, arm_code
@@ -175,6 +176,11 @@ def step_features(
     eagle_fwd = maxk[Method.EAGLE3]
     if Method.EAGLE3 in engine.always_runs:
         eagle_fwd = np.maximum(eagle_fwd, any_row)
+    eagle_spec = spec[Method.EAGLE3]
+    if engine.granularity is not Granularity.BATCH_STEP:
+        # Per request, EAGLE-3 proposes for every decode row at the step's longest EAGLE-3 K (as the
+        # stepping kernel prices it; on a K-table engine every row drafts that K anyway).
+        eagle_spec = eagle_fwd * np.bincount(g, minlength=G)
     pe_pass = (maxk[Method.P_EAGLE] > 0).astype(np.float64)
     if Method.P_EAGLE in engine.always_runs:
         pe_pass = any_row
@@ -182,7 +188,7 @@ def step_features(
         "kv": kv,
         "batched": batched,
         "eagle_forwards": eagle_fwd,
-        "eagle_spec": spec[Method.EAGLE3],
+        "eagle_spec": eagle_spec,
         "p_eagle_passes": pe_pass,
         "p_eagle_spec": spec[Method.P_EAGLE],
         "ngram_rows": maxk[Method.NGRAM],

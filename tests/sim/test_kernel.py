@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.arms import METHOD_CODES, Arm, Method
+from policies.directive import Directive, PlanEntry
 from policies.engine_rules import safe_default_directive
 from sim.costmodel import load_profile
-from sim.engines import ENGINES, engine_for_arm
+from sim.engines import ENGINES, EngineModel, engine_for_arm
 from sim.kernel import StepKernel
 from sim.trace import Trace, read_trace
 from sim.traffic import generate
@@ -104,33 +105,47 @@ def test_every_row_is_playable_and_k_zero_means_off(method: Method, k: int, engi
     assert (s.accepted <= s.k).all() and (s.accepted >= 0).all()
 
 
-def test_the_capped_engine_keeps_every_draft_within_the_step_table_and_prices_eagle_at_it() -> None:
-    # Under async scheduling vLLM gives each request the K table's placeholders and the plugin can
-    # only shorten them: the rule's long n-gram drafts are cut to the table, and EAGLE proposes the
-    # table's K for every row. `composite` lets them run to max_k (as synchronous scheduling does).
+def test_the_composite_engine_keeps_drafts_within_the_placeholders_and_prices_eagle_at_its_rows_k() -> None:
+    # Under async scheduling vLLM gives each request the table's placeholders and the plugin can only
+    # shorten them: a draft is cut to that width, which is max_k where the span rule drafts n-gram
+    # (Directive.width_for_batch) and the table's K otherwise. The plugin's worker runs EAGLE-3 at
+    # the longest K of the rows drafting it, for every row; vLLM's own proposer (synchronous
+    # scheduling: `eagle_at_table`) runs it at the table's K.
     from dataclasses import replace
 
     from policies.rules import validate_rule
 
     tr = generate("code-edit", n_requests=16, seed=2, methods=(Method.EAGLE3, Method.NGRAM))
-    d = replace(
-        safe_default_directive(Arm(Method.EAGLE3, 2), max_k=tr.max_k), rule=validate_rule("ngram_span", {})
-    )
-    longest = {}
-    for name in ("composite", "composite-capped"):
-        kern = StepKernel(trace=tr, profile=PROFILE, engine=ENGINES[name])
-        s = kern.step(d, np.arange(16, dtype=np.int64))
+    base = safe_default_directive(Arm(Method.EAGLE3, 2), max_k=tr.max_k)
+    span = replace(base, rule=validate_rule("ngram_span", {}))
+    # A plan drafting n-gram at 6 under a table of 2 (no policy of ours issues one: the table covers
+    # the plan): the engine cuts those drafts to 2.
+    wide_plan = replace(base, plan=(PlanEntry("*", 1, 0, Arm(Method.NGRAM, 6)),))
+    assert ENGINES["composite"].table_cap and ENGINES["composite-device"].table_cap
+
+    def longest(d: Directive, engine: EngineModel) -> int:
+        kern = StepKernel(trace=tr, profile=PROFILE, engine=engine)
+        kern.step(d, np.arange(16, dtype=np.int64))
         ks = []
         while kern.running:
             s = kern.step(d)
             ks.append(int(s.k.max()) if len(s.k) else 0)
-        longest[name] = max(ks)
-    assert longest["composite-capped"] == 2 < longest["composite"]
-    # Priced: one step of 16 rows all planned at K 1 (below the table's 2) still pays EAGLE at 2.
-    one = replace(safe_default_directive(Arm(Method.EAGLE3, 1), max_k=tr.max_k), k_table=d.k_table)
+        return max(ks)
+
+    uncapped = replace(ENGINES["composite"], table_cap=False)
+    assert longest(wide_plan, ENGINES["composite"]) == 2 < longest(wide_plan, uncapped) == 6
+    assert longest(span, ENGINES["composite"]) == longest(span, uncapped) > 2  # the rule's room: max_k
+    # Priced: one step of 16 rows all planned at K 1 (below the table's 2) pays EAGLE at 1 on the
+    # plugin's worker, at 2 where vLLM's proposer runs at the table's K.
+    one = replace(safe_default_directive(Arm(Method.EAGLE3, 1), max_k=tr.max_k), k_table=base.k_table)
     times = {}
-    for name in ("composite", "composite-capped"):
-        kern = StepKernel(trace=tr, profile=PROFILE, engine=ENGINES[name])
+    for name, engine in (
+        ("capped", ENGINES["composite"]),
+        ("at the table", replace(ENGINES["composite"], eagle_at_table=True)),
+    ):
+        kern = StepKernel(trace=tr, profile=PROFILE, engine=engine)
         kern.step(one, np.arange(16, dtype=np.int64))
-        times[name] = kern.step(one).duration_s
-    assert times["composite-capped"] > times["composite"]
+        step = kern.step(one)
+        assert set(step.k.tolist()) == {1}
+        times[name] = step.duration_s
+    assert times["at the table"] > times["capped"]
