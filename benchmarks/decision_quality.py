@@ -437,11 +437,10 @@ def render(
         "Before/after measurements at named commits (the n-gram proposer's match, value hysteresis), which "
         f"this command does not rerun: [decision-quality-history.md]({_history_link(a.out)}).",
         "",
-        "**Known gap:** the composite drafter here is the `composite` engine model, which lets the "
-        "per-request rule draft n-gram past the step's K table and charges EAGLE-3 per verified "
-        "position; vLLM's async path cuts each request's draft to the table's placeholders and runs "
-        "EAGLE-3 at the table's K for every row (the `composite-capped` model; its figures, well below "
-        'these, are in docs/simulator.md, "Known gap").',
+        "The composite drafter here is the `composite` engine model: vLLM's async path as the plugin "
+        "runs it, each request's draft within its placeholders (the K table, or max K where the rule "
+        "drafts n-gram) and EAGLE-3 proposing for every row at the longest K a row drafting it has "
+        '(docs/simulator.md, "Engine models"; until 2026-12-05 the model had neither limit).',
         "",
         "## Goals for the default policy on the composite drafter",
         "",
