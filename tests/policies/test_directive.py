@@ -5,22 +5,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.arms import Method
 from policies.directive import Directive, KRange, RequestRule
 from policies.rules import validate_rule
+from tests.policies.directives import make_directive
 
 
 def _directive(table: tuple[KRange, ...], rule: RequestRule) -> Directive:
-    return Directive(
-        version=1,
-        policy="p",
-        reason="",
-        ttl_s=10,
-        issued_at_s=0,
-        k_table=table,
-        method=Method.EAGLE3,
-        rule=rule,
-    )
+    return make_directive(k_table=table, rule=rule)
 
 
 def test_the_span_rule_gets_room_to_max_k_and_other_rules_the_table() -> None:

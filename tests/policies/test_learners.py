@@ -30,6 +30,7 @@ from policies.context import Context
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.observation import StepBatch, StepObservation
 from policies.rules import FastLoop
+from tests.policies.directives import make_directive
 
 ARMS = (Arm.parse("eagle3:3"), Arm.parse("ngram:4"))
 BEFORE, AFTER, NOISE = (1000.0, 800.0), (800.0, 1000.0), 50.0
@@ -265,14 +266,8 @@ def test_a_snapshot_without_the_newer_fields_still_loads(cls: type[Learner], key
 
 
 def span_directive() -> Directive:
-    return Directive(
-        version=1,
-        policy="p",
-        reason="",
-        ttl_s=10,
-        issued_at_s=0,
+    return make_directive(
         k_table=(KRange(1, 0, 3),),
-        method=Method.EAGLE3,
         plan=(PlanEntry("*", 1, 0, Arm(Method.EAGLE3, 3)),),
         rule=RequestRule("ngram_span", {"min_run": 2.0, "when_off": 1, "alpha": 0.3}),
     )

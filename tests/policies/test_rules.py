@@ -13,6 +13,7 @@ from policies.arms import METHOD_CODES, Arm, Method
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.observation import NOT_SCORED
 from policies.rules import FastLoop, method_names, validate_rule
+from tests.policies.directives import make_directive
 
 _NGRAM = METHOD_CODES[Method.NGRAM]
 _OFF = METHOD_CODES[Method.OFF]
@@ -22,14 +23,8 @@ EA = METHOD_CODES[Method.EAGLE3]
 
 
 def directive(rule: RequestRule, k: int = 3) -> Directive:
-    return Directive(
-        version=1,
-        policy="p",
-        reason="",
-        ttl_s=10,
-        issued_at_s=0,
+    return make_directive(
         k_table=(KRange(1, 0, k),),
-        method=Method.EAGLE3,
         plan=(PlanEntry("*", 1, 0, Arm(Method.EAGLE3, k)), PlanEntry("code", 1, 0, Arm(Method.EAGLE3, 2))),
         rule=rule,
     )

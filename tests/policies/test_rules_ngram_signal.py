@@ -10,6 +10,7 @@ from policies.arms import METHOD_CODES, Arm, Method
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.observation import NOT_SCORED
 from policies.rules import FastLoop, method_names
+from tests.policies.directives import make_directive
 
 NG = METHOD_CODES[Method.NGRAM]
 EA = METHOD_CODES[Method.EAGLE3]
@@ -21,17 +22,7 @@ def directive(rule: RequestRule = RULE, k: int = 3, off_class: bool = False) -> 
     plan = [PlanEntry("*", 1, 0, Arm(Method.EAGLE3, k))]
     if off_class:
         plan.insert(0, PlanEntry("hard", 1, 0, Arm(Method.OFF, 0)))
-    return Directive(
-        version=1,
-        policy="p",
-        reason="",
-        ttl_s=10,
-        issued_at_s=0,
-        k_table=(KRange(1, 0, k),),
-        method=Method.EAGLE3,
-        plan=tuple(plan),
-        rule=rule,
-    )
+    return make_directive(k_table=(KRange(1, 0, k),), plan=plan, rule=rule)
 
 
 def test_no_match_never_drafts_ngram_even_inside_a_known_span() -> None:

@@ -8,6 +8,7 @@ from policies.arms import METHOD_CODES, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.engine import Granularity
+from tests.policies.directives import make_directive
 
 E, N, OFF = METHOD_CODES[Method.EAGLE3], METHOD_CODES[Method.NGRAM], METHOD_CODES[Method.OFF]
 
@@ -22,17 +23,7 @@ def _controls(method: Method = Method.EAGLE3, composite: bool = True) -> Control
 def _directive(
     *plan: PlanEntry, table: tuple[KRange, ...] = (), rule: RequestRule | None = None
 ) -> Directive:
-    return Directive(
-        version=7,
-        policy="p",
-        reason="",
-        ttl_s=10,
-        issued_at_s=0,
-        k_table=table,
-        method=Method.EAGLE3,
-        plan=plan,
-        rule=rule or RequestRule(),
-    )
+    return make_directive(version=7, k_table=table, plan=plan, rule=rule)
 
 
 def test_hello_advertises_composite_or_batch_arms() -> None:
