@@ -267,6 +267,8 @@ class StepKernel:
             is_pe = nd > 0 and mk > 0 and methods[0] == _PE
             is_ng = nd > 0 and mk > 0 and methods[0] == _NG
             eagle_fwd = float(mk) if is_e3 else 0.0
+            if self._e3_always:  # K = 0 still runs the head's first forward (no positions verified)
+                eagle_fwd = max(eagle_fwd, 1.0)
             e3_spec = float(ksum) if is_e3 else 0.0
             pe_spec = float(ksum) if is_pe else 0.0
             pe_used = is_pe
@@ -286,8 +288,6 @@ class StepKernel:
             pe_used = bool(pe.any())
             pe_spec = float(ks[pe].sum()) if pe_used else 0.0
             is_ng = bool((methods == _NG).any())
-        if self._e3_always:
-            eagle_fwd = max(eagle_fwd, 1.0)
         gpu = self.profile.step_time(
             kv=kv,
             batched=batched,

@@ -380,9 +380,11 @@ def test_a_plan_whose_draft_vllm_drops_is_not_reported() -> None:
     assert _rows(link)[-1][1:4] == ("r", "off", 0)
 
 
-def _hooks_at(max_k: int, directive: Directive, table_ks: set[int] | None = None) -> EngineHooks:
+def _hooks_at(
+    max_k: int, directive: Directive, table_ks: set[int] | None = None, max_batch_size: int = 8
+) -> EngineHooks:
     """Hooks of an EAGLE-3 engine of K max ``max_k`` whose start-up table prepared ``table_ks``."""
-    info = engine_info(engine_id="e", model="m", method=Method.EAGLE3, max_k=max_k, max_batch_size=8,
+    info = engine_info(engine_id="e", model="m", method=Method.EAGLE3, max_k=max_k, max_batch_size=max_batch_size,
                        composite=True, table_ks=table_ks)  # fmt: skip
     controls = Controls(engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, max_k),
                         composite=True, table_ks=table_ks)  # fmt: skip
@@ -433,3 +435,29 @@ def test_eagle_k_never_exceeds_the_step_width() -> None:
     s = FakeAsyncScheduler([Req("a", "chat")])
     so = s.schedule(h)
     assert so.num_spec_tokens_to_schedule == 2 and getattr(so, EAGLE_K_ATTR) == 2
+
+
+@pytest.mark.parametrize(("table_ks", "eagle_k"), [(None, 5), ({2, 4, 8}, 8)])
+def test_eagle_k_at_a_full_batch_of_256_mixed_rows(table_ks: set[int] | None, eagle_k: int) -> None:
+    # A realistic batch: 256 requests of four classes (n-gram at the width, EAGLE-3 at 3 and 5, off).
+    from controller.vllm.mode import EAGLE_K_ATTR
+
+    arms = {"code": "ngram:8", "chat": "eagle3:3", "maths": "eagle3:5", "bulk": "off"}
+    d = _directive(1, *(PlanEntry(c, 1, 0, Arm.parse(a)) for c, a in arms.items()), k=8)
+    h = _hooks_at(8, d, table_ks, max_batch_size=256)
+    classes = list(arms)
+    s = FakeAsyncScheduler([Req(f"r{i}", classes[i % 4]) for i in range(256)])
+    s.dynamic_sd_lookup = [8] * 257
+    pending = [s.schedule(h)]
+    for _ in range(4):
+        pending.append(s.schedule(h))
+        s.update(h, pending.pop(0))
+    last = pending[-1]
+    assert last.num_spec_tokens_to_schedule == 8
+    assert {
+        len(q.spec_token_ids)
+        for q in s.requests.values()
+        if q.sampling_params.extra_args["traffic_class"] == "chat"
+    } == {3}
+    assert len(getattr(last, NGRAM_ROWS_ATTR)) == 64
+    assert getattr(last, EAGLE_K_ATTR) == eagle_k
