@@ -8,6 +8,9 @@ simulator (``sim.kernel``) all call these, so the three cannot drift apart:
   the engine's ``max_k``, and K = 0 means off (and off means K = 0), so a row is either a real draft
   or nothing. Written once, as a kernel (``policies.jit``), so the plugin's compiled plan kernel
   calls the very rule the simulator runs.
+* ``drafter_k_row`` (``drafter_k_guess`` on a step): under synchronous scheduling, the K the
+  configured drafter (EAGLE-3, P-EAGLE) runs at, guessed before the step from each request's class arm
+  and pending plan (the plugin's schedule hook, the simulator's ``composite-sync``).
 * ``safe_default_directive``: the directive an engine runs on by itself (version 0) before its first
   directive and after one expires: its start-up configuration, for every class and batch size.
 * ``rule_alpha``: the per-request rule's smoothing factor, with one default.
@@ -73,6 +76,44 @@ def clamp_plan(
     return out_m, out_k
 
 
+@kernel
+def drafter_k_row(m: int, k: int, pending: int, configured: int, composite: bool, max_k: int) -> int:
+    """The K one request adds to a synchronous step's guess of its configured drafter's K (0:
+    nothing): its class arm ``(m, k)`` as the engine plays it (``clamp_row``) where that is the
+    configured drafter, unless its pending plan (``pending``, the method of the draft it verifies in
+    the step; -1: none) is n-gram's, because a copy span usually goes on. The guess is made before the
+    step runs (the plans of the drafts made after it come after it), from what the engine knows then."""
+    if pending == _NGRAM:
+        return 0
+    m, k = clamp_row(m, k, configured, composite, max_k)
+    return k if m == configured else 0
+
+
+@kernel
+def _drafter_k_rows(
+    methods: np.ndarray, ks: np.ndarray, pending: np.ndarray, configured: int, composite: bool, max_k: int
+) -> int:
+    top = 0
+    for j in range(len(methods)):
+        top = max(
+            top, drafter_k_row(int(methods[j]), int(ks[j]), int(pending[j]), configured, composite, max_k)
+        )
+    return top
+
+
+def drafter_k_guess(
+    methods: np.ndarray,
+    ks: np.ndarray,
+    pending: np.ndarray,
+    *,
+    configured: Method,
+    composite: bool,
+    max_k: int,
+) -> int:
+    """``drafter_k_row``'s largest over a step's requests (their class arms and pending methods)."""
+    return int(_drafter_k_rows(methods, ks, pending, METHOD_CODES[configured], composite, max_k))
+
+
 def safe_default_directive(arm: Arm, *, max_k: int) -> Directive:
     """The engine's fail-static directive (version 0): ``arm`` (K capped at ``max_k``) everywhere."""
     k = min(arm.k, max_k)
@@ -92,6 +133,8 @@ __all__ = [
     "DEFAULT_RULE_ALPHA",
     "clamp_plan",
     "clamp_row",
+    "drafter_k_guess",
+    "drafter_k_row",
     "rule_alpha",
     "safe_default_directive",
 ]

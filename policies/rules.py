@@ -323,23 +323,7 @@ class FastLoop:
         (0: no match), computed before this step drafts; None where the engine does not report it.
         """
         n = len(request_ids)
-        by_class: dict[str, tuple[int, int]] = {}
-
-        def arm(c: str) -> tuple[int, int]:
-            a = directive.arm_for(c, batch_size)
-            mk = by_class[c] = (METHOD_CODES[a.method], min(a.k, max_k))
-            return mk
-
-        if n and len(set(traffic_classes)) == 1:
-            m0, k0 = arm(traffic_classes[0])
-            methods = np.full(n, m0, dtype=np.int8)
-            ks = np.full(n, k0, dtype=np.int32)
-        else:
-            pairs = np.array([by_class.get(c) or arm(c) for c in traffic_classes], dtype=np.int32).reshape(
-                n, 2
-            )
-            methods = pairs[:, 0].astype(np.int8)
-            ks = np.ascontiguousarray(pairs[:, 1])
+        methods, ks = self.class_plan(directive, traffic_classes, batch_size, max_k)
         code, p0, p1, p2 = rule_args(directive)
         if n and code != _NO_RULE:
             self._max_k = max_k
@@ -353,6 +337,26 @@ class FastLoop:
                 self._ewma, self._steps, self._run, self._k, slots, methods, ks, code, p0, p1, p2, prop, max_k
             )
         return methods, ks
+
+    @staticmethod
+    def class_plan(
+        directive: Directive, traffic_classes: Sequence[str], batch_size: int, max_k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Method codes (int8) and K (int32, at most ``max_k``) of each request's class arm at this
+        batch size: the plan before the per-request rule."""
+        n = len(traffic_classes)
+        by_class: dict[str, tuple[int, int]] = {}
+
+        def arm(c: str) -> tuple[int, int]:
+            a = directive.arm_for(c, batch_size)
+            mk = by_class[c] = (METHOD_CODES[a.method], min(a.k, max_k))
+            return mk
+
+        if n and len(set(traffic_classes)) == 1:
+            m0, k0 = arm(traffic_classes[0])
+            return np.full(n, m0, dtype=np.int8), np.full(n, k0, dtype=np.int32)
+        pairs = np.array([by_class.get(c) or arm(c) for c in traffic_classes], dtype=np.int32).reshape(n, 2)
+        return pairs[:, 0].astype(np.int8), np.ascontiguousarray(pairs[:, 1])
 
     def feedback(
         self,

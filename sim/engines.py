@@ -27,8 +27,12 @@ Every policy is scored under the constraints and the information a real engine h
   been measured on a GPU: ``composite`` (the wait) and this (no cost at all) bracket that path.
 * ``composite-sync``: the composite drafter with synchronous scheduling (the plugin's first path): it
   pays the profile's ``scheduling.sync_step_s`` on every step; the drafts reach vLLM whole (no
-  placeholders to fit), and vLLM's own EAGLE-3 proposer runs at the step's K-table entry for every
-  row (``eagle_at_table``).
+  placeholders to fit). The plans of the drafts a step makes are made after it, so the plugin guesses
+  the K vLLM's EAGLE-3 proposer runs at (for every row) before the step, from each request's class
+  arm and its pending plan (``policies.engine_rules.drafter_k_row``), at most the step's K-table entry;
+  a request that then plans a longer EAGLE-3 draft gets what was drafted (``eagle_guessed``). The
+  plugin takes a request it has not admitted yet at the largest arm of any class; the model, which
+  knows every request's class, at its own.
 * ``no-spec``: speculation not configured at all (the baseline for "speedup vs no spec").
 
 Every model assumes vLLM's GPU default, async scheduling, unless it says ``sync`` (or, ``composite``,
@@ -77,9 +81,11 @@ class EngineModel:
     #: Each request's K is at most the directive's K table at the step's batch size (the async
     #: scheduler's placeholders; per-request engines only).
     table_cap: bool = False
-    #: EAGLE-3 proposes the step's K-table entry for every row (vLLM's proposer as it is); False: the
-    #: longest K a row drafting EAGLE-3 has (the plugin's async worker; per-request engines only).
-    eagle_at_table: bool = False
+    #: EAGLE-3 proposes for every row at the K guessed before the step (``drafter_k_guess``: the
+    #: plugin under synchronous scheduling), at most the step's K-table entry, and a row's EAGLE-3
+    #: draft is no longer than that; False: at the longest K a row drafting EAGLE-3 has (the plugin's
+    #: async worker, which plans before the step). Per-request engines only.
+    eagle_guessed: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULINGS:
@@ -184,10 +190,10 @@ ENGINES: Mapping[str, EngineModel] = {
         replace(
             _COMPOSITE,
             name="composite-sync",
-            description="the plugin's composite drafter under synchronous scheduling (EAGLE-3 at the table's K)",
+            description="the plugin's composite drafter under synchronous scheduling (EAGLE-3 at a guessed K)",
             scheduling="sync",
             table_cap=False,
-            eagle_at_table=True,
+            eagle_guessed=True,
         ),
         EngineModel("no-spec", "speculation not configured", Granularity.BATCH_STEP, ()),
     )

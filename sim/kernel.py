@@ -23,7 +23,7 @@ import numpy as np
 from policies.arms import METHOD_CODES, Method
 from policies.directive import Directive
 from policies.engine import Granularity
-from policies.engine_rules import clamp_plan, rule_alpha
+from policies.engine_rules import clamp_plan, drafter_k_guess, rule_alpha
 from policies.observation import NOT_SCORED
 from policies.rules import FastLoop
 from sim.costmodel import Profile
@@ -130,6 +130,9 @@ class StepKernel:
         self._composite = Method.NGRAM in engine.methods and not self._per_request_k
         self._e3_always = Method.EAGLE3 in engine.always_runs
         self._pe_always = Method.P_EAGLE in engine.always_runs
+        #: Each request's method in its last decode step (-1: none yet): its pending plan when the
+        #: next step's drafter K is guessed (``eagle_guessed``).
+        self._pending = np.full(len(self._out), -1, dtype=np.int8)
         # The n-gram proposer's match per position: the engine has it before drafting (causal), where
         # it runs the proposer (an engine that drafts n-gram per request) and the trace recorded it.
         self._proposal = (
@@ -162,7 +165,7 @@ class StepKernel:
         prefill = int(self._prompt[admit].sum()) if take else 0
         max_k = self.max_k
         prop: np.ndarray | None = None
-        table_k = -1  # the step's K-table entry, where EAGLE-3 drafts at it (eagle_at_table)
+        drafter_k = -1  # the K EAGLE-3 was guessed to run at (eagle_guessed)
         if nd:
             pos = self._m_base + d - 1
             remaining = self._m_out - d
@@ -188,8 +191,13 @@ class StepKernel:
                     composite=self._composite,
                     max_k=max_k,
                 )
-                if self.engine.eagle_at_table:  # vLLM's own proposer drafts the table's K
-                    table_k = directive.k_for_batch(batch_size, max_k)
+                if self.engine.eagle_guessed:  # synchronous scheduling: EAGLE-3 at the K guessed before
+                    drafter_k = self._guess_drafter_k(directive, batch_size)
+                    e3 = methods == self._primary_code
+                    if e3.any() and int(ks[e3].max()) > drafter_k:  # a draft is no longer than drafted
+                        ks = np.where(e3, np.minimum(ks, drafter_k), ks)
+                        methods = np.where(ks > 0, methods, _OFF).astype(methods.dtype)
+                    self._pending[req] = methods
                 if self.engine.table_cap:  # the async placeholders: the plugin can only shorten them
                     width = directive.width_for_batch(batch_size, max_k)
                     if int(ks.max()) > width:
@@ -206,7 +214,7 @@ class StepKernel:
             methods = np.zeros(0, dtype=np.int8)
             ks = e = pos = _EMPTY
             ksum = 0
-        dt = self._price(d, methods, ks, ksum, nd, prefill, table_k)
+        dt = self._price(d, methods, ks, ksum, nd, prefill, drafter_k)
 
         accepted = e - 1
         cf: dict[Method, np.ndarray] = {}
@@ -257,7 +265,7 @@ class StepKernel:
         ksum: int,
         nd: int,
         prefill: int,
-        table_k: int = -1,
+        drafter_k: int = -1,
     ) -> float:
         kv = float((self._m_prompt + done).sum()) if nd else 0.0
         batched = float(ksum + nd + prefill)
@@ -278,10 +286,10 @@ class StepKernel:
             any_e3 = bool(e3.any())
             # EAGLE-3 proposes for every row of the step (its draft state must stay current, whatever
             # each row verifies), at the longest K a row drafting it has (the plugin's async worker) or
-            # at the step's K-table entry (vLLM's proposer as it is: ``eagle_at_table``).
+            # at the K guessed before the step (synchronous scheduling: ``eagle_guessed``).
             eagle_fwd = float(ks[e3].max()) if any_e3 else 0.0
-            if self.engine.eagle_at_table and table_k > 0:
-                eagle_fwd = float(table_k)
+            if self.engine.eagle_guessed and drafter_k >= 0:
+                eagle_fwd = float(drafter_k)
             if self._e3_always:
                 eagle_fwd = max(eagle_fwd, 1.0)
             e3_spec = eagle_fwd * nd
@@ -300,6 +308,19 @@ class StepKernel:
         return gpu + self.profile.host_time(
             batch=float(nd), sync=self.engine.waits(is_ng), plugin=self._plugin
         )
+
+    def _guess_drafter_k(self, directive: Directive, batch_size: int) -> int:
+        """Synchronous scheduling: the K EAGLE-3 runs at in this step, guessed before it as the plugin
+        does (``policies.engine_rules.drafter_k_guess``: each request's class arm, except one whose
+        pending plan, the method of its previous step here, is n-gram's), at least 1, at most the
+        K table's entry (0 there: no drafts). Every K is taken as prepared."""
+        table_k = directive.k_for_batch(batch_size, self.max_k)
+        if table_k <= 0:
+            return 0
+        cm, ck = self.fast.class_plan(directive, self._classes, batch_size, self.max_k)
+        guess = drafter_k_guess(cm, ck, self._pending[self._req], configured=self._primary,
+                                composite=self._composite, max_k=self.max_k)  # fmt: skip
+        return min(max(guess, 1), table_k)
 
     def _advance(self, emitted: np.ndarray, admit: np.ndarray) -> np.ndarray:
         """Move the decoders on, retire the finished ones, let the prefilled ones join."""

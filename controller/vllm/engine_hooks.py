@@ -17,7 +17,12 @@ Everything the plugin does happens in the engine-core process, between steps:
 * ``AsyncScheduler._update_after_schedule`` (after; async scheduling only): each request's placeholders
   cut to its own planned K, the n-gram requests named for the worker (``NGRAM_ROWS_ATTR``) and the K
   the worker runs EAGLE at (``EAGLE_K_ATTR``: the largest of its own rows', at least 1, a prepared K;
-  V1 runner only, see ``worker.py``). Under synchronous scheduling EAGLE runs at the table's K.
+  V1 runner only, see ``worker.py``).
+
+Under synchronous scheduling the drafter's K is lowered too, in ``schedule`` (after): the step's
+``num_spec_tokens_to_schedule`` becomes the largest K the step's EAGLE rows are likely to plan next
+(``_narrow_drafter``; their plans are made only after the step), so a batch of n-gram rows does not
+pay EAGLE forwards at the table's K.
 
 The per-request work of both update hooks runs as one compiled batch kernel each (``hotpath.py``).
 
@@ -156,6 +161,9 @@ class EngineHooks:
         self.mode = PER_REQUEST_COMPOSITE
         #: Async scheduling with the worker-side merge: plans are made when placeholders are sized.
         self.async_composite = False
+        #: Synchronous scheduling with the composite drafter and EAGLE-3 / P-EAGLE: the drafter runs at
+        #: the K its rows need (``_narrow_drafter``), not the table's.
+        self.sync_drafter_k = False
         #: Whether the scheduler's K table may be swapped (see ``fixed_table_reason``).
         self.swap_table = True
         #: vLLM's ``-1`` placeholders for a draft of K tokens, index K (async scheduling).
@@ -262,6 +270,7 @@ class EngineHooks:
         hooks.mode = mode
         hooks.swap_table = fixed is None
         hooks.async_composite = composite and async_sched
+        hooks.sync_drafter_k = composite and not async_sched and method is not Method.NGRAM
         hooks.original_lookup = scheduler.dynamic_sd_lookup
         hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
@@ -291,6 +300,8 @@ class EngineHooks:
             scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
 
     def after_schedule(self, scheduler: Any, out: Any) -> None:
+        if self.sync_drafter_k:
+            self._narrow_drafter(out)
         self._queue_len = len(scheduler.waiting)
         new = out.scheduled_new_reqs
         if new:
@@ -303,6 +314,24 @@ class EngineHooks:
             self._queue_wait = max(0.0, sum(waits) / len(waits)) if waits else 0.0
         else:
             self._queue_wait = 0.0
+
+    def _narrow_drafter(self, out: Any) -> None:
+        """Synchronous scheduling: the K vLLM runs the configured drafter at after this step
+        (``num_spec_tokens_to_schedule``: vLLM's V1 runner reads it for nothing else, and the drafts
+        reach the scheduler whole, so no request's n-gram draft is cut by it) lowered from the
+        table's entry to the largest K its own rows are likely to plan (``drafter_k_guess``: their
+        pending plans are this step's, the new ones are made after it), at least 1, raised to a K
+        vLLM prepared: as under async scheduling (``size_placeholders``), a step whose rows all draft
+        n-gram or nothing runs the drafter's first forward only. A row whose plan then wants more
+        gets what was drafted (``StepKernel.choose`` cuts the plan to the drafts' length)."""
+        width = out.num_spec_tokens_to_schedule
+        ids = out.num_scheduled_tokens
+        if width <= 1 or not ids:
+            return
+        ids = list(ids)
+        k = min(self._drafter_ks[self.kernels.drafter_k_guess(self.directive, ids, len(ids))], width)
+        if k < width:
+            out.num_spec_tokens_to_schedule = k
 
     # -- update_from_output -----------------------------------------------------------------------
 

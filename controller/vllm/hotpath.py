@@ -33,7 +33,7 @@ from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, advance_row, appen
 from controller.vllm.rows import PLAN_K, PLAN_METHOD, PLAN_PROPOSAL, RequestTable, columns_row
 from policies.arms import METHOD_CODES, Method
 from policies.directive import Directive
-from policies.engine_rules import clamp_row
+from policies.engine_rules import clamp_row, drafter_k_row
 from policies.jit import kernel
 from policies.observation import NOT_SCORED
 from policies.rules import feedback_row, plan_row, rule_args
@@ -193,13 +193,18 @@ def _choose(
     p2: float,
 ) -> int:
     """Synchronous scheduling: each slot's plan (``_plan_one``) recorded in ``verifying`` for the
-    report; out rows: draft source, its length; a row that takes the n-gram draft finds it in
+    report, the configured drafter's K at most the length of its drafts (``params[5]``: vLLM ran it at
+    the step's K); out rows: draft source, its length; a row that takes the n-gram draft finds it in
     ``ngram_out`` (its first tokens). Returns how many rows take it."""
     composite = params[3] != 0
+    configured, drafted = int(params[2]), int(params[5])
     taken = 0
     for j in range(len(slots)):
         s = int(slots[j])
         m, k, prop = _plan_one(ewma, steps, run, last_k, cls, class_arm, state, s, params, p0, p1, p2)
+        if m == configured and k > drafted:  # no longer than the configured drafter's drafts
+            k = drafted
+            last_k[s] = k
         verifying[s, PLAN_METHOD] = m
         verifying[s, PLAN_K] = k
         verifying[s, PLAN_PROPOSAL] = prop
@@ -211,6 +216,35 @@ def _choose(
                 ngram_out[j, t] = drafts[s, t]
             taken += 1
     return taken
+
+
+@kernel
+def _drafter_k_guess(
+    verifying: np.ndarray, cls: np.ndarray, live: np.ndarray, class_arm: np.ndarray, slots: np.ndarray,
+    params: np.ndarray,
+) -> int:  # fmt: skip
+    """Synchronous scheduling: the largest K the configured drafter's rows of this step are likely to
+    plan next (0: none), guessed before the step runs (its plans are made after it, in
+    ``update_draft_token_ids``): ``drafter_k_row`` of each row's class arm and pending plan. A request
+    not admitted yet (its class unknown here) counts with the largest arm of any class. params:
+    ``_plan_one``'s."""
+    max_k, configured, composite = int(params[1]), int(params[2]), params[3] != 0
+    top = 0
+    unknown = False
+    for j in range(len(slots)):
+        s = int(slots[j])
+        if s < 0 or s >= len(cls) or live[s] == 0:
+            unknown = True
+            continue
+        c = int(cls[s])
+        k = drafter_k_row(int(class_arm[c, 0]), int(class_arm[c, 1]), int(verifying[s, PLAN_METHOD]), configured,
+                          composite, max_k)  # fmt: skip
+        top = max(top, k)
+    if unknown:
+        for c in range(class_arm.shape[0]):
+            top = max(top, drafter_k_row(int(class_arm[c, 0]), int(class_arm[c, 1]), -1, configured, composite,
+                                         max_k))  # fmt: skip
+    return top
 
 
 @kernel
@@ -300,9 +334,17 @@ class StepKernel:
         self._ids: list[str] = []
         self._ids_changes = -1
         self._ids_slots = np.zeros(0, dtype=np.int64)
-        #: _plan_one's params: rule code (set per call), max K, configured method, composite, scoring.
+        #: _plan_one's params: rule code (set per call), max K, configured method, composite, scoring;
+        #: and ``_choose``'s: the length of the configured drafter's drafts (set per call).
         self._choose_params = np.array(
-            [0, controls.engine.max_k, rows.configured, controls.composite, scorer is not None],
+            [
+                0,
+                controls.engine.max_k,
+                rows.configured,
+                controls.composite,
+                scorer is not None,
+                controls.engine.max_k,
+            ],
             dtype=np.int64,
         )
         sc = scorer
@@ -418,7 +460,7 @@ class StepKernel:
         unplanned: Sequence[int] = (),
     ) -> list[list[int]]:
         """Per request the draft to verify next (the configured drafter's, n-gram's or none, cut to
-        its K); the plan is recorded for the step that verifies it, except for the rows ``unplanned``
+        its K, the configured drafter's K at most its drafts' length); the plan is recorded for the step that verifies it, except for the rows ``unplanned``
         (whose draft vLLM drops: no step verifies it)."""
         slots = self.fast.slots(req_ids)
         self._reserve()
@@ -432,6 +474,7 @@ class StepKernel:
         state, drafts_ix = (
             (sc.arrays()[0], sc.arrays()[4]) if sc is not None else (self._no_state, self._no_drafts)
         )
+        self._choose_params[5] = max(map(len, drafts), default=0)
         taken = _choose(*self.fast.arrays(), self.rows.arrays()[0], self.rows.arrays()[1], self._arms(directive, n),
                         state, drafts_ix, slots, out, ngram, self._choose_params, p0, p1, p2)  # fmt: skip
         if unplanned:
@@ -483,6 +526,14 @@ class StepKernel:
             if admit is not None:
                 for j in self.rows.admit(new):
                     admit(j, int(new[j]))
+
+    def drafter_k_guess(self, directive: Directive, req_ids: list[str], batch_size: int) -> int:
+        """Synchronous scheduling: the largest K the configured drafter's rows are likely to plan for
+        the drafts made after this step (``_drafter_k_guess``; 0: none)."""
+        self._rule(directive)
+        verifying, cls, live = self.rows.arrays()
+        return int(_drafter_k_guess(verifying, cls, live, self._arms(directive, batch_size),
+                                    self.slots_of(req_ids), self._choose_params))  # fmt: skip
 
     def fast_slots_of(self, ids: Sequence[str]) -> np.ndarray:
         """The fast loop's slot of each request (-1: none), not kept."""

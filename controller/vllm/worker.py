@@ -13,8 +13,9 @@ puts the K the configured drafter's own rows need on the scheduler output (``EAG
 largest planned K, at least 1, raised to a K vLLM prepared), and ``propose_at_eagle_k`` runs the
 proposer at that K and widens its drafts back to the width, so n-gram rows can draft long (to max K
 in a copy span) without EAGLE paying as many forwards for the whole batch. Under synchronous
-scheduling (the engine core cuts drafts, ``engine_hooks.py``) and on the V2 runner (``v2.py``) EAGLE
-still runs at the table's K.
+scheduling the engine core lowers the step's ``num_spec_tokens_to_schedule`` itself (its drafts reach
+the scheduler whole: nothing to widen; ``engine_hooks.py``); on the V2 runner (``v2.py``) EAGLE still
+runs at the table's K.
 
 What must hold: the merge only ever replaces whole rows of requests named in the attribute; a row
 whose n-gram draft is empty keeps EAGLE's draft (the scheduler has already reserved its slots); any

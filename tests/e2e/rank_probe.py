@@ -2,8 +2,8 @@
 process, the drafts the V1 runner hands on each step (after the plugin's merge and the ranks'
 agreement), so the test can require every rank to verify the same drafts; and it can make one rank's
 merge fail. The tiny model's dummy weights cannot show ranks that verified different drafts in its
-outputs: they are the same whatever the drafts. The async e2e (``test_vllm_async``) reads the K vLLM's
-EAGLE proposer was called with on each step (``eagle_k``: the proposer's ``num_speculative_tokens``
+outputs: they are the same whatever the drafts. The async and synchronous e2e (``test_vllm_async``,
+``test_vllm_plugin``) read the K vLLM's EAGLE proposer was called with on each step (``eagle_k``: the proposer's ``num_speculative_tokens``
 per call), which nothing a user sees shows per step.
 
 Registered beside the plugin by ``harness.plugin_path``; idle unless ``SPECCONTROL_E2E_RANK_PROBE``
@@ -25,13 +25,13 @@ def register() -> None:
         return
     import controller.vllm.worker as worker
 
-    install = worker.install_v1_runner
+    install = worker._runner_for  # the worker's V1 runner set-up, under either scheduling
     if getattr(install, "probed", False):
         return
     path = os.path.join(where, f"{os.getpid()}.jsonl")
 
-    def install_then_probe(**kw: Any) -> None:
-        install(**kw)
+    def install_then_probe(*args: Any) -> None:
+        install(*args)
         from vllm.v1.spec_decode.llm_base_proposer import (  # type: ignore[import-not-found]
             SpecDecodeBaseProposer,
         )
@@ -68,7 +68,7 @@ def register() -> None:
         GPUModelRunner.propose_draft_token_ids = probed
 
     install_then_probe.probed = True  # type: ignore[attr-defined]
-    worker.install_v1_runner = install_then_probe
+    worker._runner_for = install_then_probe
 
     fault = os.environ.get("SPECCONTROL_E2E_RANK_FAULT")
     if fault:

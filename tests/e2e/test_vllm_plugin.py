@@ -29,7 +29,12 @@ TTL_S = 4.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("e2e-vllm"), max_k=MAX_K) as st:
+    # An engine that prepared every K (the plugin's table and EAGLE's K may use each), with the probe
+    # of the K vLLM's EAGLE proposer is called with (``rank_probe``).
+    tmp = tmp_path_factory.mktemp("e2e-vllm")
+    (tmp / "probe").mkdir()
+    env = {"SPECCONTROL_E2E_RANK_PROBE": str(tmp / "probe")}
+    with running_stack(tmp, max_k=MAX_K, engine_env=env, every_k=True) as st:
         yield st
 
 
@@ -242,3 +247,31 @@ def test_5_trace_record_from_the_running_server(stack: Stack) -> None:
     props = [p for r in reqs for p in r["ngram_proposal"]]
     assert len(props) == len(counts) and all(0 <= p <= MAX_K for p in props)
     assert sum(p > 0 for p in props) > len(props) // 2
+
+
+def _probed_steps(stack: Stack) -> list[dict[str, Any]]:
+    """The worker's steps as ``rank_probe`` recorded them (one worker: one file)."""
+    return [json.loads(line) for f in sorted((stack.tmp / "probe").glob("*.jsonl"))
+            for line in f.read_text().splitlines() if line.strip()]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tag", "arm", "eagle_k"), [("ngram-s", f"ngram:{MAX_K}", 1), ("eagle-s", "eagle3:2", 2)]
+)
+def test_6_eagle_drafts_at_its_own_rows_k(stack: Stack, tag: str, arm: str, eagle_k: int) -> None:
+    """Synchronous scheduling: vLLM's EAGLE proposer runs at the K its own rows need, not the K
+    table's entry (the directive's K, here the pinned arm's): pinned n-gram rows draft MAX_K from the
+    engine core while EAGLE is called with K 1 (its first forward still runs); EAGLE rows pinned at 2
+    have it called with 2."""
+    k = int(arm.split(":")[1])
+    v = stack.set_policy(f"ek-{tag}", arm)
+    seen = len(_probed_steps(stack))
+    resp = stack.complete(48, tag)
+    rows = [r for r in _req_rows(stack, resp) if r["dv"] >= v and r["drafted"]]
+    settled = rows[2:]
+    assert settled and all(r["k"] == k and r["drafted"] == k for r in settled), rows
+    assert all(r["method"] == arm.split(":")[0] for r in settled), rows
+    steps = [s for s in _probed_steps(stack)[seen:] if any(q.startswith(resp["id"]) for q in s["reqs"])]
+    later = steps[2:]
+    assert later and all(s["eagle_k"] == [eagle_k] for s in later), [s["eagle_k"] for s in steps]
+    assert all(len(d) == eagle_k for s in later for d in s["drafts"]), steps[-1]

@@ -109,8 +109,8 @@ def test_the_composite_engine_keeps_drafts_within_the_placeholders_and_prices_ea
     # Under async scheduling vLLM gives each request the table's placeholders and the plugin can only
     # shorten them: a draft is cut to that width, which is max_k where the span rule drafts n-gram
     # (Directive.width_for_batch) and the table's K otherwise. The plugin's worker runs EAGLE-3 at
-    # the longest K of the rows drafting it, for every row; vLLM's own proposer (synchronous
-    # scheduling: `eagle_at_table`) runs it at the table's K.
+    # the longest K of the rows drafting it, for every row (synchronous scheduling: see
+    # test_synchronous_scheduling_runs_eagle_at_the_k_guessed_before_the_step).
     from dataclasses import replace
 
     from policies.rules import validate_rule
@@ -135,17 +135,41 @@ def test_the_composite_engine_keeps_drafts_within_the_placeholders_and_prices_ea
     uncapped = replace(ENGINES["composite"], table_cap=False)
     assert longest(wide_plan, ENGINES["composite"]) == 2 < longest(wide_plan, uncapped) == 6
     assert longest(span, ENGINES["composite"]) == longest(span, uncapped) > 2  # the rule's room: max_k
-    # Priced: one step of 16 rows all planned at K 1 (below the table's 2) pays EAGLE at 1 on the
-    # plugin's worker, at 2 where vLLM's proposer runs at the table's K.
+    # Priced: one step of 16 rows all planned at K 1 (below the table's 2) pays EAGLE at 1, not 2.
     one = replace(safe_default_directive(Arm(Method.EAGLE3, 1), max_k=tr.max_k), k_table=base.k_table)
+    two = safe_default_directive(Arm(Method.EAGLE3, 2), max_k=tr.max_k)
     times = {}
-    for name, engine in (
-        ("capped", ENGINES["composite"]),
-        ("at the table", replace(ENGINES["composite"], eagle_at_table=True)),
-    ):
-        kern = StepKernel(trace=tr, profile=PROFILE, engine=engine)
-        kern.step(one, np.arange(16, dtype=np.int64))
-        step = kern.step(one)
-        assert set(step.k.tolist()) == {1}
+    for name, d in (("one", one), ("two", two)):
+        kern = StepKernel(trace=tr, profile=PROFILE, engine=ENGINES["composite"])
+        kern.step(d, np.arange(16, dtype=np.int64))
+        step = kern.step(d)
+        assert set(step.k.tolist()) == {int(name == "two") + 1}
         times[name] = step.duration_s
-    assert times["at the table"] > times["capped"]
+    assert times["two"] > times["one"]
+
+
+def test_synchronous_scheduling_runs_eagle_at_the_k_guessed_before_the_step() -> None:
+    # composite-sync: the plugin sets the K vLLM's EAGLE-3 proposer runs at before the step, from each
+    # request's class arm, leaving out a request whose pending plan is n-gram's
+    # (policies.engine_rules.drafter_k_row); a request that then plans EAGLE-3 longer gets what was
+    # drafted. Priced at that K for every row, as the async worker's is at its rows' longest.
+    from dataclasses import replace
+
+    tr = generate("code-edit", n_requests=16, seed=2, methods=(Method.EAGLE3, Method.NGRAM))
+    sync = ENGINES["composite-sync"]
+    assert sync.eagle_guessed and not ENGINES["composite"].eagle_guessed
+    ngram = replace(safe_default_directive(Arm(Method.NGRAM, 4), max_k=tr.max_k), method=Method.EAGLE3)
+    eagle = safe_default_directive(Arm(Method.EAGLE3, 3), max_k=tr.max_k)
+    assert ngram.k_for_batch(16, tr.max_k) == 4
+    guessed = replace(ENGINES["composite"], eagle_guessed=True)  # the same scheduling, priced apart
+    kern, ref = (StepKernel(trace=tr, profile=PROFILE, engine=e) for e in (guessed, ENGINES["composite"]))
+    for k in (kern, ref):
+        k.step(ngram, np.arange(16, dtype=np.int64))
+    for _ in range(3):  # every row on n-gram: EAGLE-3 at 1 (its first forward), as on the async path
+        a, b = kern.step(ngram), ref.step(ngram)
+        assert set(a.method.tolist()) == {METHOD_CODES[Method.NGRAM]}
+        assert a.duration_s == b.duration_s
+    after = [kern.step(eagle) for _ in range(2)]  # the class turns to EAGLE-3 at 3
+    assert set(after[0].k.tolist()) == {1}  # guessed from the n-gram plans pending: 1 drafted
+    assert set(after[1].k.tolist()) == {3}
+    assert after[0].duration_s < after[1].duration_s

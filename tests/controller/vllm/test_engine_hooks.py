@@ -461,3 +461,109 @@ def test_eagle_k_at_a_full_batch_of_256_mixed_rows(table_ks: set[int] | None, ea
     } == {3}
     assert len(getattr(last, NGRAM_ROWS_ATTR)) == 64
     assert getattr(last, EAGLE_K_ATTR) == eagle_k
+
+
+class FakeSyncScheduler(FakeAsyncScheduler):
+    """Synchronous scheduling: each step verifies the drafts the requests hold, vLLM's drafter then
+    drafts ``num_spec_tokens_to_schedule`` tokens for every row (token 5), and post_step hands those
+    to ``update_draft_token_ids``, whose choice the requests hold next."""
+
+    def step(self, hooks: EngineHooks) -> Any:
+        hooks.before_schedule(self)
+        ids = list(self.requests)
+        so = types.SimpleNamespace(
+            num_scheduled_tokens={r: 1 + len(self.requests[r].spec_token_ids) for r in ids},
+            scheduled_spec_decode_tokens={
+                r: list(q.spec_token_ids) for r, q in self.requests.items() if q.spec_token_ids
+            },
+            scheduled_new_reqs=[],
+            finished_req_ids=set(),
+            total_num_scheduled_tokens=len(ids),
+            num_spec_tokens_to_schedule=self.dynamic_sd_lookup[len(ids)],
+        )
+        hooks.after_schedule(self, so)
+        self.update(hooks, so)
+        drafts = hooks.choose_drafts(ids, [[5] * so.num_spec_tokens_to_schedule for _ in ids])
+        for r, d in zip(ids, drafts, strict=True):
+            self.requests[r].spec_token_ids = d
+        return so
+
+
+def _sync_hooks(max_k: int, directive: Directive, table_ks: set[int] | None = None) -> EngineHooks:
+    h = _hooks_at(max_k, directive, table_ks, max_batch_size=256)
+    h.async_composite = False
+    h.sync_drafter_k = True
+    return h
+
+
+@pytest.mark.parametrize(
+    ("arms", "table_ks", "drafter_k"),
+    [
+        ({"code": "ngram:8", "chat": "eagle3:3"}, None, 3),  # EAGLE's own rows' K, n-gram's drafts whole
+        ({"code": "ngram:8", "chat": "eagle3:3"}, {2, 4, 8}, 4),  # raised to a K vLLM prepared
+        ({"code": "ngram:8", "chat": "eagle3:2", "bulk": "eagle3:1"}, None, 2),  # the largest of EAGLE's
+        ({"code": "ngram:8"}, None, 1),  # no EAGLE row: its first forward still runs
+        ({"code": "ngram:8", "bulk": "off"}, {2, 4, 8}, 2),  # off rows need nothing: 1, prepared 2
+        ({"code": "ngram:3", "chat": "eagle3:8"}, None, 8),  # EAGLE's rows need the table's K
+    ],
+)
+def test_sync_drafter_runs_at_its_own_rows_k(
+    arms: dict[str, str], table_ks: set[int] | None, drafter_k: int
+) -> None:
+    """Synchronous scheduling: vLLM runs EAGLE at the step's ``num_spec_tokens_to_schedule``, which the
+    plugin lowers from the table's entry (8) to the largest K its own rows plan; each row still gets
+    its own K, n-gram rows their n-gram drafts (not cut by EAGLE's K)."""
+    d = _directive(1, *(PlanEntry(c, 1, 0, Arm.parse(a)) for c, a in arms.items()), k=8)
+    h = _sync_hooks(8, d, table_ks)
+    s = FakeSyncScheduler([Req(c, c) for c in arms])
+    for c in arms:  # a long copy: n-gram drafts as long as it may
+        s.requests[c]._all_token_ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 3 + [1, 2, 3, 4]
+    steps = [s.step(h) for _ in range(6)]
+    assert s.dynamic_sd_lookup[len(arms)] == 8  # the table as the directive says
+    assert {so.num_spec_tokens_to_schedule for so in steps[2:]} == {drafter_k}
+    want = {c: Arm.parse(a).k for c, a in arms.items()}
+    eagle = {c for c, a in arms.items() if a.startswith("eagle")}
+    assert {r: len(q.spec_token_ids) for r, q in s.requests.items() if r in eagle} == {
+        c: want[c] for c in eagle
+    }
+    recs = [row for row in _rows(h.link) if row[0] >= 2]  # type: ignore[arg-type]
+    for _, rid, method, k, drafted in recs:
+        assert (method, k) == ((arms[rid].split(":")[0], want[rid]) if want[rid] else ("off", 0)), recs
+        assert drafted <= k
+
+
+def test_sync_a_row_leaving_ngram_gets_what_eagle_drafted_and_reports_it() -> None:
+    """The guess is made before the plans: a row whose pending plan is n-gram's is left out of it, so
+    when its class turns to EAGLE-3 its first EAGLE draft is as long as EAGLE ran (1), reported so
+    (K 1, not the plan's 3: the fast loop sees the K verified); from the next step on, 3."""
+    h = _sync_hooks(8, _directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 4)), k=8))
+    s = FakeSyncScheduler([Req("a", "chat")])
+    for _ in range(3):
+        s.step(h)
+    assert s.step(h).num_spec_tokens_to_schedule == 1
+    h.link.d = _directive(2, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 3)), k=8)  # type: ignore[attr-defined]
+    ks = [s.step(h).num_spec_tokens_to_schedule for _ in range(3)]
+    assert ks == [1, 3, 3]
+    rows = _rows(h.link)  # type: ignore[arg-type]
+    assert [(m, k, dr) for _, _, m, k, dr in rows[-2:]] == [("eagle3", 1, 1), ("eagle3", 3, 3)], rows
+
+
+def test_sync_drafter_k_at_a_full_batch_of_256_mixed_rows() -> None:
+    arms = {"code": "ngram:8", "chat": "eagle3:3", "maths": "eagle3:5", "bulk": "off"}
+    d = _directive(1, *(PlanEntry(c, 1, 0, Arm.parse(a)) for c, a in arms.items()), k=8)
+    h = _sync_hooks(8, d, {2, 4, 8})
+    classes = list(arms)
+    s = FakeSyncScheduler([Req(f"r{i}", classes[i % 4]) for i in range(256)])
+    s.dynamic_sd_lookup = [8] * 257
+    steps = [s.step(h) for _ in range(4)]
+    assert [so.num_spec_tokens_to_schedule for so in steps] == [8, 8, 8, 8]  # maths' 5, prepared as 8
+    arms["maths"] = "ngram:8"  # maths turns to n-gram: EAGLE needs chat's 3 only
+    h.link.d = _directive(2, *(PlanEntry(c, 1, 0, Arm.parse(a)) for c, a in arms.items()), k=8)  # type: ignore[attr-defined]
+    steps = [s.step(h) for _ in range(3)]
+    assert steps[-1].num_spec_tokens_to_schedule == 4  # chat's 3, prepared as 4
+    lens = {
+        len(q.spec_token_ids)
+        for q in s.requests.values()
+        if q.sampling_params.extra_args["traffic_class"] == "chat"
+    }
+    assert lens == {3}
