@@ -161,8 +161,9 @@ class EngineHooks:
         self.mode = PER_REQUEST_COMPOSITE
         #: Async scheduling with the worker-side merge: plans are made when placeholders are sized.
         self.async_composite = False
-        #: Synchronous scheduling with the composite drafter and EAGLE-3 / P-EAGLE: the drafter runs at
-        #: the K its rows need (``_narrow_drafter``), not the table's.
+        #: Synchronous scheduling with the composite drafter and EAGLE-3 / P-EAGLE, in an engine whose
+        #: table may be swapped: the drafter runs at the K its rows need (``_narrow_drafter``), not the
+        #: table's.
         self.sync_drafter_k = False
         #: Whether the scheduler's K table may be swapped (see ``fixed_table_reason``).
         self.swap_table = True
@@ -270,7 +271,8 @@ class EngineHooks:
         hooks.mode = mode
         hooks.swap_table = fixed is None
         hooks.async_composite = composite and async_sched
-        hooks.sync_drafter_k = composite and not async_sched and method is not Method.NGRAM
+        # (not where vLLM did not prepare dynamic K, nor under data parallelism: see fixed_table_reason)
+        hooks.sync_drafter_k = composite and not async_sched and method is not Method.NGRAM and fixed is None
         hooks.original_lookup = scheduler.dynamic_sd_lookup
         hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
@@ -562,7 +564,9 @@ class EngineHooks:
         # The K the configured drafter proposes at in the worker: its own rows' largest (n-gram rows
         # only fill placeholders; off rows have none), raised to a prepared K, at most the width.
         top = max(itertools.compress(ks, map(operator.not_, on_ngram)), default=0)
-        eagle_k = min(self._drafter_ks[top], so.num_spec_tokens_to_schedule)
+        width = so.num_spec_tokens_to_schedule
+        # (the full width where vLLM did not prepare dynamic K, or ranks must agree: fixed_table_reason)
+        eagle_k = min(self._drafter_ks[top], width) if self.swap_table else width
         setattr(so, NGRAM_ROWS_ATTR, frozenset(itertools.compress(ids, on_ngram)))
         setattr(so, EAGLE_K_ATTR, eagle_k)  # last: set only where the plan above is whole
 

@@ -460,8 +460,9 @@ class StepKernel:
         unplanned: Sequence[int] = (),
     ) -> list[list[int]]:
         """Per request the draft to verify next (the configured drafter's, n-gram's or none, cut to
-        its K, the configured drafter's K at most its drafts' length); the plan is recorded for the step that verifies it, except for the rows ``unplanned``
-        (whose draft vLLM drops: no step verifies it)."""
+        its K, the configured drafter's K at most its drafts' length); the plan is recorded for the
+        step that verifies it, except for the rows ``unplanned`` (whose draft vLLM drops: no step
+        verifies it)."""
         slots = self.fast.slots(req_ids)
         self._reserve()
         n = len(req_ids)

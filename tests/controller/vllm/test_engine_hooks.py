@@ -567,3 +567,23 @@ def test_sync_drafter_k_at_a_full_batch_of_256_mixed_rows() -> None:
         if q.sampling_params.extra_args["traffic_class"] == "chat"
     }
     assert lens == {3}
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_the_drafter_keeps_the_tables_k_where_vllm_did_not_prepare_dynamic_k(scheduling: str) -> None:
+    """Where the table may not be swapped (no start-up schedule: vLLM prepared only its max K; data
+    parallelism: every rank must draft the same K), EAGLE runs at the step's K, as vLLM set it."""
+    from controller.vllm.mode import EAGLE_K_ATTR
+
+    d = _directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 8)), k=8)
+    h = _sync_hooks(8, d) if scheduling == "sync" else _hooks_at(8, d)
+    h.swap_table = False
+    h.sync_drafter_k = False  # as EngineHooks.create sets it where the table is fixed
+    if scheduling == "sync":
+        s = FakeSyncScheduler([Req("a", "code")])
+        s.dynamic_sd_lookup = [8] * 9
+        assert {s.step(h).num_spec_tokens_to_schedule for _ in range(4)} == {8}
+    else:
+        s2 = FakeAsyncScheduler([Req("a", "code")])
+        s2.dynamic_sd_lookup = [8] * 9
+        assert {getattr(s2.schedule(h), EAGLE_K_ATTR) for _ in range(4)} == {8}
