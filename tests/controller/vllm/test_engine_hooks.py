@@ -59,10 +59,10 @@ class FakeAsyncScheduler:
         self.waiting: list[Any] = []
         self.dynamic_sd_lookup: list[int] = [MAX_K] * 9
 
-    def schedule(self, hooks: EngineHooks) -> Any:
-        hooks.before_schedule(self)
+    def output(self) -> Any:
+        """The scheduler output of a step that schedules every request with the draft it holds."""
         ids = list(self.requests)
-        so = types.SimpleNamespace(
+        return types.SimpleNamespace(
             num_scheduled_tokens={r: 1 + len(self.requests[r].spec_token_ids) for r in ids},
             scheduled_spec_decode_tokens={
                 r: list(q.spec_token_ids) for r, q in self.requests.items() if q.spec_token_ids
@@ -72,6 +72,11 @@ class FakeAsyncScheduler:
             total_num_scheduled_tokens=len(ids),
             num_spec_tokens_to_schedule=self.dynamic_sd_lookup[len(ids)],
         )
+
+    def schedule(self, hooks: EngineHooks) -> Any:
+        hooks.before_schedule(self)
+        ids = list(self.requests)
+        so = self.output()
         placeholders = [-1] * so.num_spec_tokens_to_schedule
         for r in ids:  # AsyncScheduler._update_after_schedule: one shared placeholder list
             self.requests[r].spec_token_ids = placeholders
@@ -471,16 +476,7 @@ class FakeSyncScheduler(FakeAsyncScheduler):
     def step(self, hooks: EngineHooks) -> Any:
         hooks.before_schedule(self)
         ids = list(self.requests)
-        so = types.SimpleNamespace(
-            num_scheduled_tokens={r: 1 + len(self.requests[r].spec_token_ids) for r in ids},
-            scheduled_spec_decode_tokens={
-                r: list(q.spec_token_ids) for r, q in self.requests.items() if q.spec_token_ids
-            },
-            scheduled_new_reqs=[],
-            finished_req_ids=set(),
-            total_num_scheduled_tokens=len(ids),
-            num_spec_tokens_to_schedule=self.dynamic_sd_lookup[len(ids)],
-        )
+        so = self.output()
         hooks.after_schedule(self, so)
         self.update(hooks, so)
         drafts = hooks.choose_drafts(ids, [[5] * so.num_spec_tokens_to_schedule for _ in ids])
