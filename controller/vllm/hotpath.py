@@ -191,14 +191,16 @@ def _choose(
     p0: float,
     p1: float,
     p2: float,
-) -> int:
+) -> tuple[int, int]:
     """Synchronous scheduling: each slot's plan (``_plan_one``) recorded in ``verifying`` for the
     report, the configured drafter's K at most the length of its drafts (``params[5]``: vLLM ran it at
     the step's K); out rows: draft source, its length; a row that takes the n-gram draft finds it in
-    ``ngram_out`` (its first tokens). Returns how many rows take it."""
-    composite = params[3] != 0
+    ``ngram_out`` (its first tokens). Returns how many rows take it, and ``_drafter_k_guess`` of these
+    rows with these plans pending (what the next schedule guesses, if it schedules no other rows)."""
+    max_k, composite = int(params[1]), params[3] != 0
     configured, drafted = int(params[2]), int(params[5])
     taken = 0
+    top = 0
     for j in range(len(slots)):
         s = int(slots[j])
         m, k, prop = _plan_one(ewma, steps, run, last_k, cls, class_arm, state, s, params, p0, p1, p2)
@@ -208,6 +210,10 @@ def _choose(
         verifying[s, PLAN_METHOD] = m
         verifying[s, PLAN_K] = k
         verifying[s, PLAN_PROPOSAL] = prop
+        c = int(cls[s])
+        top = max(
+            top, drafter_k_row(int(class_arm[c, 0]), int(class_arm[c, 1]), m, configured, composite, max_k)
+        )
         src, length = source_row(m, k, max(prop, 0), composite)
         out[0, j] = src
         out[1, j] = length
@@ -215,7 +221,7 @@ def _choose(
             for t in range(length):
                 ngram_out[j, t] = drafts[s, t]
             taken += 1
-    return taken
+    return taken, top
 
 
 @kernel
@@ -330,6 +336,8 @@ class StepKernel:
         self._fast_max_k = 0  # the fast loop's max K as last put in _update_params
         self._no_plans = np.zeros((0, 3), dtype=np.int64)
         self._room = np.zeros(1, dtype=np.int64)
+        #: The last ``choose``'s directive, batch size and ``_drafter_k_guess`` (-1: none).
+        self._chosen: tuple[Directive | None, int, int] = (None, 0, -1)
         #: ``slots_of``'s last answer: the ids, the fast loop's slot changes then, the slots.
         self._ids: list[str] = []
         self._ids_changes = -1
@@ -476,8 +484,11 @@ class StepKernel:
             (sc.arrays()[0], sc.arrays()[4]) if sc is not None else (self._no_state, self._no_drafts)
         )
         self._choose_params[5] = max(map(len, drafts), default=0)
-        taken = _choose(*self.fast.arrays(), self.rows.arrays()[0], self.rows.arrays()[1], self._arms(directive, n),
-                        state, drafts_ix, slots, out, ngram, self._choose_params, p0, p1, p2)  # fmt: skip
+        taken, top = _choose(*self.fast.arrays(), self.rows.arrays()[0], self.rows.arrays()[1],
+                             self._arms(directive, n), state, drafts_ix, slots, out, ngram, self._choose_params, p0,
+                             p1, p2)  # fmt: skip
+        # (a row left unplanned has no plan pending: the schedule guesses afresh)
+        self._chosen = (directive, n, -1 if unplanned else top)
         if unplanned:
             self.rows.arrays()[0][slots[list(unplanned)]] = -1
         # The n-gram drafts are read only when a row takes one (most steps of most batches do not).
@@ -527,6 +538,14 @@ class StepKernel:
             if admit is not None:
                 for j in self.rows.admit(new):
                     admit(j, int(new[j]))
+
+    def chosen_drafter_k(self, directive: Directive, batch_size: int) -> int:
+        """``drafter_k_guess`` of the rows the last ``choose`` planned, with the plans it made: the
+        next schedule's guess when it schedules those rows or some of them (a row that left can only
+        lower the guess, so this is never below it) and ``directive`` and the batch size (its arms) are
+        the same; -1 where that is not known."""
+        d, n, top = self._chosen
+        return top if d is directive and n == batch_size else -1
 
     def drafter_k_guess(self, directive: Directive, req_ids: list[str], batch_size: int) -> int:
         """Synchronous scheduling: the largest K the configured drafter's rows are likely to plan for

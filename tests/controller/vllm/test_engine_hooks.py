@@ -5,6 +5,7 @@ K it was planned with, not a later plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +60,10 @@ class FakeAsyncScheduler:
         self.waiting: list[Any] = []
         self.dynamic_sd_lookup: list[int] = [MAX_K] * 9
 
+    def token(self, rid: str) -> int:
+        """What a request samples next: 7, so histories repeat (n-gram matches)."""
+        return 7
+
     def output(self) -> Any:
         """The scheduler output of a step that schedules every request with the draft it holds."""
         ids = list(self.requests)
@@ -88,7 +93,7 @@ class FakeAsyncScheduler:
         reqs = hooks.before_update(self, so)
         ids = list(so.num_scheduled_tokens)
         mro = types.SimpleNamespace(
-            sampled_token_ids=[[7] * (1 + min(accepted, len(so.scheduled_spec_decode_tokens.get(r, ()))))
+            sampled_token_ids=[[self.token(r) for _ in range(1 + min(accepted, len(so.scheduled_spec_decode_tokens.get(r, ()))))]
                                for r in ids],
             req_id_to_index={r: i for i, r in enumerate(ids)},
         )  # fmt: skip
@@ -583,3 +588,45 @@ def test_the_drafter_keeps_the_tables_k_where_vllm_did_not_prepare_dynamic_k(sch
         s2 = FakeAsyncScheduler([Req("a", "code")])
         s2.dynamic_sd_lookup = [8] * 9
         assert {getattr(s2.schedule(h), EAGLE_K_ATTR) for _ in range(4)} == {8}
+
+
+def test_sync_the_guess_made_with_the_plans_equals_the_one_made_at_the_schedule() -> None:
+    """``update_draft_token_ids``' kernel makes the next schedule's guess with the plans it makes (one
+    call less on the engine thread); over a batch of mixed classes drafting by the span rule, with a
+    directive change and a request leaving, it is the guess the schedule would make itself, and it is
+    not used where the batch or the directive differ."""
+    from policies.rules import validate_rule
+
+    arms = {"code": "eagle3:2", "chat": "eagle3:3", "maths": "eagle3:5", "bulk": "off"}
+
+    def directive(version: int) -> Directive:
+        d = _directive(version, *(PlanEntry(c, 1, 0, Arm.parse(a)) for c, a in arms.items()), k=8)
+        return dataclasses.replace(d, rule=validate_rule("ngram_span", {}))
+
+    h = _sync_hooks(8, directive(1), {2, 4, 8})
+    classes = list(arms)
+    s = FakeSyncScheduler([Req(f"r{i}", classes[i % 4]) for i in range(64)])
+    fresh = iter(range(1000, 10**6))
+    copying = {f"r{i}" for i in range(64) if i % 3 == 0}  # a third in a copy (n-gram rows), the rest
+    s.token = lambda rid: 7 if rid in copying else next(fresh)  # type: ignore[method-assign]
+    for rid, q in s.requests.items():  # sample tokens never seen (no n-gram match)
+        q._all_token_ids = [1, 2, 3, 1, 2, 3] if rid in copying else [1, 2, 3, 4]
+    s.dynamic_sd_lookup = [8] * 65
+    seen = set()
+    checked = 0
+    for step in range(12):
+        if step == 6:
+            arms["maths"] = "ngram:8"
+            h.link.d = directive(2)  # type: ignore[attr-defined]
+        if step == 9:
+            s.requests.pop("r0")
+        ids = list(s.requests)
+        h.before_schedule(s)
+        cached = h.kernels.chosen_drafter_k(h.directive, len(ids))
+        if cached >= 0:
+            assert cached == h.kernels.drafter_k_guess(h.directive, ids, len(ids)), step
+            checked += 1
+            seen.add(cached)
+        s.step(h)
+    assert checked >= 8 and seen == {5, 3}, seen  # maths' 5, then (maths on n-gram) chat's 3
+    assert h.kernels.chosen_drafter_k(h.directive, 7) == -1  # another batch size: other arms
