@@ -325,7 +325,8 @@ class EngineHooks:
         pending plans are this step's, the new ones are made after it), at least 1, raised to a K
         vLLM prepared: as under async scheduling (``size_placeholders``), a step whose rows all draft
         n-gram or nothing runs the drafter's first forward only. A row whose plan then wants more
-        gets what was drafted (``StepKernel.choose`` cuts the plan to the drafts' length)."""
+        gets what was drafted (``StepKernel.choose`` cuts the plan to the drafts' length). The guess
+        is usually ``choose``'s own (``StepKernel.chosen_drafter_k``)."""
         width = out.num_spec_tokens_to_schedule
         scheduled = out.num_scheduled_tokens
         if width <= 1 or not scheduled:
@@ -521,6 +522,7 @@ class EngineHooks:
             k.after_update(["a"], [[1]], {"a": [1]}, lambda rid: False, 0.3, start)
             k.choose(ctl.safe, ["a"], [[1] * max_k])
             k.place(ctl.safe, ["a"], [max_k], 1, ["a"])  # async scheduling's plan
+            k.drafter_k_guess(ctl.safe, ["a", "b"], 2)  # synchronous scheduling's afresh
         log.info("speccontrol: step kernels compiled in %.1f s", time.perf_counter() - t)
 
     # -- AsyncScheduler._update_after_schedule (async scheduling) ------------------------------

@@ -630,3 +630,22 @@ def test_sync_the_guess_made_with_the_plans_equals_the_one_made_at_the_schedule(
         s.step(h)
     assert checked >= 8 and seen == {5, 3}, seen  # maths' 5, then (maths on n-gram) chat's 3
     assert h.kernels.chosen_drafter_k(h.directive, 7) == -1  # another batch size: other arms
+
+
+def test_warm_up_compiles_every_step_kernel_before_serving() -> None:
+    """numba compiles a kernel on its first call; one first called while serving would stall the
+    engine thread for its compile. ``warm_up`` calls every hook kernel once."""
+    from controller.vllm import hotpath
+    from policies import jit
+
+    if not jit.numba_available():
+        pytest.skip("numba is not installed here (vLLM's environment has it: test_kernels_compiled)")
+    jit.use_numba(True)
+    try:
+        h = _sync_hooks(8, _directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.EAGLE3, 3)), k=8))
+        h.warm_up()
+        kernels = {n: k for n, k in vars(hotpath).items() if isinstance(k, jit.Kernel)}
+        assert {"_after_update", "_choose", "_place", "_drafter_k_guess"} <= set(kernels)
+        assert [n for n, k in kernels.items() if k.compiled is None] == []
+    finally:
+        jit.use_numba(None)
