@@ -31,4 +31,4 @@ fi
 # and pytest + hypothesis: the step-kernel tests run here compiled, with the numba vLLM ships.
 "$VLLM_VENV/bin/pip" install -q grpcio grpcio-health-checking grpcio-reflection protobuf numpy pyyaml \
   prometheus-client "aiomqtt>=2.3,<3" pytest hypothesis >/dev/null
-VLLM_VENV="$VLLM_VENV" SPECCONTROL_REQUIRE_VLLM=1 "$TEST_PY" -m pytest -q -p no:cacheprovider tests/e2e "$@"
+VLLM_VENV="$VLLM_VENV" SPECCONTROL_REQUIRE_VLLM=1 "$TEST_PY" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e "$@"

@@ -52,4 +52,4 @@ overlay="$(cd "$OVERLAY" && pwd)"
 # its platform detection that this is the CPU build, which its version string no longer says.
 PYTHONPATH="$overlay/src:$overlay/deps${PYTHONPATH:+:$PYTHONPATH}" VLLM_TARGET_DEVICE=cpu \
   VLLM_VENV="$VLLM_VENV" SPECCONTROL_REQUIRE_VLLM=1 SPECCONTROL_E2E_VLLM_VERSION="$VERSION" \
-  "$TEST_PY" -m pytest -q -p no:cacheprovider "${@:-tests/e2e}"
+  "$TEST_PY" -m pytest -q -p no:cacheprovider --durations=15 "${@:-tests/e2e}"

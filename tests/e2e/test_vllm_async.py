@@ -120,9 +120,11 @@ def test_4_eagle_drafts_at_its_own_rows_k_ngram_rows_at_the_width(
 
 
 def test_5_sidecar_killed_engine_keeps_serving(stack: Stack) -> None:
-    if "triton" in stack.tmp.name:
+    if not stack.tmp.name.startswith("e2e-vllm-async-host"):
+        # (CI's time: a TTL wait and a re-attach per stack)
         pytest.skip(
-            "the engine's side of a lost sidecar does not depend on the worker's kernels (run with the others)"
+            "the engine's side of a lost sidecar does not depend on where the worker drafts n-gram "
+            "(run with the host stack)"
         )
     stack.set_policy("before-kill", "ngram:2", ttl=TTL_S)
     stack.kill_sidecar()

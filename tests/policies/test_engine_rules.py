@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
-from policies.engine_rules import clamp_plan, clamp_row
+from policies.engine_rules import clamp_plan, clamp_row, drafter_k_guess, drafter_k_row
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -56,3 +56,40 @@ def test_edges() -> None:
         np.zeros(0, np.int8), np.zeros(0, np.int64), configured=Method.EAGLE3, composite=True, max_k=4
     )
     assert m.shape == k.shape == (0,)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            _CODES, st.integers(int(_I32.min), int(_I32.max)), st.integers(-1, len(METHODS_BY_CODE) - 1)
+        ),
+        max_size=600,
+    ),
+    configured=st.sampled_from([Method.EAGLE3, Method.P_EAGLE]),
+    composite=st.booleans(),
+    max_k=st.integers(1, 64),
+)
+def test_the_drafter_k_guess_is_the_largest_k_of_the_configured_drafters_rows_not_in_a_span(
+    rows: list[tuple[int, int, int]], configured: Method, composite: bool, max_k: int
+) -> None:
+    # Synchronous scheduling's guess of the K the configured drafter runs at (batches of up to 600
+    # rows, K across int32): each row's class arm as the engine plays it, where that is the
+    # configured drafter and the row's pending plan is not n-gram's; 0 for none.
+    methods = np.array([m for m, _, _ in rows], dtype=np.int8)
+    ks = np.array([k for _, k, _ in rows], dtype=np.int32)
+    pending = np.array([p for _, _, p in rows], dtype=np.int8)
+    got = drafter_k_guess(methods, ks, pending, configured=configured, composite=composite, max_k=max_k)
+    code = METHOD_CODES[configured]
+    want = 0
+    for m, k, p in rows:
+        cm, ck = clamp_row(m, k, code, composite, max_k)
+        if p != _NGRAM and cm == code:
+            want = max(want, ck)
+    assert got == want and 0 <= got <= max_k
+    assert [drafter_k_row(m, k, p, code, composite, max_k) for m, k, p in rows] == [
+        clamp_row(m, k, code, composite, max_k)[1]
+        if p != _NGRAM and clamp_row(m, k, code, composite, max_k)[0] == code
+        else 0
+        for m, k, p in rows
+    ]
