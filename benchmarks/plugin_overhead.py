@@ -252,8 +252,9 @@ def _scripted(batch: int, history: int, steps: int, mode: str, cold_mb: int = 0)
     on the same core), so the hooks start with their code and data out of the cache.
 
     ``mode``: "k-table" (no composite drafter), "composite-sync" (the update hooks, the drafter's K
-    guessed after the schedule, and ``update_draft_token_ids``), "composite-async" (the update hooks, ``size_placeholders`` in vLLM's
-    order: step N+1 scheduled before step N's update, and the worker's merge of n-gram rows)."""
+    guessed after the schedule, and ``update_draft_token_ids``), "composite-async" (the update
+    hooks, ``size_placeholders`` in vLLM's order: step N+1 scheduled before step N's update, and the
+    worker's merge of n-gram rows)."""
     import random
     from types import SimpleNamespace as NS
 
@@ -284,7 +285,7 @@ def _scripted(batch: int, history: int, steps: int, mode: str, cold_mb: int = 0)
     hooks = EngineHooks(settings=PluginSettings(sidecar="unix:///unused"), controls=ctl, link=link,  # type: ignore[arg-type]
                         scorer=NgramIndex(max_k=max_k) if composite else None, method=Method.EAGLE3)  # fmt: skip
     hooks.async_composite = is_async
-    hooks.sync_drafter_k = mode == "composite-sync"  # as EngineHooks.create sets them
+    hooks.sync_drafter_k = mode == "composite-sync"  # as EngineHooks.create sets it
     hooks.warm_up()
     rng = random.Random(0)
     ids = [f"req-{i}" for i in range(batch)]

@@ -161,9 +161,8 @@ class EngineHooks:
         self.mode = PER_REQUEST_COMPOSITE
         #: Async scheduling with the worker-side merge: plans are made when placeholders are sized.
         self.async_composite = False
-        #: Synchronous scheduling with the composite drafter and EAGLE-3 / P-EAGLE, in an engine whose
-        #: table may be swapped: the drafter runs at the K its rows need (``_narrow_drafter``), not the
-        #: table's.
+        #: Synchronous scheduling with the composite drafter and EAGLE-3 / P-EAGLE: the drafter runs at
+        #: the K its rows need (``_narrow_drafter``; where the table may be swapped), not the table's.
         self.sync_drafter_k = False
         #: Whether the scheduler's K table may be swapped (see ``fixed_table_reason``).
         self.swap_table = True
@@ -271,8 +270,7 @@ class EngineHooks:
         hooks.mode = mode
         hooks.swap_table = fixed is None
         hooks.async_composite = composite and async_sched
-        # (not where vLLM did not prepare dynamic K, nor under data parallelism: see fixed_table_reason)
-        hooks.sync_drafter_k = composite and not async_sched and method is not Method.NGRAM and fixed is None
+        hooks.sync_drafter_k = composite and not async_sched and method is not Method.NGRAM
         hooks.original_lookup = scheduler.dynamic_sd_lookup
         hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
@@ -329,7 +327,8 @@ class EngineHooks:
         is usually ``choose``'s own (``StepKernel.chosen_drafter_k``)."""
         width = out.num_spec_tokens_to_schedule
         scheduled = out.num_scheduled_tokens
-        if width <= 1 or not scheduled:
+        # (not where vLLM did not prepare dynamic K, nor under data parallelism: fixed_table_reason)
+        if width <= 1 or not scheduled or not self.swap_table:
             return
         # The usual step schedules the rows the last update_draft_token_ids planned, or fewer: its
         # kernel made the guess then. New or resumed requests (no plan pending) need it made afresh.

@@ -550,7 +550,6 @@ class StepKernel:
     def drafter_k_guess(self, directive: Directive, req_ids: list[str], batch_size: int) -> int:
         """Synchronous scheduling: the largest K the configured drafter's rows are likely to plan for
         the drafts made after this step (``_drafter_k_guess``; 0: none)."""
-        self._rule(directive)
         verifying, cls, live = self.rows.arrays()
         return int(_drafter_k_guess(verifying, cls, live, self._arms(directive, batch_size),
                                     self.slots_of(req_ids), self._choose_params))  # fmt: skip

@@ -579,7 +579,6 @@ def test_the_drafter_keeps_the_tables_k_where_vllm_did_not_prepare_dynamic_k(sch
     d = _directive(1, PlanEntry(ANY_CLASS, 1, 0, Arm(Method.NGRAM, 8)), k=8)
     h = _sync_hooks(8, d) if scheduling == "sync" else _hooks_at(8, d)
     h.swap_table = False
-    h.sync_drafter_k = False  # as EngineHooks.create sets it where the table is fixed
     if scheduling == "sync":
         s = FakeSyncScheduler([Req("a", "code")])
         s.dynamic_sd_lookup = [8] * 9
