@@ -21,15 +21,20 @@ A step's time is composed as in the simulator published with arXiv 2601.11580:
 
 What the engine's host adds per step (``Profile.host_time``, optional sections, 0 when absent):
 
-* ``scheduling.sync_step_s``: the CPU scheduling time that vLLM's async scheduling hides behind the
-  GPU step and synchronous scheduling pays on top of it (engine models say which they assume).
+* ``scheduling.sync_step_s``: vLLM's own CPU time per step (scheduling, taking the step's output),
+  which async scheduling hides behind the GPU step and synchronous scheduling pays on top of it.
 * ``plugin.<mode>.step_s`` + ``plugin.<mode>.per_request_s`` x batch: the controller plugin's own work
-  on the engine thread in the mode the engine runs it (``PLUGIN_MODES``: the K table only, the
-  composite drafter under async or synchronous scheduling; the engine model names its mode), charged
-  in full to every step of an engine a controller drives (a conservative bound: under async
-  scheduling part of it overlaps the GPU step). Static arms run a plain vLLM and pay nothing. A flat
-  ``plugin.step_s`` / ``plugin.per_request_s`` is one charge for every mode (a mode's own section
-  overrides it).
+  per step in the mode the engine runs it (``PLUGIN_MODES``: the K table only, the composite drafter
+  under async or synchronous scheduling; the engine model names its mode), on engines a controller
+  drives. Static arms run a plain vLLM and pay nothing. A flat ``plugin.step_s`` /
+  ``plugin.per_request_s`` is one charge for every mode (a mode's own section overrides it).
+
+``Profile.with_host`` adds that to a step's GPU time the way vLLM's scheduling does: in series where
+the step waits (synchronous scheduling; a composite step with n-gram rows waits for its tokens), and
+overlapped otherwise. Under async scheduling the engine core schedules step N+1 and hands it to the
+workers before it takes step N's output (``vllm/v1/engine/core.py``, ``step_with_batch_queue``, 0.32),
+and the plugin's hooks run inside that schedule and that output's update (the worker's, before its
+launches): the host's work delays a step only where it outlasts the GPU's, ``max(gpu, host)``.
 
 ``Profile.step_time`` prices one step (floats) or a whole run at once (arrays, one entry per step)
 with the same arithmetic.
@@ -159,14 +164,22 @@ class Profile:
             "composite_sync": self.plugin_composite_sync,
         }[mode]
 
-    def host_time(self, *, batch: _X, sync: bool | np.ndarray, plugin: PluginMode | None) -> _X:
-        """Seconds the engine's host adds to a step of ``batch`` requests: synchronous scheduling's
-        share (where ``sync``) and the controller plugin's work in its mode (``plugin``; None: a plain
-        vLLM). Floats or arrays alike (``sync`` per step then, or one for all)."""
-        t = self.sync_step_s * sync
+    def host_time(self, *, batch: _X, plugin: PluginMode | None) -> _X:
+        """Seconds of host work per step of ``batch`` requests: vLLM's own (``sync_step_s``) and the
+        controller plugin's in its mode (``plugin``; None: a plain vLLM). Floats or arrays alike."""
         if plugin is not None:
-            return t + self.plugin_cost(plugin).at(batch)  # type: ignore[return-value]
-        return t + 0.0 * batch  # type: ignore[return-value]
+            return self.sync_step_s + self.plugin_cost(plugin).at(batch)  # type: ignore[return-value]
+        return self.sync_step_s + 0.0 * batch  # type: ignore[return-value]
+
+    def with_host(self, gpu: _X, *, batch: _X, waits: bool | np.ndarray, plugin: PluginMode | None) -> _X:
+        """A step's seconds from its GPU time: the host's work (``host_time``) in series where the step
+        waits (``waits``: synchronous scheduling, or a step whose drafts need its tokens on the host),
+        overlapped with the GPU's otherwise (async scheduling: ``max(gpu, host)``). Floats, or arrays
+        with one entry per step (``waits`` per step then, or one for all)."""
+        host = self.host_time(batch=batch, plugin=plugin)
+        if isinstance(gpu, np.ndarray) or isinstance(waits, np.ndarray) or isinstance(host, np.ndarray):
+            return np.where(waits, gpu + host, np.maximum(gpu, host))  # type: ignore[return-value,no-any-return]
+        return gpu + host if waits else max(gpu, host)  # type: ignore[return-value,operator]
 
     # -- step pricing (one step with floats, or many at once with arrays: the same arithmetic) --------
 

@@ -41,8 +41,9 @@ vLLM runs its CPU ``ngram`` drafter only with synchronous scheduling (``config/v
 0.32) and only ``ngram_gpu`` under async. The controller
 plugin's own cost per step, in the mode it runs on the model (``EngineModel.plugin_mode``: the K table
 only on batch-granular engines, the composite drafter's per-request path otherwise; the profile's
-``plugin.<mode>``), is charged by the stepping kernel to engines a controller drives: static arms are
-a plain vLLM.
+``plugin.<mode>``), is charged by the stepping kernel to engines a controller drives (static arms are
+a plain vLLM), with vLLM's own host time: in series on a step that waits, overlapped with the GPU's
+work otherwise (``Profile.with_host``).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class EngineModel:
         return self.scheduling == "sync"
 
     def waits(self, ngram_rows: bool) -> bool:
-        """Whether a step pays synchronous scheduling's time (``ngram_rows``: a request drafts n-gram)."""
+        """Whether a step pays the host's time in series with the GPU's, as synchronous scheduling does
+        (``ngram_rows``: a request drafts n-gram; ``Profile.with_host``)."""
         return self.scheduling == "sync" or (ngram_rows and self.scheduling == "async-ngram-waits")
 
     @property

@@ -305,8 +305,8 @@ class StepKernel:
             p_eagle_spec=pe_spec,
             ngram_rows=float(is_ng),
         )
-        return gpu + self.profile.host_time(
-            batch=float(nd), sync=self.engine.waits(is_ng), plugin=self._plugin
+        return self.profile.with_host(
+            gpu, batch=float(nd), waits=self.engine.waits(is_ng), plugin=self._plugin
         )
 
     def _guess_drafter_k(self, directive: Directive, batch_size: int) -> int:

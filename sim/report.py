@@ -47,7 +47,7 @@ def _nan_none(o: Any) -> Any:
 
 
 def _host_line(prof: Profile) -> str:
-    """What the engine's host adds per step, by engine model (``Profile.host_time``)."""
+    """What the engine's host adds per step, by engine model (``Profile.host_time``, ``with_host``)."""
     by_mode: dict[PluginMode, list[str]] = {}
     for e in ENGINES.values():
         if e.methods:  # an engine without speculation runs no controller
@@ -59,11 +59,12 @@ def _host_line(prof: Profile) -> str:
     sync = ", ".join(f"`{e.name}`" for e in ENGINES.values() if e.sync)
     waits = ", ".join(f"`{e.name}`" for e in ENGINES.values() if e.scheduling == "async-ngram-waits")
     return (
-        f"- Host time per step: every engine model assumes async scheduling (vLLM's GPU default) but {sync}, "
-        f"which pays {prof.sync_step_s * 1e3:.2f} ms a step, and {waits}, which pays it on the steps where "
-        "a request drafts n-gram (the worker waits for that step's tokens); the controller plugin, in the mode it runs on "
-        f"each engine, at batch 8 / 32: {costs}; charged to engines a controller drives (a static arm alone "
-        "is a plain vLLM and pays nothing)."
+        f"- Host time per step: vLLM's own {prof.sync_step_s * 1e3:.2f} ms, plus the controller plugin in the mode "
+        f"it runs on each engine, at batch 8 / 32: {costs} (engines a controller drives; a static arm alone is a "
+        f"plain vLLM). Every engine model assumes async scheduling (vLLM's GPU default), where that work overlaps "
+        f"the GPU step and delays it only where it outlasts it, but {sync}, which pays it on top of every step, "
+        f"and {waits}, which pays it on top of the steps where a request drafts n-gram (the worker waits for "
+        "that step's tokens)."
     )
 
 

@@ -123,8 +123,8 @@ def price(
 ) -> np.ndarray:
     """Seconds for each of ``n_steps`` steps from its decode rows (at steps ``g``) and prefills. Static
     plans and oracles are priced without the controller plugin's cost (a static arm is a plain vLLM;
-    an oracle is a bound); a step the engine model makes wait pays synchronous scheduling's time
-    (``EngineModel.waits``)."""
+    an oracle is a bound); a step the engine model makes wait pays vLLM's host time in series
+    (``EngineModel.waits``, ``Profile.with_host``)."""
     features = step_features(
         engine,
         n_steps=n_steps,
@@ -137,7 +137,7 @@ def price(
     )
     gpu = profile.step_time(**features)
     waits = np.where(features["ngram_rows"] > 0, engine.waits(True), engine.waits(False))
-    out: np.ndarray = gpu + profile.host_time(batch=np.zeros(n_steps), sync=waits, plugin=None)
+    out: np.ndarray = profile.with_host(gpu, batch=np.zeros(n_steps), waits=waits, plugin=None)
     return out
 
 

@@ -217,18 +217,16 @@ def test_per_draft_replays_stepwise_and_vectorised_alike_and_flat_in_k(k: int) -
 def test_host_time_sync_scheduling_and_the_plugin_in_its_mode() -> None:
     p = load_profile("llama-3.1-8b-h100")
     assert p.sync_step_s > 0
-    assert p.host_time(batch=32.0, sync=False, plugin=None) == 0.0
-    assert p.host_time(batch=32.0, sync=True, plugin=None) == p.sync_step_s
+    assert p.host_time(batch=32.0, plugin=None) == p.sync_step_s
     for mode in PLUGIN_MODES:
         c = p.plugin_cost(mode)
         assert c.step_s > 0 and c.per_request_s > 0
-        assert p.host_time(batch=32.0, sync=False, plugin=mode) == pytest.approx(
-            c.step_s + 32 * c.per_request_s
+        assert p.host_time(batch=32.0, plugin=mode) == pytest.approx(
+            p.sync_step_s + c.step_s + 32 * c.per_request_s
         )
         batch = np.array([0.0, 8.0, 32.0])
         np.testing.assert_allclose(
-            p.host_time(batch=batch, sync=True, plugin=mode),
-            p.sync_step_s + c.step_s + c.per_request_s * batch,
+            p.host_time(batch=batch, plugin=mode), p.sync_step_s + c.step_s + c.per_request_s * batch
         )
     # The K table alone costs less than the composite drafter at every batch.
     for b in (1.0, 8.0, 32.0, 256.0):
@@ -238,6 +236,29 @@ def test_host_time_sync_scheduling_and_the_plugin_in_its_mode() -> None:
         q = load_profile(name)
         assert q.sync_step_s == p.sync_step_s
         assert [q.plugin_cost(m) for m in PLUGIN_MODES] == [p.plugin_cost(m) for m in PLUGIN_MODES]
+
+
+def test_host_work_is_in_series_where_a_step_waits_and_overlaps_the_gpu_otherwise() -> None:
+    # Async scheduling: the engine core schedules step N+1 before it takes step N's output, so vLLM's
+    # and the plugin's host work runs while the GPU does; it delays a step only past the GPU's time.
+    p = load_profile("llama-3.1-8b-h100")
+    host = p.host_time(batch=32.0, plugin="composite")
+    assert host > p.sync_step_s
+    for gpu in (0.2 * host, host, 5 * host, 0.015):
+        assert p.with_host(gpu, batch=32.0, waits=True, plugin="composite") == pytest.approx(gpu + host)
+        assert p.with_host(gpu, batch=32.0, waits=False, plugin="composite") == pytest.approx(max(gpu, host))
+    assert p.with_host(0.015, batch=32.0, waits=False, plugin=None) == 0.015
+    assert p.with_host(0.015, batch=32.0, waits=True, plugin=None) == pytest.approx(0.015 + p.sync_step_s)
+    # Arrays (the vectorised engine, one entry per step) give what floats give, step by step.
+    gpu = np.array([0.2 * host, host, 0.015, 0.015])
+    batch = np.array([32.0, 32.0, 8.0, 1.0])
+    waits = np.array([True, False, False, True])
+    got = p.with_host(gpu, batch=batch, waits=waits, plugin="composite")
+    want = [
+        p.with_host(float(g), batch=float(b), waits=bool(w), plugin="composite")
+        for g, b, w in zip(gpu, batch, waits, strict=True)
+    ]
+    np.testing.assert_allclose(got, want)
 
 
 def test_shipped_plugin_charges_follow_the_measured_plugin_cost() -> None:
@@ -289,7 +310,7 @@ def test_a_flat_plugin_section_is_one_charge_for_every_mode_and_a_mode_overrides
     assert p.plugin_composite == p.plugin_composite_sync == PluginCost(1e-4, 2e-6)
     del doc["plugin"]
     q = parse_profile(doc, source="p.yaml")
-    assert all(q.host_time(batch=32.0, sync=False, plugin=m) == 0.0 for m in PLUGIN_MODES)
+    assert all(q.host_time(batch=32.0, plugin=m) == q.sync_step_s for m in PLUGIN_MODES)
 
 
 @pytest.mark.parametrize(
