@@ -28,7 +28,8 @@ fi
 # The project itself (the plugin's entry point lives in its metadata): refreshed every run.
 "$VLLM_VENV/bin/pip" install -q --no-deps -e .
 # The sidecar's own dependencies too (benchmarks/plugin_overhead.py starts a sidecar with this Python),
-# and pytest + hypothesis: the step-kernel tests run here compiled, with the numba vLLM ships.
+# and pytest + hypothesis: the step-kernel tests run here compiled, with the numba vLLM ships (on two
+# workers: pytest-xdist).
 "$VLLM_VENV/bin/pip" install -q grpcio grpcio-health-checking grpcio-reflection protobuf numpy pyyaml \
-  prometheus-client "aiomqtt>=2.3,<3" pytest hypothesis >/dev/null
+  prometheus-client "aiomqtt>=2.3,<3" pytest pytest-xdist hypothesis >/dev/null
 VLLM_VENV="$VLLM_VENV" SPECCONTROL_REQUIRE_VLLM=1 "$TEST_PY" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e "$@"

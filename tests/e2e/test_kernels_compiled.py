@@ -37,8 +37,13 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
         "tests/policies/test_engine_rules.py",
     ]
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
+    # Two workers where vLLM's environment has pytest-xdist (scripts/e2e_vllm.sh installs it): the
+    # longest test (the device drafter at serving sizes in Triton's interpreter, ~50 s) then runs
+    # beside the others, and this test takes about half the time on two cores.
+    xdist = subprocess.run([str(VLLM_PY), "-c", "import xdist"], capture_output=True).returncode == 0
+    workers = ["-n", "2"] if xdist else []
     proc = subprocess.run(
-        [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
+        [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *workers, *files],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
