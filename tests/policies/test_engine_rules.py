@@ -81,15 +81,11 @@ def test_the_drafter_k_guess_is_the_largest_k_of_the_configured_drafters_rows_no
     pending = np.array([p for _, _, p in rows], dtype=np.int8)
     got = drafter_k_guess(methods, ks, pending, configured=configured, composite=composite, max_k=max_k)
     code = METHOD_CODES[configured]
-    want = 0
-    for m, k, p in rows:
+
+    def row_k(m: int, k: int, p: int) -> int:
         cm, ck = clamp_row(m, k, code, composite, max_k)
-        if p != _NGRAM and cm == code:
-            want = max(want, ck)
-    assert got == want and 0 <= got <= max_k
-    assert [drafter_k_row(m, k, p, code, composite, max_k) for m, k, p in rows] == [
-        clamp_row(m, k, code, composite, max_k)[1]
-        if p != _NGRAM and clamp_row(m, k, code, composite, max_k)[0] == code
-        else 0
-        for m, k, p in rows
-    ]
+        return ck if p != _NGRAM and cm == code else 0
+
+    want = [row_k(m, k, p) for m, k, p in rows]
+    assert got == max(want, default=0) and 0 <= got <= max_k
+    assert [drafter_k_row(m, k, p, code, composite, max_k) for m, k, p in rows] == want
