@@ -2,6 +2,11 @@
 
 Setting is atomic: the document is parsed completely first, and a broken one raises PolicyError and
 leaves the active policy in force.
+
+Restoring a snapshot loses only what is bad, and names each thing it drops: a history entry this
+version refuses is dropped alone (by path and revision), and a current document it refuses (a rule
+added since the version that saved it) does not take the valid earlier revisions with it, so
+rollback still reaches the newest of them. Revision numbers never go backwards across a restore.
 """
 
 from __future__ import annotations
@@ -74,6 +79,15 @@ class _Slot:
     history: deque[PolicyRecord]
 
 
+@dataclass(slots=True)
+class _Kept:
+    """An engine whose saved override was refused: it follows the default, but its valid earlier
+    revisions stay for rollback (and in the snapshot), numbered after ``revision`` (the refused one)."""
+
+    revision: int
+    history: deque[PolicyRecord]
+
+
 class PolicyStore:
     def __init__(
         self,
@@ -87,6 +101,7 @@ class PolicyStore:
         self._limit = history
         self._default = _Slot(PolicyRecord(default, 1, source, clock()), deque(maxlen=history))
         self._engines: dict[str, _Slot] = {}
+        self._kept: dict[str, _Kept] = {}  # never an engine of _engines
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -107,7 +122,7 @@ class PolicyStore:
 
     def history(self, engine_id: str = "") -> list[PolicyRecord]:
         """Earlier revisions, newest first."""
-        s = self._engines.get(engine_id) if engine_id else self._default
+        s = (self._engines.get(engine_id) or self._kept.get(engine_id)) if engine_id else self._default
         return list(reversed(s.history)) if s is not None else []
 
     def copy(self) -> PolicyStore:
@@ -117,6 +132,9 @@ class PolicyStore:
         new._default = _Slot(self._default.current, deque(self._default.history, maxlen=self._limit))
         new._engines = {
             e: _Slot(s.current, deque(s.history, maxlen=self._limit)) for e, s in self._engines.items()
+        }
+        new._kept = {
+            e: _Kept(k.revision, deque(k.history, maxlen=self._limit)) for e, k in self._kept.items()
         }
         return new
 
@@ -131,8 +149,10 @@ class PolicyStore:
     def set_spec(self, spec: PolicySpec, *, source: str, engine_id: str = "") -> PolicyRecord:
         slot = self._default if not engine_id else self._engines.get(engine_id)
         if slot is None:
-            rec = PolicyRecord(spec, 1, source, self.clock(), engine_id)
-            self._engines[engine_id] = _Slot(rec, deque(maxlen=self._limit))
+            # a refused override's kept revisions become this override's history
+            kept = self._kept.pop(engine_id, None) or _Kept(0, deque(maxlen=self._limit))
+            rec = PolicyRecord(spec, kept.revision + 1, source, self.clock(), engine_id)
+            self._engines[engine_id] = _Slot(rec, kept.history)
             return rec
         rec = PolicyRecord(spec, slot.current.revision + 1, source, self.clock(), engine_id)
         slot.history.append(slot.current)
@@ -144,6 +164,14 @@ class PolicyStore:
         revision is removed, so the engine follows the default again. Raises NoPreviousPolicy."""
         if engine_id:
             slot = self._engines.get(engine_id)
+            kept = self._kept.get(engine_id) if slot is None else None
+            if kept is not None and kept.history:
+                # back to the newest revision saved before the refused one
+                del self._kept[engine_id]
+                prev = kept.history.pop()
+                rec = PolicyRecord(prev.spec, kept.revision + 1, prev.source, self.clock(), engine_id)
+                self._engines[engine_id] = _Slot(rec, kept.history)
+                return rec
             if slot is None:
                 raise NoPreviousPolicy(f"engine {engine_id!r} has no policy of its own to roll back")
             if not slot.history:
@@ -165,7 +193,12 @@ class PolicyStore:
         def slot(s: _Slot) -> dict[str, Any]:
             return {"current": s.current.to_json(), "history": [r.to_json() for r in s.history]}
 
-        return {"default": slot(self._default), "engines": {e: slot(s) for e, s in self._engines.items()}}
+        def kept(k: _Kept) -> dict[str, Any]:
+            # no current: an older version drops the entry as it dropped the refused override
+            return {"current": None, "revision": k.revision, "history": [r.to_json() for r in k.history]}
+
+        engines = {e: slot(s) for e, s in self._engines.items()} | {e: kept(k) for e, k in self._kept.items()}
+        return {"default": slot(self._default), "engines": engines}
 
     @classmethod
     def from_json(
@@ -181,36 +214,64 @@ class PolicyStore:
         """The store a snapshot saved. The default policy's current record is required (SnapshotError
         or PolicyError without it), but for ``fallback``: where the record is whole and only its
         document is refused (a rule added since the version that saved it), ``fallback()`` (the
-        configured default policy and its source) serves instead, at the next revision, and the rest
-        of the snapshot is kept. A bad history entry or engine override is dropped alone, with a
-        line appended to ``problems``."""
+        configured default policy and its source) serves instead, at the revision after every saved
+        one, with the valid history kept for rollback; the rest of the snapshot is kept too. An
+        engine override whose document is refused is dropped (the engine follows the default) but
+        its valid history is kept for rollback. A bad history entry or engine override is dropped
+        alone. Each thing dropped appends one line to ``problems``, naming its path (and revision)."""
         dropped = problems if problems is not None else []
 
-        def slot(s: Any, at: str) -> _Slot:
+        def past(s: Mapping[str, Any], at: str) -> deque[PolicyRecord]:
+            """The valid history entries, oldest first; each bad one is dropped by itself."""
+            kept: list[tuple[int, PolicyRecord]] = []
+            for i, r in enumerate(list_field(s, "history", path=at, max_len=10 * history)):
+                try:
+                    kept.append((i, PolicyRecord.from_json(r, path=f"{at}.history[{i}]")))
+                except (SnapshotError, PolicyError) as e:
+                    # what and where first: log lines are cut at 300 characters, reasons can be long
+                    dropped.append(f"{at}.history[{i}]{_revision_of(r, at)} dropped: {e}")
+            # a snapshot from a store that kept more: the oldest go, as on set, each one named
+            cut = max(0, len(kept) - history)
+            for i, rec in kept[:cut]:
+                dropped.append(
+                    f"{at}.history[{i}] (revision {rec.revision}) dropped: only {history} are kept"
+                )
+            return deque((rec for _, rec in kept[cut:]), maxlen=history)
+
+        def slot(s: Any, at: str) -> _Slot | tuple[PolicyError, int, deque[PolicyRecord]]:
+            """The slot, or (why its current document is refused, the revision after every saved
+            one, its valid history) when only that document is refused."""
             if not isinstance(s, Mapping):
                 raise SnapshotError(f"{at}: expected an object, got {type(s).__name__}")
-            current = PolicyRecord.from_json(s.get("current"), path=f"{at}.current")
-            past: deque[PolicyRecord] = deque(maxlen=history)
-            for i, r in enumerate(list_field(s, "history", path=at, max_len=10 * history)[-history:]):
+            try:
+                current = PolicyRecord.from_json(s.get("current"), path=f"{at}.current")
+            except PolicyError as e:
+                # the record's shape was checked up to its document; an unreadable revision is
+                # taken as 0, the history's revisions still keep the numbering going forward
+                cur = s["current"]  # a mapping: checked before its document
                 try:
-                    past.append(PolicyRecord.from_json(r, path=f"{at}.history[{i}]"))
-                except (SnapshotError, PolicyError) as e:
-                    dropped.append(f"{e}: history entry dropped")
-            return _Slot(current, past)
+                    revision = int_field(cur, "revision", path=f"{at}.current", lo=1)
+                except SnapshotError:
+                    revision = 0
+                kept = past(s, at)
+                return e, max([revision, *(r.revision for r in kept)]), kept
+            return _Slot(current, past(s, at))
 
-        try:
-            default = slot(d.get("default"), f"{path}.default")
-        except PolicyError as e:
+        def kept_line(kept: deque[PolicyRecord]) -> str:
+            n = len(kept)
+            return f" ({n} earlier revisions kept for rollback, the newest {kept[-1].revision})" if n else ""
+
+        default = slot(d.get("default"), f"{path}.default")
+        if not isinstance(default, _Slot):
+            e, revision, kept = default
             if fallback is None:
-                raise
+                raise e
             spec, source = fallback()
-            cur = d.get("default", {}).get("current", {})
-            try:  # (the record's shape was checked up to its document)
-                revision = int_field(cur, "revision", path=f"{path}.default.current", lo=1) + 1
-            except SnapshotError:
-                revision = 1
-            dropped.append(f"{e}; the configured default policy {spec.name!r} serves instead")
-            default = _Slot(PolicyRecord(spec, revision, source, clock()), deque(maxlen=history))
+            dropped.append(
+                f"{path}.default.current refused, the configured default policy {spec.name!r} serves"
+                f" instead{kept_line(kept)}: {e}"
+            )
+            default = _Slot(PolicyRecord(spec, revision + 1, source, clock()), kept)
         store = cls(default=default.current.spec, source=default.current.source, clock=clock, history=history)
         store._default = default
         for eid, s in mapping_field(d, "engines", path=path).items():
@@ -218,7 +279,29 @@ class PolicyStore:
             try:
                 if not eid or len(eid) > MAX_ENGINE_ID or has_control(eid):
                     raise SnapshotError(f"{at}: not an engine id")
+                if isinstance(s, Mapping) and s.get("current", 0) is None:
+                    # what to_json writes for an override refused at an earlier start
+                    revision = int_field(s, "revision", path=at, lo=1)
+                    kept = past(s, at)
+                    if kept:
+                        store._kept[eid] = _Kept(max([revision, *(r.revision for r in kept)]), kept)
+                    continue
                 own = slot(s, at)
+                if not isinstance(own, _Slot):
+                    e, revision, kept = own
+                    cur = s["current"]  # a mapping: checked before its document
+                    owner = str_field(
+                        cur, "engine_id", path=f"{at}.current", max_len=MAX_ENGINE_ID, name=True
+                    )
+                    if owner != eid:
+                        raise SnapshotError(f"{at}: holds engine {owner!r}'s policy")
+                    dropped.append(
+                        f"{at}.current refused, the engine's own policy dropped (it follows the default)"
+                        f"{kept_line(kept)}: {e}"
+                    )
+                    if kept:
+                        store._kept[eid] = _Kept(revision, kept)
+                    continue
                 # the key decides which engine runs it, the record's id is what policy list shows
                 if own.current.engine_id != eid:
                     raise SnapshotError(f"{at}: holds engine {own.current.engine_id!r}'s policy")
@@ -226,6 +309,14 @@ class PolicyStore:
             except (SnapshotError, PolicyError) as e:
                 dropped.append(f"{e}: the engine's own policy dropped (it follows the default)")
         return store
+
+
+def _revision_of(r: Any, at: str) -> str:
+    """``" (revision N)"`` for a dropped history entry whose revision can be read, else ``""``."""
+    try:
+        return f" (revision {int_field(r, 'revision', path=at, lo=1)})" if isinstance(r, Mapping) else ""
+    except SnapshotError:
+        return ""
 
 
 __all__ = ["NoPreviousPolicy", "PolicyError", "PolicyRecord", "PolicyStore"]

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controller.policy_store import NoPreviousPolicy, PolicyStore
 from policies.presets import load_preset, preset_text
-from policies.spec import PolicyError
+from policies.spec import PolicyError, PolicySpec
 
 
 def make() -> PolicyStore:
@@ -82,3 +87,154 @@ def test_a_saved_policy_an_older_version_accepted_still_restores() -> None:
     saved["default"]["current"]["yaml"] = text
     restored = PolicyStore.from_json(saved)
     assert restored.default.spec.slo["window"] == 32
+
+
+# -- restoring around refused documents: nothing valid is lost, each drop is named --------------
+
+NAMES = ["ucb1", "thompson", "static-off", "static-ngram-4", "epsilon-greedy", "hedge", "sw-ucb"]
+
+
+def configured() -> tuple[PolicySpec, str]:
+    return load_preset("static-eagle3-3"), "preset:static-eagle3-3"
+
+
+def saved(n: int, engine_id: str = "") -> dict[str, Any]:
+    """A snapshot's policies after ``n`` sets (revisions 1..n+1 for the default, 1..n for an override)."""
+    s = make()
+    for name in NAMES[:n]:
+        s.set(preset_text(name), source=f"preset:{name}", engine_id=engine_id)
+    return copy.deepcopy(s.to_json())
+
+
+def refuse(record: dict[str, Any]) -> None:
+    """What a newer version's rule does to a document: this version refuses it."""
+    record["yaml"] = record["yaml"].replace(
+        "apiVersion: speccontrol/v1", "apiVersion: speccontrol/v1\nfuture_rule: 1", 1
+    )
+
+
+def restore(d: dict[str, Any]) -> tuple[PolicyStore, list[str]]:
+    problems: list[str] = []
+    return PolicyStore.from_json(d, clock=lambda: 9.0, problems=problems, fallback=configured), problems
+
+
+def test_a_refused_default_keeps_its_valid_history_and_rollback_reaches_it() -> None:
+    d = saved(3)  # current: static-off at 4; history: default 1, ucb1 2, thompson 3
+    refuse(d["default"]["current"])
+    s, problems = restore(d)
+    assert (s.default.spec.name, s.default.revision) == ("static-eagle3-3", 5)  # after every saved one
+    assert [(h.spec.name, h.revision) for h in s.history()] == [("thompson", 3), ("ucb1", 2), ("default", 1)]
+    (line,) = problems  # one thing dropped: the refused document, named by path and reason
+    assert line.startswith(
+        "policies.default.current refused, the configured default policy 'static-eagle3-3'"
+    )
+    assert "3 earlier revisions kept for rollback, the newest 3" in line and "future_rule" in line
+    back = s.rollback()
+    assert (back.spec.name, back.revision, back.source) == ("thompson", 6, "preset:thompson")
+    # and the next restart still has them (the snapshot written at start must not lose them)
+    again, problems = restore(s.to_json())
+    assert problems == [] and again.to_json() == s.to_json()
+
+
+def test_bad_history_entries_are_dropped_each_by_name_and_the_rest_kept() -> None:
+    d = saved(4)  # history: default 1, ucb1 2, thompson 3, static-off 4
+    h = d["default"]["history"]
+    refuse(h[1])
+    h[2]["set_at_s"] = "yesterday"
+    h.append("not a record")
+    s, problems = restore(d)
+    assert (s.default.spec.name, s.default.revision) == ("static-ngram-4", 5)
+    assert [h.revision for h in s.history()] == [4, 1]
+    assert [p.split(" dropped: ")[0] for p in problems] == [
+        "policies.default.history[1] (revision 2)",
+        "policies.default.history[2] (revision 3)",
+        "policies.default.history[4]",
+    ]
+    assert "future_rule" in problems[0] and "set_at_s" in problems[1]
+
+
+def test_a_refused_default_with_bad_history_entries_keeps_the_good_ones() -> None:
+    d = saved(3)
+    refuse(d["default"]["current"])
+    refuse(d["default"]["history"][2])  # thompson at 3
+    d["default"]["current"]["revision"] = "six"  # unreadable: the history still numbers what follows
+    s, problems = restore(d)
+    assert s.default.revision == 3
+    assert [h.revision for h in s.history()] == [2, 1]
+    assert len(problems) == 2 and problems[0].startswith("policies.default.history[2] (revision 3) dropped: ")
+    assert s.rollback().spec.name == "ucb1"
+
+
+def test_a_refused_override_follows_the_default_and_keeps_its_history() -> None:
+    d = saved(3, engine_id="e1")  # e1: ucb1 1, thompson 2, static-off 3 (current)
+    refuse(d["engines"]["e1"]["current"])
+    s, problems = restore(d)
+    assert s.overrides() == {} and s.effective("e1") == s.default
+    assert [h.revision for h in s.history("e1")] == [2, 1]
+    (line,) = problems
+    assert line.startswith("policies.engines['e1'].current refused, the engine's own policy dropped")
+    assert "2 earlier revisions kept for rollback" in line
+    # kept across another restart (and an older version drops the entry as it dropped the override)
+    again, problems = restore(s.to_json())
+    assert problems == [] and again.to_json() == s.to_json() and again.overrides() == {}
+    back = again.copy().rollback("e1")
+    assert (back.spec.name, back.revision, back.engine_id) == ("thompson", 4, "e1")
+    # a new override continues the numbering, with the kept revisions as its history
+    rec = again.set(preset_text("hedge"), source="h", engine_id="e1")
+    assert rec.revision == 4 and [h.revision for h in again.history("e1")] == [2, 1]
+    assert again.rollback("e1").spec.name == "thompson"
+
+
+def test_a_refused_override_with_no_valid_history_is_dropped_as_before() -> None:
+    d = saved(1, engine_id="e1")
+    refuse(d["engines"]["e1"]["current"])
+    s, problems = restore(d)
+    assert s.overrides() == {} and s.history("e1") == [] and len(problems) == 1
+    assert "e1" not in s.to_json()["engines"]
+    with pytest.raises(NoPreviousPolicy):
+        s.rollback("e1")
+
+
+@given(
+    n=st.integers(1, len(NAMES)),
+    bad=st.sets(st.integers(0, len(NAMES) - 1)),
+    how=st.sampled_from(["document", "shape", "type"]),
+    current=st.booleans(),
+    engine=st.booleans(),
+)
+def test_exactly_the_valid_entries_survive_in_order_and_revisions_only_grow(
+    n: int, bad: set[int], how: str, current: bool, engine: bool
+) -> None:
+    eid = "e1" if engine else ""
+    d = saved(n, engine_id=eid)
+    slot = d["engines"]["e1"] if engine else d["default"]
+    history = slot["history"]
+    bad = {i for i in bad if i < len(history)}
+    for i in bad:
+        if how == "document":
+            refuse(history[i])
+        elif how == "shape":
+            history[i]["revision"] = -1
+        else:
+            history[i] = [history[i]]
+    if current:
+        refuse(slot["current"])
+    want = [r["revision"] for i, r in enumerate(history) if i not in bad]
+    saved_max = slot["current"]["revision"]
+
+    s, problems = restore(d)
+    assert len(problems) == len(bad) + current  # every entry dropped is counted, each on its own line
+    assert [h.revision for h in s.history(eid)] == list(reversed(want))
+    if engine and current:
+        assert eid not in s.overrides()
+    else:
+        got = s.get(eid)
+        assert got.revision >= saved_max and (got.revision > saved_max) == current
+    # rolling back walks the valid entries newest first, each at a higher revision than the last
+    last = saved_max
+    for r in reversed(want):
+        back = s.rollback(eid)
+        assert back.revision > last and back.source == next(
+            h["source"] for h in history if isinstance(h, dict) and h.get("revision") == r
+        )
+        last = back.revision
