@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -345,13 +346,21 @@ class SidecarConfig:
 
 
 def _dir_usable(path: str, *, field: str) -> None:
-    """``path`` is a directory, or can be made one: its nearest existing ancestor is a directory."""
+    """``path`` is a directory, or can be made one: its nearest existing ancestor is a directory in
+    which a directory can be made (tried, and removed again: ``/proc`` is a directory, writable by
+    root, in which mkdir still fails, so a check of modes passed what ``serve`` then could not make)."""
     p = Path(os.path.abspath(path))
     while not p.exists() and not p.is_symlink() and p != p.parent:
         p = p.parent
     if not p.is_dir():
         where = "" if str(p) == os.path.abspath(path) else f" (where {path} would be made)"
         raise ConfigError(f"{p} exists and is not a directory{where}", field=field)
+    if str(p) == os.path.abspath(path):
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".speccontrol-check-", dir=p))
+    except OSError as e:
+        raise ConfigError(f"cannot make {path} in {p}: {e.strerror or e}", field=field) from None
 
 
 def _str(cfg: SidecarConfig, name: str) -> str:
@@ -393,6 +402,18 @@ def _key_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
     return ({} if data is None else data), lines.by_path
 
 
+def _key_text(key: Any, lines: dict[str, int]) -> tuple[str, int | None]:
+    """A key as an error names it, and its line: YAML's null (``~``) is the key None, whose ``str()``
+    is no text in the file, so its line was not found."""
+    if key is None:
+        for text in ("~", "null", "Null", "NULL", ""):
+            if text and text in lines:
+                return "null", lines[text]
+        return "null", None
+    text = str(key)
+    return (text if text.isprintable() else ascii(key)), lines.get(text)
+
+
 def parse_config(text: str, *, source: str = "<config>") -> SidecarConfig:
     """A config from YAML text. Raises ConfigError naming source, line and field."""
     if len(text.encode("utf-8", "replace")) > MAX_CONFIG_BYTES:
@@ -406,11 +427,9 @@ def parse_config(text: str, *, source: str = "<config>") -> SidecarConfig:
         )
     for key in data:
         if not isinstance(key, str) or key not in FIELD_NAMES:
+            name, line = _key_text(key, lines)
             raise ConfigError(
-                f"unknown setting (known: {', '.join(FIELD_NAMES)})",
-                source=source,
-                line=lines.get(str(key)),
-                field=str(key) if str(key).isprintable() else ascii(key),
+                f"unknown setting (known: {', '.join(FIELD_NAMES)})", source=source, line=line, field=name
             )
     try:
         return SidecarConfig(**data)

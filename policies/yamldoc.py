@@ -10,6 +10,8 @@ field path; each caller turns it into its own error type.
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any
 
 import yaml
@@ -95,5 +97,21 @@ def load(text: str, *, max_depth: int, max_nodes: int) -> tuple[Any, Lines]:
     except YamlProblem:
         raise
     except ValueError as e:  # int() of a number beyond Python's 4,300-digit limit, in the constructor
+        line, key = _long_integer_at(text)
+        if line is not None:  # Python's message names its own limit and no line: say it in the file's terms
+            raise YamlProblem(
+                f"an integer longer than {sys.get_int_max_str_digits()} digits", line=line, path=key
+            ) from None
         raise YamlProblem(f"invalid value: {str(e).splitlines()[0]}") from None
     return data, lines
+
+
+def _long_integer_at(text: str) -> tuple[int | None, str]:
+    """The line of the first integer in ``text`` too long for Python to convert, and the key that
+    starts that line ("" when none)."""
+    m = re.search(rf"\d{{{sys.get_int_max_str_digits() + 1},}}", text)
+    if m is None:
+        return None, ""
+    line = text.count("\n", 0, m.start()) + 1
+    key = re.match(r"\s*([^\s:#][^:#]*?)\s*:", text.splitlines()[line - 1])
+    return line, key.group(1) if key else ""

@@ -25,7 +25,7 @@ from policies.spec import PolicyError, PolicySpec, static_policy
 from policies.text import one_line
 from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
-from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
+from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, name_problem, profile_names
 from sim.engines import ENGINES, EngineModel
 from sim.files import output_problem, replace_file
 from sim.trace import (
@@ -189,6 +189,8 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
 
     try:
         levels = _concurrency(args.concurrency)
+        if not args.profile.strip(" ,"):
+            raise _UsageError(f"--profile {args.profile!r}: not a profile name or file")
         profiles = [load_profile(n.strip()) for n in args.profile.split(",") if n.strip()]
         names = (args.policy or ["default", "epsilon-greedy"]) if compare else [args.policy]
         policies = [resolve_policy(n) for n in names]
@@ -290,6 +292,9 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         except ImportError as e:
             _err(f"--out: plots need matplotlib (pip install 'speccontrol[sim]'): {e}")
             return EXIT_USAGE
+        except UnicodeEncodeError:  # a name from a file name that is not UTF-8 (the reader refuses the rest)
+            _err(f"--out {where}: a name in the report is not valid Unicode text; nothing written there")
+            return EXIT_RUNTIME
     if args.json:
         if many:
             Path(args.json).write_text(json.dumps(_sweep_json(cmps), indent=2) + "\n", encoding="utf-8")
@@ -387,6 +392,11 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
     try:
         _check_output("--out", args.out)
         _check_output("--plot", args.plot, suffix=".png")
+        name = args.name if args.name is not None else Path(args.out).stem
+        bad_name = name_problem(name)
+        if bad_name is not None:  # before the fit: a name that cannot load is not written
+            flag = "--name" if args.name is not None else "--out (its stem names the profile: give --name)"
+            raise _UsageError(f"{flag}: {bad_name}")
         if args.plot:
             _need_matplotlib("--plot")
         engines = _engines(args.engine)
@@ -403,7 +413,6 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens,
             level=args.level,
         )
-        name = args.name or Path(args.out).stem
         text = render_profile(fit, name=name, base=base, model=args.model, hardware=args.hardware)
         parse_profile(yaml.safe_load(text), source=args.out)  # what is written loads
     except (StepLogError, FitError, ProfileError, _UsageError) as e:
@@ -459,7 +468,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_trace_validate(args: argparse.Namespace) -> int:
     bad = 0
     for f in args.files:
-        errors = validate_trace(f)
+        # Path('') is '.': an empty argument was reported as the directory '.'.
+        errors = [TraceError("not a file name", source="''")] if not f else validate_trace(f)
         for e in errors:
             _err(str(e))
         if errors:

@@ -345,6 +345,93 @@ def _gpu_price_keys() -> frozenset[str]:
     return frozenset(load_prices().gpu_hour)
 
 
+@functools.cache
+def _api_price_keys() -> frozenset[str]:
+    from sim.prices import load_prices
+
+    return frozenset(load_prices().api_per_1m_output)
+
+
+#: A profile's name as policy names are (``metadata.name``): it names output directories
+#: (``sim compare --out DIR/TRACE--PROFILE``), so a '/' or '..' in it wrote outside ``--out``.
+MAX_NAME = 128
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with ``name`` as a profile name (None: nothing), in the words every reader uses."""
+    if (
+        not name
+        or len(name) > MAX_NAME
+        or name in (".", "..")
+        or not name.isascii()
+        or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+    ):
+        return f"must be 1-{MAX_NAME} letters, digits, '-', '_' or '.' (not '.' or '..'), got {shown(name)}"
+    return None
+
+
+#: Every key a profile may hold, by section (``None``: a section of its own check, ``plugin``).
+#: An unknown key is refused: a misspelt ``schedulng:`` silently priced host time at 0.
+_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(
+        {
+            "name",
+            "description",
+            "model",
+            "hardware",
+            "derivation",
+            "sources",
+            "target",
+            "draft",
+            "overhead_s",
+            "memory",
+            "gpu_price",
+            "api_price",
+            "moe",
+            "scheduling",
+            "plugin",
+            "fit",  # what ``profile fit`` measured (a record for the reader: not read, not checked)
+        }
+    ),
+    "target": frozenset({"kv_s_per_token", "batched_s_per_token", "const_s"}),
+    "draft": frozenset(m.value for m in (Method.EAGLE3, Method.P_EAGLE, Method.NGRAM)),
+    "draft.eagle3": frozenset({"kv_s_per_token", "spec_s_per_token", "const_s", "fit_k", "cost"}),
+    "draft.p_eagle": frozenset({"pass_forwards", "slot_s"}),
+    "draft.ngram": frozenset({"verify_fraction"}),
+    "memory": frozenset(
+        {
+            "gpu",
+            "gpu_memory_gb",
+            "num_gpus",
+            "weights_gb",
+            "draft_weights_gb",
+            "kv_bytes_per_token",
+            "reserve_gb",
+            "gpu_memory_utilization",
+        }
+    ),
+    "moe": frozenset(
+        {"expert_bytes_per_gpu", "num_experts", "experts_per_token", "bandwidth_bytes_per_s", "efficiency"}
+    ),
+    "scheduling": frozenset({"sync_step_s"}),
+}
+
+
+def _unknown_keys(d: Mapping[str, Any]) -> None:
+    """Refuse a key no section has (each section checked where it is a mapping; its own check says
+    when it is not)."""
+    for section, keys in _KEYS.items():
+        sub: Any = d
+        for part in section.split(".") if section else ():
+            sub = sub.get(part) if isinstance(sub, Mapping) else None
+        if not isinstance(sub, Mapping):
+            continue
+        unknown = sorted((str(k) for k in sub if k not in keys), key=str)
+        if unknown:
+            where = f"{section}.{unknown[0]}" if section else unknown[0]
+            raise ProfileError(f"{where}: unknown key (expected {', '.join(sorted(keys))})")
+
+
 def _check_physics(p: Profile) -> None:
     """What each figure in range can still get wrong together: a step that takes no time (its
     throughput is infinite, or 0 tok/s where a division guards it, and sim autoscale's learning curve
@@ -366,6 +453,12 @@ def _check_physics(p: Profile) -> None:
         raise ProfileError(
             f"gpu_price: unknown GPU {p.gpu_price_key!r} (sim/data/prices.yaml has: "
             f"{', '.join(sorted(_gpu_price_keys()))})"
+        )
+    # An unknown model's price dropped the report's API price line and table without a word.
+    if p.api_price_key and p.api_price_key not in _api_price_keys():
+        raise ProfileError(
+            f"api_price: unknown model {p.api_price_key!r} (sim/data/prices.yaml has: "
+            f"{', '.join(sorted(_api_price_keys()))}; or leave api_price out)"
         )
 
 
@@ -406,9 +499,12 @@ def _host_section(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def parse_profile(data: Any, *, source: str) -> Profile:
+def parse_profile(data: Any, *, source: str, lines: yamldoc.Lines | None = None) -> Profile:
+    """A profile from its parsed YAML; ProfileError ``SOURCE[:LINE]: field: message`` (the line when
+    ``lines``, the document's, is given)."""
     d = _map(data, source)
     try:
+        _unknown_keys(d)
         draft = _map(d.get("draft"), f"{source}: draft")
         e3 = _map(draft.get(Method.EAGLE3.value), f"{source}: draft.eagle3")
         pe = _map(draft.get(Method.P_EAGLE.value), f"{source}: draft.p_eagle")
@@ -459,14 +555,21 @@ def parse_profile(data: Any, *, source: str) -> Profile:
             sources=tuple(sources),
             **_host_section(d, source),
         )
+        bad_name = name_problem(profile.name)
+        if bad_name is not None:
+            raise ProfileError(f"name: {bad_name}")
         _check_physics(profile)
         return profile
     except KeyError as e:
         raise ProfileError(f"{source}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
-        # Every message names the file, then the field.
-        msg = str(e)
-        raise ProfileError(msg if msg.startswith(f"{source}: ") else f"{source}: {msg}") from None
+        # Every message names the file (and the field's line, when known), then the field.
+        msg = str(e).removeprefix(f"{source}: ")
+        fld = msg.partition(": ")[0]
+        line = lines.by_path.get(fld) if lines is not None and " " not in fld else None
+        if line is None and lines is not None and " " not in fld and "." in fld:
+            line = lines.by_path.get(fld.rpartition(".")[0])  # a missing field: its section's line
+        raise ProfileError(f"{source}:{line}: {msg}" if line else f"{source}: {msg}") from None
 
 
 def _profile_dir() -> Path:
@@ -482,7 +585,8 @@ def load_profile(name_or_path: str) -> Profile:
     p = Path(name_or_path)
     if not (p.suffix in (".yaml", ".yml") and p.exists()):
         p = _profile_dir() / f"{name_or_path}.yaml"
-        if not p.exists():
+        # A name is a shipped file's stem, never a path ('../x' read a file outside sim/profiles).
+        if name_problem(name_or_path) is not None or not p.exists():
             raise ProfileError(f"unknown profile {name_or_path!r} (known: {', '.join(profile_names())})")
     try:
         if p.stat().st_size > MAX_PROFILE_BYTES:
@@ -493,11 +597,12 @@ def load_profile(name_or_path: str) -> Profile:
     except OSError as e:
         raise ProfileError(f"{p}: cannot read: {e.strerror or e}") from None
     try:  # one YAML reader with the policies and the config: duplicate keys and deep nesting refused
-        data, _ = yamldoc.load(text, max_depth=12, max_nodes=100_000)
+        data, lines = yamldoc.load(text, max_depth=12, max_nodes=100_000)
     except yamldoc.YamlProblem as e:
-        where = f"{p}:{e.line}" if e.line else str(p)
-        raise ProfileError(f"{where}: {e.path + ': ' if e.path else ''}{e.message}") from None
-    return parse_profile(data, source=str(p))
+        line, path, message = e.line, e.path, e.message
+        where = f"{p}:{line}" if line else str(p)
+        raise ProfileError(f"{where}: {path + ': ' if path else ''}{message}") from None
+    return parse_profile(data, source=str(p), lines=lines)
 
 
 DEFAULT_PROFILE = "llama-3.1-8b-h100"

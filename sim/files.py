@@ -56,7 +56,13 @@ def output_problem(
     if not str(path):
         return f"{flag} '': not a {'directory' if directory else 'file'} name"
     if directory:
-        return f"{flag} {path}: is a file, not a directory" if p.exists() and not p.is_dir() else None
+        if p.exists() and not p.is_dir():
+            return f"{flag} {path}: is a file, not a directory"
+        # The directory is made with its parents after the run: a file among them failed it only then.
+        above = next((a for a in p.absolute().parents if a.exists()), None)
+        if above is not None and not above.is_dir():
+            return f"{flag} {path}: {above} is a file, not a directory to make it in"
+        return None
     if p.is_dir() or p.name in ("", ".", ".."):
         return f"{flag} {path}: is a directory, not a file"
     if suffix and p.suffix.lower() != suffix:

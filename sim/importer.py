@@ -432,8 +432,13 @@ def import_token_ids(
             raise fail("", "expected a JSON object with prompt_token_ids and output_token_ids")
         pids = _token_ids(obj.get("prompt_token_ids"), "prompt_token_ids", fail, min_len=0)
         oids = _token_ids(obj.get("output_token_ids"), "output_token_ids", fail, min_len=1)
-        if len(pids) > MAX_PROMPT_TOKENS or len(oids) > MAX_OUTPUT_TOKENS:
-            raise fail("output_token_ids", "request longer than the trace format's limits")
+        # Each list against its own limit: one message for both blamed the output for a long prompt.
+        for fld, tokens, most in (
+            ("prompt_token_ids", pids, MAX_PROMPT_TOKENS),
+            ("output_token_ids", oids, MAX_OUTPUT_TOKENS),
+        ):
+            if len(tokens) > most:
+                raise fail(fld, f"{len(tokens)} tokens, at most {most} (the trace format's limit)")
         acc_raw = obj.get("acc", {})
         if not isinstance(acc_raw, dict):
             raise fail("acc", 'must be an object such as {"eagle3": [counts...]}')

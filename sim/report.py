@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -329,13 +332,30 @@ def _arm_axes(ax_arm: Any, ax_acc: Any, r: RunResult, label: str) -> None:
 
 
 def write_report(cmp: Comparison, out_dir: Path, *, command: str = "") -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plots = plot_all(cmp, out_dir)
-    md = out_dir / "report.md"
-    md.write_text(markdown(cmp, command=command, plots=plots), encoding="utf-8")
-    js = out_dir / "result.json"
-    write_json(cmp, js)
-    return [md, js, *(out_dir / p for p in plots)]
+    """Write ``report.md``, ``result.json`` and the plots into ``out_dir`` (made when missing).
+
+    Everything is written into a sibling temporary directory first and moved in only when all of it
+    was written: a failure (a text that cannot be encoded, a full disk) left a 0-byte report.md next
+    to the plots, and no result.json.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    mask = os.umask(0)
+    os.umask(mask)
+    tmp.chmod(0o777 & ~mask)  # mkdtemp's 0700 would become out_dir's mode, unlike a plain mkdir's
+    try:
+        plots = plot_all(cmp, tmp)
+        (tmp / "report.md").write_bytes(markdown(cmp, command=command, plots=plots).encode("utf-8"))
+        (tmp / "result.json").write_bytes(json_text(cmp).encode("utf-8"))
+        names = ["report.md", "result.json", *plots]
+        if not out_dir.exists():
+            tmp.rename(out_dir)
+        else:
+            for name in names:
+                (tmp / name).replace(out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out_dir / n for n in names]
 
 
 __all__ = ["Entry", "markdown", "plot_all", "write_json", "write_report"]

@@ -18,9 +18,9 @@ physical range of every number are checked, and every breach is a ``FILE:LINE`` 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import math
+import re
 import sys
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -158,13 +158,13 @@ class TraceLimits:
 DEFAULT_LIMITS = TraceLimits()
 
 
-def _open_text(path: Path) -> IO[str]:
+def _open_bytes(path: Path) -> IO[bytes]:
     raw = path.open("rb")
     head = raw.read(2)
     raw.seek(0)
     if head == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8")
-    return io.TextIOWrapper(raw, encoding="utf-8")
+        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
+    return raw
 
 
 def _depth_ok(text: str, max_depth: int) -> bool:
@@ -210,26 +210,36 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
     total = 0
     blank = 0
     try:
-        with _open_text(path) as f:
+        with _open_bytes(path) as f:
             while True:
-                # readline(n) never holds more than n characters of one line in memory.
-                text = f.readline(limits.max_line_bytes + 1)
-                if not text:
+                # readline(n) never holds more than n bytes of one line in memory. Lines are read as
+                # bytes and decoded one at a time, so a byte that is not UTF-8 is reported on its own
+                # line (a text stream decodes in chunks and fails on an earlier line, or on none).
+                raw = f.readline(limits.max_line_bytes + 1)
+                if not raw:
                     return
                 lineno += 1
-                total += len(text)
+                total += len(raw)
                 if total > limits.max_decompressed_bytes:
                     raise TraceError(
                         f"decompressed text exceeds the limit of {limits.max_decompressed_bytes} bytes",
                         source=source,
                         line=lineno,
                     )
-                if len(text) > limits.max_line_bytes:
+                if len(raw) > limits.max_line_bytes:
                     raise TraceError(
                         f"line longer than the limit of {limits.max_line_bytes} characters",
                         source=source,
                         line=lineno,
                     )
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise TraceError(
+                        f"not valid UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)",
+                        source=source,
+                        line=lineno,
+                    ) from None
                 if text.strip():
                     yield lineno, text
                 else:
@@ -238,8 +248,8 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
                         raise TraceError(
                             f"more than {limits.max_blank_lines} blank lines", source=source, line=lineno
                         )
-    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile, zlib.error) as e:
-        raise TraceError(f"cannot read: {e}", source=source) from None
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise TraceError(f"cannot read: {e}", source=source, line=lineno or None) from None
 
 
 class _RepeatedKey(Exception):
@@ -263,12 +273,16 @@ def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = D
     integer too long to convert. Every JSON Lines reader of the simulator goes through it."""
     if not _depth_ok(text, limits.max_depth):
         raise TraceError(f"JSON nested deeper than {limits.max_depth} levels", source=source, line=line)
+    # The line's own newline goes: an error at its end (a line cut off) is then at its last column + 1,
+    # not at "column 1" of the line after it.
+    body = text.rstrip("\r\n")
     try:
-        return json.loads(text, object_pairs_hook=_no_repeated_keys)
+        value = json.loads(body, object_pairs_hook=_no_repeated_keys)
     except _RepeatedKey as e:  # JSON keeps the last of two equal keys: the first would be dropped unread
         raise TraceError(f"{e.key}: given twice in one object", source=source, line=line) from None
     except json.JSONDecodeError as e:
-        raise TraceError(f"invalid JSON: {e.msg} (column {e.colno})", source=source, line=line) from None
+        at = "at the end of the line: cut off?" if e.pos >= len(body.rstrip()) else f"column {e.pos + 1}"
+        raise TraceError(f"invalid JSON: {e.msg} ({at})", source=source, line=line) from None
     except ValueError:  # Python's int-string conversion limit, which is not a JSONDecodeError
         raise TraceError(
             f"invalid JSON: a number longer than {sys.get_int_max_str_digits()} digits",
@@ -277,6 +291,42 @@ def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = D
         ) from None
     except RecursionError:  # a nesting the pre-check missed must still not escape as a traceback
         raise TraceError("JSON nested too deeply", source=source, line=line) from None
+    # JSON's \\uD800 escapes decode to lone surrogates, which are not text: they would pass every check
+    # and then fail whatever writes them (a report, an imported trace) with half its output written.
+    if _SURROGATE_ESCAPE.search(body):
+        bad = _not_unicode(value, "")
+        if bad is not None:
+            raise TraceError(
+                "not valid Unicode (a lone UTF-16 surrogate)", source=source, line=line, field=bad
+            )
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _not_unicode(v: Any, path: str) -> str | None:
+    """The field path of the first string (or key) in ``v`` that holds a lone surrogate, else None."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(value)"
+        return None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            at = f"{path}.{k}" if path else str(k)
+            if _not_unicode(k, "") is not None:
+                return (f"{path}." if path else "") + ascii(k)
+            bad = _not_unicode(x, at)
+            if bad is not None:
+                return bad
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            bad = _not_unicode(x, f"{path}[{i}]")
+            if bad is not None:
+                return bad
+    return None
 
 
 def _is_int(v: Any) -> bool:
@@ -328,7 +378,7 @@ def _check_header(obj: Any, err: Any) -> _Header | None:
     else:
         known = ", ".join(m.value for m in TRACE_METHODS)
         for i, m in enumerate(methods_raw):
-            if m not in {x.value for x in TRACE_METHODS}:
+            if not isinstance(m, str) or m not in {x.value for x in TRACE_METHODS}:  # [..] is unhashable
                 err(f"methods[{i}]", f"unknown method {m!r} (known: {known})")
                 ok = False
             elif Method(m) in methods:
@@ -471,6 +521,11 @@ def _check_proposal(
         err(f"{f}[{bad}]", f"must be an integer 0..{hdr.max_k} (max_k), got {v[bad]!r}")
         return None
     ng = acc.get(Method.NGRAM)
+    if ng is not None and Method.NGRAM not in alpha and len(ng) != len(v):
+        # Only when output_tokens was itself invalid (else both were checked against it): ``validate``
+        # goes on collecting, and the two lists must still agree before they are compared.
+        err(f, f"length {len(v)} != acc.ngram length {len(ng)}")
+        return None
     if ng is not None and Method.NGRAM not in alpha:
         over = next((t for t, (p, a) in enumerate(zip(v, ng, strict=True)) if p < hdr.max_k and a > p), None)
         if over is not None:
@@ -503,13 +558,19 @@ class _Errors:
         self.errors.append(e)
 
 
+#: What ``_lines`` yields for a line that could not be read as JSON (its error already collected).
+_UNREADABLE = object()
+
+
 def _lines(path: Path, errs: _Errors, limits: TraceLimits) -> Iterator[tuple[int, Any]]:
     for lineno, text in read_json_lines(path, limits):
         errs.line = lineno
         try:
             yield lineno, load_json_line(text, source=errs.source, line=lineno, limits=limits)
         except TraceError as e:
-            errs("", e.message)
+            errs(e.field, e.message)
+            # The line still counts: skipping it made the next request line be checked as the header.
+            yield lineno, _UNREADABLE
 
 
 def _parse(
@@ -523,11 +584,15 @@ def _parse(
     for lineno, obj in _lines(path, errs, limits):
         if first:
             first = False
-            hdr = _check_header(obj, errs)
+            hdr = None if obj is _UNREADABLE else _check_header(obj, errs)
             if hdr is None:
                 break
             continue
         assert hdr is not None
+        if obj is _UNREADABLE:
+            if errs.count >= MAX_ERRORS:
+                break
+            continue
         r = _check_request(obj, hdr, errs)
         if r is not None:
             if r.id in seen:

@@ -126,5 +126,9 @@ def test_a_profile_whose_steps_take_no_time_is_refused_before_the_run(
     argv = ["sim", "autoscale", "--profile", str(p), "--duration", "60", "--triple-at", "10"]
     assert main(argv) == 2
     captured = capsys.readouterr()
-    assert captured.err.startswith(f"{p}: target.const_s: a step of one request takes 0 s")
+    # FILE:LINE: the line of the field the message names
+    assert (
+        captured.err.startswith(f"{p}:")
+        and ": target.const_s: a step of one request takes 0 s" in captured.err
+    )
     assert "measuring" not in captured.err
