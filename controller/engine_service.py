@@ -76,6 +76,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 # Read at write time: the newest acknowledgement goes out with every directive.
                 msg.acked_sequence = session.acked_sequence
                 msg.protocol_version = PACKED_PROTOCOL  # this sidecar reads packed columns
+                # What it takes: a larger batch is refused unread (by gRPC, before this service
+                # sees it), so the engine could never have it acknowledged.
+                msg.max_message_bytes = self.sidecar.config.max_message_bytes
+                msg.max_steps_per_batch = self.sidecar.config.max_steps_per_batch
                 await context.write(msg)
         finally:
             reader.cancel()

@@ -205,7 +205,7 @@ class RequestRule(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("version", "policy", "reason", "ttl_s", "issued_at_s", "k_table", "method", "plan", "rule", "acked_sequence", "protocol_version")
+    __slots__ = ("version", "policy", "reason", "ttl_s", "issued_at_s", "k_table", "method", "plan", "rule", "acked_sequence", "protocol_version", "max_message_bytes", "max_steps_per_batch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,8 @@ class Directive(_message.Message):
     RULE_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     reason: str
@@ -228,7 +230,9 @@ class Directive(_message.Message):
     rule: RequestRule
     acked_sequence: int
     protocol_version: int
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., ttl_s: _Optional[float] = ..., issued_at_s: _Optional[float] = ..., k_table: _Optional[_Iterable[_Union[KRange, _Mapping]]] = ..., method: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanEntry, _Mapping]]] = ..., rule: _Optional[_Union[RequestRule, _Mapping]] = ..., acked_sequence: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    max_steps_per_batch: int
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., ttl_s: _Optional[float] = ..., issued_at_s: _Optional[float] = ..., k_table: _Optional[_Iterable[_Union[KRange, _Mapping]]] = ..., method: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[PlanEntry, _Mapping]]] = ..., rule: _Optional[_Union[RequestRule, _Mapping]] = ..., acked_sequence: _Optional[int] = ..., protocol_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_steps_per_batch: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("yaml", "source", "engine_id")

@@ -24,6 +24,13 @@ What must hold:
 * The keep buffer holds at most ``resend_steps`` steps (but always the newest batch); older batches are
   forgotten and counted in ``LinkStats.evicted_steps``. The send queue holds at most ``queue_steps``.
   So every offered step is sent once, resent while unacknowledged, or counted as dropped or evicted.
+* No batch is larger than the stream's sidecar takes (``Directive.max_message_bytes`` less room for
+  the envelope; gRPC's default 4 MiB until a sidecar says, or where an older one does not), nor holds
+  more steps than it takes (``Directive.max_steps_per_batch``): the sidecar refuses a larger message
+  before reading it, so it could neither apply nor acknowledge it, and every resend would fail the same
+  way. A step that alone exceeds the limit can never be delivered: it is dropped and counted. A kept
+  batch that exceeds a new stream's limit (a sidecar restarted with a smaller one) is forgotten and
+  counted in ``evicted_steps``.
 * Steps go out packed (``RequestColumns.packed``) only while the stream's sidecar says it reads them.
   A batch is kept as its steps (not as the message sent) and encoded again when it is resent, in the
   form the sidecar of the new stream reads: same sequence, same steps.
@@ -47,6 +54,14 @@ from policies.directive import Directive
 
 T = TypeVar("T")
 
+#: gRPC's default limit on a received message, which a sidecar that does not say its own applies.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Room kept for what wraps the steps: the EngineMessage and StepReportBatch headers (tags, lengths,
+#: sequence, dropped count), a few dozen bytes, with a wide margin.
+ENVELOPE_BYTES = 1024
+#: Per step in a batch beyond its own encoding: the field tag and a length of up to 5 bytes.
+STEP_FRAME_BYTES = 6
+
 
 @dataclass(frozen=True, slots=True)
 class _Kept(Generic[T]):
@@ -68,7 +83,8 @@ class LinkStats:
     connects: int
     attaches: int
     disconnects: int
-    #: Steps put in batches (resends not counted again), dropped by a full queue, forgotten unacknowledged.
+    #: Steps put in batches (resends not counted again), dropped (by a full queue, or too large for the
+    #: sidecar to take alone), forgotten unacknowledged (or too large for a new stream's sidecar).
     sent_steps: int
     dropped_steps: int
     evicted_steps: int
@@ -106,7 +122,8 @@ class LinkCore(Generic[T]):
         self._lock = threading.Lock()
         # A deque, not a queue.Queue: append and popleft are atomic, so ``offer`` takes no lock.
         self._queue: deque[T] = deque()
-        self._dropped = 0  # written by ``offer`` only
+        self._dropped = 0  # written by ``offer`` only (``discard`` runs once the engine offers no more)
+        self._too_large = 0  # steps no sidecar limit lets through, dropped under the lock
         self._dropped_reported = 0
         self._sequence = 0
         self._unacked: deque[_Kept[T]] = deque()
@@ -114,6 +131,8 @@ class LinkCore(Generic[T]):
         self._acks = False
         self._acked = 0
         self._packed = False
+        self._max_bytes = DEFAULT_MAX_MESSAGE_BYTES
+        self._max_steps = 0  # 0: the sidecar did not say
         self._connected = False
         self._connects = 0
         self._attaches = 0
@@ -147,6 +166,8 @@ class LinkCore(Generic[T]):
         with self._lock:
             self._acks = msg.HasField("acked_sequence")
             self._packed = msg.protocol_version >= PACKED_PROTOCOL
+            self._max_bytes = msg.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+            self._max_steps = msg.max_steps_per_batch
             if self._acks:
                 self._acked = msg.acked_sequence
                 while self._unacked and self._unacked[0].sequence <= msg.acked_sequence:
@@ -170,30 +191,60 @@ class LinkCore(Generic[T]):
             if not self._acks:
                 self._unacked.clear()
                 self._unacked_steps = 0
-            out = [
-                pb.StepReportBatch(
+            out: list[pb.StepReportBatch] = []
+            keep: deque[_Kept[T]] = deque()
+            for kept in self._unacked:
+                batch = pb.StepReportBatch(
                     sequence=kept.sequence,
                     steps=[self._encode(step, self._packed) for step in kept.steps],
                     dropped_steps=kept.dropped_steps,
                 )
-                for kept in self._unacked
-            ]
+                if self._fits(batch):
+                    out.append(batch)
+                    keep.append(kept)
+                else:  # this sidecar would refuse it unread, on every resend: forget it, counted
+                    self._unacked_steps -= len(kept.steps)
+                    self._evicted += len(kept.steps)
+            self._unacked = keep
             self._resent += len(out)
             return out
+
+    def _fits(self, batch: pb.StepReportBatch) -> bool:
+        """Whether the stream's sidecar takes ``batch`` (its size and step count)."""
+        if self._max_steps and len(batch.steps) > self._max_steps:
+            return False
+        return batch.ByteSize() + ENVELOPE_BYTES <= self._max_bytes
 
     def next_batch(self, max_steps: int) -> pb.StepReportBatch | None:
         """Up to ``max_steps`` queued steps as the next batch (kept while the sidecar acknowledges);
         None when nothing is queued."""
         with self._lock:
-            if not self._queue:
+            if self._max_steps:
+                max_steps = min(max_steps, self._max_steps)
+            budget = self._max_bytes - ENVELOPE_BYTES
+            records: list[T] = []
+            steps: list[pb.StepReport] = []
+            size = 0
+            while self._queue and len(records) < max_steps:
+                record = self._queue.popleft()
+                step = self._encode(record, self._packed)
+                need = step.ByteSize() + STEP_FRAME_BYTES
+                if need > budget:  # never deliverable: dropped, reported with the next batch
+                    self._too_large += 1
+                    continue
+                if size + need > budget:  # the next batch's first step
+                    self._queue.appendleft(record)
+                    break
+                records.append(record)
+                steps.append(step)
+                size += need
+            if not records:
                 return None
-            n = min(max_steps, len(self._queue))
-            records = [self._queue.popleft() for _ in range(n)]
-            steps = [self._encode(step, self._packed) for step in records]
+            n = len(records)
             self._sequence += 1
             # At most what the sidecar takes in one batch (it refuses more, and the batch would be
             # resent first on every stream, forever); the rest goes with the batches after it.
-            dropped = min(self._dropped - self._dropped_reported, MAX_DROPPED_STEPS)
+            dropped = min(self._dropped + self._too_large - self._dropped_reported, MAX_DROPPED_STEPS)
             self._dropped_reported += dropped
             batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
             self._sent += n
@@ -240,7 +291,7 @@ class LinkCore(Generic[T]):
                 attaches=self._attaches,
                 disconnects=self._disconnects,
                 sent_steps=self._sent,
-                dropped_steps=self._dropped,
+                dropped_steps=self._dropped + self._too_large,
                 evicted_steps=self._evicted,
                 directives=self._directives,
                 bad_directives=self._bad_directives,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import PACKED_PROTOCOL
-from controller.wire.link import LinkCore
+from controller.wire.link import DEFAULT_MAX_MESSAGE_BYTES, LinkCore
 
 
 def _step(i: int, packed: bool = False) -> pb.StepReport:
@@ -340,3 +340,94 @@ def test_a_kept_batch_is_resent_in_the_form_the_new_sidecar_reads() -> None:
     assert [b.sequence for b in again] == [sent.sequence]
     assert [s.directive_version for s in again[0].steps] == [1, 2]
     assert core.resume() == again  # a second resume resends the same batch
+
+
+# -- batches the sidecar takes: bytes and steps ----------------------------------------------------
+
+
+def _sized(step: tuple[int, int], packed: bool) -> pb.StepReport:
+    """Step ``i`` of about ``size`` bytes (a request id of that length)."""
+    i, size = step
+    return pb.StepReport(directive_version=i, columns=pb.RequestColumns(request_id=["x" * size]))
+
+
+def _limits(max_bytes: int, max_steps: int) -> pb.Directive:
+    d = _directive(acked=0)
+    d.max_message_bytes, d.max_steps_per_batch = max_bytes, max_steps
+    return d
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=60),
+    max_bytes=st.sampled_from([0, 128 * 1024, 200_000, 1 << 20, 4 << 20]),
+    max_steps=st.integers(0, 40),
+    batch_max=st.integers(1, 300),
+)
+def test_every_batch_fits_what_the_sidecar_says_it_takes(
+    sizes: list[int], max_bytes: int, max_steps: int, batch_max: int
+) -> None:
+    """Each batch is within the advertised bytes (gRPC's 4 MiB when the sidecar says 0) and steps; every
+    step goes out once, in order, unless it alone exceeds the limit: then it is dropped and counted."""
+    core: LinkCore[tuple[int, int]] = LinkCore(encode=_sized, queue_steps=1000, resend_steps=100_000)
+    core.opened()
+    core.received(_limits(max_bytes, max_steps))
+    for i, size in enumerate(sizes):
+        assert core.offer((i, size))
+    limit = max_bytes or DEFAULT_MAX_MESSAGE_BYTES
+    sent: list[int] = []
+    reported = 0
+    while (batch := core.next_batch(batch_max)) is not None:
+        message = pb.EngineMessage(reports=batch)
+        assert message.ByteSize() <= limit
+        assert 1 <= len(batch.steps) <= min(batch_max, max_steps or batch_max)
+        sent.extend(s.directive_version for s in batch.steps)
+        reported += batch.dropped_steps
+
+    def alone(i: int) -> int:  # the message of step i alone, with the largest envelope
+        one = pb.StepReportBatch(
+            sequence=(1 << 53) - 1, steps=[_sized((i, sizes[i]), False)], dropped_steps=1 << 30
+        )
+        return pb.EngineMessage(reports=one).ByteSize()
+
+    assert sent == sorted(set(sent))  # in order, each once
+    for i in range(len(sizes)):
+        if alone(i) <= limit - 1024:  # well within the limit: delivered
+            assert i in sent
+        if alone(i) > limit:  # beyond it: dropped
+            assert i not in sent
+    assert core.stats().dropped_steps == len(sizes) - len(sent)
+    # Drops made while forming the last batch are reported by the next one.
+    assert reported <= core.stats().dropped_steps
+    assert core.stats().sent_steps == len(sent)
+
+
+def test_before_any_directive_batches_stay_within_grpcs_default_limit() -> None:
+    core: LinkCore[tuple[int, int]] = LinkCore(encode=_sized, queue_steps=100, resend_steps=100)
+    core.opened()
+    for i in range(10):
+        core.offer((i, 1_000_000))  # 1 MB each: four fit in 4 MiB, five do not
+    batch = core.next_batch(256)
+    assert batch is not None and len(batch.steps) == 4
+    assert pb.EngineMessage(reports=batch).ByteSize() <= DEFAULT_MAX_MESSAGE_BYTES
+
+
+def test_a_kept_batch_a_new_sidecar_would_refuse_is_forgotten_and_counted() -> None:
+    core: LinkCore[tuple[int, int]] = LinkCore(encode=_sized, queue_steps=100, resend_steps=100)
+    core.opened()
+    core.received(_limits(1 << 20, 0))
+    for i in range(6):
+        core.offer((i, 150_000))
+    first = core.next_batch(3)  # 3 x 150 kB: within 1 MiB
+    second = core.next_batch(1)
+    assert first is not None and second is not None and len(first.steps) == 3
+    core.closed()
+    core.opened()  # the sidecar came back with 128 KiB: the first batch no longer fits, the second's does not either
+    core.received(_limits(128 * 1024, 0))
+    assert core.resume() == []
+    stats = core.stats()
+    assert stats.evicted_steps == 4 and stats.unacked_batches == 0 and stats.unacked_steps == 0
+    core.closed()
+    core.opened()  # and a roomier one later: nothing is left to resend
+    core.received(_limits(4 << 20, 0))
+    assert core.resume() == []
