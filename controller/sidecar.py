@@ -231,20 +231,22 @@ class Sidecar:
         when another engine process holds this engine id on an open stream."""
         st = self._engines.get(info.engine_id)
         now = self.clock()
-        if (
-            st is not None
-            and instance_id
-            and st.link.connected
-            and st.link.instance_id not in ("", instance_id)
-        ):
+        if st is not None and st.link.connected:
+            held = st.link.instance_id
             # Two processes under one id would reset each other's sequences (and one would be acked
             # for the other's batches): the second waits until the first's streams end (a restarted
-            # engine retries while its predecessor's stream closes).
-            raise TelemetryError(
-                "engine_id_in_use",
-                f"engine id {info.engine_id!r} is attached by another engine process (instance "
-                f"{st.link.instance_id}); give each engine its own id (SPECCONTROL_ENGINE_ID)",
-            )
+            # engine retries while its predecessor's stream closes). Where either side names no
+            # instance (an older engine), only its description can tell: another one would replace
+            # the loop the open stream feeds and have that stream's next report refused.
+            if (instance_id and held not in ("", instance_id)) or (
+                (not instance_id or not held) and st.info != info
+            ):
+                raise TelemetryError(
+                    "engine_id_in_use",
+                    f"engine id {info.engine_id!r} is attached by another engine process "
+                    f"({f'instance {held}' if held else 'another description'}); give each engine its "
+                    "own id (SPECCONTROL_ENGINE_ID)",
+                )
         if st is None:
             self._make_room()
             st = self._engines[info.engine_id] = EngineState(info, self._warm_loop(info))

@@ -159,6 +159,34 @@ def test_a_second_process_under_an_attached_engine_id_is_refused_until_the_first
     assert st_.loop.totals.steps == 30 and st_.instance_id == "b" * 32
 
 
+@pytest.mark.parametrize(("first", "second"), [("a" * 32, ""), ("", "b" * 32), ("", "")])
+def test_an_engine_naming_no_instance_cannot_take_over_an_attached_id_with_another_description(
+    sidecar: Sidecar, first: str, second: str
+) -> None:
+    # A Hello without an instance id (an older engine) used to pass the guard above: the loop the
+    # open stream feeds was replaced by one for the newcomer's arms, and that stream's next report
+    # was refused against the newcomer's max_k.
+    a = sidecar.attach(info("e1"), instance_id=first)
+    sidecar.ingest(a, batch(1, 10))
+    st_ = sidecar.engines()["e1"]
+    loop = st_.loop
+    other = validate_hello(
+        pb.Hello(engine_id="e1", model="tiny", max_k=1, arms=[pb.Arm(method="off")], protocol_version=1)
+    )
+    with pytest.raises(TelemetryError, match="attached by another engine process") as e:
+        sidecar.attach(other, instance_id=second)
+    assert e.value.reason == "engine_id_in_use"
+    assert st_.loop is loop and st_.info == info("e1") and len(st_.link.queues) == 1
+    sidecar.ingest(a, batch(2, 10))  # the first stream goes on
+    assert loop.totals.steps == 20
+    same = sidecar.attach(info("e1"), instance_id=second)  # its own description: a reconnect, allowed
+    sidecar.detach(same)
+    sidecar.detach(a)
+    b = sidecar.attach(other, instance_id=second)  # the first gone: the newcomer takes the id
+    assert sidecar.engines()["e1"].info == other
+    sidecar.detach(b)
+
+
 def test_a_stream_without_instance_counts_its_own_sequences(sidecar: Sidecar) -> None:
     first = sidecar.attach(info("old"))
     sidecar.ingest(first, batch(1, 3))
