@@ -64,6 +64,7 @@ MAX_QUEUE_LENGTH = 1 << 24
 #: takes 285 years at a million a second. Beyond it, a counter is garbage, not a count.
 MAX_SEQUENCE = (1 << 53) - 1
 _METHODS = frozenset(m.value for m in Method)
+_OFF_CODE = METHOD_CODES[Method.OFF]
 
 
 class TelemetryError(ValueError):
@@ -312,6 +313,8 @@ def _read_step(
                 reason,
                 f"{where}.requests[{j}].method: {r.method!r} is not one of the engine's ({', '.join(sorted(allowed))})",
             )
+        if r.method == Method.OFF.value and r.k > 0:
+            raise TelemetryError("off_with_draft", f"{where}.requests[{j}].k: {_off_with_draft(k)(j)}")
         _check_class_name(r.traffic_class, f"{where}.requests[{j}].traffic_class")
         if len(r.request_id) > MAX_REQUEST_ID:
             raise TelemetryError(
@@ -634,7 +637,12 @@ def _bad_rows(
     """Per request, whether any of its values breaks a rule (all rules as one combined mask)."""
     method_ok = _code_mask(frozenset(allowed))[np.minimum(method, len(METHODS_BY_CODE))]
     out: np.ndarray = (
-        (tc >= n_classes) | ~method_ok | (k > engine.max_k) | (drafted > k) | (accepted > drafted)
+        (tc >= n_classes)
+        | ~method_ok
+        | (k > engine.max_k)
+        | (drafted > k)
+        | (accepted > drafted)
+        | ((method == _OFF_CODE) & (k > 0))
     )
     return out
 
@@ -701,6 +709,9 @@ def _finish_columns(
             ),
         )
         _check_counts(k, drafted, accepted, engine.max_k, where, columns=True)
+        _first(
+            (method == _OFF_CODE) & (k > 0), "off_with_draft", where, "k", _off_with_draft(k), columns=True
+        )
     seen: set[str] = set()
     for i, (m, v) in enumerate(c.counterfactual):
         at = f"{where}.counterfactual[{i}]"
@@ -724,6 +735,12 @@ def _finish_columns(
             columns=True,
         )
     return columns_observation(step, c)
+
+
+def _off_with_draft(k: np.ndarray) -> Callable[[int], str]:
+    # No speculation drafts nothing: an "off" row claiming a draft (and its accepted tokens) would
+    # count tokens no draft produced in the acceptance and goodput the policy learns from.
+    return lambda j: f"{k[j]} on a row with method 'off' (no speculation drafts nothing: k must be 0)"
 
 
 def _check_counterfactual(v: np.ndarray, at: str, max_k: int) -> None:

@@ -58,6 +58,8 @@ def columns_row(
     if drafted == 0 and code != _NGRAM:
         code = _OFF
         k = 0
+    elif code == _OFF:  # drafts a plan said not to make: the engine's drafter made them (the sidecar
+        code = configured  # refuses an "off" row with drafts)
     if code == _NGRAM:
         cf = NOT_SCORED  # verified, not counterfactual
     return (

@@ -114,6 +114,11 @@ def test_valid_batch() -> None:
         ),
         (step(requests=[req(k=2, drafted=3, accepted=0)]), "drafted_gt_k", "steps[1].requests[0].drafted"),
         (step(requests=[req(k=5, drafted=1)]), "k_gt_max", "steps[1].requests[0].k"),
+        (
+            step(requests=[req(), req(method="off", k=4, drafted=4, accepted=4)]),
+            "off_with_draft",
+            "steps[1].requests[1].k",
+        ),
         (step(requests=[req(method="medusa")]), "method_unknown", "steps[1].requests[0].method"),
         (step(requests=[req(method="ngram")]), "method_not_offered", "steps[1].requests[0].method"),
         (

@@ -96,6 +96,16 @@ def test_valid_columns() -> None:
         (step(cols(accepted=[1, 3])), "accepted_gt_drafted", "steps[1].columns.accepted[1]"),
         (step(cols(k=[2, 2], drafted=[2, 3])), "drafted_gt_k", "steps[1].columns.drafted[1]"),
         (step(cols(k=[5, 2], drafted=[1, 2])), "k_gt_max", "steps[1].columns.k[0]"),
+        (
+            step(cols(method=[0, METHOD_CODES[Method.OFF]], k=[2, 4], drafted=[2, 4], accepted=[1, 4])),
+            "off_with_draft",
+            "steps[1].columns.k[1]",
+        ),
+        (
+            step(cols(method=[0, METHOD_CODES[Method.OFF]], k=[2, 3], drafted=[2, 0], accepted=[1, 0])),
+            "off_with_draft",
+            "steps[1].columns.k[1]",
+        ),
         (step(cols(method=[0, 9])), "method_unknown", "steps[1].columns.method[1]"),
         (
             step(cols(method=[METHOD_CODES[Method.NGRAM], 0])),
@@ -237,6 +247,7 @@ def test_any_columns_are_accepted_as_converted_or_refused_with_a_place(c: pb.Req
     assert obs.counterfactual.keys() == ref.counterfactual.keys()
     assert all(np.array_equal(obs.counterfactual[m], ref.counterfactual[m]) for m in obs.counterfactual)
     assert (obs.k <= ENGINE.max_k).all() and (obs.accepted <= obs.drafted).all()
+    assert (obs.k[obs.method == METHOD_CODES[Method.OFF]] == 0).all()  # "off" drafts nothing
 
 
 def step_by_step(steps: list[pb.StepReport]) -> list[StepObservation] | tuple[str, str]:

@@ -210,10 +210,14 @@ def _step(rng: np.random.Generator, n: int, *, hi: int, cf_hi: int, table: tuple
     else:
         cf[0] = cf_hi
     codes = [METHOD_CODES[m] for m in (Method.EAGLE3, Method.NGRAM, Method.OFF)]
+    method = rng.choice(codes, n).astype(np.int8)
+    method[0] = METHOD_CODES[Method.EAGLE3]  # keeps k = hi
+    off = method == METHOD_CODES[Method.OFF]  # drafts nothing (the sidecar refuses an off row with a K)
+    k[off] = drafted[off] = accepted[off] = 0
     return Encoded(
         class_names=table,
         class_index=rng.integers(0, len(table), n),
-        method=rng.choice(codes, n).astype(np.int8),
+        method=method,
         k=k.astype(np.int32),
         drafted=drafted.astype(np.int32),
         accepted=accepted.astype(np.int32),
