@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 #: How long start() waits for the broker's retained policy and posteriors, so engines that attach
 #: right after start get the fleet's policy and a warm start. A broker that is down costs this once.
 FLEET_SYNC_S = 2.0
+#: The sidecar pings each engine connection this often (seconds) and closes it when a ping goes
+#: unanswered for half of it (see ``_serve``).
+ENGINE_KEEPALIVE_S = 30.0
 
 
 def client_target(listen: str, port: int) -> str:
@@ -133,6 +136,17 @@ class SidecarServer(Sidecar):
             # grpc sets SO_REUSEPORT by default: a second sidecar on a taken port would share it
             # silently (and steal half the connections) instead of failing to start.
             ("grpc.so_reuseport", 0),
+            # Engines ping to find a dead connection (controller.vllm.link.KEEPALIVE_S); gRPC's server
+            # default answers a ping more often than every 5 minutes without data with GOAWAY.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+            ("grpc.http2.max_ping_strikes", 0),
+            # And the sidecar pings engines: a stream whose engine vanished without a reset is closed
+            # within ENGINE_KEEPALIVE_S x 1.5, not the kernel's TCP timeout (hours), so the engine shows as gone and
+            # its restarted process may attach under its id (refused while the old stream looks open).
+            ("grpc.keepalive_time_ms", int(ENGINE_KEEPALIVE_S * 1000)),
+            ("grpc.keepalive_timeout_ms", int(ENGINE_KEEPALIVE_S * 500)),
+            ("grpc.http2.ping_timeout_ms", int(ENGINE_KEEPALIVE_S * 500)),  # gRPC >= 1.6x reads this one
         ]
         engine_name = pb.DESCRIPTOR.services_by_name["EngineService"].full_name
         admin_name = pb.DESCRIPTOR.services_by_name["AdminService"].full_name

@@ -30,6 +30,12 @@ from policies.directive import Directive
 
 log = logging.getLogger("vllm.speccontrol")
 
+#: HTTP/2 pings on the stream's connection every this many seconds, each answered within half of it
+#: or the connection counts as dead. Without them a connection whose peer vanished without a reset (a
+#: partitioned network, a host that lost power) stayed open for the kernel's TCP timeout (hours): the
+#: link never reconnected and the engine ran on its safe default long after the sidecar was back.
+KEEPALIVE_S = 20.0
+
 
 @dataclass(frozen=True, slots=True)
 class Received:
@@ -53,6 +59,7 @@ class SidecarLink:
         resend_steps: int = 8192,
         ack_wait_s: float = 5.0,
         credentials: grpc.ChannelCredentials | None = None,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self.target = target
         if not hello.instance_id:
@@ -61,6 +68,7 @@ class SidecarLink:
         self.hello = hello
         self.ack_wait_s = ack_wait_s
         self.credentials = credentials
+        self.keepalive_s = keepalive_s
         # The engine step only appends to the core's queue (no lock, no wake-up: a lock release and a
         # GIL hand-off per step cost more than the plugin's whole step); the sender drains it every
         # flush_s and converts the records to protobuf there.
@@ -130,10 +138,11 @@ class SidecarLink:
             ready = threading.Event()
             self.core.opened()
             try:
+                options = keepalive_options(self.keepalive_s)
                 with (
-                    grpc.secure_channel(self.target, self.credentials)
+                    grpc.secure_channel(self.target, self.credentials, options=options)
                     if self.credentials is not None
-                    else grpc.insecure_channel(self.target)
+                    else grpc.insecure_channel(self.target, options=options)
                 ) as channel:
                     stub = pb_grpc.EngineServiceStub(channel)  # type: ignore[no-untyped-call]
                     call = stub.Attach(self._messages(done, ready))
@@ -185,6 +194,18 @@ class SidecarLink:
                 done.wait(self.flush_s)
                 continue
             yield pb.EngineMessage(reports=batch)
+
+
+def keepalive_options(every_s: float) -> list[tuple[str, int]]:
+    """gRPC channel options: a ping every ``every_s`` seconds, even between calls and without data (the
+    sidecar permits them: ``controller.server``), a connection dead after ``every_s / 2`` unanswered."""
+    return [
+        ("grpc.keepalive_time_ms", int(every_s * 1000)),
+        ("grpc.keepalive_timeout_ms", max(int(every_s * 500), 100)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.ping_timeout_ms", max(int(every_s * 500), 100)),  # gRPC >= 1.6x reads this one
+    ]
 
 
 def _describe(e: grpc.RpcError) -> str:
