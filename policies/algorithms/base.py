@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -10,9 +11,19 @@ from typing import Any, ClassVar
 import numpy as np
 
 from policies.arms import Arm, Method
-from policies.context import Context
+from policies.context import MAX_BATCH_SIZE, Context
 from policies.observation import StepBatch, StepObservation
 from policies.params import Param, shown
+
+#: The largest saved counter: every integer up to it is exact in a double (the loop's own bound; it
+#: cannot be imported from ``policies.loop``, which imports the learners).
+MAX_COUNT = (1 << 53) - 1
+#: The largest reward (goodput, tokens per second) a saved state may hold: far above any engine (2^20
+#: requests emitting 65 tokens each in a microsecond step make 7e13), and low enough that the sums of
+#: squares learners form from saved statistics cannot overflow (a Python float's ** raises then).
+MAX_REWARD = 1e18
+#: A batch bucket's label as ``BatchBuckets.label`` writes it: ``N``, ``LO-HI`` or ``LO+``.
+_BUCKET = re.compile(r"(?P<lo>[1-9][0-9]{0,6})(?:-(?P<hi>[1-9][0-9]{0,6})|(?P<plus>\+))?")
 
 
 class ArmTable:
@@ -43,13 +54,23 @@ class ArmTable:
         return {"n": self.n.tolist(), "s": self.s.tolist(), "q": self.q.tolist()}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Sequence[float]], n_arms: int) -> ArmTable:
+    def from_json(cls, d: Any, n_arms: int, where: str = "arm table") -> ArmTable:
+        """A saved table; raises ValueError naming ``where`` unless it holds ``n_arms`` finite values per
+        statistic that rounds of rewards could have summed to: weights in [0, MAX_COUNT] (one per round),
+        sums within ``MAX_REWARD`` times the weight, sums of squares within its square (a weighted
+        mean reward beyond it overflowed the learners' arithmetic; a reward may have any sign)."""
+        d = saved_mapping(d, where, "a mapping with n, s and q")
+        n = saved_numbers(d.get("n"), f"{where}.n", (n_arms,), hi=MAX_COUNT)
+        s = saved_numbers(d.get("s"), f"{where}.s", (n_arms,), lo=-math.inf)
+        q = saved_numbers(d.get("q"), f"{where}.q", (n_arms,))
+        for name, v, bound in (("s", np.abs(s), MAX_REWARD), ("q", q, MAX_REWARD**2)):
+            over = np.flatnonzero(v > n * bound)
+            if over.size:
+                raise ValueError(
+                    f"{where}.{name}: arm {int(over[0])}'s mean beyond {bound:g} for its weight {n[over[0]]:g}"
+                )
         t = cls(n_arms)
-        for name in ("n", "s", "q"):
-            v = np.asarray(d[name], dtype=np.float64)
-            if v.shape != (n_arms,):
-                raise ValueError(f"arm table {name}: expected {n_arms} values, got {v.shape}")
-            setattr(t, name, v)
+        t.n, t.s, t.q = n, s, q
         return t
 
 
@@ -163,8 +184,21 @@ class Learner(ABC):
         return {"tables": {c.key: t.to_json() for c, t in self.tables.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.tables = {
-            Context.parse(c): ArmTable.from_json(t, len(self.arms)) for c, t in state["tables"].items()
+        """Load what ``state_dict`` saved. Snapshots come from disk and the network: every field is
+        checked first (``_loaded``), and on ValueError, naming the field, nothing of the learner changed."""
+        for name, value in self._loaded(saved_mapping(state, "learner state", "a mapping")).items():
+            setattr(self, name, value)
+
+    def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The attributes a saved ``state`` restores, by name, all checked; raises ValueError naming the
+        first field of the wrong shape. Subclasses add their own fields to their base's."""
+        n = len(self.arms)
+        tables = saved_mapping(state.get("tables"), "tables", "a mapping of context to arm table")
+        return {
+            "tables": {
+                saved_context(c, "tables"): ArmTable.from_json(t, n, f"tables[{c!r}]")
+                for c, t in tables.items()
+            }
         }
 
 
@@ -189,11 +223,18 @@ def greedy(means: np.ndarray, allowed: Sequence[int]) -> int:
 
 
 def saved_numbers(
-    value: Any, where: str, shape: tuple[int | None, ...], *, lo: float = 0.0, hi: float = math.inf
+    value: Any,
+    where: str,
+    shape: tuple[int | None, ...],
+    *,
+    lo: float = 0.0,
+    hi: float = math.inf,
+    infinite: bool = False,
 ) -> np.ndarray:
-    """A saved array of ``shape`` (a leading None: any length), every value a finite number in [lo, hi]; for
-    learners' ``load_state_dict``, whose snapshots come from disk and the network. Raises ValueError
-    naming ``where`` (a string of digits or a bool is not a number here, though numpy would take it)."""
+    """A saved array of ``shape`` (a leading None: any length), every value a finite number in [lo, hi]
+    (``infinite``: or +-inf where [lo, hi] holds it; never NaN); for learners' ``load_state_dict``,
+    whose snapshots come from disk and the network. Raises ValueError naming ``where`` (a string of
+    digits or a bool is not a number here, though numpy would take it)."""
     dims = " x ".join("n" if d is None else str(d) for d in shape)
 
     def fits(v: Any, rest: tuple[int | None, ...]) -> bool:
@@ -211,6 +252,80 @@ def saved_numbers(
         arr = np.asarray(value, dtype=np.float64)
     except OverflowError:  # an integer beyond a double's range
         raise ValueError(f"{where}: holds a number beyond a double's range") from None
-    if not (np.isfinite(arr).all() and (arr >= lo).all() and (arr <= hi).all()):
-        raise ValueError(f"{where}: every value must be finite and in [{lo:g}, {hi:g}], got {shown(value)}")
+    if not ((infinite or np.isfinite(arr).all()) and (arr >= lo).all() and (arr <= hi).all()):
+        what = "a number" if infinite else "finite"
+        raise ValueError(f"{where}: every value must be {what} and in [{lo:g}, {hi:g}], got {shown(value)}")
     return arr
+
+
+def saved_mapping(value: Any, where: str, what: str) -> Mapping[str, Any]:
+    """``value`` if it is a mapping with string keys (what JSON objects are); else ValueError naming
+    ``where`` and ``what`` was expected."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: {what} expected, got {type(value).__name__}")
+    for k in value:
+        if not isinstance(k, str):
+            raise ValueError(f"{where}: keys must be strings, got {shown(k)}")
+    return value
+
+
+def saved_number(value: Any, where: str, *, lo: float = 0.0, hi: float = math.inf) -> float:
+    """A saved finite number in [lo, hi] (not a bool nor a string of digits); ValueError naming ``where``."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    try:
+        x = float(value) if ok else math.nan
+    except OverflowError:  # an integer beyond a double's range
+        x = math.nan
+    if not (math.isfinite(x) and lo <= x <= hi):
+        raise ValueError(f"{where}: expected a finite number in [{lo:g}, {hi:g}], got {shown(value)}")
+    return x
+
+
+def saved_count(value: Any, where: str) -> int:
+    """A saved counter: an integer in [0, MAX_COUNT]; ValueError naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{where}: expected an integer in [0, {MAX_COUNT}], got {shown(value)}")
+    return value
+
+
+def saved_flag(value: Any, where: str) -> bool:
+    """A saved bool (``bool()`` would take any string, "false" included, as true); ValueError naming ``where``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {shown(value)}")
+    return value
+
+
+def saved_class(value: Any, where: str) -> str:
+    """A saved traffic class name: any non-empty string (what a context takes); ValueError naming ``where``."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: expected a traffic class (a non-empty string), got {shown(value)}")
+    return value
+
+
+def saved_bucket(label: Any, where: str) -> str:
+    """A saved batch bucket label, as ``BatchBuckets.label`` writes one (``N``, ``LO-HI``, ``LO+``, bounds
+    in [1, MAX_BATCH_SIZE]); ValueError naming ``where``. Learners are not told the policy's buckets, so
+    only the form is checked: a label of other buckets is never looked up, but one that is not a
+    label at all would fail where a learner reads the batch size off it."""
+    m = _BUCKET.fullmatch(label) if isinstance(label, str) else None
+    lo = int(m["lo"]) if m else 0
+    hi = int(m["hi"]) if m and m["hi"] else lo
+    # The open bucket starts one past the last bound, which may itself be MAX_BATCH_SIZE.
+    top = MAX_BATCH_SIZE + 1 if m and m["plus"] else MAX_BATCH_SIZE
+    if m is None or hi > top or hi < lo or (m["hi"] and hi == lo):
+        raise ValueError(f"{where}: {shown(label)} is not a batch bucket label (N, LO-HI or LO+)")
+    return str(label)
+
+
+def saved_context(key: Any, where: str) -> Context:
+    """A saved context key (``BUCKET/CLASS``, the bucket a label ``saved_bucket`` takes); ValueError
+    naming ``where`` and the key."""
+    at = f"{where}[{shown(key)}]"
+    if not isinstance(key, str):
+        raise ValueError(f"{where}: keys must be contexts (BUCKET/CLASS), got {shown(key)}")
+    try:
+        ctx = Context.parse(key)
+    except ValueError as e:
+        raise ValueError(f"{at}: {e}") from None
+    saved_bucket(ctx.bucket, at)
+    return ctx

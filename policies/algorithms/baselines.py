@@ -17,7 +17,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner, StepwiseLearner, saved_numbers
+from policies.algorithms.base import (
+    Learner,
+    StepwiseLearner,
+    saved_class,
+    saved_flag,
+    saved_mapping,
+    saved_numbers,
+)
 from policies.arms import METHOD_CODES, OFF, Arm, Method
 from policies.context import ANY_CLASS, Context
 from policies.observation import StepObservation
@@ -121,12 +128,15 @@ class SpeculationGate(StepwiseLearner):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "closed": self.closed, "rates": list(self._rates)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
         rates = saved_numbers(state.get("rates", []), "rates", (None,), hi=1.0)
-        self.closed = bool(state.get("closed", False))
-        # The saved window replaces this one (extending it mixed in what this learner had seen itself).
-        self._rates = deque(rates.tolist(), maxlen=int(self.params["window"]))
+        return {
+            **super()._loaded(state),
+            # bool() took any string, "false" too, as a gate closed for good.
+            "closed": saved_flag(state.get("closed", False), "closed"),
+            # The saved window replaces this one (extending it mixed in what this learner had seen itself).
+            "_rates": deque(rates.tolist(), maxlen=int(self.params["window"])),
+        }
 
 
 class NgramFallback(StepwiseLearner):
@@ -171,17 +181,19 @@ class NgramFallback(StepwiseLearner):
             "rates": {c: list(w) for c, w in self._rates.items()},
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        saved = state.get("rates", {})  # absent from snapshots of older versions: empty windows
-        if not isinstance(saved, Mapping):
-            raise ValueError(
-                f"rates: a mapping of traffic class to rates expected, got {type(saved).__name__}"
-            )
+    def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        # "rates" is absent from snapshots of older versions: empty windows.
+        saved = saved_mapping(state.get("rates", {}), "rates", "a mapping of traffic class to rates")
         w = int(self.params["window"])
         rates = {
-            str(c): deque(saved_numbers(v, f"rates[{c!r}]", (None,), hi=1.0).tolist(), maxlen=w)
+            saved_class(c, "rates"): deque(
+                saved_numbers(v, f"rates[{c!r}]", (None,), hi=1.0).tolist(), maxlen=w
+            )
             for c, v in saved.items()
         }
-        self.fell_back = set(state.get("fell_back", []))
-        self._rates = rates
+        fell_back = state.get("fell_back", [])
+        # set() of a string is its letters; of a list of lists, a TypeError.
+        if not isinstance(fell_back, list | tuple):
+            raise ValueError(f"fell_back: a list of traffic classes expected, got {type(fell_back).__name__}")
+        classes = {saved_class(c, f"fell_back[{j}]") for j, c in enumerate(fell_back)}
+        return {**super()._loaded(state), "fell_back": classes, "_rates": rates}

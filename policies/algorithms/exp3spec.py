@@ -12,7 +12,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner, saved_numbers
+from policies.algorithms.base import (
+    MAX_REWARD,
+    Learner,
+    saved_context,
+    saved_count,
+    saved_mapping,
+    saved_number,
+    saved_numbers,
+)
 from policies.arms import Arm
 from policies.context import Context
 from policies.params import Param
@@ -38,7 +46,8 @@ class EXP3Spec(Learner):
         t = self._t.get(ctx, 0) + 1
         eta = float(self.params["eta_scale"]) * np.sqrt(np.log(max(k, 2)) / (t * k))
         z = -eta * loss[idx]
-        w = np.exp(z - z.max())
+        # Every allowed arm's loss infinite: z - z.max() would be NaN throughout; draw uniformly.
+        w = np.exp(z - z.max()) if np.isfinite(z.max()) else np.ones(k)
         p = np.zeros(len(self.arms))
         p[idx] = w / w.sum()
         return p
@@ -72,15 +81,26 @@ class EXP3Spec(Learner):
             "p": {c.key: v.tolist() for c, v in self._p.items()},
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        saved = state.get("p", {})  # absent from snapshots of older versions: the next update takes p = 1
-        if not isinstance(saved, Mapping):
-            raise ValueError(f"p: a mapping of context to probabilities expected, got {type(saved).__name__}")
+    def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
         n = len(self.arms)
-        self._p = {Context.parse(c): saved_numbers(v, f"p[{c!r}]", (n,), hi=1.0) for c, v in saved.items()}
-        self._loss = {
-            Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("loss", {}).items()
+        # "p" is absent from snapshots of older versions: the next update takes p = 1.
+        p = saved_mapping(state.get("p", {}), "p", "a mapping of context to probabilities")
+        loss = saved_mapping(state.get("loss", {}), "loss", "a mapping of context to losses")
+        t = saved_mapping(state.get("t", {}), "t", "a mapping of context to rounds")
+        top = saved_mapping(state.get("top", {}), "top", "a mapping of context to goodput")
+        return {
+            **super()._loaded(state),
+            "_p": {saved_context(c, "p"): saved_numbers(v, f"p[{c!r}]", (n,), hi=1.0) for c, v in p.items()},
+            # Losses are sums of (1 - a scaled reward in [0, 1]) / p: never negative, and infinite once
+            # an arm was played at a probability so small that 1 / p overflowed (a state it saves).
+            "_loss": {
+                saved_context(c, "loss"): saved_numbers(v, f"loss[{c!r}]", (n,), infinite=True)
+                for c, v in loss.items()
+            },
+            # A negative round count made the learning rate's square root NaN.
+            "_t": {saved_context(c, "t"): saved_count(v, f"t[{c!r}]") for c, v in t.items()},
+            # The largest round goodput seen, the scale of rewards: goodput is never negative.
+            "_top": {
+                saved_context(c, "top"): saved_number(v, f"top[{c!r}]", hi=MAX_REWARD) for c, v in top.items()
+            },
         }
-        self._t = {Context.parse(c): int(v) for c, v in state.get("t", {}).items()}
-        self._top = {Context.parse(c): float(v) for c, v in state.get("top", {}).items()}

@@ -28,11 +28,20 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner
-from policies.arms import METHOD_CODES, Arm, Method
-from policies.context import ANY_CLASS, Context
+from policies.algorithms.base import (
+    Learner,
+    saved_bucket,
+    saved_class,
+    saved_context,
+    saved_flag,
+    saved_mapping,
+    saved_number,
+    saved_numbers,
+)
+from policies.arms import MAX_K, METHOD_CODES, Arm, Method
+from policies.context import ANY_CLASS, MAX_BATCH_SIZE, Context
 from policies.observation import NOT_SCORED, StepBatch
-from policies.params import Param
+from policies.params import Param, shown
 
 _EAGLE = METHOD_CODES[Method.EAGLE3]
 _PEAGLE = METHOD_CODES[Method.P_EAGLE]
@@ -43,6 +52,11 @@ _N_CODES = len(METHOD_CODES)
 F_INTERCEPT, F_TOKENS, F_EAGLE, F_EAGLE_PASSES, F_PEAGLE, F_NGRAM = range(6)
 _N_FEATURES = 6
 _TOKEN_SCALE = 32.0
+#: Method codes an acceptance table may be kept for, as saved ("CLASS|CODE"): every method that drafts.
+_TABLE_CODES = {str(c): c for m, c in METHOD_CODES.items() if m is not Method.OFF}
+#: Relative slack on the orderings a saved state must keep (wins <= trials, ...): the learner's own
+#: arithmetic keeps them exactly, but a snapshot from another build may have summed in another order.
+_SLACK = 1e-9
 
 
 def cost_features(tokens: Any, passes: Any, peagle: Any, ngram: Any) -> np.ndarray:
@@ -360,17 +374,9 @@ class GoodputModel(Learner):
     def _posterior(self) -> tuple[np.ndarray, np.ndarray | None]:
         """The cost model's mean and the factor of its covariance (None: not sampled yet), once per fit."""
         if self._fit is None:
-            theta: np.ndarray = np.linalg.solve(self._xtx, self._xty)
-            factor = None
-            self._cov = None
-            if self._w >= 2:
-                resid = max(self._yy - float(theta @ self._xty), 0.0) / max(self._w - _N_FEATURES, 1.0)
-                self._cov = np.linalg.inv(self._xtx) * max(resid, 1e-6)
-                cov = self._cov * float(self.params["explore"]) ** 2
-                # eigh tolerates the singular covariance of features that have not varied yet (the
-                # factor is what Generator.multivariate_normal(method="eigh") uses).
-                s, u = np.linalg.eigh((cov + cov.T) / 2)
-                factor = u * np.sqrt(np.abs(s))
+            theta, factor, self._cov = _cost_fit(
+                self._xtx, self._xty, self._yy, self._w, float(self.params["explore"])
+            )
             self._fit = (theta, factor)
         return self._fit
 
@@ -782,34 +788,120 @@ class GoodputModel(Learner):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        acc: dict[tuple[str, int], np.ndarray] = {}
-        for key, t in state["acc"].items():
-            c, _, m = key.rpartition("|")
-            arr = np.asarray(t, dtype=np.float64)
-            if arr.shape != (2, self._kmax):
-                raise ValueError(f"acceptance table {key}: expected shape (2, {self._kmax})")
-            acc[(c, int(m))] = arr
-        xtx = np.asarray(state["xtx"], dtype=np.float64)
-        xty = np.asarray(state["xty"], dtype=np.float64)
-        if xtx.shape != (_N_FEATURES, _N_FEATURES) or xty.shape != (_N_FEATURES,):
-            raise ValueError("cost model state has the wrong shape")
-        yy, w = float(state["yy"]), float(state["w"])
-        batch = {b: np.asarray(v, dtype=np.float64) for b, v in state["batch"].items()}
-        rows = {
-            Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("ngram_rows", {}).items()
-        }
-        if any(v.shape != (4,) for v in rows.values()):
-            raise ValueError("n-gram row statistics have the wrong shape")
-        mix = {b: {c: float(v) for c, v in m.items()} for b, m in state.get("mix", {}).items()}
-        shares = np.array([v for m in mix.values() for v in m.values()], dtype=np.float64)
-        arrays = [xtx, xty, np.array([yy, w]), shares, *acc.values(), *batch.values(), *rows.values()]
-        if not all(np.isfinite(a).all() for a in arrays) or yy < 0 or w < 0:
-            raise ValueError("learner state holds non-finite or negative statistics")
-        self._acc, self._xtx, self._xty = acc, xtx, xty
+        super().load_state_dict(state)
+        # What was derived from the statistics it had goes with them.
         self._fit = None
         self._forget_params()
-        self._yy, self._w = yy, w
-        self._batch = batch
-        self._mix = mix
-        self._head = bool(state.get("head", False))
-        self._ngram_rows = rows
+
+    def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Every statistic checked against what this learner's arms and params imply and what its own
+        updates keep (shapes, finite, counts and shares >= 0, wins <= trials, a solvable cost model);
+        raises ValueError naming the first field that is not. No ``tables``: this learner keeps none."""
+        kmax = self._kmax
+        acc: dict[tuple[str, int], np.ndarray] = {}
+        saved = saved_mapping(state.get("acc"), "acc", "a mapping of 'CLASS|METHOD' to acceptance counts")
+        for key, t in saved.items():
+            where = f"acc[{key!r}]"
+            cls, _, code = key.rpartition("|")
+            if code not in _TABLE_CODES:
+                codes = ", ".join(sorted(_TABLE_CODES))
+                raise ValueError(f"{where}: {code!r} is not the code of a drafting method (one of {codes})")
+            saved_class(cls, where)
+            arr = saved_numbers(t, where, (2, kmax))
+            # Row 0: trials per draft position, row 1: those accepted (a subset).
+            over = np.flatnonzero(arr[1] > arr[0] * (1.0 + _SLACK))
+            if over.size:
+                raise ValueError(f"{where}: more accepted than tried at draft position {int(over[0]) + 1}")
+            acc[(cls, _TABLE_CODES[code])] = arr
+        # The normal equations of non-negative features and durations: every sum is >= 0.
+        xtx = saved_numbers(state.get("xtx"), "xtx", (_N_FEATURES, _N_FEATURES))
+        xty = saved_numbers(state.get("xty"), "xty", (_N_FEATURES,))
+        yy, w = saved_number(state.get("yy"), "yy"), saved_number(state.get("w"), "w")
+        _check_cost_model(xtx, xty, yy, w, float(self.params["explore"]))
+        batch: dict[str, np.ndarray] = {}
+        saved = saved_mapping(state.get("batch"), "batch", "a mapping of bucket to batch-size sums")
+        for b, v in saved.items():
+            where = f"batch[{b!r}]"
+            saved_bucket(b, where)
+            arr = saved_numbers(v, where, (2,))
+            # (weighted sum of batch sizes, total weight): their ratio is the bucket's mean batch size.
+            if arr[0] > arr[1] * MAX_BATCH_SIZE * (1.0 + _SLACK):
+                raise ValueError(
+                    f"{where}: a mean batch size above {MAX_BATCH_SIZE}, got {shown(arr.tolist())}"
+                )
+            batch[b] = arr
+        mix: dict[str, dict[str, float]] = {}
+        saved = saved_mapping(state.get("mix", {}), "mix", "a mapping of bucket to class shares")
+        for b, m in saved.items():
+            where = f"mix[{b!r}]"
+            saved_bucket(b, where)
+            shares = saved_mapping(m, where, "a mapping of traffic class to share")
+            mix[b] = {saved_class(c, where): saved_number(v, f"{where}[{c!r}]") for c, v in shares.items()}
+        rows: dict[Context, np.ndarray] = {}
+        saved = saved_mapping(state.get("ngram_rows", {}), "ngram_rows", "a mapping of context to row counts")
+        for c, v in saved.items():
+            where = f"ngram_rows[{c!r}]"
+            ctx = saved_context(c, "ngram_rows")
+            arr = saved_numbers(v, where, (4,))
+            # (request-steps, those drafted with n-gram, their emitted and verified tokens): a share of
+            # rows above 1 would plan a negative share for the rest, and no row emits or verifies more
+            # than MAX_K + 1 tokens.
+            if arr[1] > arr[0] * (1.0 + _SLACK):
+                raise ValueError(f"{where}: more n-gram rows than rows, got {shown(arr.tolist())}")
+            if max(arr[2], arr[3]) > arr[1] * (MAX_K + 1) * (1.0 + _SLACK):
+                raise ValueError(
+                    f"{where}: more than {MAX_K + 1} tokens per n-gram row, got {shown(arr.tolist())}"
+                )
+            rows[ctx] = arr
+        return {
+            "_acc": acc,
+            "_xtx": xtx,
+            "_xty": xty,
+            "_yy": yy,
+            "_w": w,
+            "_batch": batch,
+            "_mix": mix,
+            "_head": saved_flag(state.get("head", False), "head"),
+            "_ngram_rows": rows,
+        }
+
+
+def _cost_fit(
+    xtx: np.ndarray, xty: np.ndarray, yy: float, w: float, explore: float
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The cost model's mean, the factor of its covariance scaled by ``explore`` (None: too few steps to
+    sample) and its covariance unscaled (None likewise), from the normal equations."""
+    theta: np.ndarray = np.linalg.solve(xtx, xty)
+    factor = cov = None
+    if w >= 2:
+        resid = max(yy - float(theta @ xty), 0.0) / max(w - _N_FEATURES, 1.0)
+        cov = np.linalg.inv(xtx) * max(resid, 1e-6)
+        scaled = cov * explore**2
+        # eigh tolerates the singular covariance of features that have not varied yet (the
+        # factor is what Generator.multivariate_normal(method="eigh") uses).
+        s, u = np.linalg.eigh((scaled + scaled.T) / 2)
+        factor = u * np.sqrt(np.abs(s))
+    return theta, factor, cov
+
+
+def _check_cost_model(xtx: np.ndarray, xty: np.ndarray, yy: float, w: float, explore: float) -> None:
+    """Saved normal equations the learner can use: ``xtx`` symmetric and positive definite (the ridge
+    keeps it so; updates only add to it), and the fit ``_posterior`` will make of them finite, so no
+    solve, inverse or draw fails or turns to NaN later. Raises ValueError naming the field."""
+    scale = float(np.abs(xtx).max())
+    # Summed in floating point, the two triangles can differ in the last bits.
+    if float(np.abs(xtx - xtx.T).max()) > _SLACK * scale:
+        raise ValueError(f"xtx: not symmetric, got {shown(xtx.tolist())}")
+    try:
+        np.linalg.cholesky(xtx)
+    except np.linalg.LinAlgError:
+        raise ValueError(
+            f"xtx: not positive definite (the cost model cannot be fitted), got {shown(xtx.tolist())}"
+        ) from None
+    try:
+        with np.errstate(all="ignore"):
+            fit = _cost_fit(xtx, xty, yy, w, explore)
+    except np.linalg.LinAlgError as e:
+        raise ValueError(f"xtx, xty, yy, w: the cost model cannot be fitted to them ({e})") from None
+    if not all(np.isfinite(a).all() for a in fit if a is not None):
+        raise ValueError("xtx, xty, yy, w: the cost model cannot be fitted to them (the fit is not finite)")

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import StepwiseLearner, saved_numbers
+from policies.algorithms.base import MAX_COUNT, StepwiseLearner, saved_context, saved_mapping, saved_numbers
 from policies.arms import METHOD_CODES, Arm
 from policies.context import ANY_CLASS, Context
 from policies.observation import NOT_SCORED, StepObservation
@@ -107,15 +107,20 @@ class Hedge(StepwiseLearner):
             "time": {c.key: v.tolist() for c, v in self._time.items()},
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        saved = state.get("time", {})  # absent from snapshots of older versions: no time measured yet
-        if not isinstance(saved, Mapping):
-            raise ValueError(
-                f"time: a mapping of context to time per row expected, got {type(saved).__name__}"
-            )
-        shape = (2, len(self.arms))
-        self._time = {Context.parse(c): saved_numbers(v, f"time[{c!r}]", shape) for c, v in saved.items()}
-        self._cum = {
-            Context.parse(c): np.asarray(v, dtype=np.float64) for c, v in state.get("cum", {}).items()
+    def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        n = len(self.arms)
+        # "time" is absent from snapshots of older versions: no time measured yet.
+        time = saved_mapping(state.get("time", {}), "time", "a mapping of context to time per row")
+        cum = saved_mapping(state.get("cum", {}), "cum", "a mapping of context to cumulative rewards")
+        return {
+            **super()._loaded(state),
+            "_time": {
+                saved_context(c, "time"): saved_numbers(v, f"time[{c!r}]", (2, n)) for c, v in time.items()
+            },
+            # Discounted sums of rewards scaled to [0, 1], one a round: in [0, MAX_COUNT] (beyond, eta
+            # times it overflowed and the draw's weights were NaN).
+            "_cum": {
+                saved_context(c, "cum"): saved_numbers(v, f"cum[{c!r}]", (n,), hi=MAX_COUNT)
+                for c, v in cum.items()
+            },
         }

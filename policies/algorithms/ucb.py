@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import Learner
+from policies.algorithms.base import MAX_REWARD, Learner, saved_context, saved_mapping, saved_number
 from policies.arms import Arm, Method
 from policies.context import Context
-from policies.params import Param
+from policies.params import Param, shown
 
 
 def _ucb_pick(n: np.ndarray, s: np.ndarray, allowed: Sequence[int], c: float, t: float) -> int:
@@ -95,10 +95,26 @@ class SlidingWindowUCB(Learner):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "hist": {c.key: list(map(list, h)) for c, h in self._hist.items()}}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        w = int(self.params["window"])
-        self._hist = {
-            Context.parse(c): deque(((int(i), float(r)) for i, r in h), maxlen=w)
-            for c, h in state.get("hist", {}).items()
+    def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        saved = saved_mapping(state.get("hist", {}), "hist", "a mapping of context to rounds")
+        return {
+            **super()._loaded(state),
+            "_hist": {saved_context(c, "hist"): self._window(h, f"hist[{c!r}]") for c, h in saved.items()},
         }
+
+    def _window(self, h: Any, where: str) -> deque[tuple[int, float]]:
+        """A saved window: [arm index, reward] pairs (an index beyond the arms failed the next update;
+        a negative one played the last arm). The newest ``window`` are kept, as the window keeps them."""
+        if not isinstance(h, list | tuple):
+            raise ValueError(f"{where}: a list of [arm, reward] pairs expected, got {type(h).__name__}")
+        n = len(self.arms)
+        out: deque[tuple[int, float]] = deque(maxlen=int(self.params["window"]))
+        for j, pair in enumerate(h):
+            at = f"{where}[{j}]"
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise ValueError(f"{at}: an [arm, reward] pair expected, got {shown(pair)}")
+            i, r = pair
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                raise ValueError(f"{at}: {shown(i)} is not an arm index (0 to {n - 1})")
+            out.append((i, saved_number(r, f"{at}[1]", lo=-MAX_REWARD, hi=MAX_REWARD)))
+        return out

@@ -31,6 +31,18 @@ DAMAGE: dict[str, Damage] = {
     "learner-table-list": lambda loop: loop["learner"].update(acc=[]),
     "rounds-1e400": lambda loop: loop.update(rounds=float("inf")),
     "arm-index-99": lambda loop: _ctx(loop).update(arm=99),
+    # Found by a hostile-input review: each loaded silently and failed later with an ERROR and a
+    # traceback (or stayed in the learner and fed its decisions).
+    "learner-batch-one-number": lambda loop: loop["learner"]["batch"].update(
+        {next(iter(loop["learner"]["batch"])): [1.0]}
+    ),
+    "learner-acc-negative": lambda loop: loop["learner"]["acc"].update(
+        {k: [[-1000.0] * len(r) for r in v] for k, v in loop["learner"]["acc"].items()}
+    ),
+    "learner-xtx-zero": lambda loop: loop["learner"].update(xtx=[[0.0] * 6 for _ in range(6)]),
+    "learner-acc-method-99": lambda loop: loop["learner"]["acc"].update(
+        {"chat|99": next(iter(loop["learner"]["acc"].values()))}
+    ),
 }
 #: In a snapshot, counters out of range drop the whole engine entry (tests/reliability); the fleet's
 #: counters are never taken, but a document with them broken is not used either.
