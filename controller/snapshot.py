@@ -176,10 +176,21 @@ class SnapshotStore:
         state: dict[str, Any] = doc["state"]
         return state
 
+    def _aside(self, kind: str) -> Path:
+        """A free name beside the snapshot: ``.<kind>-<ts>``, or ``-2``, ``-3``... after it when taken.
+        Named by the second alone, a second copy within the same second (a crash loop restarting on a
+        bad snapshot) replaced the first, and the original it kept was lost."""
+        base = f"{self.path.name}.{kind}-{int(self.clock())}"
+        aside, n = self.path.with_name(base), 1
+        while aside.exists() or aside.is_symlink():
+            n += 1
+            aside = self.path.with_name(f"{base}-{n}")
+        return aside
+
     def keep_copy(self, why: str) -> Path | None:
         """Copy the snapshot aside (``.partial-<ts>``): parts of it were dropped on load, and the next
         write replaces it."""
-        aside = self.path.with_name(f"{self.path.name}.partial-{int(self.clock())}")
+        aside = self._aside("partial")
         try:
             shutil.copyfile(self.path, aside)
         except OSError as e:
@@ -190,7 +201,7 @@ class SnapshotStore:
 
     def quarantine(self, why: str) -> Path | None:
         """Move the snapshot aside (``.corrupt-<ts>``) so the next start is clean."""
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(self.clock())}")
+        aside = self._aside("corrupt")
         try:
             os.replace(self.path, aside)
         except OSError as e:

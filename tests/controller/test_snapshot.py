@@ -40,6 +40,27 @@ def test_corrupt_snapshot_moved_aside(tmp_path: Path, content: str, caplog: pyte
     assert "moved to" in caplog.text
 
 
+def test_copies_aside_within_one_second_keep_every_original(tmp_path: Path) -> None:
+    # A crash loop on bad snapshots: named by the second alone, each copy replaced the one before.
+    s = store(tmp_path)
+    s.path.parent.mkdir(parents=True)
+    for content in ("bad 1", "bad 2", "bad 3"):
+        s.path.write_text(content)
+        assert s.load() is None
+    for content in ("partial 1", "partial 2"):
+        s.path.write_text(content)
+        assert s.keep_copy("entries dropped") is not None
+    names = {p.name: p.read_text() for p in s.path.parent.iterdir() if p != s.path}
+    base = "sidecar-state.json"
+    assert names == {
+        f"{base}.corrupt-1700000000": "bad 1",
+        f"{base}.corrupt-1700000000-2": "bad 2",
+        f"{base}.corrupt-1700000000-3": "bad 3",
+        f"{base}.partial-1700000000": "partial 1",
+        f"{base}.partial-1700000000-2": "partial 2",
+    }
+
+
 def test_failed_write_keeps_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = store(tmp_path)
     assert s.save({"v": 1})
