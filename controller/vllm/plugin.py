@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from controller.vllm import compat
-from controller.vllm.settings import PluginSettings, SettingsError, enabled
+from controller.vllm.settings import PluginSettings, SettingsError, enabled, switch_problem
+from policies.text import one_line
 
 log = logging.getLogger("vllm.speccontrol")
 
@@ -25,11 +26,18 @@ def register() -> None:
     try:
         _register(os.environ)
     except Exception as e:  # a plugin must never stop an engine from starting
-        log.error("speccontrol: plugin not started, vLLM left as configured: %s: %s", type(e).__name__, e)
+        log.error(
+            "speccontrol: plugin not started, vLLM left as configured: %s: %s",
+            type(e).__name__,
+            one_line(str(e)),
+        )
 
 
 def _register(env: Mapping[str, str]) -> None:
     if not enabled(env):
+        problem = switch_problem(env)
+        if problem is not None:  # "SPECCONTROL_PLUGIN=ture" would otherwise leave it off without a word
+            log.error("speccontrol: plugin not started: %s", problem)
         return
     try:
         settings = PluginSettings.from_env(env)
