@@ -29,6 +29,7 @@ from policies.loop import ControlLoop
 from policies.observation import StepBatch, StepObservation
 from policies.presets import preset_names, preset_text
 from policies.spec import parse_policy
+from tests.policies.test_loop_state_invalid import _paths
 
 ARMS = tuple(Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:4", "ngram:4", "off"))
 ENGINE = EngineInfo("e1", "m", 4, ARMS, Granularity.REQUEST_METHOD)
@@ -461,16 +462,6 @@ def test_through_the_loop_the_message_names_the_learner_field() -> None:
 
 
 # -- properties ----------------------------------------------------------------------------------
-
-
-def _paths(node: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every place in a JSON document (the root excluded)."""
-    out: list[tuple[Any, ...]] = []
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for k, v in items:
-        out.append((*at, k))
-        out.extend(_paths(v, (*at, k)))
-    return out
 
 
 def _get(doc: Any, path: tuple[Any, ...]) -> Any:

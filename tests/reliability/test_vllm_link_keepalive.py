@@ -12,6 +12,8 @@ than every 5 minutes with GOAWAY).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -29,17 +31,32 @@ from tests.reliability.test_reconnect_accounting import _config
 pytestmark = pytest.mark.integration
 
 
-async def test_a_frozen_connection_is_found_dead_and_the_link_reconnects(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _linked(
+    tmp_path: Path, engine_id: str, keepalive_s: float
+) -> AsyncIterator[tuple[Sidecar, CuttableProxy, SidecarLink]]:
+    """A started sidecar, a proxy to its engine socket and a started link through the proxy."""
     sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
     await sc.start()
     proxy = CuttableProxy(upstream=sc.engine_target)
     await proxy.start()
     hello = pb.Hello(
-        engine_id="ka", model="m", max_k=4, arms=[pb.Arm(method="eagle3", k=2)], protocol_version=1
+        engine_id=engine_id, model="m", max_k=4, arms=[pb.Arm(method="eagle3", k=2)], protocol_version=1
     )
-    link = SidecarLink(target=proxy.target, hello=hello, flush_s=0.01, backoff_s=(0.02, 0.1), keepalive_s=1.0)
+    link = SidecarLink(
+        target=proxy.target, hello=hello, flush_s=0.01, backoff_s=(0.02, 0.1), keepalive_s=keepalive_s
+    )
     try:
         link.start()
+        yield sc, proxy, link
+    finally:
+        await asyncio.to_thread(link.close)
+        await proxy.stop()
+        await sc.stop(snapshot=False)
+
+
+async def test_a_frozen_connection_is_found_dead_and_the_link_reconnects(tmp_path: Path) -> None:
+    async with _linked(tmp_path, "ka", keepalive_s=1.0) as (sc, proxy, link):
         await until(lambda: link.stats().connected)
         for i in range(10):
             assert link.offer(_record(i))
@@ -53,10 +70,6 @@ async def test_a_frozen_connection_is_found_dead_and_the_link_reconnects(tmp_pat
         stats = link.stats()
         assert stats.disconnects >= 1 and stats.attaches >= 2
         assert stats.dropped_steps == 0 and stats.evicted_steps == 0
-    finally:
-        await asyncio.to_thread(link.close)
-        await proxy.stop()
-        await sc.stop(snapshot=False)
 
 
 async def test_the_sidecar_closes_a_frozen_engine_stream_so_the_engine_shows_as_gone(
@@ -66,22 +79,9 @@ async def test_the_sidecar_closes_a_frozen_engine_stream_so_the_engine_shows_as_
     # connection. Before, the stream stayed open for the kernel's TCP timeout: the engine showed as
     # connected, and its restarted process was refused its id (engine_id_in_use) all that time.
     monkeypatch.setattr(server, "ENGINE_KEEPALIVE_S", 1.0)
-    sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
-    await sc.start()
-    proxy = CuttableProxy(upstream=sc.engine_target)
-    await proxy.start()
-    hello = pb.Hello(
-        engine_id="gone", model="m", max_k=4, arms=[pb.Arm(method="eagle3", k=2)], protocol_version=1
-    )
-    link = SidecarLink(target=proxy.target, hello=hello, flush_s=0.01, keepalive_s=3600.0)
-    try:
-        link.start()
+    async with _linked(tmp_path, "gone", keepalive_s=3600.0) as (sc, proxy, _):
         await until(lambda: "gone" in sc.engines() and sc.engines()["gone"].connected)
         await asyncio.sleep(2.5)  # pings answered: the stream stays
         assert sc.engines()["gone"].connected
         assert proxy.freeze() == 1
         await until(lambda: not sc.engines()["gone"].connected)
-    finally:
-        await asyncio.to_thread(link.close)
-        await proxy.stop()
-        await sc.stop(snapshot=False)
