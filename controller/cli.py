@@ -206,6 +206,7 @@ _OBSERVE_FLAGS = {
     "max_k": "--max-k",
     "interval_s": "--interval",
     "retries": "--retries",
+    "model": "--model",
 }
 
 

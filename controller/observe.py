@@ -18,15 +18,21 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.errors import ConfigError
-from controller.validation import MAX_QUEUE_LENGTH, MAX_QUEUE_WAIT_S, MAX_STEP_DURATION_S, MIN_STEP_DURATION_S
+from controller.validation import (
+    MAX_MODEL,
+    MAX_QUEUE_LENGTH,
+    MAX_QUEUE_WAIT_S,
+    MAX_STEP_DURATION_S,
+    MIN_STEP_DURATION_S,
+)
 from controller.wire.address import parse_address
 from controller.wire.names import engine_id_problem, escape_text, has_control
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, OFF, Arm, Method
@@ -75,9 +81,14 @@ class VllmCounters:
     waiting: float = 0.0
     #: Whether the scrape had vllm:spec_decode_num_drafts_total at all (its absence reads as 0 above).
     has_drafts: bool = True
+    #: Each counter series on its own (name and labels), before the sums above: a restart of one of
+    #: several engines behind one endpoint can leave every sum growing.
+    series: Mapping[str, float] = field(default_factory=dict)
 
 
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
+#: The gauges among ``_READ`` (they go down as well as up); every other sample read is a counter.
+_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 #: The counters an observation's steps and acceptance come from, beside the drafts counter (the gauges
 #: and the queue histogram may be absent: a wait averaged over a longer span is still a wait).
@@ -90,6 +101,7 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
     that cannot be vLLM's: it is refused, as an unreadable one is, not turned into an observation)."""
     sums: dict[str, float] = {}
     per_pos: dict[int, float] = {}
+    series: dict[str, float] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as e:  # the parser raises bare ValueError/TypeError variants
@@ -100,6 +112,9 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 continue
             if not (math.isfinite(s.value) and s.value >= 0):
                 raise ValueError(f"{s.name}: must be a finite number >= 0, got {s.value}")
+            if s.name not in _GAUGES:
+                key = s.name + repr(sorted(s.labels.items()))
+                series[key] = series.get(key, 0.0) + s.value
             if s.name == _PER_POS:
                 label = s.labels.get("position", "0")
                 if not (label.isascii() and label.isdigit() and int(label) < MAX_POSITIONS):
@@ -128,7 +143,30 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         running=sums.get("vllm:num_requests_running", 0.0),
         waiting=sums.get("vllm:num_requests_waiting", 0.0),
         has_drafts=_DRAFTS in sums,
+        series=series,
     )
+
+
+def _went_back(prev: VllmCounters, cur: VllmCounters) -> str | None:
+    """The first counter that went backwards between the scrapes while the drafts counter grew (an
+    engine restarted: every delta across it is wrong, not only a negative one), or None."""
+    for name, before, after in (
+        ("vllm:spec_decode_num_draft_tokens_total", prev.draft_tokens, cur.draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens_total", prev.accepted, cur.accepted),
+        ("vllm:iteration_tokens_total_count", prev.iterations, cur.iterations),
+        ("vllm:request_queue_time_seconds_sum", prev.queue_time_sum, cur.queue_time_sum),
+        ("vllm:request_queue_time_seconds_count", prev.queue_time_count, cur.queue_time_count),
+    ):
+        if after < before:
+            return name
+    for i, before in enumerate(prev.per_position):
+        if (cur.per_position[i] if i < len(cur.per_position) else 0.0) < before:
+            return f'{_PER_POS}{{position="{i}"}}'
+    for key, before in prev.series.items():
+        # A series that vanished while the scrape kept its kind: its engine went away or restarted.
+        if cur.series.get(key, 0.0) < before:
+            return escape_text(key)[:200]
+    return None
 
 
 def observation_between(
@@ -139,15 +177,23 @@ def observation_between(
     max_rows: int = MAX_ROWS,
     max_k: int = MAX_POSITIONS,
 ) -> StepObservation | None:
-    """One observation for the interval, or None when nothing was verified (or a counter reset).
+    """One observation for the interval, or None when nothing was verified (or the drafts counter
+    went back: vLLM restarted).
     ``max_k``: the engine's num_speculative_tokens; the rows' K never exceeds it, whatever the
-    counters' ratio of draft tokens to drafts says. Raises ValueError, saying what, for an interval no
-    engine produces (steps shorter than a microsecond or longer than an hour, a batch beyond
-    ``MAX_OBSERVED_BATCH``, a queue beyond the sidecar's limits): the sidecar would refuse its reports."""
+    counters' ratio of draft tokens to drafts says. Raises ValueError, saying what, for another counter
+    that went backwards while the drafts grew (one of the engines behind the endpoint restarted: the
+    interval's deltas mean nothing) and for an interval no engine produces (less than one draft,
+    steps shorter than a microsecond or longer than an hour, a batch beyond ``MAX_OBSERVED_BATCH``, a
+    queue beyond the sidecar's limits): the sidecar would refuse its reports, or learn from numbers no
+    engine made."""
     drafts = cur.drafts - prev.drafts
     dt = cur.time_s - prev.time_s
-    if drafts <= 0 or dt <= 0 or cur.drafts < prev.drafts:
+    # The drafts counter went back: vLLM restarted, and the interval is no data (as before, unsaid).
+    if drafts <= 0 or dt <= 0 or not cur.has_drafts:
         return None
+    back = _went_back(prev, cur)
+    if back is not None:
+        raise ValueError(f"{back} went backwards (vLLM restarted?)")
     deltas = np.array(
         [
             c - (prev.per_position[i] if i < len(prev.per_position) else 0.0)
@@ -157,6 +203,7 @@ def observation_between(
     deltas = np.maximum(deltas, 0.0)
     # K: the mean drafted length, or more if some draft had a later position accepted (K varied).
     seen = int(np.flatnonzero(deltas)[-1]) + 1 if deltas.any() else 0
+    # (>= 0: no counter went back; it may be inf, over a denormal number of drafts, which min() caps)
     mean_k = (cur.draft_tokens - prev.draft_tokens) / drafts
     k = min(max(1, seen, round(min(mean_k, max_k))), max_k)
     pos = np.zeros(k)
@@ -176,7 +223,9 @@ def observation_between(
     wait = (cur.queue_time_sum - prev.queue_time_sum) / qn if qn > 0 else 0.0
     row_s = dt / drafts
     step_s = row_s * min(batch, n)
-    if row_s * min((hi - lo for lo, hi in step_bounds(n, batch)), default=0) < MIN_STEP_DURATION_S:
+    # n < 1: a counter grew by less than one draft (a denormal one made row_s inf, and inf * 0 a NaN
+    # that passed the comparison: an observation of no rows was sent).
+    if n < 1 or row_s * min((hi - lo for lo, hi in step_bounds(n, batch)), default=0) < MIN_STEP_DURATION_S:
         raise ValueError(f"no engine verifies {drafts:g} drafts in {dt:g} s")
     if step_s > MAX_STEP_DURATION_S:
         raise ValueError(f"{drafts:g} drafts in {dt:g} s: steps of more than {MAX_STEP_DURATION_S:g} s")
@@ -245,6 +294,12 @@ class ObserverSettings:
         problem = engine_id_problem(self.engine_id)
         if problem is not None:
             raise ValueError(f"engine_id: {problem}")
+        # The sidecar refuses such a Hello: found here it is a usage error, not a runtime one.
+        if has_control(self.model) or len(self.model) > MAX_MODEL:
+            raise ValueError(
+                f"model: must be at most {MAX_MODEL} characters without control characters, got "
+                f"'{escape_text(self.model)[:80]}'"
+            )
         if not 1 <= self.max_k <= 64:
             raise ValueError(f"max_k: must be 1..64, got {self.max_k}")
         if not (math.isfinite(self.interval_s) and 0 < self.interval_s <= 3600):
