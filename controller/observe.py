@@ -188,8 +188,9 @@ def observation_between(
     engine made."""
     drafts = cur.drafts - prev.drafts
     dt = cur.time_s - prev.time_s
-    # The drafts counter went back: vLLM restarted, and the interval is no data (as before, unsaid).
-    if drafts <= 0 or dt <= 0 or not cur.has_drafts:
+    if drafts < 0 and cur.has_drafts:  # vLLM restarted: the interval is no data, and that is said
+        raise ValueError("the drafts counter went backwards (vLLM restarted?)")
+    if drafts == 0 or dt <= 0 or not cur.has_drafts:  # idle (or a scrape without the counter)
         return None
     back = _went_back(prev, cur)
     if back is not None:

@@ -52,10 +52,11 @@ def test_downsampling_keeps_the_mean() -> None:
     assert obs.emitted / obs.duration_s == pytest.approx(931 * (1 + obs.accepted.mean()) / 10.0)
 
 
-def test_nothing_verified_or_a_counter_reset_gives_nothing() -> None:
+def test_nothing_verified_gives_nothing_and_a_counter_reset_is_said() -> None:
     cur = parse_metrics(CAPTURE, time_s=10.0)
     assert observation_between(cur, replace(cur, time_s=20.0), method=Method.NGRAM) is None
-    assert observation_between(cur, replace(cur, time_s=20.0, drafts=5.0), method=Method.NGRAM) is None
+    with pytest.raises(ValueError, match=r"^the drafts counter went backwards \(vLLM restarted\?\)$"):
+        observation_between(cur, replace(cur, time_s=20.0, drafts=5.0), method=Method.NGRAM)
 
 
 def test_garbage_is_a_clear_error() -> None:
