@@ -537,7 +537,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
 def cmd_trace_record(args: argparse.Namespace) -> int:
     from policies.arms import Method
     from sim.progress import ProgressBar
-    from sim.record import read_prompts, record_trace
+    from sim.record import RecordUsageError, read_prompts, record_trace
 
     problem = output_problem("--out", args.out)
     if problem is not None:
@@ -564,7 +564,11 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
             on_done=lambda _: bar.advance(),
             ngram=(args.min_n, args.max_n),
             warn=warnings.append,
+            timeout_s=args.timeout,
         )
+    except RecordUsageError as e:  # --url, or the responses file: found before any request
+        _err(str(e))
+        return EXIT_USAGE
     except TraceError as e:
         _err(str(e))
         return EXIT_RUNTIME
@@ -764,6 +768,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--concurrency", type=cli_types.int_in(1, 4096), default=4, help="requests in flight")
     p.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
+    p.add_argument(
+        "--timeout",
+        type=cli_types.float_in(0, 86400, lo_open=True),
+        default=600.0,
+        help="seconds one request may take, its whole answer read (default %(default)s)",
+    )
     p.add_argument(
         "--min-n", type=int, default=DEFAULT_MIN_N,
         help="shortest n-gram of the proposals (the engine's SPECCONTROL_NGRAM_MIN; plugin default %(default)s)",

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +31,14 @@ from typing import Any
 
 from policies.arms import Method
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
+from sim.files import output_problem
 from sim.importer import import_vllm_metrics
-from sim.trace import MAX_OUTPUT_TOKENS, Trace, TraceError, load_json_line, read_json_lines
+from sim.trace import DEFAULT_LIMITS, MAX_OUTPUT_TOKENS, Trace, TraceError, load_json_line, read_json_lines
 
 MAX_PROMPTS = 100_000
+#: The largest answer read (bytes): what the importer reads as one line of the responses file; past it
+#: the import refused the line anyway, after the recording.
+MAX_RESPONSE_BYTES = DEFAULT_LIMITS.max_line_bytes - 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +46,7 @@ class Prompt:
     text: str
     traffic_class: str
     max_tokens: int
+    where: str = ""  # FILE:LINE of the prompt, which errors about its request name
 
 
 def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> list[Prompt]:
@@ -73,23 +80,91 @@ def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> li
                     line=lineno,
                     field="max_tokens",
                 )
-            out.append(Prompt(text, cls, n))
+            out.append(Prompt(text, cls, n, f"{p}:{lineno}"))
         else:
-            out.append(Prompt(line, default_class, max_tokens))
+            out.append(Prompt(line, default_class, max_tokens, f"{p}:{lineno}"))
     if not out:
         raise TraceError("no prompts", source=str(p))
     return out
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def url_problem(base_url: str) -> str | None:
+    """What is wrong with ``--url`` before any request (None: nothing): a scheme other than http(s), no
+    host or a port out of range failed every request one by one, as a runtime error (exit 1)."""
+    try:
+        u = urllib.parse.urlsplit(base_url)
+        port = u.port
+    except ValueError as e:  # an unclosed IPv6 bracket, a port that is not a number
+        return f"--url {base_url}: not a URL ({e})"
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return f"--url {base_url}: expected http://HOST[:PORT] or https://HOST[:PORT] (the vLLM server)"
+    if port == 0:
+        return f"--url {base_url}: port 0 names no server"
+    return None
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON: kept, they made the responses file unreadable to other JSON tools.
+    raise ValueError(f"{name} (not a JSON number)")
+
+
+def _read_body(resp: http.client.HTTPResponse, *, limit: int, deadline: float) -> bytes:
+    """The whole body, refused past ``limit`` bytes or ``deadline`` (a monotonic time): an endless or
+    huge answer held it all in memory (gigabytes), and a server dripping bytes never hit the socket
+    timeout, which bounds one wait, not the answer."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        if time.monotonic() > deadline:
+            raise ValueError(f"no whole answer within the timeout ({size} bytes read)")
+        chunk = resp.read1(1 << 16)
+        if not chunk:
+            # read1 ends quietly where read() raised: a body cut short of its Content-Length.
+            if resp.length:
+                raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise ValueError(f"the answer is over {limit} bytes (a response line's limit)")
+        chunks.append(chunk)
+
+
+def _post(
+    url: str, body: dict[str, Any], timeout_s: float, *, max_bytes: int = MAX_RESPONSE_BYTES
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+    try:
+        resp_cm = urllib.request.urlopen(req, timeout=timeout_s)
+    except urllib.error.HTTPError as e:
+        # vLLM says why in the body ({"message": ...}); bounded, as any answer.
+        with e:
+            try:
+                detail = e.read(400).decode("utf-8", "replace")
+            except (OSError, http.client.HTTPException):
+                detail = ""
+        said = " ".join(detail.split())[:200]
+        raise ValueError(f"HTTP {e.code} {e.reason}" + (f": {said}" if said else "")) from None
+    with resp_cm as resp:
+        ctype = resp.headers.get("Content-Type", "")
+        if "text/event-stream" in ctype:  # a stream never ends by itself: not waited out
+            raise ValueError("the server streamed (text/event-stream); expected one JSON answer")
         try:
-            obj = json.loads(resp.read())
-        except RecursionError:  # a hostile or broken server: an error like any unreadable answer
-            raise ValueError("the server answered with JSON nested too deeply to read") from None
+            data = _read_body(resp, limit=max_bytes, deadline=deadline)
+        except TimeoutError:  # its str() is only "timed out"
+            raise ValueError(f"no answer within the timeout ({timeout_s:g} s)") from None
+    try:
+        obj = json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:  # a hostile or broken server: an error like any unreadable answer
+        raise ValueError("the server answered with JSON nested too deeply to read") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not JSON: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg}: byte {e.pos} of {len(data)})") from None
+    except ValueError as e:  # NaN, or an integer past Python's digit limit
+        raise ValueError(f"not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ValueError("the server answered with something other than a JSON object")
     return obj
@@ -105,9 +180,14 @@ def record(
     timeout_s: float = 600.0,
     on_done: Callable[[int], None] | None = None,
     errors: list[str] | None = None,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> int:
     """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures
-    (``errors``, when given, gets each failed request's error)."""
+    (``errors``, when given, gets each failed request's error, naming its prompt).
+
+    The lines go to ``<responses>.partial``, renamed to ``responses_path`` once every request is done:
+    a run cut short (Ctrl-C, a full disk) leaves no file that reads as a whole recording, and a run
+    whose every request failed leaves none. A file that cannot be written raises TraceError naming it."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     failures = 0
@@ -123,32 +203,62 @@ def record(
             "return_token_ids": True,
             "vllm_xargs": {"traffic_class": p.traffic_class},
         }
+        request = f"POST {url} for prompt {p.where or i + 1}"
         try:
-            obj = _post(url, body, timeout_s)
+            obj = _post(url, body, timeout_s, max_bytes=max_response_bytes)
         except (urllib.error.URLError, OSError, ValueError) as e:
-            return {"error": str(e), "index": i}
+            if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+                e = ValueError(f"no answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
+            return {"error": f"{e} ({request})", "index": i}
         except http.client.HTTPException as e:
             # urllib passes a non-HTTP answer (BadStatusLine: a wrong port) or a cut body (IncompleteRead)
             # through unwrapped; like any failed request it is counted, not a traceback. Its str() alone
             # is the bytes received, so the kind is said too.
-            return {"error": f"not a whole HTTP answer ({type(e).__name__}: {e!s:.200})", "index": i}
+            return {
+                "error": f"not a whole HTTP answer ({type(e).__name__}: {e!s:.200}) ({request})",
+                "index": i,
+            }
         obj["traffic_class"] = p.traffic_class
         obj["arrival_s"] = round(sent, 6)
         obj["id"] = f"r{i}"
         return obj
 
-    responses_path.parent.mkdir(parents=True, exist_ok=True)
-    with responses_path.open("w", encoding="utf-8") as f, ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for done, obj in enumerate(pool.map(one, enumerate(prompts)), start=1):
-            if obj is None or "error" in obj:
-                failures += 1
-                if errors is not None:
-                    errors.append(str(obj["error"]) if obj is not None else "no response")
-            else:
-                f.write(json.dumps(obj) + "\n")
-            if on_done is not None:
-                on_done(done)
+    partial = responses_path.with_name(responses_path.name + ".partial")
+    kept = 0
+    try:
+        responses_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with (
+                partial.open("w", encoding="utf-8") as f,
+                ThreadPoolExecutor(max_workers=concurrency) as pool,
+            ):
+                for done, obj in enumerate(pool.map(one, enumerate(prompts)), start=1):
+                    if obj is None or "error" in obj:
+                        failures += 1
+                        if errors is not None:
+                            errors.append(str(obj["error"]) if obj is not None else "no response")
+                    else:
+                        f.write(json.dumps(obj) + "\n")
+                        kept += 1
+                    if on_done is not None:
+                        on_done(done)
+            if kept:
+                partial.replace(responses_path)
+        finally:
+            partial.unlink(missing_ok=True)  # (gone already when renamed)
+    except OSError as e:
+        where = e.filename or partial
+        raise TraceError(f"cannot write the responses: {e.strerror or e}", source=str(where)) from None
     return failures
+
+
+class RecordUsageError(ValueError):
+    """A mistake in the command line found before any request (exit 2, where a failed recording is 1)."""
+
+
+def responses_file(out: Path) -> Path:
+    """The responses kept beside the trace ``out``: ``<out>.responses.jsonl``."""
+    return out.with_name(out.name.removesuffix(".gz").removesuffix(".jsonl") + ".responses.jsonl")
 
 
 def record_trace(
@@ -162,11 +272,23 @@ def record_trace(
     on_done: Callable[[int], None] | None = None,
     ngram: tuple[int, int] = (DEFAULT_MIN_N, DEFAULT_MAX_N),
     warn: Callable[[str], None] | None = None,
+    timeout_s: float = 600.0,
 ) -> tuple[Trace, int, Path]:
     """Record responses and convert them; returns the trace, the failed requests and the responses file.
     ``ngram``: the (min_n, max_n) of the n-gram proposals computed from the responses' token ids;
-    ``warn``: gets the import's warnings (default: stderr)."""
-    responses = out.with_name(out.name.removesuffix(".gz").removesuffix(".jsonl") + ".responses.jsonl")
+    ``warn``: gets the import's warnings and the first failed request's error (default: stderr);
+    ``timeout_s``: the longest one request may take, its whole answer read.
+
+    Raises RecordUsageError before any request for a bad ``base_url`` or a responses file that cannot
+    be one (a directory, a device), TraceError when every request failed or a response is refused."""
+    problem = url_problem(base_url)
+    if problem is not None:
+        raise RecordUsageError(problem)
+    responses = responses_file(out)
+    # The responses file is an output too: a directory of its name failed only after the recording.
+    problem = output_problem("--out", responses)
+    if problem is not None:
+        raise RecordUsageError(f"{problem} (the responses kept beside the trace)")
     errors: list[str] = []
     failures = record(
         base_url=base_url,
@@ -174,10 +296,17 @@ def record_trace(
         prompts=prompts,
         responses_path=responses,
         concurrency=concurrency,
+        timeout_s=timeout_s,
         on_done=on_done,
         errors=errors,
     )
     if prompts and failures == len(prompts):  # (the import would say only "no responses found")
         raise TraceError(f"every request failed ({failures}); the first: {errors[0]}", source=base_url)
+    if failures:  # counted in the summary; why is said once, not lost
+        (warn or _say)(f"{base_url}: {failures} of {len(prompts)} requests failed; the first: {errors[0]}")
     trace = import_vllm_metrics(responses, method=method, ngram=ngram, greedy=True, warn=warn)
     return trace, failures, responses
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr)

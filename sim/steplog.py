@@ -21,8 +21,12 @@ recorder stops (the engine's reports are still applied).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import stat
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -124,17 +128,69 @@ def step_record(
 
 
 class StepRecorder:
-    """Appends applied steps to a ``speccontrol-steps/1`` file; call it as ``recorder(engine_id, steps)``."""
+    """Appends applied steps to a ``speccontrol-steps/1`` file; call it as ``recorder(engine_id, steps)``.
+
+    Never raises into the sidecar: a failed write is logged once, the file is cut back to its last whole
+    line (a half-written line made ``profile fit`` refuse the whole file) and the recording stops. A file
+    removed or replaced while recording (rotated, or deleted by mistake) is said once and made anew at
+    the path: the steps went on into the removed file, and the log said they were in ``path``."""
+
+    #: How often (seconds) the path is checked to still name the file written.
+    CHECK_EVERY_S = 1.0
 
     def __init__(self, *, path: Path) -> None:
         self.path = path
         self.steps = 0
         self._file: IO[str] | None = path.open("a", encoding="utf-8")
+        self._whole = self._end()
+        self._checked = time.monotonic()
         self._emitted: dict[str, OrderedDict[str, int]] = {}
+
+    def _end(self) -> int | None:
+        """The file's size: where its last whole line ends (None: not a regular file, never cut)."""
+        assert self._file is not None
+        st = os.fstat(self._file.fileno())
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def _same_file(self) -> bool:
+        assert self._file is not None
+        try:
+            here, ours = os.stat(self.path), os.fstat(self._file.fileno())
+        except OSError:
+            return False
+        return (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino)
+
+    def _reopen_if_moved(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.CHECK_EVERY_S or self._file is None:
+            return
+        self._checked = now
+        if self._same_file():
+            return
+        log.warning(
+            "--record-steps %s: removed or replaced while recording (after %d steps); recording into a new %s",
+            self.path,
+            self.steps,
+            self.path,
+        )
+        old, self._file = self._file, None
+        with contextlib.suppress(OSError):
+            old.close()
+        self._file = self.path.open("a", encoding="utf-8")
+        self._whole = self._end()
 
     def __call__(self, engine: str, observations: Iterable[StepObservation]) -> None:
         if self._file is None:
             return
+        try:
+            self._record(engine, observations)
+        except Exception as e:  # the recording is a bystander: it must not fail the engine's report
+            log.error("--record-steps %s: %s; recording stopped after %d steps", self.path, e, self.steps)
+            self._stop_whole()
+
+    def _record(self, engine: str, observations: Iterable[StepObservation]) -> None:
+        self._reopen_if_moved()
+        assert self._file is not None
         seen = self._emitted.setdefault(engine, OrderedDict())
         lines = []
         for obs in observations:
@@ -149,13 +205,31 @@ class StepRecorder:
             while len(seen) > MAX_TRACKED_REQUESTS:
                 seen.popitem(last=False)
             lines.append(json.dumps(step_record(engine, obs, decoded_tokens=decoded), separators=(",", ":")))
-        try:
-            self._file.write("".join(line + "\n" for line in lines))
-            self._file.flush()
-            self.steps += len(lines)
-        except OSError as e:
-            log.error("--record-steps %s: %s; recording stopped after %d steps", self.path, e, self.steps)
-            self.close()
+        text = "".join(line + "\n" for line in lines)
+        self._file.write(text)
+        self._file.flush()
+        self.steps += len(lines)
+        if self._whole is not None:
+            self._whole += len(text.encode("utf-8"))
+
+    def _stop_whole(self) -> None:
+        """Closes the file cut back to its last whole line: a half-written batch made the whole file
+        unreadable. Cut after the close, which tries the buffered rest once more."""
+        f, self._file = self._file, None
+        if f is None:
+            return
+        fd = -1
+        with contextlib.suppress(OSError, ValueError):
+            fd = os.dup(f.fileno())
+        with contextlib.suppress(OSError):
+            f.close()
+        with contextlib.suppress(OSError):
+            f.close()  # a close whose flush failed leaves the file open
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                if self._whole is not None:
+                    os.ftruncate(fd, self._whole)
+            os.close(fd)
 
     def close(self) -> None:
         if self._file is not None:
@@ -163,6 +237,8 @@ class StepRecorder:
             try:
                 f.close()
             except OSError as e:
+                with contextlib.suppress(OSError):
+                    f.close()
                 log.error("--record-steps %s: %s", self.path, e)
 
 

@@ -1,0 +1,172 @@
+"""``trace record`` against servers that misbehave: every failure is one line naming the request, memory and
+time stay bounded, and no responses file is left that reads as a whole recording."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sim.cli import main
+
+GOOD = {
+    "usage": {"prompt_tokens": 5, "completion_tokens": 6},
+    "choices": [{"text": "......", "prompt_token_ids": [1, 2, 3, 1, 2], "token_ids": [3, 1, 2, 3, 9, 9]}],
+    "metrics": {"speculative_decoding": {"per_step_accepted": [2, 0, 1], "per_step_drafted": [2, 2, 2]}},
+}
+MODE: dict[str, str] = {"mode": "good"}
+
+
+class Hostile(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def _send(self, data: bytes, code: int = 200, ctype: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream(self, head: bytes, chunk: bytes, ctype: str, pause: float) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            self.wfile.write(head)
+            for _ in range(100_000):  # bounded, so a broken client cannot keep the test's thread
+                self.wfile.write(chunk)
+                self.wfile.flush()
+                time.sleep(pause)
+        except OSError:
+            pass
+        self.close_connection = True
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        mode = MODE["mode"]
+        if mode == "half" and body["prompt"] == "good":
+            mode = "good"
+        if mode in ("good", "half"):
+            self._send(json.dumps(GOOD).encode() if mode == "good" else b"<html>busy</html>")
+        elif mode == "500":
+            self._send(b'{"message": "model not\\nloaded"}', code=500)
+        elif mode == "nan":
+            self._send(json.dumps({**GOOD, "x": float("nan")}).encode())
+        elif mode == "endless":
+            self._stream(b'{"pad": "', b"x" * 65536, "application/json", 0)
+        elif mode == "sse":
+            self._stream(b"", b"data: {}\n\n", "text/event-stream", 0.01)
+        elif mode == "drip":
+            self._stream(b"{", b" ", "application/json", 0.2)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    MODE["mode"] = "good"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _record(url: str, tmp_path: Path, *extra: str, prompts: str = "hello\nthere\n") -> int:
+    f = tmp_path / "p.txt"
+    f.write_text(prompts)
+    argv = ["trace", "record", "--url", url, "--model", "m", "--prompts", str(f), "--max-tokens", "8"]
+    return main([*argv, "--out", str(tmp_path / "t.jsonl"), *extra])
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        # The body was read whole: gigabytes of memory until killed.
+        ("endless", "the answer is over 67104768 bytes"),
+        # A stream or a drip never hit the socket timeout, which bounds one wait: the command hung.
+        ("sse", "the server streamed (text/event-stream); expected one JSON answer"),
+        ("drip", "no whole answer within the timeout"),
+        # NaN was kept in the responses file, which then was not JSON.
+        ("nan", "not JSON: NaN (not a JSON number)"),
+        # Only "HTTP Error 500: Internal Server Error": not vLLM's reason.
+        ("500", 'HTTP 500 Internal Server Error: {"message": "model not\\nloaded"}'),
+    ],
+)
+def test_a_hostile_answer_fails_its_request_in_one_line_naming_it(
+    url: str, tmp_path: Path, mode: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    MODE["mode"] = mode
+    t0 = time.monotonic()
+    assert _record(url, tmp_path, "--timeout", "1") == 1
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert says in err[0], err[0]
+    assert f"(POST {url}/v1/completions for prompt {tmp_path / 'p.txt'}:1)" in err[0]
+    # Every request failed: not even an empty responses file (one was left, 0 bytes) and no trace.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+def test_some_failed_requests_are_said_once_with_the_first_reason(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only "(1 failed)" in the summary: why was never said."""
+    MODE["mode"] = "half"
+    assert _record(url, tmp_path, prompts="good\nbad\n") == 0
+    err = capsys.readouterr().err
+    assert f"{url}: 1 of 2 requests failed; the first: not JSON (Expecting value: byte 0 of 17)" in err
+    assert (tmp_path / "t.jsonl").exists() and (tmp_path / "t.responses.jsonl").exists()
+    assert not (tmp_path / "t.responses.jsonl.partial").exists()
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ("notaurl", "expected http://HOST[:PORT] or https://HOST[:PORT]"),
+        ("ftp://x", "expected http://HOST[:PORT] or https://HOST[:PORT]"),
+        ("http://[::1", "not a URL (Invalid IPv6 URL)"),
+        ("http://127.0.0.1:99999", "not a URL (Port out of range 0-65535)"),
+        ("http://127.0.0.1:0", "port 0 names no server"),
+    ],
+)
+def test_a_url_that_names_no_server_is_a_usage_error_before_any_request(
+    tmp_path: Path, given: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each failed every request one by one, then exited 1 as if the server were down."""
+    assert _record(given, tmp_path) == 2
+    assert capsys.readouterr().err.strip().startswith(f"--url {given}: {says}")
+
+
+def test_a_responses_file_that_cannot_be_written_is_refused_before_any_request(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory of its name failed after every request was sent, as a bare errno (exit 1)."""
+    (tmp_path / "t.responses.jsonl").mkdir()
+    assert _record(url, tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"--out {tmp_path / 't.responses.jsonl'}: is a directory, not a file (the responses kept beside the trace)"
+    )
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full to fail a write")
+def test_a_full_disk_is_one_runtime_error_and_leaves_no_partial_file(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "error: errorNo space left on device"."""
+    (tmp_path / "t.responses.jsonl.partial").symlink_to("/dev/full")
+    assert _record(url, tmp_path) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(": cannot write the responses: No space left on device"), err
+    assert not (tmp_path / "t.responses.jsonl").exists() and not (tmp_path / "t.jsonl").exists()

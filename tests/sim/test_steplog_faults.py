@@ -1,0 +1,109 @@
+"""``serve --record-steps`` when its file fails: a write cut short leaves whole lines only, a removed
+file is said once and made anew, and nothing raises into the sidecar."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policies.arms import Method
+from policies.observation import StepObservation
+from sim.steplog import StepRecorder, read_steps
+
+
+def _obs(t: float, n: int = 1) -> StepObservation:
+    o = StepObservation.build(
+        time_s=t,
+        duration_s=0.01,
+        traffic_class=["default"] * n,
+        method=[Method.EAGLE3] * n,
+        k=[2] * n,
+        drafted=[2] * n,
+        accepted=[1] * n,
+        request_id=[f"r{i}" for i in range(n)],
+    )
+    return dataclasses.replace(o, finished=np.zeros(n, dtype=bool))
+
+
+def test_a_write_cut_short_leaves_only_whole_lines(tmp_path: Path) -> None:
+    """A file-size limit (as a full disk) stops a write mid-line: the half line made profile fit refuse
+    the whole file ("invalid JSON ... cut off?")."""
+    path = tmp_path / "s.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import logging, resource, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_steplog_faults import _obs
+        from pathlib import Path
+        from sim.steplog import StepRecorder
+        logging.basicConfig(level=logging.ERROR)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+        rec = StepRecorder(path=Path({str(path)!r}))
+        for i in range(200):
+            rec("pod-1", [_obs(float(i), 3)] * 7)
+        rec.close()
+        print(rec.steps)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("recording stopped after") == 1
+    steps = int(r.stdout)
+    assert 0 < steps < 1400
+    assert read_steps(path).n == steps  # was a StepLogError on the cut line
+    assert path.read_bytes().endswith(b"\n")
+
+
+def test_a_removed_file_is_said_once_and_made_anew(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps after a removal went on into the deleted file; the log then said they were in PATH."""
+    monkeypatch.setattr(StepRecorder, "CHECK_EVERY_S", 0.0)
+    path = tmp_path / "s.jsonl"
+    rec = StepRecorder(path=path)
+    rec("e", [_obs(0.0)])
+    path.unlink()
+    with caplog.at_level(logging.WARNING):
+        for i in range(1, 6):
+            rec("e", [_obs(float(i))])
+    rec.close()
+    assert caplog.text.count("removed or replaced while recording") == 1
+    assert read_steps(path).time_s.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_a_path_that_cannot_be_made_again_stops_the_recording_without_raising(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(StepRecorder, "CHECK_EVERY_S", 0.0)
+    path = tmp_path / "d" / "s.jsonl"
+    path.parent.mkdir()
+    rec = StepRecorder(path=path)
+    rec("e", [_obs(0.0)])
+    path.unlink()
+    path.parent.rmdir()
+    with caplog.at_level(logging.WARNING):
+        for i in range(1, 50):
+            rec("e", [_obs(float(i))])
+    rec.close()
+    assert caplog.text.count("recording stopped after 1 steps") == 1
+
+
+def test_an_unexpected_error_in_recording_never_reaches_the_sidecar(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only OSError was caught: anything else (here a step the recorder cannot render) failed the
+    engine's report."""
+    rec = StepRecorder(path=tmp_path / "s.jsonl")
+    bad = dataclasses.replace(_obs(0.0), method=np.array([99], dtype=np.int8))
+    with caplog.at_level(logging.ERROR):
+        rec("e", [bad])
+        rec("e", [_obs(1.0)])
+    assert caplog.text.count("recording stopped after 0 steps") == 1
