@@ -67,7 +67,13 @@ async def serve(config: SidecarConfig, *, record_steps: Path | None = None) -> N
         await sidecar.stop(snapshot=True)
         if recorder is not None:
             recorder.close()
-            log.info("recorded %d steps in %s", recorder.steps, recorder.path)
+            moved = recorder.steps - recorder.steps_at_path
+            log.info(
+                "recorded %d steps in %s%s",
+                recorder.steps_at_path,
+                recorder.path,
+                f" ({moved} more before it was removed or replaced)" if moved else "",
+            )
         with contextlib.suppress(OSError):
             endpoints.unlink()
         for sig in (signal.SIGTERM, signal.SIGINT):

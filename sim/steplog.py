@@ -141,6 +141,8 @@ class StepRecorder:
     def __init__(self, *, path: Path) -> None:
         self.path = path
         self.steps = 0
+        #: Of ``steps``, those in the file at ``path`` now (the rest went to one removed while recording).
+        self.steps_at_path = 0
         self._file: IO[str] | None = path.open("a", encoding="utf-8")
         self._whole = self._end()
         self._checked = time.monotonic()
@@ -178,6 +180,7 @@ class StepRecorder:
             old.close()
         self._file = self.path.open("a", encoding="utf-8")
         self._whole = self._end()
+        self.steps_at_path = 0
 
     def __call__(self, engine: str, observations: Iterable[StepObservation]) -> None:
         if self._file is None:
@@ -209,6 +212,7 @@ class StepRecorder:
         self._file.write(text)
         self._file.flush()
         self.steps += len(lines)
+        self.steps_at_path += len(lines)
         if self._whole is not None:
             self._whole += len(text.encode("utf-8"))
 

@@ -77,6 +77,7 @@ def test_a_removed_file_is_said_once_and_made_anew(
     rec.close()
     assert caplog.text.count("removed or replaced while recording") == 1
     assert read_steps(path).time_s.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert (rec.steps, rec.steps_at_path) == (6, 5)  # what serve's last line says is in PATH
 
 
 def test_a_path_that_cannot_be_made_again_stops_the_recording_without_raising(
