@@ -543,7 +543,7 @@ def _admin_address(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
+    p = cli_types.OneLineParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
     p.add_argument("--version", action="version", version=f"controllerctl {package_version()}")
     p.add_argument(
         "--admin",

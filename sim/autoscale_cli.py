@@ -1,9 +1,16 @@
-"""``controllerctl sim autoscale``: the "load triples" scenario, warm vs cold replicas."""
+"""``controllerctl sim autoscale``: the "load triples" scenario, warm vs cold replicas.
+
+Its outputs (``--json``, and ``--out``'s directory of autoscale.md, .json and .png) are checked before
+the run, one against the other too, and written all or nothing: a write that fails removes what this
+run had written (and the directory it made), so no half report is left behind.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,15 +28,17 @@ from sim.autoscale import (
     summarise,
 )
 from sim.cli_types import float_in, int_in
-from sim.costmodel import load_profile, profile_names
+from sim.costmodel import ProfileError, profile_names
 from sim.engines import ENGINES
-from sim.files import output_problem
+from sim.files import output_problem, replace_file
 
 DAY_S = 86_400.0
 WEEK_S = 7 * DAY_S
+#: The files ``--out`` writes in its directory.
+OUT_FILES = ("autoscale.md", "autoscale.json", "autoscale.png")
 
 
-def add_parser(ss: Any, resolve_policy: Any) -> None:
+def add_parser(ss: Any, resolve_policy: Any, load_profile: Any) -> None:
     p = ss.add_parser("autoscale", help="HPA on queue wait under 'load triples', warm vs cold replicas")
     p.add_argument("--policy", default="default", help="policy file or preset (default: default)")
     p.add_argument(
@@ -63,7 +72,7 @@ def add_parser(ss: Any, resolve_policy: Any) -> None:
     )
     p.add_argument("--out", help="directory for autoscale.md, autoscale.json and autoscale.png")
     p.add_argument("--json", help="write the figures as JSON to this file")
-    p.set_defaults(func=lambda a: run(a, resolve_policy))
+    p.set_defaults(func=lambda a: run(a, resolve_policy, load_profile))
 
 
 def _finite(x: float) -> float | None:
@@ -75,7 +84,55 @@ def _secs(curve: LearningCurve) -> str:
     return f"{t:.0f} s" if np.isfinite(t) else f"not within the {float(curve.t_s[-1]):.0f} s measured"
 
 
-def run(args: argparse.Namespace, resolve_policy: Any) -> int:
+def _clash(json_path: str | None, out: str | None) -> str | None:
+    """``--json`` naming ``--out``'s directory, a file it writes, or a directory above it: one output
+    overwrote the other, or the second failed after the run (``File exists``) with the first written."""
+    if not json_path or not out:
+        return None
+    j, o = Path(json_path).resolve(), Path(out).resolve()
+    if j == o or j in o.parents:
+        return f"--json {json_path}: --out {out} is there (give them different paths)"
+    if j.parent == o and j.name in OUT_FILES:
+        return f"--json {json_path}: --out {out} writes that file too (give another path)"
+    return None
+
+
+def _write_all(files: list[tuple[Path, bytes]], out: Path | None) -> None:
+    """Write each ``(path, bytes)``, making ``out`` (and its missing parents) first; on a failure remove
+    the files written and the directories made, then raise the OSError."""
+    made: list[Path] = []
+    if out is not None:
+        for d in (out.absolute(), *out.absolute().parents):
+            if d.exists():
+                break
+            made.append(d)  # deepest first: the order to remove them in
+        out.mkdir(parents=True, exist_ok=True)
+    done: list[Path] = []
+    try:
+        for path, data in files:
+            replace_file(path, data)
+            done.append(path)
+    except BaseException:  # Ctrl-C too: no half report
+        for path in done:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _png(runs: dict[str, Any]) -> bytes:
+    """The plot as bytes, drawn before anything is written (a plot that fails leaves no report)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="speccontrol-autoscale-") as tmp:
+        path = Path(tmp) / "autoscale.png"
+        plot(list(runs.items()), str(path))
+        return path.read_bytes()
+
+
+def run(args: argparse.Namespace, resolve_policy: Any, load_profile: Any) -> int:
     if args.engine not in ENGINES:
         print(
             f"--engine: unknown engine model {args.engine!r} (known: {', '.join(ENGINES)})", file=sys.stderr
@@ -87,7 +144,11 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
             file=sys.stderr,
         )
         return 2
-    problem = output_problem("--json", args.json) or output_problem("--out", args.out, directory=True)
+    problem = (
+        output_problem("--json", args.json)
+        or output_problem("--out", args.out, directory=True)
+        or _clash(args.json, args.out)
+    )
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
@@ -102,8 +163,9 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
         )
         policy = resolve_policy(args.policy)
         profile = load_profile(args.profile)
-    except (ValueError, OSError) as e:
-        print(one_line(str(e)), file=sys.stderr)
+    except (ValueError, OSError) as e:  # ProfileError and PolicyError name their flag
+        msg = str(e) if isinstance(e, ProfileError) or str(e).startswith("--") else f"--policy {e}"
+        print(one_line(msg), file=sys.stderr)
         return 2
     if args.out:
         try:
@@ -114,7 +176,8 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
                 file=sys.stderr,
             )
             return 2
-    print("measuring one replica: cold and warm replays of the policy ...", file=sys.stderr)
+    if sys.stderr.isatty():  # progress for a person; a log file gets only errors
+        print("measuring one replica: cold and warm replays of the policy ...", file=sys.stderr)
     replica = measure_replica(
         policy=policy, profile=profile, engine=ENGINES[args.engine], concurrency=args.concurrency
     )
@@ -168,24 +231,34 @@ def run(args: argparse.Namespace, resolve_policy: Any) -> int:
             f"| {v['max_p99_e2e_s']:.1f} |"
         )
     print("\n".join(lines))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    data = (json.dumps(result, indent=2) + "\n").encode("utf-8")
+    files: list[tuple[Path, bytes]] = []
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        plot(list(runs.items()), str(out / "autoscale.png"))
-        (out / "autoscale.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        cmd = "controllerctl sim autoscale " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else ""
-        (out / "autoscale.md").write_text(
+        argv = sys.argv[sys.argv.index("autoscale") + 1 :] if "autoscale" in sys.argv[1:] else []
+        cmd = " ".join(["controllerctl sim autoscale", *(shlex.quote(a) for a in argv)])
+        md = (
             "# Autoscaling: load triples\n\n"
-            + (f"Generated by `{cmd.strip()}`.\n\n" if cmd else "")
+            + f"Generated by `{cmd}`.\n\n"
             + "HPA ratio rule on `speccontrol_queue_wait_seconds` and slot utilisation (the larger wins; fluid queue model; see sim/autoscale.py), "
             f"policy `{policy.name}` on `{args.engine}` / `{args.profile}`, load triples at {args.triple_at:.0f} s, "
             f"pod start-up {hpa.startup_s:.0f} s.\n\n"
             + "\n".join(f"- {x}" for x in lines[:3])
             + "\n\n"
             + "\n".join(lines[4:])
-            + "\n\n![autoscale](autoscale.png)\n",
-            encoding="utf-8",
+            + "\n\n![autoscale](autoscale.png)\n"
         )
+        files += [
+            (out / "autoscale.png", _png(runs)),
+            (out / "autoscale.json", data),
+            (out / "autoscale.md", md.encode("utf-8")),
+        ]
+    if args.json:
+        files.append((Path(args.json), data))
+    try:
+        _write_all(files, Path(args.out) if args.out else None)
+    except OSError as e:
+        where = e.filename or args.out or args.json
+        print(one_line(f"{where}: {e.strerror or e}; nothing left written"), file=sys.stderr)
+        return 1
     return 0

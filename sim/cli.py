@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shlex
 import sys
@@ -49,6 +50,12 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 #: Generated scenarios defined by their arrival rate (a closed-loop replay ignores it).
 OPEN_LOOP_SCENARIOS = ("load-ramp",)
+MAX_GENERATED_REQUESTS = cli_types.MAX_GENERATED_REQUESTS
+#: Concurrency levels of one run: each replays the whole trace (1..4096 made hours of replays).
+MAX_LEVELS = 64
+#: ``sim tune``: output tokens replayed in all (every job replays a whole trace at one level), a few
+#: hours of one CPU (about 200k tokens/s); a grid within MAX_GRID_POINTS on large traces ran for days.
+MAX_TUNE_TOKENS = 2 * 10**9
 
 
 class _UsageError(ValueError):
@@ -61,12 +68,25 @@ def _err(msg: str) -> None:
 
 def resolve_policy(name_or_path: str) -> PolicySpec:
     """A policy file, a preset of ``policies/library``, or ``static:ARM`` (e.g. ``static:eagle3:3``)."""
+    if not name_or_path.strip():  # '' is the path '.', reported as ": not a regular file"
+        raise PolicyError("not a policy file, preset name or static:ARM", source=f"--policy {name_or_path!r}")
     if name_or_path.startswith("static:"):
         try:
             return static_policy(name_or_path.removeprefix("static:"))
         except ValueError as e:
             raise PolicyError(str(e), source=name_or_path) from None
     return resolve_named_policy(name_or_path)
+
+
+def load_named_profile(name: str) -> Profile:
+    """``--profile NAME``: a profile of ``sim/profiles`` or a file; its errors name the flag."""
+    if not name.strip():
+        raise ProfileError(f"--profile {name!r}: not a profile name or file")
+    try:
+        return load_profile(name)
+    except ProfileError as e:
+        # A profile file's errors read FILE:LINE: field: message; a name that is none reads bare.
+        raise ProfileError(f"--profile: {e}" if str(e).startswith("unknown profile") else str(e)) from None
 
 
 def _concurrency(text: str) -> list[int]:
@@ -76,6 +96,10 @@ def _concurrency(text: str) -> list[int]:
         raise _UsageError(f"--concurrency: expected integers such as 1,8,32, got {text!r}") from None
     if not levels or any(c < 1 or c > 4096 for c in levels):
         raise _UsageError(f"--concurrency: levels must be 1..4096, got {text!r}")
+    if len(set(levels)) > MAX_LEVELS:
+        raise _UsageError(
+            f"--concurrency: {len(set(levels))} levels; at most {MAX_LEVELS} (each replays the trace)"
+        )
     return sorted(set(levels))
 
 
@@ -103,12 +127,28 @@ def _scenario(name: str, args: argparse.Namespace) -> Trace:
     return generate(name, n_requests=args.requests, seed=args.seed)
 
 
+def _scenarios(text: str, args: argparse.Namespace) -> list[Trace]:
+    """``--scenario A,B``: each name known, and no more than MAX_GENERATED_REQUESTS in all, before any
+    is generated."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in SCENARIOS:
+            raise _UsageError(f"--scenario: unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
+    total = sum(SCENARIOS[n].n_requests if args.requests is None else args.requests for n in names)
+    if total > MAX_GENERATED_REQUESTS:
+        raise _UsageError(
+            f"--requests: {total} requests over {len(names)} scenarios; at most {MAX_GENERATED_REQUESTS} "
+            "in all (each is held in memory)"
+        )
+    return [_scenario(n, args) for n in names]
+
+
 def _load_traces(args: argparse.Namespace) -> list[Trace]:
     """``--trace`` (repeatable for compare) or ``--scenario A,B``, in the order given."""
     if args.trace:
         paths = args.trace if isinstance(args.trace, list) else [args.trace]
         return [read_trace(t, seed=args.seed) for t in paths]
-    return [_scenario(n.strip(), args) for n in args.scenario.split(",") if n.strip()]
+    return _scenarios(args.scenario, args)
 
 
 def _check_methods(
@@ -191,7 +231,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         levels = _concurrency(args.concurrency)
         if not args.profile.strip(" ,"):
             raise _UsageError(f"--profile {args.profile!r}: not a profile name or file")
-        profiles = [load_profile(n.strip()) for n in args.profile.split(",") if n.strip()]
+        profiles = [load_named_profile(n.strip()) for n in args.profile.split(",") if n.strip()]
         names = (args.policy or ["default", "epsilon-greedy"]) if compare else [args.policy]
         policies = [resolve_policy(n) for n in names]
         engines = _engines(args.engine)
@@ -330,7 +370,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     try:
         levels = _concurrency(args.concurrency)
-        profile = load_profile(args.profile)
+        profile = load_named_profile(args.profile)
         spec = resolve_policy(args.policy)
         engines = _engines(args.engine)
         if len(engines) != 1:
@@ -339,9 +379,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if not grid:
             raise _UsageError("--param: give at least one NAME=V1,V2 to search")
         traces = [read_trace(t, seed=args.seed) for t in args.trace or []]
-        traces += [_scenario(n.strip(), args) for n in (args.scenario or "").split(",") if n.strip()]
+        traces += _scenarios(args.scenario or "", args)
         if not traces:
             raise _UsageError("give --trace FILE and/or --scenario A,B")
+        points = math.prod(len(v) for v in grid.values())
+        replayed = (1 + points) * len(levels) * sum(t.total_output_tokens for t in traces)
+        if replayed > MAX_TUNE_TOKENS:
+            raise _UsageError(
+                f"--param: {points} grid points x {len(levels)} concurrency levels x {len(traces)} traces "
+                f"replay {replayed:.3g} output tokens; at most {MAX_TUNE_TOKENS:.0e} per sweep "
+                "(fewer points, levels or --requests)"
+            )
         for tr in traces:  # before the baseline jobs run, not after
             _check_methods(tr, [args.policy], [spec], engines)
         _check_output("--out", args.out)
@@ -376,7 +424,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.out:
         from sim.tune import render_tuned
 
-        Path(args.out).write_text(render_tuned(cands[0]), encoding="utf-8")
+        replace_file(args.out, render_tuned(cands[0]).encode("utf-8"))
         print(f"wrote {args.out} (policy {cands[0].spec.name}-tuned)")
     return 0
 
@@ -642,7 +690,10 @@ def _replay_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
         "--open-loop", action="store_true", help="use the trace's arrival times (concurrency = cap)"
     )
     p.add_argument(
-        "--requests", type=cli_types.requests, default=None, help="requests to generate for --scenario"
+        "--requests",
+        type=cli_types.requests,
+        default=None,
+        help=f"requests to generate for --scenario (at most {MAX_GENERATED_REQUESTS} in all)",
     )
     p.add_argument("--seed", type=cli_types.seed, default=0, help=SEED_HELP)
     p.add_argument("--no-oracle", action="store_true", help="skip the hindsight oracles")
@@ -666,14 +717,17 @@ def register(subparsers: Any) -> None:
     p = ss.add_parser("compare", help="several policies and static baselines side by side")
     _replay_args(p, compare=True)
     p.set_defaults(func=_with_tail(cmd_compare))
-    add_autoscale_parser(ss, resolve_policy)
+    add_autoscale_parser(ss, resolve_policy, load_named_profile)
     p = ss.add_parser("tune", help="grid search over a policy's parameters; writes the winning policy")
     p.add_argument("--policy", required=True, help="policy file or preset to tune")
     p.add_argument("--param", action="append", help="NAME=V1,V2 (algorithm parameter, or rule.NAME)")
     p.add_argument("--trace", action="append", help="a spectrace v1 file (repeatable)")
     p.add_argument("--scenario", help="comma-separated generated scenarios")
     p.add_argument(
-        "--requests", type=cli_types.requests, default=None, help="requests to generate per scenario"
+        "--requests",
+        type=cli_types.requests,
+        default=None,
+        help=f"requests to generate per scenario (at most {MAX_GENERATED_REQUESTS} in all)",
     )
     p.add_argument(
         "--profile", default=DEFAULT_PROFILE, help=f"cost-model profile ({', '.join(profile_names())})"
@@ -803,7 +857,7 @@ def _with_tail(fn: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m sim ...`` (the same commands without the controller)."""
-    parser = argparse.ArgumentParser(prog="python -m sim")
+    parser = cli_types.OneLineParser(prog="python -m sim")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -1,5 +1,5 @@
 """Range-checked argument types for the command lines (``controllerctl``, its ``sim`` / ``trace`` /
-``profile`` commands, the benchmarks).
+``profile`` commands, the benchmarks), and the parser class whose usage errors are one line.
 
 Each type parses one value and refuses anything outside its range, NaN and infinities included, with
 the range in the message, so argparse exits 2 naming the flag (``argument --seed: must be an integer
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import NoReturn
 
 from policies.spec import MAX_SEED
 
@@ -67,11 +68,25 @@ def float_in(
     return parse
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr, naming the command and the flag
+    (``controllerctl sim tune: error: argument --jobs: must be an integer 1..1024, got '0'``), exit 2.
+    argparse prints the whole usage first: up to a dozen lines in which the one that matters was last.
+    Its sub-command parsers are of this class too (``add_subparsers`` makes them with the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+
+
 #: ``--seed``: what a policy's seed takes (numpy seeds its generators from 32-bit words).
 seed = int_in(0, MAX_SEED)
+#: Requests generated for ``--scenario`` (or a benchmark's traffic) in all: a generated request holds
+#: its acceptance arrays, about 28 kB, so 10^6 took 28 GB and was killed for memory.
+MAX_GENERATED_REQUESTS = 100_000
 #: ``--requests``: requests to generate.
-requests = int_in(1, 1_000_000)
+requests = int_in(1, MAX_GENERATED_REQUESTS)
 #: ``--jobs``: worker processes of a sweep.
 jobs = int_in(1, 1024)
 
-__all__ = ["float_in", "int_in", "jobs", "requests", "seed"]
+__all__ = ["MAX_GENERATED_REQUESTS", "OneLineParser", "float_in", "int_in", "jobs", "requests", "seed"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -39,6 +40,19 @@ def missing_directory(path: str | Path) -> Path | None:
     return None if parent.is_dir() else parent
 
 
+def unwritable_directory(directory: str | Path) -> str | None:
+    """Why no file can be made in the existing ``directory`` (None: one can). A permission check is not
+    enough: root passes it for a read-only mount or ``/proc``, where only the attempt fails."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".speccontrol-probe-")
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
 def output_problem(
     flag: str, path: str | Path | None, *, directory: bool = False, suffix: str = "", appended: bool = False
 ) -> str | None:
@@ -49,7 +63,8 @@ def output_problem(
     extension, so ``x.xyz`` failed after the run and ``x`` became ``x.png``), and an existing one must
     be a regular file (or a link to one): a device, FIFO or socket is refused, as outputs are written
     by replacing the file (``appended``: an output written in place, as a stream, may be a FIFO or
-    device); a ``directory`` (made when missing) must not be a file."""
+    device); a ``directory`` (made when missing) must not be a file. The directory a file goes in (the
+    nearest existing one, for a directory to make) must let a file be made in it: tried, not guessed."""
     if path is None:
         return None
     p = Path(path)
@@ -59,10 +74,11 @@ def output_problem(
         if p.exists() and not p.is_dir():
             return f"{flag} {path}: is a file, not a directory"
         # The directory is made with its parents after the run: a file among them failed it only then.
-        above = next((a for a in p.absolute().parents if a.exists()), None)
-        if above is not None and not above.is_dir():
+        above = next((a for a in (p.absolute(), *p.absolute().parents) if a.exists()), None)
+        if above is not None and above != p.absolute() and not above.is_dir():
             return f"{flag} {path}: {above} is a file, not a directory to make it in"
-        return None
+        why = None if above is None else unwritable_directory(above)
+        return None if why is None else f"{flag} {path}: cannot write in {above}: {why}"
     if p.is_dir() or p.name in ("", ".", ".."):
         return f"{flag} {path}: is a directory, not a file"
     if suffix and p.suffix.lower() != suffix:
@@ -70,7 +86,13 @@ def output_problem(
     if p.exists() and not p.is_file() and not appended:
         return f"{flag} {path}: is not a regular file (a device, FIFO or socket): name a file"
     missing = missing_directory(p)
-    return None if missing is None else f"{flag} {path}: no directory {missing} to write it in"
+    if missing is not None:
+        return f"{flag} {path}: no directory {missing} to write it in"
+    if appended and p.exists():
+        return None  # written in place (a FIFO, a device, a log): the directory is not touched
+    parent = p.resolve().parent
+    why = unwritable_directory(parent)
+    return None if why is None else f"{flag} {path}: cannot write in {parent}: {why}"
 
 
-__all__ = ["missing_directory", "output_problem", "replace_file"]
+__all__ = ["missing_directory", "output_problem", "replace_file", "unwritable_directory"]

@@ -54,6 +54,8 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[float]]:
             out[name] = list(dict.fromkeys(float(v) for v in vals.split(",") if v.strip()))
         except ValueError:
             raise ValueError(f"--param {it!r}: values must be numbers") from None
+        if not out[name]:  # "explore= ," made a grid of no points: "no candidates", then a traceback
+            raise ValueError(f"--param {it!r}: no values (expected NAME=V1,V2)")
     points = math.prod(len(v) for v in out.values())
     if points > MAX_GRID_POINTS:
         raise ValueError(f"--param: {points} grid points; at most {MAX_GRID_POINTS} per sweep")
@@ -64,7 +66,13 @@ def with_params(spec: PolicySpec, values: dict[str, float]) -> PolicySpec:
     """``spec`` with algorithm (``name``) and rule (``rule.name``) parameters replaced, validated."""
     algo = {k: v for k, v in values.items() if not k.startswith("rule.")}
     rule = {k.removeprefix("rule."): v for k, v in values.items() if k.startswith("rule.")}
-    params = resolve(REGISTRY[spec.algorithm].PARAMS, {**spec.params, **_typed(algo)}, "--param")
+    try:
+        params = resolve(REGISTRY[spec.algorithm].PARAMS, {**spec.params, **_typed(algo)}, "--param")
+    except ValueError as e:  # "--param.explore: ..." as "--param explore: ...", as rule.NAME reads
+        msg = str(e)
+        raise ValueError(
+            "--param " + msg.removeprefix("--param.") if msg.startswith("--param.") else msg
+        ) from None
     rp = resolve(RULES[spec.rule.kind], {**spec.rule.params, **_typed(rule)}, "--param rule")
     out = replace(spec, params=params, rule=RequestRule(spec.rule.kind, rp))
     return parse_policy(render_policy(out), source=f"<tuned {spec.name}>")

@@ -37,4 +37,4 @@ def test_bad_requests_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit) as e:
         sc.main(["--requests", "0"])
     assert e.value.code == 2
-    assert "argument --requests: must be an integer 1..1000000, got '0'" in capsys.readouterr().err
+    assert "argument --requests: must be an integer 1..100000, got '0'" in capsys.readouterr().err

@@ -57,7 +57,7 @@ class Mistake:
 def _mistakes() -> list[Mistake]:
     closed = f"127.0.0.1:{_closed_port()}"
     return [
-        Mistake("no command", (), 2, "usage:"),
+        Mistake("no command", (), 2, "the following arguments are required: COMMAND"),
         # a port beyond 65535 wrapped around to another port: the change (and the token) went there
         Mistake(
             "admin port 116603",

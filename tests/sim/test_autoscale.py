@@ -132,3 +132,27 @@ def test_a_profile_whose_steps_take_no_time_is_refused_before_the_run(
         and ": target.const_s: a step of one request takes 0 s" in captured.err
     )
     assert "measuring" not in captured.err
+
+
+@pytest.mark.parametrize("fails", ["autoscale.md", "a.json"])
+def test_a_write_that_fails_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fails: str
+) -> None:
+    # The plot and JSON were written one by one: a failure on the next left a half report (and the
+    # directory made for it), exit 1 after a traceback-free but partial run.
+    import sim.autoscale_cli as cli
+    from sim.cli import main
+    from sim.files import replace_file
+
+    def flaky(path: Path, data: bytes) -> None:
+        if Path(path).name == fails:
+            raise OSError(28, "No space left on device", str(path))
+        replace_file(path, data)
+
+    monkeypatch.setattr(cli, "replace_file", flaky)
+    out = tmp_path / "new" / "report"
+    argv = ["sim", "autoscale", "--duration", "20", "--triple-at", "10", "--out", str(out)]
+    assert main([*argv, "--json", str(tmp_path / "a.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and fails in err
+    assert list(tmp_path.iterdir()) == []  # neither the files nor the directories it made

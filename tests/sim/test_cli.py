@@ -197,7 +197,7 @@ def test_static_k_is_capped_at_the_trace_max_k(hand_trace: Path, tmp_path: Path)
     [
         (
             ["sim", "replay", "--policy", "default", "--requests", "0"],
-            "--requests: must be an integer 1..1000000",
+            "--requests: must be an integer 1..100000",
         ),
         (["sim", "compare", "--seed", "-1"], "--seed: must be an integer 0..4294967295, got '-1'"),
         (["trace", "generate", "--seed", "2**32"], "--seed: must be an integer 0..4294967295"),

@@ -3,6 +3,8 @@
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.spec import parse_policy
 from sim.cli import main, resolve_policy
@@ -87,3 +89,15 @@ def test_a_trace_the_engine_cannot_replay_is_a_usage_error_before_any_run(
     rc = main([*argv, "--param", "switch_margin=0,0.1", "--out", str(out)])
     assert rc == 2 and not out.exists()
     assert "--engine: engine 'composite' drafts with ngram, which trace 'v' lacks" in capsys.readouterr().err
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet="ab.=, 0123456789e-naif", max_size=12), max_size=3))
+def test_a_grid_is_never_empty_and_any_mistake_is_a_value_error(items: list[str]) -> None:
+    # "explore= ," parsed to no values: a grid of no points, "no candidates", then an IndexError.
+    try:
+        grid = parse_grid(items)
+    except ValueError as e:
+        assert str(e).startswith("--param") and "\n" not in str(e)
+        return
+    assert all(values for values in grid.values())
