@@ -6,7 +6,6 @@ import asyncio
 import http.server
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,10 +21,12 @@ from controller.observe import (
     parse_metrics,
     run_observer,
 )
+from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.validation import Limits, validate_batch
 from policies.arms import OFF, Arm, Method
 from policies.engine import EngineInfo, Granularity
+from tests.integration.test_observe_adapter import _settings, sidecar  # noqa: F401 (a fixture)
 
 #: What observation_between says of an interval it skips.
 _SKIPS = ("no engine verifies", "steps of more than", "a batch of", "a queue of", "went backwards")
@@ -203,35 +204,16 @@ def restarting_url() -> Iterator[str]:
 
 
 async def test_a_restart_is_said_in_one_line_and_the_observer_goes_on(
-    restarting_url: str, tmp_path: Path
+    restarting_url: str,
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
 ) -> None:
-    from controller.config import SidecarConfig
-    from controller.server import SidecarServer
-
-    sidecar = SidecarServer(
-        config=SidecarConfig(
-            engine_listen="127.0.0.1:0",
-            admin_listen="127.0.0.1:0",
-            metrics_listen="",
-            state_dir=str(tmp_path),
-        )
-    )
-    await sidecar.start()
     said: list[str] = []
     stop = asyncio.Event()
-    s = ObserverSettings(
-        metrics_url=restarting_url,
-        engine_target=sidecar.engine_target,
-        engine_id="restarts",
-        interval_s=0.02,
-        retries=3,
-        backoff_s=0.01,
-        backoff_max_s=0.04,
-    )
+    s = _settings(restarting_url, sidecar.engine_target, interval_s=0.02)
     task = asyncio.create_task(run_observer(s, on_status=said.append, stop=stop))
     try:
         for _ in range(500):
-            st_ = sidecar.engines().get("restarts")
+            st_ = sidecar.engines().get("plain-vllm")
             # 2 good intervals before the restart, 2 after, 50 steps each (200 drafts, batches of 4)
             if st_ is not None and st_.loop.totals.steps >= 4 * 50:
                 break
@@ -240,7 +222,6 @@ async def test_a_restart_is_said_in_one_line_and_the_observer_goes_on(
         sent = await asyncio.wait_for(task, 10)
     finally:
         stop.set()
-        await sidecar.stop(snapshot=False)
     skipped = [m for m in said if m.startswith("skipped")]
     assert len(skipped) == 1 and "went backwards (vLLM restarted?)" in skipped[0], said
     assert sent >= 4
