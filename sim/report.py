@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -336,7 +337,8 @@ def write_report(cmp: Comparison, out_dir: Path, *, command: str = "") -> list[P
 
     Everything is written into a sibling temporary directory first and moved in only when all of it
     was written: a failure (a text that cannot be encoded, a full disk) left a 0-byte report.md next
-    to the plots, and no result.json.
+    to the plots, and no result.json. Into an existing ``out_dir`` the files are moved one by one,
+    after checking that none of them would replace a directory.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -351,6 +353,11 @@ def write_report(cmp: Comparison, out_dir: Path, *, command: str = "") -> list[P
         if not out_dir.exists():
             tmp.rename(out_dir)
         else:
+            # Each move replaces a file; a directory in a file's place would fail it half-way through,
+            # with the files before it already replaced: refused before the first move.
+            clash = next((out_dir / n for n in names if (out_dir / n).is_dir()), None)
+            if clash is not None:
+                raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to replace", str(clash))
             for name in names:
                 (tmp / name).replace(out_dir / name)
     finally:

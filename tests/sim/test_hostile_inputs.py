@@ -150,6 +150,25 @@ def test_a_report_that_fails_leaves_nothing_behind(
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 
+def test_a_directory_where_a_report_file_goes_is_refused_before_any_file_is_replaced(
+    hand_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Into an existing --out the files are moved one by one: report.md was replaced, then the move of
+    # result.json onto a directory failed, naming a temporary directory already deleted.
+    out = tmp_path / "out"
+    (out / "result.json").mkdir(parents=True)
+    (out / "report.md").write_text("mine")
+    from controller.cli import main as controllerctl  # its OSError handler says the path
+
+    argv = ["sim", "replay", "--trace", str(hand_trace), "--policy", "static:eagle3:3", "--concurrency", "2"]
+    assert controllerctl([*argv, "--no-oracle", "--out", str(out)]) == 1
+    assert (out / "report.md").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "result.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hand.jsonl", "out"]  # no temporary left
+    err = capsys.readouterr().err
+    assert f"{out / 'result.json'}" in err and "is a directory" in err and ".tmp" not in err
+
+
 # -- finding 4: profile names ------------------------------------------------------------------------
 
 
