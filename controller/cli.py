@@ -27,12 +27,12 @@ from google.protobuf.json_format import MessageToDict
 
 from controller.auth import ClientTLS
 from controller.client import AdminClient
-from controller.config import FLEET_NAME_RE
+from controller.config import MAX_FLEET_NAME
 from controller.v1 import controller_pb2 as pb
 from controller.wire.names import engine_id_problem
 from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
-from policies.text import one_line
+from policies.text import name_problem, one_line
 from sim import cli_types
 from sim.cli import register as register_sim_commands
 from sim.files import output_problem
@@ -308,8 +308,9 @@ def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: st
 
     broker = _fleet_broker(args)
     fleet = args.fleet_name or os.environ.get(FLEET_ENV) or "default"
-    if not FLEET_NAME_RE.match(fleet):
-        raise UserError(f"--fleet-name: 1-64 letters, digits, '-', '_' or '.', got {fleet!r}")
+    problem = name_problem(fleet, longest=MAX_FLEET_NAME)
+    if problem is not None:
+        raise UserError(f"--fleet-name: {problem}")
     try:
         version = asyncio.run(
             publish_fleet_policy(broker=broker, fleet=fleet, yaml=text, source=source, timeout_s=args.timeout)

@@ -7,7 +7,6 @@ Every field has a default, so the sidecar serves with no file at all. Errors rea
 from __future__ import annotations
 
 import os
-import re
 import socket
 import tempfile
 from dataclasses import dataclass, fields
@@ -16,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from controller.errors import ConfigError
 from controller.wire.address import MAX_UNIX_PATH, is_local_address, parse_address
-from controller.wire.names import NODE_ID_RE, escape_text, has_control
+from controller.wire.names import escape_text, has_control
 from policies import yamldoc
 from policies.params import shown
+from policies.text import name_problem
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -28,9 +28,9 @@ MAX_CONFIG_BYTES = 64 * 1024
 #: A bearer token shorter than this is refused (a guessable token is no protection).
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_BYTES = 4096
-#: sun_path is 108 bytes on Linux, including the terminating NUL.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-FLEET_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: A fleet's name is a level of its MQTT topics (``policies.text.name_problem``'s rule).
+MAX_FLEET_NAME = 64
 
 
 def read_secret_file(path: str, *, field: str) -> str:
@@ -100,7 +100,7 @@ class SidecarConfig:
     max_policy_changes_per_s: float = 2.0
     #: Concurrent ``WatchDecisions`` streams.
     max_watchers: int = 64
-    #: Fleet name (MQTT topics ``speccontrol/v1/<fleet>/...``).
+    #: Fleet name (MQTT topics ``speccontrol/v1/<fleet>/...``): 1-64 of ``[A-Za-z0-9._-]``, not ``.`` or ``..``.
     fleet: str = "default"
     #: The fleet link's broker, ``mqtt://host[:port]`` or ``mqtts://host[:port]`` (TLS); ``""`` disables
     #: the link. A password belongs in ``mqtt_password_file``, not in the URL.
@@ -115,7 +115,8 @@ class SidecarConfig:
     #: Skip the broker's host name check (test brokers with self-signed certificates only).
     mqtt_tls_insecure: bool = False
     #: This sidecar's name in the fleet (MQTT client id, ``node`` of what it publishes); ``""``: the
-    #: host name, i.e. the pod name. Must be unique within the fleet.
+    #: host name, i.e. the pod name. Must be unique within the fleet; 1-128 of ``[A-Za-z0-9._-]``, not
+    #: ``.`` or ``..``.
     node_id: str = ""
     #: Seconds between shares of the learned statistics per model (the warm start of new replicas).
     posteriors_interval_s: float = 30.0
@@ -154,8 +155,9 @@ class SidecarConfig:
         _integer(self, "max_watchers", 0, 100_000)
         self._check_listeners()
         self._check_security()
-        if not FLEET_NAME_RE.match(_str(self, "fleet")):
-            raise ConfigError("1-64 letters, digits, '-', '_' or '.'", field="fleet")
+        problem = name_problem(_str(self, "fleet"), longest=MAX_FLEET_NAME)
+        if problem is not None:
+            raise ConfigError(problem, field="fleet")
         self._check_mqtt()
         _number(self, "posteriors_interval_s", 0.1, 86400.0)
         level = _str(self, "log_level").upper()
@@ -282,8 +284,9 @@ class SidecarConfig:
                 f"expected true or false, got {self.mqtt_tls_insecure!r}", field="mqtt_tls_insecure"
             )
         node = _str(self, "node_id")
-        if node and not NODE_ID_RE.match(node):
-            raise ConfigError("1-128 letters, digits, '-', '_' or '.'", field="node_id")
+        problem = name_problem(node) if node else None  # "": the host name (fleet_node_id)
+        if problem is not None:
+            raise ConfigError(problem, field="node_id")
         url = _str(self, "mqtt_url")
         if not url:
             return

@@ -44,7 +44,8 @@ from controller._mqtt import BrokerSettings, ConnectionLost, MqttConnection, Rec
 from controller.policy_store import MAX_SOURCE
 from controller.snapshot import MAX_COUNT
 from controller.validation import MAX_TIME_S
-from controller.wire.names import NODE_ID_RE, has_control
+from controller.wire.names import has_control
+from policies.text import name_problem
 
 __all__ = [
     "PAYLOAD_VERSION",
@@ -177,10 +178,9 @@ def decode(kind: str, raw: bytes, *, limit: int) -> dict[str, Any]:
         raise MalformedPayload("version", f"payload version {doc.get('v')!r}, expected {PAYLOAD_VERSION}")
     if doc.get("kind") != kind:
         raise MalformedPayload("schema", f"kind {doc.get('kind')!r} on a {kind} topic")
-    if not NODE_ID_RE.match(_field(doc, "node", str)):
-        raise MalformedPayload(
-            "schema", f"node: 1-128 letters, digits, '-', '_' or '.', got {doc['node']!r:.80}"
-        )
+    problem = name_problem(_field(doc, "node", str))
+    if problem is not None:
+        raise MalformedPayload("schema", f"node: {problem}")
     at = _field(doc, "published_at", float)
     if not -MAX_TIME_S <= at <= MAX_TIME_S:  # NaN fails it too; an integer beyond a double's range too
         raise MalformedPayload("schema", f"published_at: not a time in seconds (|t| <= {MAX_TIME_S:g})")

@@ -41,6 +41,7 @@ from policies.drift import DETECTORS, DRIFT_FIELDS
 from policies.guards import EXPLORATION_FIELDS, SLO_FIELDS
 from policies.params import Param, resolve
 from policies.rules import validate_rule
+from policies.text import name_problem
 
 API_VERSION = "speccontrol/v1"
 KIND = "Policy"
@@ -151,6 +152,16 @@ def _mapping(lines: _Lines, value: Any, path: str) -> Mapping[str, Any]:
     return value
 
 
+def _saved_name(name: object) -> bool:
+    """The name rule before 2026-12-06 (Unicode letters and digits too): a policy saved under it is
+    restored, never discarded by an upgrade."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 128
+        and name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+    )
+
+
 def _unknown(lines: _Lines, m: Mapping[str, Any], path: str, known: set[str]) -> None:
     for k in m:
         if k not in known:
@@ -192,14 +203,11 @@ def parse_policy(text: str, *, source: str = "<policy>", saved: bool = False) ->
         raise lines.error("kind", f"must be {KIND!r}, got {root.get('kind')!r}")
     meta = _mapping(lines, root.get("metadata", {}), "metadata")
     _unknown(lines, meta, "metadata", {"name", "description", "labels"})
-    name = meta.get("name")
-    if (
-        not isinstance(name, str)
-        or not name
-        or len(name) > 128
-        or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()
-    ):
-        raise lines.error("metadata.name", "required: 1-128 letters, digits, '-', '_' or '.'")
+    raw_name = meta.get("name")
+    problem = name_problem(raw_name)
+    if problem is not None and not (saved and _saved_name(raw_name)):
+        raise lines.error("metadata.name", problem)
+    name = str(raw_name)  # a string: both rules refuse anything else
     description = meta.get("description", "")
     if not isinstance(description, str):
         raise lines.error("metadata.description", "expected a string")

@@ -1,13 +1,17 @@
 """Text from outside (engine names, file names, error messages that quote them) made safe to print
-on one line. Pure.
+on one line, and the one rule for the names the product's parts are given. Pure.
 
 What must hold: ``escape_text`` leaves no character that ``has_control`` finds, changes nothing in
 text without one, and keeps every other character (a message is shown whole, never cut).
+``name_problem`` accepts exactly 1..``longest`` of ASCII letters, digits, '-', '_' and '.', other than
+'.' and '..'.
 """
 
 from __future__ import annotations
 
 import re
+
+from policies.params import shown
 
 #: Control characters (C0, DEL, C1), Unicode line breaks and bidirectional controls: in
 #: engine-supplied names the first two would forge log lines or break a metric label, the last
@@ -30,3 +34,16 @@ def one_line(message: str) -> str:
     """An error message as one line, whole: a file name holding a newline is shown escaped, not cut
     at the newline (trailing line breaks are dropped)."""
     return escape_text(message.rstrip("\r\n")) or "error"
+
+
+#: Names of policies, cost-model profiles, fleets and sidecars (``node_id``): they become metric
+#: label values, MQTT topic levels, MQTT client ids and (profiles) file names, so they are ASCII (a
+#: look-alike letter cannot pass for a preset's name) and never '.' or '..' (a directory).
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def name_problem(name: object, *, longest: int = 128) -> str | None:
+    """What is wrong with ``name`` as such a name (None: nothing), in the words every reader uses."""
+    if isinstance(name, str) and len(name) <= longest and _NAME.fullmatch(name) and name not in (".", ".."):
+        return None
+    return f"must be 1-{longest} letters, digits, '-', '_' or '.' (not '.' or '..'), got {shown(name)}"

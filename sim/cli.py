@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 from policies.presets import resolve_policy as resolve_named_policy
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, MAX_NGRAM
 from policies.spec import PolicyError, PolicySpec, static_policy
-from policies.text import one_line
+from policies.text import name_problem, one_line
 from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
-from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, name_problem, profile_names
+from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
 from sim.engines import ENGINES, EngineModel
 from sim.files import output_problem, replace_file
 from sim.trace import (

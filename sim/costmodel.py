@@ -54,6 +54,7 @@ import numpy as np
 from policies import yamldoc
 from policies.arms import Method
 from policies.params import shown
+from policies.text import name_problem
 
 
 class ProfileError(ValueError):
@@ -350,24 +351,6 @@ def _api_price_keys() -> frozenset[str]:
     from sim.prices import load_prices
 
     return frozenset(load_prices().api_per_1m_output)
-
-
-#: A profile's name as policy names are (``metadata.name``): it names output directories
-#: (``sim compare --out DIR/TRACE--PROFILE``), so a '/' or '..' in it wrote outside ``--out``.
-MAX_NAME = 128
-
-
-def name_problem(name: str) -> str | None:
-    """What is wrong with ``name`` as a profile name (None: nothing), in the words every reader uses."""
-    if (
-        not name
-        or len(name) > MAX_NAME
-        or name in (".", "..")
-        or not name.isascii()
-        or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()
-    ):
-        return f"must be 1-{MAX_NAME} letters, digits, '-', '_' or '.' (not '.' or '..'), got {shown(name)}"
-    return None
 
 
 #: Every key a profile may hold, by section (``None``: a section of its own check, ``plugin``).

@@ -5,16 +5,12 @@ What counts as a control character, and its escape, is ``policies.text``'s (re-e
 
 from __future__ import annotations
 
-import re
-
 from policies.text import escape_text, has_control
 
-__all__ = ["MAX_ENGINE_ID", "NODE_ID_RE", "engine_id_problem", "escape_text", "has_control"]
+__all__ = ["MAX_ENGINE_ID", "engine_id_problem", "escape_text", "has_control"]
 
 #: The longest engine id the sidecar accepts in a Hello.
 MAX_ENGINE_ID = 128
-#: A sidecar's name in the fleet (``node_id``, the MQTT client id and the ``node`` of its payloads).
-NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 def engine_id_problem(text: str) -> str | None:

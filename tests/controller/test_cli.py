@@ -100,7 +100,7 @@ def test_fleet_unreachable_broker_is_one_line_exit_1(
     [
         (["--fleet", "--broker", "http://h"], "--broker: broker URL: expected mqtt://host[:port]"),
         (["--fleet", "--broker", "mqtt://h", "--ca-file", "ca.pem"], "--broker: broker TLS options"),
-        (["--fleet", "--broker", "mqtt://h", "--fleet-name", "a/b"], "--fleet-name: 1-64 letters"),
+        (["--fleet", "--broker", "mqtt://h", "--fleet-name", "a/b"], "--fleet-name: must be 1-64 letters"),
         (["--broker", "mqtt://h"], "--broker, --fleet-name, --ca-file, --cert-file and --key-file go with"),
     ],
 )

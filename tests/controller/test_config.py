@@ -137,7 +137,15 @@ def test_fleet_link_settings(tmp_path: Path) -> None:
         ("mqtt_url: mqtt://b:99999\n", "c.yaml:1: mqtt_url: broker URL: invalid port"),
         ("mqtt_url: mqtt://b\nmqtt_ca_file: ca.pem\n", "c.yaml:2: mqtt_ca_file: needs an mqtts:// mqtt_url"),
         ("mqtt_url: mqtts://b\nmqtt_key_file: k\n", "c.yaml:2: mqtt_key_file: given without mqtt_cert_file"),
-        ("node_id: a/b\n", "c.yaml:1: node_id: 1-128 letters, digits"),
+        ("node_id: a/b\n", "c.yaml:1: node_id: must be 1-128 letters, digits"),
+        (
+            "node_id: '..'\n",
+            "c.yaml:1: node_id: must be 1-128 letters, digits, '-', '_' or '.' (not '.' or '..')",
+        ),
+        (
+            "fleet: flöte\n",
+            "c.yaml:1: fleet: must be 1-64 letters, digits, '-', '_' or '.' (not '.' or '..'), got",
+        ),
         ("mqtt_tls_insecure: 1\n", "c.yaml:1: mqtt_tls_insecure: expected true or false, got 1"),
         ("posteriors_interval_s: 0\n", "c.yaml:1: posteriors_interval_s: must be between 0.1 and 86400.0"),
     ],

@@ -175,6 +175,7 @@ def test_payload_round_trip_and_envelope() -> None:
         # a node name is logged and compared: only what a node_id may be
         (b'{"v": 1, "kind": "policy", "node": "n\\nWARNING forged", "published_at": 1}', "schema"),
         (b'{"v": 1, "kind": "policy", "node": "", "published_at": 1}', "schema"),
+        (b'{"v": 1, "kind": "policy", "node": "..", "published_at": 1}', "schema"),
         # nested beyond the parser's recursion limit (under the size limit): a RecursionError ended
         # the session, and the retained message came back at every reconnect
         (b"[" * 100_000, "not_json"),

@@ -42,7 +42,7 @@ def broken(old: str, new: str) -> str:
         (broken("margin: 0.5", "margin: -3"), 14, "spec.rule.params.margin", ">= 0.0"),
         (broken("kind: Policy", "kind: Poliyc"), 2, "kind", "must be 'Policy'"),
         (broken("speccontrol/v1", "speccontrol/v2"), 1, "apiVersion", "must be"),
-        (broken("name: p", "name: 'bad name!'"), 4, "metadata.name", "required"),
+        (broken("name: p", "name: 'bad name!'"), 4, "metadata.name", "got 'bad name!'"),
     ],
 )
 def test_error_names_line_and_field(text: str, line: int, field: str, needle: str) -> None:
@@ -202,3 +202,18 @@ def test_a_key_given_twice_is_refused_at_its_second_line(text: str, where: str) 
     with pytest.raises(PolicyError) as e:
         parse_policy(text, source="p.yaml")
     assert str(e.value).startswith(where), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["pólicy", "dеfault", "名前"])
+def test_names_an_earlier_version_took_are_refused_new_and_restored_saved(name: str) -> None:
+    # Before 2026-12-06 any Unicode letter or digit passed: a snapshot holding such a policy
+    # is restored (an upgrade discards nothing); a new document is held to the one name rule.
+    text = broken("name: p", f"name: '{name}'")
+    with pytest.raises(PolicyError, match=r"^p\.yaml:4: metadata\.name: must be 1-128 letters"):
+        parse_policy(text, source="p.yaml")
+    assert parse_policy(text, source="p.yaml", saved=True).name == name
+
+
+def test_a_saved_policy_still_needs_a_name() -> None:
+    with pytest.raises(PolicyError, match=r"metadata\.name: must be"):
+        parse_policy(broken("name: p", "name: 'bad name!'"), source="p.yaml", saved=True)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.text import escape_text, has_control, one_line
+from policies.text import escape_text, has_control, name_problem, one_line
 
 BIDI = ["\u061c", "\u200e", "\u200f", "\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067",
         "\u2068", "\u2069"]  # fmt: skip
@@ -51,3 +51,33 @@ def test_one_line_keeps_every_printable_character_on_one_line(text: str) -> None
     shown = one_line(text)
     assert not has_control(shown) and shown
     assert set(shown) >= {c for c in text.rstrip("\r\n") if not has_control(c)}
+
+
+NAME_CHARS = "abcXYZ019-_."
+
+
+@given(st.text(alphabet=NAME_CHARS, min_size=1, max_size=128).filter(lambda s: s not in (".", "..")))
+def test_names_of_the_allowed_characters_pass(name: str) -> None:
+    assert name_problem(name) is None
+
+
+@given(st.text(max_size=140))
+def test_a_name_passes_exactly_when_it_is_ascii_name_characters(name: str) -> None:
+    allowed = 0 < len(name) <= 128 and name.isascii() and all(c.isalnum() or c in "-_." for c in name)
+    assert (name_problem(name) is None) == (allowed and name not in (".", ".."))
+
+
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "a/b", "a b", "pólicy", "dеfault", "x" * 129, None, 7, ["p"]]
+)
+def test_bad_names_are_refused_naming_the_rule_and_the_value(name: object) -> None:
+    # "dеfault" holds a Cyrillic "е": it would show as the preset "default" in a list of policies.
+    problem = name_problem(name)
+    assert problem is not None and problem.startswith("must be 1-128 letters, digits, '-', '_' or '.'")
+    assert problem.endswith(repr(name)[:40]) or "…" in problem
+
+
+def test_the_longest_name_is_the_callers() -> None:
+    assert name_problem("f" * 64, longest=64) is None
+    problem = name_problem("f" * 65, longest=64)
+    assert problem is not None and problem.startswith("must be 1-64 letters") and problem.endswith("ff…")
