@@ -35,7 +35,7 @@ from policies.spec import PolicyError, PolicySpec, parse_policy
 from policies.text import name_problem, one_line
 from sim import cli_types
 from sim.cli import register as register_sim_commands
-from sim.files import output_problem
+from sim.files import output_problem, replace_file
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -478,8 +478,7 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
         raise UserError(problem)
     text = reference_markdown()
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+        replace_file(args.out, text.encode())
         print(f"wrote {args.out}")
     else:
         sys.stdout.write(text)

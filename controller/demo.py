@@ -45,6 +45,7 @@ from controller.server import SidecarServer
 from policies.context import Context
 from policies.presets import load_preset
 from policies.spec import PolicySpec, render_policy, static_policy
+from sim.files import save_figure
 
 ADAPTIVE = "adaptive"
 #: Every arm the demo engine can play, no speculation first.
@@ -401,8 +402,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     )
     ax.legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 async def _interruptible(coro: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import numpy as np
 from policies.spec import PolicySpec
 from sim.costmodel import Profile
 from sim.engines import EngineModel
+from sim.files import save_figure
 from sim.replay import Replayer
 from sim.run import RunResult
 from sim.trace import Trace
@@ -296,5 +297,7 @@ def plot(series: Sequence[tuple[str, FleetSeries]], path: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("Load triples: HPA on queue wait and slot utilisation, warm vs cold replicas")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

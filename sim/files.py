@@ -1,4 +1,5 @@
-"""Whole-file writes for the simulator's outputs (traces, result JSON): a reader never sees half a file.
+"""Whole-file writes for the simulator's and CLI's outputs (traces, result JSON, plots, generated docs):
+a reader never sees half a file, and a failed write leaves the old file as it was.
 
 ``replace_file`` writes a sibling ``NAME.tmp`` and renames it over ``NAME``. A failure removes the
 sibling and is reported against ``NAME``, the path the user gave (not the ``.tmp`` they never named).
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def replace_file(path: str | Path, data: bytes) -> None:
@@ -31,6 +34,14 @@ def replace_file(path: str | Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise OSError(e.errno, e.strerror, str(p)) from None
+
+
+def save_figure(fig: Any, path: str | Path, *, dpi: int) -> None:
+    """Replace ``path`` with matplotlib's ``fig`` as a PNG (``replace_file``): rendered first, so a
+    figure that fails to draw leaves an existing image untouched."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    replace_file(path, buf.getvalue())
 
 
 def missing_directory(path: str | Path) -> Path | None:

@@ -35,6 +35,7 @@ import yaml
 
 from sim.costmodel import DRAFT_COSTS, DraftCost, Linear, PluginCost, Profile
 from sim.engines import EngineModel
+from sim.files import save_figure
 from sim.steplog import StepLog
 from sim.vectorised import step_features
 
@@ -439,5 +440,7 @@ def residual_plot(fit: Fit, path: Path) -> None:
     b.set_ylabel("residual (ms)")
     b.set_title(f"residual RMS {fit.rmse_s * 1e3:.3g} ms")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

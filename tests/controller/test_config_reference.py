@@ -44,3 +44,15 @@ def test_cli_writes_the_reference(tmp_path: Path, capsys) -> None:  # type: igno
     assert main(["config", "validate", "deploy/base/sidecar.yaml"]) == 2
     assert main(["config", "validate", "--no-files", "deploy/base/sidecar.yaml"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("OK deploy/base/sidecar.yaml")
+
+
+def test_the_reference_replaces_a_file_whole(tmp_path: Path) -> None:
+    # A reader holding the old file (an editor, `git diff` mid-run) sees it whole, never a truncated
+    # or half-written one: the new text is a new file renamed over the old.
+    out = tmp_path / "config.md"
+    out.write_text("old reference\n")
+    with out.open() as reader:
+        assert main(["config", "reference", "--out", str(out)]) == 0
+        assert reader.read() == "old reference\n"
+    assert out.read_text() == reference_markdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.md"]

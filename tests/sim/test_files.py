@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.files import missing_directory, output_problem, replace_file
+from sim.files import missing_directory, output_problem, replace_file, save_figure
 
 
 def test_replaces_the_whole_file_and_leaves_no_sibling(tmp_path: Path) -> None:
@@ -132,3 +132,21 @@ def test_cli_outputs_refuse_a_fifo_and_write_through_a_symlink(
     link.symlink_to(target)
     assert main(["trace", "generate", "--scenario", "chat", "--requests", "3", "--out", str(link)]) == 0
     assert link.is_symlink() and target.read_text().startswith('{"spectrace"')
+
+
+def test_a_figure_replaces_the_file_whole_and_a_failed_one_leaves_it(tmp_path: Path) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    p = tmp_path / "plot.png"
+    p.write_bytes(b"old image")
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    with p.open("rb") as reader:
+        save_figure(fig, p, dpi=50)
+        assert reader.read() == b"old image"  # a reader of the old image sees it whole
+    assert p.read_bytes().startswith(b"\x89PNG")
+    ax.set_title(r"$\frac{$")  # mathtext that fails when drawn
+    with pytest.raises(ValueError):
+        save_figure(fig, p, dpi=50)
+    assert p.read_bytes().startswith(b"\x89PNG")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["plot.png"]
+    plt.close(fig)
