@@ -337,7 +337,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
             return EXIT_RUNTIME
     if args.json:
         if many:
-            Path(args.json).write_text(json.dumps(_sweep_json(cmps), indent=2) + "\n", encoding="utf-8")
+            replace_file(args.json, (json.dumps(_sweep_json(cmps), indent=2) + "\n").encode("utf-8"))
         else:
             write_json(cmps[0], Path(args.json))
         print(f"wrote {args.json}")

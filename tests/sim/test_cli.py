@@ -474,3 +474,16 @@ def test_requests_with_a_trace_is_a_usage_error(
     assert main([*argv, "--policy", "default"]) == 2
     err = capsys.readouterr().err
     assert "--requests: applies to --scenario" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("profiles", ["llama-3.1-8b-h100", "llama-3.1-8b-h100,llama-3.3-70b-fp8-h200"])
+def test_the_result_json_replaces_a_file_whole(hand_trace: Path, tmp_path: Path, profiles: str) -> None:
+    # One run or a sweep (several profiles): a reader of the old file sees it whole, never truncated.
+    out = tmp_path / "r.json"
+    out.write_text('{"old": true}\n')
+    argv = ["sim", "compare", "--trace", str(hand_trace), "--policy", "default", "--profile", profiles]
+    with out.open() as reader:
+        assert main([*argv, "--concurrency", "1", "--no-oracle", "--no-progress", "--json", str(out)]) == 0
+        assert reader.read() == '{"old": true}\n'
+    assert "old" not in json.loads(out.read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([hand_trace.name, "r.json"])
