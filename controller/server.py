@@ -136,11 +136,18 @@ class SidecarServer(Sidecar):
             # grpc sets SO_REUSEPORT by default: a second sidecar on a taken port would share it
             # silently (and steal half the connections) instead of failing to start.
             ("grpc.so_reuseport", 0),
-            # Engines ping to find a dead connection (controller.vllm.link.KEEPALIVE_S); gRPC's server
-            # default answers a ping more often than every 5 minutes without data with GOAWAY.
+            # Engines ping to find a dead connection (controller.vllm.link.KEEPALIVE_S: 20 s; the tests'
+            # links ping every 1 s, and a gRPC client never pings more often than that). gRPC's server
+            # default strikes a ping sooner than 5 minutes after the last one (nothing sent in between:
+            # any headers or data the server sends clear the strikes) and the third strike is a GOAWAY.
+            # Here a strike is a ping sooner than 500 ms: half the fastest legitimate period, so a ping
+            # delayed by a busy loop and the next one on time are not one. Strikes stay bounded (0 is
+            # unlimited), so a client flooding either socket with pings is sent away (too_many_pings)
+            # instead of being answered forever. The key is the server's receive interval despite its
+            # name (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS); gRPC ignores unknown keys.
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", 500),
+            ("grpc.http2.max_ping_strikes", 2),
             # And the sidecar pings engines: a stream whose engine vanished without a reset is closed
             # within ENGINE_KEEPALIVE_S x 1.5, not the kernel's TCP timeout (hours), so the engine shows as gone and
             # its restarted process may attach under its id (refused while the old stream looks open).

@@ -6,7 +6,7 @@ kernel's TCP timeout (hours): no directive arrived, the engine ran on its safe d
 reported reached the sidecar. With them the link declares the connection dead, reconnects (the proxy
 forwards new connections) and resends what the sidecar did not acknowledge. The pings are permitted by
 the sidecar: a healthy stream is never closed for them (gRPC's server default answers pings more often
-than every 5 minutes with GOAWAY).
+than every 5 minutes with GOAWAY). Within bounds: a client flooding the sidecar with pings is sent away.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
 from controller.vllm.link import SidecarLink
 from tests.controller.vllm.test_link import _record
-from tests.integration.test_sidecar_grpc import until
+from tests.integration.test_sidecar_grpc import WAIT_S, until
 from tests.reliability.proxy import CuttableProxy
 from tests.reliability.test_reconnect_accounting import _config
 
@@ -85,3 +85,72 @@ async def test_the_sidecar_closes_a_frozen_engine_stream_so_the_engine_shows_as_
         assert sc.engines()["gone"].connected
         assert proxy.freeze() == 1
         await until(lambda: not sc.engines()["gone"].connected)
+
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_SETTINGS, _PING, _GOAWAY, _ACK = 0x4, 0x6, 0x7, 0x1
+_ENHANCE_YOUR_CALM = 0xB
+
+
+def _frame(kind: int, flags: int = 0, payload: bytes = b"") -> bytes:
+    """An HTTP/2 frame on stream 0, the connection's own (SETTINGS, PING and GOAWAY are)."""
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + bytes(4) + payload
+
+
+async def _pinger(target: str, every_s: float, for_s: float) -> tuple[bool, tuple[int, bytes] | None]:
+    """A bare HTTP/2 connection to ``target`` that pings every ``every_s`` seconds for ``for_s`` or until
+    the server closes it, and opens no stream: the server sends it nothing that clears ping strikes.
+    Whether it is still open, and the server's GOAWAY (error code, debug data) if one came.
+
+    Not a gRPC channel: gRPC clients pace their own pings (one a second at most, whatever their
+    keepalive_time_ms), so a flood comes from a peer that is not one."""
+    host, _, port = target.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    goaway: tuple[int, bytes] | None = None
+
+    async def read() -> None:  # acknowledges the server's SETTINGS and pings, as a client must
+        nonlocal goaway
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readexactly(9)
+                payload = await reader.readexactly(int.from_bytes(head[:3], "big"))
+                kind, flags = head[3], head[4]
+                if kind == _SETTINGS and not flags & _ACK:
+                    writer.write(_frame(_SETTINGS, _ACK))
+                elif kind == _PING and not flags & _ACK:
+                    writer.write(_frame(_PING, _ACK, payload))
+                elif kind == _GOAWAY:
+                    goaway = (int.from_bytes(payload[4:8], "big"), payload[8:])
+
+    writer.write(_PREFACE + _frame(_SETTINGS))
+    reading = asyncio.create_task(read())
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(for_s):
+                while not reading.done():
+                    writer.write(_frame(_PING, payload=bytes(8)))
+                    await asyncio.sleep(every_s)
+        return not reading.done(), goaway
+    finally:
+        writer.transport.abort()
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+
+
+@pytest.mark.parametrize("side", ["engine", "admin"])
+async def test_a_client_flooding_the_sidecar_with_pings_is_sent_away_and_engines_are_not(
+    tmp_path: Path, side: str
+) -> None:
+    # Before, the sidecar permitted unlimited ping strikes: a client on either socket pinging without
+    # pause was answered forever. A peer pinging every 0.75 s (the links' 1 s here, a quarter early
+    # for jitter) and the link itself are never struck.
+    async with _linked(tmp_path, "ka", keepalive_s=1.0) as (sc, _, link):
+        await until(lambda: link.stats().connected)
+        target = sc.engine_target if side == "engine" else sc.admin_target
+        flood, polite = await asyncio.gather(
+            _pinger(target, every_s=0.02, for_s=3 * WAIT_S), _pinger(target, every_s=0.75, for_s=3.5)
+        )
+        assert flood == (False, (_ENHANCE_YOUR_CALM, b"too_many_pings"))
+        assert polite == (True, None)
+        assert link.stats().connected and link.stats().disconnects == 0
