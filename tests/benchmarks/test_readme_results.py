@@ -190,6 +190,7 @@ def test_the_generated_decision_quality_header_links_the_history_it_cannot_rerun
             jobs=1,
             ngram_signal="on",
             policies=",".join(dq.POLICIES),
+            scenarios=",".join((*dq.CLOSED, "load-ramp")),
             no_hindsight=False,
             out=str(rr.ROOT / out),
         )
