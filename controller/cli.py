@@ -562,8 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--token-file",
         metavar="FILE",
-        help=f"admin bearer token from this file (default: ${ADMIN_TOKEN_ENV}); needed to set or roll back "
-        "policies when the sidecar has admin_token_file",
+        help=f"admin bearer token from this file (default: the token itself in ${ADMIN_TOKEN_ENV}); needed to "
+        "set or roll back policies when the sidecar has admin_token_file",
     )
     p.add_argument(
         "--admin-ca-file", metavar="FILE", help="admin API over TLS: the CA of the sidecar's certificate"
