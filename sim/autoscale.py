@@ -9,8 +9,9 @@ Two parts, both measured in this module's run:
   steady rate times its learning-curve efficiency for its age; the HPA reads the mean queue wait
   (``speccontrol_queue_wait_seconds``) every sync period and applies the upstream ratio rule
   ``desired = ceil(current * metric / target)`` with its tolerance, scale-up rate limits and
-  scale-down stabilisation window; new pods serve only after a start-up delay (vLLM: 60-180 s,
-  research/anchors.md §6d). Latency is a fluid approximation: queue wait plus the measured service time.
+  scale-down stabilisation window; new pods serve only after a start-up delay (vLLM: 60-180 s, as
+  community notes on autoscaling vLLM report). Latency is a fluid approximation: queue wait plus the
+  measured service time.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ Acceptance models (per output position t of a request):
 
 * EAGLE-3 is a chain draft with conditional per-position acceptance ``[first, tail, tail, ...]``,
   calibrated to Llama-3.1-8B: chat uses vLLM's measured EAGLE-3 vector (unconditional 0.76, 0.54,
-  0.39, 0.28, ... => conditional ~0.76 then ~0.72, anchors §6b); the other classes scale the expected
-  accepted length by the EAGLE-3 paper's per-dataset tau ratios (HumanEval 6.74, GSM8K 6.23,
-  CNN/DM 5.34 vs MT-bench 6.13, Table 1, T = 0).
+  0.39, 0.28, ... => conditional ~0.76 then ~0.72, from the ``_DYNAMIC_STATS`` profile of vLLM's
+  Dynamic-SD prototype); the other classes scale the expected accepted length by the EAGLE-3 paper's
+  (arXiv 2503.01840) per-dataset tau ratios (HumanEval 6.74, GSM8K 6.23, CNN/DM 5.34 vs MT-bench 6.13,
+  Table 1, T = 0).
 * P-EAGLE keeps EAGLE-3's first position and raises deeper positions by ``p_eagle_gain`` (its
   acceptance grows faster with K: P-EAGLE blog, K = 3 -> 7 gains +0.92 vs +0.38 on HumanEval).
 * n-gram is bursty: copy spans (text repeated from the prompt or earlier output) start at rate

