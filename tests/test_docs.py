@@ -210,3 +210,28 @@ def test_every_algorithm_parameter_is_in_the_policies_table() -> None:
         assert name in rows, f"docs/policies.md: no row for algorithm {name}"
         for param in getattr(learner, "PARAMS", {}):
             assert f"`{param}`" in rows[name], f"docs/policies.md: {name}'s row lacks `{param}`"
+
+
+#: A pointer to notes that live beside the repository, not in it (their paths and file names).
+_OUTSIDE = re.compile(r"\.\./shared|/work/|shared/research|research/[\w.-]+\.md|anchors(\.md| §)")
+
+
+def test_no_tracked_file_points_outside_the_repository() -> None:
+    # Profiles, code comments and test comments too, not only the docs: a profile's `sources:` once
+    # cited "anchors.md §6a", a file no clone has.
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    found = []
+    for name in listed.decode().split("\0"):
+        path = ROOT / name
+        if not name or name == "tests/test_docs.py" or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # images and other binary files
+            continue
+        found += [
+            f"{name}:{n}: {line.strip()}"
+            for n, line in enumerate(text.splitlines(), 1)
+            if _OUTSIDE.search(line)
+        ]
+    assert found == []
