@@ -211,6 +211,7 @@ _OBSERVE_FLAGS = {
 
 
 def cmd_observe(args: argparse.Namespace) -> int:
+    from controller import _interrupt as interrupt
     from controller.observe import ObserverError, ObserverSettings, run_observer
     from policies.arms import Method
 
@@ -246,7 +247,8 @@ def cmd_observe(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        sent = asyncio.run(run_observer(settings, on_directive=show, on_status=_err))
+        # (interrupt.run: Ctrl-C cancels the observer, never raises inside its gRPC stream's tasks)
+        sent = interrupt.run(run_observer(settings, on_directive=show, on_status=_err))
     except ObserverError as e:
         raise UserError(f"error: {e}", 1) from None
     print(f"sent {sent} observations")

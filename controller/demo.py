@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
+from controller import _interrupt as interrupt
 from controller.client import AdminClient
 from controller.config import SidecarConfig
 from controller.embedded.core import DEFAULT_ARMS, EngineSettings
@@ -408,23 +408,6 @@ def plot(result: dict[str, Any], path: str) -> None:
         plt.close(fig)
 
 
-async def _interruptible(coro: Any) -> dict[str, Any]:
-    """Run the demo so that Ctrl-C cancels it (its sidecar and engines shut down in order) and a second
-    Ctrl-C ends the process at once: the default action, never an exception raised in the middle of
-    the gRPC shutdown (that could crash the interpreter's exit)."""
-    task = asyncio.current_task()
-    assert task is not None
-
-    def first_press() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        task.cancel()
-
-    with contextlib.suppress(NotImplementedError, RuntimeError):  # no signal handlers off the main thread
-        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, first_press)
-    result: dict[str, Any] = await coro
-    return result
-
-
 def main(
     *,
     seconds: float = DEFAULT_SECONDS,
@@ -434,12 +417,7 @@ def main(
     plot_path: str | None = None,
 ) -> int:
     stream = out if out is not None else sys.stdout
-    try:
-        result = asyncio.run(
-            _interruptible(run_demo(seconds=seconds, seed=seed, out=None if as_json else stream))
-        )
-    except asyncio.CancelledError:
-        raise KeyboardInterrupt from None
+    result = interrupt.run(run_demo(seconds=seconds, seed=seed, out=None if as_json else stream))
     if plot_path:
         plot(result, plot_path)
     if as_json:
