@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System tools the integration and deploy tests use: mosquitto (MQTT broker), prometheus + promtool
-# (Debian's prometheus package), kubectl with kustomize v5, and the Python package kubernetes-validate
-# (into the project virtualenv). Idempotent: anything already present is left alone. Runs as root
+# (Debian's prometheus package), kubectl with kustomize v5, the Python package kubernetes-validate
+# (into the project virtualenv), and the KEDA CRD models wheel the committed KEDA schema is generated
+# from (into $VENV/wheels: tests/deploy/test_keda_schema.py regenerates the schema from it). Idempotent: anything already present is left alone. Runs as root
 # (CI does); apt-get update runs only when something must be installed from apt.
 # After it, CI sets SPECCONTROL_REQUIRE_SYSTEM_DEPS=1 and SPECCONTROL_REQUIRE_DEPLOY_TOOLS=1 so that
 # the tests fail instead of skipping when a tool is still missing.
@@ -52,6 +53,13 @@ fi
 if ! "$VENV/bin/python" -c 'import kubernetes_validate, jsonschema' 2>/dev/null; then
   echo "ci_system_deps: pip install kubernetes-validate into $VENV"
   $PIP install -q kubernetes-validate
+fi
+
+KEDA_WHEEL="$VENV/wheels/cloudcoil_models_keda-2.20.2.1-py3-none-any.whl"
+if [ ! -f "$KEDA_WHEEL" ]; then
+  echo "ci_system_deps: pip download cloudcoil-models-keda 2.20.2.1 into $VENV/wheels"
+  $PIP download -q --no-deps --only-binary=:all: --python-version 3.14 cloudcoil-models-keda==2.20.2.1 \
+    -d "$VENV/wheels" || echo "ci_system_deps: WARNING: no KEDA models wheel; test_keda_schema fails under SPECCONTROL_REQUIRE_DEPLOY_TOOLS" >&2
 fi
 
 echo "ci_system_deps: mosquitto $(mosquitto -h 2>/dev/null | head -1 | awk '{print $3}' || true)," \
