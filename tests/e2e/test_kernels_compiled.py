@@ -26,6 +26,7 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
     files = [
         "tests/controller/vllm/test_ngram.py",
         "tests/controller/vllm/test_hotpath.py",
+        "tests/controller/vllm/test_engine_hooks.py",
         "tests/controller/vllm/test_worker.py",
         "tests/controller/vllm/test_device_ngram.py",
         "tests/controller/vllm/test_device_kernels.py",
