@@ -17,6 +17,7 @@ import ipaddress
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -260,14 +261,20 @@ _HOST_NAME = re.compile(
 
 def _sidecar(value: str) -> tuple[str, int] | str:
     """The sidecar's address parsed; refused where the link could never dial it (it would retry
-    forever): a host that is no IP address and no host name, a value no address is that long."""
+    forever): a host that is no IP address and no host name, a value no address is that long.
+    ``dns:///host:port`` is gRPC's own spelling of ``host:port`` (its default resolver): taken as that."""
     _utf8("SPECCONTROL_SIDECAR", value)
     if len(value) > MAX_SIDECAR:
         raise SettingsError(f"SPECCONTROL_SIDECAR: longer than {MAX_SIDECAR} characters, got {shown(value)}")
+    bare = value.removeprefix("dns:///")
     try:
-        where = parse_address(value, field="SPECCONTROL_SIDECAR", dial=True)
+        where = parse_address(bare, field="SPECCONTROL_SIDECAR", dial=True)
     except ConfigError as e:
         raise SettingsError(f"SPECCONTROL_SIDECAR: {e.message}") from None
+    if isinstance(where, str) and bare != value:
+        raise SettingsError(
+            f"SPECCONTROL_SIDECAR: dns:/// names a host:port, not a socket, got {shown(value)}"
+        )
     if isinstance(where, tuple):
         host = where[0]
         try:
@@ -330,10 +337,14 @@ def _writable(env: Mapping[str, str], name: str) -> str:
         return ""
     if has_control(path):
         raise SettingsError(f"{name}: holds control characters, got {shown(path)}")
-    if os.path.isdir(path):
+    if os.path.isdir(path) or path.endswith("/"):  # "x/": open() calls it a directory, existing or not
         raise SettingsError(f"{name}: {shown(path)} is a directory")
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.exists(path):
+        mode = os.stat(path).st_mode
+        # open() of a FIFO blocks the engine's start until a reader comes; a socket's fails
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            raise SettingsError(f"{name}: {shown(path)} is a FIFO or a socket, not a file")
         if not os.access(path, os.W_OK):
             raise SettingsError(f"{name}: cannot write {shown(path)}")
     elif not os.path.isdir(parent):

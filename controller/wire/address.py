@@ -42,7 +42,10 @@ def parse_address(value: str, *, field: str, dial: bool = False) -> tuple[str, i
         raise ConfigError(f"port must be 1..65535, got {value!r}", field=field)
     if not 0 <= int(port) <= 65535:
         raise ConfigError(f"port must be 0..65535 (0: any free port), got {port}", field=field)
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if ":" in host and not bracketed:  # gRPC reads "::1:50051" as host "::1:50051", no port: never reached
+        raise ConfigError(f"an IPv6 address goes in brackets, e.g. [::1]:50051, got {value!r}", field=field)
     if not host:
         raise ConfigError(f"missing host in {value!r} (use 0.0.0.0 for every interface)", field=field)
     return host, int(port)

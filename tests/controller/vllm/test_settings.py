@@ -306,6 +306,8 @@ def test_any_environment_is_refused_by_name_or_startable(env: dict[str, str]) ->
         # before: taken, and open() failed when the scheduler was built (traceback)
         ("SPECCONTROL_TRACE", "/nonexistent/t.jsonl", "SPECCONTROL_TRACE: the directory '/nonexistent' does not"),
         ("SPECCONTROL_TRACE", "/tmp", "SPECCONTROL_TRACE: '/tmp' is a directory"),
+        # before: taken, and open() failed when the scheduler was built (IsADirectoryError, traceback)
+        ("SPECCONTROL_TRACE", "/tmp/new/", "SPECCONTROL_TRACE: '/tmp/new/' is a directory"),
         ("SPECCONTROL_TRACE", "t\x00.jsonl", "SPECCONTROL_TRACE: holds control characters"),
         ("SPECCONTROL_ENGINE_ID", "e" * 5000, "SPECCONTROL_ENGINE_ID: longer than 4096 characters"),
         ("SPECCONTROL_SAFE_DEFAULT", "x" * 1000, "SPECCONTROL_SAFE_DEFAULT: not an arm, got 'xxx"),
@@ -323,7 +325,10 @@ def test_hostile_values_are_refused_by_name(name: str, value: str, says: str) ->
     [
         # before: taken with TLS set, and the link retried an address gRPC cannot resolve forever
         ("a b:5", "SPECCONTROL_SIDECAR: 'a b' is no IP address or host name"),
-        ("dns:///h:5", "SPECCONTROL_SIDECAR: 'dns:///h' is no IP address or host name"),
+        ("dns:///a b:5", "SPECCONTROL_SIDECAR: 'a b' is no IP address or host name"),
+        ("dns:///unix:///tmp/s.sock", "SPECCONTROL_SIDECAR: dns:/// names a host:port, not a socket"),
+        # before: taken as host '::1' (loopback, no TLS asked), and gRPC could never dial it
+        ("::1:5", "SPECCONTROL_SIDECAR: an IPv6 address goes in brackets, e.g. [::1]:50051, got '::1:5'"),
         ("-:5", "SPECCONTROL_SIDECAR: '-' is no IP address or host name"),
         ("[:5", "SPECCONTROL_SIDECAR: '[' is no IP address or host name"),
     ],
@@ -334,7 +339,8 @@ def test_a_sidecar_host_that_is_no_host_is_refused(tmp_path: Path, sidecar: str,
     with pytest.raises(SettingsError) as e:
         PluginSettings.from_env({"SPECCONTROL_SIDECAR": sidecar, **tls})
     assert str(e.value).startswith(says), str(e.value)
-    for good in ("sidecar.ns.svc:50061", "sc_1.local.:5", "10.0.0.7:5", "[fd00::1]:5", "localhost:5"):
+    for good in ("sidecar.ns.svc:50061", "sc_1.local.:5", "10.0.0.7:5", "[fd00::1]:5", "localhost:5",
+                 "dns:///sidecar.ns.svc:50061"):  # fmt: skip
         assert PluginSettings.from_env({"SPECCONTROL_SIDECAR": good, **tls}).sidecar == good
 
 
@@ -387,6 +393,18 @@ def test_a_trace_file_that_can_be_created_is_taken(tmp_path: Path) -> None:
     assert PluginSettings.from_env(base | {"SPECCONTROL_TRACE": path}).trace_path == path
     assert not (tmp_path / "trace.jsonl").exists()  # checked, not created (every vLLM process reads it)
     assert PluginSettings.from_env(base | {"SPECCONTROL_TRACE": "/dev/null"}).trace_path == "/dev/null"
+
+
+def test_a_trace_path_naming_a_fifo_is_refused_before_it_can_block_the_engine(tmp_path: Path) -> None:
+    # before: taken (os.access passes a FIFO), and the engine core's open() for appending waited for
+    # a reader that never came: the engine never finished starting, and nothing was raised
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SettingsError) as e:
+        PluginSettings.from_env({"SPECCONTROL_SIDECAR": "127.0.0.1:5", "SPECCONTROL_TRACE": str(fifo)})
+    assert str(e.value).startswith("SPECCONTROL_TRACE: '/") and str(e.value).endswith(
+        " is a FIFO or a socket, not a file"
+    )
 
 
 def test_the_switch_says_when_it_is_no_yes_or_no() -> None:

@@ -71,3 +71,11 @@ def test_an_address_to_dial_is_one_a_client_can_reach_at_the_edges_of_each_range
     for bad in ("unix:///tmp/a\x00b.sock", "127.0.0.1:5\n", "h\x1b:5"):  # gRPC dialled /tmp/a
         with pytest.raises(ConfigError, match="holds control characters"):
             parse_address(bad, field="f")
+
+
+@pytest.mark.parametrize("value", ["::1:50061", "fd00::1:5", "::50061"])
+def test_an_ipv6_address_without_brackets_is_refused(value: str) -> None:
+    # gRPC reads "::1:50061" as a host with no port: a listener fails to bind, a client never connects
+    # (the plugin took "::1" as loopback and retried it for ever).
+    with pytest.raises(ConfigError, match=r"an IPv6 address goes in brackets, e\.g\. \[::1\]:50051"):
+        parse_address(value, field="x", dial=True)
