@@ -216,7 +216,7 @@ class PolicyStore:
         document is refused (a rule added since the version that saved it), ``fallback()`` (the
         configured default policy and its source) serves instead, at the revision after every saved
         one, with the valid history kept for rollback; the rest of the snapshot is kept too. An
-        engine override whose document is refused is dropped (the engine follows the default) but
+        engine override whose current record is refused (its document or a field) is dropped (the engine follows the default) but
         its valid history is kept for rollback. A bad history entry or engine override is dropped
         alone. Each thing dropped appends one line to ``problems``, naming its path (and revision)."""
         dropped = problems if problems is not None else []
@@ -238,19 +238,29 @@ class PolicyStore:
                 )
             return deque((rec for _, rec in kept[cut:]), maxlen=history)
 
-        def slot(s: Any, at: str) -> _Slot | tuple[PolicyError, int, deque[PolicyRecord]]:
-            """The slot, or (why its current document is refused, the revision after every saved
-            one, its valid history) when only that document is refused."""
+        def slot(
+            s: Any, at: str, *, override: bool = False
+        ) -> _Slot | tuple[ValueError, int, deque[PolicyRecord]]:
+            """The slot, or (why its current record is refused, the revision after every saved one,
+            its valid history) when its document is refused, or, for an engine's ``override``, any
+            field of it (a value of the wrong type dropped the override's history with it, and its
+            revisions went back to 1). A default record of the wrong shape fails the whole store."""
             if not isinstance(s, Mapping):
                 raise SnapshotError(f"{at}: expected an object, got {type(s).__name__}")
             try:
                 current = PolicyRecord.from_json(s.get("current"), path=f"{at}.current")
-            except PolicyError as e:
-                # the record's shape was checked up to its document; an unreadable revision is
-                # taken as 0, the history's revisions still keep the numbering going forward
-                cur = s["current"]  # a mapping: checked before its document
+            except (PolicyError, SnapshotError) as e:
+                if isinstance(e, SnapshotError) and not override:
+                    raise
+                # an unreadable revision is taken as 0: the history's revisions still keep the
+                # numbering going forward
+                cur = s.get("current")
                 try:
-                    revision = int_field(cur, "revision", path=f"{at}.current", lo=1)
+                    revision = (
+                        int_field(cur, "revision", path=f"{at}.current", lo=1)
+                        if isinstance(cur, Mapping)
+                        else 0
+                    )
                 except SnapshotError:
                     revision = 0
                 kept = past(s, at)
@@ -286,13 +296,20 @@ class PolicyStore:
                     if kept:
                         store._kept[eid] = _Kept(max([revision, *(r.revision for r in kept)]), kept)
                     continue
-                own = slot(s, at)
+                own = slot(s, at, override=True)
                 if not isinstance(own, _Slot):
                     e, revision, kept = own
-                    cur = s["current"]  # a mapping: checked before its document
-                    owner = str_field(
-                        cur, "engine_id", path=f"{at}.current", max_len=MAX_ENGINE_ID, name=True
-                    )
+                    cur = s.get("current")
+                    try:  # whose it was, where the record still says (else the key says)
+                        owner = (
+                            str_field(
+                                cur, "engine_id", path=f"{at}.current", max_len=MAX_ENGINE_ID, name=True
+                            )
+                            if isinstance(cur, Mapping)
+                            else eid
+                        )
+                    except SnapshotError:
+                        owner = eid
                     if owner != eid:
                         raise SnapshotError(f"{at}: holds engine {owner!r}'s policy")
                     dropped.append(

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controller.policy_store import NoPreviousPolicy, PolicyStore
+from controller.snapshot import SnapshotError
 from policies.presets import load_preset, preset_text
 from policies.spec import PolicyError, PolicySpec
 
@@ -199,12 +200,14 @@ def test_a_refused_override_with_no_valid_history_is_dropped_as_before() -> None
     n=st.integers(1, len(NAMES)),
     bad=st.sets(st.integers(0, len(NAMES) - 1)),
     how=st.sampled_from(["document", "shape", "type"]),
-    current=st.booleans(),
+    current=st.sampled_from([None, "document", "field", "owner", "type"]),
     engine=st.booleans(),
 )
 def test_exactly_the_valid_entries_survive_in_order_and_revisions_only_grow(
-    n: int, bad: set[int], how: str, current: bool, engine: bool
+    n: int, bad: set[int], how: str, current: str | None, engine: bool
 ) -> None:
+    # The current record refused by its document (a rule added since), or by a field of it of the
+    # wrong type (which dropped the valid history with it, and the next revision went back to 1).
     eid = "e1" if engine else ""
     d = saved(n, engine_id=eid)
     slot = d["engines"]["e1"] if engine else d["default"]
@@ -217,21 +220,35 @@ def test_exactly_the_valid_entries_survive_in_order_and_revisions_only_grow(
             history[i]["revision"] = -1
         else:
             history[i] = [history[i]]
-    if current:
-        refuse(slot["current"])
-    want = [r["revision"] for i, r in enumerate(history) if i not in bad]
     saved_max = slot["current"]["revision"]
+    if current == "document":
+        refuse(slot["current"])
+    elif current == "field":
+        slot["current"]["set_at_s"] = ""
+    elif current == "owner":
+        del slot["current"]["engine_id"]
+        slot["current"]["set_at_s"] = ""
+    elif current == "type":
+        slot["current"] = [slot["current"]]
+    if current not in (None, "document") and not engine:  # the default's record is the store's root
+        with pytest.raises(SnapshotError, match=r"^policies\.default\.current"):
+            restore(d)
+        return
+    want = [r["revision"] for i, r in enumerate(history) if i not in bad]
 
     s, problems = restore(d)
-    assert len(problems) == len(bad) + current  # every entry dropped is counted, each on its own line
+    assert len(problems) == len(bad) + bool(current)  # every entry dropped is counted, each on its own line
     assert [h.revision for h in s.history(eid)] == list(reversed(want))
     if engine and current:
         assert eid not in s.overrides()
     else:
         got = s.get(eid)
-        assert got.revision >= saved_max and (got.revision > saved_max) == current
+        if current == "type":  # its revision unreadable too: past every valid entry's
+            assert got.revision > max(want, default=0)
+        else:
+            assert got.revision >= saved_max and (got.revision > saved_max) == bool(current)
     # rolling back walks the valid entries newest first, each at a higher revision than the last
-    last = saved_max
+    last = saved_max if current != "type" else max(want, default=0)
     for r in reversed(want):
         back = s.rollback(eid)
         assert back.revision > last and back.source == next(
