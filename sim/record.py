@@ -16,9 +16,12 @@ checked before any request is sent), or plain text with one prompt per line.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -110,8 +113,7 @@ def _reject_constant(name: str) -> Any:
 
 def _read_body(resp: http.client.HTTPResponse, *, limit: int, deadline: float) -> bytes:
     """The whole body, refused past ``limit`` bytes or ``deadline`` (a monotonic time): an endless or
-    huge answer held it all in memory (gigabytes), and a server dripping bytes never hit the socket
-    timeout, which bounds one wait, not the answer."""
+    huge answer held it all in memory (gigabytes)."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -129,15 +131,107 @@ def _read_body(resp: http.client.HTTPResponse, *, limit: int, deadline: float) -
         chunks.append(chunk)
 
 
-def _post(
-    url: str, body: dict[str, Any], timeout_s: float, *, max_bytes: int = MAX_RESPONSE_BYTES
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
+class _Deadline:
+    """One request's deadline over the whole exchange. urllib's timeout bounds each socket wait only:
+    a server sending its status line and headers a byte at a time held a request with a 1 s timeout
+    for 38 s. Each connection's socket is watched (a dup of it, which the TLS wrap and urllib's early
+    close leave open) and shut down at the deadline, so a blocked read or send returns and the request
+    fails; the connect itself gets the time left as its timeout."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._expired = False
+        self._stopped = False
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._expired = True
+            if self._sock is not None:
+                self._shut(self._sock)
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # not connected (any more)
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def _connect(
+        self, address: tuple[str, int], timeout: Any = None, source_address: Any = None, *args: Any
+    ) -> socket.socket:
+        """``socket.create_connection`` within the time left, its socket watched (each connection of
+        the request: a redirect opens another)."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        sock = socket.create_connection(address, left, source_address, *args)
+        watched = sock.dup()
+        with self._lock:
+            old, self._sock = self._sock, watched
+            if self._expired or self._stopped:
+                self._shut(watched)
+        if old is not None:
+            old.close()
+        return sock
+
+    def connection(self, http_class: Any) -> Any:
+        """A connection factory for ``AbstractHTTPHandler.do_open``: ``http_class``, connecting through
+        ``_connect``."""
+
+        def make(host: str, **kwargs: Any) -> http.client.HTTPConnection:
+            conn: http.client.HTTPConnection = http_class(host, **kwargs)
+            conn._create_connection = self._connect  # type: ignore[attr-defined]
+            return conn
+
+        return make
+
+    def stop(self) -> bool:
+        """Ends the watch (the timer's thread too, the watched dup closed); whether the deadline
+        had cut the request. Idempotent."""
+        self._timer.cancel()
+        with self._lock:
+            self._stopped = True
+            sock, self._sock = self._sock, None
+            expired = self._expired
+        if sock is not None:
+            sock.close()
+        self._timer.join()
+        return expired
+
+
+class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def do_open(
+        self, http_class: Any, req: urllib.request.Request, **kwargs: Any
+    ) -> http.client.HTTPResponse:
+        return super().do_open(self._deadline.connection(http_class), req, **kwargs)
+
+
+class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def do_open(
+        self, http_class: Any, req: urllib.request.Request, **kwargs: Any
+    ) -> http.client.HTTPResponse:
+        return super().do_open(self._deadline.connection(http_class), req, **kwargs)
+
+
+def _exchange(req: urllib.request.Request, deadline: _Deadline, timeout_s: float, max_bytes: int) -> bytes:
+    # urllib's default opener otherwise (proxies from the environment, redirects, HTTPError), with
+    # connections bounded by ``deadline``.
+    opener = urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
     try:
-        resp_cm = urllib.request.urlopen(req, timeout=timeout_s)
+        resp_cm = opener.open(req, timeout=timeout_s)
     except urllib.error.HTTPError as e:
         # vLLM says why in the body ({"message": ...}); bounded, as any answer.
         with e:
@@ -151,10 +245,32 @@ def _post(
         ctype = resp.headers.get("Content-Type", "")
         if "text/event-stream" in ctype:  # a stream never ends by itself: not waited out
             raise ValueError("the server streamed (text/event-stream); expected one JSON answer")
-        try:
-            data = _read_body(resp, limit=max_bytes, deadline=deadline)
-        except TimeoutError:  # its str() is only "timed out"
-            raise ValueError(f"no answer within the timeout ({timeout_s:g} s)") from None
+        return _read_body(resp, limit=max_bytes, deadline=deadline.deadline)
+
+
+def _post(
+    url: str, body: dict[str, Any], timeout_s: float, *, max_bytes: int = MAX_RESPONSE_BYTES
+) -> dict[str, Any]:
+    """POST ``body`` as JSON; the answer's JSON object. ``timeout_s`` bounds the whole request (connect,
+    send, status line, headers and body)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    deadline = _Deadline(timeout_s)
+    timed_out = False
+    data = b""
+    try:
+        data = _exchange(req, deadline, timeout_s, max_bytes)
+    except (OSError, http.client.HTTPException, ValueError):
+        # Cut at the deadline, http.client says whatever the shut socket made of it (a bad status line,
+        # a short body, a reset): the timeout is why.
+        timed_out = deadline.stop() or time.monotonic() >= deadline.deadline
+        if not timed_out:
+            raise
+    finally:
+        timed_out = deadline.stop() or timed_out  # (a body cut at the deadline may end quietly)
+    if timed_out:
+        raise ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")
     try:
         obj = json.loads(data, parse_constant=_reject_constant)
     except RecursionError:  # a hostile or broken server: an error like any unreadable answer
@@ -208,7 +324,7 @@ def record(
             obj = _post(url, body, timeout_s, max_bytes=max_response_bytes)
         except (urllib.error.URLError, OSError, ValueError) as e:
             if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
-                e = ValueError(f"no answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
+                e = ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
             return {"error": f"{e} ({request})", "index": i}
         except http.client.HTTPException as e:
             # urllib passes a non-HTTP answer (BadStatusLine: a wrong port) or a cut body (IncompleteRead)

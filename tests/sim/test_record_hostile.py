@@ -48,6 +48,17 @@ class Hostile(BaseHTTPRequestHandler):
             pass
         self.close_connection = True
 
+    def _drip_raw(self, data: bytes, pause: float) -> None:
+        """``data`` (status line and headers included) a byte at a time."""
+        try:
+            for b in data:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(pause)
+        except OSError:
+            pass
+        self.close_connection = True
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         mode = MODE["mode"]
@@ -65,6 +76,12 @@ class Hostile(BaseHTTPRequestHandler):
             self._stream(b"", b"data: {}\n\n", "text/event-stream", 0.01)
         elif mode == "drip":
             self._stream(b"{", b" ", "application/json", 0.2)
+        elif mode == "drip-head":  # 200 header bytes: 40 s
+            self._drip_raw(b"HTTP/1.1 200 OK\r\nX-Pad: " + b"x" * 180 + b"\r\n\r\n", 0.2)
+        elif mode == "slow":  # the whole answer in about 1 s, a wait between each of its 40-odd pieces
+            data = json.dumps(GOOD).encode()
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+            self._drip_raw(head.encode() + data, 0.003)
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -95,7 +112,10 @@ def _record(url: str, tmp_path: Path, *extra: str, prompts: str = "hello\nthere\
         ("endless", "the answer is over 67104768 bytes"),
         # A stream or a drip never hit the socket timeout, which bounds one wait: the command hung.
         ("sse", "the server streamed (text/event-stream); expected one JSON answer"),
-        ("drip", "no whole answer within the timeout"),
+        ("drip", "no whole answer within the timeout (1 s)"),
+        # Status line and headers a byte at a time: each wait was bounded, not the request (40 s, then
+        # "no whole answer within the timeout (0 bytes read)").
+        ("drip-head", "no whole answer within the timeout (1 s)"),
         # NaN was kept in the responses file, which then was not JSON.
         ("nan", "not JSON: NaN (not a JSON number)"),
         # Only "HTTP Error 500: Internal Server Error": not vLLM's reason.
@@ -115,6 +135,18 @@ def test_a_hostile_answer_fails_its_request_in_one_line_naming_it(
     assert f"(POST {url}/v1/completions for prompt {tmp_path / 'p.txt'}:1)" in err[0]
     # Every request failed: not even an empty responses file (one was left, 0 bytes) and no trace.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+def test_a_slow_answer_within_the_timeout_is_recorded(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The deadline bounds the request, not each wait: an answer dripped whole in time is kept, and no
+    deadline's timer outlives its request."""
+    MODE["mode"] = "slow"
+    assert _record(url, tmp_path, "--timeout", "30") == 0
+    assert "failed" not in capsys.readouterr().err
+    assert len((tmp_path / "t.responses.jsonl").read_text().splitlines()) == 2
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
 
 
 def test_some_failed_requests_are_said_once_with_the_first_reason(
