@@ -25,6 +25,11 @@ from policies.arms import Arm
 from policies.context import Context
 from policies.params import Param
 
+#: The largest cumulative loss kept. An arm played at a probability so small that 1 / p overflowed
+#: had an infinite loss, which no snapshot can hold (strict JSON): the sidecar could not save the loop
+#: and started it afresh. Capped, its weight in the softmax is 0 all the same.
+MAX_LOSS = 1e300
+
 
 class EXP3Spec(Learner):
     NAME: ClassVar[str] = "exp3spec"
@@ -65,7 +70,7 @@ class EXP3Spec(Learner):
         self._top[ctx] = top
         for i, r in rewards.items():
             pi = float(p[i]) if p is not None and p[i] > 0 else 1.0
-            loss[i] += (1.0 - min(max(r / top, 0.0), 1.0) if top > 0 else 1.0) / pi
+            loss[i] = min(loss[i] + (1.0 - min(max(r / top, 0.0), 1.0) if top > 0 else 1.0) / pi, MAX_LOSS)
         self._t[ctx] = self._t.get(ctx, 0) + 1
 
     def estimates(self, ctx: Context) -> np.ndarray:
@@ -91,8 +96,8 @@ class EXP3Spec(Learner):
         return {
             **super()._loaded(state),
             "_p": {saved_context(c, "p"): saved_numbers(v, f"p[{c!r}]", (n,), hi=1.0) for c, v in p.items()},
-            # Losses are sums of (1 - a scaled reward in [0, 1]) / p: never negative, and infinite once
-            # an arm was played at a probability so small that 1 / p overflowed (a state it saves).
+            # Losses are sums of (1 - a scaled reward in [0, 1]) / p: never negative; infinite in the
+            # states of versions before MAX_LOSS (one played at a p so small that 1 / p overflowed).
             "_loss": {
                 saved_context(c, "loss"): saved_numbers(v, f"loss[{c!r}]", (n,), infinite=True)
                 for c, v in loss.items()

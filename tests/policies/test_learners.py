@@ -220,6 +220,21 @@ def test_exp3spec_keeps_the_last_draws_probabilities_across_a_snapshot() -> None
     assert b.state_dict() == a.state_dict()
 
 
+def test_exp3spec_stays_savable_when_an_unlikely_arm_is_played() -> None:
+    # An arm played at a probability so small that 1 / p overflowed got an infinite loss: the
+    # sidecar's snapshot (strict JSON) could not hold it, so the loop was started afresh.
+    ctx = Context.parse("1/*")
+    a = learner(EXP3Spec, 0, arms=(*ARMS, OFF))
+    a.select(ctx, [0, 1, 2])
+    a._p[ctx] = np.array([1.0, 1e-320, 0.0])  # type: ignore[attr-defined]
+    a.update(ctx, {1: 0.0})
+    a.update(ctx, {1: 0.0})
+    state = a.state_dict()
+    json.dumps(state, allow_nan=False)  # the snapshot's writer
+    assert reloaded(a).state_dict() == state
+    assert a.select(ctx, [0, 1]) == 0  # its weight in the draw is still 0
+
+
 def test_hedge_keeps_its_time_per_row_across_a_snapshot() -> None:
     # Without it, the first round after a load that played only EAGLE-3 priced n-gram's counterfactual
     # tokens at EAGLE-3's time per row (0.0025 s here), not at the 0.005 s it was measured to take.
