@@ -306,14 +306,15 @@ class Sidecar:
     def _warm_loop(self, info: EngineInfo) -> ControlLoop:
         """A new engine's loop, loaded with the statistics the fleet shared for its model if they fit.
 
-        Only the learned tables are taken: the counters describe the other engine's traffic.
+        Only the learned tables are taken (``ControlLoop.load_learned``): the counters, the round in
+        progress, the dwell timers and the directive in force describe the other engine's traffic.
         """
         loop = self._new_loop(info)
         shared = self.fleet.latest_posteriors(info.model) if self.fleet is not None else None
         if not shared or shared.get("policy") != loop.spec.name:
             return loop
         try:
-            loop.load_state_dict(shared)
+            loop.load_learned(shared)
         except (ValueError, KeyError, TypeError) as e:
             # Another arm set or state version; a partial load must not be left behind.
             log.info("engine %s: fleet posteriors for %s not used: %s", info.engine_id, info.model, e)

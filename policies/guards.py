@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.algorithms.base import saved_bucket, saved_mapping, saved_numbers
 from policies.arms import Arm
 from policies.context import Context
 from policies.params import Param
@@ -90,6 +91,13 @@ class _Window:
 
     def clear(self) -> None:
         self.pos = self.count = 0
+
+    def recent(self) -> np.ndarray:
+        """The values held, oldest first (``add`` of them to an empty window restores what the p99 and
+        later additions see)."""
+        if self.count < len(self.values):
+            return self.values[: self.count]
+        return np.roll(self.values, -self.pos)
 
 
 @dataclass(slots=True)
@@ -163,13 +171,27 @@ class TpotGuard:
         return [i for i in allowed if arms[i].k == shortest]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trips": self.trips, "caps": {b: w.cap for b, w in self.buckets.items() if w.cap is not None}}
+        return {
+            "trips": self.trips,
+            "caps": {b: w.cap for b, w in self.buckets.items() if w.cap is not None},
+            # The recent TPOTs the p99 is taken over, oldest first.
+            "windows": {b: w.recent().tolist() for b, w in self.buckets.items() if w.count},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what ``state_dict`` saved (``windows`` is absent from older snapshots: they start empty)."""
+        windows = {
+            saved_bucket(b, "windows"): saved_numbers(v, f"windows[{b!r}]", (None,))
+            for b, v in saved_mapping(
+                state.get("windows", {}), "windows", "a mapping of bucket to TPOTs"
+            ).items()
+        }
         self.trips = int(state.get("trips", 0))
         self.buckets = {}
         for b, cap in state.get("caps", {}).items():
             self._win(str(b)).cap = int(cap)
+        for b, v in windows.items():
+            self._win(b).add(v)  # the newest ``window`` of them, should the window have shrunk
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ per traffic class when the engine can choose per request and the policy learns p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from policies.algorithms import REGISTRY, Learner
+from policies.algorithms.base import MAX_REWARD, saved_mapping, saved_number, saved_numbers
 from policies.arms import METHODS_BY_CODE, Arm, Method
 from policies.context import ANY_CLASS, Context
 from policies.directive import Directive, KRange, PlanEntry
@@ -33,6 +35,8 @@ MAX_COUNT = (1 << 53) - 1
 _OFF_CODE = METHODS_BY_CODE.index(Method.OFF)
 
 STATE_VERSION = 1
+#: The longest directive reason a saved state may hold (``_build`` writes about a kilobyte at most).
+MAX_REASON = 1 << 16
 
 
 @dataclass(slots=True)
@@ -107,9 +111,19 @@ class _Acc:
 @dataclass(slots=True)
 class _Ctx:
     arm: int
+    #: When the context got its arm (the ``now`` of that decision); -inf: no arm yet, or its dwell is over.
     since: float
     rounds: int = 0
     acc: _Acc | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"arm": self.arm, "rounds": self.rounds}
+        if math.isfinite(self.since):
+            out["since_s"] = self.since
+        if self.acc is not None:
+            a = self.acc
+            out["acc"] = {"rows": a.rows.tolist(), "tokens": a.tokens.tolist(), "time_s": a.time_s.tolist()}
+        return out
 
 
 class ControlLoop:
@@ -129,6 +143,9 @@ class ControlLoop:
         self.version = 0
         self._ctx: dict[Context, _Ctx] = {}
         self._last_decision: float | None = None
+        #: Set by ``load_state_dict``: the ``now`` of the saved loop's last decision, until the first
+        #: clock reading after the load (see ``_resume``).
+        self._resume_at: float | None = None
         self._directive: Directive | None = None
         self.last_changes: tuple[Change, ...] = ()
         self._learn_classes = spec.per_class and engine.per_request
@@ -325,7 +342,30 @@ class ControlLoop:
     # -- decide ----------------------------------------------------------------------------------
 
     def due(self, now: float) -> bool:
+        self._resume(now)
         return self._last_decision is None or now - self._last_decision >= self.spec.decision_interval_s
+
+    def _resume(self, now: float) -> None:
+        """The first clock reading after ``load_state_dict``. The saved timers (the last decision, each
+        context's dwell, the directive's issue time) are the saving loop's clock readings: they hold as
+        they are while the clock goes on from there (a restart on the same wall clock, the simulator's
+        clock). A clock behind the last decision is not the one that wrote them (another process's
+        monotonic clock, a wall clock set back): then they move with it, by as much as it is behind,
+        so each keeps the age it had at that decision; left as they were, a context would hold its arm
+        and the loop its directive until the clock caught up."""
+        at = self._resume_at
+        if at is None:
+            return
+        self._resume_at = None
+        if not now < at:  # NaN included: nothing to move by
+            return
+        shift = now - at
+        for c in self._ctx.values():
+            c.since += shift
+        if self._last_decision is not None:
+            self._last_decision += shift
+        if self._directive is not None:
+            self._directive = replace(self._directive, issued_at_s=self._directive.issued_at_s + shift)
 
     def decide(self, now: float) -> Directive:
         """The Directive in force; runs a bandit round first when the decision interval has passed."""
@@ -486,15 +526,18 @@ class ControlLoop:
     # -- snapshots -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state; ``load_state_dict`` on a loop of the same policy restores it."""
-        return {
+        """JSON-serialisable state; ``load_state_dict`` on a loop of the same policy restores it, and the
+        restored loop then decides as this one would: with the round in progress (each context's
+        ``acc``), the dwell timers (``since_s``) and the decision timer and directive in force
+        (``decision``). Times are the clock readings the loop was given (see ``_resume``)."""
+        state: dict[str, Any] = {
             "state_version": STATE_VERSION,
             "policy": self.spec.name,
             "arms": [str(a) for a in self.arms],
             "rounds": self.rounds,
             "version": self.version,
             "totals": {f: getattr(self.totals, f) for f in Totals.__dataclass_fields__},
-            "contexts": {k.key: {"arm": c.arm, "rounds": c.rounds} for k, c in self._ctx.items()},
+            "contexts": {k.key: c.to_json() for k, c in self._ctx.items()},
             "learner": self.learner.state_dict(),
             "rng": self.rng.bit_generator.state,
             "guards": {
@@ -503,6 +546,15 @@ class ControlLoop:
                 "budget": self.budget.state_dict(),
             },
         }
+        d = self._directive
+        if self._last_decision is not None and d is not None:
+            # The directive itself follows from the contexts' arms; only what they do not hold is kept.
+            state["decision"] = {
+                "at_s": self._last_decision,
+                "issued_at_s": d.issued_at_s,
+                "reason": d.reason,
+            }
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what ``state_dict`` saved. Raises ValueError, naming the field, for any state this loop
@@ -530,6 +582,9 @@ class ControlLoop:
         guards = state.get("guards") or {}
         if not isinstance(guards, Mapping):
             raise ValueError(f"loop state.guards: a mapping expected, got {type(guards).__name__}")
+        # Absent from the snapshots of older versions (and null): no round had run, or it was not
+        # saved; the first decision after the load then runs a round, with every dwell over.
+        decision = _decision(state.get("decision"))
         contexts = {}
         for k, v in state["contexts"].items():
             where = f"loop state.contexts[{k!r}]"
@@ -541,7 +596,13 @@ class ControlLoop:
                 raise ValueError(
                     f"{where}.arm: {arm!r} is not an arm index (-1 or one of the policy's {len(self.arms)} arms)"
                 )
-            contexts[Context.parse(k)] = _Ctx(arm=arm, since=-np.inf, rounds=rounds)
+            since = -np.inf
+            if v.get("since_s") is not None:
+                if arm < 0 or decision is None:
+                    raise ValueError(f"{where}.since_s: saved for a context without an arm or a decision")
+                since = saved_number(v["since_s"], f"{where}.since_s", lo=-math.inf, hi=decision[0])
+            acc = self._saved_acc(v["acc"], f"{where}.acc") if v.get("acc") is not None else None
+            contexts[Context.parse(k)] = _Ctx(arm=arm, since=since, rounds=rounds, acc=acc)
         _section("learner", self.learner.load_state_dict, state["learner"])
         self.rounds = _count(state.get("rounds"), "loop state.rounds")
         self.version = _count(state.get("version"), "loop state.version")
@@ -556,7 +617,49 @@ class ControlLoop:
         _section("guards.tpot", self.tpot_guard.load_state_dict, guards.get("tpot") or {})
         _section("guards.budget", self.budget.load_state_dict, guards.get("budget") or {})
         self._directive = None
-        self._last_decision = None
+        self._last_decision = self._resume_at = None
+        pooled = [
+            contexts.get(Context(bucket=self.spec.buckets.label(b))) for b in range(len(self.spec.buckets))
+        ]
+        if decision is not None and all(c is not None and c.arm >= 0 for c in pooled):
+            # The directive in force follows from the arms (``_build``), all but its time and reason.
+            at, issued, reason = decision
+            self._directive = replace(self._build(issued, []), reason=reason)
+            self._last_decision = self._resume_at = at
+        else:
+            # No decision saved, or saved by a policy of other batch buckets: a round runs first.
+            for c in contexts.values():
+                c.since = -np.inf
+
+    def load_learned(self, state: Mapping[str, Any]) -> None:
+        """``load_state_dict`` of another engine's state (a fleet warm start): its learned tables, its
+        guards and each context's arm, not what belongs to that engine's own traffic and clock: its
+        round in progress, its dwell timers and the directive it had in force. The first decision
+        then runs a round, with every dwell over, as after an older version's snapshot."""
+        if isinstance(state, Mapping) and isinstance(state.get("contexts"), Mapping):
+            contexts = {
+                k: {f: x for f, x in v.items() if f not in ("acc", "since_s")}
+                if isinstance(v, Mapping)
+                else v
+                for k, v in state["contexts"].items()
+            }
+            state = {**{f: x for f, x in state.items() if f != "decision"}, "contexts": contexts}
+        self.load_state_dict(state)
+
+    def _saved_acc(self, value: Any, where: str) -> _Acc:
+        """A context's saved round in progress (``_Acc``); ValueError naming the field."""
+        d = saved_mapping(value, where, "a mapping with rows, tokens and time_s")
+        n = len(self.arms)
+        rows = saved_numbers(d.get("rows"), f"{where}.rows", (n,), hi=MAX_COUNT)
+        if (rows != np.floor(rows)).any():
+            raise ValueError(f"{where}.rows: request-steps are whole numbers, got {rows.tolist()}")
+        tokens = saved_numbers(d.get("tokens"), f"{where}.tokens", (n,), hi=MAX_COUNT)
+        time_s = saved_numbers(d.get("time_s"), f"{where}.time_s", (n,))
+        # The round's reward per arm is tokens / time: bounded as the learners bound what they saved.
+        over = np.flatnonzero((time_s > 0) & (tokens > time_s * MAX_REWARD))
+        if over.size:
+            raise ValueError(f"{where}.tokens: arm {int(over[0])}'s goodput is beyond {MAX_REWARD:g}")
+        return _Acc(tokens=tokens, time_s=time_s, rows=rows)
 
 
 def _section(name: str, load: Callable[..., Any], *args: Any) -> None:
@@ -568,6 +671,20 @@ def _section(name: str, load: Callable[..., Any], *args: Any) -> None:
         raise ValueError(f"loop state.{name}: {e}") from e
     except (ArithmeticError, LookupError, AttributeError, TypeError) as e:
         raise ValueError(f"loop state.{name}: of the wrong shape ({type(e).__name__}: {e})") from e
+
+
+def _decision(value: Any) -> tuple[float, float, str] | None:
+    """The saved ``decision``: (its time, the directive's issue time, the directive's reason), or None."""
+    if value is None:
+        return None
+    where = "loop state.decision"
+    d = saved_mapping(value, where, "a mapping with at_s, issued_at_s and reason")
+    at = saved_number(d.get("at_s"), f"{where}.at_s", lo=-math.inf)
+    issued = saved_number(d.get("issued_at_s"), f"{where}.issued_at_s", lo=-math.inf, hi=at)
+    reason = d.get("reason")
+    if not isinstance(reason, str) or len(reason) > MAX_REASON:
+        raise ValueError(f"{where}.reason: expected a string of at most {MAX_REASON} characters")
+    return at, issued, reason
 
 
 def _count(x: Any, where: str) -> int:

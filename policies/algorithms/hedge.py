@@ -105,6 +105,10 @@ class Hedge(StepwiseLearner):
             # Time per row (seconds and rows per arm), kept across rounds: without it, a restored
             # learner scores its first round on the time of whatever arms that round happened to play.
             "time": {c.key: v.tolist() for c, v in self._time.items()},
+            # The round in progress (tokens and rows per arm since the last round): without them, a
+            # learner restored between rounds scores the round on the steps after the restore only.
+            "tokens": {c.key: v.tolist() for c, v in self._tok.items()},
+            "rows": {c.key: v.tolist() for c, v in self._rows.items()},
         }
 
     def _loaded(self, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,7 +116,18 @@ class Hedge(StepwiseLearner):
         # "time" is absent from snapshots of older versions: no time measured yet.
         time = saved_mapping(state.get("time", {}), "time", "a mapping of context to time per row")
         cum = saved_mapping(state.get("cum", {}), "cum", "a mapping of context to cumulative rewards")
+        # "tokens" and "rows" are absent from snapshots of older versions: the round starts empty.
+        tok = saved_mapping(state.get("tokens", {}), "tokens", "a mapping of context to tokens per arm")
+        rows = saved_mapping(state.get("rows", {}), "rows", "a mapping of context to rows per arm")
         return {
+            "_tok": {
+                saved_context(c, "tokens"): saved_numbers(v, f"tokens[{c!r}]", (n,), hi=MAX_COUNT)
+                for c, v in tok.items()
+            },
+            "_rows": {
+                saved_context(c, "rows"): saved_numbers(v, f"rows[{c!r}]", (n,), hi=MAX_COUNT)
+                for c, v in rows.items()
+            },
             **super()._loaded(state),
             "_time": {
                 saved_context(c, "time"): saved_numbers(v, f"time[{c!r}]", (2, n)) for c, v in time.items()

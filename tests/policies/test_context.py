@@ -109,16 +109,26 @@ def _feed(loop: ControlLoop, steps: int) -> None:
 @pytest.mark.parametrize("preset", sorted(json.loads(OLD_STATES.read_text(encoding="utf-8"))))
 def test_old_snapshots_load_and_keep_learning(preset: str) -> None:
     """The string-keyed snapshot loads into typed contexts, saves back unchanged (but for counters
-    added to ``totals`` and learner state kept since, at zero or empty), and the loop goes on."""
+    added to ``totals`` and learner and guard state kept since, at zero or empty), and the loop goes on.
+    It holds no round in progress nor timers (saved since): none are saved back."""
     old = json.loads(OLD_STATES.read_text(encoding="utf-8"))[preset]
     loop = ControlLoop(spec=load_preset(preset), engine=_ENGINE, seed=3)
     loop.load_state_dict(old)
     added = {"bounded_moves": 0}
     assert not added.keys() & old["totals"].keys()
     # Learner state kept since (exp3spec's last draw probabilities, hedge's time per row): empty.
-    learner_added = {"exp3spec": {"p": {}}, "hedge": {"time": {}}}.get(preset, {})
+    # and hedge's round in progress (tokens and rows per arm).
+    learner_added = {"exp3spec": {"p": {}}, "hedge": {"time": {}, "tokens": {}, "rows": {}}}.get(preset, {})
     assert not learner_added.keys() & old["learner"].keys()
-    want = {**old, "totals": {**old["totals"], **added}, "learner": {**old["learner"], **learner_added}}
+    # The TPOT guard's recent TPOTs (none: the guard is off in every preset).
+    tpot = {**old["guards"]["tpot"], "windows": {}}
+    assert "decision" not in old and not any({"acc", "since_s"} & v.keys() for v in old["contexts"].values())
+    want = {
+        **old,
+        "totals": {**old["totals"], **added},
+        "learner": {**old["learner"], **learner_added},
+        "guards": {**old["guards"], "tpot": tpot},
+    }
     assert json.dumps(loop.state_dict(), sort_keys=True) == json.dumps(want, sort_keys=True)
     assert sorted(k.key for k in loop.current_arms()) == sorted(
         k for k, v in old["contexts"].items() if v["arm"] >= 0

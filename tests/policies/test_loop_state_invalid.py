@@ -126,6 +126,76 @@ def test_any_value_anywhere_is_taken_or_refused_with_a_value_error(data: st.Data
             "state.learner: acc: a mapping of 'CLASS|METHOD' to acceptance counts expected, got list",
         ),
         (("rng",), "x", "state.rng: "),
+        # The round in progress, the dwell and decision timers (saved since restored loops decide as
+        # the loops that saved them).
+        (
+            ("contexts", "17-32/*", "acc"),
+            [],
+            "state.contexts['17-32/*'].acc: a mapping with rows, tokens and time_s expected, got list",
+        ),
+        (
+            ("contexts", "17-32/*", "acc", "rows"),
+            [1] * 4,
+            "state.contexts['17-32/*'].acc.rows: expected a list",
+        ),
+        (
+            ("contexts", "17-32/*", "acc", "rows"),
+            [0.5] * 5,
+            "state.contexts['17-32/*'].acc.rows: request-steps are whole numbers",
+        ),
+        (
+            ("contexts", "17-32/*", "acc", "tokens"),
+            None,
+            "state.contexts['17-32/*'].acc.tokens: expected a list",
+        ),
+        (
+            ("contexts", "17-32/*", "acc", "tokens"),
+            [-1.0] * 5,
+            "state.contexts['17-32/*'].acc.tokens: every value must be finite",
+        ),
+        (
+            ("contexts", "17-32/*", "acc", "time_s"),
+            [float("nan")] * 5,
+            "state.contexts['17-32/*'].acc.time_s: every value must be finite",
+        ),
+        (
+            ("contexts", "17-32/*", "acc", "time_s"),
+            [1e-300] * 5,
+            "state.contexts['17-32/*'].acc.tokens: arm 2's goodput is beyond 1e+18",
+        ),
+        (
+            ("contexts", "17-32/*", "since_s"),
+            "25",
+            "state.contexts['17-32/*'].since_s: expected a finite number",
+        ),
+        (
+            ("contexts", "17-32/*", "since_s"),
+            30.0,
+            "state.contexts['17-32/*'].since_s: expected a finite number",
+        ),
+        (("decision",), [], "state.decision: a mapping with at_s, issued_at_s and reason expected, got list"),
+        (("decision", "at_s"), float("inf"), "state.decision.at_s: expected a finite number"),
+        (
+            ("decision", "issued_at_s"),
+            30.0,
+            "state.decision.issued_at_s: expected a finite number in [-inf, 29]",
+        ),
+        (("decision", "reason"), 5, "state.decision.reason: expected a string"),
+        (
+            ("guards", "tpot", "windows"),
+            [],
+            "state.guards.tpot: windows: a mapping of bucket to TPOTs expected",
+        ),
+        (
+            ("guards", "tpot", "windows"),
+            {"17-32": [-1.0]},
+            "state.guards.tpot: windows['17-32']: every value must be finite",
+        ),
+        (
+            ("guards", "tpot", "windows"),
+            {"x": [1.0]},
+            "state.guards.tpot: windows: 'x' is not a batch bucket",
+        ),
     ],
 )
 def test_a_field_of_the_wrong_shape_is_named(path: tuple[str, ...], value: Any, says: str) -> None:
@@ -141,6 +211,15 @@ def test_a_saved_arm_index_beyond_the_arm_set_is_refused() -> None:
     state["contexts"][ctx]["arm"] = 99
     with pytest.raises(
         ValueError, match=r"contexts\[.*\]\.arm: 99 is not an arm index \(-1 or one of the policy's 5 arms\)"
+    ):
+        _loop("default").load_state_dict(state)
+
+
+def test_a_since_without_a_decision_is_refused() -> None:
+    state = copy.deepcopy(SAVED["default"])
+    del state["decision"]
+    with pytest.raises(
+        ValueError, match=r"contexts\['1/\*'\]\.since_s: saved for a context without an arm or a"
     ):
         _loop("default").load_state_dict(state)
 
@@ -228,6 +307,21 @@ def test_any_value_in_the_newer_learner_fields_is_taken_or_refused(data: st.Data
             "state.learner: rates: expected a list of numbers of shape (n)",
         ),
         ("trtllm-gate", ("rates",), [2.0], "state.learner: rates: every value must be finite and in [0, 1]"),
+        # Hedge's round in progress.
+        ("hedge", ("tokens",), [], "state.learner: tokens: a mapping of context to tokens per arm expected"),
+        (
+            "hedge",
+            ("tokens", "17-32/*"),
+            [1.0],
+            "state.learner: tokens['17-32/*']: expected a list of numbers",
+        ),
+        (
+            "hedge",
+            ("rows", "17-32/*"),
+            [-1.0] * 5,
+            "state.learner: rows['17-32/*']: every value must be finite",
+        ),
+        ("hedge", ("rows", "x"), [1.0] * 5, "state.learner: rows['x']: "),
     ],
 )
 def test_a_newer_learner_field_of_the_wrong_shape_is_named(
