@@ -693,34 +693,148 @@ def read_trace(path: str | Path, *, seed: int = 0, limits: TraceLimits = DEFAULT
 # -- writing -------------------------------------------------------------------------------------
 
 
-def trace_lines(trace: Trace) -> Iterator[str]:
-    """The trace as spectrace v1 lines (without newlines)."""
-    yield json.dumps(
-        {
-            "spectrace": FORMAT_VERSION,
-            "max_k": trace.max_k,
-            "methods": [m.value for m in trace.methods],
-            "meta": dict(trace.meta),
-        },
-        separators=(",", ":"),
-    )
+class _WriteErrors:
+    """``_check_header``/``_check_request``'s error sink for the writer: raises at the first problem,
+    naming the request (its index, id and the line it would have)."""
+
+    count = 0
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.line: int | None = None
+        self.what = ""
+
+    def __call__(self, fld: str, message: str) -> None:
+        raise TraceError(
+            f"{message} ({self.what}; not written: read_trace would refuse it)" if self.what else message,
+            source=self.source,
+            line=self.line,
+            field=fld,
+        )
+
+
+def _request_named(trace: Trace, i: int) -> str:
+    rid = trace.ids[i] if i < len(trace.ids) else None
+    return f"request {i}, id {rid!r}"
+
+
+def _check_columns(trace: Trace, hdr: _Header, err: _WriteErrors) -> None:
+    """What the reader checks across requests (some requests, unique ids, arrival_s on all or none,
+    one request with output_tokens >= 2), and columns of matching lengths."""
+    n = trace.n
+    err.line = None
+    if n == 0:
+        err("", "no requests: a trace needs at least one")
+    for col in ("classes", "prompt_tokens", "output_tokens", "arrival_s"):
+        length = len(getattr(trace, col))
+        if length != n:
+            err(col, f"{length} values for {n} requests (ids)")
+    for m in hdr.methods:
+        if m not in trace.acc:
+            err(f"acc.{m.value}", "missing (every method of the header needs an array)")
+    seen: dict[str, int] = {}
+    for i, rid in enumerate(trace.ids):
+        if not isinstance(rid, str):
+            continue  # refused with its line by _check_request
+        if rid in seen:
+            err.line, err.what = i + 2, _request_named(trace, i)
+            err("id", f"duplicate id {rid!r} (first on line {seen[rid] + 2})")
+        seen[rid] = i
+    absent = np.isnan(np.asarray(trace.arrival_s, dtype=np.float64))
+    if absent.any() and not absent.all():
+        i = int(np.flatnonzero(absent)[0])
+        err.line, err.what = i + 2, _request_named(trace, i)
+        err("arrival_s", "given on some requests but not on this one (all or none; NaN is none)")
+    if not (np.asarray(trace.output_tokens) >= 2).any():
+        err.line, err.what = 2, _request_named(trace, 0)
+        err("output_tokens", "every request has output_tokens 1: a replay needs one with >= 2")
+
+
+def _checked_line(rec: dict[str, Any], limits: TraceLimits, err: _WriteErrors) -> str:
+    try:
+        line = json.dumps(rec, separators=(",", ":"))
+    except (TypeError, ValueError) as e:  # not JSON (a set, an object), an integer over Python's limit
+        err("meta" if "meta" in rec else "", f"cannot be written as JSON: {e}")
+    # ensure_ascii: one character is one byte; the reader counts the newline too
+    if len(line) + 1 > limits.max_line_bytes:
+        err("", f"line longer than the limit of {limits.max_line_bytes} characters")
+    return line
+
+
+def trace_lines(
+    trace: Trace, *, source: str | None = None, limits: TraceLimits = DEFAULT_LIMITS
+) -> Iterator[str]:
+    """The trace as spectrace v1 lines (without newlines).
+
+    Each line is checked with the reader's own rules before it is yielded (``_check_header``,
+    ``_check_request``, the cross-request rules, Unicode, nesting and line length): what
+    ``read_trace`` would refuse raises TraceError, ``SOURCE:LINE: field: message (request I, id ...)``,
+    so the writer never writes a file its reader refuses. ``arrival_s`` is written exactly (Python's
+    shortest decimal that reads back as the same float64).
+    """
+    err = _WriteErrors(source if source is not None else trace.name)
+    err.line = 1
+    header: dict[str, Any] = {
+        "spectrace": FORMAT_VERSION,
+        "max_k": trace.max_k,
+        "methods": [m.value if isinstance(m, Method) else m for m in trace.methods],
+        "meta": dict(trace.meta),
+    }
+    hdr = _check_header(header, err)
+    assert hdr is not None  # else ``err`` raised
+    bad = _not_unicode(header["meta"], "meta")
+    if bad is not None:
+        err(bad, "not valid Unicode (a lone UTF-16 surrogate)")
+    line = _checked_line(header, limits, err)
+    if not _depth_ok(line, limits.max_depth):
+        err("meta", f"JSON nested deeper than {limits.max_depth} levels")
+    _check_columns(trace, hdr, err)
+    yield line
     off = trace.offsets
     for i in range(trace.n):
+        err.line, err.what = i + 2, _request_named(trace, i)
         rec: dict[str, Any] = {"id": trace.ids[i], "class": trace.classes[i]}
-        if not math.isnan(float(trace.arrival_s[i])):
-            rec["arrival_s"] = round(float(trace.arrival_s[i]), 6)
+        arrival = float(trace.arrival_s[i])
+        if not math.isnan(arrival):
+            rec["arrival_s"] = arrival
         rec["prompt_tokens"] = int(trace.prompt_tokens[i])
         rec["output_tokens"] = int(trace.output_tokens[i])
-        rec["acc"] = {m.value: trace.acc[m][off[i] : off[i + 1]].tolist() for m in trace.methods}
+        rec["acc"] = {m.value: trace.acc[m][off[i] : off[i + 1]].tolist() for m in hdr.methods}
         if trace.ngram_proposal is not None:
             rec["ngram_proposal"] = trace.ngram_proposal[off[i] : off[i + 1]].tolist()
-        yield json.dumps(rec, separators=(",", ":"))
+        _check_request(rec, hdr, err)
+        for fld in ("id", "class"):
+            if _not_unicode(rec[fld], fld) is not None:
+                err(fld, "not valid Unicode (a lone UTF-16 surrogate)")
+        yield _checked_line(rec, limits, err)
+    # Positions past the last request's would be dropped unwritten (checked last: a bad output_tokens
+    # is named by its request above).
+    err.line, err.what = None, ""
+    positions = int(off[-1])
+    columns = {f"acc.{m.value}": trace.acc[m] for m in hdr.methods}
+    if trace.ngram_proposal is not None:
+        columns["ngram_proposal"] = trace.ngram_proposal
+    for col, a in columns.items():
+        if len(a) != positions:
+            err(col, f"{len(a)} positions, but output_tokens sum to {positions}")
 
 
-def write_trace(trace: Trace, path: str | Path) -> None:
-    """Write a trace; gzip-compressed when the name ends in ``.gz``."""
+def write_trace(trace: Trace, path: str | Path, *, limits: TraceLimits = DEFAULT_LIMITS) -> None:
+    """Write a trace; gzip-compressed when the name ends in ``.gz``.
+
+    Raises TraceError (and writes nothing) when ``read_trace`` would refuse the file (see
+    ``trace_lines``)."""
     p = Path(path)
-    text = "".join(line + "\n" for line in trace_lines(trace)).encode("utf-8")
+    text = "".join(line + "\n" for line in trace_lines(trace, source=str(p), limits=limits)).encode("utf-8")
+    if len(text) > limits.max_decompressed_bytes:
+        raise TraceError(
+            f"{len(text)} bytes of text, over the reader's limit of {limits.max_decompressed_bytes}",
+            source=str(p),
+        )
     if p.suffix == ".gz":
         text = gzip.compress(text, mtime=0)
+    if len(text) > limits.max_file_bytes:
+        raise TraceError(
+            f"{len(text)} bytes, over the reader's limit of {limits.max_file_bytes}", source=str(p)
+        )
     replace_file(p, text)
