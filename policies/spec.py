@@ -130,6 +130,12 @@ class _Lines:
     def error(self, path: str, message: str) -> PolicyError:
         return PolicyError(message, source=self.source, line=self.line(path), field=path)
 
+    def text(self, path: str, value: Any) -> Any:
+        """``value`` of a field that takes text: a plain ``1e3``, which YAML 1.2 (``yamldoc``) reads as
+        a number and YAML 1.1 read as text, as written (a policy named ``1e3`` stays one)."""
+        written = self._lines.yaml12_float_text(path)
+        return written if written is not None and isinstance(value, float) else value
+
 
 def _load(text: str, source: str) -> tuple[Any, _Lines]:
     if len(text.encode("utf-8", "replace")) > MAX_DOCUMENT_BYTES:
@@ -203,12 +209,12 @@ def parse_policy(text: str, *, source: str = "<policy>", saved: bool = False) ->
         raise lines.error("kind", f"must be {KIND!r}, got {root.get('kind')!r}")
     meta = _mapping(lines, root.get("metadata", {}), "metadata")
     _unknown(lines, meta, "metadata", {"name", "description", "labels"})
-    raw_name = meta.get("name")
+    raw_name = lines.text("metadata.name", meta.get("name"))
     problem = name_problem(raw_name)
     if problem is not None and not (saved and _saved_name(raw_name)):
         raise lines.error("metadata.name", problem)
     name = str(raw_name)  # a string: both rules refuse anything else
-    description = meta.get("description", "")
+    description = lines.text("metadata.description", meta.get("description", ""))
     if not isinstance(description, str):
         raise lines.error("metadata.description", "expected a string")
 
@@ -332,7 +338,8 @@ def render_policy(spec: PolicySpec) -> str:
             "exploration": dict(spec.exploration),
         },
     }
-    return yaml.safe_dump(doc, sort_keys=False)
+    # yamldoc's Dumper: a string that parse_policy's loader would read as a number is quoted
+    return yaml.dump(doc, Dumper=yamldoc.Dumper, sort_keys=False)
 
 
 def static_policy(arm: Arm | str, **overrides: Any) -> PolicySpec:

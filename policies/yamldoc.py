@@ -6,6 +6,13 @@ silently, so the author's first value, maybe a whole ``spec``, would be dropped 
 nested deeper than ``max_depth`` or whose aliases expand beyond ``max_nodes`` ("billion laughs"),
 and one that would hit the parser's recursion limit. Errors are ``YamlProblem`` with the line and the
 field path; each caller turns it into its own error type.
+
+Numbers: PyYAML follows YAML 1.1, which reads an exponent without a dot or without a sign (``1e-3``,
+``1.0e3``) as a *string*, so ``decision_interval_s: 1e-1`` was refused as "expected a number, got
+str". ``Loader`` also resolves YAML 1.2's floats (``[-+]?(.N|N[.N])[eE][-+]?N``); every other scalar
+(ints, booleans, 1.1 floats, null, timestamps, strings) resolves as before. A field that takes text
+can get such a scalar back as written from ``Lines.yaml12_float_text`` (a policy named ``1e3``).
+``Dumper`` quotes strings that ``Loader`` would read as numbers, so what it writes reads back.
 """
 
 from __future__ import annotations
@@ -15,6 +22,30 @@ import sys
 from typing import Any
 
 import yaml
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+#: YAML 1.2 core schema floats that have an exponent (without one, YAML 1.1 already reads them alike).
+_YAML12_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$")
+
+
+class Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads YAML 1.2 floats such as ``1e-3`` as numbers."""
+
+
+class Dumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes a string ``Loader`` would read as a number (``'1e3'``)."""
+
+
+for _cls in (Loader, Dumper):
+    # Appended after the YAML 1.1 resolvers: a scalar they resolve keeps its type; only what they left
+    # a string, and this matches, becomes a float.
+    _cls.add_implicit_resolver(_FLOAT_TAG, _YAML12_FLOAT, list("-+0123456789."))
+
+
+def _yaml11_string(node: yaml.Node) -> bool:
+    """Whether YAML 1.1 (``yaml.SafeLoader``) read this plain scalar as a string."""
+    v = node.value
+    return not any(rx.match(v) for _, rx in yaml.SafeLoader.yaml_implicit_resolvers.get(v[:1], []))
 
 
 class YamlProblem(ValueError):
@@ -30,6 +61,8 @@ class Lines:
 
     def __init__(self, *, max_depth: int, max_nodes: int) -> None:
         self.by_path: dict[str, int] = {}
+        #: Plain scalars read as YAML 1.2 floats that YAML 1.1 read as strings, as written, by path.
+        self.yaml12_floats: dict[str, str] = {}
         self.max_depth, self.max_nodes = max_depth, max_nodes
         self.visits = 0
 
@@ -62,6 +95,13 @@ class Lines:
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
                 self.walk(v, f"{path}[{i}]", depth + 1)
+        elif (
+            isinstance(node, yaml.ScalarNode)
+            and node.tag == _FLOAT_TAG
+            and node.style is None
+            and _yaml11_string(node)
+        ):
+            self.yaml12_floats[path] = node.value
 
     def line(self, path: str) -> int | None:
         """The line of ``path``, else of its nearest parent."""
@@ -71,12 +111,17 @@ class Lines:
             path = path.rpartition(".")[0] if "." in path else ""
         return self.by_path.get("")
 
+    def yaml12_float_text(self, path: str) -> str | None:
+        """The text of the plain scalar at ``path`` when it was read as a YAML 1.2 float that YAML 1.1
+        read as a string (``1e3``), else None: for fields that take text, to keep it as written."""
+        return self.yaml12_floats.get(path)
+
 
 def load(text: str, *, max_depth: int, max_nodes: int) -> tuple[Any, Lines]:
     """The document (None when empty) and its lines. Raises YamlProblem."""
     lines = Lines(max_depth=max_depth, max_nodes=max_nodes)
     try:
-        loader = yaml.SafeLoader(text)
+        loader = Loader(text)
         try:
             node = loader.get_single_node()
             if node is None:
