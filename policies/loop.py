@@ -37,6 +37,9 @@ _OFF_CODE = METHODS_BY_CODE.index(Method.OFF)
 STATE_VERSION = 1
 #: The longest directive reason a saved state may hold (``_build`` writes about a kilobyte at most).
 MAX_REASON = 1 << 16
+#: How far before the saved decision a saved dwell or issue time may be (about 30 years): further, the
+#: shift of a clock behind (``_resume``) could overflow it to -inf, which no snapshot holds.
+MAX_AGE_S = 1e9
 
 
 @dataclass(slots=True)
@@ -600,9 +603,19 @@ class ControlLoop:
             if v.get("since_s") is not None:
                 if arm < 0 or decision is None:
                     raise ValueError(f"{where}.since_s: saved for a context without an arm or a decision")
-                since = saved_number(v["since_s"], f"{where}.since_s", lo=-math.inf, hi=decision[0])
+                since = saved_number(
+                    v["since_s"], f"{where}.since_s", lo=decision[0] - MAX_AGE_S, hi=decision[0]
+                )
             acc = self._saved_acc(v["acc"], f"{where}.acc") if v.get("acc") is not None else None
             contexts[Context.parse(k)] = _Ctx(arm=arm, since=since, rounds=rounds, acc=acc)
+        for ctx in contexts:
+            # A class's first arm is bounded from its bucket's pooled arm (``decide``): without that
+            # context the state loaded, then every decision failed (KeyError) and the loop was reset.
+            if ctx.traffic_class != ANY_CLASS and Context(bucket=ctx.bucket) not in contexts:
+                raise ValueError(
+                    f"loop state.contexts[{ctx.key!r}]: a class's context without its bucket's pooled one "
+                    f"({Context(bucket=ctx.bucket).key!r})"
+                )
         _section("learner", self.learner.load_state_dict, state["learner"])
         self.rounds = _count(state.get("rounds"), "loop state.rounds")
         self.version = _count(state.get("version"), "loop state.version")
@@ -679,8 +692,9 @@ def _decision(value: Any) -> tuple[float, float, str] | None:
         return None
     where = "loop state.decision"
     d = saved_mapping(value, where, "a mapping with at_s, issued_at_s and reason")
-    at = saved_number(d.get("at_s"), f"{where}.at_s", lo=-math.inf)
-    issued = saved_number(d.get("issued_at_s"), f"{where}.issued_at_s", lo=-math.inf, hi=at)
+    # A clock reading: the sidecar's wall clock (up to ~1e10), the simulator's seconds from 0.
+    at = saved_number(d.get("at_s"), f"{where}.at_s", lo=-MAX_AGE_S, hi=1e12)
+    issued = saved_number(d.get("issued_at_s"), f"{where}.issued_at_s", lo=at - MAX_AGE_S, hi=at)
     reason = d.get("reason")
     if not isinstance(reason, str) or len(reason) > MAX_REASON:
         raise ValueError(f"{where}.reason: expected a string of at most {MAX_REASON} characters")

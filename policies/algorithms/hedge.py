@@ -14,7 +14,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.algorithms.base import MAX_COUNT, StepwiseLearner, saved_context, saved_mapping, saved_numbers
+from policies.algorithms.base import (
+    MAX_COUNT,
+    MAX_REWARD,
+    StepwiseLearner,
+    saved_context,
+    saved_mapping,
+    saved_numbers,
+)
 from policies.arms import METHOD_CODES, Arm
 from policies.context import ANY_CLASS, Context
 from policies.observation import NOT_SCORED, StepObservation
@@ -83,7 +90,11 @@ class Hedge(StepwiseLearner):
             return
         t = np.where(np.isnan(per_row_time), np.nanmean(per_row_time), per_row_time)
         seen = cnt > 0
-        g = np.where(seen, tok / np.maximum(cnt, 1e-12) / t, 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            g = np.where(seen, tok / np.maximum(cnt, 1e-12) / t, 0.0)
+        # A time per row near 0 (a saved one of 5e-324) made g infinite, g / top NaN, and every draw
+        # after it failed ("probabilities contain NaN"): goodput is bounded as everywhere else.
+        g = np.minimum(np.nan_to_num(g, nan=0.0, posinf=MAX_REWARD), MAX_REWARD)
         top = float(g.max())
         cum = self._cum.setdefault(ctx, np.zeros(len(self.arms)))
         cum *= float(self.params["discount"])

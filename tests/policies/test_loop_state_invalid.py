@@ -86,7 +86,7 @@ def _use(loop: ControlLoop) -> None:
     d = loop.decide(1e6)
     loop.observe(StepBatch.of(_obs(d.arm_for("code", 32), 32)))
     loop.decide(1e6 + 60.0)
-    json.dumps(loop.state_dict())
+    json.dumps(loop.state_dict(), allow_nan=False)  # as the sidecar's snapshot writes it
 
 
 def _loaded_or_refused(preset: str, state: dict[str, Any]) -> None:
@@ -178,7 +178,7 @@ def test_any_value_anywhere_is_taken_or_refused_with_a_value_error(data: st.Data
         (
             ("decision", "issued_at_s"),
             30.0,
-            "state.decision.issued_at_s: expected a finite number in [-inf, 29]",
+            "state.decision.issued_at_s: expected a finite number in [-1e+09, 29], got 30.0",
         ),
         (("decision", "reason"), 5, "state.decision.reason: expected a string"),
         (
@@ -222,6 +222,43 @@ def test_a_since_without_a_decision_is_refused() -> None:
         ValueError, match=r"contexts\['1/\*'\]\.since_s: saved for a context without an arm or a"
     ):
         _loop("default").load_state_dict(state)
+
+
+def test_a_class_context_without_its_buckets_pooled_one_is_refused() -> None:
+    # Loaded, it made every decision fail (a KeyError looking up '0/*'), and the sidecar reset the loop
+    # with an ERROR and a traceback.
+    state = copy.deepcopy(SAVED["default"])
+    state["contexts"]["0/x"] = {"arm": -1, "rounds": 0}
+    with pytest.raises(
+        ValueError,
+        match=re.escape("contexts['0/x']: a class's context without its bucket's pooled one ('0/*')"),
+    ):
+        _loop("default").load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("decision", "says"),
+    [
+        # shifted to a clock far behind, the issue time overflowed to -inf: a state no snapshot holds
+        ({"at_s": 1e308, "issued_at_s": -1e308, "reason": ""}, "decision.at_s: "),
+        ({"at_s": 1e9, "issued_at_s": -1e300, "reason": ""}, "decision.issued_at_s: "),
+    ],
+)
+def test_decision_times_a_clock_shift_could_overflow_are_refused(decision: dict[str, Any], says: str) -> None:
+    state = copy.deepcopy(SAVED["default"])
+    state["decision"] = decision
+    with pytest.raises(ValueError, match=re.escape(says)):
+        _loop("default").load_state_dict(state)
+
+
+def test_hedge_with_a_saved_time_per_row_near_zero_still_draws() -> None:
+    # g = tokens / rows / time was infinite, g / top NaN, and every draw after it failed.
+    state = copy.deepcopy(SAVED_NEWER["hedge"])
+    for v in state["learner"]["time"].values():
+        v[0] = [5e-324] * len(v[0])
+    loop = _loop("hedge", seed=1)
+    loop.load_state_dict(state)
+    _use(loop)
 
 
 def test_a_good_state_still_loads_and_decides_the_same() -> None:
