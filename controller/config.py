@@ -125,8 +125,8 @@ class SidecarConfig:
 
     def __post_init__(self) -> None:
         if _str(self, "engine_listen"):
-            parse_address(self.engine_listen, field="engine_listen")
-        parse_address(_str(self, "admin_listen"), field="admin_listen")
+            _address(self.engine_listen, field="engine_listen")
+        _address(_str(self, "admin_listen"), field="admin_listen")
         v = self.engine_socket_mode
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0o777:
             raise ConfigError(f"expected a file mode 0000..0777, got {v!r}", field="engine_socket_mode")
@@ -136,7 +136,7 @@ class SidecarConfig:
                 raise ConfigError(
                     "metrics are served over TCP: expected 'host:port' or ''", field="metrics_listen"
                 )
-            parse_address(self.metrics_listen, field="metrics_listen")
+            _address(self.metrics_listen, field="metrics_listen")
         if not _str(self, "state_dir"):
             raise ConfigError("must not be empty", field="state_dir")
         if not _str(self, "default_policy"):
@@ -297,9 +297,15 @@ class SidecarConfig:
         if self.mqtt_key_file and not self.mqtt_cert_file:
             raise ConfigError("given without mqtt_cert_file", field="mqtt_key_file")
         try:
-            self.broker_settings(password="")
+            broker = self.broker_settings(password="")
         except ValueError as e:
             raise ConfigError(str(e), field="mqtt_url") from None
+        if self.mqtt_password_file and broker is not None and broker.username is None:
+            # BrokerSettings refuses a password without a user name: check_files and serve, which read
+            # the file, raised that ValueError (a traceback) where --no-files had said OK
+            raise ConfigError(
+                "given without mqtt_username (or a user in mqtt_url)", field="mqtt_password_file"
+            )
 
     def broker_settings(self, *, password: str | None = None) -> BrokerSettings | None:
         """The fleet link's broker, or None when ``mqtt_url`` is empty. Raises ConfigError.
@@ -353,9 +359,13 @@ def _dir_usable(path: str, *, field: str) -> None:
     which a directory can be made (tried, and removed again: ``/proc`` is a directory, writable by
     root, in which mkdir still fails, so a check of modes passed what ``serve`` then could not make)."""
     p = Path(os.path.abspath(path))
-    while not p.exists() and not p.is_symlink() and p != p.parent:
-        p = p.parent
-    if not p.is_dir():
+    try:  # exists() raises for a name longer than the file system's (ENAMETOOLONG) or EACCES
+        while not p.exists() and not p.is_symlink() and p != p.parent:
+            p = p.parent
+        is_dir = p.is_dir()
+    except OSError as e:
+        raise ConfigError(f"cannot use {path}: {e.strerror or e}", field=field) from None
+    if not is_dir:
         where = "" if str(p) == os.path.abspath(path) else f" (where {path} would be made)"
         raise ConfigError(f"{p} exists and is not a directory{where}", field=field)
     if str(p) == os.path.abspath(path):
@@ -372,7 +382,27 @@ def _str(cfg: SidecarConfig, name: str) -> str:
         raise ConfigError(f"expected a string, got {type(v).__name__} {v!r}", field=name)
     if has_control(v):  # paths and addresses: a NUL broke open() later, a newline forged log lines
         raise ConfigError(f"holds control characters ({escape_text(v)[:120]})", field=name)
+    if not v.isascii():
+        try:  # YAML's "\ud800" escape makes a lone surrogate, which no path, address or log line takes
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            shown_v = v.encode("utf-8", "backslashreplace").decode()[:120]
+            raise ConfigError(f"not valid Unicode: a lone surrogate ({shown_v})", field=name) from None
     return v
+
+
+def _address(value: str, *, field: str) -> tuple[str, int] | str:
+    """``parse_address``, and a port of more digits than ``int()`` converts (4,300) refused like any
+    port beyond 65535: it raised a bare ValueError, a traceback."""
+    try:
+        return parse_address(value, field=field)
+    except ConfigError:
+        raise
+    except ValueError:
+        digits = len(value.rpartition(":")[2])
+        raise ConfigError(
+            f"port must be 0..65535 (0: any free port), got a number of {digits} digits", field=field
+        ) from None
 
 
 def _number(cfg: SidecarConfig, name: str, lo: float, hi: float) -> None:
@@ -395,13 +425,26 @@ def _integer(cfg: SidecarConfig, name: str, lo: int, hi: int) -> None:
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SidecarConfig))
 
 
+#: Settings that take text, by name (``fields`` of SidecarConfig whose type is ``str``).
+_TEXT_FIELDS = {f.name: f.type in (str, "str") for f in fields(SidecarConfig)}
+
+
 def _key_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
     """The document and the line of each key (1-based; "" is the document's). Duplicate keys,
-    deep nesting and alias bombs are refused (``policies.yamldoc``)."""
+    deep nesting and alias bombs are refused (``policies.yamldoc``). A text setting written like a
+    YAML 1.2 float (``fleet: 1e3``, which ``yamldoc`` reads as a number) is the text as written, as
+    YAML 1.1 read it."""
     try:
         data, lines = yamldoc.load(text, max_depth=8, max_nodes=10_000)
     except yamldoc.YamlProblem as e:
         raise ConfigError(e.message, source=source, line=e.line, field=e.path) from None
+    if isinstance(data, dict):
+        for key, value in data.items():
+            written = (
+                lines.yaml12_float_text(key) if isinstance(key, str) and isinstance(value, float) else None
+            )
+            if written is not None and _TEXT_FIELDS.get(key, False):
+                data[key] = written
     return ({} if data is None else data), lines.by_path
 
 

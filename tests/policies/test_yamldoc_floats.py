@@ -93,3 +93,10 @@ def test_the_sidecar_config_takes_exponent_numbers() -> None:
     assert str(e.value) == "c.yaml:1: decision_tick_s: must be between 0.005 and 60.0, got 0.001"
     with pytest.raises(ConfigError, match=r"c\.yaml:1: max_engines: expected an integer, got float 1000\.0"):
         parse_config("max_engines: 1e3\n", source="c.yaml")
+
+
+def test_sidecar_text_settings_written_like_numbers_keep_their_text() -> None:
+    # Read as floats by the YAML 1.2 rule, they were refused ("fleet: expected a string, got float
+    # 1000.0"), where YAML 1.1 had read them as the text written.
+    c = parse_config("fleet: 1e3\nnode_id: 2E5\nlog_level: INFO\ndecision_tick_s: 1e-2\n", source="c.yaml")
+    assert (c.fleet, c.node_id, c.decision_tick_s) == ("1e3", "2E5", 0.01)
