@@ -431,9 +431,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_profile_fit(args: argparse.Namespace) -> int:
     """Fit a profile to recorded steps; writes the YAML (and the residual plot) only when the fit holds."""
-    import yaml
-
-    from sim.costmodel import DRAFT_COSTS, DraftCost, parse_profile
+    from sim.costmodel import DRAFT_COSTS, DraftCost, parse_profile_text
     from sim.fit import FitError, fit_best, render_profile, residual_plot
     from sim.steplog import StepLogError, read_steps
 
@@ -462,7 +460,7 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
             level=args.level,
         )
         text = render_profile(fit, name=name, base=base, model=args.model, hardware=args.hardware)
-        parse_profile(yaml.safe_load(text), source=args.out)  # what is written loads
+        parse_profile_text(text, source=args.out)  # what is written loads, read as load_profile reads it
     except (StepLogError, FitError, ProfileError, _UsageError) as e:
         _err(str(e))
         return EXIT_USAGE

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,7 +300,7 @@ def _num(d: Mapping[str, Any], key: str, where: str, *, lo: float = 0.0, hi: flo
         if isinstance(v, str):
             try:
                 float(v)
-                hint = f" (YAML reads {v} as text: write it with a decimal point, e.g. 1.0e-4)"
+                hint = " (a quoted number is text: write it without quotes)"
             except ValueError:
                 pass
         raise ProfileError(f"{where}.{key}: expected a number {lo:g}..{hi:g}, got {shown(v)}{hint}")
@@ -579,13 +580,32 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(f"{p}: not UTF-8 text") from None
     except OSError as e:
         raise ProfileError(f"{p}: cannot read: {e.strerror or e}") from None
+    return parse_profile_text(text, source=str(p))
+
+
+#: Profile keys that take text (top level): one written like a YAML 1.2 float (``model: 2e5``), which
+#: ``yamldoc`` reads as a number, keeps the text written, as YAML 1.1 read it.
+_TEXT_KEYS = frozenset({"name", "description", "model", "hardware", "derivation", "gpu_price", "api_price"})
+_SOURCE_ITEM = re.compile(r"sources\[[0-9]+\]")
+
+
+def parse_profile_text(text: str, *, source: str) -> Profile:
+    """A profile from its YAML text (``load_profile``'s file, or what ``profile fit`` writes)."""
     try:  # one YAML reader with the policies and the config: duplicate keys and deep nesting refused
         data, lines = yamldoc.load(text, max_depth=12, max_nodes=100_000)
     except yamldoc.YamlProblem as e:
         line, path, message = e.line, e.path, e.message
-        where = f"{p}:{line}" if line else str(p)
+        where = f"{source}:{line}" if line else source
         raise ProfileError(f"{where}: {path + ': ' if path else ''}{message}") from None
-    return parse_profile(data, source=str(p), lines=lines)
+    if isinstance(data, dict):
+        for path, written in lines.yaml12_floats.items():
+            if path in _TEXT_KEYS and isinstance(data.get(path), float):
+                data[path] = written
+            elif _SOURCE_ITEM.fullmatch(path) and isinstance(data.get("sources"), list):
+                i = int(path[len("sources[") : -1])
+                if isinstance(data["sources"][i], float):
+                    data["sources"][i] = written
+    return parse_profile(data, source=source, lines=lines)
 
 
 DEFAULT_PROFILE = "llama-3.1-8b-h100"

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from policies import yamldoc
 from sim.costmodel import DRAFT_COSTS, DraftCost, Linear, PluginCost, Profile
 from sim.engines import EngineModel
 from sim.files import save_figure
@@ -415,7 +416,8 @@ def render_profile(
         "api_price": base.api_price_key,
         "fit": fit.summary(),
     }
-    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=100)
+    # yamldoc's Dumper: a text such as --model 2e5 is quoted, so the file reads back as written
+    return yaml.dump(doc, Dumper=yamldoc.Dumper, sort_keys=False, allow_unicode=True, width=100)
 
 
 def residual_plot(fit: Fit, path: Path) -> None:

@@ -368,11 +368,11 @@ def _shipped(name: str) -> dict[str, Any]:
         (("moe", "experts_per_token"), 200, r"moe\.experts_per_token: expected an integer 1\.\.128, got 200"),
         (("moe", "num_experts"), 2.5, r"moe\.num_experts: expected an integer"),
         (("memory", "num_gpus"), 0, r"memory\.num_gpus: expected an integer 1\.\.4096, got 0"),
-        # YAML 1.1 reads 1e-4 (no decimal point) as text
+        # a number in quotes is text
         (
             ("overhead_s",),
             "1e-4",
-            r"p\.yaml: profile\.overhead_s: expected a number 0\.\.3600, got '1e-4' \(YAML reads 1e-4 as text",
+            r"p\.yaml: profile\.overhead_s: expected a number 0\.\.3600, got '1e-4' \(a quoted number is text",
         ),
         # beyond a double's range: float() of them raised OverflowError, a traceback
         (

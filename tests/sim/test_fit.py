@@ -273,3 +273,29 @@ def test_steps_that_inform_no_parameter_are_a_clear_error(
     err = capsys.readouterr().err
     assert err.startswith(f"{path}: the steps inform none") and "varied batch sizes" in err
     assert err.count("\n") == 1 and not out.exists()
+
+
+def test_texts_written_like_numbers_survive_the_profile_file(tmp_path: Path) -> None:
+    # The YAML 1.2 float rule read `model: 2e5` as 200000.0: the profile `profile fit` wrote (unquoted,
+    # YAML 1.1's dump) was refused by load_profile ("model: expected a string, got 200000.0").
+    steps = with_durations(tmp_path, synthetic(300, 8), TRUE, noise_s=2e-4, seed=3, cost="per_forward")
+    out = tmp_path / "p.yaml"
+    args = [
+        steps.source,
+        "--out",
+        str(out),
+        "--engine",
+        "stock-vllm-ngram",
+        "--name",
+        "1e3",
+        "--model",
+        "2e5",
+    ]
+    assert main(["profile", "fit", *args, "--hardware", "1E2"]) == 0
+    prof = load_profile(str(out))
+    assert (prof.name, prof.model, prof.hardware) == ("1e3", "2e5", "1E2")
+    # and a hand-written one, unquoted: its text fields as written
+    text = out.read_text().replace("'2e5'", "2e5")
+    hand = tmp_path / "hand.yaml"
+    hand.write_text(text)
+    assert load_profile(str(hand)).model == "2e5"
