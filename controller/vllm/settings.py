@@ -267,6 +267,10 @@ def _sidecar(value: str) -> tuple[str, int] | str:
     if len(value) > MAX_SIDECAR:
         raise SettingsError(f"SPECCONTROL_SIDECAR: longer than {MAX_SIDECAR} characters, got {shown(value)}")
     bare = value.removeprefix("dns:///")
+    if "://" in bare and not bare.startswith("unix:"):  # dns://AUTHORITY/..., ipv4:, xds:///...
+        raise SettingsError(
+            f"SPECCONTROL_SIDECAR: expected host:port, unix:///path or dns:///host:port, got {shown(value)}"
+        )
     try:
         where = parse_address(bare, field="SPECCONTROL_SIDECAR", dial=True)
     except ConfigError as e:
@@ -329,6 +333,15 @@ def _pem(env: Mapping[str, str], name: str, marker: bytes) -> str:
     return path
 
 
+def _has_reader(fifo: str) -> bool:
+    """Whether a FIFO has a reader now: a non-blocking open for writing fails (ENXIO) without one."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        return False
+    return True
+
+
 def _writable(env: Mapping[str, str], name: str) -> str:
     """A file the engine core will append to: refused now unless it can be, since it is opened
     when the scheduler is built (a traceback there)."""
@@ -342,9 +355,10 @@ def _writable(env: Mapping[str, str], name: str) -> str:
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.exists(path):
         mode = os.stat(path).st_mode
-        # open() of a FIFO blocks the engine's start until a reader comes; a socket's fails
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            raise SettingsError(f"{name}: {shown(path)} is a FIFO or a socket, not a file")
+        # open() of a FIFO without a reader blocks the engine's start until one comes (a pipe with
+        # one, /dev/stdout in a container, is fine); a socket's open() fails
+        if stat.S_ISSOCK(mode) or (stat.S_ISFIFO(mode) and not _has_reader(path)):
+            raise SettingsError(f"{name}: {shown(path)} is a FIFO without a reader or a socket, not a file")
         if not os.access(path, os.W_OK):
             raise SettingsError(f"{name}: cannot write {shown(path)}")
     elif not os.path.isdir(parent):

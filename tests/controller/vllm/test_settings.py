@@ -327,6 +327,7 @@ def test_hostile_values_are_refused_by_name(name: str, value: str, says: str) ->
         ("a b:5", "SPECCONTROL_SIDECAR: 'a b' is no IP address or host name"),
         ("dns:///a b:5", "SPECCONTROL_SIDECAR: 'a b' is no IP address or host name"),
         ("dns:///unix:///tmp/s.sock", "SPECCONTROL_SIDECAR: dns:/// names a host:port, not a socket"),
+        ("dns://1.1.1.1/h:1", "SPECCONTROL_SIDECAR: expected host:port, unix:///path or dns:///host:port"),
         # before: taken as host '::1' (loopback, no TLS asked), and gRPC could never dial it
         ("::1:5", "SPECCONTROL_SIDECAR: an IPv6 address goes in brackets, e.g. [::1]:50051, got '::1:5'"),
         ("-:5", "SPECCONTROL_SIDECAR: '-' is no IP address or host name"),
@@ -403,8 +404,15 @@ def test_a_trace_path_naming_a_fifo_is_refused_before_it_can_block_the_engine(tm
     with pytest.raises(SettingsError) as e:
         PluginSettings.from_env({"SPECCONTROL_SIDECAR": "127.0.0.1:5", "SPECCONTROL_TRACE": str(fifo)})
     assert str(e.value).startswith("SPECCONTROL_TRACE: '/") and str(e.value).endswith(
-        " is a FIFO or a socket, not a file"
+        " is a FIFO without a reader or a socket, not a file"
     )
+    # a pipe with a reader (a container's /dev/stdout) is taken, as before
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        env = {"SPECCONTROL_SIDECAR": "127.0.0.1:5", "SPECCONTROL_TRACE": str(fifo)}
+        assert PluginSettings.from_env(env).trace_path == str(fifo)
+    finally:
+        os.close(reader)
 
 
 def test_the_switch_says_when_it_is_no_yes_or_no() -> None:
