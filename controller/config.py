@@ -125,8 +125,8 @@ class SidecarConfig:
 
     def __post_init__(self) -> None:
         if _str(self, "engine_listen"):
-            _address(self.engine_listen, field="engine_listen")
-        _address(_str(self, "admin_listen"), field="admin_listen")
+            parse_address(self.engine_listen, field="engine_listen")
+        parse_address(_str(self, "admin_listen"), field="admin_listen")
         v = self.engine_socket_mode
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0o777:
             raise ConfigError(f"expected a file mode 0000..0777, got {v!r}", field="engine_socket_mode")
@@ -136,7 +136,7 @@ class SidecarConfig:
                 raise ConfigError(
                     "metrics are served over TCP: expected 'host:port' or ''", field="metrics_listen"
                 )
-            _address(self.metrics_listen, field="metrics_listen")
+            parse_address(self.metrics_listen, field="metrics_listen")
         if not _str(self, "state_dir"):
             raise ConfigError("must not be empty", field="state_dir")
         if not _str(self, "default_policy"):
@@ -389,20 +389,6 @@ def _str(cfg: SidecarConfig, name: str) -> str:
             shown_v = v.encode("utf-8", "backslashreplace").decode()[:120]
             raise ConfigError(f"not valid Unicode: a lone surrogate ({shown_v})", field=name) from None
     return v
-
-
-def _address(value: str, *, field: str) -> tuple[str, int] | str:
-    """``parse_address``, and a port of more digits than ``int()`` converts (4,300) refused like any
-    port beyond 65535: it raised a bare ValueError, a traceback."""
-    try:
-        return parse_address(value, field=field)
-    except ConfigError:
-        raise
-    except ValueError:
-        digits = len(value.rpartition(":")[2])
-        raise ConfigError(
-            f"port must be 0..65535 (0: any free port), got a number of {digits} digits", field=field
-        ) from None
 
 
 def _number(cfg: SidecarConfig, name: str, lo: float, hi: float) -> None:

@@ -38,6 +38,9 @@ def parse_address(value: str, *, field: str, dial: bool = False) -> tuple[str, i
     host, sep, port = value.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()):  # "²".isdigit(), and int() refuses it
         raise ConfigError(f"expected 'host:port' or 'unix:///path', got {value!r}", field=field)
+    if len(port) > 30:  # int() of over 4,300 digits raises a bare ValueError (a traceback)
+        lo = 1 if dial else 0
+        raise ConfigError(f"port must be {lo}..65535, got a number of {len(port)} digits", field=field)
     if dial and not 1 <= int(port) <= 65535:
         raise ConfigError(f"port must be 1..65535, got {value!r}", field=field)
     if not 0 <= int(port) <= 65535:

@@ -79,3 +79,10 @@ def test_an_ipv6_address_without_brackets_is_refused(value: str) -> None:
     # (the plugin took "::1" as loopback and retried it for ever).
     with pytest.raises(ConfigError, match=r"an IPv6 address goes in brackets, e\.g\. \[::1\]:50051"):
         parse_address(value, field="x", dial=True)
+
+
+@pytest.mark.parametrize("dial", [False, True])
+def test_a_port_of_thousands_of_digits_is_refused_as_a_port(dial: bool) -> None:
+    # int() of over 4,300 digits raised a bare ValueError: a traceback from the config or the CLI.
+    with pytest.raises(ConfigError, match=r"port must be [01]\.\.65535, got a number of 5000 digits"):
+        parse_address("127.0.0.1:" + "9" * 5000, field="x", dial=dial)
