@@ -55,9 +55,13 @@ def read_policy_file(path: Path) -> str:
 def resolve_policy_text(name_or_path: str) -> tuple[str, str]:
     """``(yaml, source)`` for a policy file path if it exists, else a preset name."""
     p = Path(name_or_path)
-    if p.is_file():
+    try:  # stat() raises for a name longer than the file system takes (ENAMETOOLONG), or EACCES
+        is_file, exists = p.is_file(), p.exists()
+    except OSError as e:
+        raise PolicyError(f"cannot read policy file: {e.strerror or e}", source=name_or_path[:200]) from None
+    if is_file:
         return read_policy_file(p), str(p)
-    if p.exists():  # a directory, a FIFO (whose read would block), a device
+    if exists:  # a directory, a FIFO (whose read would block), a device
         raise PolicyError(
             "not a regular file (a policy is a YAML file, or a preset name)", source=name_or_path
         )

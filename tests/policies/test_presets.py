@@ -37,3 +37,10 @@ def test_a_path_that_exists_but_is_no_file_is_named_as_such(tmp_path: Path) -> N
     for p in (tmp_path, fifo):
         with pytest.raises(PolicyError, match="not a regular file"):
             resolve_policy_text(str(p))
+
+
+def test_a_name_too_long_for_the_file_system_is_a_policy_error() -> None:
+    # stat() raised OSError (File name too long): `default_policy` failed the sidecar's start, and
+    # `policy set`, with an error naming no policy.
+    with pytest.raises(PolicyError, match=r"cannot read policy file: File name too long"):
+        resolve_policy_text("p" * 300 + ".yaml")
