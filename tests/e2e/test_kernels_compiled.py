@@ -20,6 +20,7 @@ from tests.e2e.harness import ROOT, VLLM_PY, checkout_pythonpath
 #: The test files that run here for want of numba, torch, Triton or vLLM in the project's environment.
 COMPILED = [
     "tests/controller/vllm/test_ngram.py",
+    "tests/controller/vllm/test_ngram_long.py",
     "tests/controller/vllm/test_hotpath.py",
     "tests/controller/vllm/test_engine_hooks.py",
     "tests/controller/vllm/test_worker.py",
