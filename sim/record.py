@@ -204,7 +204,10 @@ class _Deadline:
         return expired
 
 
-class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+class _Deadlined(urllib.request.AbstractHTTPHandler):
+    """Opens its connections through ``_Deadline.connection`` (mixed into urllib's HTTP and HTTPS
+    handlers, which are otherwise as they are)."""
+
     def __init__(self, deadline: _Deadline) -> None:
         super().__init__()
         self._deadline = deadline
@@ -215,15 +218,12 @@ class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
         return super().do_open(self._deadline.connection(http_class), req, **kwargs)
 
 
-class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline) -> None:
-        super().__init__()
-        self._deadline = deadline
+class _DeadlineHTTPHandler(_Deadlined, urllib.request.HTTPHandler):
+    pass
 
-    def do_open(
-        self, http_class: Any, req: urllib.request.Request, **kwargs: Any
-    ) -> http.client.HTTPResponse:
-        return super().do_open(self._deadline.connection(http_class), req, **kwargs)
+
+class _DeadlineHTTPSHandler(_Deadlined, urllib.request.HTTPSHandler):
+    pass
 
 
 def _exchange(req: urllib.request.Request, deadline: _Deadline, timeout_s: float, max_bytes: int) -> bytes:

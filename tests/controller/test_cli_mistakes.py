@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.serve_process import serve_process
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -325,23 +327,8 @@ def test_tune_writes_integers_as_integers_under_a_new_name(tmp_path: Path) -> No
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[str]:
-    state = tmp_path / "state"
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(f"state_dir: {state}\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n")
-    p = subprocess.Popen(
-        [CTL, "serve", "--config", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT
-    )
-    try:
-        endpoints = state / "endpoints.json"
-        for _ in range(300):  # bounded: 30 s
-            if endpoints.exists() or p.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert endpoints.exists(), p.stderr.read().decode() if p.stderr else ""
-        yield str(json.loads(endpoints.read_text())["admin"])
-    finally:
-        p.send_signal(signal.SIGTERM)
-        p.communicate(timeout=30)
+    with serve_process(tmp_path) as endpoints:
+        yield endpoints["admin"]
 
 
 def test_policy_set_refuses_an_unknown_engine(sidecar: str) -> None:

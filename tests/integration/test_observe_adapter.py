@@ -3,7 +3,6 @@
 import asyncio
 import contextlib
 import itertools
-import json
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from controller.observe import ObserverError, ObserverSettings, run_observer
 from controller.server import SidecarServer as Sidecar
 from policies.arms import Method
 from policies.directive import Directive
+from tests.serve_process import serve_process
 
 pytestmark = pytest.mark.integration
 
@@ -365,33 +365,9 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 @contextlib.contextmanager
 def _sidecar_process() -> Iterator[str]:
-    """A real ``controllerctl serve`` (its engine socket in a short directory: a unix socket's path is
-    limited); yields its engine address."""
-    with tempfile.TemporaryDirectory(prefix="sc") as tmp:
-        state = Path(tmp) / "s"
-        cfg = Path(tmp) / "c.yaml"
-        cfg.write_text(f"state_dir: {state}\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n")
-        p = subprocess.Popen(
-            [_CTL, "serve", "--config", str(cfg)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            cwd=_ROOT,
-        )
-        try:
-            endpoints = state / "endpoints.json"
-            for _ in range(300):  # bounded: 30 s
-                if endpoints.exists() or p.poll() is not None:
-                    break
-                time.sleep(0.1)
-            assert endpoints.exists(), p.stderr.read().decode() if p.stderr and p.poll() is not None else ""
-            yield str(json.loads(endpoints.read_text())["engine"])
-        finally:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
+    """A real ``controllerctl serve``; yields its engine address (a Unix socket: a short directory)."""
+    with tempfile.TemporaryDirectory(prefix="sc") as tmp, serve_process(Path(tmp)) as endpoints:
+        yield endpoints["engine"]
 
 
 def test_ctrl_c_at_any_moment_exits_130_quietly() -> None:
