@@ -593,13 +593,7 @@ def _parse(
             if errs.count >= MAX_ERRORS:
                 break
             continue
-        r = _check_request(obj, hdr, errs)
-        if r is not None:
-            if r.id in seen:
-                errs("id", f"duplicate id {r.id!r} (first on line {seen[r.id]})")
-            else:
-                seen[r.id] = lineno
-                reqs.append(r)
+        _admit(_check_request(obj, hdr, errs), lineno, seen, reqs, errs)
         if errs.count >= MAX_ERRORS:
             break
     if first:
@@ -609,19 +603,36 @@ def _parse(
         errs.line = 0
         raise TraceError("no requests after the header", source=str(path))
     if hdr is not None and reqs:
-        has = [not math.isnan(r.arrival) for r in reqs]
-        if any(has) and not all(has):
-            errs.line = seen[next(r.id for r in reqs if math.isnan(r.arrival))]
-            errs("arrival_s", "given on some requests but not on this one (all or none)")
-        has = [r.proposal is not None for r in reqs]
-        if any(has) and not all(has):
-            errs.line = seen[next(r.id for r in reqs if r.proposal is None)]
-            errs("ngram_proposal", "given on some requests but not on this one (all or none)")
-        if not errs.errors and all(r.output == 1 for r in reqs):
-            # Prefill makes each request's one token: no decode step would run, nothing to compare.
-            errs.line = seen[reqs[0].id]
-            errs("output_tokens", "every request has output_tokens 1: a replay needs one with >= 2")
+        _check_across(reqs, seen, errs)
     return hdr, reqs, errs.errors
+
+
+def _admit(r: _Request | None, lineno: int, seen: dict[str, int], reqs: list[_Request], errs: Any) -> None:
+    """A checked request (None: refused) kept, or its id refused as a repeat, naming the first's line."""
+    if r is None:
+        return
+    if r.id in seen:
+        errs("id", f"duplicate id {r.id!r} (first on line {seen[r.id]})")
+    else:
+        seen[r.id] = lineno
+        reqs.append(r)
+
+
+def _check_across(reqs: list[_Request], line_of: Mapping[str, int], errs: Any) -> None:
+    """The rules across requests, for the reader and the writer alike: ``arrival_s`` and
+    ``ngram_proposal`` on all requests or none, and one request with output_tokens >= 2."""
+    has = [not math.isnan(r.arrival) for r in reqs]
+    if any(has) and not all(has):
+        errs.line = line_of[next(r.id for r in reqs if math.isnan(r.arrival))]
+        errs("arrival_s", "given on some requests but not on this one (all or none)")
+    has = [r.proposal is not None for r in reqs]
+    if any(has) and not all(has):
+        errs.line = line_of[next(r.id for r in reqs if r.proposal is None)]
+        errs("ngram_proposal", "given on some requests but not on this one (all or none)")
+    if not errs.errors and all(r.output == 1 for r in reqs):
+        # Prefill makes each request's one token: no decode step would run, nothing to compare.
+        errs.line = line_of[reqs[0].id]
+        errs("output_tokens", "every request has output_tokens 1: a replay needs one with >= 2")
 
 
 def sample_counts(alpha: Sequence[float] | np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -698,6 +709,7 @@ class _WriteErrors:
     naming the request (its index, id and the line it would have)."""
 
     count = 0
+    errors: tuple[str, ...] = ()  # it raises at the first: none are collected
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -719,8 +731,8 @@ def _request_named(trace: Trace, i: int) -> str:
 
 
 def _check_columns(trace: Trace, hdr: _Header, err: _WriteErrors) -> None:
-    """What the reader checks across requests (some requests, unique ids, arrival_s on all or none,
-    one request with output_tokens >= 2), and columns of matching lengths."""
+    """Some requests, and columns of matching lengths: what a Trace can get wrong that no line shows
+    (the rules within and across requests are the reader's own, applied as the lines are made)."""
     n = trace.n
     err.line = None
     if n == 0:
@@ -732,22 +744,6 @@ def _check_columns(trace: Trace, hdr: _Header, err: _WriteErrors) -> None:
     for m in hdr.methods:
         if m not in trace.acc:
             err(f"acc.{m.value}", "missing (every method of the header needs an array)")
-    seen: dict[str, int] = {}
-    for i, rid in enumerate(trace.ids):
-        if not isinstance(rid, str):
-            continue  # refused with its line by _check_request
-        if rid in seen:
-            err.line, err.what = i + 2, _request_named(trace, i)
-            err("id", f"duplicate id {rid!r} (first on line {seen[rid] + 2})")
-        seen[rid] = i
-    absent = np.isnan(np.asarray(trace.arrival_s, dtype=np.float64))
-    if absent.any() and not absent.all():
-        i = int(np.flatnonzero(absent)[0])
-        err.line, err.what = i + 2, _request_named(trace, i)
-        err("arrival_s", "given on some requests but not on this one (all or none; NaN is none)")
-    if not (np.asarray(trace.output_tokens) >= 2).any():
-        err.line, err.what = 2, _request_named(trace, 0)
-        err("output_tokens", "every request has output_tokens 1: a replay needs one with >= 2")
 
 
 def _checked_line(rec: dict[str, Any], limits: TraceLimits, err: _WriteErrors) -> str:
@@ -791,6 +787,8 @@ def trace_lines(
     _check_columns(trace, hdr, err)
     yield line
     off = trace.offsets
+    seen: dict[str, int] = {}
+    reqs: list[_Request] = []
     for i in range(trace.n):
         err.line, err.what = i + 2, _request_named(trace, i)
         rec: dict[str, Any] = {"id": trace.ids[i], "class": trace.classes[i]}
@@ -802,14 +800,16 @@ def trace_lines(
         rec["acc"] = {m.value: trace.acc[m][off[i] : off[i + 1]].tolist() for m in hdr.methods}
         if trace.ngram_proposal is not None:
             rec["ngram_proposal"] = trace.ngram_proposal[off[i] : off[i + 1]].tolist()
-        _check_request(rec, hdr, err)
+        _admit(_check_request(rec, hdr, err), i + 2, seen, reqs, err)
         for fld in ("id", "class"):
             if _not_unicode(rec[fld], fld) is not None:
                 err(fld, "not valid Unicode (a lone UTF-16 surrogate)")
         yield _checked_line(rec, limits, err)
+    err.what = ""
+    _check_across(reqs, seen, err)
     # Positions past the last request's would be dropped unwritten (checked last: a bad output_tokens
     # is named by its request above).
-    err.line, err.what = None, ""
+    err.line = None
     positions = int(off[-1])
     columns = {f"acc.{m.value}": trace.acc[m] for m in hdr.methods}
     if trace.ngram_proposal is not None:
