@@ -8,7 +8,9 @@ What must hold: the per-engine gauges (goodput, queue wait and length, current a
 and age) are exported only while the engine is connected; every per-engine series goes with its
 engine (``forget_engine``), so unique engine ids cannot grow ``/metrics`` without bound; label values
 carry no control characters; the endpoint serves no ``*_created`` series (a view of the registry
-without them, not a process-wide switch).
+without them, not a process-wide switch); goodput is the tokens of measured steps over their time
+(a step reported with ``duration_s`` 0 was not measured: its tokens have no time to go over), and
+absent while no recent step was measured, never a 0 or an infinity that was not observed.
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ class _Engine:
     directive_issued_at: float | None = None
     #: The control loop's safety events by kind (drift alarm, held by margin, ...), lifetime.
     guards: dict[str, int] = field(default_factory=dict)
+
+
+def _goodput(recent: Iterable[tuple[int, float, float]]) -> float | None:
+    """Emitted tokens per second of engine time over the measured steps of ``recent`` (None: none
+    measured). An unmeasured step's tokens are left out with it: counted over the others' time they
+    would inflate the figure by as much as the engine leaves unmeasured."""
+    tokens = busy = 0.0
+    for emitted, duration, _ in recent:
+        if duration > 0:
+            tokens += emitted
+            busy += duration
+    return tokens / busy if busy > 0 else None
 
 
 class _TelemetryCollector(Collector):
@@ -149,8 +163,8 @@ class _TelemetryCollector(Collector):
                     continue
                 n_connected += 1
                 if e.recent:
-                    busy = sum(r[1] for r in e.recent)
-                    goodput.add_metric([eid], sum(r[0] for r in e.recent) / busy if busy > 0 else 0.0)
+                    if (gp := _goodput(e.recent)) is not None:
+                        goodput.add_metric([eid], gp)
                     qwait.add_metric([eid], sum(r[2] for r in e.recent) / len(e.recent))
                 qlen.add_metric([eid], e.queue_length)
                 for raw_ctx, a_ in sorted(e.arms.items()):
@@ -310,10 +324,8 @@ class SidecarMetrics:
     def recent_goodput(self, engine_id: str) -> float:
         with self._t.lock:
             e = self._t.engines.get(engine_id)
-            if e is None or not e.recent:
-                return 0.0
-            busy = sum(r[1] for r in e.recent)
-            return sum(r[0] for r in e.recent) / busy if busy > 0 else 0.0
+            g = _goodput(e.recent) if e is not None else None
+            return 0.0 if g is None else g
 
 
 class _WithoutCreated(Collector):

@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import math
 import urllib.request
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from controller.metrics import MetricsServer, SidecarMetrics
 from policies.arms import Arm, Method
@@ -198,5 +203,108 @@ def test_a_report_batch_gives_the_samples_of_its_steps_one_by_one() -> None:
         == 1
     )
     assert many.get_sample_value("speccontrol_engine_steps_total", {"engine": "e1"}) == 4
-    # (8 + 0 + 9 + 1) tokens over three steps of 0.05 s (the empty one included, as step by step)
-    assert m2.recent_goodput("e1") == m1.recent_goodput("e1") == 18 / (0.05 + 0.05 + 0.05)
+    # (8 + 0 + 9) tokens over three steps of 0.05 s (the empty one included, as step by step); the
+    # last step was not measured (duration 0): its token has no time to go over.
+    assert m2.recent_goodput("e1") == m1.recent_goodput("e1") == 17 / (0.05 + 0.05 + 0.05)
+
+
+def test_goodput_leaves_out_unmeasured_steps() -> None:
+    # duration_s 0 is "not measured" (controller.validation): its tokens have no engine time to go
+    # over. Counted over the measured steps' time they inflated goodput (here 2x); with no measured
+    # step at all the gauge read 0 tokens/s for an engine that emits.
+    reg = CollectorRegistry()
+    m = SidecarMetrics(registry=reg, clock=Clock())
+    m.set_connected("e1", True)
+    e1 = {"engine": "e1"}
+    m.observe("e1", StepBatch.of(obs(duration_s=0.0)))
+    assert reg.get_sample_value("speccontrol_goodput_tokens_per_second", e1) is None
+    assert reg.get_sample_value("speccontrol_queue_wait_seconds", e1) == 0.3  # the step still counts
+    assert m.recent_goodput("e1") == 0.0
+    m.observe("e1", StepBatch.of(obs(duration_s=0.05)))  # 5 + 3 tokens in 0.05 s
+    assert reg.get_sample_value("speccontrol_goodput_tokens_per_second", e1) == 8 / 0.05
+    assert m.recent_goodput("e1") == 8 / 0.05
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 1e-6, 0.02, 3600.0]),
+            st.lists(st.integers(0, 4), min_size=0, max_size=8),
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_goodput_is_finite_and_is_tokens_of_measured_steps_over_their_time(
+    steps: list[tuple[float, list[int]]],
+) -> None:
+    reg = CollectorRegistry()
+    m = SidecarMetrics(registry=reg, clock=Clock())
+    m.set_connected("e1", True)
+    for duration, accepted in steps:
+        n = len(accepted)
+        m.observe(
+            "e1",
+            StepBatch.of(
+                obs(
+                    duration_s=duration,
+                    traffic_class=["a"] * n,
+                    method=[Method.EAGLE3] * n,
+                    k=[4] * n,
+                    drafted=[4] * n,
+                    accepted=accepted,
+                )
+            ),
+        )
+    measured = [(d, a) for d, a in steps if d > 0]
+    got = reg.get_sample_value("speccontrol_goodput_tokens_per_second", {"engine": "e1"})
+    if not measured:
+        assert got is None
+        return
+    want = sum(len(a) + sum(a) for _, a in measured) / sum(d for d, _ in measured)
+    assert got is not None and math.isfinite(got) and got == pytest.approx(want, rel=1e-12)
+
+
+def test_forget_engine_removes_every_series_of_the_engine() -> None:
+    reg = CollectorRegistry()
+    m = SidecarMetrics(registry=reg, clock=Clock())
+    for eid in ("gone", "kept"):
+        m.set_connected(eid, True)
+        m.observe(eid, StepBatch.of(obs()))
+        m.set_directive(eid, version=1, issued_at=999.0, arms={"1/*": Arm(Method.EAGLE3, 3)})
+        m.set_guards(eid, {"drift_alarm": 1})
+        for counter in (m.decisions, m.switches, m.duplicates, m.lost_batches, m.engine_dropped):
+            counter.labels(eid).inc()
+    before = {dict(labels).get("engine") for _, labels, _ in samples(reg)}
+    m.forget_engine("gone")
+    after = {dict(labels).get("engine") for _, labels, _ in samples(reg)}
+    assert before == {"gone", "kept", None} and after == {"kept", None}
+    kept = [x for x in samples(reg) if dict(x[1]).get("engine") == "kept"]
+    names = {name for name, _, _ in kept}
+    assert len(names) == 20, sorted(names)  # every per-engine family, still there for the other one
+
+
+@pytest.mark.parametrize("engine_id", ['quo"te', "back\\slash\\n", "ünï-cøde ✓", "日本語/e 1", "{}=,"])
+def test_label_values_round_trip_through_the_metrics_page(engine_id: str) -> None:
+    # What a scraper reads back is the engine id as it connected (quotes and backslashes escaped
+    # on the page, not doubled); a context's control character arrives escaped, on one line.
+    reg = CollectorRegistry()
+    m = SidecarMetrics(registry=reg, clock=Clock())
+    m.set_connected(engine_id, True)
+    m.observe(engine_id, StepBatch.of(obs()))
+    m.set_directive(engine_id, version=1, issued_at=999.0, arms={"a\nb": Arm(Method.NGRAM, 4)})
+    srv = MetricsServer(registry=reg, host="127.0.0.1", port=0)
+    url = srv.start()
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        srv.stop()
+    read = {
+        (s.name, tuple(sorted(s.labels.items())))
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    assert ("speccontrol_engine_steps_total", (("engine", engine_id),)) in read
+    assert ("speccontrol_current_k", (("context", "a\\nb"), ("engine", engine_id))) in read
