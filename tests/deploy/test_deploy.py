@@ -460,11 +460,17 @@ def exported_names() -> set[str]:
     reg = CollectorRegistry()
     SidecarMetrics(registry=reg, clock=lambda: 0.0)
     FleetMetrics(reg)
+    # The names a query can select: a family's own name is a series only for gauges (a counter's is
+    # ``_total``, a histogram's ``_bucket`` / ``_sum`` / ``_count``), so a bare counter name, which
+    # selects nothing in Prometheus, is not taken.
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "summary": ("", "_sum", "_count"),
+    }
     names: set[str] = set()
     for fam in reg.collect():
-        names.add(fam.name)
-        if fam.type == "counter":
-            names.add(fam.name + "_total")
+        names.update(fam.name + s for s in suffixes.get(fam.type, ("",)))
     return names
 
 

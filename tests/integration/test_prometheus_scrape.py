@@ -1,4 +1,9 @@
-"""A real Prometheus scrapes a running sidecar every second and evaluates deploy/'s rules on its data."""
+"""A real Prometheus scrapes a running sidecar every second and evaluates deploy/'s rules on its data.
+
+What must hold: every query of the Grafana dashboard (panels, annotations, template variables) returns
+series from a real sidecar with an engine reporting over real gRPC, and every ``{{label}}`` its legend
+or annotation text names is a label of those series (Grafana prints the label's name instead).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,14 +25,19 @@ import pytest
 import yaml
 
 from controller.config import SidecarConfig
+from controller.fleet import FleetMetrics
 from controller.server import SidecarServer as Sidecar
+from controller.v1 import controller_pb2 as pb
 from policies.arms import Method
 from policies.observation import StepBatch, StepObservation
+from tests.integration.test_sidecar_grpc import TestEngine, hello, step
 
 pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "speccontrol-rules.yaml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "speccontrol-dashboard.json"
+JOB = "speccontrol-sidecar"
 
 
 def _prometheus() -> str:
@@ -55,7 +66,7 @@ def prometheus(target: str, tmp: Path) -> Iterator[str]:
         "scrape_configs": [
             {
                 # The PodMonitor's job is "<namespace>/speccontrol-sidecar"; the rules accept both.
-                "job_name": "speccontrol-sidecar",
+                "job_name": JOB,
                 "scrape_interval": "1s",
                 "static_configs": [{"targets": [target]}],
             }
@@ -179,4 +190,103 @@ async def test_prometheus_scrapes_the_sidecar_and_evaluates_rules(tmp_path: Path
     finally:
         stop.set()
         await feeder
+        await sidecar.stop(snapshot=False)
+
+
+def dashboard_queries() -> list[tuple[str, str, list[str]]]:
+    """(where, PromQL, the templates whose ``{{label}}``s its series must carry) for every query of
+    the dashboard, its variables filled in as Grafana would for this job and every engine."""
+    dash = json.loads(DASHBOARD.read_text())
+    found: list[tuple[str, str, list[str]]] = []
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            found.append((f"panel {p['title']!r} {t['refId']}", t["expr"], [t.get("legendFormat", "")]))
+    for a in dash["annotations"]["list"]:
+        found.append(
+            (f"annotation {a['name']!r}", a["expr"], [a.get("titleFormat", ""), a.get("textFormat", "")])
+        )
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["definition"])
+            assert m, v["definition"]
+            found.append((f"variable {v['name']!r}", m[1], ["{{" + m[2] + "}}"]))
+    fill = {"$__rate_interval": "5s", "$job": JOB, "$engine": ".*"}
+    out = []
+    for where, expr, templates in found:
+        for var, value in fill.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, f"{where}: a variable left unfilled in {expr}"
+        out.append((where, expr, templates))
+    return out
+
+
+async def test_every_dashboard_query_returns_series_with_the_labels_its_legend_names(tmp_path: Path) -> None:
+    _prometheus()
+    config = SidecarConfig(
+        engine_listen="127.0.0.1:0",
+        admin_listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
+        state_dir=str(tmp_path / "state"),
+        decision_tick_s=0.05,
+    )
+    sidecar = Sidecar(config=config)
+    await sidecar.start()
+    # What only a broker, a flapping policy or a bad engine produce, set through the same objects:
+    # the fleet link's metrics (no broker here) and a switch.
+    fleet = FleetMetrics(sidecar.registry)
+    fleet.connected.set(1)
+    fleet.policy_version.set(3)
+    fleet.malformed.labels("policy", "schema").inc()
+    sidecar.metrics.switches.labels("engine-0").inc()
+    engine = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello("engine-0")))
+    bad = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=hello("engine-1")))
+    stop = asyncio.Event()
+
+    async def feed() -> None:
+        t = 1.0
+        while not stop.is_set():
+            t += 0.1
+            engine.report(
+                step(t=t, accepted=[2, 1, 0]), step(t=t + 0.05, accepted=[1, 1], method="ngram", k=4)
+            )
+            await asyncio.sleep(0.1)
+
+    try:
+        await engine.directive()
+        await bad.directive()
+        bad.report(step(t=1.0, accepted=[3], k=2, drafted=2))  # more accepted than drafted: rejected
+        feeder = asyncio.create_task(feed())
+        target = sidecar.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        with prometheus(target, tmp_path) as url:
+            queries = dashboard_queries()
+            assert len(queries) >= 20
+            pending = {where: (expr, templates) for where, expr, templates in queries}
+            results: dict[str, list[dict[str, object]]] = {}
+            changed = False
+            deadline = time.monotonic() + 90
+            while pending and time.monotonic() < deadline:
+                seen = await asyncio.to_thread(query, url, "speccontrol_fleet_policy_version == 3")
+                if not changed and seen:
+                    fleet.policy_version.set(4)  # after Prometheus has seen 3: a change to annotate
+                    changed = True
+                for where, (expr, _) in list(pending.items()):
+                    got = await asyncio.to_thread(query, url, expr)
+                    if got:
+                        results[where] = got
+                        del pending[where]
+                await asyncio.sleep(0.5)
+            assert not pending, f"queries that never returned a series: {pending}"
+            for where, expr, templates in queries:
+                for template in templates:
+                    for name in re.findall(r"\{\{\s*(.+?)\s*\}\}", template):
+                        missing = [r["metric"] for r in results[where] if name not in r["metric"]]  # type: ignore[operator]
+                        assert not missing, f"{where}: {{{{{name}}}}} names no label of {missing[0]} ({expr})"
+            (annotation,) = [r for w, r in results.items() if w.startswith("annotation")]
+            assert [r["metric"]["version"] for r in annotation] == ["4"]  # type: ignore[index]
+        stop.set()
+        await feeder
+    finally:
+        stop.set()
+        await engine.close()
+        await bad.close()
         await sidecar.stop(snapshot=False)
