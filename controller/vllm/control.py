@@ -6,13 +6,17 @@ Pure: the vLLM hooks feed it request ids, classes and drafts, and copy its answe
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
-from policies.directive import Directive
+from policies.context import ANY_CLASS
+from policies.directive import Directive, PlanEntry
 from policies.engine import EngineInfo, Granularity
 from policies.engine_rules import clamp_plan, clamp_row, safe_default_directive
 from policies.jit import kernel
@@ -130,7 +134,11 @@ class Controls:
             return self._table
         n, mk = self.engine.max_batch_size, self.engine.max_k
         per_batch = d.width_for_batch if self.placeholders else d.k_for_batch
-        table = [per_batch(bs, mk) if bs else mk for bs in range(n + 1)]
+        # Once per stretch of batch sizes on which no range starts or ends (the K is the same across
+        # it), not once per batch size: each lookup scans the whole table.
+        table = [mk]
+        for lo, hi in itertools.pairwise([1, *(e for e in range_edges(d) if 1 < e <= n), n + 1]):
+            table += [per_batch(lo, mk)] * (hi - lo)
         if self.method is Method.P_EAGLE and not self.p_eagle_depths:
             table = [mk if k > 0 else 0 for k in table]
         elif self._table_ks:
@@ -184,6 +192,71 @@ class Controls:
         or nothing, cut to its K."""
         src, n = _sources(plan.method, plan.k, np.asarray(ngram_len, dtype=np.int64), self.composite)
         return pick_drafts(src, n, configured, ngram)
+
+
+def range_edges(d: Directive) -> list[int]:
+    """The batch sizes at which a range of ``d`` (its K table's or its plan's) starts or ends, sorted,
+    1 first: between two of them every lookup of ``d`` by batch size gives one answer."""
+    edges = {1}
+    for lo, hi in itertools.chain(
+        ((r.bs_min, r.bs_max) for r in d.k_table), ((e.bs_min, e.bs_max) for e in d.plan)
+    ):
+        edges.add(lo)
+        if hi:
+            edges.add(hi + 1)
+    return sorted(edges)
+
+
+class ClassArms:
+    """Each traffic class's planned arm under one directive (``Directive.arm_for``), as the step's
+    kernels read them: (method code, K at most ``max_k``) per class, index = the class's number.
+
+    ``arm_for`` scans the whole plan, and the hooks need every known class's arm whenever the batch
+    size changes: for 256 classes under a sidecar's plan for them (6 buckets x 257 entries) that was
+    about 19 ms of the engine's step at every change of the batch size, and seconds for a plan of
+    thousands of entries. Here each class looks at a directive holding only its own entries and "*"'s
+    (the same answer: ``arm_for`` takes the class's first covering entry, else the first covering
+    "*"), and the answers are kept per stretch of batch sizes between ``range_edges``."""
+
+    #: Stretches kept (a batch size picks one; beyond this many all are dropped and made again).
+    KEEP = 64
+
+    def __init__(self, directive: Directive, max_k: int) -> None:
+        self.directive = directive
+        self.max_k = max_k
+        self._edges = range_edges(directive)
+        own: dict[str, list[PlanEntry]] = {}
+        star: list[PlanEntry] = []
+        for e in directive.plan:
+            (star if e.traffic_class == ANY_CLASS else own.setdefault(e.traffic_class, [])).append(e)
+        self._star = dataclasses.replace(directive, plan=tuple(star))
+        self._own = own
+        self._by_class: dict[str, Directive] = {}
+        self._kept: dict[int, np.ndarray] = {}
+
+    def for_class(self, name: str) -> Directive:
+        """``directive`` as far as class ``name`` reads it (its own plan entries and "*"'s)."""
+        d = self._by_class.get(name)
+        if d is None:
+            own = self._own.get(name)
+            d = self._by_class[name] = (
+                dataclasses.replace(self._star, plan=(*own, *self._star.plan)) if own else self._star
+            )
+        return d
+
+    def arms(self, names: Sequence[str], batch_size: int) -> np.ndarray:
+        """Class ``names[c]``'s (method code, K) at ``batch_size``, row c (int64)."""
+        stretch = bisect.bisect_right(self._edges, batch_size)
+        kept = self._kept.get(stretch)
+        if kept is not None and len(kept) == len(names):
+            return kept
+        if len(self._kept) >= self.KEEP:
+            self._kept.clear()
+        mk = self.max_k
+        arms = [self.for_class(c).arm_for(c, batch_size) for c in names]
+        out = np.array([(METHOD_CODES[a.method], min(a.k, mk)) for a in arms], dtype=np.int64)
+        self._kept[stretch] = out = out.reshape(len(names), 2)
+        return out
 
 
 def pick_drafts(

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from controller.vllm.control import NGRAM_DRAFT, Controls, pick_drafts, source_row
+from controller.vllm.control import NGRAM_DRAFT, ClassArms, Controls, pick_drafts, source_row
 from controller.vllm.ngram import DRAFT_LEN, LEN, NgramIndex, advance_row, append_row, prefetch_row, room
 from controller.vllm.rows import PLAN_K, PLAN_METHOD, PLAN_PROPOSAL, RequestTable, columns_row
 from policies.arms import METHOD_CODES, Method
@@ -325,6 +325,8 @@ class StepKernel:
         self._ngram = np.array([METHOD_CODES[Method.NGRAM]] if scorer is not None else [], dtype=np.int64)
         self._arms_for: tuple[Directive | None, int, int] = (None, 0, 0)
         self._class_arm = np.zeros((1, 2), dtype=np.int64)
+        #: The directive's class arms per stretch of batch sizes (``ClassArms``), for ``_arms``.
+        self._class_arms = ClassArms(controls.safe, controls.engine.max_k)
         self._no_state = np.zeros((0, 8), dtype=np.int64)
         self._no_tokens = np.zeros(0, dtype=np.int32)
         self._no_drafts = np.zeros((0, 1), dtype=np.int32)
@@ -574,10 +576,8 @@ class StepKernel:
         names = self.rows.class_names
         d, b, n = self._arms_for
         if d is not directive or b != batch_size or n != len(names):
-            max_k = self.controls.engine.max_k
-            arms = [directive.arm_for(c, batch_size) for c in names]
-            self._class_arm = np.array(
-                [(METHOD_CODES[a.method], min(a.k, max_k)) for a in arms], dtype=np.int64
-            )
+            if self._class_arms.directive is not directive:
+                self._class_arms = ClassArms(directive, self.controls.engine.max_k)
+            self._class_arm = self._class_arms.arms(names, batch_size)
             self._arms_for = (directive, batch_size, len(names))
         return self._class_arm

@@ -4,7 +4,9 @@ The engine step calls ``offer`` (never blocks: a full queue drops the step and c
 ``directive`` (a lock-free read of the latest directive and when it arrived). One background thread
 owns the stream: it sends the Hello, every ``flush_s`` batches the queued steps into ``StepReportBatch``
 messages (the engine step never wakes it: ``offer`` is one deque append), stores
-every Directive it receives, and reconnects with backoff when the sidecar goes away.
+every Directive it receives that the engine can apply (``controller.wire.convert.directive_for_engine``;
+one it cannot is refused with one log line, at most one per ``REFUSED_LOG_S``, and the one in force
+stays), and reconnects with backoff when the sidecar goes away.
 
 The protocol (sequences across streams for this engine process, ``Hello.instance_id``; batches kept
 until the sidecar acknowledges them and resent after a reconnect) is ``controller.wire.link.LinkCore``'s;
@@ -26,6 +28,7 @@ from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.vllm.record import StepRecord
 from controller.wire.link import LinkCore, LinkStats
+from controller.wire.names import escape_text
 from policies.directive import Directive
 
 log = logging.getLogger("vllm.speccontrol")
@@ -35,6 +38,10 @@ log = logging.getLogger("vllm.speccontrol")
 #: partitioned network, a host that lost power) stayed open for the kernel's TCP timeout (hours): the
 #: link never reconnected and the engine ran on its safe default long after the sidecar was back.
 KEEPALIVE_S = 20.0
+#: A refused directive is logged in one line, but at most one line per this many seconds (the next one
+#: counts those refused meanwhile): a sidecar sending thousands of bad directives a second must not
+#: fill the engine's log.
+REFUSED_LOG_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +90,8 @@ class SidecarLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._call: grpc.Future | None = None  # type: ignore[type-arg]
+        self._refused_logged: float | None = None  # (link clock) when a refused directive was last logged
+        self._refused_quiet = 0  # refused since, not logged
 
     # -- engine side (called from the engine step; must stay cheap) -----------------------------
 
@@ -152,7 +161,7 @@ class SidecarLink:
                         try:
                             self._latest = Received(self.core.received(msg), self.clock())
                         except ValueError as e:
-                            log.warning("speccontrol: ignoring an invalid directive: %s", e)
+                            self._refused(e)
                         ready.set()
                         if not attached:
                             attached = True
@@ -178,6 +187,21 @@ class SidecarLink:
             if self._stop.wait(delay):
                 break
             delay = min(delay * 2, self.backoff_s[1])
+
+    def _refused(self, e: ValueError) -> None:
+        """One line for a directive the engine refused (its reason escaped and cut: the sidecar's
+        text), at most one per ``REFUSED_LOG_S``; the directive in force stays."""
+        now = self.clock()
+        if self._refused_logged is not None and now - self._refused_logged < REFUSED_LOG_S:
+            self._refused_quiet += 1
+            return
+        why = escape_text(str(e))
+        why = why if len(why) <= 300 else f"{why[:297]}..."
+        more = (
+            f" ({self._refused_quiet} more refused since the last such line)" if self._refused_quiet else ""
+        )
+        log.warning("speccontrol: ignoring an invalid directive (the one in force stays): %s%s", why, more)
+        self._refused_logged, self._refused_quiet = now, 0
 
     def _messages(self, done: threading.Event, ready: threading.Event) -> Iterator[pb.EngineMessage]:
         yield pb.EngineMessage(hello=self.hello)

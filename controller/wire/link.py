@@ -49,7 +49,7 @@ from typing import Generic, TypeVar
 
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import MAX_DROPPED_STEPS, PACKED_PROTOCOL
-from controller.wire.convert import directive_from_pb
+from controller.wire.convert import directive_for_engine
 from policies.directive import Directive
 
 T = TypeVar("T")
@@ -162,7 +162,8 @@ class LinkCore(Generic[T]):
 
     def received(self, msg: pb.Directive) -> Directive:
         """A directive arrived: applies its acknowledgement and returns it decoded. Raises ValueError
-        (counted in ``bad_directives``; the acknowledgement still applies) when it is invalid."""
+        (counted in ``bad_directives``; the acknowledgement still applies) when it is invalid or more
+        than an engine takes (``convert.directive_for_engine``)."""
         with self._lock:
             self._acks = msg.HasField("acked_sequence")
             self._packed = msg.protocol_version >= PACKED_PROTOCOL
@@ -176,7 +177,7 @@ class LinkCore(Generic[T]):
                 self._connected = True
                 self._attaches += 1
             try:
-                d = directive_from_pb(msg)
+                d = directive_for_engine(msg)
             except ValueError:
                 self._bad_directives += 1
                 raise
