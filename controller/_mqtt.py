@@ -9,6 +9,24 @@ the loop running it, the loop raises EBADF on a closed descriptor and its defaul
 traceback, although nothing is wrong beyond the connection loss that the caller already handles. A
 connection therefore installs ``_quiet_closed_socket`` as the loop's exception handler (where none is
 set): that one case becomes a warning line, everything else goes to the default handler.
+
+aiomqtt keeps the messages that arrived and were not yet read in a queue that has no bound by
+default: a peer flooding the broker faster than the reader handles its messages (parsing each takes
+longer than receiving it) grew it without limit, hundreds of MB in seconds, until the process ran
+out of memory. A connection's queue holds at most ``max_queued_bytes`` of payload; a message that
+does not fit is dropped at once and handed to ``on_dropped`` (topic, size) instead, never queued.
+
+A connect that does not finish (the broker never answers CONNACK, so ``connect_timeout_s`` ends it,
+or the caller is cancelled) closes paho's socket: aiomqtt leaves it open and watched by the loop,
+so a link retrying a broker that accepts TCP and never answers leaked one socket per attempt until
+the process ran out of file descriptors (and a connect cancelled by a stop lived on as a client
+holding the node's client id).
+
+aiomqtt keeps why a connection ended in a future that only its message iterator reads. A connection
+lost before anything read it (during the connect itself, when another client took the client id, or
+in a subscribe or publish) left it unread, and asyncio logged "Future exception was never retrieved"
+with a traceback when it was collected; the caller has its ConnectionLost, so the connection reads
+it (``_read_why_it_ended``).
 """
 
 from __future__ import annotations
@@ -17,7 +35,7 @@ import asyncio
 import errno
 import logging
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -27,6 +45,11 @@ import aiomqtt
 
 DEFAULT_PORT = 1883
 DEFAULT_TLS_PORT = 8883
+#: Default bound on the payload bytes of the messages received and not yet read (see the docstring).
+MAX_QUEUED_BYTES = 64 * 1024 * 1024
+#: What a queued message costs beside its payload (its topic, the objects around it): a flood of
+#: empty messages is bounded too.
+_MESSAGE_OVERHEAD = 512
 
 log = logging.getLogger("controller.mqtt")
 #: Loop methods aiomqtt schedules to watch the broker's socket.
@@ -46,6 +69,64 @@ def _quiet_closed_socket(loop: asyncio.AbstractEventLoop, context: dict[str, obj
         log.warning("MQTT: the broker's socket closed before the event loop watched it (%s); ignored", exc)
         return
     loop.default_exception_handler(context)
+
+
+def _message_size(message: aiomqtt.Message) -> int:
+    payload = message.payload
+    return len(payload) if isinstance(payload, bytes | bytearray | str) else 0
+
+
+class _Inbox(asyncio.Queue[aiomqtt.Message]):
+    """aiomqtt's queue of received messages, bounded by their bytes; what does not fit is dropped."""
+
+    max_bytes = MAX_QUEUED_BYTES
+    on_dropped: Callable[[str, int], None] | None = None
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self.queued_bytes = 0
+
+    def put_nowait(self, item: aiomqtt.Message) -> None:
+        cost = _message_size(item) + len(item.topic.value) + _MESSAGE_OVERHEAD
+        if self.queued_bytes + cost > self.max_bytes:
+            if self.on_dropped is not None:
+                self.on_dropped(item.topic.value, _message_size(item))
+            return
+        super().put_nowait(item)
+        self.queued_bytes += cost
+
+    def get_nowait(self) -> aiomqtt.Message:
+        item = super().get_nowait()  # (``get`` ends in ``get_nowait`` too)
+        self.queued_bytes -= _message_size(item) + len(item.topic.value) + _MESSAGE_OVERHEAD
+        return item
+
+
+def _inbox_type(max_bytes: int, on_dropped: Callable[[str, int], None] | None) -> type[_Inbox]:
+    return type(
+        "Inbox",
+        (_Inbox,),
+        {"max_bytes": max_bytes, "on_dropped": staticmethod(on_dropped) if on_dropped else None},
+    )
+
+
+def _read_why_it_ended(client: aiomqtt.Client) -> None:
+    """Mark the exception aiomqtt will set on the connection's end as read (see the module's
+    docstring): the iterator still raises it, a caller that never iterates is not logged at."""
+    ended = getattr(client, "_disconnected", None)
+    if isinstance(ended, asyncio.Future):
+        ended.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _abandon(client: aiomqtt.Client) -> None:
+    """Close the socket of a connect that did not finish (see the module's docstring). paho's
+    ``_sock_close`` also has aiomqtt remove the loop's watches of it."""
+    paho = getattr(client, "_client", None)
+    close = getattr(paho, "_sock_close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception as e:  # the socket is closed regardless (paho closes it in a finally)
+            log.debug("MQTT: closing an unfinished connection: %s", e)
 
 
 class ConnectionLost(Exception):
@@ -142,10 +223,22 @@ class Received:
 class MqttConnection:
     """One broker session: ``async with MqttConnection(...) as c``; raises ConnectionLost on any failure."""
 
-    def __init__(self, *, settings: BrokerSettings, client_id: str, op_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        settings: BrokerSettings,
+        client_id: str,
+        op_timeout_s: float = 10.0,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        on_dropped: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.client_id = client_id
         self.op_timeout_s = op_timeout_s
+        #: Received messages not yet read hold at most this many bytes; one that does not fit is
+        #: given to ``on_dropped(topic, payload size)`` and dropped.
+        self.max_queued_bytes = max_queued_bytes
+        self.on_dropped = on_dropped
         self._client: aiomqtt.Client | None = None
 
     async def __aenter__(self) -> Self:
@@ -167,12 +260,18 @@ class MqttConnection:
             timeout=self.op_timeout_s,
             tls_context=tls,
             clean_session=True,
+            queue_type=_inbox_type(self.max_queued_bytes, self.on_dropped),
         )
+        _read_why_it_ended(client)
         try:
             async with asyncio.timeout(s.connect_timeout_s):
                 await client.__aenter__()
-        except (aiomqtt.MqttError, TimeoutError, OSError) as e:
-            raise ConnectionLost(f"cannot connect to {s.describe()}: {e or type(e).__name__}") from None
+            _read_why_it_ended(client)  # (a connect that finds it ended replaces it with a new one)
+        except BaseException as e:
+            _abandon(client)
+            if isinstance(e, aiomqtt.MqttError | TimeoutError | OSError):
+                raise ConnectionLost(f"cannot connect to {s.describe()}: {e or type(e).__name__}") from None
+            raise
         self._client = client
         return self
 

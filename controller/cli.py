@@ -306,7 +306,7 @@ def _fleet_broker(args: argparse.Namespace) -> BrokerSettings:
 
 def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: str) -> int:
     from controller._mqtt import ConnectionLost
-    from controller.fleet import publish_fleet_policy
+    from controller.fleet import FleetVersionsUsedUp, publish_fleet_policy
 
     broker = _fleet_broker(args)
     fleet = args.fleet_name or os.environ.get(FLEET_ENV) or "default"
@@ -323,6 +323,8 @@ def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: st
         raise UserError(
             f"the MQTT broker at {broker.describe()} did not answer within {args.timeout:g} s", 1
         ) from None
+    except FleetVersionsUsedUp as e:  # the fleet's state, not the file: a runtime error
+        raise UserError(f"fleet {fleet}: {one_line(str(e))}", 1) from None
     except ValueError as e:
         raise UserError(f"{source}: {one_line(str(e))}") from None
     print(f"published {name} from {source} to fleet {fleet} as version {version} ({broker.describe()})")

@@ -16,6 +16,17 @@ wins) that the link's one background task drains while connected, so a broker th
 changes nothing for local control. The task reconnects with exponential backoff and jitter; on
 return, the broker's retained messages resync the policy and posteriors and the outbox is flushed.
 
+What a peer on the broker sends never costs this node more than bounded memory and one warning
+line (at most ``WARNINGS_PER_S`` a second after a burst, the rest counted): received messages wait in
+at most ``MAX_QUEUED_BYTES`` (a flood beyond is dropped, counted as ``overflow``), the posteriors kept
+for warm starts hold at most ``max_posteriors_bytes`` (kept as the payload's bytes: parsed, 1 MiB of
+JSON can take 25 MiB), and a message that cannot be handled is dropped, never the session (it would
+come back with every reconnect while retained). Topics from the broker are logged escaped.
+
+A session the broker ends before it was set up or within ``STABLE_SESSION_S`` of that (typically
+another client connected with the same client id, i.e. ``node_id``) does not reset the reconnect
+backoff, and its log line says so: two sidecars sharing a node id reconnected two or three times a second forever.
+
 A fleet policy counts as applied (its version, the gauge, the copy this node republishes) only once
 ``on_policy`` returned: one it refuses with a ValueError (an invalid document) is refused for good; one
 it refuses otherwise (the sidecar could not write its state) is tried again, with backoff, while it is
@@ -40,18 +51,20 @@ from urllib.parse import quote, unquote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controller._mqtt import BrokerSettings, ConnectionLost, MqttConnection, Received
+from controller._mqtt import MAX_QUEUED_BYTES, BrokerSettings, ConnectionLost, MqttConnection, Received
+from controller.limits import TokenBucket
 from controller.policy_store import MAX_SOURCE
 from controller.snapshot import MAX_COUNT
 from controller.validation import MAX_TIME_S
 from controller.wire.names import has_control
-from policies.text import name_problem
+from policies.text import escape_text, name_problem
 
 __all__ = [
     "PAYLOAD_VERSION",
     "BrokerSettings",
     "FleetLink",
     "FleetPolicy",
+    "FleetVersionsUsedUp",
     "MalformedPayload",
     "Topics",
     "publish_fleet_policy",
@@ -68,6 +81,15 @@ SYNC_TIMEOUT_S: Final = 5.0
 #: The first and the longest wait before a fleet policy refused for a reason that may pass is retried.
 RETRY_REFUSED_MIN_S: Final = 5.0
 RETRY_REFUSED_MAX_S: Final = 60.0
+#: Default limit on the posteriors kept from other nodes, all models together (payload bytes plus
+#: ``_ENTRY_OVERHEAD`` each); the oldest received are forgotten first.
+MAX_POSTERIORS_BYTES: Final = 64 * 1024 * 1024
+_ENTRY_OVERHEAD: Final = 512
+#: A session shorter than this does not reset the reconnect backoff.
+STABLE_SESSION_S: Final = 10.0
+#: Warnings about what peers sent: a burst of ``WARNINGS_BURST``, then this many a second.
+WARNINGS_PER_S: Final = 1.0
+WARNINGS_BURST: Final = 20
 
 PolicyCallback = Callable[[str, int], Awaitable[None] | None]
 PosteriorsCallback = Callable[[str, Mapping[str, Any]], Awaitable[None] | None]
@@ -80,6 +102,25 @@ class MalformedPayload(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason
         super().__init__(message)
+
+
+class _Warnings:
+    """Warning lines about what peers sent, rate-limited: a flood of bad messages is counted in the
+    metrics, not written to the log thousands of times a second. The next line let through says how
+    many were left out."""
+
+    def __init__(self) -> None:
+        self._bucket = TokenBucket(rate=WARNINGS_PER_S, burst=WARNINGS_BURST, clock=time.monotonic)
+        self._left_out = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        if not self._bucket.take():
+            self._left_out += 1
+            return
+        if self._left_out:
+            msg, args = msg + " (and %d similar warnings left out)", (*args, self._left_out)
+            self._left_out = 0
+        log.warning(msg, *args)
 
 
 def _segment(name: str, what: str) -> str:
@@ -172,6 +213,9 @@ def decode(kind: str, raw: bytes, *, limit: int) -> dict[str, Any]:
     except RecursionError:  # deep nesting: its exception would end the session, and the retained
         # message would come back at every reconnect
         raise MalformedPayload("not_json", "not JSON this link reads: nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4300 digits (``sys.get_int_max_str_digits``):
+        # a plain ValueError, which ended the session like deep nesting did
+        raise MalformedPayload("not_json", f"not JSON this link reads: {e}") from None
     if not isinstance(doc, dict):
         raise MalformedPayload("schema", f"expected a JSON object, got {type(doc).__name__}")
     if doc.get("v") != PAYLOAD_VERSION:
@@ -287,6 +331,7 @@ class FleetLink:
         backoff_min_s: float = 0.5,
         backoff_max_s: float = 30.0,
         max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+        max_posteriors_bytes: int = MAX_POSTERIORS_BYTES,
         sync_timeout_s: float = SYNC_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
@@ -295,6 +340,8 @@ class FleetLink:
             raise ValueError(
                 f"backoff: need 0 < backoff_min_s <= backoff_max_s, got {backoff_min_s}, {backoff_max_s}"
             )
+        if max_posteriors_bytes < 1:
+            raise ValueError(f"max_posteriors_bytes: must be >= 1, got {max_posteriors_bytes}")
         if policy_version < 0:
             raise ValueError(f"policy_version: must be >= 0, got {policy_version}")
         self.broker = broker
@@ -307,11 +354,16 @@ class FleetLink:
         self.metrics = FleetMetrics(registry if registry is not None else CollectorRegistry())
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self.max_payload_bytes = max_payload_bytes
+        self.max_posteriors_bytes = max_posteriors_bytes
         self.sync_timeout_s = sync_timeout_s
         self.clock = clock
         self.rng = rng or random.Random()
         self._policy: FleetPolicy | None = None
         self._policy_version = policy_version
+        # The version in force from the start (restored from a snapshot): the broker's retained copy
+        # of it is not applied again, so it would not set the gauge, which then read 0 until the next
+        # fleet policy (and the churn alert counted every restart as two changes).
+        self.metrics.policy_version.set(policy_version)
         #: The newest version seen, applied or not: what this node's own next policy numbers above.
         self._newest_version = policy_version
         #: A policy refused for a reason that may pass (not a ValueError), retried while it is newest.
@@ -322,7 +374,11 @@ class FleetLink:
         self._refused_now: asyncio.Event | None = None
         #: Digest of the applied policy when only its version is known (restored from a snapshot).
         self._applied_digest = policy_digest
-        self._posteriors: dict[str, dict[str, Any]] = {}
+        #: model -> the payload of the newest posteriors another node shared (checked on receipt),
+        #: oldest received first; ``_posteriors_bytes`` is what they cost (see MAX_POSTERIORS_BYTES).
+        self._posteriors: dict[str, bytes] = {}
+        self._posteriors_bytes = 0
+        self._warnings = _Warnings()
         #: topic -> (payload, qos, retain, kind); the latest per topic wins.
         self._outbox: dict[str, tuple[bytes, int, bool, str]] = {}
         #: Retained messages this node stands behind (the policy it applied, the posteriors it shared):
@@ -334,6 +390,8 @@ class FleetLink:
         self._synced: asyncio.Event | None = None
         self._probe_token = ""
         self._conn: MqttConnection | None = None
+        #: When the current session was set up (subscribed, probe sent); None before.
+        self._session_up_at: float | None = None
         self._task: asyncio.Task[None] | None = None
 
     # -- public surface --------------------------------------------------------------------------
@@ -353,7 +411,8 @@ class FleetLink:
 
     def latest_posteriors(self, model: str) -> Mapping[str, Any] | None:
         """The newest posteriors another node shared for ``model`` (e.g. to warm-start a new engine)."""
-        return self._posteriors.get(model)
+        raw = self._posteriors.get(model)
+        return None if raw is None else dict(json.loads(raw)["state"])  # a copy: checked on receipt
 
     async def start(self) -> None:
         if self._task is not None:
@@ -389,7 +448,7 @@ class FleetLink:
         The version is one above the newest this node has seen, so it is applied everywhere unless
         another node published concurrently (then the broker's order decides, see ``_on_policy``).
         """
-        version = max(self._policy_version, self._newest_version) + 1
+        version = _next_version(max(self._policy_version, self._newest_version), self.topics)
         p = FleetPolicy(version, yaml_text, source, self.clock(), self.node_id)
         self._queue(self.topics.policy, "policy", _policy_fields(p), qos=1, retain=True, at=p.published_at)
         # The caller applied it locally already: the broker's echo must not apply it a second time.
@@ -464,21 +523,44 @@ class FleetLink:
     async def _run(self) -> None:
         attempt = 0
         while True:
+            connected_at: float | None = None
+            self._session_up_at = None
+            why = ""
             try:
-                async with MqttConnection(settings=self.broker, client_id=self.node_id) as conn:
-                    attempt = 0
+                async with MqttConnection(
+                    settings=self.broker,
+                    client_id=self.node_id,
+                    max_queued_bytes=max(MAX_QUEUED_BYTES, 2 * self.max_payload_bytes),
+                    on_dropped=self._dropped,
+                ) as conn:
+                    connected_at = time.monotonic()
                     await self._session(conn)
             except ConnectionLost as e:
                 self.metrics.connection_errors.inc()
-                log.warning("fleet link: %s", e)
+                why = str(e)
             except Exception:
                 self.metrics.connection_errors.inc()
                 log.exception("fleet link: unexpected error; reconnecting")
             finally:
                 self._conn = None
                 self.metrics.connected.set(0)
+            now = time.monotonic()
+            # Only a session that worked (subscribed, probe sent) for a while resets the backoff: one
+            # ended at once, or stuck in its setup until an operation timed out, must not (see the
+            # module's docstring).
+            stable = self._session_up_at is not None and now - self._session_up_at >= STABLE_SESSION_S
+            if stable:
+                attempt = 0
             delay = min(self.backoff_max_s, self.backoff_min_s * 2**attempt) * self.rng.uniform(0.5, 1.0)
             attempt = min(attempt + 1, 30)
+            if why:
+                hint = ""
+                if connected_at is not None and not stable:
+                    hint = (
+                        f" {now - connected_at:.1f} s after connecting (is another client connected as"
+                        f" {self.node_id!r}? node_id must be unique in the fleet)"
+                    )
+                log.warning("fleet link: %s%s; reconnecting in %.3g s", why, hint, delay)
             await asyncio.sleep(delay)
 
     async def _session(self, conn: MqttConnection) -> None:
@@ -498,6 +580,7 @@ class FleetLink:
         # Retained messages arrive before anything published after the subscription, so the probe's
         # echo marks the end of the resync.
         await conn.publish(t.probe(self.node_id), self._probe_token.encode(), qos=1)
+        self._session_up_at = time.monotonic()
         self._wake.set()
         tasks = [
             asyncio.create_task(self._read(conn), name="fleet-read"),
@@ -552,6 +635,21 @@ class FleetLink:
 
     # -- incoming --------------------------------------------------------------------------------
 
+    def _dropped(self, topic: str, size: int) -> None:
+        """A received message the connection's queue had no room for (MqttConnection's on_dropped)."""
+        kind = self.topics.parse(topic)[0] or "other"
+        reason = "too_large" if size > self.max_payload_bytes else "overflow"
+        self.metrics.malformed.labels(kind, reason).inc()
+        self._warnings.warn(
+            "fleet link: dropped a %s message of %d bytes on %s: %s",
+            kind,
+            size,
+            escape_text(topic),
+            "over the payload limit"
+            if reason == "too_large"
+            else "messages arrive faster than they are handled",
+        )
+
     async def _dispatch(self, msg: Received) -> None:
         kind, name = self.topics.parse(msg.topic)
         if kind == "probe":
@@ -561,19 +659,28 @@ class FleetLink:
         if not kind:
             return
         # Any message counts as "the broker has something here", even one we cannot read: it may be
-        # from a newer version of this software and must not be overwritten.
-        self._seen_topics.add(msg.topic)
+        # from a newer version of this software and must not be overwritten. Only the topics this node
+        # may republish matter (a flood of other topics must not grow the set).
+        if msg.topic in self._retained_own:
+            self._seen_topics.add(msg.topic)
         try:
             doc = decode(kind, msg.payload, limit=self.max_payload_bytes)
             if kind == "policy":
                 await self._on_policy(policy_from(doc))
             elif kind == "posteriors":
-                await self._on_posteriors(name, doc)
+                await self._on_posteriors(name, doc, msg.payload)
             else:
                 await self._on_state(name, doc)
         except MalformedPayload as e:
             self.metrics.malformed.labels(kind, e.reason).inc()
-            log.warning("fleet link: dropped a malformed %s message on %s: %s", kind, msg.topic, e)
+            self._warnings.warn(
+                "fleet link: dropped a malformed %s message on %s: %s", kind, escape_text(msg.topic), e
+            )
+        except Exception:
+            # A defect here must cost one message, not the session: the message, if retained, would
+            # come back at every reconnect.
+            self.metrics.malformed.labels(kind, "schema").inc()
+            log.exception("fleet link: a %s message on %s not handled; dropped", kind, escape_text(msg.topic))
 
     async def _on_policy(self, p: FleetPolicy) -> None:
         assert self._policy_lock is not None
@@ -630,20 +737,40 @@ class FleetLink:
         if self.on_policy is not None:
             log.info("fleet link: applied fleet policy v%d from %s (%s)", p.version, p.node, p.source or "-")
 
-    async def _on_posteriors(self, model: str, doc: Mapping[str, Any]) -> None:
+    async def _on_posteriors(self, model: str, doc: Mapping[str, Any], raw: bytes) -> None:
         if _field(doc, "model", str) != model:
             raise MalformedPayload("schema", f"model {doc.get('model')!r} on the topic of {model!r}")
         state = _field(doc, "state", dict)
         if doc["node"] == self.node_id:
             return  # our own retained copy
-        self._posteriors[model] = state
+        self._keep_posteriors(model, raw)
         self.metrics.received.labels("posteriors").inc()
         if self.on_posteriors is not None:
             try:
                 await _maybe_await(self.on_posteriors(model, state))
             except Exception:
                 self.metrics.callback_errors.labels("posteriors").inc()
-                log.exception("fleet link: posteriors for %s from %s not used", model, doc["node"])
+                log.exception(
+                    "fleet link: posteriors for %s from %s not used", escape_text(model), doc["node"]
+                )
+
+    def _keep_posteriors(self, model: str, raw: bytes) -> None:
+        """Keep ``raw`` as the newest posteriors for ``model``, within ``max_posteriors_bytes``."""
+        old = self._posteriors.pop(model, None)
+        if old is not None:
+            self._posteriors_bytes -= len(old) + len(model) + _ENTRY_OVERHEAD
+        self._posteriors[model] = raw
+        self._posteriors_bytes += len(raw) + len(model) + _ENTRY_OVERHEAD
+        while self._posteriors_bytes > self.max_posteriors_bytes and len(self._posteriors) > 1:
+            gone, payload = next(iter(self._posteriors.items()))  # the oldest received
+            del self._posteriors[gone]
+            self._posteriors_bytes -= len(payload) + len(gone) + _ENTRY_OVERHEAD
+            self._warnings.warn(
+                "fleet link: forgot the posteriors shared for %s (the oldest received): those kept are "
+                "over max_posteriors_bytes (%d)",
+                escape_text(gone),
+                self.max_posteriors_bytes,
+            )
 
     async def _on_state(self, engine: str, doc: Mapping[str, Any]) -> None:
         if _field(doc, "engine", str) != engine:
@@ -656,6 +783,23 @@ class FleetLink:
             except Exception:
                 self.metrics.callback_errors.labels("state").inc()
                 log.exception("fleet link: state of %s not used", engine)
+
+
+class FleetVersionsUsedUp(ValueError):
+    """The fleet's retained policy carries the highest version a sidecar takes: nothing can be
+    published above it until that retained message is cleared (the fleet's state, not the document)."""
+
+
+def _next_version(current: int, topics: Topics) -> int:
+    """The version above ``current``; FleetVersionsUsedUp when there is none a sidecar takes (a peer
+    published the highest, and what came next was dropped by every sidecar while the publisher
+    reported it)."""
+    if current >= MAX_COUNT:
+        raise FleetVersionsUsedUp(
+            f"the fleet's policy version is already {current}, the highest a sidecar takes: clear the "
+            f"retained message on {topics.policy} (an empty retained message) to number from 1 again"
+        )
+    return current + 1
 
 
 def _policy_fields(p: FleetPolicy) -> dict[str, Any]:
@@ -681,7 +825,8 @@ async def publish_fleet_policy(
     Reads the retained policy first so the version is one above the fleet's current one. The caller
     validates the document (``parse_policy``) before calling. Raises ConnectionLost when the broker
     cannot be reached and TimeoutError when it does not answer within ``timeout_s``; ValueError when
-    the payload is too large.
+    the payload is too large, FleetVersionsUsedUp (a ValueError) when the retained version is the
+    highest there is.
     """
     topics = Topics(fleet)
     node = f"controllerctl-{uuid.uuid4().hex[:12]}"
@@ -707,7 +852,7 @@ async def publish_fleet_policy(
                             "the retained fleet policy is malformed (%s); publishing version 1 above 0", e
                         )
             await messages.aclose()  # type: ignore[attr-defined]
-            version = current + 1
+            version = _next_version(current, topics)
             payload = encode(
                 "policy",
                 node,

@@ -95,6 +95,23 @@ def test_fleet_unreachable_broker_is_one_line_exit_1(
     assert err.startswith("cannot reach the MQTT broker: ") and err.count("\n") == 1
 
 
+def test_fleet_versions_used_up_is_a_runtime_error_of_the_fleet_not_of_the_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The retained policy carries the highest version a sidecar takes: the document is fine, the
+    # fleet's state is not (exit 1, the fleet named, not the file).
+    from controller import fleet
+
+    async def used_up(**_: object) -> int:
+        raise fleet.FleetVersionsUsedUp("the fleet's policy version is already 9007199254740991")
+
+    monkeypatch.setattr(fleet, "publish_fleet_policy", used_up)
+    monkeypatch.setenv("SPECCONTROL_MQTT_URL", "mqtt://127.0.0.1:1")
+    assert main(["policy", "set", "default", "--fleet", "--fleet-name", "prod"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fleet prod: the fleet's policy version is already") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

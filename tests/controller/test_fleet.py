@@ -53,7 +53,9 @@ def _match(pattern: str, topic: str) -> bool:
 class FakeConnection:
     broker: FakeBroker
 
-    def __init__(self, *, settings: BrokerSettings, client_id: str, op_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, *, settings: BrokerSettings, client_id: str, op_timeout_s: float = 10.0, **limits: Any
+    ) -> None:
         self.client_id = client_id
         self.filters: list[str] = []
         self.inbox: asyncio.Queue[Received | None] = asyncio.Queue()
@@ -404,7 +406,7 @@ async def test_a_policy_refused_for_a_passing_reason_is_not_applied_until_it_is(
         t = Topics("prod")
         broker.route(t.policy, policy_payload(3, "name: three\n"), True)
         await until(lambda: sample(reg, "speccontrol_fleet_rejected_policies_total") == 1.0, "refusal")
-        assert lk.policy_version == 2 and sample(reg, "speccontrol_fleet_policy_version") == 0.0
+        assert lk.policy_version == 2 and sample(reg, "speccontrol_fleet_policy_version") == 2.0
         # A broker restarted without persistence: this node must not put back a policy it never applied.
         broker.crash(lose_retained=True)
         broker.up = True
@@ -477,11 +479,14 @@ async def test_an_invalid_policy_is_refused_for_good_and_numbered_past(broker: F
 async def test_restored_version_skips_the_retained_copy(broker: FakeBroker) -> None:
     broker.retained[Topics("prod").policy] = policy_payload(7)
     got: list[int] = []
-    lk, _ = link(node_id="n1", policy_version=7, on_policy=lambda y, v: got.append(v))
+    lk, reg = link(node_id="n1", policy_version=7, on_policy=lambda y, v: got.append(v))
     await lk.start()
     try:
         assert await lk.wait_synced(2)
         assert got == [] and lk.policy_version == 7
+        # The gauge says the version in force, though the retained copy was not applied again (it
+        # read 0 after every restart, and the churn alert counted 7 -> 0 -> 8 as changes).
+        assert sample(reg, "speccontrol_fleet_policy_version") == 7.0
     finally:
         await lk.stop()
 

@@ -251,3 +251,49 @@ async def test_fleet_policy_warm_start_and_broker_restart(
     assert again.fleet is not None and await again.fleet.wait_synced(WAIT_S)
     assert again.fleet_policy_version == 2 and again.policy_store.default.source == "fleet v2"
     assert again.policy_store.default.revision == a.policy_store.default.revision
+
+
+async def test_a_sidecar_keeps_serving_through_what_a_hostile_peer_retained(fleet: Fleet) -> None:
+    # A peer with publish rights leaves on the broker: a policy and posteriors holding an integer
+    # json cannot read (4301 digits), posteriors for "tiny" of arms and shapes no loop has, NaN
+    # literals, and posteriors for models by the hundred. The sidecar starts, its engine gets the
+    # local policy at once and starts cold, nothing it learns is touched, and the link stays up (the
+    # long integer ended every session, and its retained copy brought that back at each reconnect).
+    from controller._mqtt import BrokerSettings, MqttConnection
+    from controller.fleet import Topics, encode
+
+    t = Topics(FLEET)
+    url = fleet.broker_url.removeprefix("mqtt://")
+    host, port = url.split(":")
+
+    def doc(kind: str, **fields: object) -> bytes:
+        return encode(kind, "mallory", 1.0, fields, limit=1 << 22)
+
+    bad = {
+        t.policy: doc("policy", version=1, yaml="x").replace(b'"version":1', b'"version":' + b"9" * 4301),
+        t.posteriors("tiny"): doc(
+            "posteriors", model="tiny", state={"policy": "default", "contexts": {"1/*": {"arm": 99}}, "x": 0}
+        ).replace(b'"x":0', b'"x":NaN'),
+        t.posteriors("other"): doc("posteriors", model="other", state={"x": 0}).replace(
+            b'"x":0', b'"x":' + b"7" * 5000
+        ),
+    }
+    for i in range(300):
+        bad[t.posteriors(f"m{i}")] = doc("posteriors", model=f"m{i}", state={"n": list(range(2000))})
+    async with MqttConnection(settings=BrokerSettings(host=host, port=int(port)), client_id="mallory") as raw:
+        for topic, payload in bad.items():
+            await raw.publish(topic, payload, retain=True)
+
+    sc = await fleet.sidecar("sidecar-victim")
+    assert sc.fleet is not None and await sc.fleet.wait_synced(WAIT_S)
+    eng = fleet.engine(sc, "tiny-engine")
+    d = await eng.directive()
+    assert d.policy == "default" and sc.fleet_policy_version == 0
+    assert not any(sc.engines()["tiny-engine"].loop.estimates().values())  # cold: nothing of the peer taken
+    eng.report(step(t=1.0, accepted=[1], k=2))
+    await until(lambda: sc.engines()["tiny-engine"].loop.totals.steps == 1, "its own report learned")
+    assert sample(sc, "speccontrol_fleet_connections_total") == 1
+    assert sample(sc, "speccontrol_fleet_connection_errors_total") == 0
+    assert sample(sc, "speccontrol_fleet_malformed_messages_total", kind="policy", reason="not_json") == 1
+    assert sample(sc, "speccontrol_fleet_malformed_messages_total", kind="posteriors", reason="not_json") == 1
+    assert sc.fleet._posteriors_bytes <= sc.fleet.max_posteriors_bytes
