@@ -6,7 +6,11 @@ leaves the active policy in force.
 Restoring a snapshot loses only what is bad, and names each thing it drops: a history entry this
 version refuses is dropped alone (by path and revision), and a current document it refuses (a rule
 added since the version that saved it) does not take the valid earlier revisions with it, so
-rollback still reaches the newest of them. Revision numbers never go backwards across a restore.
+rollback still reaches the newest of them. A history or an overrides table of the wrong type is
+dropped the same way, alone (the current default record, and the snapshot's engines and counters with
+it, used to be moved aside with it). Revision numbers never go backwards across a restore, nor repeat
+for an engine whose override a rollback removed and a later set gives one again (they started at 1
+again; the last ``MAX_REMOVED`` such engines are remembered).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from controller.wire.names import MAX_ENGINE_ID, has_control
 from policies.spec import MAX_DOCUMENT_BYTES, PolicyError, PolicySpec, parse_policy, render_policy
 
 HISTORY = 20
+#: Engines whose override a rollback removed, remembered for their revision numbering.
+MAX_REMOVED = 1024
 #: Where a policy came from (a file name or preset), as the admin API accepts it.
 MAX_SOURCE = 1024
 
@@ -82,7 +88,8 @@ class _Slot:
 @dataclass(slots=True)
 class _Kept:
     """An engine whose saved override was refused: it follows the default, but its valid earlier
-    revisions stay for rollback (and in the snapshot), numbered after ``revision`` (the refused one)."""
+    revisions stay for rollback (and in the snapshot), numbered after ``revision`` (the refused one).
+    With no history: an engine whose override a rollback removed, ``revision`` its last."""
 
     revision: int
     history: deque[PolicyRecord]
@@ -176,6 +183,7 @@ class PolicyStore:
                 raise NoPreviousPolicy(f"engine {engine_id!r} has no policy of its own to roll back")
             if not slot.history:
                 del self._engines[engine_id]
+                self._remember_removed(engine_id, slot.current.revision)
                 return self.default
         else:
             slot = self._default
@@ -186,6 +194,18 @@ class PolicyStore:
             prev.spec, slot.current.revision + 1, prev.source, self.clock(), engine_id
         )
         return slot.current
+
+    def _remember_removed(self, engine_id: str, revision: int) -> None:
+        """Keep the last revision of an override rollback removed, so that a later override of the
+        engine goes on numbering from it (it started at 1 again: two policies were "revision 1" of the
+        same engine). At most ``MAX_REMOVED`` such marks, the oldest going first."""
+        self._kept[engine_id] = _Kept(revision, deque(maxlen=self._limit))
+        self._trim_removed()
+
+    def _trim_removed(self) -> None:
+        marks = [e for e, k in self._kept.items() if not k.history]
+        for e in marks[: max(0, len(marks) - MAX_REMOVED)]:
+            del self._kept[e]
 
     # -- snapshots -------------------------------------------------------------------------------
 
@@ -224,7 +244,14 @@ class PolicyStore:
         def past(s: Mapping[str, Any], at: str) -> deque[PolicyRecord]:
             """The valid history entries, oldest first; each bad one is dropped by itself."""
             kept: list[tuple[int, PolicyRecord]] = []
-            for i, r in enumerate(list_field(s, "history", path=at, max_len=10 * history)):
+            try:
+                saved = list_field(s, "history", path=at, max_len=10 * history)
+            except SnapshotError as e:
+                # not a list (or absurdly long): the history goes, the current record stays (it took
+                # the whole snapshot with it: every policy, counter and engine, revisions back to 1)
+                dropped.append(f"{e}; history dropped")
+                saved = []
+            for i, r in enumerate(saved):
                 try:
                     kept.append((i, PolicyRecord.from_json(r, path=f"{at}.history[{i}]")))
                 except (SnapshotError, PolicyError) as e:
@@ -284,17 +311,22 @@ class PolicyStore:
             default = _Slot(PolicyRecord(spec, revision + 1, source, clock()), kept)
         store = cls(default=default.current.spec, source=default.current.source, clock=clock, history=history)
         store._default = default
-        for eid, s in mapping_field(d, "engines", path=path).items():
+        try:
+            overrides = mapping_field(d, "engines", path=path)
+        except SnapshotError as bad:  # as a bad override is: dropped, the rest (the default) restored
+            dropped.append(f"{bad}; no engine's own policy restored (they follow the default)")
+            overrides = {}
+        for eid, s in overrides.items():
             at = f"{path}.engines[{eid!r}]"
             try:
                 if not eid or len(eid) > MAX_ENGINE_ID or has_control(eid):
                     raise SnapshotError(f"{at}: not an engine id")
                 if isinstance(s, Mapping) and s.get("current", 0) is None:
                     # what to_json writes for an override refused at an earlier start
+                    # (or an override rollback removed: no history, only where its numbering is)
                     revision = int_field(s, "revision", path=at, lo=1)
                     kept = past(s, at)
-                    if kept:
-                        store._kept[eid] = _Kept(max([revision, *(r.revision for r in kept)]), kept)
+                    store._kept[eid] = _Kept(max([revision, *(r.revision for r in kept)]), kept)
                     continue
                 own = slot(s, at, override=True)
                 if not isinstance(own, _Slot):
@@ -325,6 +357,7 @@ class PolicyStore:
                 store._engines[eid] = own
             except (SnapshotError, PolicyError) as e:
                 dropped.append(f"{e}: the engine's own policy dropped (it follows the default)")
+        store._trim_removed()
         return store
 
 

@@ -1,9 +1,14 @@
 """Atomic JSON snapshots of the sidecar's state, and the typed readers that check them on load.
 
 A write goes to a temporary file in the same directory, is fsynced, renamed over the old file and
-the directory fsynced, so a crash leaves either the old snapshot or the new one, never a mix. A
+the directory fsynced, so a crash leaves either the old snapshot or the new one, never a mix; a write
+is reported written exactly when the new file is in place (a directory fsync failing after the rename
+is logged, not reported as a failure: the caller would undo what the next start restores). A
 snapshot that cannot be read back (not JSON, not an object, another format version, NaN/Infinity
-constants, nesting beyond the parser) is moved aside and the sidecar starts clean. Every value read
+constants, nesting beyond the parser) is moved aside and the sidecar starts clean; something other
+than a file in its place (a directory, FIFO, device, a link loop) or a file that cannot be read stops
+the start with one line naming it, and nothing is changed (a FIFO used to hang the start for good).
+Temporary files a write killed midway left are removed at the next start. Every value read
 from a snapshot goes through ``int_field``/``float_field``/``str_field``/``mapping_field``, which
 refuse a wrong type or a value outside its physical range with a ``SnapshotError`` naming the path.
 """
@@ -16,6 +21,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -34,6 +40,51 @@ MAX_COUNT = (1 << 53) - 1
 
 class SnapshotError(ValueError):
     """A snapshot value of the wrong type or out of range; ``str()`` starts with its path."""
+
+
+class SnapshotUnusable(OSError):
+    """Something other than a readable file where the snapshot goes: the sidecar cannot start on it,
+    and does not remove it (it never removes what it did not write)."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of the regular file ``path`` (a link to one is followed). Raises FileNotFoundError
+    when nothing is there, SnapshotUnusable for anything else that is not a readable regular file.
+    Opened non-blocking and checked before reading: a read of a FIFO with no writer never returns."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise SnapshotUnusable(
+            f"snapshot {path} cannot be read: {e.strerror or e}; the sidecar changed nothing"
+        ) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SnapshotUnusable(
+            f"snapshot {path} is {_kind(mode)}, not a file: move it away and start again (the "
+            "sidecar removes nothing it did not write)",
+        )
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise SnapshotUnusable(
+                f"snapshot {path} cannot be read: {e.strerror or e}; the sidecar changed nothing"
+            ) from None
 
 
 def _refuse_constant(name: str) -> float:
@@ -109,11 +160,19 @@ def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    dfd = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise NotSynced(f"{path} replaced, but its directory could not be synced: {e}") from e
+
+
+class NotSynced(OSError):
+    """The new file is in place (any restart reads it), but its directory's fsync failed: a power
+    loss may still bring the old one back."""
 
 
 class SnapshotStore:
@@ -141,6 +200,12 @@ class SnapshotStore:
                 write_json_atomic(
                     self.path, {"format": FORMAT_VERSION, "saved_at_s": self.clock(), "state": state}
                 )
+            except NotSynced as e:
+                # Written: what is in the file is what the next start restores, so it is reported
+                # written (a "failed" write whose file was in place had the caller undo a policy
+                # change the restart then brought back). The caller's state and the file agree.
+                log.error("snapshot %s: written, but a power loss may still lose it: %s", self.path, e)
+                self.last_error = f"{type(e).__name__}: {e}"
             except (OSError, TypeError, ValueError) as e:
                 log.error("snapshot %s: write failed, previous snapshot kept: %s", self.path, e)
                 self.last_error = f"{type(e).__name__}: {e}"
@@ -150,9 +215,17 @@ class SnapshotStore:
             return True
 
     def load(self) -> dict[str, Any] | None:
-        """The saved state, or None when there is none (or it was unreadable and moved aside)."""
+        """The saved state, or None when there is none (or it was unreadable and moved aside). Raises
+        SnapshotUnusable when something other than a file is in its place (the sidecar cannot replace a
+        directory, and a FIFO or device would block or never end the read: it hung the start for good,
+        deaf to SIGTERM), or the file cannot be read at all; the message names it, nothing is changed.
+
+        Called once at start, with the state directory's lock held: temporary files an earlier process
+        left mid-write (a kill -9 during a snapshot write) are removed first, as they piled up, one per
+        such kill, for good."""
+        self._sweep_temporaries()
         try:
-            raw = self.path.read_bytes()
+            raw = _read_regular(self.path)
         except FileNotFoundError:
             if self.path.is_symlink():  # a dangling link: say so, rather than start clean in silence
                 log.warning(
@@ -175,6 +248,21 @@ class SnapshotStore:
         self.last_saved_s = saved_at
         state: dict[str, Any] = doc["state"]
         return state
+
+    def _sweep_temporaries(self) -> None:
+        """Remove ``.<name>.*.tmp`` files ``write_json_atomic`` left behind (its process was killed
+        between making one and renaming it): only regular files, only of this snapshot's name."""
+        prefix = f".{self.path.name}."
+        try:
+            names = [n for n in os.listdir(self.path.parent) if n.startswith(prefix) and n.endswith(".tmp")]
+        except OSError:
+            return  # no directory yet (nothing to sweep), or unreadable: the read below says so
+        for n in names:
+            tmp = self.path.parent / n
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(tmp).st_mode):
+                    tmp.unlink()
+                    log.info("snapshot %s: removed %s, left by a write that did not finish", self.path, n)
 
     def _aside(self, kind: str) -> Path:
         """A free name beside the snapshot: ``.<kind>-<ts>``, or ``-2``, ``-3``... after it when taken.

@@ -6,7 +6,8 @@ the endpoints file and write the same snapshot), enforced by an exclusive ``floc
 socket path is only ever unlinked when what is there is a socket nobody listens on (a stale one from
 an earlier run), never a live one (another sidecar with another state directory but the same socket
 path would cut the first off from its engines for good) nor a regular file, directory or symlink a
-mistyped ``engine_listen`` happens to name.
+mistyped ``engine_listen`` happens to name. Anything but a regular file at the lock's path (a
+directory, FIFO, symlink) stops the start with one line naming it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,17 @@ class StateDirLock:
         """Raises StateDirLocked when another sidecar holds ``state_dir``, OSError when it is unusable."""
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = state_dir / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            raise OSError(f"state_dir lock {path} cannot be opened: {e.strerror or e}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):  # a FIFO took the lock, then failed to truncate, naming nothing
+                raise OSError(
+                    f"state_dir lock {path} is {'a FIFO' if stat.S_ISFIFO(mode) else 'not a regular file'}"
+                    ", not the sidecar's lock file: move it away and start again"
+                )
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
@@ -57,8 +67,12 @@ class StateDirLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # a full disk or read-only state_dir: say which file, let go of the lock
+            os.close(fd)
+            raise OSError(f"state_dir lock {path} cannot be written: {e.strerror or e}") from None
         return cls(fd=fd, path=path)
 
     def release(self) -> None:

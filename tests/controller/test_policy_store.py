@@ -255,3 +255,61 @@ def test_exactly_the_valid_entries_survive_in_order_and_revisions_only_grow(
             h["source"] for h in history if isinstance(h, dict) and h.get("revision") == r
         )
         last = back.revision
+
+
+def test_an_override_a_rollback_removed_and_set_again_goes_on_numbering_across_restores() -> None:
+    """Revisions of an engine's policy never repeat: an override removed by its last rollback and set
+    again started at revision 1 again (two different policies were "revision 1 for engine e1")."""
+    s = make()
+    s.set(preset_text("static-off"), source="a", engine_id="e1")
+    s.set(preset_text("hedge"), source="b", engine_id="e1")
+    assert s.rollback("e1").revision == 3
+    removed = s.rollback("e1")  # no earlier revision: the override goes, e1 follows the default
+    assert removed == s.default and s.overrides() == {} and s.history("e1") == []
+    with pytest.raises(NoPreviousPolicy):
+        s.copy().rollback("e1")
+    again, problems = restore(s.to_json())  # a restart between the removal and the next set
+    assert problems == [] and again.overrides() == {} and again.history("e1") == []
+    for store in (s, again):
+        rec = store.set(preset_text("ucb1"), source="c", engine_id="e1")
+        assert (rec.revision, rec.engine_id) == (4, "e1")
+        assert store.history("e1") == []
+    assert make().set(preset_text("ucb1"), source="c", engine_id="e2").revision == 1  # others start at 1
+
+
+def test_engines_whose_override_was_removed_are_remembered_boundedly() -> None:
+    from controller.policy_store import MAX_REMOVED
+
+    s = make()
+    for i in range(MAX_REMOVED + 5):
+        s.set(preset_text("static-off"), source="a", engine_id=f"e{i}")
+        s.rollback(f"e{i}")
+    engines = s.to_json()["engines"]
+    assert len(engines) == MAX_REMOVED and "e0" not in engines and f"e{MAX_REMOVED + 4}" in engines
+    assert s.set(preset_text("hedge"), source="b", engine_id="e0").revision == 1  # forgotten: from 1
+    assert s.set(preset_text("hedge"), source="b", engine_id="e9").revision == 2
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("history", {"0": {}}), ("history", None), ("history", "x"), ("engines", []), ("engines", "e1")],
+)
+def test_a_history_or_overrides_table_of_the_wrong_type_is_dropped_alone(where: str, value: object) -> None:
+    """It raised, and the whole snapshot was moved aside with it: the current default policy, its
+    revision (the next was 1 again), every engine and the directive version counter."""
+    d = saved(3)  # default: static-off at 4, history 1-3
+    d["engines"] = saved(2, engine_id="e1")["engines"]
+    if where == "history":
+        d["default"]["history"] = value
+    else:
+        d["engines"] = value
+    s, problems = restore(d)
+    (line,) = problems
+    assert (s.default.spec.name, s.default.revision) == ("static-off", 4)
+    if where == "history":
+        assert line.startswith("policies.default.history: expected a list") and "history dropped" in line
+        assert s.history() == [] and s.effective("e1").revision == 2
+        assert s.set(preset_text("hedge"), source="h").revision == 5
+    else:
+        assert line.startswith("policies.engines: expected an object") and s.overrides() == {}
+        assert [h.revision for h in s.history()] == [3, 2, 1]

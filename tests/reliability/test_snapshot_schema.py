@@ -162,6 +162,11 @@ PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
     # what an older sidecar took from the fleet unbounded: dropped alone, not the whole snapshot
     "fleet-version-float": (_set("state.fleet_policy_version", 1.5), {"e1"}),
     "fleet-version-2^60": (_set("state.fleet_policy_version", 2**60), {"e1"}),
+    # a history or overrides table of the wrong type took the current default with it (moved aside,
+    # revisions and the directive version counter back to the start)
+    "default-history-object": (_set("state.policies.default.history", {"0": {}}), {"e1"}),
+    "default-history-missing": (_edit(lambda d: d["state"]["policies"]["default"].pop("history")), {"e1"}),
+    "overrides-list": (_set("state.policies.engines", [{"current": None}]), {"e1"}),
     "history-entry-bad": (
         _edit(lambda d: d["state"]["policies"]["default"]["history"].append({"yaml": 5})),
         {"e1"},

@@ -4,6 +4,8 @@
 - One sidecar per state directory: a second one exits 1 with a clear error and leaves the first's
   socket and endpoints file alone; once the first dies (kill -9 included), a new one starts.
 - The engine socket path is unlinked only when it is a socket: a regular file there is refused.
+- Something other than a file at the lock's path (a FIFO, directory, symlink) is refused with one line
+  naming it (a FIFO gave "[Errno 22] Invalid argument", naming nothing), and left as it was.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from controller.state_dir import LOCK_NAME, StateDirLock
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2
 from tests.reliability.serve_process import Serve, ctl
 
@@ -159,3 +162,24 @@ def test_a_live_socket_with_a_full_backlog_is_not_taken_for_a_stale_one(tmp_path
                 c.close()
     remove_stale_socket(path, field="engine_listen")  # closed: stale now, removed
     assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (os.mkfifo, "is a FIFO, not the sidecar's lock file"),  # was "[Errno 22] Invalid argument"
+        (os.mkdir, "cannot be opened: Is a directory"),
+        (lambda p: os.symlink("/etc/hostname", p), "cannot be opened: Too many levels of symbolic links"),
+    ],
+    ids=["fifo", "directory", "symlink"],
+)
+def test_something_not_a_file_in_place_of_the_lock_is_refused_naming_it(
+    tmp_path: Path, make: Callable[[Path], None], said: str
+) -> None:
+    make(tmp_path / LOCK_NAME)
+    with pytest.raises(OSError) as e:
+        StateDirLock.acquire(tmp_path)
+    assert str(e.value) == f"state_dir lock {tmp_path / LOCK_NAME} {said}" + (
+        ": move it away and start again" if "FIFO" in said else ""
+    )
+    assert os.listdir(tmp_path) == [LOCK_NAME]  # left as it was
