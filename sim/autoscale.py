@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +89,11 @@ class Hpa:
         return min(raw, limit, s.max_replicas)
 
     def _ratio_rule(self, current: int, ratio: float) -> int:
-        return current if abs(ratio - 1.0) <= self.settings.tolerance else math.ceil(current * ratio)
+        if abs(ratio - 1.0) <= self.settings.tolerance:
+            return current
+        # Capped at max_replicas (as decide caps it anyway) before ceil: a target of 5e-324 made the
+        # ratio infinite, and ceil(inf) raised OverflowError.
+        return math.ceil(min(current * ratio, float(self.settings.max_replicas)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,10 @@ class LearningCurve:
         if age_s >= float(self.t_s[-1]):
             return 1.0
         return float(np.interp(age_s, self.t_s, self.efficiency))
+
+    def at_ages(self, ages: np.ndarray) -> np.ndarray:
+        """``at`` of each age, at once (the same figures: ``np.interp`` of each, 1 from the last)."""
+        return np.where(ages >= float(self.t_s[-1]), 1.0, np.interp(ages, self.t_s, self.efficiency))
 
     def time_to(self, fraction: float = 0.95) -> float:
         hit = np.flatnonzero(self.efficiency >= fraction)
@@ -192,6 +200,10 @@ class FleetSeries:
     p99_e2e_s: np.ndarray  # over the last 60 s
 
 
+#: ``simulate_fleet`` reports progress every this many steps.
+PROGRESS_EVERY = 1000
+
+
 def load_triples(t: np.ndarray, *, base_rps: float, at_s: float) -> np.ndarray:
     """The scenario "load triples": a steady rate that triples at ``at_s``."""
     return np.where(t < at_s, base_rps, 3.0 * base_rps)
@@ -205,8 +217,14 @@ def simulate_fleet(
     warm_start: bool,
     initial_replicas: int = 2,
     dt_s: float = 1.0,
+    progress: Callable[[int], None] | None = None,
 ) -> FleetSeries:
-    """Fluid queue + HPA, one step per ``dt_s``; new replicas learn along the cold or warm curve."""
+    """Fluid queue + HPA, one step per ``dt_s``; new replicas learn along the cold or warm curve.
+    ``progress`` gets the number of steps done since its last call, every ``PROGRESS_EVERY`` steps.
+
+    The replicas are arrays, one entry per pod: a week at thousands of replicas took an hour as
+    Python lists. Capacity is summed in the pods' order (``np.add.accumulate``, as ``sum`` did), so
+    the figures are those of the element-by-element loop to the bit."""
     curve = replica.warm if warm_start else replica.cold
     per_replica_rps = replica.steady_tok_s / replica.mean_output_tokens
     n = len(arrival_rps)
@@ -215,7 +233,7 @@ def simulate_fleet(
     # The HPA has been running at the initial size (its stabilisation window remembers it).
     control.decide(-hpa.sync_period_s, initial_replicas, hpa.target_queue_wait_s, hpa.target_utilisation)
     # Start times of pods: existing ones have long been serving.
-    starts: list[float] = [-1e9] * initial_replicas
+    starts = np.full(initial_replicas, -1e9)
     queue = 0.0
     waits: deque[float] = deque()
     busy: deque[float] = deque()
@@ -223,8 +241,11 @@ def simulate_fleet(
     e2e_window: deque[float] = deque(maxlen=max(1, int(60 / dt_s)))
     for i in range(n):
         now = float(t[i])
-        ages = [now - s - hpa.startup_s for s in starts]
-        capacity = sum(per_replica_rps * curve.at(a) for a in ages if a >= 0) * dt_s
+        ages = now - starts - hpa.startup_s
+        ready_ages = ages[ages >= 0]
+        eff = curve.at_ages(ready_ages)
+        rates = per_replica_rps * eff
+        capacity = (float(np.add.accumulate(rates)[-1]) if len(rates) else 0.0) * dt_s
         queue += float(arrival_rps[i]) * dt_s
         served = min(queue, capacity)
         queue -= served
@@ -232,23 +253,24 @@ def simulate_fleet(
         waits.append(wait)
         # Busy share of the serving slots (a replica at its steady rate has every slot busy).
         busy.append(served / capacity if capacity > 0 else 1.0)
-        ready_ages = [a for a in ages if a >= 0]
-        mean_eff = float(np.mean([curve.at(a) for a in ready_ages])) if ready_ages else 1.0
+        mean_eff = float(np.mean(eff)) if len(eff) else 1.0
         e2e_window.append(wait + replica.service_s / max(mean_eff, 1e-3))
         if i > 0 and now % hpa.sync_period_s < dt_s:
             want = control.decide(now, len(starts), float(np.mean(waits)), float(np.mean(busy)))
             waits.clear()
             busy.clear()
             if want > len(starts):
-                starts.extend([now] * (want - len(starts)))
+                starts = np.concatenate([starts, np.full(want - len(starts), now)])
             elif want < len(starts):
                 # Remove the youngest pods first (least learned, possibly not ready).
-                starts = sorted(starts)[:want]
+                starts = np.sort(starts)[:want]
         out["replicas"][i] = len(starts)
         out["ready"][i] = len(ready_ages)
         out["queue"][i] = queue
         out["wait"][i] = wait
         out["p99"][i] = float(np.percentile(np.asarray(e2e_window), 99))
+        if progress is not None and ((i + 1) % PROGRESS_EVERY == 0 or i == n - 1):
+            progress((i + 1) - i // PROGRESS_EVERY * PROGRESS_EVERY)
     return FleetSeries(
         t_s=t,
         arrival_rps=np.asarray(arrival_rps, dtype=np.float64),

@@ -1,8 +1,9 @@
 """``controllerctl sim autoscale``: the "load triples" scenario, warm vs cold replicas.
 
 Its outputs (``--json``, and ``--out``'s directory of autoscale.md, .json and .png) are checked before
-the run, one against the other too, and written all or nothing: a write that fails removes what this
-run had written (and the directory it made), so no half report is left behind.
+the run, one against the other and against the policy and profile files it reads too, and written
+all or nothing: a write that fails removes what this run had written (and the directory it made), so
+no half report is left behind.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -31,6 +33,7 @@ from sim.cli_types import float_in, int_in
 from sim.costmodel import ProfileError, profile_names
 from sim.engines import ENGINES
 from sim.files import output_problem, replace_file
+from sim.progress import ProgressBar
 
 DAY_S = 86_400.0
 WEEK_S = 7 * DAY_S
@@ -97,6 +100,21 @@ def _clash(json_path: str | None, out: str | None) -> str | None:
     return None
 
 
+def _overwrites_input(args: argparse.Namespace) -> str | None:
+    """An output naming the ``--policy`` or ``--profile`` file read: replaced by the figures after
+    the run, the file lost."""
+    outs = [("--json", Path(args.json))] if args.json else []
+    outs += [("--out", Path(args.out) / name) for name in OUT_FILES] if args.out else []
+    for flag, src in (("--policy", args.policy), ("--profile", args.profile)):
+        if not src or not os.path.isfile(src):
+            continue  # a preset or a shipped profile's name
+        for what, out in outs:
+            same = os.path.samefile(out, src) if out.exists() else out.resolve() == Path(src).resolve()
+            if same:
+                return f"{what} {out}: is the {flag} file it reads; name another output"
+    return None
+
+
 def _write_all(files: list[tuple[Path, bytes]], out: Path | None) -> None:
     """Write each ``(path, bytes)``, making ``out`` (and its missing parents) first; on a failure remove
     the files written and the directories made, then raise the OSError."""
@@ -144,10 +162,21 @@ def run(args: argparse.Namespace, resolve_policy: Any, load_profile: Any) -> int
             file=sys.stderr,
         )
         return 2
+    # The fleet is sampled each whole second from 0: a load step after the last sample left no sample
+    # to summarise (--duration 1.5 --triple-at 1.2 raised from numpy after the replays).
+    last = float(np.arange(0.0, args.duration, 1.0)[-1])
+    if args.triple_at > last:
+        print(
+            f"--triple-at {args.triple_at:g}: after the last second the run samples ({last:g} s of "
+            f"--duration {args.duration:g}): nothing to measure after the load step",
+            file=sys.stderr,
+        )
+        return 2
     problem = (
         output_problem("--json", args.json)
         or output_problem("--out", args.out, directory=True)
         or _clash(args.json, args.out)
+        or _overwrites_input(args)
     )
     if problem is not None:
         print(problem, file=sys.stderr)
@@ -184,10 +213,17 @@ def run(args: argparse.Namespace, resolve_policy: Any, load_profile: Any) -> int
     rps = replica.steady_tok_s / replica.mean_output_tokens
     t = np.arange(0.0, args.duration, 1.0)
     arrivals = load_triples(t, base_rps=args.utilisation * 2 * rps, at_s=args.triple_at)
-    runs = {
-        label: simulate_fleet(replica=replica, arrival_rps=arrivals, hpa=hpa, warm_start=warm)
-        for label, warm in (("cold", False), ("warm", True))
-    }
+    # A bar on a terminal: a week of simulated seconds runs for a minute or more.
+    bar = ProgressBar(total=2 * len(t), label="fleet: cold and warm starts")
+    try:
+        runs = {
+            label: simulate_fleet(
+                replica=replica, arrival_rps=arrivals, hpa=hpa, warm_start=warm, progress=bar.advance
+            )
+            for label, warm in (("cold", False), ("warm", True))
+        }
+    finally:
+        bar.close()
     result: dict[str, Any] = {
         "policy": policy.name,
         "profile": args.profile,

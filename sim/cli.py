@@ -3,12 +3,14 @@
 Errors are one line on stderr (``FILE:LINE: field: message`` where there is a file) and no
 traceback; exit 2 for usage and input errors (bad flags, an invalid trace, policy or profile), exit 1
 for runtime errors (a run that fails, a server that cannot be reached), as in ``controllerctl``.
-Nothing is written when the input is bad, and a run that needs matplotlib checks for it first.
+Nothing is written when the input is bad, and a run that needs matplotlib checks for it first. No
+output may name a file the command reads, or another output of the same run: refused before the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -78,15 +80,15 @@ def resolve_policy(name_or_path: str) -> PolicySpec:
     return resolve_named_policy(name_or_path)
 
 
-def load_named_profile(name: str) -> Profile:
-    """``--profile NAME``: a profile of ``sim/profiles`` or a file; its errors name the flag."""
+def load_named_profile(name: str, flag: str = "--profile") -> Profile:
+    """``--profile NAME`` (or ``flag``): a profile of ``sim/profiles`` or a file; its errors name the flag."""
     if not name.strip():
-        raise ProfileError(f"--profile {name!r}: not a profile name or file")
+        raise ProfileError(f"{flag} {name!r}: not a profile name or file")
     try:
         return load_profile(name)
     except ProfileError as e:
         # A profile file's errors read FILE:LINE: field: message; a name that is none reads bare.
-        raise ProfileError(f"--profile: {e}" if str(e).startswith("unknown profile") else str(e)) from None
+        raise ProfileError(f"{flag}: {e}" if str(e).startswith("unknown profile") else str(e)) from None
 
 
 def _concurrency(text: str) -> list[int]:
@@ -109,6 +111,46 @@ def _check_output(flag: str, path: str | None, *, directory: bool = False, suffi
     problem = output_problem(flag, path, directory=directory, suffix=suffix)
     if problem is not None:
         raise _UsageError(problem)
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file: links, ``..`` and hard links seen through."""
+    with contextlib.suppress(OSError):
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _input_files(*named: tuple[str, str | None]) -> list[tuple[str, str]]:
+    """The ``(flag, path)`` of each input that is a file (a preset or profile name is none)."""
+    return [(flag, path) for flag, path in named if path and os.path.isfile(path)]
+
+
+def _check_not_input(flag: str, out: str | Path | None, inputs: Sequence[tuple[str, str]]) -> None:
+    """Before any work: an output that names one of the files the command reads is refused. It was
+    replaced by the result after the run (``--json`` naming the ``--trace``: the recorded trace lost)."""
+    if not out:
+        return
+    for what, path in inputs:
+        if _same_file(out, path):
+            raise _UsageError(f"{flag} {out}: is the {what} file it reads; name another output")
+
+
+def _check_report_json(json_path: str | None, out: str | None, dirs: Sequence[Path]) -> None:
+    """Before the run: ``--json`` must not be ``--out``'s directory, one above it, one of the report
+    directories ``dirs`` (``--out`` itself, or one per comparison of a sweep) or a file a report writes
+    there. The report was replaced by the JSON without a word (``--json DIR/report.md``), or the JSON
+    failed after the run (``--json DIR``)."""
+    from sim.report import REPORT_FILES
+
+    if not json_path or not out:
+        return
+    j, o = Path(json_path).resolve(), Path(out).resolve()
+    if j == o or j in o.parents:
+        raise _UsageError(f"--json {json_path}: --out {out} is there (give them different paths)")
+    for d in (x.resolve() for x in dirs):
+        if j == d or (j.parent == d and j.name in REPORT_FILES):
+            raise _UsageError(f"--json {json_path}: --out {out} writes there too (give another path)")
 
 
 def _need_matplotlib(flag: str) -> None:
@@ -247,6 +289,15 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
             twice = next((n for i, n in enumerate(seen) if n in seen[:i]), None)
             if twice is not None:
                 raise _UsageError(f"--{what}: two {what}s named {twice!r}: a sweep names its results by them")
+        # A comparison labels its runs POLICY @ ENGINE: two policies of one name (a copy of a preset
+        # under its name) gave two rows alike with different figures, and an engine or policy given
+        # twice ran it twice.
+        for what, seen in (("--policy", [p.name for p in policies]), ("--engine", [e.name for e in engines])):
+            twice = next((n for i, n in enumerate(seen) if n in seen[:i]), None)
+            if twice is not None:
+                raise _UsageError(
+                    f"{what}: {twice!r} twice: a comparison labels its runs by policy and engine name"
+                )
         for trace in traces:
             _check_methods(trace, names, policies, engines)
             if args.open_loop and not trace.has_arrivals:
@@ -265,6 +316,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         if args.out:
             _need_matplotlib("--out")
         _check_output("--json", args.json)
+        _check_outputs(args, traces, profiles, names)
     except (TraceError, PolicyError, ProfileError, _UsageError) as e:
         _err(str(e))
         return EXIT_USAGE
@@ -351,6 +403,38 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
     return 0
 
 
+def _check_outputs(
+    args: argparse.Namespace, traces: Sequence[Trace], profiles: Sequence[Profile], names: Sequence[str]
+) -> None:
+    """``sim replay|compare``: ``--json`` and the report's files against each other and the inputs."""
+    from sim.report import REPORT_FILES
+
+    many = len(traces) * len(profiles) > 1
+    out = Path(args.out) if args.out else None
+    dirs = (
+        []
+        if out is None
+        else [out / f"{t.name}--{p.name}" for t in traces for p in profiles]
+        if many
+        else [out]
+    )
+    _check_report_json(args.json, args.out, dirs)
+    for d in dirs:  # found after the run, naming a temporary directory the user never gave
+        if d.exists() and not d.is_dir():
+            raise _UsageError(f"--out {args.out}: {d} is a file, not a directory for the report")
+    paths = args.trace if isinstance(args.trace, list) else [args.trace]
+    inputs = _input_files(
+        *(("--trace", t) for t in paths),
+        *(("--policy", n) for n in names),
+        # A profile is read from a file only by a .yaml/.yml name (load_profile); else it is a name.
+        *(("--profile", n.strip()) for n in args.profile.split(",") if n.strip().endswith((".yaml", ".yml"))),
+    )
+    _check_not_input("--json", args.json, inputs)
+    for d in dirs:
+        for name in REPORT_FILES:
+            _check_not_input("--out", d / name, inputs)
+
+
 def _sweep_json(cmps: Sequence[Comparison]) -> dict[str, Any]:
     """Several comparisons: each in the layout of a single one, traces outer, profiles inner."""
     return {"comparisons": [c.to_json() for c in cmps]}
@@ -378,6 +462,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         grid = parse_grid(args.param or [])
         if not grid:
             raise _UsageError("--param: give at least one NAME=V1,V2 to search")
+        if args.requests is not None and not (args.scenario or "").strip(" ,"):
+            # As in sim replay|compare: it was ignored without a word.
+            raise _UsageError("--requests: applies to --scenario (a --trace replays all its requests)")
         traces = [read_trace(t, seed=args.seed) for t in args.trace or []]
         traces += _scenarios(args.scenario or "", args)
         if not traces:
@@ -393,6 +480,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for tr in traces:  # before the baseline jobs run, not after
             _check_methods(tr, [args.policy], [spec], engines)
         _check_output("--out", args.out)
+        _check_not_input("--out", args.out, _input_files(*(("--trace", t) for t in args.trace or [])))
         from sim.tune import with_params
 
         for v in itertools.product(*grid.values()):
@@ -404,7 +492,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except ExecutorError as e:
         _err(str(e))
         return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_RUNTIME
-    progress = (lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else None
+    # On a terminal by default, as sim compare's bar: a sweep runs for hours, silent unless asked.
+    shown = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = (lambda m: print(m, file=sys.stderr, flush=True)) if shown else None
     try:
         cands = tune(
             spec,
@@ -438,6 +528,12 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
     try:
         _check_output("--out", args.out)
         _check_output("--plot", args.plot, suffix=".png")
+        # The steps were replaced by the profile (--out naming the steps file), or the plot by it.
+        inputs = _input_files(("steps", args.steps))
+        _check_not_input("--out", args.out, inputs)
+        _check_not_input("--plot", args.plot, inputs)
+        if args.plot and _same_file(args.out, args.plot):
+            raise _UsageError(f"--plot {args.plot}: --out writes the profile there (give another path)")
         name = args.name if args.name is not None else Path(args.out).stem
         bad_name = name_problem(name)
         if bad_name is not None:  # before the fit: a name that cannot load is not written
@@ -448,9 +544,15 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
         engines = _engines(args.engine)
         if len(engines) != 1:
             raise _UsageError("--engine: one engine model")
-        base = load_profile(args.base)
+        base = load_named_profile(args.base, "--base")  # "unknown profile 'x'" did not say which flag
+        # Said on a terminal: a recording of a million steps takes a minute to read and fit.
+        tty = sys.stderr.isatty()
+        if tty:
+            _err(f"reading {args.steps} ...")
         steps = read_steps(args.steps)
         costs: list[DraftCost] = list(DRAFT_COSTS) if args.draft_cost == "auto" else [args.draft_cost]
+        if tty:
+            _err(f"fitting {steps.n} steps ({', '.join(costs)}) ...")
         fit = fit_best(
             steps,
             draft_costs=costs,
@@ -460,7 +562,15 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
             level=args.level,
         )
         text = render_profile(fit, name=name, base=base, model=args.model, hardware=args.hardware)
-        parse_profile_text(text, source=args.out)  # what is written loads, read as load_profile reads it
+        try:  # what is written loads, read as load_profile reads it
+            parse_profile_text(text, source=args.out)
+        except ProfileError as e:
+            # Said as the fit's figure, not as a line of an --out file that was never written.
+            why = str(e).removeprefix(args.out).lstrip(":0123456789 ")
+            raise FitError(
+                f"{args.steps}: the fitted profile is outside the cost model's ranges ({why}); the steps' "
+                f"durations do not follow the step-time model: nothing written to {args.out}"
+            ) from None
     except (StepLogError, FitError, ProfileError, _UsageError) as e:
         _err(str(e))
         return EXIT_USAGE
@@ -733,7 +843,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--engine", default="composite", help=f"one engine model ({', '.join(ENGINES)})")
     p.add_argument("--seed", type=cli_types.seed, default=0, help=SEED_HELP)
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a line per finished job on stderr (default: when stderr is a terminal)",
+    )
     p.add_argument("--out", help="write the winning policy YAML here")
     _executor_args(p)
     p.set_defaults(func=cmd_tune)

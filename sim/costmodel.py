@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -323,6 +324,8 @@ def _map(d: Any, where: str) -> Mapping[str, Any]:
 def _text(d: Mapping[str, Any], key: str, where: str, *, default: str | None = None) -> str:
     """A string field (``str()`` took a list as its text: ``name: [1, 2]`` was the profile ``[1, 2]``)."""
     v = d.get(key, default)
+    if v is None and default is not None:
+        return default  # an empty optional field (``description:``) read "missing field 'description'"
     if v is None:
         raise KeyError(key)
     if not isinstance(v, str) or (default is None and not v):
@@ -425,6 +428,21 @@ def _check_physics(p: Profile) -> None:
         raise ProfileError(
             f"target.const_s: a step of one request takes {t:g} s (target + overhead_s): at least "
             f"{MIN_STEP_S:g} s, as every engine step"
+        )
+    # Each figure in its range still made steps of 1e18 s together (an expert read at 1 byte/s at
+    # 0.1 % efficiency): a replay then reported 0 tok/s and $1e19 per 1M tokens as results.
+    if p.moe is not None:
+        mo = p.moe
+        read = mo.expert_bytes_per_gpu / (mo.bandwidth_bytes_per_s * mo.efficiency)
+        if not read <= MAX_STEP_S:
+            raise ProfileError(
+                f"moe.bandwidth_bytes_per_s: reading every expert takes {read:g} s (expert_bytes_per_gpu / "
+                f"(bandwidth_bytes_per_s x efficiency)): at most {MAX_STEP_S:g} s, as every engine step"
+            )
+    if not t <= MAX_STEP_S:
+        raise ProfileError(
+            f"target.const_s: a step of one request takes {t:g} s (target + overhead_s): at most "
+            f"{MAX_STEP_S:g} s, as every engine step"
         )
     m = p.memory
     if m.kv_room_gb() <= 0:
@@ -550,7 +568,9 @@ def parse_profile(data: Any, *, source: str, lines: yamldoc.Lines | None = None)
         # Every message names the file (and the field's line, when known), then the field.
         msg = str(e).removeprefix(f"{source}: ")
         fld = msg.partition(": ")[0]
-        line = lines.by_path.get(fld) if lines is not None and " " not in fld else None
+        # A top-level figure is named profile.KEY (overhead_s): its line is KEY's, which went unfound.
+        key = fld.removeprefix("profile.")
+        line = lines.by_path.get(key) if lines is not None and " " not in fld else None
         if line is None and lines is not None and " " not in fld and "." in fld:
             line = lines.by_path.get(fld.rpartition(".")[0])  # a missing field: its section's line
         raise ProfileError(f"{source}:{line}: {msg}" if line else f"{source}: {msg}") from None
@@ -573,9 +593,18 @@ def load_profile(name_or_path: str) -> Profile:
         if name_problem(name_or_path) is not None or not p.exists():
             raise ProfileError(f"unknown profile {name_or_path!r} (known: {', '.join(profile_names())})")
     try:
-        if p.stat().st_size > MAX_PROFILE_BYTES:
+        # Only a regular file is read, and never past the limit: a FIFO named x.yaml blocked the run
+        # forever, and a link to /dev/zero (st_size 0) was read until memory ran out.
+        kind = p.stat().st_mode
+        if stat.S_ISDIR(kind):
+            raise ProfileError(f"{p}: cannot read: Is a directory")
+        if not stat.S_ISREG(kind):
+            raise ProfileError(f"{p}: not a regular file (a device, FIFO or socket), not a profile")
+        with p.open("rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+        if len(data) > MAX_PROFILE_BYTES:
             raise ProfileError(f"{p}: larger than {MAX_PROFILE_BYTES} bytes, not a profile")
-        text = p.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ProfileError(f"{p}: not UTF-8 text") from None
     except OSError as e:

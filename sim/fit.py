@@ -54,6 +54,8 @@ _KV = (0, 3)
 _EAGLE = (3, 4, 5)
 #: Relative conditioning below which a parameter counts as not identifiable from the steps.
 _COND = 1e-9
+#: The note of a parameter fixed at 0 because its estimate was negative.
+_NEGATIVE = "the fit went negative"
 
 
 class FitError(ValueError):
@@ -293,6 +295,14 @@ def fit_steps(
         if n_free == 0:
             # Every parameter was fixed in turn (typically one batch size with drafting off: the
             # batched tokens are then constant and collinear with the constants): nothing to fit.
+            varied = np.ptp(steps.batch) > 0 and bool((steps.k > 0).any())
+            if varied and any(n.startswith(_NEGATIVE) for n in notes.values()):
+                # Steps of every size, but durations that do not grow with them: said as such (it
+                # read "record steps at varied batch sizes" of steps at 32 batch sizes).
+                raise FitError(
+                    f"{steps.source}: every parameter the steps inform fits negative (fixed at 0) in the "
+                    f"{draft_cost} model: the durations do not grow with the steps' work (check duration_s)"
+                )
             raise FitError(f"{steps.source}: the steps inform none of the parameters ({_lacking(steps)})")
         if steps.n - n_free < 5:
             raise FitError(
@@ -322,7 +332,7 @@ def fit_steps(
         if neg:
             i = int(min(neg, key=lambda j: u[j]))
             free[i] = False
-            notes[i] = f"the fit went negative ({u[i] * scale[i]:.3g}): fixed at 0"
+            notes[i] = f"{_NEGATIVE} ({u[i] * scale[i]:.3g}): fixed at 0"
             u[i] = 0.0
             continue
         break
@@ -362,8 +372,18 @@ def fit_steps(
 
 
 def fit_best(steps: StepLog, *, draft_costs: Sequence[DraftCost], **kw: Any) -> Fit:
-    """Fits each draft-cost model; the one with the smaller residual, with the others' residuals noted."""
-    fits = [fit_steps(steps, draft_cost=dc, **kw) for dc in draft_costs]
+    """Fits each draft-cost model; the one with the smaller residual, with the others' residuals noted.
+    A model the steps cannot support is left out (FitError only when none fits): one that failed
+    failed the whole ``--draft-cost auto`` while the other fitted."""
+    fits: list[Fit] = []
+    errors: list[FitError] = []
+    for dc in draft_costs:
+        try:
+            fits.append(fit_steps(steps, draft_cost=dc, **kw))
+        except FitError as e:
+            errors.append(e)
+    if not fits:
+        raise errors[0]
     best = min(fits, key=lambda x: x.rmse_s)
     if len(fits) > 1:
         best = dataclasses.replace(best, alternatives={x.draft_cost: x.rmse_s for x in fits})

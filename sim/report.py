@@ -20,6 +20,11 @@ from sim.files import replace_file
 from sim.run import RunResult, arm_of_code
 from sim.sizing import extra_sizings, profile_sizing
 
+#: Every file ``write_report`` may write into its directory (the plots only where they apply): the
+#: command line checks its other outputs against them before the run.
+PLOT_FILES = ("arms_over_time.png", "throughput_vs_concurrency.png", "latency_cdf.png")
+REPORT_FILES = ("report.md", "result.json", *PLOT_FILES)
+
 
 def _f(v: Any, nd: int = 1) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -365,4 +370,4 @@ def write_report(cmp: Comparison, out_dir: Path, *, command: str = "") -> list[P
     return [out_dir / n for n in names]
 
 
-__all__ = ["Entry", "markdown", "plot_all", "write_json", "write_report"]
+__all__ = ["REPORT_FILES", "Entry", "markdown", "plot_all", "write_json", "write_report"]
