@@ -1,10 +1,13 @@
 """``controllerctl``: the sidecar, the demo, and live policy administration over the admin API.
 
 User errors are one line on stderr, never a traceback. Exit 2: usage and input errors (bad flags, a
-policy that does not validate, an unknown engine, a file that is not text, a server-side refusal).
-Exit 1: runtime errors (the sidecar, broker or /metrics cannot be reached, a file cannot be written).
-Exit 130: interrupted (Ctrl-C; a second Ctrl-C ends the process at once). ``--json`` prints numbers as
-JSON numbers (int64 fields too, which protobuf's JSON mapping would quote). Policies are parsed
+policy that does not validate, an unknown engine, a file that is not text, a server-side refusal of
+the request). Exit 1: runtime errors (the sidecar, broker or /metrics cannot be reached, a file or
+stdout cannot be written, the sidecar failed or is rate-limiting: what a retry may cure).
+Exit 130: interrupted (Ctrl-C; a second Ctrl-C ends the process at once). ``--json`` prints one
+JSON document on stdout: numbers as JSON numbers (int64 fields too, which protobuf's JSON mapping
+would quote), every field of a message in every state, in the .proto's order. Human tables are one
+line per row whatever the names hold (what does not print is escaped). Policies are parsed
 locally before anything is sent, so a broken file never reaches the sidecar.
 """
 
@@ -17,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import unicodedata
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -49,8 +53,17 @@ MQTT_URL_ENV = "SPECCONTROL_MQTT_URL"
 MQTT_PASSWORD_ENV = "SPECCONTROL_MQTT_PASSWORD"
 FLEET_ENV = "SPECCONTROL_FLEET"
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-#: The sidecar could not do what was asked, through no fault of the request (a state write failed).
-_RUNTIME = {grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS}
+#: The sidecar could not do what was asked, through no fault of the request: a state write failed
+#: (ABORTED), it is rate-limiting policy changes ("retry later": RESOURCE_EXHAUSTED), its handler
+#: failed (UNKNOWN, INTERNAL) or it went away mid-call (CANCELLED). A retry may succeed, so exit 1.
+_RUNTIME = {
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
 _GRANULARITY = {0: "-", 1: "batch", 2: "request-k", 3: "request-method"}
 
 T = TypeVar("T")
@@ -81,6 +94,23 @@ def _dump(msg: Any) -> dict[str, Any]:
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     _unquote_int64(msg.DESCRIPTOR, out)
+    return _in_proto_order(msg.DESCRIPTOR, out)
+
+
+def _in_proto_order(desc: Descriptor, doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its keys in the .proto's field order, nested messages too. MessageToDict puts the
+    fields that are set first and the defaults after them, so the order changed with the state (an
+    engine's ``rejected`` moved from after ``max_k`` to after ``steps`` once it was not 0)."""
+    out: dict[str, Any] = {}
+    for f in desc.fields:
+        if f.name not in doc:
+            continue
+        v = doc[f.name]
+        if f.message_type is not None and not f.message_type.GetOptions().map_entry:
+            sub = f.message_type
+            v = [_in_proto_order(sub, x) for x in v] if isinstance(v, list) else _in_proto_order(sub, v)
+        out[f.name] = v
+    out.update((k, v) for k, v in doc.items() if k not in out)  # (none expected: kept, not lost)
     return out
 
 
@@ -116,10 +146,29 @@ def _print_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2, sort_keys=False))
 
 
+def _cell(value: object) -> str:
+    """``value`` as one table cell: every character that does not print (control characters, line
+    breaks, zero-width and bidirectional marks, odd spaces) escaped as Python writes it (``\\u200b``),
+    so a row stays one line and two ids that differ only there do not look alike."""
+    text = str(value)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _width(text: str) -> int:
+    """Terminal columns ``text`` takes: East Asian wide characters take two, combining marks none."""
+    if text.isascii():
+        return len(text)
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text
+    )
+
+
 def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(x) for x in head], *[[str(x) for x in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    cells = [[_cell(x) for x in head], *[[_cell(x) for x in r] for r in rows]]
+    widths = [max(_width(r[i]) for r in cells) for i in range(len(head))]
+    lines = [
+        "  ".join(c + " " * (w - _width(c)) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -157,10 +206,52 @@ def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
             )
         except ValueError as e:
             raise UserError(f"--admin-cert-file/--admin-key-file: {e}") from None
+        _check_client_tls(tls)
     return token, tls
 
 
+def _check_client_tls(tls: ClientTLS) -> None:
+    """The admin TLS files read and parsed now, as OpenSSL will (Python's ssl): gRPC took a file that
+    is no certificate, logged a line of its own ("Update handshaker factory failed") and the call
+    failed as "cannot reach the sidecar ... Failed to create security handshaker", exit 1, naming no
+    file. Raises UserError (exit 2) naming the flag."""
+    import ssl
+
+    files = (
+        ("--admin-ca-file", tls.ca_file),
+        ("--admin-cert-file", tls.cert_file),
+        ("--admin-key-file", tls.key_file),
+    )
+    for flag, path in files:
+        if path:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise UserError(f"{flag}: cannot read {one_line(path)}: {e.strerror or e}") from None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if tls.ca_file:
+        try:
+            ctx.load_verify_locations(cafile=tls.ca_file)
+        except ssl.SSLError as e:
+            raise UserError(
+                f"--admin-ca-file {one_line(tls.ca_file)}: not a CA certificate bundle ({e.reason or e})"
+            ) from None
+    if tls.cert_file:
+        try:
+            # (password: an encrypted key would otherwise have OpenSSL ask for one on the terminal)
+            ctx.load_cert_chain(tls.cert_file, tls.key_file, password=lambda: b"")
+        except ssl.SSLError as e:
+            raise UserError(
+                f"--admin-cert-file {one_line(tls.cert_file)} with --admin-key-file {one_line(tls.key_file)}: "
+                f"not a certificate and its own unencrypted key ({e.reason or e})"
+            ) from None
+
+
 def _admin_call(args: argparse.Namespace, fn: Callable[[AdminClient], Awaitable[T]]) -> T:
+    problem = _admin_problem(args.admin) if isinstance(args.admin, _FromEnvironment) else None
+    if problem is not None:
+        raise UserError(f"${ADMIN_ENV}: {problem} (or give --admin ADDR)")
     token, tls = _admin_auth(args)
 
     async def go() -> T:
@@ -185,10 +276,29 @@ def _admin_call(args: argparse.Namespace, fn: Callable[[AdminClient], Awaitable[
 # -- commands --------------------------------------------------------------------------------------------
 
 
+def _config_file_problem(path: str) -> str | None:
+    """Why a sidecar config path that names a device is refused (None: it is not): the config is read
+    whole, and ``/dev/zero`` or ``/dev/urandom`` (a slip of the shell) grew the process by gigabytes a
+    second until it was killed for memory. A FIFO is taken (``config validate /dev/stdin`` from a pipe);
+    a path that cannot be read is left to the reader, which says why."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        return f"{one_line(path)}: not a config file (a device or socket): name a YAML file"
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from controller.errors import ConfigError
     from controller.serve import main as serve_main
 
+    problem = _config_file_problem(args.config) if args.config else None
+    if problem is not None:
+        raise UserError(f"error: {problem}")  # (as serve's own errors read)
     try:
         argv = ["--config", args.config] if args.config else []
         if args.record_steps:
@@ -376,17 +486,26 @@ def cmd_policy_list(args: argparse.Namespace) -> int:
     for name in preset_names():
         spec = parse_policy(preset_text(name), source=f"preset:{name}")
         presets.append({"name": name, "algorithm": spec.algorithm, "description": spec.description})
-    active: list[pb.PolicyInfo] = []
+    listed = pb.ListPoliciesResponse()
     reach_error = ""
     try:
-        active = list(_admin_call(args, lambda a: a.list_policies()).active)
+        listed = _admin_call(args, lambda a: a.list_policies())
     except UserError as e:
         if e.code != 1:
             raise
         reach_error = str(e)
+    active = list(listed.active)
+    # The sidecar lists overrides, then the default's history, while they fit half its message limit;
+    # when something was left out but none of the history came, some overrides may be missing.
+    cut = listed.truncated and not listed.history
     if args.json:
         _print_json(
-            {"presets": presets, "active": [_dump(p) for p in active], "sidecar": reach_error or "reachable"}
+            {
+                "presets": presets,
+                "active": [_dump(p) for p in active],
+                "truncated": listed.truncated,
+                "sidecar": reach_error or "reachable",
+            }
         )
         return 0
     print("presets (policies/library):")
@@ -403,6 +522,11 @@ def cmd_policy_list(args: argparse.Namespace) -> int:
         print("active:")
         rows = [[p.engine_id or "(default)", p.name, p.algorithm, p.revision, p.source] for p in active]
         print(_table(["scope", "name", "algorithm", "revision", "source"], rows))
+        if cut:
+            print(
+                f"(the first {len(active) - 1} engine policies only: the sidecar lists what fits its "
+                "message limit; `controllerctl policy get --engine ID` shows any engine's)"
+            )
     return 0
 
 
@@ -443,12 +567,22 @@ def _engine_rows(engines: Sequence[pb.EngineStatus]) -> str:
     return _table(head, rows)
 
 
+def _utc(unix_s: float) -> str:
+    """A unix time as a UTC date and time a reader can take in (the raw seconds where it is none)."""
+    import time
+
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix_s))
+    except (OverflowError, OSError, ValueError):  # beyond what the platform's calendar holds
+        return f"{unix_s:g} s after 1970"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     st = _admin_call(args, lambda a: a.status())
     if args.json:
         _print_json(_dump(st))
         return 0
-    snap = "never" if not st.last_snapshot_s else f"at {st.last_snapshot_s:.0f}"
+    snap = "never" if not st.last_snapshot_s else _utc(st.last_snapshot_s)
     print(f"sidecar {st.version} at {args.admin}, up {st.uptime_s:.0f} s")
     print(f"default policy: {_policy_line(st.policy)}")
     print(f"snapshot: {st.snapshot_path} (last {snap})")
@@ -493,6 +627,9 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     from controller.config import load_config
     from controller.errors import ConfigError
 
+    problem = _config_file_problem(args.file)
+    if problem is not None:
+        raise UserError(problem)
     try:
         cfg = load_config(args.file)
         if not args.no_files:
@@ -533,17 +670,31 @@ def _engine_id(text: str) -> str:
     return text
 
 
-def _admin_address(text: str) -> str:
-    """``--admin`` (or $SPECCONTROL_ADMIN): an address a client can dial. A port beyond 65535 would
-    otherwise wrap around to another port (the token and the change would go there)."""
+class _FromEnvironment(str):
+    """``--admin``'s default ($SPECCONTROL_ADMIN): a bad one is an error of the commands that dial
+    it, not of every command (``policy validate``, ``config reference`` and ``sim`` refused to run)."""
+
+
+def _admin_problem(text: str) -> str | None:
     from controller.errors import ConfigError
     from controller.wire.address import parse_address
 
     try:
         parse_address(text, field="admin", dial=True)
     except ConfigError as e:
-        raise argparse.ArgumentTypeError(f"{e.message} (from --admin or ${ADMIN_ENV})") from None
-    return text
+        return e.message
+    return None
+
+
+def _admin_address(text: str) -> str:
+    """``--admin`` (or $SPECCONTROL_ADMIN): an address a client can dial. A port beyond 65535 would
+    otherwise wrap around to another port (the token and the change would go there)."""
+    problem = _admin_problem(text)
+    if problem is not None:
+        if isinstance(text, _FromEnvironment):  # (argparse passes a default through here too)
+            return text  # said by _admin_call, when a command dials it
+        raise argparse.ArgumentTypeError(f"{problem} (from --admin or ${ADMIN_ENV})")
+    return str(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -551,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"controllerctl {package_version()}")
     p.add_argument(
         "--admin",
-        default=os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN,
+        default=_FromEnvironment(os.environ.get(ADMIN_ENV) or DEFAULT_ADMIN),
         type=_admin_address,
         metavar="ADDR",
         help=f"sidecar admin address (default: ${ADMIN_ENV} or {DEFAULT_ADMIN})",
@@ -691,7 +842,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _escaping_output() -> None:
+    """stdout (and stderr) escape what their encoding cannot write (``\\u5f15``) instead of raising: an
+    engine id in Chinese under LC_ALL=C with PYTHONUTF8=0, or PYTHONIOENCODING=ascii, ended the
+    engines table with a UnicodeEncodeError traceback. (JSON is ASCII already.)"""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                reconfigure(errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _escaping_output()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -699,7 +862,15 @@ def main(argv: list[str] | None = None) -> int:
         if func is None:
             parser.print_help(sys.stderr)
             return 2
-        return func(args)
+        if sys.stdout is None and func is not cmd_serve:
+            # Started with stdout closed (`>&-`): Python drops what is printed, so `status --json`
+            # said nothing with exit 0 (and `config reference` raised a traceback). Refused before
+            # anything runs, so a `policy set` is not made and then unreported. (serve prints nothing.)
+            raise UserError("error: stdout is closed; controllerctl writes its output there", 1)
+        code = func(args)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a full disk is said here, not as "Exception ignored" at exit
+        return code
     except UserError as e:
         _err(str(e))
         return e.code
@@ -715,8 +886,9 @@ def main(argv: list[str] | None = None) -> int:
         _err(f"error: an input file is not UTF-8 text ({e.reason} at byte {e.start})")
         return 2
     except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        _err(f"error: {one_line(where)}{e.strerror or one_line(str(e))}")
+        # (no file name: stdout, e.g. /dev/full; one_line("") is "error", which made "error: errorNo ...")
+        where = one_line(f"{e.filename}: ") if e.filename else ""
+        _err(f"error: {where}{e.strerror or one_line(str(e))}")
         return 1
 
 

@@ -6,6 +6,11 @@
 ``token`` is the admin bearer token (sent on every call when given); ``tls`` makes the channel TLS,
 with a client certificate for mTLS. Errors are the gRPC ones (``grpc.aio.AioRpcError``); callers
 decide how to show them.
+
+What must hold: the client takes any response a sidecar may send. A sidecar's responses are bounded
+by its ``max_message_bytes`` (up to ``MAX_RESPONSE_BYTES``; a page of engines a quarter of it, a
+policy list half), not by gRPC's 4 MiB client default, which refused them ("Received message larger
+than max") once a sidecar configured above 16 MiB held enough engines or per-engine policies.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import grpc
 from controller.auth import ClientTLS, bearer_metadata, channel_credentials, channel_options
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
+
+#: The largest response taken: the largest ``max_message_bytes`` a sidecar's config allows.
+MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 
 
 class AdminClient:
@@ -32,11 +40,12 @@ class AdminClient:
         self._stub: pb_grpc.AdminServiceStub | None = None
 
     async def __aenter__(self) -> AdminClient:
+        options = [*channel_options(self.tls), ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
         if self.tls is not None:
             creds = channel_credentials(self.tls)
-            self._channel = grpc.aio.secure_channel(self.target, creds, options=channel_options(self.tls))
+            self._channel = grpc.aio.secure_channel(self.target, creds, options=options)
         else:
-            self._channel = grpc.aio.insecure_channel(self.target)
+            self._channel = grpc.aio.insecure_channel(self.target, options=options)
         self._stub = pb_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return self
 

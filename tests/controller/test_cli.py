@@ -326,3 +326,20 @@ def test_policy_engine_ids_are_checked_before_the_sidecar_is_called(
         main(["--admin", _closed_port(), "policy", *action, f"--engine={engine}"])
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_bad_admin_address_in_the_environment_only_stops_commands_that_dial_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # $SPECCONTROL_ADMIN was checked by argparse for every command: `policy validate` (and `sim`,
+    # `config reference`, ...) refused to run, "argument --admin: port must be 1..65535".
+    monkeypatch.setenv("SPECCONTROL_ADMIN", "bad:99999")
+    assert main(["policy", "validate", "policies/library/default.yaml"]) == 0
+    capsys.readouterr()
+    assert main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert err == "$SPECCONTROL_ADMIN: port must be 1..65535, got 'bad:99999' (or give --admin ADDR)\n"
+    assert main(["--admin", _closed_port(), "--timeout", "2", "status"]) == 1  # --admin wins
+    with pytest.raises(SystemExit) as e:  # given as --admin, it is a usage error at once
+        main(["--admin", "bad:99999", "policy", "validate", "policies/library/default.yaml"])
+    assert e.value.code == 2
