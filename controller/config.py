@@ -476,9 +476,16 @@ def load_config(path: str | None) -> SidecarConfig:
     if path is None:
         return SidecarConfig()
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # Never read past the limit: a device (``--config /dev/zero``, a slip of the shell) was read
+        # whole, gigabytes a second until the process was killed for memory.
+        with Path(path).open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read: {e.strerror or e}", source=path) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"larger than {MAX_CONFIG_BYTES} bytes", source=path)
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError("not UTF-8 text", source=path) from None
     return parse_config(text, source=path)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import SidecarConfig, load_config, parse_config
+from controller.config import MAX_CONFIG_BYTES, SidecarConfig, load_config, parse_config
 from controller.errors import ConfigError
 
 
@@ -219,3 +219,24 @@ def test_check_files_reads_what_serve_will_read(tmp_path: Path) -> None:
     ok = parse_config(f"state_dir: {tmp_path}/new/s\nadmin_token_file: {token}\n", source="c.yaml")
     ok.check_files()  # a state_dir still to be made is fine
     assert not (tmp_path / "new").exists()  # and checking makes nothing
+
+
+def test_a_config_path_that_is_a_device_is_read_no_further_than_the_limit() -> None:
+    # load_config is what serve (and its python -m entry) reads with: /dev/zero was read whole,
+    # gigabytes a second, until the process was killed for memory. Run in a child process with its
+    # memory capped, so that the old reader fails the test instead of taking the machine down.
+    import subprocess
+    import sys
+
+    probe = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "from controller.config import load_config\n"
+        "from controller.errors import ConfigError\n"
+        "try:\n"
+        "    load_config('/dev/zero')\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stdout.strip() == f"/dev/zero: larger than {MAX_CONFIG_BYTES} bytes"
