@@ -107,3 +107,19 @@ def test_the_entry_module_loads_nothing_heavy() -> None:
         "controller",
         "controller._entry",
     }
+
+
+def test_a_client_command_says_its_error_in_one_line_without_grpc_s_own(tmp_path: Path) -> None:
+    """--admin-ca-file against a plaintext sidecar: gRPC logged a handshake line of its own first."""
+    from tests.security.certs import make_certs
+    from tests.serve_process import serve_process
+
+    certs = make_certs(tmp_path / "c")
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    with serve_process(tmp_path) as ends:
+        argv = [CTL, "--admin", ends["admin"], "--timeout", "5", "--admin-ca-file", str(certs.ca), "status"]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith("cannot reach the sidecar at ") and done.stderr.count("\n") == 1, (
+        done.stderr
+    )
