@@ -19,6 +19,15 @@ phase as it would in production, its decision interval and dwell are shortened b
 and its discount is re-timed to keep the same memory in seconds (``discount ** (1 / speedup)`` per
 round). Nothing else changes.
 
+A phase an engine never stepped in (a run so short that one step spans it) has no goodput: null
+in the result (``--json``) and "-" in the table, never a 0 that would read as a measurement, and
+the per-phase ratios and best static arm skip it.
+
+The demo ends at once, with one line and exit 1 (``controllerctl``), when an engine fails, when
+its sidecar ends the decision stream (the engines would go on without it, and the figures would not
+be the policies'), or when standard output goes away (``| head``); Ctrl-C ends it at any moment
+with the sidecar stopped in order and its temporary state directory removed.
+
 The live lines are one per phase and one per real change of the adaptive engine's arms (a context
 of the batch size in play that had an arm before), at most one line per ``CHANGE_LINE_S`` of wall
 time (changes in between are folded into the next line).
@@ -28,12 +37,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
+import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
+
+import grpc
 
 from controller import _interrupt as interrupt
 from controller.client import AdminClient
@@ -45,7 +60,7 @@ from controller.server import SidecarServer
 from policies.context import Context
 from policies.presets import load_preset
 from policies.spec import PolicySpec, render_policy, static_policy
-from sim.files import save_figure
+from sim.files import replace_file
 
 ADAPTIVE = "adaptive"
 #: Every arm the demo engine can play, no speculation first.
@@ -87,7 +102,8 @@ class EngineRow:
     acceptance_rate: float
     tokens: int
     virtual_s: float
-    phase_goodput_tok_s: tuple[float, ...]
+    #: None for a phase the engine never stepped in (a run so short that one step spans a phase).
+    phase_goodput_tok_s: tuple[float | None, ...]
     arm_steps: dict[str, int]
     directives: int
     fallbacks: int
@@ -102,7 +118,7 @@ class EngineRow:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens": self.tokens,
             "virtual_s": round(self.virtual_s, 3),
-            "phase_goodput_tok_s": [round(g, 2) for g in self.phase_goodput_tok_s],
+            "phase_goodput_tok_s": [None if g is None else round(g, 2) for g in self.phase_goodput_tok_s],
             "arm_steps": dict(sorted(self.arm_steps.items())),
             "directives": self.directives,
             "fallbacks": self.fallbacks,
@@ -200,13 +216,10 @@ async def run_demo(
             max_policy_changes_per_s=1000.0,
         )
         sidecar = SidecarServer(config=config)
-        await sidecar.start()
+        await _start(sidecar)
         try:
             async with AdminClient(target=sidecar.admin_target) as admin:
-                await admin.set_policy(render_policy(adaptive_spec), source=f"demo: default x{speedup:g}")
-                for arm in STATIC_ARMS:
-                    spec = static_policy(arm)
-                    await admin.set_policy(render_policy(spec), source=spec.name, engine_id=engine_name(arm))
+                await _set_policies(admin, adaptive_spec, speedup)
                 names = [ADAPTIVE, *(engine_name(a) for a in STATIC_ARMS)]
                 link = LinkSettings(time_scale=time_scale, await_directive_s=5.0)
                 engines = {
@@ -230,19 +243,95 @@ async def run_demo(
                 try:
                     for e in engines.values():
                         await e.start()
-                    for e in engines.values():
-                        await e.wait()
+                    await _until_done(engines, side)
                 finally:
                     for t in side:
                         t.cancel()
-                    for t in side:
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await t
+                    # (their failure, if any, is what _until_done raised: awaited here, it would
+                    # replace that and leave the engines running)
+                    await asyncio.gather(*side, return_exceptions=True)
                     for e in engines.values():
-                        await e.stop()
+                        with contextlib.suppress(Exception):  # a failed engine: _until_done said so
+                            await e.stop()
         finally:
-            await sidecar.stop(snapshot=False)
+            await _stop(sidecar)
     return _result(engines, workload, seconds=seconds, seed=seed, wall_s=time.monotonic() - wall0)
+
+
+async def _start(sidecar: SidecarServer) -> None:
+    """``sidecar.start()``, run to its end even when the demo is cancelled meanwhile (Ctrl-C in its
+    first second): a gRPC server cancelled inside its own start cannot be shut down (its shutdown
+    raises InvalidStateError, printed as "Task exception was never retrieved" or a traceback). So the
+    start finishes (a fraction of a second), the sidecar is stopped, and the cancellation goes on."""
+    task = asyncio.ensure_future(sidecar.start())
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # a start that failed has cleaned up after itself
+            await task
+            await _stop(sidecar)
+        raise
+
+
+async def _stop(sidecar: SidecarServer) -> None:
+    """Stop the sidecar, its snapshot writes included, before its temporary state directory goes.
+    Stopping cancels its tick while a snapshot write it started (the acknowledgements wait for one)
+    runs on a worker thread, which went on writing in the directory being removed: the removal failed
+    ("Directory not empty", exit 1 in place of the result) and left the directory in /tmp. The final
+    snapshot takes the store's lock after that write (a write queued behind it is older, and skipped)."""
+    await sidecar.stop(snapshot=True)
+
+
+async def _set_policies(admin: AdminClient, adaptive: PolicySpec, speedup: float) -> None:
+    """The adaptive engine's policy (the sidecar's default) and one static policy per other engine.
+    The sidecar writes each through to its state directory: where that cannot be written (a full
+    /tmp) it refuses the change, which came out as a gRPC traceback; now a RuntimeError (exit 1)."""
+    try:
+        await admin.set_policy(render_policy(adaptive), source=f"demo: default x{speedup:g}")
+        for arm in STATIC_ARMS:
+            spec = static_policy(arm)
+            await admin.set_policy(render_policy(spec), source=spec.name, engine_id=engine_name(arm))
+    except grpc.aio.AioRpcError as e:
+        raise RuntimeError(f"the demo's sidecar refused its policies: {_why(e)}") from None
+
+
+def _why(e: BaseException) -> str:
+    """An exception in one line: a gRPC status and its details, else its type and first line."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        details = (e.details() or "").strip().splitlines()
+        return f"{e.code().name}: {details[0]}" if details else e.code().name
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+async def _until_done(engines: dict[str, EmbeddedEngine], side: list[asyncio.Task[None]]) -> None:
+    """Until every engine has played its schedule. The first engine or live-line task that fails ends
+    the demo at once (not after the other engines' whole run), as a RuntimeError naming it (exit 1),
+    or the OSError of an output that went away (a closed pipe, a full disk)."""
+    runs = {asyncio.ensure_future(e.wait()): name for name, e in engines.items()}
+    watched: set[asyncio.Future[None]] = {*runs, *side}
+    try:
+        while not all(r.done() for r in runs):
+            done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                e = None if t.cancelled() else t.exception()
+                if e is None:
+                    if t in runs or all(r.done() for r in runs):
+                        continue
+                    # The sidecar ends the decision stream only when it stops: the engines would go
+                    # on without it, on their last directives, and the figures would not be the
+                    # policies'.
+                    raise RuntimeError("the sidecar ended its decision stream mid-run")
+                if t in runs:
+                    raise RuntimeError(f"engine {runs[t]} failed: {_why(e)}") from e
+                if isinstance(e, OSError):
+                    raise e
+                raise RuntimeError(f"the sidecar's decision stream failed: {_why(e)}") from e
+    finally:
+        for r in runs:
+            r.cancel()
+            if r.done() and not r.cancelled():
+                r.exception()  # (retrieved: a second failure at once is not "never retrieved")
 
 
 def _result(
@@ -262,7 +351,9 @@ def _result(
                 acceptance_rate=t.acceptance_rate,
                 tokens=t.tokens,
                 virtual_s=t.virtual_s,
-                phase_goodput_tok_s=tuple(t.phase_goodput(i) for i in range(n_phases)),
+                phase_goodput_tok_s=tuple(
+                    t.phase_goodput(i) if t.phase_s.get(i, 0.0) > 0 else None for i in range(n_phases)
+                ),
                 arm_steps=dict(t.arm_steps),
                 directives=t.directives,
                 fallbacks=t.fallbacks,
@@ -273,7 +364,7 @@ def _result(
     best = max(statics, key=lambda r: r.goodput_tok_s)
     worst = min(statics, key=lambda r: r.goodput_tok_s)
     adaptive = next(r for r in rows if r.engine == ADAPTIVE)
-    phase_best = [max(statics, key=lambda r, i=i: r.phase_goodput_tok_s[i]) for i in range(n_phases)]  # type: ignore[misc]
+    phase_best = [_phase_best(statics, i) for i in range(n_phases)]
     return {
         "seconds": seconds,
         "seed": seed,
@@ -286,11 +377,9 @@ def _result(
             name: [[round(t, 3), round(g, 1)] for t, g in e.totals.goodput_over_time()]
             for name, e in engines.items()
         },
-        "phase_best_static": [r.engine for r in phase_best],
+        "phase_best_static": [None if r is None else r.engine for r in phase_best],
         "adaptive_vs_best_static_per_phase": [
-            round(adaptive.phase_goodput_tok_s[i] / r.phase_goodput_tok_s[i], 4)
-            if r.phase_goodput_tok_s[i]
-            else 0.0
+            _phase_ratio(adaptive.phase_goodput_tok_s[i], None if r is None else r.phase_goodput_tok_s[i])
             for i, r in enumerate(phase_best)
         ],
         "best_static": best.engine,
@@ -302,6 +391,21 @@ def _result(
         if worst.goodput_tok_s
         else 0.0,
     }
+
+
+def _phase_best(statics: list[EngineRow], i: int) -> EngineRow | None:
+    """The static engine with the most goodput in phase ``i``, of those that stepped in it."""
+    played = [r for r in statics if r.phase_goodput_tok_s[i] is not None]
+    return max(played, key=lambda r: r.phase_goodput_tok_s[i] or 0.0) if played else None
+
+
+def _phase_ratio(adaptive: float | None, best: float | None) -> float | None:
+    """Adaptive over the phase's best static arm; None (not 0) when either was not measured."""
+    return round(adaptive / best, 4) if adaptive is not None and best else None
+
+
+def _cell(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -327,7 +431,7 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{r['speedup_vs_no_spec']:.2f}x",
                 f"{r['goodput_tok_s'] / best_g:.3f}" if best_g else "-",
                 f"{r['acceptance_rate']:.2f}",
-                *(f"{g:.0f}" for g in r["phase_goodput_tok_s"]),
+                *(_cell(g, ".0f") for g in r["phase_goodput_tok_s"]),
             ]
         )
     ratios = result["adaptive_vs_best_static_per_phase"]
@@ -339,7 +443,7 @@ def format_table(result: dict[str, Any]) -> str:
             "",
             f"{result['adaptive_vs_best_static']:.3f}",
             "",
-            *(f"{x:.3f}" for x in ratios),
+            *(_cell(x, ".3f") for x in ratios),
         ]
     )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
@@ -354,13 +458,14 @@ def format_table(result: dict[str, Any]) -> str:
     lines.insert(len(lines) - 1, lines[1])
     lines.append("")
     lines.extend(
-        f"phase {i + 1}: {p}; best static {b.removeprefix('static-')}"
+        f"phase {i + 1}: {p}; best static {b.removeprefix('static-') if b else '- (no step in it)'}"
         for i, (p, b) in enumerate(zip(result["phases"], result["phase_best_static"], strict=True))
     )
     lines.append(f"goodput = tokens per virtual second; wall time {result['wall_s']:.1f} s")
+    measured = [x for x in ratios if x is not None]
     lines.append(
         f"adaptive vs best static: {result['adaptive_vs_best_static']:.3f} ({result['best_static']}); "
-        f"worst phase: {min(ratios):.3f}"
+        f"worst phase: {_cell(min(measured) if measured else None, '.3f')}"
     )
     lines.append(
         f"adaptive vs worst static: {result['adaptive_vs_worst_static']:.2f} ({result['worst_static']})"
@@ -403,9 +508,33 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     try:
-        save_figure(fig, path, dpi=110)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)  # drawn first: a failure leaves an old image as it was
     finally:
         plt.close(fig)
+    with _sigint_held():
+        replace_file(path, buf.getvalue())
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Ctrl-C waits for the block's end, then acts as it would have: ``replace_file`` interrupted
+    between writing ``FILE.tmp`` and renaming it over ``FILE`` left the ``.tmp`` in the user's
+    directory. (A Python handler, not a signal mask: gRPC's threads would take a masked SIGINT.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if pressed:
+        if callable(old):
+            old(signal.SIGINT, None)  # Python's own: KeyboardInterrupt
+        elif old == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)  # after a first Ctrl-C: the second ends the process
 
 
 def main(

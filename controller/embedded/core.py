@@ -5,7 +5,9 @@ is read between steps, so one received while step t runs first shapes step t + 1
 is ``sim.kernel.StepKernel``'s (the per-request rule, the plan made playable, acceptance and the
 ``Profile``'s price), the same as in the decision-quality replays; n-gram's would-be acceptance is
 scored on every request-step. When no directive (new or a refresh) arrives within its TTL of wall
-time, the engine falls back to its safe default arm, the one it was started with.
+time, the engine falls back to its safe default arm, the one it was started with; a TTL of zero or
+less never expires, as in the vLLM plugin (``controller.vllm.link``), so both engines do the same with
+one directive.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from controller.embedded.workload import Workload
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import encode_columns, index_classes
 from policies.arms import Arm, Method
+from policies.context import MAX_BATCH_SIZE
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
 from policies.engine_rules import safe_default_directive
@@ -38,6 +41,8 @@ DEFAULT_ARMS: tuple[Arm, ...] = (
     *(Arm(Method.NGRAM, k) for k in range(1, MAX_K + 1)),
     Arm(Method.OFF, 0),
 )
+#: Time bins of the goodput-over-time series over the whole schedule.
+BINS = 80
 #: vLLM's start-up configuration in the demo: EAGLE-3 with three draft tokens.
 SAFE_DEFAULT = Arm(Method.EAGLE3, 3)
 #: The composite drafter as the simulator models it. The wire reports no counterfactual depth, so
@@ -66,6 +71,12 @@ class EngineSettings:
             raise ValueError("engine settings: engine_id is required")
         if not 1 <= self.max_k <= 16:
             raise ValueError(f"engine settings: max_k must be in 1..16, got {self.max_k}")
+        # (0 or less admitted no request: the engine stepped on empty batches, 0 tokens, in silence,
+        # while its Hello's 0 reads as "not said", 256, at the sidecar)
+        if not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(
+                f"engine settings: max_batch_size must be in 1..{MAX_BATCH_SIZE}, got {self.max_batch_size}"
+            )
         if self.safe_default.k > self.max_k:
             raise ValueError(f"engine settings: safe_default {self.safe_default} exceeds max_k {self.max_k}")
         bad = [str(a) for a in self.arms if a.method not in (Method.EAGLE3, Method.NGRAM, Method.OFF)]
@@ -104,8 +115,12 @@ class EngineTotals:
     phase_tokens: Counter[int] = field(default_factory=Counter)
     phase_s: dict[int, float] = field(default_factory=dict)
 
-    #: Tokens and virtual seconds per time bin (``bin_s`` wide), for goodput over time.
+    #: Tokens and virtual seconds per time bin (``bin_s`` wide), for goodput over time; the schedule
+    #: holds ``bins`` of them (0: no bound). Bins past the schedule's end only ever hold zero (no step
+    #: starts there) and would show as a drop to nothing at the end; with a schedule shorter than a
+    #: step they would number millions (``--seconds 1e-9``: virtual_s / bin_s bins).
     bin_s: float = 0.25
+    bins: int = 0
     bin_tokens: Counter[int] = field(default_factory=Counter)
 
     def phase_goodput(self, phase: int) -> float:
@@ -121,8 +136,11 @@ class EngineTotals:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def goodput_over_time(self) -> list[tuple[float, float]]:
-        """(bin start in virtual seconds, tokens per virtual second in it), for every full bin."""
+        """(bin start in virtual seconds, tokens per virtual second in it), for every full bin of the
+        schedule."""
         last = int(self.virtual_s / self.bin_s)
+        if self.bins > 0:
+            last = min(last, self.bins)
         return [(i * self.bin_s, self.bin_tokens[i] / self.bin_s) for i in range(last)]
 
 
@@ -155,7 +173,7 @@ class EngineCore:
             controlled=not settings.plain,
         )
         self._next_index: dict[int, int] = {}
-        self.totals = EngineTotals(bin_s=workload.schedule.duration_s / 80)
+        self.totals = EngineTotals(bin_s=workload.schedule.duration_s / BINS, bins=BINS)
 
     # -- directives --------------------------------------------------------------------------------
 
@@ -187,6 +205,7 @@ class EngineCore:
         elif (
             self._active.version != 0
             and self._heard_at is not None
+            and self._active.ttl_s > 0
             and self._clock() - self._heard_at > self._active.ttl_s
         ):
             self._active = self._safe

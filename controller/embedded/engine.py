@@ -9,7 +9,8 @@ engine keeps serving on its last directive, then on its safe default once that e
 Nothing is counted twice or lost in a reconnect: the protocol (sequences across streams for this
 engine instance, ``Hello.instance_id``; sent batches kept until a directive acknowledges them and
 resent after a reconnect) is ``controller.wire.link.LinkCore``'s, the same the vLLM plugin's thread
-drives; the sidecar drops any batch it had already applied.
+drives; the sidecar drops any batch it had already applied. Steps still queued when the engine ends
+(the sidecar unreachable for the last ``DRAIN_S``, or ``stop()`` mid-run) are counted as dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -61,18 +63,29 @@ class LinkSettings:
     await_directive_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.time_scale < 0:
-            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
-        if (
-            self.flush_interval_s < 0
-            or self.max_steps_per_batch < 1
-            or self.send_queue_steps < 1
-            or self.resend_steps < 1
-            or self.ack_wait_s < 0
+        # Every duration a finite number: NaN passed every comparison (and ran as 0, or slept NaN),
+        # and an infinite time_scale paced the first step into a sleep that never ends.
+        for name in (
+            "time_scale",
+            "flush_interval_s",
+            "ack_wait_s",
+            "backoff_initial_s",
+            "backoff_max_s",
+            "await_directive_s",
         ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"link settings: {name} must be a finite number >= 0, got {value!r}")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            # (a backoff of 0 stays 0 when doubled: a refused connection retried as fast as the loop turns)
             raise ValueError(
-                "link settings: flush_interval_s, ack_wait_s >= 0; max_steps_per_batch, send_queue_steps "
-                "and resend_steps >= 1"
+                "link settings: backoff_initial_s must be > 0 and backoff_max_s >= it, got "
+                f"{self.backoff_initial_s!r} and {self.backoff_max_s!r}"
+            )
+        if self.max_steps_per_batch < 1 or self.send_queue_steps < 1 or self.resend_steps < 1:
+            raise ValueError(
+                "link settings: max_steps_per_batch, send_queue_steps and resend_steps must be >= 1, got "
+                f"{self.max_steps_per_batch}, {self.send_queue_steps}, {self.resend_steps}"
             )
 
 
@@ -157,6 +170,11 @@ class EmbeddedEngine:
             link.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await link
+            # Steps never put in a batch (a sidecar gone, or stopped mid-run) are counted as dropped,
+            # as the plugin's link does on close: every step made is sent, resent or counted.
+            lost = self.wire.discard()
+            if lost:
+                log.info("engine %s: %d steps not sent (counted as dropped)", self.settings.engine_id, lost)
 
     # -- steps ---------------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from controller.embedded.core import ENGINE_MODEL, EngineCore, EngineSettings
+from controller.embedded.core import BINS, ENGINE_MODEL, EngineCore, EngineSettings
 from controller.embedded.workload import Phase, Schedule, build_workload
 from controller.wire.codec import observation_from_pb
 from policies.arms import METHODS_BY_CODE, Arm, Method
@@ -99,6 +99,37 @@ def test_ttl_expiry_falls_back_to_the_safe_default_and_a_refresh_prevents_it() -
     assert core.totals.fallbacks == 1
     core.receive(_directive("ngram:4", 3, ttl_s=1.0))  # the sidecar is back: same decision again
     assert core.step().directive_version == 3
+
+
+@pytest.mark.parametrize("ttl_s", [0.0, -1.0])
+def test_a_ttl_of_zero_or_less_never_expires_as_in_the_plugin(ttl_s: float) -> None:
+    # The vLLM plugin's link keeps such a directive for good (controller.vllm.link); the demo engine
+    # fell back on the next step and took it again on every refresh, flapping between the two.
+    clock = FakeClock()
+    core = _core(clock)
+    core.receive(_directive("ngram:4", 3, ttl_s=ttl_s))
+    core.step()
+    clock.t += 3600.0
+    rep = core.step()
+    assert rep.directive_version == 3 and _arms(rep) == {"ngram:4"}
+    assert core.totals.fallbacks == 0
+
+
+@pytest.mark.parametrize("duration_s", [1e-3, 0.05, 0.4, 4.0])
+def test_goodput_over_time_covers_the_schedule_only(duration_s: float) -> None:
+    # The last step ends past the schedule: bins after its end hold nothing (no step starts there),
+    # showed as a drop to zero at the end of the plot, and numbered virtual_s / bin_s, millions for a
+    # schedule shorter than one step (--seconds 1e-9 took minutes and gigabytes).
+    workload = build_workload(Schedule((Phase(duration_s, {"chat": 1.0}, 32),)), profile=PROFILE, seed=2)
+    core = EngineCore(settings=EngineSettings(engine_id="e"), workload=workload, profile=PROFILE)
+    while not core.done:
+        core.step()
+    series = core.totals.goodput_over_time()
+    assert core.totals.virtual_s > duration_s
+    assert 0 < len(series) <= BINS
+    assert all(t < duration_s for t, _ in series)
+    if duration_s >= 4.0:  # steps far shorter than a bin (as in the demo): every bin, and no more
+        assert len(series) == BINS
 
 
 def test_stale_directives_are_ignored() -> None:
