@@ -373,6 +373,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UserError(problem)
     try:
         return demo_main(seconds=args.seconds, as_json=args.json, seed=args.seed, plot_path=args.plot)
+    except BrokenPipeError:
+        raise  # the reader went away (`demo | head`): main's rule, exit 1 and nothing said
     except (RuntimeError, OSError) as e:
         raise UserError(f"demo: {e}", code=1) from None
 

@@ -30,10 +30,13 @@ def replace_file(path: str | Path, data: bytes) -> None:
     try:
         tmp.write_bytes(data)
         tmp.replace(real)
-    except OSError as e:
+    except BaseException as e:
+        # (Ctrl-C mid-write too: it left NAME.tmp beside the file)
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise OSError(e.errno, e.strerror, str(p)) from None
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, str(p)) from None
+        raise
 
 
 def save_figure(fig: Any, path: str | Path, *, dpi: int) -> None:

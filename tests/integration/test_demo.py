@@ -222,3 +222,19 @@ def test_a_state_directory_that_cannot_be_written_is_one_line(
     assert err[-1].startswith("demo: the demo's sidecar refused its policies: ABORTED: "), err
     assert "No space left on device" in err[-1]
     assert list(own_tmp.iterdir()) == []
+
+
+def test_controllerctl_demo_whose_reader_went_away_exits_1_in_silence(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], own_tmp: Path
+) -> None:
+    # The CLI's rule for a reader gone (`controllerctl ... | head -1`): exit 1, nothing said. The demo's
+    # handler made it "demo: [Errno 32] Broken pipe" on a stderr the user may still be reading.
+    from controller import cli, demo
+
+    def reader_gone(**_: Any) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(demo, "main", reader_gone)
+    monkeypatch.setattr(cli.os, "dup2", lambda *_: None)  # (main points stdout at /dev/null)
+    assert cli.main(["demo", "--seconds", "1"]) == 1
+    assert capsys.readouterr().err == ""

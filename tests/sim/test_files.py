@@ -37,6 +37,24 @@ def test_a_failed_rename_removes_the_sibling_and_keeps_the_old_file(tmp_path: Pa
     assert (target / "keep").read_bytes() == b"1"
 
 
+def test_an_interrupted_write_removes_the_sibling_and_keeps_the_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C while the bytes are written (a plot, a report): NAME.tmp stayed beside the file.
+    target = tmp_path / "plot.png"
+    target.write_bytes(b"old")
+
+    def interrupted(self: Path, data: bytes) -> int:
+        Path.write_text(self, "half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_bytes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        replace_file(target, b"new")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["plot.png"]
+    assert target.read_bytes() == b"old"
+
+
 def test_missing_directory_names_the_directory_a_file_would_go_in(tmp_path: Path) -> None:
     assert missing_directory(tmp_path / "out.json") is None
     assert missing_directory(tmp_path / "a" / "b" / "out.json") == tmp_path / "a" / "b"
