@@ -12,7 +12,8 @@ simulator (``sim.kernel``) all call these, so the three cannot drift apart:
   configured drafter (EAGLE-3, P-EAGLE) runs at, guessed before the step from each request's class arm
   and pending plan (the plugin's schedule hook, the simulator's ``composite-sync``).
 * ``safe_default_directive``: the directive an engine runs on by itself (version 0) before its first
-  directive and after one expires: its start-up configuration, for every class and batch size.
+  directive and after one expires: its start-up configuration, for every class and batch size
+  (``startup_table_directive`` where the engine started with a K per batch size).
 * ``rule_alpha``: the per-request rule's smoothing factor, with one default.
 
 Pure: numbers and numpy in, numbers and numpy out; no I/O.
@@ -20,9 +21,11 @@ Pure: numbers and numpy in, numbers and numpy out; no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from policies.arms import METHOD_CODES, Arm, Method
+from policies.arms import METHOD_CODES, OFF, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.jit import kernel
@@ -129,6 +132,38 @@ def safe_default_directive(arm: Arm, *, max_k: int) -> Directive:
     )
 
 
+def startup_table_directive(lookup: Sequence[int], method: Method, *, max_k: int) -> Directive:
+    """The fail-static directive (version 0) of an engine started with a K per batch size (vLLM's
+    ``num_speculative_tokens_per_batch_size``; ``lookup`` is its ``dynamic_sd_lookup``, index = batch
+    size, entry 0 unused): that table, ``method`` at each range's K (0: off), for every class. With
+    ``safe_default_directive`` alone such an engine ran its largest K at every batch size whenever the
+    sidecar was absent (K 5 at batch 256 where its table said 1), which is not how it was configured.
+    One K throughout is ``safe_default_directive`` itself."""
+    ks = [min(max(int(k), 0), max_k) for k in lookup[1:]]
+    if not ks:
+        raise ValueError("lookup: no batch size")
+    if len(set(ks)) == 1:
+        return safe_default_directive(Arm(method, ks[0]) if ks[0] else OFF, max_k=max_k)
+    runs: list[tuple[int, int, int]] = []  # (first batch size, last, K)
+    for bs, k in enumerate(ks, start=1):
+        if runs and runs[-1][2] == k:
+            runs[-1] = (runs[-1][0], bs, k)
+        else:
+            runs.append((bs, bs, k))
+    last = len(runs) - 1
+    ranges = [(lo, 0 if i == last else hi, k) for i, (lo, hi, k) in enumerate(runs)]  # the last: and up
+    return Directive(
+        version=0,
+        policy="safe-default",
+        reason="no fresh directive from the sidecar",
+        ttl_s=0.0,
+        issued_at_s=0.0,
+        k_table=tuple(KRange(lo, hi, k) for lo, hi, k in ranges),
+        method=method,
+        plan=tuple(PlanEntry(ANY_CLASS, lo, hi, Arm(method, k) if k else OFF) for lo, hi, k in ranges),
+    )
+
+
 __all__ = [
     "DEFAULT_RULE_ALPHA",
     "clamp_plan",
@@ -137,4 +172,5 @@ __all__ = [
     "drafter_k_row",
     "rule_alpha",
     "safe_default_directive",
+    "startup_table_directive",
 ]

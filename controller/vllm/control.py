@@ -18,7 +18,7 @@ from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, PlanEntry
 from policies.engine import EngineInfo, Granularity
-from policies.engine_rules import clamp_plan, clamp_row, safe_default_directive
+from policies.engine_rules import clamp_plan, clamp_row, safe_default_directive, startup_table_directive
 from policies.jit import kernel
 from policies.rules import FastLoop
 
@@ -89,6 +89,7 @@ class Controls:
         table_ks: Collection[int] | None = None,
         p_eagle_depths: bool = False,
         placeholders: bool = False,
+        safe_table: Sequence[int] | None = None,
     ) -> None:
         self.engine = engine
         self.method = method
@@ -99,7 +100,13 @@ class Controls:
         self.placeholders = placeholders
         #: P-EAGLE's table may hold 0 < K < max (the depth fix is in); otherwise only 0 or max.
         self.p_eagle_depths = p_eagle_depths
-        self.safe = safe_default_directive(safe_default, max_k=engine.max_k)
+        #: What the engine runs on by itself (version 0): ``safe_table`` (vLLM's start-up K per batch
+        #: size, ``startup_table_directive``) where given, else ``safe_default`` everywhere.
+        self.safe = (
+            startup_table_directive(safe_table, method, max_k=engine.max_k)
+            if safe_table
+            else safe_default_directive(safe_default, max_k=engine.max_k)
+        )
         self.fast = FastLoop(capacity=capacity)
         #: The directive the cached table was built from (by identity: a sidecar that restarted
         #: without its state numbers from 1 again, so version and policy name can repeat).
@@ -192,6 +199,15 @@ class Controls:
         or nothing, cut to its K."""
         src, n = _sources(plan.method, plan.k, np.asarray(ngram_len, dtype=np.int64), self.composite)
         return pick_drafts(src, n, configured, ngram)
+
+
+def describe_safe_default(d: Directive) -> str:
+    """The safe default in a log line: ``eagle3:4`` (one arm everywhere) or the start-up table's K per
+    batch range, ``eagle3 K 1-4:5, 5-8:4, 65+:1``."""
+    if len(d.k_table) == 1 and len(d.plan) == 1:
+        return str(d.plan[0].arm)
+    ranges = ", ".join(f"{r.bs_min}{f'-{r.bs_max}' if r.bs_max else '+'}:{r.k}" for r in d.k_table)
+    return f"{d.method.value} K {ranges} (vLLM's start-up table)"
 
 
 def range_edges(d: Directive) -> list[int]:

@@ -48,7 +48,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from controller.vllm import compat
-from controller.vllm.control import Controls, engine_info
+from controller.vllm.control import Controls, describe_safe_default, engine_info
 from controller.vllm.hotpath import StepKernel
 from controller.vllm.link import SidecarLink
 from controller.vllm.mode import (
@@ -251,6 +251,11 @@ class EngineHooks:
             table_ks=table_ks,
             p_eagle_depths=p_eagle_depths,
             placeholders=composite and async_sched,
+            # Without SPECCONTROL_SAFE_DEFAULT the engine on its own runs as vLLM was started: its
+            # start-up K per batch size where it has one (it ran its largest K at every batch size).
+            safe_table=(
+                list(scheduler.dynamic_sd_lookup) if settings.safe_default is None and fixed is None else None
+            ),
         )
         safe_arm = controls.safe_arm
         if settings.safe_default is not None and safe_arm != settings.safe_default:
@@ -275,7 +280,8 @@ class EngineHooks:
         hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
         log.info(
-            "speccontrol: engine %s attached to %s (%s, max K %d, %s, %s scheduling, plugin mode: %s)",
+            "speccontrol: engine %s attached to %s (%s, max K %d, %s, %s scheduling, plugin mode: %s; "
+            "safe default: %s)",
             info.engine_id,
             settings.sidecar,
             method.value,
@@ -283,6 +289,7 @@ class EngineHooks:
             info.granularity.name,
             "async" if async_sched else "synchronous",
             mode,
+            describe_safe_default(controls.safe),
         )
         if fixed is not None:
             log.warning("speccontrol: the K table stays as vLLM set it (%s); K is cut per request", fixed)

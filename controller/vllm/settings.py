@@ -91,7 +91,8 @@ class PluginSettings:
     sidecar: str
     #: How this engine names itself to the sidecar; empty: ``<served model>@<hostname>``.
     engine_id: str = ""
-    #: The arm the engine falls back to when the directive's TTL lapses; None: the engine as configured.
+    #: The arm the engine falls back to (at every batch size) when the directive's TTL lapses; None: the
+    #: engine as vLLM was started (its K per batch size where it has one, else its configured K).
     safe_default: Arm | None = None
     #: Step records the background sender may hold; beyond that new steps are dropped (and counted).
     queue_size: int = 8192

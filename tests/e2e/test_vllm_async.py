@@ -67,6 +67,13 @@ def test_1_async_scheduling_runs_the_composite_drafter(stack: Stack) -> None:
     assert e["granularity"] in ("request-method", "GRANULARITY_REQUEST_METHOD", 3)
     assert "per-request composite" in stack.ctl("engines")
     assert "plugin mode: per-request composite" in (stack.tmp / "sidecar.log").read_text(errors="replace")
+    # On its own (before a directive, after one lapses) the engine runs as vLLM was started: the
+    # device stack's start-up table names every K (batch size K gets K), the others' MAX_K alone.
+    if stack.tmp.name.startswith("e2e-vllm-async-device") and "triton" not in stack.tmp.name:
+        table = ", ".join(f"{k}-{k}:{k}" for k in range(1, MAX_K))
+        assert f"safe default: eagle3 K {table}, {MAX_K}+:{MAX_K} (vLLM's start-up table)" in log
+    else:
+        assert f"safe default: eagle3:{MAX_K})" in log
 
 
 def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(stack: Stack) -> None:

@@ -9,8 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
-from policies.engine_rules import clamp_plan, clamp_row, drafter_k_guess, drafter_k_row
+from policies.arms import METHOD_CODES, METHODS_BY_CODE, OFF, Arm, Method
+from policies.engine_rules import (
+    clamp_plan,
+    clamp_row,
+    drafter_k_guess,
+    drafter_k_row,
+    safe_default_directive,
+    startup_table_directive,
+)
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -89,3 +96,31 @@ def test_the_drafter_k_guess_is_the_largest_k_of_the_configured_drafters_rows_no
     want = [row_k(m, k, p) for m, k, p in rows]
     assert got == max(want, default=0) and 0 <= got <= max_k
     assert [drafter_k_row(m, k, p, code, composite, max_k) for m, k, p in rows] == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_k=st.integers(1, 8),
+    runs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 10)), min_size=1, max_size=12),
+    method=st.sampled_from([Method.EAGLE3, Method.P_EAGLE, Method.NGRAM]),
+)
+def test_the_start_up_table_is_the_engines_own_at_every_batch_size(
+    max_k: int, runs: list[tuple[int, int]], method: Method
+) -> None:
+    # vLLM's dynamic_sd_lookup (index = batch size): runs of equal K, the last open-ended. The engine
+    # on its own must play exactly that (K capped at its max), for any class.
+    lookup = [max_k] + [k for n, k in runs for _ in range(n)]
+    d = startup_table_directive(lookup, method, max_k=max_k)
+    assert d.version == 0
+    for bs in range(1, len(lookup) + 5):
+        want = min(lookup[min(bs, len(lookup) - 1)], max_k)
+        assert d.k_for_batch(bs, max_k) == want
+        assert d.arm_for("any-class", bs) == (Arm(method, want) if want else OFF)
+
+
+def test_a_start_up_table_of_one_k_is_the_one_arm_safe_default() -> None:
+    assert startup_table_directive([4] * 9, Method.EAGLE3, max_k=4) == safe_default_directive(
+        Arm(Method.EAGLE3, 4), max_k=4
+    )
+    with pytest.raises(ValueError, match="lookup"):
+        startup_table_directive([3], Method.EAGLE3, max_k=4)

@@ -50,6 +50,25 @@ def test_k_table_clamped_and_safe_default_when_stale() -> None:
     assert c.in_force(d) is d
 
 
+@pytest.mark.parametrize("placeholders", [False, True])
+@pytest.mark.parametrize("composite", [False, True])
+def test_an_engine_started_with_a_k_per_batch_size_runs_that_table_on_its_own(
+    placeholders: bool, composite: bool
+) -> None:
+    # vLLM's dynamic_sd_lookup of --speculative-config num_speculative_tokens_per_batch_size
+    # [[1, 2, 4], [3, 5, 2], [6, 8, 1]]: before the first directive and after one lapses the engine
+    # ran K 4 at every batch size (its largest), not as it was started.
+    lookup = [4, 4, 4, 2, 2, 2, 1, 1, 1]
+    info = engine_info(engine_id="e", model="m", method=Method.EAGLE3, max_k=4, max_batch_size=8,
+                       composite=composite, table_ks={1, 2, 4})  # fmt: skip
+    c = Controls(engine=info, method=Method.EAGLE3, safe_default=Arm(Method.EAGLE3, 4), composite=composite,
+                 table_ks={1, 2, 4}, placeholders=placeholders, safe_table=lookup)  # fmt: skip
+    safe = c.in_force(None)
+    assert safe.version == 0
+    assert c.k_table(safe)[1:] == lookup[1:]
+    assert [safe.arm_for("chat", bs).k for bs in range(1, 9)] == lookup[1:]
+
+
 def test_under_async_scheduling_the_table_leaves_the_span_rule_room_to_max_k() -> None:
     # The table is the placeholders' width under async scheduling: the span rule's n-gram drafts run
     # to max K inside copy spans (EAGLE runs at its own rows' K, drafter_k). Synchronously, or
