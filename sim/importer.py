@@ -46,6 +46,7 @@ from sim.trace import (
     Trace,
     TraceError,
     TraceLimits,
+    _bad_int_list,
     _int_in,
     _is_num,
     load_json_line,
@@ -181,7 +182,10 @@ def import_vllm_metrics(
     out: list[int] = []
     arrival: list[float] = []
     acc: list[np.ndarray] = []
-    token_ids: list[tuple[np.ndarray, np.ndarray] | None] = []
+    # n-gram's columns per response, (acc.ngram, proposal capped at NGRAM_HORIZON), computed as each
+    # line is read: keeping every response's token ids to the end held 16 bytes a token (prompts
+    # included) until then. None once a response came without token ids (then no proposal at all).
+    ngram_cols: list[tuple[np.ndarray, np.ndarray]] | None = [] if ngram is not None else None
     lines: list[int] = []
     drafted = False  # a step with drafts on some line
     uncovered: list[tuple[int, int]] = []  # (line, tokens) of responses their steps fall short of
@@ -217,7 +221,7 @@ def import_vllm_metrics(
             isinstance(pa, list)
             and isinstance(pd, list)
             and len(pa) == len(pd)
-            and all(_int_in(x, 0, MAX_K_LIMIT) for x in pa + pd)
+            and _bad_int_list(pa + pd, 0, MAX_K_LIMIT) is None
         )
         if not ok:
             raise fail(
@@ -260,7 +264,7 @@ def import_vllm_metrics(
         if ngram is not None:
             pids, oids = _response_token_ids(obj)
             if pids is None or oids is None:
-                token_ids.append(None)
+                ngram_cols = None  # (its lines are still checked, as they were)
             else:
                 pid = _token_ids(pids, "choices[0].prompt_token_ids", fail, min_len=0)
                 oid = _token_ids(oids, "choices[0].token_ids", fail, min_len=1)
@@ -269,7 +273,12 @@ def import_vllm_metrics(
                         "choices[0].token_ids",
                         f"{len(oid)} token ids, but usage.completion_tokens is {n_out}",
                     )
-                token_ids.append((pid, oid))
+                if ngram_cols is not None:
+                    # max_k is known only at the end: the proposal is capped at the horizon here (a
+                    # draft is never longer) and at max_k below, min(len, max_k) as the matcher caps it.
+                    ngram_cols.append(
+                        ngram_columns(pid, oid, min_n=ngram[0], max_n=ngram[1], max_k=NGRAM_HORIZON)
+                    )
     if not ids:
         raise TraceError("no responses found", source=str(p))
     _check_decodes(out, src)
@@ -295,11 +304,9 @@ def import_vllm_metrics(
         "note": "counts are exact below the recorded K and censored at it; K = 0 phases are not recorded",
     }
     proposal = ngram_acc = None
-    if ngram is not None and token_ids and all(t is not None for t in token_ids):
-        cols = [
-            ngram_columns(*t, min_n=ngram[0], max_n=ngram[1], max_k=max_k) for t in token_ids if t is not None
-        ]
-        proposal = np.concatenate([prop for _, prop in cols])
+    if ngram is not None and ngram_cols:
+        cols = ngram_cols
+        proposal = np.minimum(np.concatenate([prop for _, prop in cols]), np.int32(max_k))
         meta["ngram"] = {"min_n": ngram[0], "max_n": ngram[1]}
         if method is Method.NGRAM or greedy:
             meta["note"] += (
@@ -383,7 +390,7 @@ def ngram_columns(
 def _token_ids(v: Any, fld: str, fail: Any, *, min_len: int) -> np.ndarray:
     if not isinstance(v, list) or len(v) < min_len:
         raise fail(fld, f"required: a list of at least {min_len} token ids")
-    bad = next((i for i, x in enumerate(v) if not _int_in(x, 0, _TOKEN_ID_MAX)), None)
+    bad = _bad_int_list(v, 0, _TOKEN_ID_MAX)
     if bad is not None:
         raise fail(f"{fld}[{bad}]", f"must be a token id 0..{_TOKEN_ID_MAX}, got {v[bad]!r}")
     return np.asarray(v, dtype=np.int64)
@@ -448,7 +455,7 @@ def import_token_ids(
                 raise fail(f"acc.{key}", "unknown method (eagle3 or p_eagle; ngram is computed)")
             if not isinstance(v, list) or len(v) != len(oids):
                 raise fail(f"acc.{key}", f"must be a list of {len(oids)} counts (one per output token)")
-            bad = next((i for i, x in enumerate(v) if not _int_in(x, 0, MAX_COUNT)), None)
+            bad = _bad_int_list(v, 0, MAX_COUNT)
             if bad is not None:
                 raise fail(f"acc.{key}[{bad}]", f"must be an integer 0..{MAX_COUNT}, got {v[bad]!r}")
             methods.append(Method(key))

@@ -58,6 +58,12 @@ def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> li
     out: list[Prompt] = []
     for lineno, raw in read_json_lines(p):
         line = raw.rstrip("\r\n")
+        if lineno == 1:
+            # A byte-order mark (Notepad, PowerShell) is no part of the text: a JSON first line was
+            # taken for plain text, and the whole object sent as the prompt, its class dropped.
+            line = line.removeprefix("\ufeff")
+            if not line.strip():
+                continue
         if len(out) >= MAX_PROMPTS:
             raise TraceError(f"more than {MAX_PROMPTS} prompts", source=str(p), line=lineno)
         if line.lstrip().startswith("{"):
@@ -297,13 +303,15 @@ def record(
     on_done: Callable[[int], None] | None = None,
     errors: list[str] | None = None,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
+    max_line_bytes: int = DEFAULT_LIMITS.max_line_bytes,
 ) -> int:
     """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures
     (``errors``, when given, gets each failed request's error, naming its prompt).
 
     The lines go to ``<responses>.partial``, renamed to ``responses_path`` once every request is done:
     a run cut short (Ctrl-C, a full disk) leaves no file that reads as a whole recording, and a run
-    whose every request failed leaves none. A file that cannot be written raises TraceError naming it."""
+    whose every request failed leaves none. A file that cannot be written raises TraceError naming it.
+    A response whose line would be over ``max_line_bytes`` (the importer's limit) is a failed request."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     failures = 0
@@ -349,12 +357,23 @@ def record(
                 ThreadPoolExecutor(max_workers=concurrency) as pool,
             ):
                 for done, obj in enumerate(pool.map(one, enumerate(prompts)), start=1):
-                    if obj is None or "error" in obj:
+                    line = None if obj is None or "error" in obj else json.dumps(obj) + "\n"
+                    if line is not None and len(line) > max_line_bytes:
+                        # Written again as JSON, an answer grows (\uXXXX escapes for non-ASCII text, a
+                        # space after every comma): a line past the importer's limit failed the import
+                        # of every response, after the whole recording. (ASCII: characters are bytes.)
+                        obj = {
+                            "error": f"the response is {len(line)} bytes as a line of {responses_path}, "
+                            f"over the importer's limit of {max_line_bytes} (POST {url} for prompt "
+                            f"{prompts[done - 1].where or done})"
+                        }
+                        line = None
+                    if line is None:
                         failures += 1
                         if errors is not None:
                             errors.append(str(obj["error"]) if obj is not None else "no response")
                     else:
-                        f.write(json.dumps(obj) + "\n")
+                        f.write(line)
                         kept += 1
                     if on_done is not None:
                         on_done(done)
