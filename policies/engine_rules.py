@@ -21,7 +21,7 @@ Pure: numbers and numpy in, numbers and numpy out; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -119,16 +119,23 @@ def drafter_k_guess(
 
 def safe_default_directive(arm: Arm, *, max_k: int) -> Directive:
     """The engine's fail-static directive (version 0): ``arm`` (K capped at ``max_k``) everywhere."""
-    k = min(arm.k, max_k)
+    return _on_its_own(((1, 0, min(arm.k, max_k)),), arm.method, lambda _: arm)
+
+
+def _on_its_own(
+    ranges: Sequence[tuple[int, int, int]], method: Method, arm: Callable[[int], Arm]
+) -> Directive:
+    """The directive an engine runs on by itself (version 0, no TTL): K ``k`` at batch sizes
+    ``bs_min..bs_max`` (0: and up) for each range, every class planned ``arm(k)`` there."""
     return Directive(
         version=0,
         policy="safe-default",
         reason="no fresh directive from the sidecar",
         ttl_s=0.0,
         issued_at_s=0.0,
-        k_table=(KRange(1, 0, k),),
-        method=arm.method,
-        plan=(PlanEntry(ANY_CLASS, 1, 0, arm),),
+        k_table=tuple(KRange(lo, hi, k) for lo, hi, k in ranges),
+        method=method,
+        plan=tuple(PlanEntry(ANY_CLASS, lo, hi, arm(k)) for lo, hi, k in ranges),
     )
 
 
@@ -152,16 +159,7 @@ def startup_table_directive(lookup: Sequence[int], method: Method, *, max_k: int
             runs.append((bs, bs, k))
     last = len(runs) - 1
     ranges = [(lo, 0 if i == last else hi, k) for i, (lo, hi, k) in enumerate(runs)]  # the last: and up
-    return Directive(
-        version=0,
-        policy="safe-default",
-        reason="no fresh directive from the sidecar",
-        ttl_s=0.0,
-        issued_at_s=0.0,
-        k_table=tuple(KRange(lo, hi, k) for lo, hi, k in ranges),
-        method=method,
-        plan=tuple(PlanEntry(ANY_CLASS, lo, hi, Arm(method, k) if k else OFF) for lo, hi, k in ranges),
-    )
+    return _on_its_own(ranges, method, lambda k: Arm(method, k) if k else OFF)
 
 
 __all__ = [
