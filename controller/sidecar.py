@@ -288,20 +288,28 @@ class Sidecar:
         return Session(st, st.link, q, instance_id=instance_id)
 
     def _make_room(self) -> None:
-        """At ``max_engines``, forget the engine unheard longest; refuse when all are connected."""
-        if len(self._engines) < self.config.max_engines:
+        """At ``max_engines``, forget the engines unheard longest; refuse when all are connected.
+
+        The registry can hold more than ``max_engines`` (a snapshot restored under a lowered limit):
+        as many idle ones go as bring it back under the limit, so it shrinks to it, not stays above.
+        """
+        excess = len(self._engines) - self.config.max_engines + 1
+        if excess <= 0:
             return
         idle = [st for st in self._engines.values() if not st.connected]
-        if not idle:
+        if len(idle) < excess:
             raise TelemetryError(
                 "too_many_engines", f"hello: the sidecar already serves {self.config.max_engines} engines"
             )
-        gone = min(idle, key=lambda st: st.last_seen)
-        del self._engines[gone.info.engine_id]
-        self.metrics.forget_engine(gone.info.engine_id)
-        log.warning(
-            "engine %s forgotten to make room (max_engines %d)", gone.info.engine_id, len(self._engines) + 1
-        )
+        idle.sort(key=lambda st: st.last_seen)
+        for gone in idle[:excess]:
+            del self._engines[gone.info.engine_id]
+            self.metrics.forget_engine(gone.info.engine_id)
+            log.warning(
+                "engine %s forgotten to make room (max_engines %d)",
+                gone.info.engine_id,
+                self.config.max_engines,
+            )
 
     def _warm_loop(self, info: EngineInfo) -> ControlLoop:
         """A new engine's loop, loaded with the statistics the fleet shared for its model if they fit.
@@ -326,6 +334,9 @@ class Sidecar:
     def detach(self, session: EngineSession) -> None:
         st = session.engine
         st.link.close(session.queue)
+        # Heard until its stream closed (an engine without traffic sends nothing for hours): the
+        # eviction order is by when an engine went idle, not by its last Hello or report.
+        st.last_seen = self.clock()
         self.metrics.set_connected(st.info.engine_id, st.connected)
         log.info("engine %s detached", st.info.engine_id)
 

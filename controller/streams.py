@@ -6,7 +6,7 @@ streams and across a sidecar restart, an engine without one counts per stream; a
 acknowledged only the batches whose effect is on disk (``durable_sequence``, the sequence the last
 written snapshot holds), so after a kill -9 it still keeps, and resends, every batch the restarted
 sidecar has not got; a stream queue holds only the newest items (a slow stream never blocks the
-sidecar), and its end always gets through.
+sidecar), and its end always gets through (it is never the item dropped).
 This module knows nothing of gRPC or of the control loops.
 """
 
@@ -35,14 +35,25 @@ StreamItem = Directive | StreamEnd
 
 
 def put_latest(q: asyncio.Queue[Any], item: Any) -> None:
-    """Enqueue without waiting; when full, the oldest item goes (only the newest directive matters)."""
+    """Enqueue without waiting; when full, the oldest item goes (only the newest directive matters).
+
+    A ``StreamEnd`` never goes: when it is the oldest, what was queued after it and ``item`` are
+    dropped instead (the stream is ending, they would never be read). Without this, a writer held
+    by flow control (an engine that stops reading) while directives keep coming would lose the end
+    its reader queued, and the stream would stay open for good with nothing reading its reports.
+    """
     while True:
         try:
             q.put_nowait(item)
             return
         except asyncio.QueueFull:
             with contextlib.suppress(asyncio.QueueEmpty):
-                q.get_nowait()
+                old = q.get_nowait()
+                if isinstance(old, StreamEnd):
+                    while not q.empty():
+                        q.get_nowait()
+                    q.put_nowait(old)
+                    return
 
 
 @dataclass(eq=False, slots=True)

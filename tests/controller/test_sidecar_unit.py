@@ -456,3 +456,55 @@ def test_the_applied_fleet_policy_survives_a_restart_by_version_and_digest(
         assert (again.fleet_policy_version, again.fleet_policy_digest) == (3, policy_digest(text))
     finally:
         again.close(snapshot=False)
+
+
+def test_a_registry_restored_under_a_lowered_max_engines_shrinks_to_it(tmp_path: Path, clock: Clock) -> None:
+    """A snapshot holding more engines than ``max_engines`` now allows: new ids forget as many idle
+    engines (unheard longest first) as bring the registry under the limit, and an attached one never."""
+    sc = make(tmp_path, clock, max_engines=10)
+    sc.open()
+    for i in range(10):
+        clock.now += 1
+        sc.detach(sc.attach(info(f"e{i}")))
+    sc.close()
+    sc = make(tmp_path, clock, max_engines=3)
+    sc.open()
+    try:
+        assert len(sc.engines()) == 10
+        clock.now += 1
+        held = sc.attach(info("e9"))  # restored, attached again: it must stay
+        clock.now += 1
+        sc.attach(info("n0"))
+        assert sorted(sc.engines()) == ["e8", "e9", "n0"]  # restored ones are unheard since the start
+        for i in range(1, 6):
+            clock.now += 1
+            sc.detach(sc.attach(info(f"n{i}")))
+            assert len(sc.engines()) <= 3 and sc.engines()["e9"].connected
+        assert sample(sc, "speccontrol_engines_connected") == 2  # e9 and n0
+        sc.detach(held)
+    finally:
+        sc.close(snapshot=False)
+
+
+def test_the_engine_forgotten_is_the_one_idle_longest_not_the_one_silent_longest(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """An engine attached for hours without traffic (it reports nothing) and gone a moment ago was
+    heard more recently than one gone long ago after a busy stream: the latter goes first."""
+    sc = make(tmp_path, clock, max_engines=2)
+    sc.open()
+    try:
+        quiet = sc.attach(info("quiet"))
+        clock.now += 1
+        busy = sc.attach(info("busy"))
+        clock.now += 1
+        sc.ingest(busy, batch(1, 4))
+        clock.now += 1
+        sc.detach(busy)  # idle since here
+        clock.now += 3600
+        sc.detach(quiet)  # silent for an hour, but attached until now
+        clock.now += 1
+        sc.attach(info("new"))
+        assert sorted(sc.engines()) == ["new", "quiet"]
+    finally:
+        sc.close(snapshot=False)
