@@ -9,6 +9,7 @@ refused call ends with UNAUTHENTICATED before any handler runs and is counted. C
 from __future__ import annotations
 
 import hmac
+import inspect
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +176,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         )
 
 
+def _ignore_body(_data: bytes) -> None:
+    return None
+
+
 def _deny(handler: Handler, message: str) -> Handler:
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -183,7 +188,10 @@ def _deny(handler: Handler, message: str) -> Handler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover  (makes this an async generator)
 
-    des, ser = handler.request_deserializer, handler.response_serializer
+    # A refused call's body is never parsed: a stranger's malformed bytes would otherwise fail in
+    # the deserializer first, ending the call UNKNOWN (not UNAUTHENTICATED) with a traceback in the
+    # sidecar's log per request, and a 4 MiB body would cost a parse the caller has no right to.
+    des, ser = _ignore_body, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(streaming, des, ser)
     if handler.request_streaming:
@@ -191,3 +199,89 @@ def _deny(handler: Handler, message: str) -> Handler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming, des, ser)
     return grpc.unary_unary_rpc_method_handler(unary, des, ser)
+
+
+class _Malformed:
+    """What a guarded deserializer returns for bytes that are not the request message."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class MalformedRequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Ends a unary-request call whose body is not its request message with INVALID_ARGUMENT (counted
+    through ``on_reject``), before any handler runs.
+
+    Without it the deserializer's DecodeError reaches gRPC, which ends the call UNKNOWN ("Unexpected
+    DecodeError") and logs an ERROR with a traceback per request: any client that can connect (no
+    token needed for a read-only call on loopback) could flood the sidecar's log. Streaming-request
+    methods (the engine's ``Attach``) are left as they are: their servicer reads the messages itself.
+    """
+
+    def __init__(self, *, on_reject: Callable[[str, str], None]) -> None:
+        self.on_reject = on_reject
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        name = method.rsplit("/", 1)[-1]
+        parse = handler.request_deserializer
+
+        def des(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as e:  # DecodeError, or whatever else the message's parser raises
+                return _Malformed(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+        async def refuse(request: _Malformed, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            self.on_reject(name, "malformed_request")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{name}: the request is not a valid message ({request.why})",
+            )
+
+        ser = handler.response_serializer
+        # Handlers may be async generators (WatchDecisions), coroutines writing with context.write
+        # (health's Watch) or plain functions; the last are left unguarded rather than misrun.
+        if handler.response_streaming:
+            inner_stream: Any = handler.unary_stream
+            if inspect.isasyncgenfunction(inner_stream):
+
+                async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                    if isinstance(request, _Malformed):
+                        await refuse(request, context)
+                    responses = inner_stream(request, context)
+                    try:
+                        async for m in responses:
+                            yield m
+                    finally:  # however this one ends, the handler's own cleanup (unwatch) runs now
+                        await responses.aclose()
+
+                return grpc.unary_stream_rpc_method_handler(streaming, des, ser)
+            if inspect.iscoroutinefunction(inner_stream):
+
+                async def writing(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                    if isinstance(request, _Malformed):
+                        await refuse(request, context)
+                    return await inner_stream(request, context)
+
+                return grpc.unary_stream_rpc_method_handler(writing, des, ser)
+            return handler
+        inner_unary: Any = handler.unary_unary
+        if not inspect.iscoroutinefunction(inner_unary):
+            return handler
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            return await inner_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, des, ser)

@@ -25,7 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from controller.admin_service import AdminService
-from controller.auth import MUTATING_METHODS, READ_METHODS, TokenInterceptor, server_credentials
+from controller.auth import (
+    MUTATING_METHODS,
+    READ_METHODS,
+    MalformedRequestGuard,
+    TokenInterceptor,
+    server_credentials,
+)
 from controller.config import SidecarConfig
 from controller.engine_service import EngineService
 from controller.fleet import FleetLink
@@ -158,7 +164,11 @@ class SidecarServer(Sidecar):
         engine_name = pb.DESCRIPTOR.services_by_name["EngineService"].full_name
         admin_name = pb.DESCRIPTOR.services_by_name["AdminService"].full_name
         token = self.config.admin_token()  # like the broker password: a bad file fails the start
-        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = []
+        # First: a body that is not its request message ends INVALID_ARGUMENT, counted, before any
+        # handler (gRPC ended it UNKNOWN with a traceback in the log per request).
+        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = [
+            MalformedRequestGuard(on_reject=self._auth_rejected)
+        ]
         if token:
             local = is_local_address(self.config.admin_listen, field="admin_listen")
             guarded = MUTATING_METHODS if local else MUTATING_METHODS | READ_METHODS

@@ -214,3 +214,21 @@ def test_tls_settings_are_checked(tmp_path: Path) -> None:
         _config(
             tmp_path, engine_listen="unix:///tmp/x.sock", engine_tls_cert_file="/a", engine_tls_key_file="/b"
         )
+
+
+@pytest.mark.parametrize("method", ["GetStatus", "ListEngines", "SetPolicy"])
+async def test_a_body_that_is_no_message_is_invalid_argument_counted_and_changes_nothing(
+    token_sidecar: Sidecar, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Through the sidecar's own servers (the guard wired in controller.server): it was UNKNOWN,
+    # "Unexpected DecodeError", with an ERROR and a traceback in the log per request.
+    sc = token_sidecar
+    async with grpc.aio.insecure_channel(sc.admin_target) as ch:
+        call = ch.unary_unary(f"/controller.v1.AdminService/{method}")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(b"\xff\xff\xff\xff", metadata=(("authorization", f"Bearer {TOKEN}"),))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith(f"{method}: the request is not a valid message")
+    assert rejected(sc, "malformed_request") == 1
+    assert "Traceback" not in caplog.text
+    assert (sc.policy_store.default.spec.name, sc.policy_store.default.revision) == ("default", 1)
