@@ -65,7 +65,8 @@ class SidecarConfig:
     #: Beyond loopback it needs ``admin_token_file`` or mTLS (``admin_tls_client_ca_file``).
     admin_listen: str = "127.0.0.1:50062"
     #: A file holding the admin bearer token (e.g. a mounted Secret). Set: policy set and rollback need
-    #: it, and so does everything else when the admin API is reachable beyond loopback.
+    #: it, and so does everything else when the admin API is reachable beyond loopback. Read at start:
+    #: a rotated token takes effect when the sidecar restarts.
     admin_token_file: str = ""
     #: TLS for the admin API, and the CA of client certificates (set: mTLS).
     admin_tls_cert_file: str = ""
@@ -239,10 +240,12 @@ class SidecarConfig:
         if not self.admin_token_file:
             return ""
         token = read_secret_file(self.admin_token_file, field="admin_token_file")
-        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        # Printable ASCII only: gRPC clients refuse other bytes in a header value, so a token with
+        # them started the sidecar and then failed every mutating call with a client-side error.
+        if len(token) < MIN_TOKEN_CHARS or not (token.isascii() and token.isprintable()) or " " in token:
             raise ConfigError(
-                f"{self.admin_token_file}: the token must be at least {MIN_TOKEN_CHARS} characters "
-                "without spaces (e.g. openssl rand -hex 32)",
+                f"{self.admin_token_file}: the token must be at least {MIN_TOKEN_CHARS} printable ASCII "
+                "characters without spaces (e.g. openssl rand -hex 32)",
                 field="admin_token_file",
             )
         return token

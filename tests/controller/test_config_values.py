@@ -461,7 +461,9 @@ def test_the_admin_token_file_holds_a_token_or_is_refused_naming_it(
         token is not None
         and len(content) <= MAX_TOKEN_BYTES
         and len(token) >= MIN_TOKEN_CHARS
-        and not any(c.isspace() for c in token)
+        and token.isascii()
+        and token.isprintable()
+        and " " not in token
     )
     if valid:
         cfg.check_files()
