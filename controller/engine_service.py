@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from controller.sidecar import EngineSession, Sidecar
 from controller.streams import StreamEnd, put_latest
@@ -38,6 +39,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
             first = await it.__anext__()
         except StopAsyncIteration:
             return
+        except DecodeError as e:  # (gRPC ended it UNKNOWN, with a traceback in the log)
+            err = _not_a_message(e)
+            self.sidecar.reject(None, err)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.reason}: {err}")
         if first.WhichOneof("body") != "hello":
             err = TelemetryError("hello_missing", "the first message of a stream must be a Hello")
             self.sidecar.reject(None, err)
@@ -102,6 +107,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     raise e
         except TelemetryError as e:
             end = StreamEnd(e)
+        except DecodeError as e:  # (it was logged as the sidecar's own failure, with a traceback)
+            err = _not_a_message(e)
+            self.sidecar.reject(session.engine, err)
+            end = StreamEnd(err)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError:
@@ -113,3 +122,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
             end = StreamEnd(TelemetryError("internal", "the sidecar failed to process a report"))
         # The end must reach the writer even if directives are queued: drop them, they are stale.
         put_latest(session.queue, end)
+
+
+def _not_a_message(e: DecodeError) -> TelemetryError:
+    """A stream message whose bytes are not an EngineMessage: refused and counted like bad telemetry."""
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return TelemetryError("not_a_message", f"a message that is not an EngineMessage ({why})")

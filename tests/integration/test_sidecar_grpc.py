@@ -283,6 +283,30 @@ async def test_reports_before_hello_are_refused(sidecar: Sidecar) -> None:
         await eng.close()
 
 
+@pytest.mark.parametrize("after_hello", [False, True])
+async def test_bytes_that_are_no_engine_message_are_refused_and_counted(
+    sidecar: Sidecar, after_hello: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # gRPC's deserializer failed inside the stream: first message, the call ended UNKNOWN with an
+    # ERROR and a traceback; later ones were logged as the sidecar's own failure ("internal").
+    async with grpc.aio.insecure_channel(sidecar.engine_target) as ch:
+        call = ch.stream_stream("/controller.v1.EngineService/Attach")
+
+        async def messages() -> AsyncIterator[bytes]:
+            if after_hello:
+                yield pb.EngineMessage(hello=hello("raw")).SerializeToString()
+            yield b"\xff\xff\xff\xff"
+            await asyncio.sleep(5)
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call(messages()):
+                pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("not_a_message: a message that is not an EngineMessage")
+    assert sample(sidecar, "speccontrol_rejected_telemetry_total", reason="not_a_message") == 1
+    assert "Traceback" not in caplog.text
+
+
 async def test_broken_policy_is_refused_and_changes_nothing(
     sidecar: Sidecar, admin: pb_grpc.AdminServiceStub
 ) -> None:
