@@ -447,6 +447,7 @@ def test_operator_rule_carries_the_same_groups() -> None:
         "SpeccontrolAcceptanceCollapse",
         "SpeccontrolDirectiveStale",
         "SpeccontrolSidecarDown",
+        "SpeccontrolSidecarAbsent",
         "SpeccontrolPolicyFlapping",
     ):
         assert alert in names
