@@ -20,7 +20,9 @@ What must hold:
   runs over that many columns;
 - a write that has no place (a rejected slot, a position at ``max_model_len``) goes to the matrix's
   last column, which is never read; the matrix grows (doubling, on the host's bounds) to the longest
-  history, so device memory is ``slots x longest history x 4`` bytes, not ``max_model_len`` wide.
+  history, so device memory is ``slots x longest history x 4`` bytes, not ``max_model_len`` wide;
+  the torch path's match takes the n-gram rows in groups of at most ``_MATCH_CELLS`` history positions
+  (a few hundred MiB at once, whatever the batch and the context).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ _MIN_ROWS = 16
 _MIN_COLS = 256
 #: Steps without n-gram rows whose appends may wait, to run as one (``DeviceDrafter.flush``).
 _DEFER = 16
+#: (rows x history positions) one group of the torch path's match takes at once (``_merge``).
+_MATCH_CELLS = 1 << 21
 
 
 class DeviceDrafter:
@@ -254,13 +258,35 @@ class DeviceDrafter:
         ``rev``'s own, says every n that occurs there. The longest n wins, then the largest ``c`` (the
         earliest occurrence); the draft is ``rev[c - 1], rev[c - 2], ...``: vLLM's rule, in a fixed
         number of tensor operations (a GPU launch each), whatever ``max_n``."""
-        cols, big = int(drafts.shape[1]), self.max_n
-        dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
+        cols = int(drafts.shape[1])
         if self.kernels == "triton":
+            dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
             merged = drafts.clone(memory_format=torch.contiguous_format)
             if self._launch("match_rows", self._hist, self._len, dev_slots, dev_rows, merged, min_n=self.min_n,
-                            max_n=big, max_k=self.max_k, max_model_len=self.max_model_len):  # fmt: skip
+                            max_n=self.max_n, max_k=self.max_k, max_model_len=self.max_model_len):  # fmt: skip
                 return merged
+        merged = drafts.clone()
+        # The match holds about 90 bytes per (row, history position) at once: rows in groups of at most
+        # _MATCH_CELLS positions together (host bounds only), so that 1024 rows of 32k tokens take a few
+        # hundred MiB at a time, not gigabytes (an allocation that fails switches the drafter off).
+        bound = np.maximum(self._bound[slots], 2)
+        if len(rows) * int(bound.max()) <= _MATCH_CELLS:  # the usual step: one group
+            self._match(merged, rows, slots, cols)
+            return merged
+        start = 0
+        while start < len(rows):
+            end, widest = start + 1, int(bound[start])
+            while end < len(rows) and (end + 1 - start) * max(widest, int(bound[end])) <= _MATCH_CELLS:
+                widest = max(widest, int(bound[end]))
+                end += 1
+            self._match(merged, rows[start:end], slots[start:end], cols)
+            start = end
+        return merged
+
+    def _match(self, merged: Any, rows: np.ndarray, slots: np.ndarray, cols: int) -> None:
+        """``_merge``'s torch path for one group of rows, written into ``merged``."""
+        big = self.max_n
+        dev_rows, dev_slots = self._upload(np.stack([rows, slots]))
         width = max(int(self._bound[slots].max()), 2)  # every history in the match is at most this long
         total = self._len[dev_slots].unsqueeze(1)  # (b, 1)
         # c >= total reads the first token (never a match: n <= total - c below).
@@ -279,10 +305,8 @@ class DeviceDrafter:
         room = (self.max_model_len - total).clamp_(max=min(self.max_k, cols))
         out = torch.minimum(far, room) * (best >= self.min_n)
         take = (far - 1) - torch.minimum(self._steps(cols), out - 1)  # padded with the last (out = 0: unread)
-        ngram = rev.gather(1, take).to(drafts.dtype)  # (b, cols)
-        merged = drafts.clone()
+        ngram = rev.gather(1, take).to(merged.dtype)  # (b, cols)
         merged[dev_rows] = torch.where(out > 0, ngram, merged[dev_rows])
-        return merged
 
     def _steps(self, n: int) -> Any:
         """``arange(n)`` on the device (a view of one made at start)."""

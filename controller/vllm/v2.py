@@ -6,7 +6,9 @@ The V2 runner keeps drafts on the device (``RequestState.draft_tokens``) and bui
 (``init_speculator``). The wrapper lets EAGLE propose unchanged (its draft state stays consistent),
 asks vLLM's GPU n-gram speculator for its drafts on the same batch, and returns
 ``where(mask[idx_mapping, None], ngram, eagle)``: ``mask`` is indexed by request-state slot and set each
-step from the scheduler output (``worker.NGRAM_ROWS_ATTR``). What must hold: rows of requests not on
+step from the scheduler output (``worker.NGRAM_ROWS_ATTR``). The runner gets the wrapper as an
+instance of EAGLE's own class sharing EAGLE's attributes (``graft``): it loads the draft model and sets
+its attention up only on a speculator of that type. What must hold: rows of requests not on
 n-gram are EAGLE's, bit for bit; a dummy (warm-up / CUDA-graph capture) run returns EAGLE's drafts; any
 error disables the merge for the runner's lifetime (logged once) and EAGLE's drafts pass through, on
 every tensor-parallel rank (``ranks.py``). An error building the n-gram speculator (or the dense
@@ -22,7 +24,9 @@ K (``mode.EAGLE_K_ATTR``), which the V1 worker runs EAGLE at, is not read on thi
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -76,6 +80,8 @@ class CompositeSpeculator:
         self._broken = False
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_eagle":  # not set yet (copy, pickle): no endless lookup of itself
+            raise AttributeError(name)
         return getattr(self._eagle, name)
 
     def set_ngram_requests(self, scheduler_output: Any) -> None:
@@ -108,6 +114,46 @@ class CompositeSpeculator:
         if group is None:
             return merged
         return agree(group, merged, drafts, failed=failed, device=getattr(drafts, "device", "cpu"))
+
+
+def graft(eagle: Any, **composite: Any) -> CompositeSpeculator:
+    """A ``CompositeSpeculator`` over ``eagle`` that is also an instance of ``eagle``'s own class and
+    shares its attributes (one ``__dict__``).
+
+    vLLM's V2 runner treats its speculator by type (``isinstance(self.speculator,
+    DraftModelSpeculator)``: it loads the draft model, sets its attention up, feeds it the
+    verification results only then) and sets attributes on it (``pcp_manager``): a plain wrapper would
+    leave EAGLE without its model, its attention and those attributes, and its first proposal would
+    fail. Here every method but ``propose`` is EAGLE's own, run on EAGLE's own state. Where the class
+    cannot take that (no instance ``__dict__`` to share: slots, a built-in type), the plain wrapper,
+    which serves a speculator the runner does not treat by type (vLLM's are Python classes)."""
+    try:
+        kind: Any = type(eagle)
+        cls: Any = _grafted_class(kind)
+        obj = cls.__new__(cls)
+        obj.__dict__ = eagle.__dict__  # what vLLM sets on its speculator, EAGLE's own methods read
+    except Exception as e:
+        log.debug(
+            "speccontrol: V2 speculator %s not grafted (%s: %s)", type(eagle).__name__, type(e).__name__, e
+        )
+        return CompositeSpeculator(eagle=eagle, **composite)
+    taken = sorted(_FIELDS & eagle.__dict__.keys())
+    if taken:  # EAGLE's own attributes of those names would be overwritten: vLLM's speculator as it is
+        log.warning("speccontrol: V2 composite drafting not built (the speculator has attributes %s); "
+                    "falling back to vLLM's speculator", ", ".join(taken))  # fmt: skip
+        return eagle  # type: ignore[no-any-return]
+    CompositeSpeculator.__init__(obj, eagle=eagle, **composite)
+    return obj  # type: ignore[no-any-return]
+
+
+#: ``CompositeSpeculator``'s own attributes (in EAGLE's ``__dict__`` once grafted).
+_FIELDS = frozenset({"_eagle", "_ngram", "_where", "mask", "_slots", "_rows", "_broken"})
+
+
+@functools.cache
+def _grafted_class(cls: Any) -> type:
+    """``CompositeSpeculator`` first (its ``propose``), then ``cls`` (every other method)."""
+    return types.new_class(f"Composite{cls.__name__}", (CompositeSpeculator, cls))
 
 
 def install_v2_runner(*, ngram_min: int, ngram_max: int) -> str | None:
@@ -155,8 +201,8 @@ def install_v2_runner(*, ngram_min: int, ngram_max: int) -> str | None:
             vc.speculative_config.prompt_lookup_min = ngram_min
             vc.speculative_config.prompt_lookup_max = ngram_max
             mask = torch.zeros(req_states.max_num_reqs, dtype=torch.bool, device=device)
-            return CompositeSpeculator(
-                eagle=eagle,
+            return graft(
+                eagle,
                 ngram=NgramGPUSpeculator(vc, device, req_states),
                 mask=mask,
                 req_id_to_index=req_states.req_id_to_index,
