@@ -322,9 +322,13 @@ _OBSERVE_FLAGS = {
 
 def cmd_observe(args: argparse.Namespace) -> int:
     from controller import _interrupt as interrupt
-    from controller.observe import ObserverError, ObserverSettings, run_observer
+    from controller.observe import MIN_INTERVAL_S, ObserverError, ObserverSettings, run_observer
     from policies.arms import Method
 
+    # Raised to the floor, not refused: a scrape interval below it is too eager rather than wrong (one
+    # out of (0, 3600] at all, NaN included, is the settings' own error below: exit 2).
+    clamped = 0 < args.interval < MIN_INTERVAL_S
+    interval = MIN_INTERVAL_S if clamped else args.interval
     try:
         settings = ObserverSettings(
             metrics_url=args.metrics_url,
@@ -333,12 +337,17 @@ def cmd_observe(args: argparse.Namespace) -> int:
             model=args.model,
             method=Method(args.method),
             max_k=args.max_k,
-            interval_s=args.interval,
+            interval_s=interval,
             retries=args.retries,
         )
     except ValueError as e:
         field, _, why = str(e).partition(":")
         raise UserError(f"error: {_OBSERVE_FLAGS.get(field, field)}:{why}") from None
+    if clamped:  # (said once the rest is known good: a usage error is one line)
+        _err(
+            f"observe: --interval {args.interval:g} s is below the floor of {MIN_INTERVAL_S:g} s (each "
+            f"scrape makes vLLM render all its metrics); scraping every {MIN_INTERVAL_S:g} s"
+        )
 
     shown: list[int] = []
 
@@ -814,7 +823,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="vllm")
     s.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
     s.add_argument("--max-k", type=int, default=4, help="the engine's num_speculative_tokens")
-    s.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes")
+    s.add_argument(
+        "--interval",
+        type=float,
+        default=5.0,
+        help="seconds between scrapes, at most 3600 (default 5; below 1 s scrapes every 1 s)",
+    )
     s.add_argument(
         "--retries",
         type=int,

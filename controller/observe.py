@@ -7,6 +7,11 @@ time; gauges give running and waiting requests. ``observation_between`` turns th
 accepted histogram reproduced exactly, and a duration chosen so that the rows' goodput equals the
 interval's real token rate. The loop can then recommend, but nothing applies its directives: vLLM's
 K is fixed at start-up without the plugin.
+
+What must hold: a scrape that cannot be vLLM's (not Prometheus text, a counter NaN, infinite or
+negative, a series twice, a body over 8 MiB or slower than 5 s) is a failed scrape, retried, never an
+observation; an interval across a restart (a counter that went back, or one created anew: its
+``_created`` time changed) is skipped, saying so; the exposition is read and parsed off the event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,6 +48,12 @@ from policies.observation import StepObservation
 log = logging.getLogger("speccontrol.observe")
 
 MAX_ROWS = 512
+#: The shortest interval ``controllerctl observe`` scrapes at (a shorter ``--interval`` is raised to it,
+#: saying so): as with Prometheus's scrape interval, a faster scrape only loads the target (vLLM
+#: renders every metric per scrape; at 1 ms the observer scraped back to back) and its intervals hold
+#: too few drafts to learn from. ``ObserverSettings`` itself takes shorter ones, for tests that drive
+#: a fake /metrics.
+MIN_INTERVAL_S = 1.0
 #: The largest batch the adapter reports (the observer's Hello declares it; vLLM's max_num_seqs is far
 #: below it in practice).
 MAX_OBSERVED_BATCH = 4096
@@ -84,6 +95,10 @@ class VllmCounters:
     #: Each counter series on its own (name and labels), before the sums above: a restart of one of
     #: several engines behind one endpoint can leave every sum growing.
     series: Mapping[str, float] = field(default_factory=dict)
+    #: When each counter series read was created (its ``_created`` sample, name and labels of the
+    #: counter), where the exposition has one: a counter created anew is an engine that restarted, even
+    #: one that counted past its old total before the next scrape.
+    created: Mapping[str, float] = field(default_factory=dict)
 
 
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -93,28 +108,50 @@ _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 #: The counters an observation's steps and acceptance come from, beside the drafts counter (the gauges
 #: and the queue histogram may be absent: a wait averaged over a longer span is still a wait).
 _NEEDED = ("vllm:spec_decode_num_draft_tokens_total", "vllm:iteration_tokens_total_count")
+#: The ``_created`` sample of each counter read, by the counter's sample name (prometheus_client writes
+#: ``X_created`` beside ``X_total``, and beside a histogram's ``X_count``).
+_CREATED = {
+    n.removesuffix("_total").removesuffix("_count") + "_created": n
+    for n in _READ - _GAUGES
+    if n.endswith(("_total", "_count"))
+}
 
 
 def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> VllmCounters:
     """Read vLLM's exposition text; raises ValueError when it is not Prometheus text, or when a sample
-    the adapter reads is not a finite number >= 0 or names a draft position outside 0..63 (a scrape
-    that cannot be vLLM's: it is refused, as an unreadable one is, not turned into an observation)."""
+    the adapter reads is not a finite number >= 0, names a draft position outside 0..63 or appears
+    twice with the same labels (a scrape that cannot be vLLM's: it is refused, as an unreadable one is,
+    not turned into an observation)."""
     sums: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     series: dict[str, float] = {}
+    created: dict[str, float] = {}
+    seen: set[str] = set()
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as e:  # the parser raises bare ValueError/TypeError variants
         raise ValueError(f"not Prometheus text: {e}") from None
     for fam in families:
         for s in fam.samples:
-            if s.name not in _READ or (model is not None and s.labels.get("model_name", model) != model):
+            if model is not None and s.labels.get("model_name", model) != model:
+                continue
+            if s.name in _CREATED:
+                # (only compared for change: a value that is not a number is no creation time)
+                if math.isfinite(s.value):
+                    created[_CREATED[s.name] + repr(sorted(s.labels.items()))] = s.value
+                continue
+            if s.name not in _READ:
                 continue
             if not (math.isfinite(s.value) and s.value >= 0):
                 raise ValueError(f"{s.name}: must be a finite number >= 0, got {s.value}")
+            key = s.name + repr(sorted(s.labels.items()))
+            # A series twice in one scrape is no exposition (Prometheus refuses the duplicate sample);
+            # summed, it doubled what the interval counted.
+            if key in seen:
+                raise ValueError(f"{escape_text(key)[:200]}: the same series appears twice")
+            seen.add(key)
             if s.name not in _GAUGES:
-                key = s.name + repr(sorted(s.labels.items()))
-                series[key] = series.get(key, 0.0) + s.value
+                series[key] = s.value
             if s.name == _PER_POS:
                 label = s.labels.get("position", "0")
                 if not (label.isascii() and label.isdigit() and int(label) < MAX_POSITIONS):
@@ -144,6 +181,7 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         waiting=sums.get("vllm:num_requests_waiting", 0.0),
         has_drafts=_DRAFTS in sums,
         series=series,
+        created=created,
     )
 
 
@@ -165,6 +203,17 @@ def _went_back(prev: VllmCounters, cur: VllmCounters) -> str | None:
     for key, before in prev.series.items():
         # A series that vanished while the scrape kept its kind: its engine went away or restarted.
         if cur.series.get(key, 0.0) < before:
+            return escape_text(key)[:200]
+    return None
+
+
+def _created_anew(prev: VllmCounters, cur: VllmCounters) -> str | None:
+    """The first counter series created again between the scrapes, or None: an engine that restarted
+    and counted past its old totals before the next scrape leaves every counter growing, and the
+    interval's deltas would mix two lifetimes."""
+    for key, before in prev.created.items():
+        after = cur.created.get(key)
+        if after is not None and after != before:
             return escape_text(key)[:200]
     return None
 
@@ -195,6 +244,9 @@ def observation_between(
     back = _went_back(prev, cur)
     if back is not None:
         raise ValueError(f"{back} went backwards (vLLM restarted?)")
+    anew = _created_anew(prev, cur)
+    if anew is not None:
+        raise ValueError(f"{anew} started over (its _created time changed: vLLM restarted)")
     deltas = np.array(
         [
             c - (prev.per_position[i] if i < len(prev.per_position) else 0.0)
@@ -369,34 +421,49 @@ def scrape(url: str, *, timeout_s: float = _SCRAPE_S, max_bytes: int = MAX_BODY_
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+def _text(body: str) -> str:
+    return body
+
+
+_T = TypeVar("_T")
+
 #: Scrapes still hanging (a server that trickles its headers in: urllib's timeout is per read) beyond
 #: which the observer starts no more and counts the attempt as failed.
 _MAX_HANGING = 4
 
 
-class _Scraper:
+class _Scraper(Generic[_T]):
     """Each scrape on a daemon thread of its own, awaited at most ``timeout_s``: a server that trickles
     its response in can hold a thread (urllib's timeout is per read), never the observer, the
-    process's exit (asyncio's executor joins its threads at exit) or a pool later scrapes need."""
+    process's exit (asyncio's executor joins its threads at exit) or a pool later scrapes need.
+    ``read`` turns the body into what the scrape returns, on that thread too: parsing an 8 MiB
+    exposition takes seconds, which on the event loop stalled the observer's stream and its Ctrl-C."""
 
-    def __init__(self, url: str, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        read: Callable[[str], _T] = _text,  # type: ignore[assignment]
+    ) -> None:
         self.url = url
         self.timeout_s = timeout_s
+        self.read = read
         self._hanging = 0
 
-    async def __call__(self) -> str:
+    async def __call__(self) -> _T:
         import threading
 
         if self._hanging >= _MAX_HANGING:
             raise TimeoutError(f"{self._hanging} earlier scrapes still hang")
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[str] = loop.create_future()
+        done: asyncio.Future[_T] = loop.create_future()
         # Its error is read here as well: when the observer stopped waiting (its deadline passed, or
         # it ended on another error) the error came later to nobody, and asyncio printed it with a
         # traceback as "Future exception was never retrieved".
         done.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-        def deliver(value: str | BaseException) -> None:
+        def deliver(value: _T | BaseException) -> None:
             self._hanging -= 1
             if done.done():
                 return
@@ -406,9 +473,9 @@ class _Scraper:
                 done.set_result(value)
 
         def work() -> None:
-            value: str | BaseException
+            value: _T | BaseException
             try:
-                value = scrape(self.url, timeout_s=self.timeout_s)
+                value = self.read(scrape(self.url, timeout_s=self.timeout_s))
             except BaseException as e:  # (handed to the awaiting side, which sorts it)
                 value = e
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
@@ -424,10 +491,16 @@ class _Scraper:
 
 
 def _reason(e: BaseException) -> str:
-    """One line for a scrape error (urllib nests the interesting part in ``reason``)."""
+    """One line for a scrape error (urllib nests the interesting part in ``reason``). An HTTP error's
+    status goes first: its reason is the server's own text, which alone may not say it failed."""
+    import urllib.error
+
     inner = getattr(e, "reason", None)
     text = str(inner if inner is not None else e) or type(e).__name__
-    return escape_text(text.splitlines()[0] if text.strip() else type(e).__name__)[:300]
+    line = text.splitlines()[0] if text.strip() else type(e).__name__
+    if isinstance(e, urllib.error.HTTPError):
+        line = f"HTTP {e.code}: {line}"
+    return escape_text(line)[:300]
 
 
 _RETRYABLE_RPC = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
@@ -471,6 +544,7 @@ async def run_observer(
     connect_failures = 0
     said_no_data = False
     said_gone = False  # said that the drafts counter vanished after data had flowed
+    said_positions = 0  # the draft positions /metrics counts, when said to differ from max_k
 
     async def pause(seconds: float) -> None:
         # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that arrives as its
@@ -481,11 +555,15 @@ async def run_observer(
                 await stop.wait()
 
     async def produce(outbox: asyncio.Queue[pb.EngineMessage | None]) -> None:
-        nonlocal sent, seq, prev, scrape_failures, said_no_data, said_gone
-        scraper = _Scraper(s.metrics_url, timeout_s=_SCRAPE_S)
+        nonlocal sent, seq, prev, scrape_failures, said_no_data, said_gone, said_positions
+        scraper = _Scraper(
+            s.metrics_url,
+            timeout_s=_SCRAPE_S,
+            read=lambda text: parse_metrics(text, time_s=clock(), model=s.model_name),
+        )
         while not stop.is_set():
             try:
-                cur = parse_metrics(await scraper(), time_s=clock(), model=s.model_name)
+                cur = await scraper()
             except (OSError, ValueError, http.client.HTTPException) as e:
                 scrape_failures += 1
                 if scrape_failures > s.retries:
@@ -516,6 +594,16 @@ async def run_observer(
             # lost every vllm sample) is no baseline: read as zeros, the next interval would carry the
             # engine's whole lifetime.
             prev = cur if cur.has_drafts else prev
+            # vLLM keeps one per-position counter per position it drafts (num_speculative_tokens): a
+            # max_k other than that is a mistake that is silent otherwise (rows cut at max_k, or arms
+            # recommended that vLLM cannot draft).
+            positions = len(cur.per_position)
+            if positions and positions != s.max_k and positions != said_positions:
+                said_positions = positions
+                say(
+                    f"{s.metrics_url} counts {positions} draft positions ({_PER_POS}), but max_k (--max-k, "
+                    f"the engine's num_speculative_tokens) is {s.max_k}: recommendations assume {s.max_k}"
+                )
             if obs is not None:
                 seq += 1
                 await outbox.put(

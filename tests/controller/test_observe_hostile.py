@@ -1,11 +1,19 @@
 """The observe adapter against hostile counters: arbitrary values between two scrapes (counters that go
-backwards, denormal, fractional or huge ones), engine restarts behind one endpoint, and settings the
-sidecar would refuse. Each interval is skipped saying why, or becomes reports the sidecar accepts."""
+backwards, denormal, fractional or huge ones), engine restarts behind one endpoint (told by counters
+that went back, or by their _created times), and settings the sidecar would refuse. Each interval is
+skipped saying why, or becomes reports the sidecar accepts. And against a hostile /metrics: duplicate
+series, NaN/Inf/negative counters and malformed lines refuse the scrape; a 100 MB body is cut off at
+8 MiB; an HTTP error or a redirect loop is a retried scrape saying its status; the exposition is
+parsed off the event loop. `controllerctl observe --interval` below a second scrapes every second,
+saying so; one out of (0, 3600] is a one-line usage error."""
 
 import asyncio
+import contextlib
 import http.server
+import re
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -225,3 +233,332 @@ async def test_a_restart_is_said_in_one_line_and_the_observer_goes_on(
     skipped = [m for m in said if m.startswith("skipped")]
     assert len(skipped) == 1 and "went backwards (vLLM restarted?)" in skipped[0], said
     assert sent >= 4
+
+
+# -- the real exposition's shape (vLLM 0.32/0.33 through prometheus_client: # HELP/# TYPE, a _created
+# gauge beside each counter), duplicate series, restarts told by _created, NaN/Inf, HTTP errors
+
+
+def _vllm_text(n: int, *, created: float = 1.7e9, engine: str = "0", extra: str = "") -> str:
+    """One engine's spec-decode counters as vLLM renders them, ``n`` intervals old (100 drafts of K=4
+    per interval, 25 iterations), its counters created at ``created``."""
+    labels = f'engine="{engine}",model_name="tiny"'
+    d = 100 * n
+    lines: list[str] = []
+    for name, value in (
+        ("vllm:spec_decode_num_drafts", d),
+        ("vllm:spec_decode_num_draft_tokens", 4 * d),
+        ("vllm:spec_decode_num_accepted_tokens", 2 * d),
+    ):
+        lines += [
+            f"# HELP {name}_total x.",
+            f"# TYPE {name}_total counter",
+            f"{name}_total{{{labels}}} {float(value)}",
+            f"# HELP {name}_created x.",
+            f"# TYPE {name}_created gauge",
+            f"{name}_created{{{labels}}} {created}",
+        ]
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    lines += [f"# HELP {per_pos}_total x.", f"# TYPE {per_pos}_total counter"]
+    lines += [
+        f'{per_pos}_total{{{labels},position="{i}"}} {float(v)}'
+        for i, v in enumerate([d, d // 2, d // 4, d // 4])
+    ]
+    lines += [f"# HELP {per_pos}_created x.", f"# TYPE {per_pos}_created gauge"]
+    lines += [f'{per_pos}_created{{{labels},position="{i}"}} {created}' for i in range(4)]
+    lines += [
+        "# HELP vllm:iteration_tokens_total x.",
+        "# TYPE vllm:iteration_tokens_total histogram",
+        f'vllm:iteration_tokens_total_bucket{{{labels},le="+Inf"}} {25.0 * n}',
+        f"vllm:iteration_tokens_total_count{{{labels}}} {25.0 * n}",
+        f"vllm:iteration_tokens_total_sum{{{labels}}} {125.0 * n}",
+        "# HELP vllm:iteration_tokens_total_created x.",
+        "# TYPE vllm:iteration_tokens_total_created gauge",
+        f"vllm:iteration_tokens_total_created{{{labels}}} {created}",
+    ]
+    return "\n".join(lines) + "\n" + extra
+
+
+def test_the_exposition_vllm_renders_is_read_with_its_creation_times() -> None:
+    c = parse_metrics(_vllm_text(3), time_s=0.0)
+    assert (c.drafts, c.draft_tokens, c.accepted, c.iterations) == (300.0, 1200.0, 600.0, 75.0)
+    assert c.per_position == (300.0, 150.0, 75.0, 75.0)
+    assert set(c.created.values()) == {1.7e9} and len(c.created) == len(c.series) == 8
+    obs = observation_between(c, parse_metrics(_vllm_text(4), time_s=5.0), method=Method.NGRAM, max_k=4)
+    assert obs is not None and obs.n == 100 and obs.batch_size == 4
+
+
+def test_a_series_twice_in_one_scrape_is_refused_not_summed() -> None:
+    """The drafts line twice was read as 200 drafts (summed): a silently doubled interval."""
+    line = 'vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny"} 100.0\n'
+    with pytest.raises(ValueError, match=r"spec_decode_num_drafts_total.*engine.*appears twice"):
+        parse_metrics(_vllm_text(1) + line, time_s=0.0)
+    pos = 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"} 1\n'
+    with pytest.raises(ValueError, match=r"appears twice"):
+        parse_metrics(_vllm_text(1) + pos, time_s=0.0)
+    gauge = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 1\n'
+    with pytest.raises(ValueError, match=r"num_requests_waiting.*appears twice"):
+        parse_metrics(_vllm_text(1) + gauge + gauge, time_s=0.0)
+    # The same names under other labels (a second engine) are two series, summed.
+    two = parse_metrics(_vllm_text(1) + _vllm_text(1, engine="1"), time_s=0.0)
+    assert two.drafts == 200.0
+
+
+@pytest.mark.parametrize("after", [1, 2, 5, 40])
+def test_a_restart_that_counted_past_the_old_totals_is_skipped(after: int) -> None:
+    """vLLM restarted between two scrapes and counted past its old totals (a young engine that crashed,
+    a long interval): every counter grew, and the interval was learnt as the new lifetime minus the
+    old one. Its counters' _created times changed: the interval is skipped, saying so."""
+    prev = parse_metrics(_vllm_text(1, created=1.7e9), time_s=0.0)
+    cur = parse_metrics(_vllm_text(1 + after, created=1.7e9 + 60), time_s=120.0)
+    assert all(cur.series[k] >= v for k, v in prev.series.items())  # nothing went back
+    with pytest.raises(ValueError, match=r"spec_decode_num_draft.*started over .*vLLM restarted"):
+        observation_between(prev, cur, method=Method.NGRAM, max_k=4)
+    # The next interval, within the new lifetime, is read; and an exposition without creation times
+    # (prometheus_client's multiprocess mode) is read as before.
+    later = parse_metrics(_vllm_text(2 + after, created=1.7e9 + 60), time_s=125.0)
+    assert observation_between(cur, later, method=Method.NGRAM, max_k=4) is not None
+    bare = [ln for ln in _vllm_text(1).splitlines() if "_created" not in ln]
+    bare_next = [ln for ln in _vllm_text(2).splitlines() if "_created" not in ln]
+    assert (
+        observation_between(
+            parse_metrics("\n".join(bare) + "\n", time_s=0.0),
+            parse_metrics("\n".join(bare_next) + "\n", time_s=5.0),
+            method=Method.NGRAM,
+            max_k=4,
+        )
+        is not None
+    )
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf", "-1"])
+@pytest.mark.parametrize(
+    "series",
+    [
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:iteration_tokens_total_count",
+    ],
+)
+def test_a_counter_that_is_not_a_count_refuses_the_scrape(series: str, value: str) -> None:
+    text = "\n".join(
+        re.sub(r"\} [0-9.e+]+$", "} " + value, ln) if ln.startswith(series + "{") else ln
+        for ln in _vllm_text(2).splitlines()
+    )
+    assert text != _vllm_text(2).rstrip("\n")
+    with pytest.raises(ValueError, match=re.escape(series) + r": must be a finite number >= 0"):
+        parse_metrics(text + "\n", time_s=0.0)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'vllm:spec_decode_num_drafts_total{engine="0" 1\n',  # an unclosed label set
+        'vllm:spec_decode_num_drafts_total{engine="0"} one\n',  # a value that is no number
+        'vllm:spec_decode_num_drafts_total{a="x} 1\n',  # an unterminated label value
+        "\x00\x01\x02 binary\n",
+    ],
+)
+def test_a_malformed_exposition_line_refuses_the_scrape_in_one_line(text: str) -> None:
+    with pytest.raises(ValueError, match="not Prometheus text") as e:
+        parse_metrics(text, time_s=0.0)
+    from controller.observe import _reason
+
+    said = _reason(e.value)
+    assert "\n" not in said and "\x00" not in said and len(said) <= 300
+
+
+class _Hostile(http.server.BaseHTTPRequestHandler):
+    """/500: a server error; /loop: redirects to itself; /huge: 100 MB of exposition, streamed without a
+    length; /metrics: a good scrape."""
+
+    sent = 0  # bytes /huge sent (class-wide: the test reads it)
+
+    def do_GET(self) -> None:
+        if self.path == "/500":
+            self.send_error(500, "engine exploded")
+        elif self.path == "/loop":
+            self.send_response(302)
+            self.send_header("Location", "/loop")
+            self.end_headers()
+        elif self.path == "/huge":
+            self.send_response(200)
+            self.end_headers()
+            line = b"# HELP padding " + b"x" * 1000 + b"\n"
+            with contextlib.suppress(OSError):  # the reader hung up: what is to be seen
+                for _ in range(100 * 1024):  # 100 MB
+                    self.wfile.write(line)
+                    type(self).sent += len(line)
+        else:
+            body = _vllm_text(1).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hostile_base() -> Iterator[str]:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_100_mb_metrics_is_refused_after_8_mib_not_read_whole(hostile_base: str) -> None:
+    from controller.observe import MAX_BODY_BYTES, scrape
+
+    _Hostile.sent = 0
+    with pytest.raises(ValueError, match=f"over {MAX_BODY_BYTES} bytes"):
+        scrape(hostile_base + "/huge")
+    # The reader stopped near the limit (the server's socket buffers aside), not at 100 MB.
+    assert _Hostile.sent < 2 * MAX_BODY_BYTES + 8 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("/500", "HTTP 500: engine exploded"),
+        ("/loop", "HTTP 302: The HTTP server returned a redirect error that would lead to an infinite loop"),
+    ],
+)
+async def test_an_http_error_or_a_redirect_loop_is_a_retried_scrape_saying_its_status(
+    hostile_base: str,
+    path: str,
+    says: str,
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """A 500 was said by its reason alone ("cannot read URL: engine exploded"): no status."""
+    from controller.observe import ObserverError
+
+    said: list[str] = []
+    s = _settings(hostile_base + path, sidecar.engine_target, retries=2)
+    with pytest.raises(ObserverError, match=re.escape(says) + r".*gave up after 3 attempts in a row"):
+        await asyncio.wait_for(run_observer(s, on_status=said.append), 30)
+    retries = [m for m in said if m.startswith("cannot read")]
+    assert len(retries) == 2 and all(says in m and "\n" not in m for m in retries), said
+
+
+async def test_the_exposition_is_parsed_off_the_event_loop(
+    hostile_base: str,
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Parsing ran on the event loop: an 8 MiB exposition of distinct series takes seconds to parse
+    (4.8 s on a 2-core CI machine), all that time stalling the observer's stream and its Ctrl-C."""
+    from controller import observe
+
+    threads: list[threading.Thread] = []
+    real = observe.parse_metrics
+
+    def spy(text: str, **kw: Any) -> VllmCounters:
+        threads.append(threading.current_thread())
+        return real(text, **kw)
+
+    monkeypatch.setattr(observe, "parse_metrics", spy)
+    stop = asyncio.Event()
+    s = _settings(hostile_base + "/metrics", sidecar.engine_target)
+    task = asyncio.create_task(run_observer(s, stop=stop))
+    try:
+        for _ in range(500):  # bounded: 10 s
+            if len(threads) >= 2:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert len(threads) >= 2 and threading.main_thread() not in threads, threads
+
+
+def test_observe_interval_below_a_second_scrapes_every_second_saying_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--interval 0.001` scraped vLLM's /metrics back to back (each scrape renders every metric)."""
+    from controller import observe
+    from controller.cli import main
+
+    got: list[ObserverSettings] = []
+
+    async def fake(settings: ObserverSettings, **kw: Any) -> int:
+        got.append(settings)
+        return 0
+
+    monkeypatch.setattr(observe, "run_observer", fake)
+    argv = ["observe", "--metrics-url", "http://127.0.0.1:9/metrics", "--sidecar", "127.0.0.1:9"]
+    for interval, expect in (("0.001", 1.0), ("1e-300", 1.0), ("0.999", 1.0), ("1", 1.0), ("2.5", 2.5)):
+        assert main([*argv, "--engine-id", "e", "--interval", interval]) == 0
+        assert got[-1].interval_s == expect
+        err = capsys.readouterr().err
+        clamped = expect != float(interval)
+        assert ("below the floor of 1 s" in err and "scraping every 1 s" in err) == clamped, err
+        assert err.count("\n") == (1 if clamped else 0), err
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "-0.5", "nan", "inf", "-inf", "3601", "1e400"])
+def test_observe_interval_out_of_range_is_a_one_line_usage_error(
+    interval: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller import observe
+    from controller.cli import main
+
+    async def never(settings: ObserverSettings, **kw: Any) -> int:
+        raise AssertionError("the observer ran")
+
+    monkeypatch.setattr(observe, "run_observer", never)
+    argv = ["observe", "--metrics-url", "http://127.0.0.1:9/metrics", "--sidecar", "127.0.0.1:9"]
+    assert main([*argv, "--engine-id", "e", f"--interval={interval}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --interval:") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("max_k", [2, 8])
+async def test_a_max_k_other_than_the_positions_vllm_counts_is_said_once(
+    hostile_base: str,
+    max_k: int,
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """vLLM drafting 4 positions observed with --max-k 2 (rows cut at 2) or 8 (K 5..8 recommended, which
+    vLLM cannot draft) went on without a word."""
+    said: list[str] = []
+    stop = asyncio.Event()
+    s = _settings(hostile_base + "/metrics", sidecar.engine_target, max_k=max_k)
+    task = asyncio.create_task(run_observer(s, on_status=said.append, stop=stop))
+    try:
+        for _ in range(500):  # bounded: 10 s
+            if any("draft positions" in m for m in said):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # (several more scrapes: it is said once)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    lines = [m for m in said if "draft positions" in m]
+    assert lines == [
+        f"{hostile_base}/metrics counts 4 draft positions (vllm:spec_decode_num_accepted_tokens_per_pos_total), "
+        f"but max_k (--max-k, the engine's num_speculative_tokens) is {max_k}: recommendations assume {max_k}"
+    ], said
+
+
+async def test_a_max_k_that_matches_says_nothing_of_positions(
+    hostile_base: str,
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    said: list[str] = []
+    stop = asyncio.Event()
+    s = _settings(hostile_base + "/metrics", sidecar.engine_target, max_k=4)
+    task = asyncio.create_task(run_observer(s, on_status=said.append, stop=stop))
+    try:
+        for _ in range(500):  # bounded: 10 s (attached, then a few scrapes more)
+            if "plain-vllm" in sidecar.engines():
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert not [m for m in said if "draft positions" in m], said
