@@ -129,7 +129,8 @@ def _after_update(
             before = int(state[s, DRAFT_LEN])  # the proposal before this step's tokens
             c = advance_row(state, pool, table, meta, drafts, pending, s, int(sizes[j]) > 0, not fin, min_n, max_n,
                             max_model_len)  # fmt: skip
-        d = int(drafted[j])
+        # (never above max K: the sidecar refuses a whole batch over one row whose K exceeds it)
+        d = min(int(drafted[j]), max_k)
         m, k, a, c, p = columns_row(verifying, s, int(sampled[j]), d, c, configured, max_k, before)
         out[METHOD, j] = m
         out[K, j] = k

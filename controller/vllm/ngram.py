@@ -18,7 +18,8 @@ batch in one kernel:
 * one open-addressing table maps (slot, generation, n-gram) to the n-gram's first start position.
   Entries hold a hash and the position; a hit is confirmed by comparing the tokens, so any vocabulary
   and any ``max_n`` work. Releasing a slot bumps its generation, which makes its entries stale; stale
-  entries are dropped when the table is rebuilt (at half load).
+  entries are dropped when the table is rebuilt (at half load), to a size set by the entries that
+  survive, so requests churning through the slots do not grow it.
 
 What must hold: ``NgramIndex`` drafts equal ``match_ngram``'s (and vLLM's) on every history; counts
 of a counterfactual are final (a draft is scored once, when the tokens after it are all known or one
@@ -386,6 +387,20 @@ def _compact(state: np.ndarray, old: np.ndarray, new: np.ndarray, meta: np.ndarr
 
 
 @kernel
+def _live_entries(state: np.ndarray, table: np.ndarray) -> int:
+    """How many of the table's entries belong to live slots (``_rehash`` keeps just these)."""
+    live = 0
+    for r in range(len(table)):
+        if int(table[r, _KEY]) == 0:
+            continue
+        owner = int(table[r, _OWNER])
+        s = owner >> 31
+        if s < len(state) and int(state[s, LEN]) >= 0 and int(state[s, GEN]) == (owner & _GEN_MASK):
+            live += 1
+    return live
+
+
+@kernel
 def _rehash(state: np.ndarray, old: np.ndarray, new: np.ndarray, meta: np.ndarray) -> None:
     """Move the live slots' entries into the new table (stale generations stay behind)."""
     mask = len(new) - 1
@@ -540,6 +555,10 @@ class NgramIndex:
             self._pool = pool
         need_table = int(meta[_NEED_TABLE])
         if 2 * (int(meta[_USED]) + need_table) > len(self._table):
-            table = np.zeros((_pow2(4 * (int(meta[_USED]) + need_table)), 3), dtype=np.int64)
+            # Sized by the entries that survive the rebuild, not by ``_USED`` (stale ones included):
+            # with requests churning through the slots nearly every entry is stale, and sizing by
+            # them doubled the table at every rebuild (6 GiB after 10^5 short requests, 64 live).
+            live_entries = _live_entries(st, self._table)
+            table = np.zeros((_pow2(4 * (live_entries + need_table)), 3), dtype=np.int64)
             _rehash(st, self._table, table, meta)
             self._table = table

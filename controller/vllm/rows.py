@@ -62,10 +62,14 @@ def columns_row(
         code = configured  # refuses an "off" row with drafts)
     if code == _NGRAM:
         cf = NOT_SCORED  # verified, not counterfactual
+    # Counts within what the sidecar accepts (K <= max K, accepted <= drafted): it refuses a whole
+    # report batch, every request's steps in it, over one row beyond them (a draft longer than the
+    # engine's max K, or more tokens sampled than a draft allows for).
+    drafted = min(drafted, max_k)
     return (
         code,
-        max(k, drafted),
-        (max(sampled - 1, 0) if drafted else 0),
+        min(max(k, drafted), max_k),
+        (min(max(sampled - 1, 0), drafted) if drafted else 0),
         min(cf, max_k),
         min(proposal, max_k),
     )
