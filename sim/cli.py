@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -449,7 +448,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from sim.executor import ExecutorError, ExecutorUsageError, make_executor
+    from sim.executor import ExecutorError, ExecutorUsageError, make_executor, usable_cpus
     from sim.tune import parse_grid, table, tune
 
     try:
@@ -480,11 +479,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for tr in traces:  # before the baseline jobs run, not after
             _check_methods(tr, [args.policy], [spec], engines)
         _check_output("--out", args.out)
-        _check_not_input("--out", args.out, _input_files(*(("--trace", t) for t in args.trace or [])))
-        from sim.tune import with_params
+        # The policy and profile files too: `--policy mine.yaml --out mine.yaml` replaced the policy
+        # being tuned with the winner (under another name), and the original was gone.
+        _check_not_input(
+            "--out",
+            args.out,
+            _input_files(
+                *(("--trace", t) for t in args.trace or []),
+                ("--policy", args.policy),
+                ("--profile", args.profile),
+            ),
+        )
+        from sim.tune import candidates
 
-        for v in itertools.product(*grid.values()):
-            with_params(spec, dict(zip(grid, v, strict=True)))
+        points_made = candidates(spec, grid)  # every point validated before any job runs
         executor = make_executor(args.executor, jobs=args.jobs, address=args.address)
     except (TraceError, PolicyError, ProfileError, _UsageError, ValueError) as e:
         _err(str(e))
@@ -492,6 +500,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except ExecutorError as e:
         _err(str(e))
         return EXIT_USAGE if isinstance(e, ExecutorUsageError) else EXIT_RUNTIME
+    if not args.address and args.jobs is not None and args.jobs > usable_cpus():  # (a cluster: its CPUs)
+        # Clamped as make -j is not: the jobs are CPU-bound, so workers beyond the CPUs only take
+        # memory (--jobs 1024 on 2 cores started 1024 interpreters). Said, so the figure is not a puzzle.
+        print(
+            f"--jobs {args.jobs}: {usable_cpus()} CPUs usable here; running at most {usable_cpus()} workers",
+            file=sys.stderr,
+        )
     # On a terminal by default, as sim compare's bar: a sweep runs for hours, silent unless asked.
     shown = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = (lambda m: print(m, file=sys.stderr, flush=True)) if shown else None
@@ -506,6 +521,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=progress,
             executor=executor,
+            points=points_made,
         )
     except (ValueError, ExecutorError) as e:
         _err(str(e))
@@ -754,7 +770,7 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
         help="where the sweep's jobs run: a local process pool, or Ray (pip install 'speccontrol[ray]')",
     )
     p.add_argument("--address", help="with --executor ray: an existing cluster (auto, ray://HOST:10001)")
-    p.add_argument("--jobs", type=cli_types.jobs, default=None, help="workers (default: the CPU count)")
+    p.add_argument("--jobs", type=cli_types.jobs, default=None, help="workers (default and at most: the usable CPU count)")
 
 
 #: ``--seed`` of the commands that replay policies. One seed for the whole run, so a run is repeated

@@ -9,13 +9,29 @@ then the results do not depend on the executor, its worker count or the order jo
 Ray is optional (``pip install 'speccontrol[ray]'``). Without ``address`` a private local Ray is started
 with ``jobs`` CPUs and shut down afterwards; with one (``auto`` or ``ray://host:10001``) the existing
 cluster is joined, and every node must have speccontrol installed.
+
+The local pool must never outlive its sweep or outgrow the machine. It runs at most one worker per
+usable CPU (``usable_cpus``: the jobs are CPU-bound, so ``--jobs 1024`` on 2 cores only multiplied
+the memory, about 50 MB a worker, and the start-up), and keeps a few jobs per worker queued rather
+than the whole sweep. Anything that ends ``map`` early (Ctrl-C, a job that raises, a worker that
+died) kills the workers at once: the pool's own shutdown waited for every queued job first, so
+Ctrl-C took as long as the rest of the sweep. While the pool runs, Ctrl-C is taken between results,
+never inside the pool's own machinery (``_ctrl_c_deferred``). Workers ignore SIGINT (the terminal
+sends it to the whole group; the parent ends them) and, on Linux, are killed when the parent dies (SIGTERM, the OOM
+killer): they were left blocked on their queue for good. A worker that dies is an ``ExecutorError``
+(one line, exit 1), not ``BrokenProcessPool``'s traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
-from collections.abc import Callable, Sequence
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -64,11 +80,89 @@ class Executor(Protocol):
     ) -> list[R]: ...
 
 
+#: Jobs queued per worker beyond the one it runs: enough to keep it busy between two results, few
+#: enough that a sweep of 10^5 jobs does not hold 10^5 futures and their pickled items at once.
+QUEUED_PER_WORKER = 2
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one), at least 1."""
+    with contextlib.suppress(AttributeError, OSError):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _worker_init(parent: int) -> None:
+    """In each pool worker, before its first job: Ctrl-C is the parent's to handle (it kills the
+    workers), and the worker dies with its parent instead of waiting on a queue nobody feeds."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took hold
+        os._exit(1)
+
+
+def _kill_pool(pool: ProcessPoolExecutor) -> None:
+    """End a pool now: queued jobs cancelled, running ones killed (their results are not wanted)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            proc.kill()
+    # Prompt: nothing is left running to wait for. (RuntimeError: its manager thread never started.)
+    with contextlib.suppress(RuntimeError):
+        pool.shutdown(wait=True, cancel_futures=True)
+    for proc in procs:
+        with contextlib.suppress(OSError, ValueError, AttributeError, AssertionError):
+            proc.join(timeout=5)
+
+
+#: How often a waiting sweep looks for a deferred Ctrl-C (seconds).
+_POLL_S = 0.2
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[Callable[[], bool]]:
+    """While a pool runs, Ctrl-C only sets a flag that ``map`` checks between results and turns into
+    KeyboardInterrupt there. Raised wherever the main thread was, it broke the pool's own start-up
+    (``cannot join thread before it is started``, a traceback; or a hang). Workers forked meanwhile
+    inherit the flag handler, so a press before their initializer runs is harmless too."""
+    pressed = False
+
+    def press(signum: int, frame: Any) -> None:
+        nonlocal pressed
+        pressed = True
+
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+        if previous in (signal.SIG_IGN, None):  # ignored (a background job): leave it so
+            yield lambda: False
+            return
+        signal.signal(signal.SIGINT, press)
+    except ValueError:  # not the main thread, which alone gets KeyboardInterrupt anyway
+        yield lambda: False
+        return
+    try:
+        yield lambda: pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @dataclass(frozen=True, slots=True)
 class LocalExecutor:
-    """A process pool of ``jobs`` workers; ``jobs`` 1 runs in this process (no pool)."""
+    """A process pool of up to ``jobs`` workers (no more than ``usable_cpus()``, nor than there are
+    items); ``jobs`` 1 runs in this process (no pool)."""
 
     jobs: int = 1
+
+    def workers(self, n_items: int) -> int:
+        """How many worker processes a ``map`` over ``n_items`` items starts (0: runs in this process)."""
+        if self.jobs <= 1 or n_items <= 1:
+            return 0
+        return max(1, min(self.jobs, n_items, usable_cpus()))
 
     def map(
         self,
@@ -77,28 +171,80 @@ class LocalExecutor:
         on_done: Callable[[int, R], None] | None = None,
     ) -> list[R]:
         out: list[Any] = [None] * len(items)
-        if self.jobs <= 1 or len(items) <= 1:
+        workers = self.workers(len(items))
+        if workers == 0:
             for i, it in enumerate(items):
                 out[i] = fn(it)
                 if on_done:
                     on_done(i, out[i])
             return out
-        with ProcessPoolExecutor(max_workers=min(self.jobs, len(items))) as ex:
-            index: dict[Future[R], int] = {ex.submit(fn, it): i for i, it in enumerate(items)}
-            pending = set(index)
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in sorted(done, key=index.__getitem__):
-                    i = index[f]
-                    out[i] = f.result()
+        with _ctrl_c_deferred() as interrupted:
+            pool = ProcessPoolExecutor(max_workers=workers, initializer=_worker_init, initargs=(os.getpid(),))
+            try:
+                for i, result in _completed(pool, fn, items, workers * (1 + QUEUED_PER_WORKER), interrupted):
+                    out[i] = result
                     if on_done:
-                        on_done(i, out[i])
+                        on_done(i, result)
+            except BrokenProcessPool:
+                _kill_pool(pool)
+                if interrupted():  # a worker that died of the same Ctrl-C
+                    raise KeyboardInterrupt from None
+                raise ExecutorError(
+                    f"a worker process of the sweep died (killed for memory, or by a signal); "
+                    f"{workers} workers were running: try fewer --jobs"
+                ) from None
+            except MemoryError:
+                _kill_pool(pool)
+                raise ExecutorError(
+                    f"a job ran out of memory with {workers} workers: try fewer --jobs"
+                ) from None
+            except BaseException:  # Ctrl-C, a job's own error: nothing more of this sweep is wanted
+                _kill_pool(pool)
+                raise
+            pool.shutdown(wait=True)
+            if interrupted():  # pressed as the last results came in
+                raise KeyboardInterrupt
         return out
+
+
+def _completed(
+    pool: ProcessPoolExecutor,
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    window: int,
+    interrupted: Callable[[], bool],
+) -> Iterator[tuple[int, R]]:
+    """``(index, fn(item))`` as jobs finish, with at most ``window`` submitted and not yet seen;
+    KeyboardInterrupt here once ``interrupted()``."""
+    index: dict[Future[R], int] = {}
+    todo = iter(range(len(items)))
+    pending: set[Future[R]] = set()
+
+    def fill() -> None:
+        while len(pending) < window and not interrupted():
+            i = next(todo, None)
+            if i is None:
+                return
+            f = pool.submit(fn, items[i])
+            index[f] = i
+            pending.add(f)
+
+    fill()
+    while pending:
+        if interrupted():
+            raise KeyboardInterrupt
+        done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+        for f in sorted(done, key=index.__getitem__):
+            yield index.pop(f), f.result()
+        fill()
+    if interrupted():
+        raise KeyboardInterrupt
 
 
 @dataclass(frozen=True, slots=True)
 class RayExecutor:
-    """Ray tasks of one CPU each, on a private local Ray (``address`` None) or an existing cluster."""
+    """Ray tasks of one CPU each, on a private local Ray (``address`` None; of ``jobs`` CPUs, at most
+    ``usable_cpus()``) or an existing cluster."""
 
     jobs: int = 1
     address: str | None = None
@@ -119,7 +265,8 @@ class RayExecutor:
                     path = os.environ.get("PYTHONPATH")
                     start_local_ray(
                         ray,
-                        num_cpus=max(1, self.jobs),
+                        # As the local pool: no more CPUs than there are (Ray starts a worker per CPU).
+                        num_cpus=max(1, min(self.jobs, usable_cpus())),
                         # Workers import this checkout as the driver does.
                         runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None,
                     )
@@ -170,8 +317,9 @@ def _import_ray() -> Any:
 
 
 def make_executor(kind: str, *, jobs: int | None = None, address: str | None = None) -> Executor:
-    """``local`` (a process pool; the default) or ``ray``; ``jobs`` defaults to the CPU count."""
-    n = max(1, jobs if jobs is not None else (os.cpu_count() or 1))
+    """``local`` (a process pool; the default) or ``ray``; ``jobs`` defaults to the usable CPU count
+    (a local pool runs no more workers than that whatever ``jobs`` says: ``LocalExecutor.workers``)."""
+    n = max(1, jobs if jobs is not None else usable_cpus())
     if kind == "local":
         if address:
             raise ExecutorUsageError("--address: only with --executor ray")

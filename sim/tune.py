@@ -51,7 +51,8 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[float]]:
         if name in out:
             raise ValueError(f"--param {name}: given twice (list every value once: {name}=V1,V2)")
         try:
-            out[name] = list(dict.fromkeys(float(v) for v in vals.split(",") if v.strip()))
+            # (+ 0.0: "-0,0" is one value, printed 0, not a point named "-0")
+            out[name] = list(dict.fromkeys(float(v) + 0.0 for v in vals.split(",") if v.strip()))
         except ValueError:
             raise ValueError(f"--param {it!r}: values must be numbers") from None
         if not out[name]:  # "explore= ," made a grid of no points: "no candidates", then a traceback
@@ -108,6 +109,17 @@ def _replay(job: tuple[Trace, Profile, EngineModel, ShippedPolicy, int, int]) ->
     )
 
 
+def candidates(spec: PolicySpec, grid: dict[str, list[float]]) -> list[Candidate]:
+    """Every grid point as a validated policy, in grid order (ValueError on the first that is not)."""
+    names = list(grid)
+    return [
+        Candidate(values, with_params(spec, values), [])
+        for values in (
+            dict(zip(names, combo, strict=True)) for combo in itertools.product(*(grid[n] for n in names))
+        )
+    ]
+
+
 def tune(
     spec: PolicySpec,
     grid: dict[str, list[float]],
@@ -119,18 +131,19 @@ def tune(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     executor: Executor | None = None,
+    points: Sequence[Candidate] | None = None,
 ) -> list[Candidate]:
-    """Every grid point, best first. ``progress`` gets one line per finished job of the whole sweep."""
+    """Every grid point, best first. ``progress`` gets one line per finished job of the whole sweep.
+    ``points``: ``candidates(spec, grid)`` made already (the command line validates them before it
+    starts; made twice, 10^4 points took minutes before the first job)."""
     ex = executor or LocalExecutor()
     arms_ok = frozenset(str(a) for a in engine.arms(max(t.max_k for t in traces)))
     cells = [(ti, c) for ti in range(len(traces)) for c in concurrency]
-    names = list(grid)
-    cands = [
-        Candidate(values, with_params(spec, values), [])
-        for values in (
-            dict(zip(names, combo, strict=True)) for combo in itertools.product(*(grid[n] for n in names))
-        )
-    ]
+    cands = (
+        [Candidate(dict(c.values), c.spec, []) for c in points]
+        if points is not None
+        else candidates(spec, grid)
+    )
     total = len(cells) * (1 + len(cands))
     done = 0
 
