@@ -770,7 +770,12 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
         help="where the sweep's jobs run: a local process pool, or Ray (pip install 'speccontrol[ray]')",
     )
     p.add_argument("--address", help="with --executor ray: an existing cluster (auto, ray://HOST:10001)")
-    p.add_argument("--jobs", type=cli_types.jobs, default=None, help="workers (default and at most: the usable CPU count)")
+    p.add_argument(
+        "--jobs",
+        type=cli_types.jobs,
+        default=None,
+        help="workers (default and at most: the usable CPU count)",
+    )
 
 
 #: ``--seed`` of the commands that replay policies. One seed for the whole run, so a run is repeated
