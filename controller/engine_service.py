@@ -2,6 +2,11 @@
 
 A reader task ingests reports as they come; the handler itself only writes what the sidecar queues
 for the stream (directives, then the end), so the engine's sends never wait on decisions.
+
+What must hold: a stream holds nothing of the sidecar's (no engine, no queue, no reader) before its
+Hello, and waits for that Hello ``HELLO_TIMEOUT_S`` at most: a client that opens Attach and sends
+nothing is ended DEADLINE_EXCEEDED and counted (reason ``hello_timeout``), so it cannot hold a
+handler for good by answering keepalive pings.
 """
 
 from __future__ import annotations
@@ -24,10 +29,18 @@ from controller.wire.convert import directive_to_pb
 
 log = logging.getLogger(__name__)
 
+#: Seconds a stream may stay open without its first message (the Hello). Engines send it as the first
+#: message of every stream, at once (controller.vllm.link, observe, embedded), so this only has to
+#: cover a loaded host's scheduling; and it matches ENGINE_KEEPALIVE_S (controller.server), the time
+#: a vanished engine's stream lingers anyway, so an idle opener holds a handler no longer than that.
+HELLO_TIMEOUT_S = 30.0
+
 
 class EngineService(pb_grpc.EngineServiceServicer):
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar, *, hello_timeout_s: float | None = None) -> None:
         self.sidecar = sidecar
+        #: None: ``HELLO_TIMEOUT_S`` as it is when a stream opens.
+        self.hello_timeout_s = hello_timeout_s
 
     async def Attach(
         self,
@@ -35,10 +48,19 @@ class EngineService(pb_grpc.EngineServiceServicer):
         context: grpc.aio.ServicerContext[pb.EngineMessage, pb.Directive],
     ) -> None:
         it = request_iterator.__aiter__()
+        wait_s = HELLO_TIMEOUT_S if self.hello_timeout_s is None else self.hello_timeout_s
         try:
-            first = await it.__anext__()
+            async with asyncio.timeout(wait_s):
+                first = await it.__anext__()
         except StopAsyncIteration:
             return
+        except TimeoutError:
+            err = TelemetryError(
+                "hello_timeout",
+                f"no Hello within {wait_s:g} s of opening the stream (an engine sends its Hello first)",
+            )
+            self.sidecar.reject(None, err)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{err.reason}: {err}")
         except DecodeError as e:  # (gRPC ended it UNKNOWN, with a traceback in the log)
             err = _not_a_message(e)
             self.sidecar.reject(None, err)

@@ -5,7 +5,17 @@ metrics endpoint, the fleet link, and the background task (decision tick, poster
 every configured address or leaves nothing behind (servers closed, fleet stopped, state directory
 released); a Unix socket is created with ``engine_socket_mode`` and no window in which it is wider;
 a broker that is down delays the start by ``FLEET_SYNC_S`` at most and never prevents it; the
-background task survives any failure of one tick.
+background task survives any failure of one tick. A start that fails or is cancelled at any point
+(also mid-bind, where gRPC's own stop can fail once) raises what stopped it and leaves nothing
+behind; ``stop`` after such a start, or a second ``stop``, does nothing (in particular it writes no
+snapshot into a state directory this sidecar no longer holds).
+
+Server reflection (what ``grpcurl list`` reads) is served only on a listener that only this host can
+reach (a Unix socket or a loopback address): it lists every service and method to whoever connects,
+which beyond loopback is anyone who can reach the port, before any token or certificate is asked for
+the call itself. ``grpcurl -plaintext 127.0.0.1:PORT list`` works on the default (local) listeners; a
+client of a listener beyond loopback uses the proto files (``grpcurl -import-path ... -proto
+controller/v1/controller.proto``). Health checking is served on every listener (probes need it).
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,6 +51,9 @@ from controller.state_dir import remove_stale_socket
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.wire.address import is_local_address, parse_address
+
+if TYPE_CHECKING:
+    from controller._mqtt import BrokerSettings
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +118,22 @@ class SidecarServer(Sidecar):
         """
         broker = self.config.broker_settings()  # reads the password file: fails before anything starts
         self.open()
+        try:
+            await self._join_and_serve(broker)
+        except BaseException:
+            # Cancelled or failed anywhere after open (also while waiting for the broker): each step
+            # runs whatever the one before it raised, and the state directory is always let go.
+            try:
+                await self._close_servers()
+                await self._stop_fleet()
+            finally:
+                self.close(snapshot=False)
+            raise
+        self._task = asyncio.create_task(self._run(), name="sidecar-tick")
+        self._task.add_done_callback(self._task_done)
+
+    async def _join_and_serve(self, broker: BrokerSettings | None) -> None:
+        """Join the fleet (when a broker is configured), then bind and start the servers."""
         if broker is not None:
             self.fleet = FleetLink(
                 broker=broker,
@@ -123,15 +152,7 @@ class SidecarServer(Sidecar):
                     broker.describe(),
                     FLEET_SYNC_S,
                 )
-        try:
-            await self._serve()
-        except BaseException:
-            await self._close_servers()
-            await self._stop_fleet()
-            self.close(snapshot=False)
-            raise
-        self._task = asyncio.create_task(self._run(), name="sidecar-tick")
-        self._task.add_done_callback(self._task_done)
+        await self._serve()
 
     async def _serve(self) -> None:
         opts = [
@@ -180,15 +201,25 @@ class SidecarServer(Sidecar):
         self._admin_server = grpc.aio.server(options=opts, interceptors=interceptors)
         self._admin_service = AdminService(self)
         pb_grpc.add_AdminServiceServicer_to_server(self._admin_service, self._admin_server)  # type: ignore[no-untyped-call]
-        for server, name in ((self._engine_server, engine_name), (self._admin_server, admin_name)):
+        for server, name, side in (
+            (self._engine_server, engine_name, "engine"),
+            (self._admin_server, admin_name, "admin"),
+        ):
             hs = health.aio.HealthServicer()  # type: ignore[attr-defined]
             await hs.set("", health_pb2.HealthCheckResponse.SERVING)
             await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
             health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-            reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            # Only where only this host can connect (see the module docstring).
+            if is_local_address(self.config.listen_address(side), field=f"{side}_listen"):
+                reflection.enable_server_reflection(
+                    (name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+                )
+        # Each server is started right after its bind: gRPC listens from the bind on, and a server that
+        # was bound but never started ignores stop (its port stays open until it is garbage), so a
+        # failure or cancel between a bind and its start would leave a port behind.
         self._engine_target = self._bind(self._engine_server, "engine")
-        self._admin_target = self._bind(self._admin_server, "admin")
         await self._engine_server.start()
+        self._admin_target = self._bind(self._admin_server, "admin")
         await self._admin_server.start()
         if self.config.metrics_listen:
             addr = parse_address(self.config.metrics_listen, field="metrics_listen")
@@ -197,6 +228,10 @@ class SidecarServer(Sidecar):
             self._metrics_url = self._metrics_server.start()
 
     async def stop(self, *, snapshot: bool = True) -> None:
+        """End the streams, close the servers and the fleet link, write the final snapshot and let go of
+        the state directory. After a start that failed or was cancelled, or a stop, nothing is held:
+        no snapshot is written then (the directory may be another sidecar's by now)."""
+        snapshot = snapshot and self._lock is not None
         await self._stop_fleet()
         if self._task is not None:
             self._task.cancel()
@@ -296,10 +331,28 @@ class SidecarServer(Sidecar):
     async def _close_servers(self) -> None:
         if self._admin_service is not None:
             await self._admin_service.end_watches(timeout_s=0.5)
-        for server in (self._engine_server, self._admin_server):
-            if server is not None:
-                await server.stop(grace=0.5)
+        servers = (self._engine_server, self._admin_server)
         self._engine_server = self._admin_server = None
+        for server in servers:
+            if server is not None:
+                await _stop_server(server)
         if self._metrics_server is not None:
             self._metrics_server.stop()
             self._metrics_server = None
+
+
+async def _stop_server(server: grpc.aio.Server) -> None:
+    """``server.stop``, once more if it fails: a server whose ``start`` was cancelled raises
+    InvalidStateError from its first stop (gRPC's main loop was left half set up) and is stopped, its
+    port closed, by the second. A failure of the second is logged, not raised: the caller is closing
+    everything else too."""
+    try:
+        await server.stop(grace=0.5)
+        return
+    except Exception as e:
+        log.debug("gRPC server stop failed (%r); stopping it again", e)
+    await asyncio.sleep(0)
+    try:
+        await server.stop(grace=0.5)
+    except Exception:
+        log.exception("gRPC server could not be stopped")

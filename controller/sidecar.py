@@ -247,6 +247,8 @@ class Sidecar:
                     f"({f'instance {held}' if held else 'another description'}); give each engine its "
                     "own id (SPECCONTROL_ENGINE_ID)",
                 )
+        if st is not None:  # a stream over the bound changes nothing (description, loop, last seen)
+            st.link.check_room()
         if st is None:
             self._make_room()
             st = self._engines[info.engine_id] = EngineState(info, self._warm_loop(info))

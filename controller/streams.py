@@ -6,7 +6,8 @@ streams and across a sidecar restart, an engine without one counts per stream; a
 acknowledged only the batches whose effect is on disk (``durable_sequence``, the sequence the last
 written snapshot holds), so after a kill -9 it still keeps, and resends, every batch the restarted
 sidecar has not got; a stream queue holds only the newest items (a slow stream never blocks the
-sidecar), and its end always gets through (it is never the item dropped).
+sidecar), and its end always gets through (it is never the item dropped); an engine holds at most
+``MAX_STREAMS_PER_ENGINE`` open streams (``max_engines`` bounds the engines, this their streams).
 This module knows nothing of gRPC or of the control loops.
 """
 
@@ -22,6 +23,12 @@ from policies.directive import Directive
 
 #: Items a stream queue holds; when full the oldest goes (only the newest directive matters).
 STREAM_QUEUE = 16
+#: Open streams one engine id may hold. An engine process attaches on one stream; a second, third is
+#: its reconnect while the old stream is not yet seen dead (closed within the keepalive, 45 s), and a
+#: few processes of an older engine (no instance id) may share an id. Without a bound, one client could
+#: open streams under one id without end: each holds a queue, a reader and a handler, and every
+#: directive is written to all of them.
+MAX_STREAMS_PER_ENGINE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +98,21 @@ class EngineStreams(Sequences):
     def connected(self) -> bool:
         return bool(self.queues)
 
+    def check_room(self) -> None:
+        """Raises TelemetryError (``too_many_streams``) when the engine holds ``MAX_STREAMS_PER_ENGINE``
+        open streams: what ``open`` refuses, asked before anything of the engine is changed for it."""
+        if len(self.queues) >= MAX_STREAMS_PER_ENGINE:
+            raise TelemetryError(
+                "too_many_streams",
+                f"hello: this engine id already has {len(self.queues)} open streams (at most "
+                f"{MAX_STREAMS_PER_ENGINE}); an engine attaches on one",
+            )
+
     def open(self, instance_id: str) -> asyncio.Queue[StreamItem]:
         """A queue for a new stream. A new engine process starts its sequences again (the same
-        process re-attaching, also after a sidecar restart, keeps its count)."""
+        process re-attaching, also after a sidecar restart, keeps its count). Raises TelemetryError
+        (``too_many_streams``, nothing changed) when the engine holds ``MAX_STREAMS_PER_ENGINE``."""
+        self.check_room()
         if instance_id and instance_id != self.instance_id:
             self.instance_id, self.last_sequence, self.durable_sequence, self.acked_pushed = (
                 instance_id,

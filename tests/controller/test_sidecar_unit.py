@@ -187,6 +187,29 @@ def test_an_engine_naming_no_instance_cannot_take_over_an_attached_id_with_anoth
     sidecar.detach(b)
 
 
+def test_a_stream_over_the_engines_bound_changes_nothing_of_the_engine(
+    sidecar: Sidecar, clock: Clock
+) -> None:
+    # The refusal came from the stream table after the engine's description, loop and last-seen time
+    # had been replaced for the stream it then refused.
+    from controller.streams import MAX_STREAMS_PER_ENGINE
+
+    held = [sidecar.attach(info("e1"), instance_id="a" * 32) for _ in range(MAX_STREAMS_PER_ENGINE)]
+    st_ = sidecar.engines()["e1"]
+    loop, seen = st_.loop, st_.last_seen
+    other = validate_hello(
+        pb.Hello(engine_id="e1", model="tiny", max_k=1, arms=[pb.Arm(method="off")], protocol_version=1)
+    )
+    clock.now += 5
+    with pytest.raises(TelemetryError) as e:
+        sidecar.attach(other, instance_id="a" * 32, observe_only=True, plugin_mode="K table only: x")
+    assert e.value.reason == "too_many_streams"
+    assert st_.loop is loop and st_.info == info("e1") and st_.last_seen == seen
+    assert not st_.observe_only and st_.plugin_mode == "" and len(st_.link.queues) == MAX_STREAMS_PER_ENGINE
+    for s in held:
+        sidecar.detach(s)
+
+
 def test_a_stream_without_instance_counts_its_own_sequences(sidecar: Sidecar) -> None:
     first = sidecar.attach(info("old"))
     sidecar.ingest(first, batch(1, 3))
