@@ -59,6 +59,12 @@ def k_table_only_reason(*, settings: PluginSettings, method: Method, vllm_config
             )
         if not is_async(vc):
             return "the V2 model runner with synchronous scheduling (the V2 merge needs async scheduling)"
+        if bool(getattr(vc.speculative_config, "enable_adaptive_verification", False)):
+            # The V2 runner records EAGLE's draft confidences for every row (record_confidences):
+            # n-gram rows would be verified, and cut, by the confidences of drafts they do not carry.
+            return (
+                "the V2 model runner with adaptive verification (EAGLE's confidences would cut n-gram rows)"
+            )
     return None
 
 

@@ -198,17 +198,31 @@ def test_table_k_caps_the_plan() -> None:
         ({"method": Method.NGRAM}, "the engine drafts with n-gram only"),
         ({"sample": "probabilistic"}, "probabilistic draft sampling"),
         ({"v2": True}, "the V2 model runner"),
+        ({"v2": True, "v2_composite": True}, "the V2 model runner with synchronous scheduling"),
+        (
+            {"v2": True, "v2_composite": True, "async": True, "adaptive": True},
+            "the V2 model runner with adaptive",
+        ),
+        ({"v2": True, "v2_composite": True, "async": True}, None),
+        ({"async": True, "adaptive": True}, None),
         ({}, None),
         ({"async": True}, None),
     ],
 )
 def test_plugin_mode_says_why(change: dict[str, Any], reason: str | None) -> None:
     vc = types.SimpleNamespace(
-        speculative_config=types.SimpleNamespace(draft_sample_method=change.get("sample", "greedy")),
+        speculative_config=types.SimpleNamespace(
+            draft_sample_method=change.get("sample", "greedy"),
+            enable_adaptive_verification=change.get("adaptive", False),
+        ),
         use_v2_model_runner=change.get("v2", False),
         scheduler_config=types.SimpleNamespace(async_scheduling=change.get("async", False)),
     )
-    settings = PluginSettings(sidecar="unix:///tmp/x.sock", composite=change.get("composite", True))
+    settings = PluginSettings(
+        sidecar="unix:///tmp/x.sock",
+        composite=change.get("composite", True),
+        v2_composite=change.get("v2_composite", False),
+    )
     got = k_table_only_reason(settings=settings, method=change.get("method", Method.EAGLE3), vllm_config=vc)
     if reason is None:
         assert got is None and plugin_mode(got) == "per-request composite"
