@@ -1,7 +1,7 @@
 """Whole-file writes for the simulator's and CLI's outputs (traces, result JSON, plots, generated docs):
 a reader never sees half a file, and a failed write leaves the old file as it was.
 
-``replace_file`` writes a sibling ``NAME.tmp`` and renames it over ``NAME``. A failure removes the
+``replace_file`` (``FileReplacement`` when the data comes in pieces) writes a sibling ``NAME.tmp`` and renames it over ``NAME``. A failure removes the
 sibling and is reported against ``NAME``, the path the user gave (not the ``.tmp`` they never named).
 A symlink ``NAME`` has its target replaced (the link stays); a device, FIFO or socket is never
 replaced by a file (refused: a rename would swap the node itself, e.g. ``/dev/full``, for a file).
@@ -15,28 +15,70 @@ import errno
 import io
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def replace_file(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data``; OSError (naming ``path``) when it cannot be written."""
-    p = Path(path)
-    # The rename replaces the node it names: a link's target is what the user means to write.
-    real = Path(os.path.realpath(p))
-    if real.exists() and not real.is_file() and not real.is_dir():
-        raise OSError(errno.EINVAL, "is not a regular file", str(p))
-    tmp = real.with_name(real.name + ".tmp")
+    out = FileReplacement(path)
     try:
-        tmp.write_bytes(data)
-        tmp.replace(real)
-    except BaseException as e:
-        # (Ctrl-C mid-write too: it left NAME.tmp beside the file)
+        out.write(data)
+        out.commit()
+    finally:  # (Ctrl-C mid-write too: it left NAME.tmp beside the file)
+        out.discard()
+
+
+class FileReplacement:
+    """``replace_file`` written in pieces, for outputs too large to hold whole: ``NAME.tmp`` opened at
+    construction, ``write`` as often as needed, ``commit`` renames it over ``NAME``; ``discard``
+    (idempotent, a no-op once committed) removes it, and belongs in a ``finally``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        # The rename replaces the node it names: a link's target is what the user means to write.
+        real = Path(os.path.realpath(self.path))
+        if real.exists() and not real.is_file() and not real.is_dir():
+            raise OSError(errno.EINVAL, "is not a regular file", str(self.path))
+        self._real = real
+        self._tmp = real.with_name(real.name + ".tmp")
+        self._f: IO[bytes] | None = None
+        self._done = False
+        with self._named():
+            self._f = self._tmp.open("wb")
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            self.discard()
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
+
+    def write(self, data: bytes) -> None:
+        if self._f is not None:
+            with self._named():
+                self._f.write(data)
+
+    def commit(self) -> None:
+        assert self._f is not None, "commit after discard"
+        with self._named():
+            self._f.close()
+            self._tmp.replace(self._real)
+        self._f = None
+        self._done = True
+
+    def discard(self) -> None:
+        if self._done:
+            return
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(e, OSError):
-            raise OSError(e.errno, e.strerror, str(p)) from None
-        raise
+            self._tmp.unlink()
+        self._done = True
 
 
 def save_figure(fig: Any, path: str | Path, *, dpi: int) -> None:

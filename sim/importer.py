@@ -352,38 +352,59 @@ def ngram_columns(
     draft's length capped at ``max_k``, and the count is how many of its first ``NGRAM_HORIZON``
     tokens equal the output tokens that really came next (exact under greedy decoding).
 
-    The same matches as ``match_ngram`` at every position, found in an index of each n-gram's first
-    occurrence that grows by one token per position: calling the matcher per position rescanned the
-    whole history, quadratic in the request's length (60k tokens took minutes).
+    The same matches as ``match_ngram`` at every position, with whole-array operations in memory
+    linear in the request's tokens whatever max_n (a few int64 arrays of its length): every n-gram
+    gets a rank, equal for equal n-grams, from its (n-1)-gram's rank and its last token, and an
+    n-gram's earliest start is the first index of its rank. A suffix n-gram that occurs earlier has
+    a suffix (n-1)-gram that does too, so the longest match is the largest n whose suffix starts
+    later than its earliest occurrence. (Calling the matcher per position was quadratic in the
+    request's length; an index of every n-gram's bytes for each n held ~15 KB a token at max_n 63,
+    gigabytes for a 128k-token prompt.)
     """
-    tokens = np.concatenate([prompt_ids, output_ids]).astype(np.int32)
-    raw = tokens.tobytes()  # n-gram keys: exact byte slices, 4 bytes per token
-    w = tokens.itemsize
+    tokens = np.concatenate([np.asarray(prompt_ids), np.asarray(output_ids)]).astype(np.int64)
     p, n = len(prompt_ids), len(output_ids)
+    total = p + n
     acc = np.zeros(n, dtype=np.int32)
     proposal = np.zeros(n, dtype=np.int32)
-    first: list[dict[bytes, int]] = [{} for _ in range(max_n + 1)]  # by length: key -> earliest start
-    indexed = 0  # n-grams ending before this position are in ``first``
-    for t in range(n):
-        end = p + t + 1  # tokens the engine holds after output token t
-        # A match must end before the last token (it cannot be the suffix itself).
-        while indexed < end - 1:
-            indexed += 1
-            for m in range(min_n, min(max_n, indexed) + 1):
-                first[m].setdefault(raw[(indexed - m) * w : indexed * w], indexed - m)
-        start = None
-        for m in range(min(max_n, end - 1), min_n - 1, -1):
-            hit = first[m].get(raw[(end - m) * w : end * w])
-            if hit is not None:
-                start = hit + m
-                break
-        if start is None:
+    ends = np.arange(p + 1, total + 1, dtype=np.int64)  # tokens the engine holds after output token t
+    draft_at = np.full(n, -1, dtype=np.int64)  # where the longest match's continuation starts
+    # Dense ranks (< total < 2^26), so that a rank times their count plus a rank fits in int64.
+    uniq, inv = np.unique(tokens, return_inverse=True)
+    base = np.int64(len(uniq))
+    token_rank = inv.astype(np.int64).ravel()
+    rank = token_rank
+    for m in range(1, min(max_n, total - 1) + 1):
+        # The m-grams by start: the (m-1)-gram's rank at i, then token i + m - 1.
+        key = rank if m == 1 else rank[: total - m + 1] * base + token_rank[m - 1 :]
+        uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
+        del key
+        if len(uniq) == total - m + 1:
+            break  # every m-gram occurs once: no match of m tokens or more anywhere
+        rank = inv.astype(np.int64).ravel()
+        if m < min_n:
             continue
-        draft = tokens[start : start + min(NGRAM_HORIZON, end - start)]
-        proposal[t] = min(len(draft), max_k)
-        nxt = tokens[end : end + len(draft)]
-        same = draft[: len(nxt)] == nxt
-        acc[t] = len(nxt) if same.all() else int(np.argmin(same))
+        # A match must end before the last token (it cannot be the suffix itself): it starts at >= 1.
+        at = np.flatnonzero(ends - m >= 1)
+        s = ends[at] - m
+        earliest = first[rank[s]]
+        found = earliest < s
+        if not found.any():
+            break  # no suffix m-gram occurs earlier: no longer one can
+        draft_at[at[found]] = earliest[found] + m  # a longer match replaces a shorter one
+    hit = np.flatnonzero(draft_at >= 0)
+    st, en = draft_at[hit], ends[hit]
+    length = np.minimum(NGRAM_HORIZON, en - st)  # the draft: what followed the match, horizon-capped
+    proposal[hit] = np.minimum(length, max_k)
+    # The draft's tokens that came next, compared one offset at a time over the positions still
+    # agreeing (a draft ends before the position it is scored at: st + j < en).
+    reach = np.minimum(length, total - en)
+    alive = np.flatnonzero(reach > 0)
+    j = 0
+    while len(alive):
+        alive = alive[tokens[st[alive] + j] == tokens[en[alive] + j]]
+        acc[hit[alive]] += 1
+        j += 1
+        alive = alive[reach[alive] > j]
     return acc, proposal
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import socket
 import sys
@@ -27,10 +28,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from policies.arms import Method
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
@@ -292,6 +293,15 @@ def _post(
     return obj
 
 
+def _copy_in_order(f: IO[bytes], where: list[tuple[int, int, int]], to: Path) -> None:
+    """The lines of ``f`` at ``where`` ((prompt index, offset, bytes) each) written to ``to`` in prompt
+    order, one line in memory at a time."""
+    with to.open("wb") as out:
+        for _, offset, size in sorted(where):
+            f.seek(offset)
+            out.write(f.read(size))
+
+
 def record(
     *,
     base_url: str,
@@ -308,13 +318,14 @@ def record(
     """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures
     (``errors``, when given, gets each failed request's error, naming its prompt).
 
-    The lines go to ``<responses>.partial``, renamed to ``responses_path`` once every request is done:
-    a run cut short (Ctrl-C, a full disk) leaves no file that reads as a whole recording, and a run
-    whose every request failed leaves none. A file that cannot be written raises TraceError naming it.
+    The lines go to ``<responses>.partial`` as the answers come, and ``responses_path`` gets them in
+    prompt order once every request is done (that file renamed, or its lines copied in order to
+    ``<responses>.ordering``, renamed): a run cut short (Ctrl-C, a full disk) leaves no file that reads
+    as a whole recording, and a run whose every request failed leaves none. Memory holds no answer
+    past its writing, whatever the order they finish in. A file that cannot be written raises TraceError naming it.
     A response whose line would be over ``max_line_bytes`` (the importer's limit) is a failed request."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
-    failures = 0
 
     def one(i_p: tuple[int, Prompt]) -> dict[str, Any] | None:
         i, p = i_p
@@ -348,15 +359,22 @@ def record(
         return obj
 
     partial = responses_path.with_name(responses_path.name + ".partial")
-    kept = 0
+    ordering = responses_path.with_name(responses_path.name + ".ordering")
+    # Each answer is written as it comes (to ``partial``, in the order they finish) and only where its
+    # line starts is kept; the file is put in prompt order at the end. Taken in prompt order
+    # (``pool.map``), every answer that finished behind a slow one was held in memory until it was
+    # done: one long request held all the others' token ids, gigabytes over a long recording.
+    where: list[tuple[int, int, int]] = []  # (prompt index, offset in ``partial``, bytes) of each line
+    failed: list[tuple[int, str]] = []
     try:
         responses_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with (
-                partial.open("w", encoding="utf-8") as f,
-                ThreadPoolExecutor(max_workers=concurrency) as pool,
-            ):
-                for done, obj in enumerate(pool.map(one, enumerate(prompts)), start=1):
+            with partial.open("w+b") as f, ThreadPoolExecutor(max_workers=concurrency) as pool:
+                pending = {pool.submit(one, ip): ip[0] for ip in enumerate(prompts)}
+                for done, fut in enumerate(as_completed(pending), start=1):
+                    i = pending.pop(fut)  # (as_completed lets go of it too: its answer is freed)
+                    obj = fut.result()
+                    del fut
                     line = None if obj is None or "error" in obj else json.dumps(obj) + "\n"
                     if line is not None and len(line) > max_line_bytes:
                         # Written again as JSON, an answer grows (\uXXXX escapes for non-ASCII text, a
@@ -365,25 +383,33 @@ def record(
                         obj = {
                             "error": f"the response is {len(line)} bytes as a line of {responses_path}, "
                             f"over the importer's limit of {max_line_bytes} (POST {url} for prompt "
-                            f"{prompts[done - 1].where or done})"
+                            f"{prompts[i].where or i + 1})"
                         }
                         line = None
                     if line is None:
-                        failures += 1
-                        if errors is not None:
-                            errors.append(str(obj["error"]) if obj is not None else "no response")
+                        failed.append((i, str(obj["error"]) if obj is not None else "no response"))
                     else:
-                        f.write(line)
-                        kept += 1
+                        data = line.encode("utf-8")
+                        where.append((i, f.tell(), len(data)))
+                        f.write(data)
+                    del obj, line
                     if on_done is not None:
                         on_done(done)
-            if kept:
-                partial.replace(responses_path)
+                in_order = all(a[0] < b[0] for a, b in itertools.pairwise(where))
+                if not in_order:
+                    _copy_in_order(f, where, ordering)
+            if where:
+                (partial if in_order else ordering).replace(responses_path)
         finally:
             partial.unlink(missing_ok=True)  # (gone already when renamed)
+            ordering.unlink(missing_ok=True)
     except OSError as e:
-        where = e.filename or partial
-        raise TraceError(f"cannot write the responses: {e.strerror or e}", source=str(where)) from None
+        raise TraceError(
+            f"cannot write the responses: {e.strerror or e}", source=str(e.filename or partial)
+        ) from None
+    failures = len(failed)
+    if errors is not None:
+        errors.extend(msg for _, msg in sorted(failed))  # in prompt order: the first is the first prompt's
     return failures
 
 

@@ -31,7 +31,7 @@ from typing import IO, Any
 import numpy as np
 
 from policies.arms import Method
-from sim.files import replace_file
+from sim.files import FileReplacement
 
 FORMAT_VERSION = 1
 MAX_K_LIMIT = 64
@@ -837,7 +837,12 @@ def trace_lines(
         rec["acc"] = {m.value: trace.acc[m][off[i] : off[i + 1]].tolist() for m in hdr.methods}
         if trace.ngram_proposal is not None:
             rec["ngram_proposal"] = trace.ngram_proposal[off[i] : off[i + 1]].tolist()
-        _admit(_check_request(rec, hdr, err), i + 2, seen, reqs, err)
+        r = _check_request(rec, hdr, err)
+        _admit(r, i + 2, seen, reqs, err)
+        if r is not None:
+            # Only what the rules across requests ask is kept: every request's lists of Python ints
+            # (36 bytes a position and column) were held to the end, 4x the trace's own arrays.
+            _compact(r, keep=False)
         for fld in ("id", "class"):
             if _not_unicode(rec[fld], fld) is not None:
                 err(fld, "not valid Unicode (a lone UTF-16 surrogate)")
@@ -856,22 +861,64 @@ def trace_lines(
             err(col, f"{len(a)} positions, but output_tokens sum to {positions}")
 
 
+#: Text gathered before a write to the file: the writer holds this much (and one line) of the trace's
+#: text, not all of it.
+_WRITE_CHUNK_BYTES = 1 << 20
+
+
 def write_trace(trace: Trace, path: str | Path, *, limits: TraceLimits = DEFAULT_LIMITS) -> None:
     """Write a trace; gzip-compressed when the name ends in ``.gz``.
 
     Raises TraceError (and writes nothing) when ``read_trace`` would refuse the file (see
-    ``trace_lines``)."""
+    ``trace_lines``). The text is streamed in chunks of ``_WRITE_CHUNK_BYTES`` to ``NAME.tmp``, renamed
+    over ``NAME`` once whole (as ``sim.files.replace_file`` writes): the whole text, and its gzip,
+    were held in memory at once (several times the trace's arrays, gigabytes for hours of steps).
+    The bytes are those of ``gzip.compress(text, mtime=0)`` (or the text), as they were."""
     p = Path(path)
-    text = "".join(line + "\n" for line in trace_lines(trace, source=str(p), limits=limits)).encode("utf-8")
-    if len(text) > limits.max_decompressed_bytes:
-        raise TraceError(
-            f"{len(text)} bytes of text, over the reader's limit of {limits.max_decompressed_bytes}",
-            source=str(p),
-        )
-    if p.suffix == ".gz":
-        text = gzip.compress(text, mtime=0)
-    if len(text) > limits.max_file_bytes:
-        raise TraceError(
-            f"{len(text)} bytes, over the reader's limit of {limits.max_file_bytes}", source=str(p)
-        )
-    replace_file(p, text)
+    gz = p.suffix == ".gz"
+    # gzip.compress(text, mtime=0) is zlib's own gzip wrapper (wbits 31) at level 9: the same stream.
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31) if gz else None
+    text_bytes = file_bytes = 0
+    out: FileReplacement | None = None
+    chunk: list[bytes] = []
+    held = 0
+
+    def emit(data: bytes, *, last: bool = False) -> None:
+        nonlocal file_bytes, out
+        if deflate is not None:
+            data = deflate.compress(data) + (deflate.flush() if last else b"")
+        file_bytes += len(data)
+        if text_bytes > limits.max_decompressed_bytes or file_bytes > limits.max_file_bytes:
+            # Over a limit: the rest is still made (its lines checked, the sizes counted for the
+            # message, as before), none of it written.
+            if out is not None:
+                out.discard()
+            return
+        if out is None:  # opened once the first chunk is made: a small trace is checked whole first
+            out = FileReplacement(p)
+        out.write(data)
+
+    try:
+        for line in trace_lines(trace, source=str(p), limits=limits):
+            data = (line + "\n").encode("utf-8")
+            text_bytes += len(data)
+            chunk.append(data)
+            held += len(data)
+            if held >= _WRITE_CHUNK_BYTES:
+                emit(b"".join(chunk))
+                chunk, held = [], 0
+        emit(b"".join(chunk), last=True)
+        if text_bytes > limits.max_decompressed_bytes:
+            raise TraceError(
+                f"{text_bytes} bytes of text, over the reader's limit of {limits.max_decompressed_bytes}",
+                source=str(p),
+            )
+        if file_bytes > limits.max_file_bytes:
+            raise TraceError(
+                f"{file_bytes} bytes, over the reader's limit of {limits.max_file_bytes}", source=str(p)
+            )
+        assert out is not None  # (the last chunk holds the header line at least)
+        out.commit()
+    finally:
+        if out is not None:
+            out.discard()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.files import missing_directory, output_problem, replace_file, save_figure
+from sim.files import FileReplacement, missing_directory, output_problem, replace_file, save_figure
 
 
 def test_replaces_the_whole_file_and_leaves_no_sibling(tmp_path: Path) -> None:
@@ -44,11 +44,13 @@ def test_an_interrupted_write_removes_the_sibling_and_keeps_the_old_file(
     target = tmp_path / "plot.png"
     target.write_bytes(b"old")
 
-    def interrupted(self: Path, data: bytes) -> int:
-        Path.write_text(self, "half")
+    real_write = FileReplacement.write
+
+    def interrupted(self: FileReplacement, data: bytes) -> None:
+        real_write(self, data[: len(data) // 2])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Path, "write_bytes", interrupted)
+    monkeypatch.setattr(FileReplacement, "write", interrupted)
     with pytest.raises(KeyboardInterrupt):
         replace_file(target, b"new")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["plot.png"]
