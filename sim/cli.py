@@ -16,7 +16,7 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -449,7 +449,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from sim.executor import ExecutorError, ExecutorUsageError, make_executor, usable_cpus
-    from sim.tune import parse_grid, table, tune
+    from sim.tune import parse_grid, table, tune, tune_jobs
 
     try:
         levels = _concurrency(args.concurrency)
@@ -507,9 +507,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
             f"--jobs {args.jobs}: {usable_cpus()} CPUs usable here; running at most {usable_cpus()} workers",
             file=sys.stderr,
         )
-    # On a terminal by default, as sim compare's bar: a sweep runs for hours, silent unless asked.
+    # On a terminal by default, a bar as sim compare's (a grid of 10^4 points printed 10^4 lines);
+    # asked for elsewhere (a log file, where a bar's carriage returns read as one long line), a line
+    # per finished job. A sweep runs for hours, silent unless asked.
     shown = args.progress if args.progress is not None else sys.stderr.isatty()
-    progress = (lambda m: print(m, file=sys.stderr, flush=True)) if shown else None
+    progress: Callable[[str], None] | None = None
+    bar = None
+    if shown and sys.stderr.isatty():
+        from sim.progress import ProgressBar
+
+        bar = ProgressBar(total=tune_jobs(points_made, traces, levels), label="sim tune", enabled=True)
+
+        def on_bar(line: str, bar: ProgressBar = bar) -> None:
+            bar.label = line.split("] ", 1)[-1]
+            bar.advance()
+
+        progress = on_bar
+    elif shown:
+        progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         cands = tune(
             spec,
@@ -524,8 +539,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             points=points_made,
         )
     except (ValueError, ExecutorError) as e:
+        if bar is not None:
+            bar.close()
         _err(str(e))
         return EXIT_RUNTIME
+    if bar is not None:
+        bar.close()
     print(table(cands))
     if args.out:
         from sim.tune import render_tuned
@@ -868,7 +887,7 @@ def register(subparsers: Any) -> None:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a line per finished job on stderr (default: when stderr is a terminal)",
+        help="progress on stderr: a bar on a terminal, else a line per finished job (default: when stderr is a terminal)",
     )
     p.add_argument("--out", help="write the winning policy YAML here")
     _executor_args(p)

@@ -120,6 +120,12 @@ def candidates(spec: PolicySpec, grid: dict[str, list[float]]) -> list[Candidate
     ]
 
 
+def tune_jobs(points: Sequence[Candidate], traces: Sequence[Trace], concurrency: Sequence[int]) -> int:
+    """How many jobs ``tune`` runs (``progress`` is called once for each): the best static arm and every
+    point, on every trace at every concurrency."""
+    return len(traces) * len(concurrency) * (1 + len(points))
+
+
 def tune(
     spec: PolicySpec,
     grid: dict[str, list[float]],
@@ -144,7 +150,7 @@ def tune(
         if points is not None
         else candidates(spec, grid)
     )
-    total = len(cells) * (1 + len(cands))
+    total = tune_jobs(cands, traces, concurrency)
     done = 0
 
     def tick(what: Callable[[int], str]) -> Callable[[int, float], None]:

@@ -167,3 +167,38 @@ def test_each_grid_point_is_built_once(
     assert main(args) == 0
     assert sorted(c["explore"] for c in calls) == [0.0, 0.1, 0.3]
     assert "score" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals")
+def test_on_a_terminal_the_sweep_shows_one_bar_not_a_line_per_job(tmp_path: Path) -> None:
+    # A grid of 10^4 points printed 10^4 lines on the terminal; a log file (--progress, no terminal)
+    # still gets a line per job, which a bar's carriage returns would make one unreadable line.
+    import pty
+
+    entry = "from controller._entry import main; import sys; sys.exit(main())"
+    cmd = [sys.executable, "-c", entry, "sim", "tune", "--policy", "default", *SMALL]
+    cmd += ["--param", "explore=0,0.1,0.2", "--jobs", "1"]
+    main_fd, sub_fd = pty.openpty()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=sub_fd, timeout=600)
+        os.close(sub_fd)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:  # (EIO: the terminal's other side is closed and read out)
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(main_fd)
+    text = shown.decode()
+    assert proc.returncode == 0, text
+    assert "100.0%" in text and "[4/4]" not in text and "\r" in text
+    err = tmp_path / "err.txt"
+    with err.open("w") as f:
+        rc = subprocess.run([*cmd, "--progress"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, timeout=600)
+    assert rc.returncode == 0
+    lines = err.read_text().splitlines()
+    assert [x.split("]")[0] for x in lines] == ["[1/4", "[2/4", "[3/4", "[4/4"], lines
