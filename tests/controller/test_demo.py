@@ -15,6 +15,7 @@ from controller.demo import _result as _demo_result
 from controller.embedded.core import BINS, EngineTotals
 from controller.embedded.workload import Phase, Schedule
 from sim.costmodel import DEFAULT_PROFILE, load_profile
+from sim.files import FileReplacement
 
 PROFILE = load_profile(DEFAULT_PROFILE)
 
@@ -148,14 +149,13 @@ def test_ctrl_c_while_the_plot_is_written_leaves_no_temporary_file(
     # Ctrl-C between replace_file's write of FILE.tmp and its rename left FILE.tmp in the user's
     # directory; now it waits for the file, then interrupts as usual.
     pytest.importorskip("matplotlib")
-    written = Path.write_bytes
+    written = FileReplacement.write
 
-    def write_then_press(self: Path, data: bytes) -> int:
-        n = written(self, data)
+    def write_then_press(self: FileReplacement, data: bytes) -> None:
+        written(self, data)
         os.kill(os.getpid(), signal.SIGINT)
-        return n
 
-    monkeypatch.setattr(Path, "write_bytes", write_then_press)
+    monkeypatch.setattr(FileReplacement, "write", write_then_press)
     p = tmp_path / "g.png"
     with pytest.raises(KeyboardInterrupt):
         plot(_result(), str(p))
