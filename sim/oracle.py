@@ -108,6 +108,8 @@ class _ArmRows:
             sel = arm_of_request[rw.req] == i
             if sel.any():
                 parts.append((rw.req[sel], rw.done[sel], rw.method[sel], rw.k[sel], rw.emitted[sel]))
+        if not parts:  # no decode rows at all (every request is one token long)
+            return self.rows[0]
         req = np.concatenate([p[0] for p in parts])
         order = np.argsort(req, kind="stable")
         cols = [np.concatenate([p[j] for p in parts])[order] for j in range(5)]
@@ -214,8 +216,8 @@ def _replay_plan(
     cols_of = np.arange(trace.total_output_tokens) - np.repeat(trace.offsets[:-1], out)
     codes = np.array([o[0] for o in options], dtype=np.int8)
     ks = np.array([o[1] for o in options], dtype=np.int64)
-    # Position t of request r is decided in state done = t + 1.
-    pick = choice[rows_of, cols_of + 1]
+    # Position t of request r is decided in state done = t + 1 (``choice`` ragged: ``_state_base``).
+    pick = choice[_state_base(out)[rows_of] + cols_of + 1]
     rows = walk(trace, codes[pick], ks[pick])
     return schedule_closed(trace, rows, concurrency=concurrency, profile=profile, engine=engine, label=label)
 
@@ -230,32 +232,46 @@ def _per_request(trace: Trace, flat: np.ndarray, width: int) -> np.ndarray:
     return mat
 
 
-Future = Callable[[int, int, np.ndarray, int, np.ndarray, np.ndarray], np.ndarray]
+#: ``future(code, k, act, s, remaining, V, vb)``: see ``_plan_backwards``.
+Future = Callable[[int, int, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _state_base(out: np.ndarray) -> np.ndarray:
+    """Where request r's states s = 0..out[r] + 1 start in the ragged value and choice arrays: each
+    request holds its own length, not the longest's (a dense requests x longest matrix was 32 GB for
+    10^4 requests beside one of 4M tokens, and the oracle ran out of memory)."""
+    return np.concatenate([[0], np.cumsum(out + 2)[:-1]]).astype(np.int64)
 
 
 def _plan_backwards(out: np.ndarray, options: list[tuple[int, int, float]], future: Future) -> np.ndarray:
     """Per (request, tokens done), the option that minimises the time to finish, by dynamic programming.
 
-    ``future(code, k, act, s, remaining, V)``: for the requests ``act`` at ``s`` tokens done, the value
-    (time still to spend, from ``V``) of where drafting ``k`` with ``code`` leads them.
+    ``future(code, k, act, s, remaining, V, vb)``: for the requests ``act`` at ``s`` tokens done, the
+    value (time still to spend, from ``V``) of where drafting ``k`` with ``code`` leads them; request
+    ``act[i]``'s state ``s`` is ``V[vb[i] + s]`` (``_state_base``). Returns the choice, ragged alike.
     """
-    n, L = len(out), int(out.max())
-    V = np.zeros((n, L + 2))
-    choice = np.zeros((n, L + 1), dtype=np.int64)
-    for s in range(L - 1, 0, -1):
-        act = np.flatnonzero(out > s)
+    base = _state_base(out)
+    size = int((out + 2).sum())
+    V = np.zeros(size)
+    choice = np.zeros(size, dtype=np.int64)
+    # Requests longest first: the ones still running at s are a prefix (no scan of every request per s).
+    order = np.argsort(-out, kind="stable")
+    longest = out[order]
+    for s in range(int(out.max()) - 1, 0, -1):
+        act = order[: int(np.count_nonzero(longest > s))]
         if not act.size:
             continue
+        vb = base[act]
         remaining = out[act] - s
         best = np.full(act.size, np.inf)
         arg = np.zeros(act.size, dtype=np.int64)
         for oi, (code, k, cost) in enumerate(options):
-            v = cost + future(code, k, act, s, remaining, V)
+            v = cost + future(code, k, act, s, remaining, V, vb)
             better = v < best
             best = np.where(better, v, best)
             arg = np.where(better, oi, arg)
-        V[act, s] = best
-        choice[act, s] = arg
+        V[vb + s] = best
+        choice[vb + s] = arg
     return choice
 
 
@@ -271,18 +287,19 @@ def per_step_oracle(
 
     ``methods`` limits the drafters it may use (default: every one the trace scored) and ``engine``
     prices the steps (default: one that runs a drafter only when a request uses it), so a policy on
-    an engine that hosts only some drafters is compared with an oracle on that engine.
+    an engine that hosts only some drafters is compared with an oracle on that engine. Memory is
+    linear in the trace's output tokens (flat arrays, as the trace holds them).
     """
     used = _used(trace, methods)
-    L = int(trace.output_tokens.max())
     options = _step_options(trace, profile, concurrency, used, engine)
-    acc = {METHOD_CODES[m]: _per_request(trace, trace.acc[m].astype(np.int64), L) for m in used}
+    acc = {METHOD_CODES[m]: trace.acc[m].astype(np.int64) for m in used}
+    start = trace.offsets[:-1]
 
     def future(
-        code: int, k: int, act: np.ndarray, s: int, remaining: np.ndarray, V: np.ndarray
+        code: int, k: int, act: np.ndarray, s: int, remaining: np.ndarray, V: np.ndarray, vb: np.ndarray
     ) -> np.ndarray:
-        a = acc[code][act, s - 1] if k > 0 else np.zeros(act.size, dtype=np.int64)
-        out: np.ndarray = V[act, s + np.minimum(np.minimum(a, k) + 1, remaining)]
+        a = acc[code][start[act] + (s - 1)] if k > 0 else np.zeros(act.size, dtype=np.int64)
+        out: np.ndarray = V[vb + s + np.minimum(np.minimum(a, k) + 1, remaining)]
         return out
 
     choice = _plan_backwards(trace.output_tokens, options, future)
@@ -344,11 +361,11 @@ def latent_oracle(
     memo: dict[int, list[np.ndarray]] = {}
 
     def future(
-        code: int, k: int, act: np.ndarray, s: int, remaining: np.ndarray, V: np.ndarray
+        code: int, k: int, act: np.ndarray, s: int, remaining: np.ndarray, V: np.ndarray, vb: np.ndarray
     ) -> np.ndarray:
         if s not in memo:  # where accepting j = 0..max_k leads, once per s
             memo.clear()
-            memo[s] = [V[act, s + np.minimum(j + 1, remaining)] for j in range(max_k + 1)]
+            memo[s] = [V[vb + s + np.minimum(j + 1, remaining)] for j in range(max_k + 1)]
         after = memo[s]
         t = s - 1  # the draft's position: it accepts predictable tokens from t + 1 on
         if k == 0:
@@ -364,7 +381,7 @@ def latent_oracle(
             return ev
         assert ngram is not None
         exact = np.minimum(ngram[act, t], k)
-        in_span = V[act, s + np.minimum(exact + 1, remaining)]
+        in_span = V[vb + s + np.minimum(exact + 1, remaining)]
         outside = (1.0 - bg[act]) * after[0] + bg[act] * after[1]
         out: np.ndarray = np.where(inside[act, t], in_span, outside)
         return out

@@ -1,4 +1,8 @@
-"""What one replay produced: per-request times, totals and a per-step timeline, and its metrics."""
+"""What one replay produced: per-request times, totals and a per-step timeline, and its metrics.
+
+A timeline's arm codes pack (method, K) for every K up to ``policies.arms.MAX_K``; ``arm_of_code``
+inverts ``arm_code`` exactly.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from policies.arms import METHODS_BY_CODE, OFF, Arm, Method
+from policies.arms import MAX_K, METHODS_BY_CODE, OFF, Arm, Method
 
-ARM_CODE_BASE = 64  # arm code = method code * 64 + k
+#: arm code = method code * ARM_CODE_BASE + k, with k = 0..MAX_K: the base must exceed MAX_K (at 64,
+#: ngram:64 read back as ``off`` and eagle3:64 as an arm that cannot exist, p_eagle:0).
+ARM_CODE_BASE = MAX_K + 1
 
 
 def arm_code(method: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -224,7 +224,9 @@ def schedule_closed(
     emitted = np.bincount(g, weights=rows.emitted, minlength=G) + np.bincount(start, minlength=G)
     codes = arm_code(rows.method, rows.k)
     uniq, inv = np.unique(codes, return_inverse=True)
-    if len(uniq) == 1:
+    if not len(uniq):  # no decode step at all (every request is one token long): prefills only
+        arm = np.full(G, -1, dtype=np.int64)
+    elif len(uniq) == 1:
         arm = np.where(np.bincount(g, minlength=G) > 0, uniq[0], -1)
     else:
         counts = np.zeros((G, len(uniq)), dtype=np.int32)
