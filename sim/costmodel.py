@@ -440,8 +440,9 @@ def _check_physics(p: Profile) -> None:
                 f"(bandwidth_bytes_per_s x efficiency)): at most {MAX_STEP_S:g} s, as every engine step"
             )
     if not t <= MAX_STEP_S:
+        moe = " + one token's expert reads (moe)" if p.moe is not None else ""
         raise ProfileError(
-            f"target.const_s: a step of one request takes {t:g} s (target + overhead_s): at most "
+            f"target.const_s: a step of one request takes {t:g} s (target + overhead_s{moe}): at most "
             f"{MAX_STEP_S:g} s, as every engine step"
         )
     m = p.memory
