@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -346,6 +347,13 @@ class ControlLoop:
 
     def due(self, now: float) -> bool:
         self._resume(now)
+        last = self._last_decision
+        if last is not None and now < last and math.isfinite(now):
+            # The clock stepped back (a wall clock set back by NTP, a VM resumed): the timers move
+            # with it, as after a load (``_resume``). Left as they were, no round would run and no
+            # context could leave its arm until the clock caught up with the last decision: an hour
+            # set back, an hour without learning.
+            self._shift(now - last)
         return self._last_decision is None or now - self._last_decision >= self.spec.decision_interval_s
 
     def _resume(self, now: float) -> None:
@@ -362,7 +370,11 @@ class ControlLoop:
         self._resume_at = None
         if not now < at:  # NaN included: nothing to move by
             return
-        shift = now - at
+        self._shift(now - at)
+
+    def _shift(self, shift: float) -> None:
+        """Move every timer (the last decision, each context's dwell, the directive's issue time) by
+        ``shift`` seconds: each keeps its age on a clock that is ``-shift`` behind the one that set it."""
         for c in self._ctx.values():
             c.since += shift
         if self._last_decision is not None:
@@ -413,6 +425,10 @@ class ControlLoop:
                     {Context(bucket=label, traffic_class=c): i for c, i in greedy_plan.items()}
                 )
         self.totals.tpot_trips = self.tpot_guard.trips
+        # The arm in play per context, kept up to date as the round moves contexts (what
+        # ``switch_check`` judges a class's switch with). Built once: rebuilt for every context that
+        # proposed a switch, a round with a thousand contexts took about a second.
+        in_play = {k: x.arm for k, x in self._ctx.items() if x.arm >= 0}
         for key, c in sorted(self._ctx.items()):
             acc = c.acc
             active = acc is not None
@@ -453,9 +469,7 @@ class ControlLoop:
                     self.totals.bounded_moves += 1
                     choice = bounded
             learnt = (
-                self.learner.switch_check(
-                    key, allowed, c.arm, choice, others={k: x.arm for k, x in self._ctx.items() if x.arm >= 0}
-                )
+                self.learner.switch_check(key, allowed, c.arm, choice, others=MappingProxyType(in_play))
                 if c.arm >= 0 and choice != c.arm and not forced
                 else None
             )
@@ -466,6 +480,7 @@ class ControlLoop:
                 before = self.arms[c.arm] if c.arm >= 0 else None
                 changes.append(Change(key, before, self.arms[choice], float(est[choice])))
                 c.arm, c.since = choice, now
+                in_play[key] = choice
         self.last_changes = tuple(changes)
         new = self._build(now, changes)
         if not new.same_decision(self._directive):

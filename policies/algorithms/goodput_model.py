@@ -57,6 +57,8 @@ _TABLE_CODES = {str(c): c for m, c in METHOD_CODES.items() if m is not Method.OF
 #: Relative slack on the orderings a saved state must keep (wins <= trials, ...): the learner's own
 #: arithmetic keeps them exactly, but a snapshot from another build may have summed in another order.
 _SLACK = 1e-9
+#: The most cells (table x slot x accepted x K) of one acceptance histogram: 4 Mi, 32 MiB of counts.
+_HIST_CELLS = 1 << 22
 
 
 def cost_features(tokens: Any, passes: Any, peagle: Any, ngram: Any) -> np.ndarray:
@@ -321,6 +323,47 @@ class GoodputModel(Learner):
             table, slot = np.concatenate([table, own]), np.concatenate([slot, slot])
             acc, depth = np.concatenate([acc, acc]), np.concatenate([depth, depth])
             n_tables *= 1 + len(names)
+        # The histogram is dense over (table, slot, accepted, K): a report of many steps and many
+        # classes made it gigabytes (1024 steps of 256 classes: about 1.7 GiB and 10 s a report).
+        # Above ``_HIST_CELLS`` cells it is counted a run of steps at a time, each run applied after
+        # the one before as the steps would be one by one (the same sums, in another order).
+        cells = n_tables * 2 * (kmax + 1) ** 2  # a step's share of the histogram
+        run = max(1, _HIST_CELLS // cells)
+        if s <= run:
+            self._count_acceptance(table, slot, acc, depth, s, n_tables, names)
+            return
+        order = np.argsort(slot, kind="stable")
+        table, slot, acc, depth = table[order], slot[order], acc[order], depth[order]
+        bounds = np.searchsorted(slot, 2 * np.arange(0, s + run, run).clip(max=s))
+        for i, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)):
+            first = i * run
+            # Only the tables the run's rows count in (a run of few steps names few classes).
+            ids, of = np.unique(table[lo:hi], return_inverse=True)
+            self._count_acceptance(
+                of.reshape(-1),
+                slot[lo:hi] - 2 * first,
+                acc[lo:hi],
+                depth[lo:hi],
+                min(run, s - first),
+                len(ids),
+                names,
+                ids,
+            )
+
+    def _count_acceptance(
+        self,
+        table: np.ndarray,
+        slot: np.ndarray,
+        acc: np.ndarray,
+        depth: np.ndarray,
+        s: int,
+        n_tables: int,
+        names: list[str],
+        ids: np.ndarray | None = None,
+    ) -> None:
+        """``_learn_acceptance``'s counts of rows in ``s`` steps (slots ``0 .. 2s - 1``), applied to the
+        acceptance tables; ``table`` indexes ``ids``, the tables' own ids, when given."""
+        kmax, sink = self._kmax, _N_CODES
         k1 = kmax + 1
         # Accepted and K beyond kmax compare with positions 1..kmax like kmax itself.
         key = ((table * (2 * s) + slot) * k1 + np.minimum(acc, kmax)) * k1 + np.minimum(depth, kmax)
@@ -334,7 +377,7 @@ class GoodputModel(Learner):
         j = self._pos
         trials, wins = at_least[:, j - 1, j], at_least[:, j, j]
         for tid in np.flatnonzero(counts).tolist():
-            cls_i, code = divmod(tid, _N_CODES + 1)
+            cls_i, code = divmod(tid if ids is None else int(ids[tid]), _N_CODES + 1)
             if code == sink:
                 continue
             key_ = (ANY_CLASS if cls_i == 0 else names[cls_i - 1], code)
