@@ -85,7 +85,7 @@ class Hedge(StepwiseLearner):
         if tok is None or cnt is None or tm is None:
             return
         with np.errstate(invalid="ignore", divide="ignore"):
-            per_row_time = np.where(tm[1] > 0, tm[0] / np.maximum(tm[1], 1e-12), np.nan)
+            per_row_time = np.where(tm[1] > 0, tm[0] / np.where(tm[1] > 0, tm[1], 1.0), np.nan)
         if np.isnan(per_row_time).all():
             return
         t = np.where(np.isnan(per_row_time), np.nanmean(per_row_time), per_row_time)
@@ -100,7 +100,11 @@ class Hedge(StepwiseLearner):
         cum *= float(self.params["discount"])
         if top > 0:
             cum += np.where(seen, g / top, 0.0)
-        tm *= 0.5  # time per row is slow to change; keep half of it across rounds
+        # Time per row is slow to change: half of it is kept across rounds, seconds and rows alike, so
+        # the ratio stands for an arm left unplayed. (Rows were floored at 1e-12 in the ratio: some 40
+        # rounds unplayed, its time per row fell towards 0 and its goodput had no bound.) Halving stops
+        # far above the denormals, where the ratio would lose its digits.
+        tm *= np.where(tm[1] >= 1e-200, 0.5, 1.0)
 
     def select(self, ctx: Context, allowed: Sequence[int]) -> int:
         idx = np.asarray(allowed)

@@ -235,6 +235,25 @@ def test_exp3spec_stays_savable_when_an_unlikely_arm_is_played() -> None:
     assert a.select(ctx, [0, 1]) == 0  # its weight in the draw is still 0
 
 
+def test_hedge_does_not_price_an_arm_unplayed_for_long_at_no_time() -> None:
+    # The time per row is halved every round, seconds and rows alike; the rows were floored at 1e-12,
+    # so about 40 rounds after an arm was last played its time per row fell towards 0 and the tokens
+    # revealed for it (eagle3:1 by every eagle3:4 row) scored a goodput without bound: the worse arm
+    # led the weights from then on.
+    arms = (Arm.parse("eagle3:1"), Arm.parse("eagle3:4"))
+    ctx = Context.parse("1/*")
+    h = learner(Hedge, 0, arms=arms)
+    assert isinstance(h, Hedge)
+    h.observe(StepBatch.of(obs(Method.EAGLE3, 1, [1, 1, 1, 1])), ["1"], False)
+    h.update(ctx, {0: 100.0})
+    leader = []
+    for _ in range(1500):
+        h.observe(StepBatch.of(obs(Method.EAGLE3, 4, [4, 4, 4, 4])), ["1"], False)
+        h.update(ctx, {1: 100.0})
+        leader.append(int(np.argmax(h._cum[ctx])))
+    assert leader[5:] == [1] * (len(leader) - 5)
+
+
 def test_hedge_keeps_its_time_per_row_across_a_snapshot() -> None:
     # Without it, the first round after a load that played only EAGLE-3 priced n-gram's counterfactual
     # tokens at EAGLE-3's time per row (0.0025 s here), not at the 0.005 s it was measured to take.
