@@ -456,4 +456,6 @@ def render(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

@@ -9,7 +9,8 @@ rule (the best single EAGLE-3 K chosen knowing the results, plus the default's p
 rule: what a causal policy with a perfect slow loop would reach) and the clairvoyant per-step oracle
 (a bound no causal policy can reach). Ratios are to the phase's best static arm, measured in the same
 run; engines a controller drives pay the plugin's cost per step (the profile's ``plugin`` section).
-Prints figures; asserts nothing.
+Prints figures; asserts nothing. A mistaken flag or a ``--json`` that cannot be written exits 2 before
+any replay; the file is replaced whole, once, at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -35,6 +35,7 @@ from policies.spec import static_policy  # noqa: E402
 from sim import cli_types  # noqa: E402
 from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
 from sim.engines import ENGINES, engine_for_arm  # noqa: E402
+from sim.files import output_problem, replace_file  # noqa: E402
 from sim.oracle import per_step_oracle  # noqa: E402
 from sim.replay import Replayer  # noqa: E402
 from sim.traffic import CLASSES, Scenario, generate  # noqa: E402
@@ -78,12 +79,16 @@ def _phase(cls: str, concurrency: int, n: int, seed: int) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=cli_types.requests, default=200, help="requests per phase")
     ap.add_argument("--seed", type=cli_types.seed, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON here")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    # Checked now, not after the replays (minutes): a bad --json ended the run in a traceback.
+    problem = output_problem("--json", a.json)
+    if problem:
+        ap.error(problem)
     rows = []
     for i, p in enumerate(DEMO_SCHEDULE.phases):
         cls = next(iter(p.mix))
@@ -98,11 +103,16 @@ def main() -> int:
             f"(eagle3:{r['hindsight_rule_k']}) | {r['per_step_oracle_vs_best_static']:.3f} |"
         )
     if a.json:
-        Path(a.json).write_text(
-            json.dumps({"requests": a.requests, "seed": a.seed, "phases": rows}, indent=1)
-        )
+        doc = {"requests": a.requests, "seed": a.seed, "phases": rows}
+        try:
+            replace_file(a.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        except OSError as e:
+            print(f"demo_headroom: {a.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

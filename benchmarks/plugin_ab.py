@@ -34,6 +34,7 @@ import argparse
 import inspect
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def _child(
     tree: Path, batches: list[int], history: int, steps: int, rounds: int, mode: str, cpu: int, cold_mb: int
 ) -> int:
     """Run ``tree``'s scripted benchmark, each step gated on a "go" line from stdin, on CPU ``cpu``."""
+    # Ctrl-C is the parent's (it kills this process; with the parent gone, stdin's end stops it too).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu})
     proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol keeps the real stdout
@@ -115,6 +118,17 @@ def _default_cpu() -> int:
     if not hasattr(os, "sched_getaffinity"):
         return -1
     return max(os.sched_getaffinity(0))
+
+
+def _cpus() -> str:
+    """The CPUs this process may run on, as "0-3, 6"."""
+    cpus, spans = sorted(os.sched_getaffinity(0)), []
+    for c in cpus:
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 class _Tree:
@@ -235,6 +249,9 @@ def main() -> int:
         ap.error("need --steps, --rounds, --history >= 1 and batches in 1..32")
     if not 0 <= args.cold_mb <= 4096:
         ap.error(f"--cold-mb: 0..4096, got {args.cold_mb}")
+    if args.cpu != -1 and hasattr(os, "sched_getaffinity") and args.cpu not in os.sched_getaffinity(0):
+        # (each child failed to pin itself, a traceback, then "the benchmark ended (exit 1)")
+        ap.error(f"--cpu: one of the CPUs this process may run on ({_cpus()}) or -1, got {args.cpu}")
     if args.child:
         return _child(Path(args.child), batches, args.history, args.steps, args.rounds, args.mode, args.cpu,
                       args.cold_mb)  # fmt: skip
@@ -244,6 +261,13 @@ def main() -> int:
     for p in paths:
         if not (p / "benchmarks" / "plugin_overhead.py").exists():
             ap.error(f"{p}: no benchmarks/plugin_overhead.py there")
+    # This checkout's, imported here only: the child imports each tree's own modules.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from sim.files import output_problem, replace_file
+
+    problem = output_problem("--json", args.json)  # now, not after the run (a traceback then)
+    if problem:
+        ap.error(problem)
     load = os.getloadavg()[0]
     trees = [_Tree(p, args) for p in paths]
     try:
@@ -270,9 +294,15 @@ def main() -> int:
         doc = {"mode": args.mode, "cold_mb": args.cold_mb, "history_tokens": args.history, "steps": args.steps, "rounds": args.rounds,
                "trees": [str(p) for p in paths], "load_average_1min": [round(load, 2), round(load_after, 2)],
                "batches": res}  # fmt: skip
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        try:
+            replace_file(args.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        except OSError as e:
+            print(f"plugin_ab: {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

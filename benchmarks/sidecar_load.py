@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -40,6 +41,13 @@ from sim.files import output_problem, replace_file  # noqa: E402
 def _sidecar_main(
     state_dir: str, core: int, ready: Any, stop: Any, out: str, profile: str = "", ack_interval_s: float = 1.0
 ) -> None:
+    # Ctrl-C is the parent's to handle: it sets ``stop`` and waits for this process (a press at the
+    # terminal reaches both; handled here too, it ended the sidecar with a traceback of its own).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # And a parent killed outright (no ``stop`` ever set) takes this process with it.
+    from _interrupt import die_with_parent  # (benchmarks/ is on the path the parent gave it)
+
+    die_with_parent()
     if profile:  # the whole sidecar process under cProfile, stats written to ``profile``
         import cProfile
 
@@ -136,6 +144,18 @@ def _sidecar_main(
         Path(out).write_text(json.dumps(doc))
 
     asyncio.run(run())
+
+
+def _ready(proc: Any, ready: Any) -> str:
+    """The sidecar's engine address once it is up; exit 1 (one line) if its process ends first."""
+    import queue
+
+    while True:
+        try:
+            return str(ready.get(timeout=0.5))
+        except queue.Empty:
+            if not proc.is_alive():
+                sys.exit(f"sidecar_load: the sidecar process ended (exit {proc.exitcode}) before it was up")
 
 
 def _schedstat() -> list[float]:
@@ -328,21 +348,42 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             ),
         )
         load_before = os.getloadavg()
-        proc.start()
-        target = ready.get(timeout=60)
-        if args.core >= 0:  # keep the engines off the sidecar's core
-            others = set(range(os.cpu_count() or 1)) - {args.core}
-            if others:
-                os.sched_setaffinity(0, others)
-        gen_cpu0, gen_t0 = time.process_time(), time.monotonic()
-        sent = asyncio.run(
-            _engines(
-                target, args.engines, args.seconds, args.steps_per_s, args.batch, args.flush_ms, _form(args)
+        # Started with SIGINT ignored, which it keeps through its start-up (a terminal's Ctrl-C reaches
+        # the whole process group: it printed a KeyboardInterrupt traceback from the child's imports).
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        try:
+            target = _ready(proc, ready)
+            if args.core >= 0:  # keep the engines off the sidecar's core
+                others = set(range(os.cpu_count() or 1)) - {args.core}
+                if others:
+                    os.sched_setaffinity(0, others)
+            gen_cpu0, gen_t0 = time.process_time(), time.monotonic()
+            sent = asyncio.run(
+                _engines(
+                    target,
+                    args.engines,
+                    args.seconds,
+                    args.steps_per_s,
+                    args.batch,
+                    args.flush_ms,
+                    _form(args),
+                )
             )
-        )
-        gen_cpu, gen_wall = time.process_time() - gen_cpu0, time.monotonic() - gen_t0
-        stop.set()
-        proc.join(60)
+            gen_cpu, gen_wall = time.process_time() - gen_cpu0, time.monotonic() - gen_t0
+        finally:
+            # Also on Ctrl-C or an error: a sidecar left waiting for ``stop`` kept the run from ever
+            # ending (multiprocessing joins its children at exit).
+            stop.set()
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if not Path(out).exists():
+            sys.exit(f"sidecar_load: the sidecar process ended (exit {proc.exitcode}) without its figures")
         doc: dict[str, Any] = json.loads(Path(out).read_text())
     import numpy as np
 
@@ -427,4 +468,6 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

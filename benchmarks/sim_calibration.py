@@ -11,7 +11,8 @@
 
 Every figure is a deterministic replay (static arms run vectorised, a few seconds in all); it prints a
 line per row and asserts nothing. `make results` writes docs/results/sim-calibration.json, and
-benchmarks/readme_results.py renders the doc's two tables from it.
+benchmarks/readme_results.py renders the doc's two tables from it. A mistaken flag or a ``--json`` that
+cannot be written exits 2 before any replay; the file is replaced whole, once, at the end.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from policies.arms import Arm
@@ -27,6 +27,7 @@ from sim import cli_types
 from sim.compare import _static_spec, run_one
 from sim.costmodel import DEFAULT_PROFILE, load_profile
 from sim.engines import engine_for_arm
+from sim.files import output_problem, replace_file
 from sim.traffic import generate
 
 CLASSES = ("chat", "code", "maths", "summarisation", "code-edit")
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=cli_types.seed, default=0)
     ap.add_argument("--json", metavar="FILE", help="also write the tables as JSON here")
     a = ap.parse_args(argv)
+    # Checked now, not after the replays: a bad --json ended the run in a traceback.
+    problem = output_problem("--json", a.json)
+    if problem:
+        ap.error(problem)
     doc = {
         "command": "python benchmarks/sim_calibration.py"
         + (f" --requests {a.requests}" if a.requests != 300 else "")
@@ -104,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['profile']} c={r['c']}: best p_eagle K {r['best_k']}, speedup {r['speedup_vs_no_spec'][str(r['best_k'])]:.2f}x"
         )
     if a.json:
-        Path(a.json).write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        try:
+            replace_file(a.json, (json.dumps(doc, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+        except OSError as e:
+            print(f"sim_calibration: {a.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

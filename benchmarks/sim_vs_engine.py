@@ -27,6 +27,10 @@ of the plugin's in-step duration. ``--json`` writes the table, the fit and the l
 docs/results/sim-vs-engine.json, quoted in docs/simulator.md).
 
 CPU heavy (about 8 minutes at the defaults); a benchmark, not a test: prints figures, asserts nothing.
+A mistaken flag, a ``--json`` that cannot be written or a ``--from`` without a kept run exits 2, and a
+missing vLLM virtualenv 1, before anything starts. Ctrl-C, SIGTERM and SIGHUP stop the engine and the
+sidecar before the script ends ("interrupted", exit 130); a script killed outright takes them with it
+(they get SIGTERM when it dies), so no vLLM server is ever left running.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from policies.arms import Arm, Method  # noqa: E402
 from policies.spec import static_policy  # noqa: E402
 from sim.costmodel import load_profile, parse_profile  # noqa: E402
 from sim.engines import engine_for_arm  # noqa: E402
+from sim.files import output_problem, replace_file  # noqa: E402
 from sim.fit import fit_best, render_profile  # noqa: E402
 from sim.importer import import_vllm_metrics  # noqa: E402
 from sim.record import Prompt, record  # noqa: E402
@@ -79,6 +84,22 @@ _WORDS = [
     "lambda",
     "mu",
 ]
+
+
+def _die_with_parent() -> None:
+    """(preexec_fn) SIGTERM this child when the benchmark's process ends, however it ends: the vLLM
+    server runs in a session of its own, and a benchmark killed (SIGKILL, a timeout) left it and the
+    sidecar running for good. Linux only; elsewhere a no-op."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM and SIGHUP end the run as Ctrl-C does: its ``finally`` stops the engine and the sidecar."""
+    raise KeyboardInterrupt
 
 
 def _free_port() -> int:
@@ -152,6 +173,7 @@ class Engine:
                 env=env,
                 stdout=open(t / "sidecar.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
         )
         ep = t / "state" / "endpoints.json"
@@ -197,6 +219,7 @@ class Engine:
                 stdout=open(t / "vllm.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         )
 
@@ -268,12 +291,17 @@ def run_order(rounds: int, seed: int = 0) -> list[tuple[int, str, int]]:
     return out
 
 
+def vllm_python() -> Path:
+    """The vLLM virtualenv's Python (``VLLM_VENV``, relative to the repository, or .venv-vllm)."""
+    return ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
+
+
 def run_engine(
     out: Path, n: int, max_tokens: int, *, rounds: int = 3, threads: int = 1, budget_s: float = 420.0
 ) -> None:
-    vllm_py = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
+    vllm_py = vllm_python()
     if not vllm_py.exists():
-        raise SystemExit(f"no vLLM virtualenv at {vllm_py} (set VLLM_VENV)")
+        raise SystemExit(f"sim_vs_engine: no vLLM virtualenv at {vllm_py} (make e2e-vllm, or set VLLM_VENV)")
     eng = Engine(out, vllm_py, threads=threads)
     ps = prompts(n, max_tokens)
     settings: list[dict[str, Any]] = []
@@ -467,6 +495,19 @@ def main() -> int:
     a = ap.parse_args()
     if min(a.requests, a.max_tokens, a.rounds, a.threads) < 1:
         ap.error("--requests, --max-tokens, --rounds and --threads must be >= 1")
+    if not a.budget_s > 0:  # (NaN: no round was ever the last)
+        ap.error(f"--budget-s: a number of seconds > 0, got {a.budget_s:g}")
+    # Checked now, not after the run (about 8 minutes): a bad --json or --from was a traceback.
+    problem = output_problem("--json", a.json) or output_problem("--keep", a.keep, directory=True)
+    if problem:
+        ap.error(problem)
+    if a.from_dir and not (Path(a.from_dir) / "settings.json").is_file():
+        ap.error(f"--from {a.from_dir}: no settings.json there (a directory a run was kept in, --keep DIR)")
+    if not a.from_dir and not vllm_python().exists():
+        # Before the run's directory is made: a run that cannot start left an empty one in /tmp.
+        print(f"sim_vs_engine: no vLLM virtualenv at {vllm_python()} (make e2e-vllm, or set VLLM_VENV)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     run_args = (
         f" --requests {a.requests} --max-tokens {a.max_tokens} --rounds {a.rounds} --threads {a.threads}"
         f" --budget-s {a.budget_s:g}"
@@ -478,6 +519,8 @@ def main() -> int:
         run_args = json.loads(kept.read_text())["args"] if kept.exists() else " (a kept run)"
         run_args += ", analysed again with --from DIR"
     else:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _terminated)
         out = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="sim-vs-engine-"))
         out.mkdir(parents=True, exist_ok=True)
         (out / "run.json").write_text(json.dumps({"args": run_args}))
@@ -486,10 +529,16 @@ def main() -> int:
     print("\n".join(lines))
     if a.json:
         doc["command"] += run_args
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        try:
+            replace_file(a.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        except OSError as e:
+            print(f"sim_vs_engine: {a.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     print(f"(run kept in {out})", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)

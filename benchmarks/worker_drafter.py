@@ -243,11 +243,35 @@ def main() -> int:
         ap.error("need batches in 1..1024, --history in 1..1048576 and --steps in 4..100000")
     if not 0 <= args.ngram_share <= 1:
         ap.error(f"--ngram-share: 0..1, got {args.ngram_share}")
+    from sim.files import output_problem, replace_file
+
+    problem = output_problem("--json", args.json)  # now, not after the run (a traceback then)
+    if problem:
+        ap.error(problem)
     try:
         import torch
     except ImportError:
         print("worker_drafter: torch is not installed here (vLLM's environment has it)", file=sys.stderr)
         return 1
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        # (a bad name failed inside the first step, reported as the drafter synchronising)
+        print(f"worker_drafter: --device: cpu, cuda or cuda:N, got {args.device!r}", file=sys.stderr)
+        return 2
+    if (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and (device.index or 0) >= torch.cuda.device_count()
+    ):
+        print(
+            f"worker_drafter: --device {args.device}: this machine has {torch.cuda.device_count()} CUDA "
+            "device(s), numbered from 0",
+            file=sys.stderr,
+        )
+        return 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(
             f"worker_drafter: --device {args.device}: no CUDA device here (use --device cpu)", file=sys.stderr
@@ -316,9 +340,15 @@ def main() -> int:
                "history_tokens": args.history, "ngram_share": args.ngram_share, "rows": rows,
                "cores": os.cpu_count(), "load_average_1min": round(load, 2),
                "triton_problem": triton_problem}  # fmt: skip
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        try:
+            replace_file(args.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        except OSError as e:
+            print(f"worker_drafter: {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 1 if any(r["mismatched_steps"] or r.get("triton", {}).get("mismatched_steps") for r in rows) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _interrupt import run_main  # (benchmarks/ is sys.path[0]: Ctrl-C is "interrupted", exit 130)
+
+    run_main(main)
