@@ -2,7 +2,8 @@
 
 Every ``benchmarks/*.py`` script runs its ``main`` through :func:`run_main` (imported in its ``if
 __name__ == "__main__"`` block only: when a script is run, benchmarks/ is ``sys.path[0]``; a script
-imported as a module, by a test or by ``plugin_ab.py``'s child, never loads this). What must hold: the
+imported as a module, by a test or by ``plugin_ab.py``'s child, never runs it; ``sim_vs_engine``
+imports :func:`die_with_parent` at the top, and the tests that import it put benchmarks/ on the path). What must hold: the
 script's own ``finally`` blocks have run (its sidecars, engines and process pools stopped, its
 temporary directories removed) before "interrupted" is printed, no ``--json`` file is written by an
 interrupted run (they are written once, at the end), and a second Ctrl-C during that shutdown ends

@@ -55,6 +55,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _interrupt import die_with_parent  # noqa: E402  (benchmarks/ is sys.path[0], or put there by the tests)
+
 from policies.arms import Arm, Method  # noqa: E402
 from policies.spec import static_policy  # noqa: E402
 from sim.costmodel import load_profile, parse_profile  # noqa: E402
@@ -84,17 +86,6 @@ _WORDS = [
     "lambda",
     "mu",
 ]
-
-
-def _die_with_parent() -> None:
-    """(preexec_fn) SIGTERM this child when the benchmark's process ends, however it ends: the vLLM
-    server runs in a session of its own, and a benchmark killed (SIGKILL, a timeout) left it and the
-    sidecar running for good. Linux only; elsewhere a no-op."""
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -173,7 +164,7 @@ class Engine:
                 env=env,
                 stdout=open(t / "sidecar.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         )
         ep = t / "state" / "endpoints.json"
@@ -219,7 +210,7 @@ class Engine:
                 stdout=open(t / "vllm.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         )
 

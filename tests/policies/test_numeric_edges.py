@@ -24,27 +24,11 @@ from policies.algorithms.goodput_model import GoodputModel
 from policies.algorithms.ucb import SlidingWindowUCB
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.context import Context
-from policies.engine import EngineInfo, Granularity
+from policies.engine import Granularity
 from policies.loop import ControlLoop
 from policies.observation import StepBatch
 from policies.presets import load_preset, preset_names
-
-ARMS = tuple(
-    Arm.parse(a) for a in ("eagle3:1", "eagle3:2", "eagle3:3", "eagle3:4", "ngram:2", "ngram:4", "off")
-)
-EPOCH = 1.7e9
-
-
-def engine(granularity: Granularity = Granularity.REQUEST_METHOD) -> EngineInfo:
-    return EngineInfo(
-        engine_id="e",
-        model="m",
-        max_k=4,
-        arms=ARMS,
-        granularity=granularity,
-        max_batch_size=4096,
-        counterfactual_methods=(Method.NGRAM,),
-    )
+from tests.policies.test_long_horizon import ARMS, EPOCH, engine
 
 
 def report(
