@@ -79,6 +79,9 @@ _NGRAM = METHOD_CODES[Method.NGRAM]
 #: (requests, one row each: method code, K, n-gram proposal; -1 method: none recorded, -1 proposal:
 #: unknown when planned); see ``verifying_plans``.
 VERIFYING_ATTR = "speccontrol_verifying"
+#: SchedulerOutput attribute: set once the hooks released the requests it reports finished (see
+#: ``EngineHooks._release_finished``), so that no later hook of that step releases them again.
+RELEASED_ATTR = "speccontrol_released"
 
 
 def verifying_plans(scheduler_output: Any) -> dict[str, tuple[int, int, int]]:
@@ -170,6 +173,8 @@ class EngineHooks:
         self._placeholder_lists = [[-1] * k for k in range(controls.engine.max_k + 1)]
         #: Per largest K planned for the configured drafter's rows, the K it runs at (``EAGLE_K_ATTR``).
         self._drafter_ks = controls.drafter_ks
+        #: Whether the scheduler may hold finished requests (a connector; see ``before_update``).
+        self._holds_finished: bool | None = None
 
     @classmethod
     def create(cls, scheduler: Any, settings: PluginSettings) -> EngineHooks | None:
@@ -307,6 +312,8 @@ class EngineHooks:
             scheduler.dynamic_sd_lookup = self.controls.k_table(self.directive)
 
     def after_schedule(self, scheduler: Any, out: Any) -> None:
+        if out.finished_req_ids:  # (the call only where one finished: this runs every step)
+            self._release_finished(out)
         if self.sync_drafter_k:
             self._narrow_drafter(out)
         self._queue_len = len(scheduler.waiting)
@@ -351,10 +358,23 @@ class EngineHooks:
     # -- update_from_output -----------------------------------------------------------------------
 
     def before_update(self, scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
-        """The Request objects of this step that the scheduler holds (the update frees finished ones)."""
+        """The Request objects of this step that the scheduler holds (the update frees finished ones),
+        less those that finished before this update: vLLM skips their rows. Only a scheduler with a
+        KV (or encoder) connector holds finished requests (it may delay freeing one until its cache
+        is sent), and under async scheduling the step after the one a request stopped in runs it
+        still: reported, its row would admit it again after the schedule that reported it finished
+        released it, and nothing would release it then."""
         reqs = scheduler.requests
         known = list(filter(reqs.__contains__, scheduler_output.num_scheduled_tokens))
-        return dict(zip(known, map(reqs.__getitem__, known), strict=True))
+        got = dict(zip(known, map(reqs.__getitem__, known), strict=True))
+        if self._holds_finished is None:
+            self._holds_finished = any(
+                getattr(scheduler, name, None) is not None for name in ("connector", "ec_connector")
+            )
+        if self._holds_finished:
+            for rid in [rid for rid, r in got.items() if r.is_finished()]:
+                del got[rid]
+        return got
 
     def after_update(self, scheduler: Any, scheduler_output: Any, mro: Any, requests: dict[str, Any]) -> None:
         sampled = mro.sampled_token_ids
@@ -396,12 +416,20 @@ class EngineHooks:
             if self.scorer is not None:
                 self.scorer.start(slot, req._all_token_ids)
 
+        if scheduler_output.finished_req_ids:  # (the schedule hooks did, unless they did not run)
+            self._release_finished(scheduler_output)
         # A resumed request's history restarts from its own tokens: vLLM may have dropped output the
         # index already took (drop-mode stale output after a preemption, a failed KV load) and
         # resamples those positions. Only on a step that resumes a request (no cost on the others).
         # Its plan too: the draft planned before its preemption was never verified (vLLM cleared it).
+        # So does a request scheduled as new under an id the hooks hold: the V2 runner's schedules
+        # list resumed requests as new (resumed_req_ids stays empty), and a streaming-input session's
+        # next chunk comes as new with the last sampled token dropped and the chunk appended.
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         resumed = getattr(cached, "resumed_req_ids", None)
+        new = getattr(scheduler_output, "scheduled_new_reqs", None)
+        if new:
+            resumed = {*(resumed or ()), *(r.req_id for r in new)}
         indexed = self._restart(resumed, ids, requests) if resumed else ()
         # async scheduling: the plans the verified drafts were made with travelled with the output
         plans = getattr(scheduler_output, VERIFYING_ATTR, None)
@@ -449,19 +477,34 @@ class EngineHooks:
         if ended:
             for rid in itertools.compress(ids, finished.tolist()):
                 self._release(rid)
-        for rid in scheduler_output.finished_req_ids:
-            self._release(rid)
         if not n and not scheduler_output.total_num_scheduled_tokens:
             return  # an idle step: nothing ran
         self.link.offer(rec)
         if self.trace is not None:
             self.trace.write(rec.to_json() + "\n")
 
+    def _release_finished(self, so: Any) -> None:
+        """Release the requests the scheduler output ``so`` reports finished, once per output, before
+        any hook of its step looks a request up. They finished (or were aborted) before ``so`` was
+        scheduled, so none of them is a row of its step or of a step still in flight; but ``so`` may
+        schedule a new request under one of their ids (a client's own request id, reused after an
+        abort), which must start with its own class, history and no plan, not take the old slot. So
+        this runs where the step's output first reaches the hooks: ``size_placeholders`` (async
+        scheduling, inside ``schedule``), else ``after_schedule``. (Released after the update instead,
+        under async scheduling they would take along a new request that the next schedule, run before
+        that update, admitted under such an id.)"""
+        done = so.finished_req_ids
+        if done and not getattr(so, RELEASED_ATTR, False):
+            for rid in done:
+                self._release(rid)
+            setattr(so, RELEASED_ATTR, True)
+
     def _restart(self, resumed: Collection[str], ids: list[str], requests: dict[str, Any]) -> list[int]:
-        """Forget each resumed request's pending plan, and restart the n-gram history of each one the
+        """Forget each resumed request's pending plan, take its class again (a streaming session's
+        chunk brings its own sampling parameters), and restart the n-gram history of each one the
         index holds from the request's own tokens (after vLLM's update: this step's included); the
-        rows of ``ids`` restarted so, which then bring no tokens to the index. A request the index has
-        not started starts from its tokens anyway."""
+        rows of ``ids`` restarted so, which then bring no tokens to the index. A request the hooks
+        have not seen is left alone: it starts from its tokens anyway."""
         row = {rid: j for j, rid in enumerate(ids)}
         out = []
         verifying = self.rows.arrays()[0]
@@ -470,6 +513,8 @@ class EngineHooks:
             s = self.controls.fast.slot_of(rid, -1)
             if 0 <= s < len(verifying):
                 verifying[s] = -1
+                if req is not None and self.rows.arrays()[2][s]:  # (admitted: its class was set)
+                    self.rows.set_class(s, self._traffic_class(req))
             if req is None or s < 0 or self.scorer is None or not self.scorer.live(s):
                 continue
             self.scorer.start(s, req._all_token_ids)
@@ -544,6 +589,8 @@ class EngineHooks:
         that step's output (``VERIFYING_ATTR``), because with the batch queue the update of step N
         can run after step N+1 was scheduled."""
         so = scheduler_output
+        if so.finished_req_ids:  # first: a new request may reuse the id of one reported finished
+            self._release_finished(so)
         reqs = scheduler.requests
         scheduled = so.num_scheduled_tokens
         rq = list(map(reqs.get, scheduled))

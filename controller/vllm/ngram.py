@@ -19,7 +19,12 @@ batch in one kernel:
   Entries hold a hash and the position; a hit is confirmed by comparing the tokens, so any vocabulary
   and any ``max_n`` work. Releasing a slot bumps its generation, which makes its entries stale; stale
   entries are dropped when the table is rebuilt (at half load), to a size set by the entries that
-  survive, so requests churning through the slots do not grow it.
+  survive, so requests churning through the slots do not grow it;
+* both are given back after a burst: every ``_TRIM_EVERY`` releases, an arena 8x or more what the
+  live slots hold is compacted into 2x that, and a table 16x or more the entries the live slots can
+  have (at most ``max_n - min_n + 1`` a token) is rebuilt to 4x them (the load a rebuild leaves). A
+  shrink needs what is live to fall to a quarter of what the last growth sized for, and growing again
+  needs it to double, so the two cannot alternate; a rebuild costs O(old size), once per such change.
 
 What must hold: ``NgramIndex`` drafts equal ``match_ngram``'s (and vLLM's) on every history; counts
 of a counterfactual are final (a draft is scored once, when the tokens after it are all known or one
@@ -46,6 +51,11 @@ _GEN_MASK = (1 << 31) - 1
 _M1 = 0x9E3779B97F4A7C1
 _M2 = 0xBF58476D1CE4E5B
 _MIN_REGION = 64
+#: The arena's and the table's initial (and least) sizes: tokens, rows.
+_MIN_POOL = 1 << 16
+_MIN_TABLE = 1 << 12
+#: Releases between two checks whether the arena or the table should shrink (``NgramIndex._trim``).
+_TRIM_EVERY = 16
 #: meta: entries in the table (stale included), arena top, what a refused call needs.
 _USED, _TOP, _NEED_POOL, _NEED_TABLE = range(4)
 
@@ -447,9 +457,10 @@ class NgramIndex:
         self._state = np.zeros((0, _COLS), dtype=np.int64)
         self._drafts = np.zeros((0, max_k), dtype=np.int32)
         self._pending = np.zeros((0, max_k), dtype=np.int32)
-        self._pool = np.zeros(1 << 16, dtype=np.int32)
-        self._table = np.zeros((_pow2(1 << 12), 3), dtype=np.int64)
+        self._pool = np.zeros(_MIN_POOL, dtype=np.int32)
+        self._table = np.zeros((_pow2(_MIN_TABLE), 3), dtype=np.int64)
         self._meta = np.zeros(4, dtype=np.int64)
+        self._releases = 0  # since the last ``_trim``
         self._grow_slots(capacity)
 
     @property
@@ -529,6 +540,30 @@ class NgramIndex:
             st[GEN] = (int(st[GEN]) + 1) & _GEN_MASK
             st[DRAFT_LEN] = 0
             st[PEND_LEN] = -1
+            self._releases += 1
+            if self._releases >= _TRIM_EVERY:
+                self._trim()
+
+    def _trim(self) -> None:
+        """Give back what a burst of long requests left: compact an arena 8x or more what the live
+        slots hold into 2x that, and rebuild a table of 16x or more the entries they can have (a
+        token adds at most one per n-gram size) to 4x them, as ``make_room`` sizes a rebuild (which
+        grows to at most 8x the live entries, so a shrink needs them to fall to a quarter). Arrays
+        are replaced, as by ``make_room``."""
+        self._releases = 0
+        st, meta = self._state, self._meta
+        live = st[:, LEN] >= 0
+        held = int(st[live, CAP].sum())
+        if len(self._pool) > _MIN_POOL and 8 * held <= len(self._pool):
+            pool = np.zeros(max(_MIN_POOL, 2 * held), dtype=np.int32)
+            _compact(st, self._pool, pool, meta)
+            self._pool = pool
+        bound = (self.max_n - self.min_n + 1) * int(st[live, LEN].sum())
+        rows = _pow2(max(4 * bound, _MIN_TABLE))
+        if 4 * rows <= len(self._table):  # (so 16x or more the entries: rows >= 4 * bound)
+            table = np.zeros((rows, 3), dtype=np.int64)
+            _rehash(st, self._table, table, meta)
+            self._table = table
 
     def _grow_slots(self, n: int) -> None:
         old = len(self._state)
@@ -550,7 +585,9 @@ class NgramIndex:
         held = int(st[live, CAP].sum())
         need_pool = int(meta[_NEED_POOL])
         if int(meta[_TOP]) + need_pool > len(self._pool):
-            pool = np.zeros(max(len(self._pool), 2 * (held + need_pool)), dtype=np.int32)
+            size = 2 * (held + need_pool)  # (smaller than now only where 4x smaller: see ``_trim``)
+            size = max(_MIN_POOL, size) if 4 * size <= len(self._pool) else max(len(self._pool), size)
+            pool = np.zeros(size, dtype=np.int32)
             _compact(st, self._pool, pool, meta)
             self._pool = pool
         need_table = int(meta[_NEED_TABLE])

@@ -33,6 +33,8 @@ COMPILED = [
     "tests/controller/vllm/test_hotpath_hostile.py",
     "tests/controller/vllm/test_ngram_hostile.py",
     "tests/controller/vllm/test_engine_hooks_hostile.py",
+    "tests/controller/vllm/test_request_reuse.py",
+    "tests/controller/vllm/test_ngram_burst.py",
     "tests/benchmarks/test_worker_drafter.py",
     "tests/benchmarks/test_outputs.py",
     "tests/policies/test_rules.py",

@@ -5,8 +5,8 @@ leaves), schedules most of them each step, verifies the drafts they hold (some l
 samples what it accepted plus one (ids -1, 0, 1, 2, 2**31 - 1), finishes some in the update and aborts
 others between steps, preempts and resumes some (their history restarts a few tokens shorter), and
 the directive switches among off, n-gram and EAGLE-3 at K 1 and max K (K 0 <-> max mid-request).
-(An id is reused only after the schedule that reports its old request finished: vLLM 0.32 makes
-request ids unique unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set.)
+(An aborted request's id is reused, now and then, in the very schedule that reports it finished: a
+client that passes its own request ids and sends one again after an abort.)
 
 What must hold: no hook raises; every step's report passes the sidecar's validation (one bad row
 loses the whole batch it travels in); every live request's n-gram history is its own tokens; and
@@ -72,10 +72,9 @@ def _drive(
                 it + 2, PlanEntry(ANY_CLASS, 1, 0, Arm.parse(ARMS[int(rng.integers(len(ARMS)))]))
             )
         for _ in range(int(rng.integers(0, max_live)) - len(s.requests)):
-            # Ids reused once their request's finish was reported (vLLM makes ids unique; reused
-            # ones, VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, are not admitted before that schedule here).
+            # Ids reused, an aborted one's too: the schedule that reports it finished runs the new one.
             rid = f"q{int(rng.integers(0, 3 * max_live))}"
-            if rid not in s.requests and rid not in aborted:
+            if rid not in s.requests:
                 r = Req(rid, "c")
                 r._all_token_ids = [int(t) for t in rng.choice(IDS, int(rng.choice(prompts)))]
                 s.requests[rid] = r
