@@ -1,12 +1,24 @@
 """EXP3Spec (BanditSpec, arXiv 2505.15141, Algorithm 5): anytime EXP3 for adversarial rewards.
 
-Importance-weighted losses ``1{i = I_t} (1 - r) / p_i`` with the scaled reward r in [0, 1] (goodput over
-the context's largest round goodput so far), learning rate ``eta_t = sqrt(log K / (t K))``, arms drawn
-from ``softmax(-eta_t * cumulative loss)``.
+Importance-weighted losses ``1{i = I_t} (1 - r) / p_i`` with the scaled reward r in [0, 1], learning rate
+``eta_t = sqrt(log K / (t K))``, arms drawn from ``softmax(-eta_t * cumulative loss)``.
+
+The scale: r is a round's goodput over the largest goodput of the context's last ``SCALE_ROUNDS`` rounds
+(with rewards), this one included, so r is in [0, 1] and the round's best arm scores 1. The scale must
+forget: it was the largest round goodput the context had ever seen, and one outlier (a step reported
+with a tiny but valid duration, a traffic phase much faster than the rest) made every later scaled
+reward ~0, every arm's loss ~1 / p, and the learner never told the arms apart again. Now an outlier
+leaves the scale after ``SCALE_ROUNDS`` rounds, however large it was.
+
+Saved state: ``tops`` holds those goodputs per context, oldest first (at most ``SCALE_ROUNDS``, each in
+[0, MAX_REWARD]); ``top`` their largest, the scale that versions before the window read (so they can
+load a snapshot of this one). A snapshot of those versions has only ``top``: its context's window
+starts with that one value.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -29,6 +41,10 @@ from policies.params import Param
 #: had an infinite loss, which no snapshot can hold (strict JSON): the sidecar could not save the loop
 #: and started it afresh. Capped, its weight in the softmax is 0 all the same.
 MAX_LOSS = 1e300
+#: Rounds (with rewards) of a context whose largest goodput scales its rewards. EXP3 sees one arm a
+#: round: the window must hold rounds of every arm the draw explores, or the one played would score
+#: 1 whatever it earned (at 1 no arm is ever told apart); at 100 an outlier is gone within 100 rounds.
+SCALE_ROUNDS = 100
 
 
 class EXP3Spec(Learner):
@@ -42,7 +58,8 @@ class EXP3Spec(Learner):
         self._loss: dict[Context, np.ndarray] = {}
         self._p: dict[Context, np.ndarray] = {}
         self._t: dict[Context, int] = {}
-        self._top: dict[Context, float] = {}
+        # Per context, the largest goodput of each of its last SCALE_ROUNDS rounds with rewards.
+        self._tops: dict[Context, deque[float]] = {}
 
     def _probs(self, ctx: Context, allowed: Sequence[int]) -> np.ndarray:
         loss = self._loss.setdefault(ctx, np.zeros(len(self.arms)))
@@ -66,8 +83,12 @@ class EXP3Spec(Learner):
         super().update(ctx, rewards)
         loss = self._loss.setdefault(ctx, np.zeros(len(self.arms)))
         p = self._p.get(ctx)
-        top = max(self._top.get(ctx, 0.0), *rewards.values()) if rewards else self._top.get(ctx, 0.0)
-        self._top[ctx] = top
+        ring = self._tops.get(ctx)
+        if rewards:
+            if ring is None:
+                ring = self._tops[ctx] = deque(maxlen=SCALE_ROUNDS)
+            ring.append(max(0.0, *rewards.values()))
+        top = max(ring, default=0.0) if ring is not None else 0.0
         for i, r in rewards.items():
             pi = float(p[i]) if p is not None and p[i] > 0 else 1.0
             loss[i] = min(loss[i] + (1.0 - min(max(r / top, 0.0), 1.0) if top > 0 else 1.0) / pi, MAX_LOSS)
@@ -81,7 +102,9 @@ class EXP3Spec(Learner):
             **super().state_dict(),
             "loss": {c.key: v.tolist() for c, v in self._loss.items()},
             "t": {c.key: v for c, v in self._t.items()},
-            "top": {c.key: v for c, v in self._top.items()},
+            "tops": {c.key: list(v) for c, v in self._tops.items()},
+            # The scale, for versions before the window (they read "top" and ignore "tops").
+            "top": {c.key: max(v, default=0.0) for c, v in self._tops.items()},
             # The last draw's probabilities: the next update divides the played arm's loss by its own.
             "p": {c.key: v.tolist() for c, v in self._p.items()},
         }
@@ -93,6 +116,8 @@ class EXP3Spec(Learner):
         loss = saved_mapping(state.get("loss", {}), "loss", "a mapping of context to losses")
         t = saved_mapping(state.get("t", {}), "t", "a mapping of context to rounds")
         top = saved_mapping(state.get("top", {}), "top", "a mapping of context to goodput")
+        # "tops" is absent from snapshots of versions before the window: their "top" starts it.
+        tops = saved_mapping(state.get("tops", {}), "tops", "a mapping of context to goodputs")
         return {
             **super()._loaded(state),
             "_p": {saved_context(c, "p"): saved_numbers(v, f"p[{c!r}]", (n,), hi=1.0) for c, v in p.items()},
@@ -104,8 +129,25 @@ class EXP3Spec(Learner):
             },
             # A negative round count made the learning rate's square root NaN.
             "_t": {saved_context(c, "t"): saved_count(v, f"t[{c!r}]") for c, v in t.items()},
-            # The largest round goodput seen, the scale of rewards: goodput is never negative.
-            "_top": {
-                saved_context(c, "top"): saved_number(v, f"top[{c!r}]", hi=MAX_REWARD) for c, v in top.items()
-            },
+            "_tops": _saved_windows(top, tops),
         }
+
+
+def _saved_windows(top: Mapping[str, Any], tops: Mapping[str, Any]) -> dict[Context, deque[float]]:
+    """The scale windows a snapshot's ``top`` and ``tops`` restore; ValueError naming the field. Goodput
+    is never negative. A context in ``top`` only (a snapshot of a version before the window) starts its
+    window with that value; where ``tops`` holds the context, its ``top`` (their largest, as this
+    version saves it) is checked but not read."""
+    out = {
+        saved_context(c, "top"): deque([saved_number(v, f"top[{c!r}]", hi=MAX_REWARD)], maxlen=SCALE_ROUNDS)
+        for c, v in top.items()
+    }
+    for c, v in tops.items():
+        where = f"tops[{c!r}]"
+        ctx = saved_context(c, "tops")
+        window = saved_numbers(v, where, (None,), hi=MAX_REWARD)
+        # Longer than any version saves: taking its last SCALE_ROUNDS would drop what it meant silently.
+        if len(window) > SCALE_ROUNDS:
+            raise ValueError(f"{where}: at most {SCALE_ROUNDS} rounds' goodputs expected, got {len(window)}")
+        out[ctx] = deque(window.tolist(), maxlen=SCALE_ROUNDS)
+    return out

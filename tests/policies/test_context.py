@@ -117,8 +117,13 @@ def test_old_snapshots_load_and_keep_learning(preset: str) -> None:
     added = {"bounded_moves": 0}
     assert not added.keys() & old["totals"].keys()
     # Learner state kept since (exp3spec's last draw probabilities, hedge's time per row): empty.
-    # and hedge's round in progress (tokens and rows per arm).
-    learner_added = {"exp3spec": {"p": {}}, "hedge": {"time": {}, "tokens": {}, "rows": {}}}.get(preset, {})
+    # and hedge's round in progress (tokens and rows per arm); exp3spec's scale window starts with
+    # the old all-time largest goodput, "top".
+    windows = {c: [v] for c, v in old["learner"].get("top", {}).items()}
+    learner_added = {
+        "exp3spec": {"p": {}, "tops": windows},
+        "hedge": {"time": {}, "tokens": {}, "rows": {}},
+    }.get(preset, {})
     assert not learner_added.keys() & old["learner"].keys()
     # The TPOT guard's recent TPOTs (none: the guard is off in every preset).
     tpot = {**old["guards"]["tpot"], "windows": {}}
