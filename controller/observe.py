@@ -37,6 +37,7 @@ from controller.validation import (
     MAX_QUEUE_WAIT_S,
     MAX_STEP_DURATION_S,
     MIN_STEP_DURATION_S,
+    MIN_STEP_S_PER_REQUEST,
 )
 from controller.wire.address import parse_address
 from controller.wire.names import engine_id_problem, escape_text, has_control
@@ -232,9 +233,9 @@ def observation_between(
     counters' ratio of draft tokens to drafts says. Raises ValueError, saying what, for another counter
     that went backwards while the drafts grew (one of the engines behind the endpoint restarted: the
     interval's deltas mean nothing) and for an interval no engine produces (less than one draft,
-    steps shorter than a microsecond or longer than an hour, a batch beyond ``MAX_OBSERVED_BATCH``, a
-    queue beyond the sidecar's limits): the sidecar would refuse its reports, or learn from numbers no
-    engine made."""
+    steps shorter than a microsecond or than 50 ns per request of their batch, or longer than an
+    hour, a batch beyond ``MAX_OBSERVED_BATCH``, a queue beyond the sidecar's limits): the sidecar
+    would refuse its reports, or learn from numbers no engine made."""
     drafts = cur.drafts - prev.drafts
     dt = cur.time_s - prev.time_s
     if drafts < 0 and cur.has_drafts:  # vLLM restarted: the interval is no data, and that is said
@@ -277,8 +278,10 @@ def observation_between(
     row_s = dt / drafts
     step_s = row_s * min(batch, n)
     # n < 1: a counter grew by less than one draft (a denormal one made row_s inf, and inf * 0 a NaN
-    # that passed the comparison: an observation of no rows was sent).
-    if n < 1 or row_s * min((hi - lo for lo, hi in step_bounds(n, batch)), default=0) < MIN_STEP_DURATION_S:
+    # that passed the comparison: an observation of no rows was sent). The shortest step sent must
+    # pass the sidecar's floors: 1 us, and MIN_STEP_S_PER_REQUEST per request of its batch_size.
+    shortest_s = row_s * min((hi - lo for lo, hi in step_bounds(n, batch)), default=0)
+    if n < 1 or shortest_s < max(MIN_STEP_DURATION_S, batch * MIN_STEP_S_PER_REQUEST):
         raise ValueError(f"no engine verifies {drafts:g} drafts in {dt:g} s")
     if step_s > MAX_STEP_DURATION_S:
         raise ValueError(f"{drafts:g} drafts in {dt:g} s: steps of more than {MAX_STEP_DURATION_S:g} s")

@@ -56,6 +56,18 @@ MAX_COUNTERFACTUAL_METHODS = 8
 #: 0 means "not measured": the step is counted but not learned from.
 MIN_STEP_DURATION_S = 1e-6
 MAX_STEP_DURATION_S = 3600.0
+#: And a measured step lasts at least this long per request it scheduled (``max(batch_size, rows)``):
+#: 50 ns, i.e. at most 2e7 request-steps per second in one engine. Without it a step of 64 requests
+#: that "lasted" 1 us passed, a round goodput of ~2e8 tok/s (real engines: 1e3..1e5 tok/s), which the
+#: learners averaged in for a long time. Real figures, per scheduled request and step: vLLM's engine
+#: core runs Python per request on every step (scheduling, input preparation, output update: a few
+#: microseconds each; the controller plugin's own hooks alone measured 2-4.4 us per request,
+#: ``sim/profiles/*.yaml`` ``plugin.*.per_request_s``); the GPU cost per batched token fitted on
+#: H100/H200 (``sim/profiles``, 8B..120B models) is 8.6-92 us. 50 ns is 100x below ~5 us of host work
+#: and 170x below the fastest GPU fit, so no real engine (a tiny model, the fastest card, any batch)
+#: is refused; a step of one request is bounded by the 1 us above (CUDA-graph replay and vLLM's step
+#: loop alone take tens of microseconds). One step's goodput is then at most (K + 1) x 2e7 tok/s.
+MIN_STEP_S_PER_REQUEST = 5e-8
 #: Engine clocks (monotonic or Unix seconds) and queue waits, with room for centuries of uptime.
 MAX_TIME_S = 1e11
 MAX_QUEUE_WAIT_S = 1e7
@@ -256,6 +268,22 @@ def _check_step_scalars(step: pb.StepReport, where: str) -> None:
         )
 
 
+def _step_rate_ok(duration_s: float, scheduled: int) -> bool:
+    """Whether a step of ``scheduled`` requests could last ``duration_s`` (0: not measured, passes)."""
+    return duration_s == 0 or duration_s >= scheduled * MIN_STEP_S_PER_REQUEST
+
+
+def _check_step_rate(duration_s: float, scheduled: int, where: str) -> None:
+    """``MIN_STEP_S_PER_REQUEST``: the step's duration against the requests it scheduled."""
+    if not _step_rate_ok(duration_s, scheduled):
+        floor = scheduled * MIN_STEP_S_PER_REQUEST
+        raise TelemetryError(
+            "duration_invalid",
+            f"{where}.duration_s: {duration_s!r} s for a batch of {scheduled} requests is faster than any "
+            f"engine (at least {MIN_STEP_S_PER_REQUEST:g} s per request: {floor:g} s; 0: not measured)",
+        )
+
+
 def _check_counts(
     k: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, max_k: int, where: str, *, columns: bool
 ) -> None:
@@ -297,6 +325,7 @@ def _read_step(
             "batch_size_invalid",
             f"{where}.batch_size: {step.batch_size} is smaller than the {n} requests reported",
         )
+    _check_step_rate(step.duration_s, max(step.batch_size, n), where)
     allowed = methods
     if columnar:
         return _read_columns(step, n, where)
@@ -470,7 +499,7 @@ def _read_columnar_batch(
         if n_ids and n_ids != n:
             return None
         size = step.batch_size
-        if n > max_req or size > batch_cap or 0 < size < n:
+        if n > max_req or size > batch_cap or 0 < size < n or not _step_rate_ok(step.duration_s, size or n):
             return None
         classes = tuple(c.classes)
         if len(classes) > MAX_CLASSES_PER_STEP or not all(map(_class_name_ok, classes)):
