@@ -1,8 +1,9 @@
 """Options and fixtures shared by the test packages: the soak test's length, and the two ways a step
-kernel runs (policies/jit.py)."""
+kernel runs (policies/jit.py; ``SPECCONTROL_KERNELS_NUMBA_ONLY``: files whose plain-Python half is left out)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test with the kernels as plain Python, then compiled (where numba is importable)."""
     compiled = request.param == "numba"
+    numba_only = os.environ.get("SPECCONTROL_KERNELS_NUMBA_ONLY")
+    if not compiled and numba_only and str(request.node.path).endswith(tuple(numba_only.split(os.pathsep))):
+        # tests/e2e/test_kernels_compiled.py: this file's plain-Python half ran in the project's suite
+        pytest.skip("SPECCONTROL_KERNELS_NUMBA_ONLY: the project's suite ran this plain-Python half")
     if compiled and not jit.numba_available():
         pytest.skip(
             "numba is not installed here (tests/e2e/test_kernels_compiled.py runs these in the vLLM environment)"

@@ -78,15 +78,16 @@ def check_ngram_rows_accept_eagle_rows_do_not(
         assert ON_GPU, "the V1 runner's hook is missing"
 
 
-def check_k_follows_policy_set(stack: Stack) -> None:
-    """Each request drafts with the method and K of the arm last set (and nothing when off)."""
+def check_k_follows_policy_set(stack: Stack, *, tokens: int = 40) -> None:
+    """Each request (of ``tokens`` tokens) drafts with the method and K of the arm last set (and
+    nothing when off)."""
     for name, arm, k, method in (
         ("k2", "ngram:2", 2, "ngram"),
         ("koff", "off", 0, "off"),
         ("k3", "eagle3:3", 3, "eagle3"),
     ):
         v = stack.set_policy(name, arm)
-        resp = stack.complete(40, name)
+        resp = stack.complete(tokens, name)
         rows = [r for r in request_rows(stack, resp) if r["dv"] >= v]
         settled = rows[3:]  # planned under the new directive (async: one step more in flight)
         assert settled, rows
