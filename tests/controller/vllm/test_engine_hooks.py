@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,22 @@ class FakeAsyncScheduler:
             req_id_to_index={r: i for i, r in enumerate(ids)},
         )  # fmt: skip
         hooks.after_update(self, so, mro, reqs)
+
+
+def one_request_update(
+    h: EngineHooks, s: FakeAsyncScheduler, req: Req
+) -> Callable[[Any, list[int], bool], None]:
+    """vLLM's update_from_output for a scheduler of the one request ``req`` (id "r"): ``update(so,
+    sampled tokens, whether vLLM keeps them)`` (a drop-mode preemption drops a step's output)."""
+
+    def update(so: Any, toks: list[int], vllm_keeps: bool) -> None:
+        reqs = h.before_update(s, so)
+        if vllm_keeps:  # what vLLM's update_from_output does with the tokens
+            req._all_token_ids += toks
+        mro = types.SimpleNamespace(sampled_token_ids=[toks] if toks else [], req_id_to_index={"r": 0})
+        h.after_update(s, so, mro, reqs)
+
+    return update
 
 
 def _hooks(directive: Directive) -> tuple[EngineHooks, FakeLink]:
@@ -326,13 +342,7 @@ def test_a_resumed_requests_history_restarts_from_its_own_tokens(samples_on_resu
     s = FakeAsyncScheduler([Req("r", "chat")])
     req = s.requests["r"]
 
-    def update(so: Any, toks: list[int], vllm_keeps: bool) -> None:
-        reqs = h.before_update(s, so)
-        if vllm_keeps:  # what vLLM's update_from_output does with the tokens
-            req._all_token_ids += toks
-        mro = types.SimpleNamespace(sampled_token_ids=[toks] if toks else [], req_id_to_index={"r": 0})
-        h.after_update(s, so, mro, reqs)
-
+    update = one_request_update(h, s, req)
     update(s.schedule(h), [40], True)
     update(s.schedule(h), [41, 42], False)  # preempted in drop mode: vLLM drops this output
     so = s.schedule(h)

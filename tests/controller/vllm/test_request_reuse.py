@@ -24,7 +24,14 @@ from controller.vllm.engine_hooks import EngineHooks
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import PlanEntry
-from tests.controller.vllm.test_engine_hooks import FakeAsyncScheduler, Req, _directive, _hooks, _rows
+from tests.controller.vllm.test_engine_hooks import (
+    FakeAsyncScheduler,
+    Req,
+    _directive,
+    _hooks,
+    _rows,
+    one_request_update,
+)
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -176,13 +183,7 @@ def test_async_v2_a_resumed_request_listed_as_new_restarts_its_history() -> None
     s = FakeAsyncScheduler([_req("r", "chat", [1, 2, 3])])
     req = s.requests["r"]
 
-    def update(so: Any, toks: list[int], vllm_keeps: bool) -> None:
-        reqs = h.before_update(s, so)
-        if vllm_keeps:
-            req._all_token_ids += toks
-        mro = types.SimpleNamespace(sampled_token_ids=[toks] if toks else [], req_id_to_index={"r": 0})
-        h.after_update(s, so, mro, reqs)
-
+    update = one_request_update(h, s, req)
     update(s.schedule(h), [40], True)
     update(s.schedule(h), [41, 42], False)  # preempted in drop mode: vLLM drops this output
     so = s.schedule(h)
