@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -49,6 +50,12 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     except KeyboardInterrupt:
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second press ends the process at once
+        # Nothing after the word: a signal landing while asyncio.run built its loop left a half-made
+        # loop, whose __del__ at exit printed a traceback ("Exception ignored in ... BaseEventLoop.
+        # __del__", and "coroutine ... was never awaited") below "interrupted" (seen with sidecar_load
+        # and SIGHUP). What the interpreter finds to complain of while it shuts down is not the user's.
+        sys.unraisablehook = lambda unraisable: None
+        warnings.simplefilter("ignore")
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)
     sys.exit(code)

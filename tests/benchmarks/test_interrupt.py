@@ -92,6 +92,36 @@ def _assert_interrupted(code: int, out: str) -> None:
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
 
 
+_HALF_MADE = """
+import asyncio, sys
+sys.path.insert(0, {bench!r})
+from _interrupt import run_main
+
+class HalfMade:  # what a signal inside asyncio.run's loop set-up leaves: __del__ fails at exit
+    def __del__(self):
+        raise AttributeError("no attribute '_debug'")
+
+async def never():
+    pass
+
+def main():
+    global kept
+    kept = (HalfMade(), never())
+    raise KeyboardInterrupt
+
+run_main(main)
+"""
+
+
+def test_shutdown_noise_after_an_interrupt_is_not_printed(tmp_path: Path) -> None:
+    """A run interrupted while asyncio.run built its loop (sidecar_load, SIGHUP) printed "interrupted"
+    and then the half-made loop's __del__ traceback and "coroutine ... was never awaited" at exit."""
+    script = tmp_path / "half_made.py"
+    script.write_text(_HALF_MADE.format(bench=str(BENCH)))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    _assert_interrupted(r.returncode, r.stdout + r.stderr)
+
+
 def test_sim_speed_mid_run(tmp_path: Path) -> None:
     out = tmp_path / "speed.json"
     p = _start(
