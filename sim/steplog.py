@@ -6,7 +6,8 @@ JSON Lines, one engine step per line, in the order the sidecar applied them::
      "kv_tokens": null, "decoded_tokens": 1830, "method": ["eagle3", ...], "k": [3, ...],
      "accepted": [2, ...]}
 
-* ``duration_s``: the step's wall time (draft + verify + overhead), 1 us..1 h (``MIN/MAX_DURATION_S``).
+* ``duration_s``: the step's wall time (draft + verify + overhead), 1 us..1 h (``MIN/MAX_DURATION_S``), and
+  at least 50 ns per request of its batch (``MIN_DURATION_S_PER_REQUEST``).
 * ``batch``: running requests; ``method``/``k``/``accepted``: one entry per reported request (the
   method whose draft was verified, ``off`` for none).
 * ``prefill_tokens``: prompt tokens computed in the same step (0: none or unknown).
@@ -53,6 +54,9 @@ _MAX_K = 64
 #: requests of 2^22 tokens. Beyond them a line is garbage, and the fit's arrays overflow.
 MIN_DURATION_S = 1e-6
 MAX_DURATION_S = 3600.0
+#: And at least this long per request of its batch (at most 2e7 request-steps a second: 100x beyond
+#: the host work of the fastest engines; controller.validation.MIN_STEP_S_PER_REQUEST says why).
+MIN_DURATION_S_PER_REQUEST = 5e-8
 MAX_BATCH = 1 << 20
 MAX_PREFILL_TOKENS = 1 << 22
 MAX_TOKENS = 1 << 42
@@ -307,6 +311,11 @@ def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int]
     batch = _int(d, "batch", where, hi=MAX_BATCH) or 0
     if batch < len(codes):
         raise StepLogError(f"{where}: batch: {batch} running but {len(codes)} requests reported")
+    if dur < batch * MIN_DURATION_S_PER_REQUEST:
+        raise StepLogError(
+            f"{where}: duration_s: {dur:g} s for a batch of {batch} requests is faster than any engine "
+            f"(at least {MIN_DURATION_S_PER_REQUEST:g} s per request)"
+        )
     fields = {
         "engine": eng,
         "duration_s": dur,

@@ -406,10 +406,11 @@ def test_tune_requests_without_a_scenario_is_a_usage_error(
 
 
 def _flat_steps(tmp_path: Path) -> Path:
-    """Steps of 32 batch sizes, every method and K, all lasting the shortest step there is."""
+    """Steps of 32 batch sizes, every method and K, all lasting as long (2 us: about the shortest step
+    a batch of 32 may last, 50 ns a request, and flat whatever the batch)."""
     recs = synthetic(300, 0)
     for r in recs:
-        r["duration_s"] = 1e-6
+        r["duration_s"] = 2e-6
     path = tmp_path / "flat.jsonl"
     write_steps(path, recs)
     return path

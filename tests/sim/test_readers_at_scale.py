@@ -55,7 +55,7 @@ def _step_lines(n: int, seed: int, *, kv: str = "null") -> list[str]:
         d: dict[str, Any] = {
             "engine": f"pod-{i % 3}",
             "time_s": i * 0.01 + r.random(),
-            "duration_s": 1e-6 + r.random() * 0.05,
+            "duration_s": 2e-6 + r.random() * 0.05,  # (at least 50 ns per request of the batch)
             "batch": b + r.randint(0, 2),
             "prefill_tokens": r.choice([0, 0, 512, 1 << 22]),
             "decoded_tokens": r.randint(0, 1 << 42),

@@ -85,3 +85,27 @@ def test_select_keeps_the_chosen_steps_and_their_rows(tmp_path: Path) -> None:
     assert sub.n == int(keep.sum()) and sub.time_s.tolist() == log.time_s[keep].tolist()
     assert np.bincount(sub.row_step).tolist() == np.bincount(log.row_step)[keep].tolist()
     assert sub.k.tolist() == log.k[keep[log.row_step]].tolist()
+
+
+def _one_step(path: Path, duration_s: float, batch: int) -> Path:
+    import json
+
+    row = {"engine": "e", "time_s": 1.0, "duration_s": duration_s, "batch": batch, "prefill_tokens": 0,
+           "decoded_tokens": 3, "method": ["eagle3"], "k": [2], "accepted": [2]}  # fmt: skip
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("batch", [1, 20, 21, 64, 4096])
+def test_a_step_faster_than_any_engine_is_refused_by_line(tmp_path: Path, batch: int) -> None:
+    """A hand-made log taught ``sim fit`` from steps no engine runs (64 requests in 1 us: 1.9e8 tok/s)
+    that the sidecar refuses in telemetry; the floor per request is the sidecar's."""
+    from controller.validation import MIN_STEP_DURATION_S, MIN_STEP_S_PER_REQUEST
+    from sim.steplog import MIN_DURATION_S, MIN_DURATION_S_PER_REQUEST, StepLogError
+
+    assert (MIN_DURATION_S, MIN_DURATION_S_PER_REQUEST) == (MIN_STEP_DURATION_S, MIN_STEP_S_PER_REQUEST)
+    floor = max(MIN_DURATION_S, batch * MIN_DURATION_S_PER_REQUEST)
+    assert read_steps(_one_step(tmp_path / "ok.jsonl", floor, batch)).duration_s.tolist() == [floor]
+    below = float(np.nextafter(floor, 0.0))
+    with pytest.raises(StepLogError, match=r"bad\.jsonl:1: duration_s: "):
+        read_steps(_one_step(tmp_path / "bad.jsonl", below, batch))
