@@ -507,13 +507,13 @@ class EngineHooks:
         have not seen is left alone: it starts from its tokens anyway."""
         row = {rid: j for j, rid in enumerate(ids)}
         out = []
-        verifying = self.rows.arrays()[0]
+        verifying, _, admitted = self.rows.arrays()
         for rid in resumed:
             req = requests.get(rid)
             s = self.controls.fast.slot_of(rid, -1)
             if 0 <= s < len(verifying):
                 verifying[s] = -1
-                if req is not None and self.rows.arrays()[2][s]:  # (admitted: its class was set)
+                if req is not None and admitted[s]:  # (admitted: its class was set)
                     self.rows.set_class(s, self._traffic_class(req))
             if req is None or s < 0 or self.scorer is None or not self.scorer.live(s):
                 continue
