@@ -35,9 +35,6 @@ from controller.validation import (
     MAX_MODEL,
     MAX_QUEUE_LENGTH,
     MAX_QUEUE_WAIT_S,
-    MAX_STEP_DURATION_S,
-    MIN_STEP_DURATION_S,
-    MIN_STEP_S_PER_REQUEST,
 )
 from controller.wire.address import parse_address
 from controller.wire.names import engine_id_problem, escape_text, has_control
@@ -45,6 +42,7 @@ from policies.arms import METHOD_CODES, METHODS_BY_CODE, OFF, Arm, Method
 from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
 from policies.observation import StepObservation
+from policies.physics import MAX_STEP_S, step_floor_s
 
 log = logging.getLogger("speccontrol.observe")
 
@@ -279,12 +277,12 @@ def observation_between(
     step_s = row_s * min(batch, n)
     # n < 1: a counter grew by less than one draft (a denormal one made row_s inf, and inf * 0 a NaN
     # that passed the comparison: an observation of no rows was sent). The shortest step sent must
-    # pass the sidecar's floors: 1 us, and MIN_STEP_S_PER_REQUEST per request of its batch_size.
+    # pass the sidecar's floor for a step of its batch_size (policies.physics).
     shortest_s = row_s * min((hi - lo for lo, hi in step_bounds(n, batch)), default=0)
-    if n < 1 or shortest_s < max(MIN_STEP_DURATION_S, batch * MIN_STEP_S_PER_REQUEST):
+    if n < 1 or shortest_s < step_floor_s(batch):
         raise ValueError(f"no engine verifies {drafts:g} drafts in {dt:g} s")
-    if step_s > MAX_STEP_DURATION_S:
-        raise ValueError(f"{drafts:g} drafts in {dt:g} s: steps of more than {MAX_STEP_DURATION_S:g} s")
+    if step_s > MAX_STEP_S:
+        raise ValueError(f"{drafts:g} drafts in {dt:g} s: steps of more than {MAX_STEP_S:g} s")
     if batch > MAX_OBSERVED_BATCH:
         raise ValueError(
             f"a batch of {per_step:g} requests ({drafts:g} drafts over {iterations:g} iterations)"

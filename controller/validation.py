@@ -33,6 +33,7 @@ from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.context import MAX_BATCH_SIZE
 from policies.engine import EngineInfo
 from policies.observation import NOT_SCORED, StepBatch, StepObservation
+from policies.physics import MAX_STEP_S, MIN_STEP_S, MIN_STEP_S_PER_REQUEST, step_floor_s
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 MAX_INSTANCE_ID = 128
@@ -51,23 +52,10 @@ MAX_MODEL = 512
 MAX_ENGINE_VERSION = 128
 MAX_ARMS = 4 * (MAX_K + 1)
 MAX_COUNTERFACTUAL_METHODS = 8
-#: A step is at least a microsecond (below that, tokens per second are meaningless: 5e-324 s would
-#: give an infinite goodput) and at most an hour (beyond that the learner's squared costs overflow).
-#: 0 means "not measured": the step is counted but not learned from.
-MIN_STEP_DURATION_S = 1e-6
-MAX_STEP_DURATION_S = 3600.0
-#: And a measured step lasts at least this long per request it scheduled (``max(batch_size, rows)``):
-#: 50 ns, i.e. at most 2e7 request-steps per second in one engine. Without it a step of 64 requests
-#: that "lasted" 1 us passed, a round goodput of ~2e8 tok/s (real engines: 1e3..1e5 tok/s), which the
-#: learners averaged in for a long time. Real figures, per scheduled request and step: vLLM's engine
-#: core runs Python per request on every step (scheduling, input preparation, output update: a few
-#: microseconds each; the controller plugin's own hooks alone measured 2-4.4 us per request,
-#: ``sim/profiles/*.yaml`` ``plugin.*.per_request_s``); the GPU cost per batched token fitted on
-#: H100/H200 (``sim/profiles``, 8B..120B models) is 8.6-92 us. 50 ns is 100x below ~5 us of host work
-#: and 170x below the fastest GPU fit, so no real engine (a tiny model, the fastest card, any batch)
-#: is refused; a step of one request is bounded by the 1 us above (CUDA-graph replay and vLLM's step
-#: loop alone take tens of microseconds). One step's goodput is then at most (K + 1) x 2e7 tok/s.
-MIN_STEP_S_PER_REQUEST = 5e-8
+#: A step's duration: 1 us..1 h, and at least 50 ns per request it scheduled (``max(batch_size,
+#: rows)``); policies.physics says why. 0 means "not measured": the step is counted but not learned from.
+MIN_STEP_DURATION_S = MIN_STEP_S
+MAX_STEP_DURATION_S = MAX_STEP_S
 #: Engine clocks (monotonic or Unix seconds) and queue waits, with room for centuries of uptime.
 MAX_TIME_S = 1e11
 MAX_QUEUE_WAIT_S = 1e7
@@ -270,13 +258,13 @@ def _check_step_scalars(step: pb.StepReport, where: str) -> None:
 
 def _step_rate_ok(duration_s: float, scheduled: int) -> bool:
     """Whether a step of ``scheduled`` requests could last ``duration_s`` (0: not measured, passes)."""
-    return duration_s == 0 or duration_s >= scheduled * MIN_STEP_S_PER_REQUEST
+    return duration_s == 0 or duration_s >= step_floor_s(scheduled)
 
 
 def _check_step_rate(duration_s: float, scheduled: int, where: str) -> None:
     """``MIN_STEP_S_PER_REQUEST``: the step's duration against the requests it scheduled."""
     if not _step_rate_ok(duration_s, scheduled):
-        floor = scheduled * MIN_STEP_S_PER_REQUEST
+        floor = step_floor_s(scheduled)
         raise TelemetryError(
             "duration_invalid",
             f"{where}.duration_s: {duration_s!r} s for a batch of {scheduled} requests is faster than any "

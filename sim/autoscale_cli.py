@@ -30,7 +30,7 @@ from sim.autoscale import (
     summarise,
 )
 from sim.cli_types import float_in, int_in
-from sim.costmodel import ProfileError, profile_names
+from sim.costmodel import MAX_REPLAY_BATCH, ProfileError, profile_names
 from sim.engines import ENGINES
 from sim.files import output_problem, replace_file
 from sim.progress import ProgressBar
@@ -48,7 +48,9 @@ def add_parser(ss: Any, resolve_policy: Any, load_profile: Any) -> None:
         "--profile", default="llama-3.1-8b-h100", help=f"cost model ({', '.join(profile_names())})"
     )
     p.add_argument("--engine", default="composite", help=f"engine model ({', '.join(ENGINES)})")
-    p.add_argument("--concurrency", type=int_in(1, 4096), default=32, help="slots per replica (max_num_seqs)")
+    p.add_argument(
+        "--concurrency", type=int_in(1, MAX_REPLAY_BATCH), default=32, help="slots per replica (max_num_seqs)"
+    )
     p.add_argument("--duration", type=float_in(1, WEEK_S), default=1800.0, help="simulated seconds")
     p.add_argument("--triple-at", type=float_in(0, WEEK_S), default=300.0, help="when the load triples (s)")
     p.add_argument(

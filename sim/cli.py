@@ -27,7 +27,14 @@ from policies.spec import PolicyError, PolicySpec, static_policy
 from policies.text import name_problem, one_line
 from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
-from sim.costmodel import DEFAULT_PROFILE, Profile, ProfileError, load_profile, profile_names
+from sim.costmodel import (
+    DEFAULT_PROFILE,
+    MAX_REPLAY_BATCH,
+    Profile,
+    ProfileError,
+    load_profile,
+    profile_names,
+)
 from sim.engines import ENGINES, EngineModel
 from sim.files import output_problem, replace_file
 from sim.trace import (
@@ -95,8 +102,8 @@ def _concurrency(text: str) -> list[int]:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise _UsageError(f"--concurrency: expected integers such as 1,8,32, got {text!r}") from None
-    if not levels or any(c < 1 or c > 4096 for c in levels):
-        raise _UsageError(f"--concurrency: levels must be 1..4096, got {text!r}")
+    if not levels or any(c < 1 or c > MAX_REPLAY_BATCH for c in levels):
+        raise _UsageError(f"--concurrency: levels must be 1..{MAX_REPLAY_BATCH}, got {text!r}")
     if len(set(levels)) > MAX_LEVELS:
         raise _UsageError(
             f"--concurrency: {len(set(levels))} levels; at most {MAX_LEVELS} (each replays the trace)"
@@ -973,7 +980,9 @@ def register(subparsers: Any) -> None:
         default=256,
         help="for prompts without their own",
     )
-    p.add_argument("--concurrency", type=cli_types.int_in(1, 4096), default=4, help="requests in flight")
+    p.add_argument(
+        "--concurrency", type=cli_types.int_in(1, MAX_REPLAY_BATCH), default=4, help="requests in flight"
+    )
     p.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
     p.add_argument(
         "--timeout",

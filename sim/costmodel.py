@@ -56,6 +56,7 @@ import numpy as np
 from policies import yamldoc
 from policies.arms import Method
 from policies.params import shown
+from policies.physics import MAX_STEP_S, MIN_STEP_S, MIN_STEP_S_PER_REQUEST, step_floor_s
 from policies.text import name_problem
 
 
@@ -279,15 +280,15 @@ class Profile:
 # -- loading -------------------------------------------------------------------------------------
 
 
+#: The largest batch a replay runs (``--concurrency`` of ``sim`` and ``sim autoscale`` stops there).
+MAX_REPLAY_BATCH = 4096
 #: The longest draft a profile's EAGLE-3 fit can have been measured at (K is at most 64 everywhere).
 MAX_FIT_K = 64
 #: A profile is a page of YAML; a larger file is refused before it is read.
 MAX_PROFILE_BYTES = 1 << 20
 #: Physical ranges of a profile's figures (beyond them a replay's figures mean nothing, or overflow):
-#: a step lasts 1 us..1 h (the sidecar's telemetry bounds), no GPU spends a second per token, and
-#: memory sizes stay below a petabyte.
-MIN_STEP_S = 1e-6
-MAX_STEP_S = 3600.0
+#: a step lasts as long as policies.physics allows (the sidecar's telemetry bounds), no GPU spends a
+#: second per token, and memory sizes stay below a petabyte.
 MAX_S_PER_TOKEN = 1.0
 MAX_GB = 1e6
 
@@ -444,6 +445,16 @@ def _check_physics(p: Profile) -> None:
         raise ProfileError(
             f"target.const_s: a step of one request takes {t:g} s (target + overhead_s{moe}): at most "
             f"{MAX_STEP_S:g} s, as every engine step"
+        )
+    # Per request the step time only falls as the batch grows (fixed costs shared, expert reads
+    # concave), so the largest batch is the one to check. A profile faster than the sidecar's floor had
+    # replays (and `sim tune`) teach the policies from steps the sidecar refuses from any engine.
+    big = p.plain_step_time(MAX_REPLAY_BATCH, 0)
+    if not big >= step_floor_s(MAX_REPLAY_BATCH):
+        raise ProfileError(
+            f"target.batched_s_per_token: a step of {MAX_REPLAY_BATCH} requests takes {big:g} s, "
+            f"{big / MAX_REPLAY_BATCH:g} s per request: at least {MIN_STEP_S_PER_REQUEST:g} s per request, "
+            "as every engine step (the sidecar refuses faster ones)"
         )
     m = p.memory
     if m.kv_room_gb() <= 0:

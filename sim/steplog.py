@@ -6,8 +6,8 @@ JSON Lines, one engine step per line, in the order the sidecar applied them::
      "kv_tokens": null, "decoded_tokens": 1830, "method": ["eagle3", ...], "k": [3, ...],
      "accepted": [2, ...]}
 
-* ``duration_s``: the step's wall time (draft + verify + overhead), 1 us..1 h (``MIN/MAX_DURATION_S``), and
-  at least 50 ns per request of its batch (``MIN_DURATION_S_PER_REQUEST``).
+* ``duration_s``: the step's wall time (draft + verify + overhead), 1 us..1 h, and at least
+  50 ns per request of its batch (``policies.physics``, the bounds the sidecar holds steps to).
 * ``batch``: running requests; ``method``/``k``/``accepted``: one entry per reported request (the
   method whose draft was verified, ``off`` for none).
 * ``prefill_tokens``: prompt tokens computed in the same step (0: none or unknown).
@@ -39,6 +39,7 @@ import numpy as np
 from policies.arms import METHOD_CODES, Method
 from policies.observation import StepObservation
 from policies.params import shown
+from policies.physics import MAX_STEP_S, MIN_STEP_S, MIN_STEP_S_PER_REQUEST, step_floor_s
 from sim.trace import TraceError, load_json_line, read_json_lines
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,10 @@ MAX_TRACKED_REQUESTS = 100_000
 _NAMES = {code: m.value for m, code in METHOD_CODES.items()}
 _MAX_K = 64
 #: Physical ranges of a step, those the sidecar's telemetry checks (controller.validation) hold every
-#: recorded step to: a step lasts 1 us..1 h, batches are under a million requests, a step prefills at
-#: most 2^22 prompt tokens, and clocks stay below 1e11 s. Tokens held by a step's requests: a million
+#: recorded step to: a step lasts 1 us..1 h and 50 ns per request of its batch (policies.physics),
+#: batches are under a million requests, a step prefills at most 2^22 prompt tokens, and clocks stay
+#: below 1e11 s. Tokens held by a step's requests: a million
 #: requests of 2^22 tokens. Beyond them a line is garbage, and the fit's arrays overflow.
-MIN_DURATION_S = 1e-6
-MAX_DURATION_S = 3600.0
-#: And at least this long per request of its batch (at most 2e7 request-steps a second: 100x beyond
-#: the host work of the fastest engines; controller.validation.MIN_STEP_S_PER_REQUEST says why).
-MIN_DURATION_S_PER_REQUEST = 5e-8
 MAX_BATCH = 1 << 20
 MAX_PREFILL_TOKENS = 1 << 22
 MAX_TOKENS = 1 << 42
@@ -289,7 +286,7 @@ def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int]
     eng = d.get("engine", "")
     if not isinstance(eng, str):
         raise StepLogError(f"{where}: engine: expected a string, got {eng!r}")
-    dur = _seconds(d, "duration_s", where, MIN_DURATION_S, MAX_DURATION_S)
+    dur = _seconds(d, "duration_s", where, MIN_STEP_S, MAX_STEP_S)
     methods = d.get("method")
     if not isinstance(methods, list):
         raise StepLogError(f"{where}: method: expected a list, got {type(methods).__name__}")
@@ -311,10 +308,10 @@ def parse_step(d: Any, where: str) -> tuple[dict[str, Any], list[int], list[int]
     batch = _int(d, "batch", where, hi=MAX_BATCH) or 0
     if batch < len(codes):
         raise StepLogError(f"{where}: batch: {batch} running but {len(codes)} requests reported")
-    if dur < batch * MIN_DURATION_S_PER_REQUEST:
+    if dur < step_floor_s(batch):
         raise StepLogError(
             f"{where}: duration_s: {dur:g} s for a batch of {batch} requests is faster than any engine "
-            f"(at least {MIN_DURATION_S_PER_REQUEST:g} s per request)"
+            f"(at least {MIN_STEP_S_PER_REQUEST:g} s per request)"
         )
     fields = {
         "engine": eng,

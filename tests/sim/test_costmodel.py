@@ -396,6 +396,11 @@ def test_counts_are_integers_in_range_and_numbers_written_as_text_get_a_hint(
         parse_profile(doc, source="p.yaml")
 
 
+def _fast_per_request(doc: dict[str, Any]) -> None:
+    doc["target"] = {"kv_s_per_token": 0, "batched_s_per_token": 0, "const_s": 1e-4}
+    doc["overhead_s"] = 0
+
+
 def _zero_costs(doc: dict[str, Any]) -> None:
     doc["target"] = {"kv_s_per_token": 0, "batched_s_per_token": 0, "const_s": 0}
     doc["overhead_s"] = 0
@@ -406,6 +411,13 @@ def _zero_costs(doc: dict[str, Any]) -> None:
     [
         # replayed at 0 tok/s with 0 ms latencies; sim autoscale: an IndexError traceback
         (_zero_costs, r"p\.yaml: target\.const_s: a step of one request takes 0 s"),
+        # steps of 4096 requests in 0.1 ms (24 ns a request): the sidecar refuses them in telemetry, yet
+        # replays and `sim tune` taught policies from them
+        (
+            _fast_per_request,
+            r"p\.yaml: target\.batched_s_per_token: a step of 4096 requests takes 0\.0001 s, 2\.44141e-08 s "
+            r"per request: at least 5e-08 s per request",
+        ),
         # overflow warnings and 0 tok/s
         (lambda d: d["target"].update(const_s=1e308), r"target\.const_s: expected a number 0\.\.3600"),
         (
@@ -442,6 +454,19 @@ def test_profiles_outside_physics_are_refused_naming_the_field(change: Any, says
     change(doc)
     with pytest.raises(ProfileError, match=says):
         parse_profile(doc, source="p.yaml")
+
+
+def test_a_profile_at_the_sidecars_floor_per_request_loads() -> None:
+    """The per-request floor is the sidecar's own (policies.physics), not a stricter one: a profile whose
+    largest replayed batch lasts exactly that long loads."""
+    from policies.physics import step_floor_s
+    from sim.costmodel import MAX_REPLAY_BATCH
+
+    doc = _shipped("llama-3.1-8b-h100")
+    doc["target"] = {"kv_s_per_token": 0, "batched_s_per_token": 0, "const_s": step_floor_s(MAX_REPLAY_BATCH)}
+    doc["overhead_s"] = 0
+    p = parse_profile(doc, source="p.yaml")
+    assert p.plain_step_time(MAX_REPLAY_BATCH, 0) == step_floor_s(MAX_REPLAY_BATCH)
 
 
 @pytest.mark.parametrize(

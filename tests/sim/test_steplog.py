@@ -99,12 +99,11 @@ def _one_step(path: Path, duration_s: float, batch: int) -> Path:
 @pytest.mark.parametrize("batch", [1, 20, 21, 64, 4096])
 def test_a_step_faster_than_any_engine_is_refused_by_line(tmp_path: Path, batch: int) -> None:
     """A hand-made log taught ``sim fit`` from steps no engine runs (64 requests in 1 us: 1.9e8 tok/s)
-    that the sidecar refuses in telemetry; the floor per request is the sidecar's."""
-    from controller.validation import MIN_STEP_DURATION_S, MIN_STEP_S_PER_REQUEST
-    from sim.steplog import MIN_DURATION_S, MIN_DURATION_S_PER_REQUEST, StepLogError
+    that the sidecar refuses in telemetry; the floor is the one the sidecar holds steps to."""
+    from policies.physics import step_floor_s
+    from sim.steplog import StepLogError
 
-    assert (MIN_DURATION_S, MIN_DURATION_S_PER_REQUEST) == (MIN_STEP_DURATION_S, MIN_STEP_S_PER_REQUEST)
-    floor = max(MIN_DURATION_S, batch * MIN_DURATION_S_PER_REQUEST)
+    floor = step_floor_s(batch)
     assert read_steps(_one_step(tmp_path / "ok.jsonl", floor, batch)).duration_s.tolist() == [floor]
     below = float(np.nextafter(floor, 0.0))
     with pytest.raises(StepLogError, match=r"bad\.jsonl:1: duration_s: "):
