@@ -137,11 +137,11 @@ class _Lines:
         return written if written is not None and isinstance(value, float) else value
 
 
-def _load(text: str, source: str) -> tuple[Any, _Lines]:
+def _load(text: str, source: str, *, saved: bool = False) -> tuple[Any, _Lines]:
     if len(text.encode("utf-8", "replace")) > MAX_DOCUMENT_BYTES:
         raise PolicyError(f"document larger than {MAX_DOCUMENT_BYTES} bytes", source=source)
     try:
-        data, lines = yamldoc.load(text, max_depth=MAX_DEPTH, max_nodes=MAX_NODES)
+        data, lines = yamldoc.load(text, max_depth=MAX_DEPTH, max_nodes=MAX_NODES, saved=saved)
     except yamldoc.YamlProblem as e:
         raise PolicyError(e.message, source=source, line=e.line, field=e.path) from None
     if data is None:
@@ -200,7 +200,7 @@ def parse_policy(text: str, *, source: str = "<policy>", saved: bool = False) ->
 
     ``saved``: a document an earlier version accepted and saved (a snapshot): the rules added since
     for new documents are not applied to it, so an upgrade never discards what it restores."""
-    data, lines = _load(text, source)
+    data, lines = _load(text, source, saved=saved)
     root = _mapping(lines, data, "")
     _unknown(lines, root, "", {"apiVersion", "kind", "metadata", "spec"})
     if root.get("apiVersion") != API_VERSION:

@@ -7,6 +7,14 @@ nested deeper than ``max_depth`` or whose aliases expand beyond ``max_nodes`` ("
 and one that would hit the parser's recursion limit. Errors are ``YamlProblem`` with the line and the
 field path; each caller turns it into its own error type.
 
+Merge keys (``<<: [*a, *b]``): a key that two of the merged mappings both give is refused too. YAML
+gives it the earlier mapping's value; PyYAML 6 keeps the earlier one only where the two keys are the
+same string object (one-character keys, which CPython interns) and the later one otherwise, so
+``{<<: [{name: p1}, {name: p2}]}`` read as ``p2``. A key given beside the merge key overrides the
+merged ones, as YAML says and PyYAML does: allowed (such a key given by two merged mappings too).
+``load(..., saved=True)`` skips this rule, for a document an earlier version accepted and saved
+(restoring it must not drop it).
+
 Numbers: PyYAML follows YAML 1.1, which reads an exponent without a dot or without a sign (``1e-3``,
 ``1.0e3``) as a *string*, so ``decision_interval_s: 1e-1`` was refused as "expected a number, got
 str". ``Loader`` also resolves YAML 1.2's floats (``[-+]?(.N|N[.N])[eE][-+]?N``); every other scalar
@@ -24,6 +32,7 @@ from typing import Any
 import yaml
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 #: YAML 1.2 core schema floats that have an exponent (without one, YAML 1.1 already reads them alike).
 _YAML12_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$")
 
@@ -59,12 +68,16 @@ class YamlProblem(ValueError):
 class Lines:
     """Line numbers of every node in a composed document, by field path (``a.b[2].c``)."""
 
-    def __init__(self, *, max_depth: int, max_nodes: int) -> None:
+    def __init__(self, *, max_depth: int, max_nodes: int, saved: bool = False) -> None:
         self.by_path: dict[str, int] = {}
         #: Plain scalars read as YAML 1.2 floats that YAML 1.1 read as strings, as written, by path.
         self.yaml12_floats: dict[str, str] = {}
         self.max_depth, self.max_nodes = max_depth, max_nodes
         self.visits = 0
+        self.saved = saved
+        #: The keys (and their lines) each mapping node gives once its merges are applied, by node id:
+        #: an anchored mapping merged in many places is walked for its keys once.
+        self._keys: dict[int, dict[str, int]] = {}
 
     def walk(self, node: yaml.Node, path: str, depth: int = 0) -> None:
         # Aliases make the composed document a graph: every visit counts, so that a small document
@@ -79,6 +92,8 @@ class Lines:
             raise YamlProblem(f"nested deeper than {self.max_depth} levels", line=line, path=path)
         self.by_path[path] = line
         if isinstance(node, yaml.MappingNode):
+            if not self.saved:
+                self._merged_once(node, path)
             first: dict[str, int] = {}
             for k, v in node.value:
                 key = str(k.value) if isinstance(k, yaml.ScalarNode) else "?"
@@ -103,6 +118,47 @@ class Lines:
         ):
             self.yaml12_floats[path] = node.value
 
+    def _merged_once(self, node: yaml.MappingNode, path: str) -> None:
+        """Refuse a key that two mappings of one merge sequence (``<<: [*a, *b]``) both give, unless
+        the mapping gives it itself (its own value overrides both)."""
+        own = {str(k.value) for k, _ in node.value if isinstance(k, yaml.ScalarNode) and k.tag != _MERGE_TAG}
+        for k, v in node.value:
+            if k.tag != _MERGE_TAG or not isinstance(v, yaml.SequenceNode):
+                continue
+            given: dict[str, int] = {}
+            for m in v.value:
+                for key, line in self._keys_of(m).items():
+                    if key in given and key not in own:
+                        at = f"{path}.{key}" if path else key
+                        raise YamlProblem(
+                            f"given by two of the mappings merged on line {k.start_mark.line + 1} (lines "
+                            f"{given[key]} and {line}): YAML takes the first, PyYAML sometimes the last; "
+                            "give it in one of them, or beside the merge key",
+                            line=line,
+                            path=at,
+                        )
+                    given[key] = line
+
+    def _keys_of(self, node: yaml.Node) -> dict[str, int]:
+        """The scalar keys a mapping node gives, its own merges applied, with their lines ({} for
+        anything else: the constructor refuses a merge of a non-mapping)."""
+        if not isinstance(node, yaml.MappingNode):
+            return {}
+        known = self._keys.get(id(node))
+        if known is not None:
+            return known
+        self._keys[id(node)] = {}  # a mapping that merges itself (an alias to its own anchor) stops here
+        keys: dict[str, int] = {}
+        for k, v in node.value:
+            if k.tag == _MERGE_TAG:
+                for m in v.value if isinstance(v, yaml.SequenceNode) else [v]:
+                    for key, line in self._keys_of(m).items():
+                        keys.setdefault(key, line)
+            elif isinstance(k, yaml.ScalarNode):
+                keys[str(k.value)] = k.start_mark.line + 1
+        self._keys[id(node)] = keys
+        return keys
+
     def line(self, path: str) -> int | None:
         """The line of ``path``, else of its nearest parent."""
         while path:
@@ -117,9 +173,10 @@ class Lines:
         return self.yaml12_floats.get(path)
 
 
-def load(text: str, *, max_depth: int, max_nodes: int) -> tuple[Any, Lines]:
-    """The document (None when empty) and its lines. Raises YamlProblem."""
-    lines = Lines(max_depth=max_depth, max_nodes=max_nodes)
+def load(text: str, *, max_depth: int, max_nodes: int, saved: bool = False) -> tuple[Any, Lines]:
+    """The document (None when empty) and its lines. Raises YamlProblem. ``saved``: a document an
+    earlier version accepted (see the module docstring: the merge rule is not applied to it)."""
+    lines = Lines(max_depth=max_depth, max_nodes=max_nodes, saved=saved)
     try:
         loader = Loader(text)
         try:
