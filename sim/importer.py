@@ -91,13 +91,19 @@ def _request_names(obj: dict[str, Any], lineno: int, fail: Any) -> tuple[str, st
     """A line's request id (``line<N>`` when absent) and traffic class (``traffic_class`` or ``class``;
     ``default`` when absent or null), as the trace format takes them: an id is a non-empty string (an
     integer is written as one), a class a non-empty string. Anything else raises ``fail``'s TraceError,
-    where the import used to write it as text (a null class became the class ``None``)."""
+    where the import used to write it as text (a null class became the class ``None``); so do both
+    keys with different values (``traffic_class`` won: a line's ``class`` was dropped unread). A null
+    key is an absent one: the other one's class is taken (a null ``traffic_class`` made it ``default``)."""
     rid: Any = obj.get("id", f"line{lineno}")
     if isinstance(rid, int) and not isinstance(rid, bool):
         rid = str(rid)
     if not isinstance(rid, str) or not rid:
         raise fail("id", f"must be a non-empty string, got {shown(rid)}")
-    key = "traffic_class" if "traffic_class" in obj else "class"
+    key = "traffic_class" if obj.get("traffic_class") is not None else "class"
+    if key == "traffic_class" and obj.get("class") is not None and obj["class"] != obj[key]:
+        raise fail(
+            "class", f"{shown(obj['class'])}, but traffic_class is {shown(obj[key])}: give one of them"
+        )
     cls: Any = obj.get(key)
     if cls is None:
         cls = "default"
@@ -206,10 +212,12 @@ def import_vllm_metrics(
         n_in: Any = usage.get("prompt_tokens", 0)
         if not _int_in(n_out, 1, MAX_OUTPUT_TOKENS):
             raise fail(
-                "usage.completion_tokens", f"expected an integer 1..{MAX_OUTPUT_TOKENS}, got {n_out!r}"
+                "usage.completion_tokens", f"expected an integer 1..{MAX_OUTPUT_TOKENS}, got {shown(n_out)}"
             )
         if not _int_in(n_in, 0, MAX_PROMPT_TOKENS):
-            raise fail("usage.prompt_tokens", f"expected an integer 0..{MAX_PROMPT_TOKENS}, got {n_in!r}")
+            raise fail(
+                "usage.prompt_tokens", f"expected an integer 0..{MAX_PROMPT_TOKENS}, got {shown(n_in)}"
+            )
         sd = _spec_metrics(obj)
         if not isinstance(sd, dict):
             raise fail(
@@ -413,7 +421,7 @@ def _token_ids(v: Any, fld: str, fail: Any, *, min_len: int) -> np.ndarray:
         raise fail(fld, f"required: a list of at least {min_len} token ids")
     bad = _bad_int_list(v, 0, _TOKEN_ID_MAX)
     if bad is not None:
-        raise fail(f"{fld}[{bad}]", f"must be a token id 0..{_TOKEN_ID_MAX}, got {v[bad]!r}")
+        raise fail(f"{fld}[{bad}]", f"must be a token id 0..{_TOKEN_ID_MAX}, got {shown(v[bad])}")
     return np.asarray(v, dtype=np.int64)
 
 
@@ -478,7 +486,7 @@ def import_token_ids(
                 raise fail(f"acc.{key}", f"must be a list of {len(oids)} counts (one per output token)")
             bad = _bad_int_list(v, 0, MAX_COUNT)
             if bad is not None:
-                raise fail(f"acc.{key}[{bad}]", f"must be an integer 0..{MAX_COUNT}, got {v[bad]!r}")
+                raise fail(f"acc.{key}[{bad}]", f"must be an integer 0..{MAX_COUNT}, got {shown(v[bad])}")
             methods.append(Method(key))
             other.setdefault(Method(key), []).append(np.asarray(v, dtype=np.int32))
         ms = tuple(sorted(methods, key=lambda m: m.value))
@@ -490,7 +498,7 @@ def import_token_ids(
             )
         rid, cls = _request_names(obj, lineno, fail)
         if rid in seen:
-            raise fail("id", f"duplicate id {rid!r}")
+            raise fail("id", f"duplicate id {shown(rid)}")
         seen.add(rid)
         ids.append(rid)
         classes.append(cls)
