@@ -15,6 +15,8 @@ from itertools import pairwise
 
 import numpy as np
 
+from policies.params import shown
+
 #: Upper bounds of the default buckets 1, 2-4, 5-8, 9-16, 17-32 and 33+.
 DEFAULT_BUCKET_BOUNDS: tuple[int, ...] = (1, 4, 8, 16, 32)
 #: The class used for requests that carry none, and for engines that cannot choose per request.
@@ -37,8 +39,18 @@ class BatchBuckets:
         b = tuple(self.bounds)
         if not b:
             raise ValueError("batch buckets: need at least one bound")
-        if any(isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_BATCH_SIZE for x in b):
-            raise ValueError(f"batch buckets: bounds must be integers 1..{MAX_BATCH_SIZE}, got {list(b)}")
+        bad = next(
+            (
+                i
+                for i, x in enumerate(b)
+                if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_BATCH_SIZE
+            ),
+            None,
+        )
+        if bad is not None:  # the one bound, shortened: the list held a 4,000-digit integer in full
+            raise ValueError(
+                f"batch buckets: bounds[{bad}] must be an integer 1..{MAX_BATCH_SIZE}, got {shown(b[bad])}"
+            )
         if any(x >= y for x, y in pairwise(b)):
             raise ValueError(f"batch buckets: bounds must be strictly increasing, got {list(b)}")
         object.__setattr__(self, "bounds", b)

@@ -34,22 +34,23 @@ class Param:
             if not isinstance(value, str):
                 raise ValueError(f"{name}: expected a string, got {type(value).__name__}")
             return str(value)
+        given = value  # as written: a bound's message quotes 1e+308, not its 309 digits as an integer
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+            raise ValueError(f"{name}: expected a number, got {type(value).__name__} {shown(value)}")
         if isinstance(self.default, int) and not isinstance(self.default, bool):
             if isinstance(value, float) and not value.is_integer():
-                raise ValueError(f"{name}: expected an integer, got {value!r}")
+                raise ValueError(f"{name}: expected an integer, got {shown(value)}")
             value = int(value)
         else:
             if isinstance(value, int) and abs(value) > 1e308:  # float() would raise OverflowError
                 raise ValueError(f"{name}: must be finite, got {shown(value)}")
             value = float(value)
             if not math.isfinite(value):
-                raise ValueError(f"{name}: must be finite, got {value!r}")
+                raise ValueError(f"{name}: must be finite, got {shown(value)}")
         if self.lo is not None and value < self.lo:
-            raise ValueError(f"{name}: must be >= {self.lo}, got {value!r}")
+            raise ValueError(f"{name}: must be >= {self.lo}, got {shown(given)}")
         if self.hi is not None and value > self.hi:
-            raise ValueError(f"{name}: must be <= {self.hi}, got {value!r}")
+            raise ValueError(f"{name}: must be <= {self.hi}, got {shown(given)}")
         return int(value) if isinstance(value, int) else float(value)
 
 

@@ -31,6 +31,7 @@ from typing import IO, Any
 import numpy as np
 
 from policies.arms import Method
+from policies.params import shown
 from sim.files import FileReplacement
 
 FORMAT_VERSION = 1
@@ -370,12 +371,12 @@ def _check_header(obj: Any, err: Any) -> _Header | None:
         err("", "header must be a JSON object")
         return None
     if not _is_int(obj.get("spectrace")) or obj.get("spectrace") != FORMAT_VERSION:  # not true, not 1.0
-        err("spectrace", f"must be {FORMAT_VERSION}, got {obj.get('spectrace')!r}")
+        err("spectrace", f"must be {FORMAT_VERSION}, got {shown(obj.get('spectrace'))}")
         return None
     max_k: Any = obj.get("max_k")
     ok = True
     if not _is_int(max_k) or not 1 <= max_k <= MAX_K_LIMIT:
-        err("max_k", f"must be an integer 1..{MAX_K_LIMIT}, got {max_k!r}")
+        err("max_k", f"must be an integer 1..{MAX_K_LIMIT}, got {shown(max_k)}")
         ok = False
     methods_raw = obj.get("methods")
     methods: list[Method] = []
@@ -386,7 +387,7 @@ def _check_header(obj: Any, err: Any) -> _Header | None:
         known = ", ".join(m.value for m in TRACE_METHODS)
         for i, m in enumerate(methods_raw):
             if not isinstance(m, str) or m not in {x.value for x in TRACE_METHODS}:  # [..] is unhashable
-                err(f"methods[{i}]", f"unknown method {m!r} (known: {known})")
+                err(f"methods[{i}]", f"unknown method {shown(m)} (known: {known})")
                 ok = False
             elif Method(m) in methods:
                 err(f"methods[{i}]", f"duplicate method {m!r}")
@@ -406,10 +407,10 @@ def _check_header(obj: Any, err: Any) -> _Header | None:
             lo: Any = ng.get("min_n")
             hi: Any = ng.get("max_n")
             if not _int_in(lo, 1, 1 << 16):
-                err("meta.ngram.min_n", f"required: an integer >= 1, got {lo!r}")
+                err("meta.ngram.min_n", f"required: an integer >= 1, got {shown(lo)}")
                 ok = False
             elif not _int_in(hi, lo, 1 << 16):
-                err("meta.ngram.max_n", f"required: an integer >= min_n ({lo}), got {hi!r}")
+                err("meta.ngram.max_n", f"required: an integer >= min_n ({lo}), got {shown(hi)}")
                 ok = False
     return _Header(int(max_k), tuple(methods), dict(meta)) if ok else None
 
@@ -440,14 +441,14 @@ def _check_request(obj: Any, hdr: _Header, err: Any) -> _Request | None:
         err("class", "must be a non-empty string")
     prompt: Any = obj.get("prompt_tokens", 0)
     if not _int_in(prompt, 0, MAX_PROMPT_TOKENS):
-        err("prompt_tokens", f"must be an integer 0..{MAX_PROMPT_TOKENS}, got {prompt!r}")
+        err("prompt_tokens", f"must be an integer 0..{MAX_PROMPT_TOKENS}, got {shown(prompt)}")
     out: Any = obj.get("output_tokens")
     if not _int_in(out, 1, MAX_OUTPUT_TOKENS):
-        err("output_tokens", f"required: an integer 1..{MAX_OUTPUT_TOKENS}, got {out!r}")
+        err("output_tokens", f"required: an integer 1..{MAX_OUTPUT_TOKENS}, got {shown(out)}")
         out = None
     arrival: Any = obj.get("arrival_s")
     if arrival is not None and (not _is_num(arrival) or not 0 <= arrival <= MAX_ARRIVAL_S):
-        err("arrival_s", f"must be a number 0..{MAX_ARRIVAL_S:g}, got {arrival!r}")
+        err("arrival_s", f"must be a number 0..{MAX_ARRIVAL_S:g}, got {shown(arrival)}")
     acc_raw = obj.get("acc")
     acc: dict[Method, Any] = {}
     alpha: set[Method] = set()
@@ -476,7 +477,9 @@ def _check_request(obj: Any, hdr: _Header, err: Any) -> _Request | None:
                 else:
                     bad = [i for i, x in enumerate(a) if not _is_num(x) or not 0.0 <= float(x) <= 1.0]
                     if bad:
-                        err(f"{f}.alpha[{bad[0]}]", f"must be a probability in [0, 1], got {a[bad[0]]!r}")
+                        err(
+                            f"{f}.alpha[{bad[0]}]", f"must be a probability in [0, 1], got {shown(a[bad[0]])}"
+                        )
                     else:
                         acc[m] = [float(x) for x in a]
                         alpha.add(m)
@@ -486,7 +489,7 @@ def _check_request(obj: Any, hdr: _Header, err: Any) -> _Request | None:
                 else:
                     bad_at = _bad_int_list(v, 0, MAX_COUNT)
                     if bad_at is not None:
-                        err(f"{f}[{bad_at}]", f"must be an integer 0..{MAX_COUNT}, got {v[bad_at]!r}")
+                        err(f"{f}[{bad_at}]", f"must be an integer 0..{MAX_COUNT}, got {shown(v[bad_at])}")
                     else:
                         acc[m] = v
             else:
@@ -526,7 +529,7 @@ def _check_proposal(
         return None
     bad = _bad_int_list(v, 0, hdr.max_k)
     if bad is not None:
-        err(f"{f}[{bad}]", f"must be an integer 0..{hdr.max_k} (max_k), got {v[bad]!r}")
+        err(f"{f}[{bad}]", f"must be an integer 0..{hdr.max_k} (max_k), got {shown(v[bad])}")
         return None
     ng = acc.get(Method.NGRAM)
     if ng is not None and Method.NGRAM not in alpha and len(ng) != len(v):
@@ -644,7 +647,7 @@ def _admit(r: _Request | None, lineno: int, seen: dict[str, int], reqs: list[_Re
     if r is None:
         return
     if r.id in seen:
-        errs("id", f"duplicate id {r.id!r} (first on line {seen[r.id]})")
+        errs("id", f"duplicate id {shown(r.id)} (first on line {seen[r.id]})")
     else:
         seen[r.id] = lineno
         reqs.append(r)
@@ -764,7 +767,7 @@ class _WriteErrors:
 
 def _request_named(trace: Trace, i: int) -> str:
     rid = trace.ids[i] if i < len(trace.ids) else None
-    return f"request {i}, id {rid!r}"
+    return f"request {i}, id {shown(rid)}"
 
 
 def _check_columns(trace: Trace, hdr: _Header, err: _WriteErrors) -> None:

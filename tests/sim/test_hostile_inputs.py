@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from policies.params import shown
 from sim.cli import main
 from sim.costmodel import ProfileError, load_profile, profile_names
 from sim.importer import import_token_ids, import_vllm_metrics
@@ -49,7 +50,7 @@ def test_any_json_value_as_a_header_method_is_a_line_1_error(tmp_path: Path, met
     p = write_lines(tmp_path / "t.jsonl", {**HEADER, "methods": [method]}, OK)
     errors = validate_trace(p)
     assert [str(e) for e in errors] == [
-        f"{p}:1: methods[0]: unknown method {method!r} (known: eagle3, p_eagle, ngram)"
+        f"{p}:1: methods[0]: unknown method {shown(method)} (known: eagle3, p_eagle, ngram)"
     ]
     with pytest.raises(TraceError):
         read_trace(p)
