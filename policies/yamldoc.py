@@ -15,6 +15,11 @@ merged ones, as YAML says and PyYAML does: allowed (such a key given by two merg
 ``load(..., saved=True)`` skips this rule, for a document an earlier version accepted and saved
 (restoring it must not drop it).
 
+YAML 1.1's other numbers are refused where written plain: a leading zero is octal (``seed: 017`` read
+as 15) and colons are base 60 (``min_dwell_s: 1:30`` read as 90); YAML 1.2 and JSON read neither so,
+and a reader of the file would not. Quoted, they are strings; ``0x1F`` and ``0b1`` say what they
+are and stay. ``saved=True`` skips this rule too.
+
 Numbers: PyYAML follows YAML 1.1, which reads an exponent without a dot or without a sign (``1e-3``,
 ``1.0e3``) as a *string*, so ``decision_interval_s: 1e-1`` was refused as "expected a number, got
 str". ``Loader`` also resolves YAML 1.2's floats (``[-+]?(.N|N[.N])[eE][-+]?N``); every other scalar
@@ -33,6 +38,10 @@ import yaml
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_INT_TAG = "tag:yaml.org,2002:int"
+#: Plain scalars YAML 1.1 reads as numbers that no other reader would: octal by a leading zero, and
+#: base 60 (``1:30``). The forms with a prefix (``0x``, ``0b``) say what they are and are left.
+_YAML11_ONLY_NUMBER = re.compile(r"^[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
 #: YAML 1.2 core schema floats that have an exponent (without one, YAML 1.1 already reads them alike).
 _YAML12_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$")
 
@@ -110,13 +119,18 @@ class Lines:
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
                 self.walk(v, f"{path}[{i}]", depth + 1)
-        elif (
-            isinstance(node, yaml.ScalarNode)
-            and node.tag == _FLOAT_TAG
-            and node.style is None
-            and _yaml11_string(node)
-        ):
-            self.yaml12_floats[path] = node.value
+        elif isinstance(node, yaml.ScalarNode) and node.style is None and node.tag in (_INT_TAG, _FLOAT_TAG):
+            if node.tag == _FLOAT_TAG and _yaml11_string(node):
+                self.yaml12_floats[path] = node.value
+            elif not self.saved and _YAML11_ONLY_NUMBER.match(node.value):
+                n = yaml.safe_load(node.value)
+                why = "base 60" if ":" in node.value else "octal: a leading 0"
+                raise YamlProblem(
+                    f"{node.value}: YAML 1.1 reads it as {n!r} ({why}), unlike YAML 1.2 and JSON: write "
+                    f"{n!r}, or quote it for text",
+                    line=line,
+                    path=path,
+                )
 
     def _merged_once(self, node: yaml.MappingNode, path: str) -> None:
         """Refuse a key that two mappings of one merge sequence (``<<: [*a, *b]``) both give, unless

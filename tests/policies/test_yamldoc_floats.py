@@ -32,10 +32,11 @@ def test_exponent_floats_are_numbers(scalar: str, value: float) -> None:
 
 @pytest.mark.parametrize(
     "scalar",
-    ["1", "010", "0x1F", "1_000", "1:20", "1.5", ".inf", "-.inf", "true", "off", "yes", "null", "~", "",
+    ["1", "0x1F", "1_000", "1.5", ".inf", "-.inf", "true", "off", "yes", "null", "~", "",
      "2001-12-14", "1e", "e3", "1e3x", "1e+", "'1e3'", '"1e-3"', "!!str 1e3", "eagle3:3", "1.2.3"],
 )  # fmt: skip
 def test_every_other_scalar_resolves_as_yaml_1_1_does(scalar: str) -> None:
+    # (but 010 and 1:20, which YAML 1.1 alone reads as numbers: refused, test_yamldoc_yaml11_numbers.py)
     text = f"a: {scalar}\n"
     got, want = _load(text)["a"], yaml.safe_load(text)["a"]
     assert got == want and type(got) is type(want)
