@@ -516,15 +516,14 @@ def _start_sidecar(tmp: Path) -> subprocess.Popen[bytes]:
         f"state_dir: {tmp}/state\ndefault_policy: default\n"
     )
     log = open(tmp / "sidecar.log", "wb")  # noqa: SIM115
-    from _interrupt import die_with_parent  # (run as a script: benchmarks/ is sys.path[0])
+    from _interrupt import dying_with_parent  # (run as a script: benchmarks/ is sys.path[0])
 
     # (killed outright, the benchmark left this sidecar running for good)
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "controller.serve", "--config", str(cfg)],
+        dying_with_parent([sys.executable, "-m", "controller.serve", "--config", str(cfg)]),
         cwd=ROOT,
         stdout=log,
         stderr=log,
-        preexec_fn=die_with_parent,
     )
     deadline = time.monotonic() + SIDECAR_START_S
     while not (tmp / "state" / "endpoints.json").exists():

@@ -55,7 +55,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _interrupt import die_with_parent  # noqa: E402  (benchmarks/ is sys.path[0], or put there by the tests)
+from _interrupt import dying_with_parent  # noqa: E402  (benchmarks/ is sys.path[0], or put there by the tests)
 
 from policies.arms import Arm, Method  # noqa: E402
 from policies.spec import static_policy  # noqa: E402
@@ -156,15 +156,16 @@ class Engine:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.procs.append(
             subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "controller.serve", "--config", str(cfg)),
-                    *("--record-steps", str(t / "steps.jsonl")),
-                ],
+                dying_with_parent(
+                    [
+                        *(sys.executable, "-m", "controller.serve", "--config", str(cfg)),
+                        *("--record-steps", str(t / "steps.jsonl")),
+                    ]
+                ),
                 cwd=ROOT,
                 env=env,
                 stdout=open(t / "sidecar.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
             )
         )
         ep = t / "state" / "endpoints.json"
@@ -204,13 +205,12 @@ class Engine:
         ]
         self.procs.append(
             subprocess.Popen(
-                [str(self.vllm_py), *args],
+                dying_with_parent([str(self.vllm_py), *args]),
                 cwd=t,
                 env=venv,
                 stdout=open(t / "vllm.log", "wb"),  # noqa: SIM115
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
         )
 

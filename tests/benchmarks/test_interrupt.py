@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.spawn import default_sigint
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 #: How long an interrupted script may take to end before the test calls it hung (not a timing goal:
@@ -26,19 +28,15 @@ ENDS_WITHIN_S = 120
 
 
 def _start(args: list[str], tmp: Path) -> subprocess.Popen[str]:
-    def own_group() -> None:
-        os.setpgid(0, 0)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
     return subprocess.Popen(
-        [sys.executable, *args],
+        default_sigint([sys.executable, *args]),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=ROOT,
         env=env,
-        preexec_fn=own_group,
+        process_group=0,  # its own group, which the tests signal whole
     )
 
 

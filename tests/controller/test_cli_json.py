@@ -33,6 +33,7 @@ from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.wire.codec import request_steps
 from policies.presets import resolve_policy_text
+from tests.spawn import limited
 
 pytestmark = pytest.mark.integration
 
@@ -428,23 +429,16 @@ def test_admin_tls_files_are_checked_and_good_ones_work(
         assert rc == 2 and err == f"--admin-key-file: cannot read {tmp_path}: Is a directory\n"
 
 
-def _memory_capped() -> None:  # (in the child: a reader gone wrong fails fast instead of eating the machine)
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-
-
 @pytest.mark.parametrize("argv", [("config", "validate", "/dev/zero"), ("serve", "--config", "/dev/urandom")])
 def test_a_config_that_is_a_device_is_refused_unread(argv: tuple[str, ...]) -> None:
     # It was read whole: 10 GB of /dev/zero in 6 s, until the process was killed for memory.
-    out = subprocess.run(
-        [CTL, *argv],
+    out = subprocess.run(  # memory capped: a reader gone wrong fails fast instead of eating the machine
+        limited([CTL, *argv], limit="RLIMIT_AS", value=4 << 30),
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
         check=False,
-        preexec_fn=_memory_capped,
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.endswith(f"{argv[-1]}: not a config file (a device or socket): name a YAML file\n")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import stat
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from controller.snapshot import SnapshotStore, SnapshotUnusable, write_json_atomic
+from tests.spawn import limited
 
 
 def store(tmp_path: Path) -> SnapshotStore:
@@ -218,12 +218,11 @@ def test_a_write_past_the_file_size_limit_keeps_the_previous_and_leaves_no_tempo
         "print(json.dumps([s.save({'v': 2, 'pad': 'x' * 200_000}), s.last_error]))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", child, str(s.path)],
+        limited([sys.executable, "-c", child, str(s.path)], limit="RLIMIT_FSIZE", value=65536),
         capture_output=True,
         text=True,
         timeout=60,
         cwd=Path(__file__).resolve().parents[2],
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)),
     )
     assert done.returncode == 0, done.stderr
     ok, why = json.loads(done.stdout)

@@ -10,11 +10,10 @@ by mode bits (``tests/controller/test_sidecar_unit.py`` refuses the write in pro
 
 from __future__ import annotations
 
-import functools
 import json
-import resource
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from tests.integration.test_sidecar_grpc import STATIC_EAGLE3_2
 from tests.reliability.serve_process import Serve, ctl
+from tests.spawn import limited
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +31,11 @@ pytestmark = pytest.mark.integration
 LIMIT = 32 * 1024
 
 
-def _limited() -> None:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+_POPEN = subprocess.Popen
+
+
+def _limited(args: list[str], *rest: Any, **kwargs: Any) -> subprocess.Popen[Any]:
+    return _POPEN(limited(args, limit="RLIMIT_FSIZE", value=LIMIT), *rest, **kwargs)
 
 
 def _policy(name: str, pad: int = 0) -> str:
@@ -53,7 +56,7 @@ def test_a_policy_change_the_full_disk_refuses_is_not_made_and_a_kill_loses_noth
     small.write_text(_policy("small"))
     engine.write_text(_policy("for-e1"))
     with monkeypatch.context() as m:  # only the sidecar gets the limit, not the controllerctl calls
-        m.setattr(subprocess, "Popen", functools.partial(subprocess.Popen, preexec_fn=_limited))
+        m.setattr(subprocess, "Popen", _limited)
         served = Serve(cfg, state)
     try:
         refused = ctl("--admin", served.admin, "policy", "set", str(big))
