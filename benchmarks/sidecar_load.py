@@ -43,7 +43,8 @@ def _sidecar_main(
 ) -> None:
     # Ctrl-C is the parent's to handle: it sets ``stop`` and waits for this process (a press at the
     # terminal reaches both; handled here too, it ended the sidecar with a traceback of its own).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C pending since the start is discarded)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent for the start
     # And a parent killed outright (no ``stop`` ever set) takes this process with it.
     from _interrupt import die_with_parent  # (benchmarks/ is on the path the parent gave it)
 
@@ -348,14 +349,16 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             ),
         )
         load_before = os.getloadavg()
-        # Started with SIGINT ignored, which it keeps through its start-up (a terminal's Ctrl-C reaches
-        # the whole process group: it printed a KeyboardInterrupt traceback from the child's imports).
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            proc.start()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        try:
+            # Started with SIGINT blocked, which it keeps until it ignores it (a terminal's Ctrl-C
+            # reaches the whole process group: it printed a KeyboardInterrupt traceback from the
+            # child's imports). Here a Ctrl-C meanwhile waits, pending, for the mask's restore; while
+            # SIGINT was ignored instead, one then was lost and the run went on for its --seconds.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             target = _ready(proc, ready)
             if args.core >= 0:  # keep the engines off the sidecar's core
                 others = set(range(os.cpu_count() or 1)) - {args.core}
@@ -378,10 +381,11 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             # Also on Ctrl-C or an error: a sidecar left waiting for ``stop`` kept the run from ever
             # ending (multiprocessing joins its children at exit).
             stop.set()
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            if proc.pid is not None:  # (not started: a Ctrl-C during the start raises on the restore)
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
         if not Path(out).exists():
             sys.exit(f"sidecar_load: the sidecar process ended (exit {proc.exitcode}) without its figures")
         doc: dict[str, Any] = json.loads(Path(out).read_text())
