@@ -1,18 +1,9 @@
 """Options and fixtures shared by the test packages: the soak test's length, and the two ways a step
-kernel runs (policies/jit.py; ``SPECCONTROL_KERNELS_NUMBA_ONLY``: files whose plain-Python half is left out).
-
-And gRPC's fork support set (``GRPC_ENABLE_FORK_SUPPORT=0``, before anything imports grpc): a test
-worker runs gRPC servers and channels, and then forks (simulator sweeps' process pools, children
-started with a ``preexec_fn``). With the variable unset (grpcio 1.85), 6-10 of 100 two-worker sweeps
-beside a live gRPC server lost a worker and 2-3 of 150 such children crashed (SIGSEGV, or SIGABRT on "epoll_wait error: Bad file descriptor"); set to 0
-or to 1, none (``tests/sim/test_executor_grpc.py``). No forked child here uses gRPC."""
+kernel runs (policies/jit.py; ``SPECCONTROL_KERNELS_NUMBA_ONLY``: files whose plain-Python half is left out)."""
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-
 from collections.abc import Iterator
 
 import pytest
