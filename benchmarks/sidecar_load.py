@@ -350,15 +350,25 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
         )
         load_before = os.getloadavg()
         try:
-            # Started with SIGINT blocked, which it keeps until it ignores it (a terminal's Ctrl-C
-            # reaches the whole process group: it printed a KeyboardInterrupt traceback from the
-            # child's imports). Here a Ctrl-C meanwhile waits, pending, for the mask's restore; while
-            # SIGINT was ignored instead, one then was lost and the run went on for its --seconds.
+            # Started with SIGINT blocked, which it keeps through its exec until it ignores it (a
+            # terminal's Ctrl-C reaches the whole process group: it printed a KeyboardInterrupt
+            # traceback from the child's imports). Here a Ctrl-C meanwhile is kept for after the start:
+            # ignored, it was lost and the run went on for its --seconds; raised inside the start (the
+            # mask is this thread's, another thread takes the signal), the child read half its set-up.
+            hits: list[int] = []
+            previous = signal.getsignal(signal.SIGINT)
+            swap = previous is not None and previous is not signal.SIG_IGN  # (None: not Python's)
+            if swap:
+                signal.signal(signal.SIGINT, lambda *_: hits.append(1))
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 proc.start()
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                if swap:
+                    signal.signal(signal.SIGINT, previous)
+            if hits:
+                raise KeyboardInterrupt
             target = _ready(proc, ready)
             if args.core >= 0:  # keep the engines off the sidecar's core
                 others = set(range(os.cpu_count() or 1)) - {args.core}
