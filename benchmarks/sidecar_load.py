@@ -391,7 +391,7 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
             # Also on Ctrl-C or an error: a sidecar left waiting for ``stop`` kept the run from ever
             # ending (multiprocessing joins its children at exit).
             stop.set()
-            if proc.pid is not None:  # (not started: a Ctrl-C during the start raises on the restore)
+            if proc.pid is not None:  # (not started: a Ctrl-C before the start, or a start that failed)
                 proc.join(60)
                 if proc.is_alive():
                     proc.kill()

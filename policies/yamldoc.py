@@ -189,7 +189,8 @@ class Lines:
 
 def load(text: str, *, max_depth: int, max_nodes: int, saved: bool = False) -> tuple[Any, Lines]:
     """The document (None when empty) and its lines. Raises YamlProblem. ``saved``: a document an
-    earlier version accepted (see the module docstring: the merge rule is not applied to it)."""
+    earlier version accepted (see the module docstring: the rules for merges and YAML 1.1 numbers are
+    not applied to it)."""
     lines = Lines(max_depth=max_depth, max_nodes=max_nodes, saved=saved)
     try:
         loader = Loader(text)

@@ -52,8 +52,8 @@ _MAX_K = 64
 #: Physical ranges of a step, those the sidecar's telemetry checks (controller.validation) hold every
 #: recorded step to: a step lasts 1 us..1 h and 50 ns per request of its batch (policies.physics),
 #: batches are under a million requests, a step prefills at most 2^22 prompt tokens, and clocks stay
-#: below 1e11 s. Tokens held by a step's requests: a million
-#: requests of 2^22 tokens. Beyond them a line is garbage, and the fit's arrays overflow.
+#: below 1e11 s. Tokens held by a step's requests: a million requests of 2^22 tokens. Beyond them a
+#: line is garbage, and the fit's arrays overflow.
 MAX_BATCH = 1 << 20
 MAX_PREFILL_TOKENS = 1 << 22
 MAX_TOKENS = 1 << 42

@@ -96,7 +96,7 @@ def _one_step(path: Path, duration_s: float, batch: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("batch", [1, 20, 21, 64, 4096])
+@pytest.mark.parametrize("batch", [1, 20, 21, 64, 4096, 1 << 20])  # (1 << 20: MAX_BATCH, 52 ms)
 def test_a_step_faster_than_any_engine_is_refused_by_line(tmp_path: Path, batch: int) -> None:
     """A hand-made log taught ``sim fit`` from steps no engine runs (64 requests in 1 us: 1.9e8 tok/s)
     that the sidecar refuses in telemetry; the floor is the one the sidecar holds steps to."""
