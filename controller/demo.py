@@ -292,7 +292,14 @@ async def _set_policies(admin: AdminClient, adaptive: PolicySpec, speedup: float
             spec = static_policy(arm)
             await admin.set_policy(render_policy(spec), source=spec.name, engine_id=engine_name(arm))
     except grpc.aio.AioRpcError as e:
+        if e.code() in _GONE:  # not a refusal: the sidecar stopped (or its link broke) meanwhile
+            raise RuntimeError(f"the sidecar stopped before it took the demo's policies: {_why(e)}") from None
         raise RuntimeError(f"the demo's sidecar refused its policies: {_why(e)}") from None
+
+
+# The codes of a call the sidecar never answered: it stopped during the call (CANCELLED) or before
+# it (UNAVAILABLE). Any other code is the sidecar's answer.
+_GONE = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE})
 
 
 def _why(e: BaseException) -> str:

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from controller import demo as demo_mod
 from controller import snapshot as snapshot_mod
 from controller.cli import main
+from controller.client import AdminClient
 from controller.demo import ADAPTIVE, STATIC_ARMS, engine_name, run_demo
 from controller.embedded.core import EngineCore
 from controller.embedded.engine import EmbeddedEngine
@@ -120,23 +122,57 @@ def test_a_sidecar_that_stops_mid_run_ends_the_demo_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], own_tmp: Path
 ) -> None:
     # The engines went on without it (on their last directives: not the policies' figures); the
-    # decision stream's end surfaced at the very end as an AioRpcError traceback.
-    start = SidecarServer.start
+    # decision stream's end surfaced at the very end as an AioRpcError traceback. The stop comes
+    # after the demo set its policies (a fixed delay after the start raced them on a loaded machine).
+    started: list[SidecarServer] = []
+    start, set_policies = SidecarServer.start, demo_mod._set_policies
 
-    async def start_then_stop(self: SidecarServer) -> None:
+    async def start_and_keep(self: SidecarServer) -> None:
         await start(self)
+        started.append(self)
+
+    async def set_then_stop(*args: Any) -> None:
+        await set_policies(*args)
 
         async def stop_soon() -> None:
             await asyncio.sleep(0.5)
-            await self.stop(snapshot=False)
+            await started[0].stop(snapshot=False)
 
         asyncio.get_running_loop().create_task(stop_soon())
 
-    monkeypatch.setattr(SidecarServer, "start", start_then_stop)
+    monkeypatch.setattr(SidecarServer, "start", start_and_keep)
+    monkeypatch.setattr(demo_mod, "_set_policies", set_then_stop)
     assert main(["demo", "--seconds", "30"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("demo: the sidecar"), err
+    assert err[-1].startswith(
+        ("demo: the sidecar ended its decision stream", "demo: the sidecar's decision stream")
+    ), err
     assert list(own_tmp.iterdir()) == []
+
+
+def test_a_sidecar_that_stops_while_taking_the_policies_is_not_called_a_refusal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], own_tmp: Path
+) -> None:
+    # A clean-clone CI stopped the sidecar (above, at a fixed delay) while the demo set its policies:
+    # the demo said the sidecar "refused its policies: CANCELLED", which it never did.
+    started: list[SidecarServer] = []
+    start, set_policy = SidecarServer.start, AdminClient.set_policy
+
+    async def start_and_keep(self: SidecarServer) -> None:
+        await start(self)
+        started.append(self)
+
+    async def stop_after_the_first(self: AdminClient, *args: Any, **kw: Any) -> Any:
+        out = await set_policy(self, *args, **kw)
+        await started[0].stop(snapshot=False)
+        return out
+
+    monkeypatch.setattr(SidecarServer, "start", start_and_keep)
+    monkeypatch.setattr(AdminClient, "set_policy", stop_after_the_first)
+    assert main(["demo", "--seconds", "30"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("demo: the sidecar stopped before it took the demo's policies: UNAVAILABLE"), err
+    assert err.count("\n") == 1 and list(own_tmp.iterdir()) == []
 
 
 async def test_no_snapshot_write_is_in_flight_when_the_state_directory_goes(
