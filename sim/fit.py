@@ -317,11 +317,18 @@ def fit_steps(
             u[i] = start[i] / scale[i]
             continue
         _, sv, vt = np.linalg.svd(J / norms, full_matrices=False)
-        if sv[-1] < _COND**0.5 * sv[0]:
+        rank = int((sv >= _COND**0.5 * sv[0]).sum())
+        if rank < len(sv):
             fi = np.flatnonzero(free)
-            null = np.abs(vt[-1])  # the combination of columns that (almost) cancels
-            i = int(fi[int(np.argmax(null))])
-            others = [PARAMS[j] for pos, j in enumerate(fi) if j != i and null[pos] > 0.1]
+            # Each column's share of the combinations that (almost) cancel: the norm of its part of
+            # the whole near-null space, the same whichever basis of it LAPACK returns. The last
+            # singular vector alone was one arbitrary combination when several values were near 0,
+            # and which parameter got fixed (and whether the fit then ended at all) changed with the
+            # machine's BLAS. Ties (exactly collinear columns): the later parameter, a draft's first.
+            share = np.linalg.norm(vt[rank:], axis=0)
+            pos = int(np.flatnonzero(share >= share.max() * (1.0 - 1e-6))[-1])
+            i = int(fi[pos])
+            others = [PARAMS[j] for q, j in enumerate(fi) if j != i and share[q] > 0.1]
             fix(
                 (i,),
                 f"collinear with {', '.join(others) or 'the others'} in these steps: base profile {base.name}",
