@@ -28,6 +28,21 @@ INTERRUPTED = 130
 
 
 def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM, SIGHUP: the KeyboardInterrupt of a Ctrl-C. Where an event loop runs, raised from a
+    callback of the loop's own (out of ``asyncio.run``, whose clean-up then cancels every task and runs
+    their ``finally`` blocks): raised at whatever line the main thread was on, it landed inside gRPC's
+    request-stream task, whose bare ``except:`` swallowed it (the RPC cancelled, the script waiting on
+    for good; seen with sidecar_load, 1 of ~20 SIGTERMs under load)."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise KeyboardInterrupt from None
+    loop.call_soon_threadsafe(_raise_interrupt)
+
+
+def _raise_interrupt() -> None:
     raise KeyboardInterrupt
 
 

@@ -120,6 +120,55 @@ def test_shutdown_noise_after_an_interrupt_is_not_printed(tmp_path: Path) -> Non
     _assert_interrupted(r.returncode, r.stdout + r.stderr)
 
 
+_SWALLOWING = """
+import asyncio, sys
+sys.path.insert(0, {bench!r})
+from _interrupt import run_main
+
+async def stream():  # gRPC aio's request-stream task: a bare except, the RPC cancelled
+    print("streaming", flush=True)
+    try:
+        while True:
+            await asyncio.sleep(0)
+            for _ in range(100000):  # (nearly all the time in this task)
+                pass
+    except:  # noqa: E722
+        return
+
+async def run():
+    task = asyncio.ensure_future(stream())
+    try:
+        await asyncio.sleep(3600)  # the script waits on the stream's call
+    finally:
+        print("cleaned up", flush=True)
+        task.cancel()
+
+run_main(lambda: asyncio.run(run()))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_termination_signal_is_not_swallowed_by_a_library_task(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM raised KeyboardInterrupt at whatever line ran: inside gRPC's request-stream task, whose
+    bare ``except:`` took it (the RPC cancelled), and sidecar_load waited on for good (1 of ~20 under
+    load). Now the loop raises it between callbacks: the script ends, its ``finally`` blocks run."""
+    script = tmp_path / "swallowing.py"
+    script.write_text(_SWALLOWING.format(bench=str(BENCH)))
+    p = _start([str(script)], tmp_path)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "streaming\n"
+        os.kill(p.pid, sig)  # as `timeout` or a closed terminal sends it, while the stream's task runs
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{sig.name} was swallowed: the script was still running after 60 s")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    _assert_interrupted(p.returncode, out)
+    assert "cleaned up" in out
+
+
 def test_sim_speed_mid_run(tmp_path: Path) -> None:
     out = tmp_path / "speed.json"
     p = _start(
