@@ -88,11 +88,6 @@ _WORDS = [
 ]
 
 
-def _terminated(signum: int, frame: Any) -> None:
-    """SIGTERM and SIGHUP end the run as Ctrl-C does: its ``finally`` stops the engine and the sidecar."""
-    raise KeyboardInterrupt
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -509,9 +504,7 @@ def main() -> int:
         kept = out / "run.json"
         run_args = json.loads(kept.read_text())["args"] if kept.exists() else " (a kept run)"
         run_args += ", analysed again with --from DIR"
-    else:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _terminated)
+    else:  # (SIGTERM and SIGHUP end the run as Ctrl-C does: _interrupt.run_main; its finally stops all)
         out = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="sim-vs-engine-"))
         out.mkdir(parents=True, exist_ok=True)
         (out / "run.json").write_text(json.dumps({"args": run_args}))
