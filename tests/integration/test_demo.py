@@ -118,18 +118,27 @@ def test_an_engine_that_fails_ends_the_demo_at_once(
     assert list(own_tmp.iterdir()) == []
 
 
+def _keep_started(monkeypatch: pytest.MonkeyPatch) -> list[SidecarServer]:
+    """The demo's sidecar, once started (for a test to stop it)."""
+    started: list[SidecarServer] = []
+    start = SidecarServer.start
+
+    async def start_and_keep(self: SidecarServer) -> None:
+        await start(self)
+        started.append(self)
+
+    monkeypatch.setattr(SidecarServer, "start", start_and_keep)
+    return started
+
+
 def test_a_sidecar_that_stops_mid_run_ends_the_demo_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], own_tmp: Path
 ) -> None:
     # The engines went on without it (on their last directives: not the policies' figures); the
     # decision stream's end surfaced at the very end as an AioRpcError traceback. The stop comes
     # after the demo set its policies (a fixed delay after the start raced them on a loaded machine).
-    started: list[SidecarServer] = []
-    start, set_policies = SidecarServer.start, demo_mod._set_policies
-
-    async def start_and_keep(self: SidecarServer) -> None:
-        await start(self)
-        started.append(self)
+    started = _keep_started(monkeypatch)
+    set_policies = demo_mod._set_policies
 
     async def set_then_stop(*args: Any) -> None:
         await set_policies(*args)
@@ -140,7 +149,6 @@ def test_a_sidecar_that_stops_mid_run_ends_the_demo_with_one_line(
 
         asyncio.get_running_loop().create_task(stop_soon())
 
-    monkeypatch.setattr(SidecarServer, "start", start_and_keep)
     monkeypatch.setattr(demo_mod, "_set_policies", set_then_stop)
     assert main(["demo", "--seconds", "30"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -155,19 +163,14 @@ def test_a_sidecar_that_stops_while_taking_the_policies_is_not_called_a_refusal(
 ) -> None:
     # A clean-clone CI stopped the sidecar (above, at a fixed delay) while the demo set its policies:
     # the demo said the sidecar "refused its policies: CANCELLED", which it never did.
-    started: list[SidecarServer] = []
-    start, set_policy = SidecarServer.start, AdminClient.set_policy
-
-    async def start_and_keep(self: SidecarServer) -> None:
-        await start(self)
-        started.append(self)
+    started = _keep_started(monkeypatch)
+    set_policy = AdminClient.set_policy
 
     async def stop_after_the_first(self: AdminClient, *args: Any, **kw: Any) -> Any:
         out = await set_policy(self, *args, **kw)
         await started[0].stop(snapshot=False)
         return out
 
-    monkeypatch.setattr(SidecarServer, "start", start_and_keep)
     monkeypatch.setattr(AdminClient, "set_policy", stop_after_the_first)
     assert main(["demo", "--seconds", "30"]) == 1
     err = capsys.readouterr().err

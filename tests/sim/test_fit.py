@@ -252,20 +252,26 @@ def test_collinear_parameters_are_fixed_and_named(tmp_path: Path) -> None:
     assert fit.rmse_s == pytest.approx(1e-4, rel=0.15)  # what is fixed is absorbed by the rest
 
 
-def test_steps_that_inform_no_parameter_are_a_clear_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Every step at batch 1 with drafting off (an idle engine): the batched tokens are constant and
-    collinear with the constants, so each parameter is fixed in turn; the fit says what to record
-    rather than failing inside numpy."""
+def _idle_engine_steps(tmp: Path) -> Path:
+    """Every step at batch 1 with drafting off (an idle engine), written as a step log."""
     rng = np.random.default_rng(13)
     recs = synthetic(300, 13, kinds=("off",))
     for r in recs:
         r["batch"], r["method"], r["k"], r["accepted"] = 1, ["off"], [0], [0]
         r["prefill_tokens"], r["decoded_tokens"] = 0, int(rng.integers(0, 600))
         r["duration_s"] = 7e-3 + 5e-8 * r["decoded_tokens"] + float(rng.normal(0.0, 2e-4))
-    path = tmp_path / "steps.jsonl"
+    path = tmp / "steps.jsonl"
     write_steps(path, recs)
+    return path
+
+
+def test_steps_that_inform_no_parameter_are_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every step at batch 1 with drafting off (an idle engine): the batched tokens are constant and
+    collinear with the constants, so each parameter is fixed in turn; the fit says what to record
+    rather than failing inside numpy."""
+    path = _idle_engine_steps(tmp_path)
     with pytest.raises(FitError, match=r"inform none of the parameters \(every step at batch 1; no request"):
         fit_steps(read_steps(path), base=BASE, engine=ENGINES["stock-vllm"])
     out = tmp_path / "p.yaml"
@@ -284,14 +290,7 @@ def test_which_collinear_parameter_is_fixed_does_not_depend_on_the_basis_lapack_
     # whether the fit ended in a profile or this error) changed with the machine's BLAS (a clean-clone
     # CI passed the test above; the same code failed it on the next machine). Here every near-null
     # basis is turned by a random rotation, as another LAPACK may return it: the same outcome.
-    rng = np.random.default_rng(13)
-    recs = synthetic(300, 13, kinds=("off",))
-    for r in recs:
-        r["batch"], r["method"], r["k"], r["accepted"] = 1, ["off"], [0], [0]
-        r["prefill_tokens"], r["decoded_tokens"] = 0, int(rng.integers(0, 600))
-        r["duration_s"] = 7e-3 + 5e-8 * r["decoded_tokens"] + float(rng.normal(0.0, 2e-4))
-    path = tmp_path / "steps.jsonl"
-    write_steps(path, recs)
+    path = _idle_engine_steps(tmp_path)
     svd, turn = np.linalg.svd, np.random.default_rng(seed)
     turned = []
 
