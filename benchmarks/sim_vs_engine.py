@@ -94,14 +94,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait(pred: Any, timeout: float, what: str) -> Any:
+class RunFailed(RuntimeError):
+    """The engine run cannot go on (a process that exited, a start that timed out): one line naming
+    the log to read, exit 1. It was a traceback."""
+
+
+def _wait(pred: Any, timeout: float, what: str, proc: subprocess.Popen[bytes], log: Path) -> Any:
+    """``pred()`` once it is true; RunFailed when ``proc`` (what ``pred`` waits on) exits first, or
+    after ``timeout`` seconds."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RunFailed(f"{what} exited (exit {proc.returncode}) before it was up; see {log}")
         v = pred()
         if v:
             return v
         time.sleep(0.5)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+    raise RunFailed(f"timed out after {timeout:.0f} s waiting for {what}; see {log}")
 
 
 def prompts(n: int, max_tokens: int) -> list[Prompt]:
@@ -140,9 +149,9 @@ class Engine:
 
     def start(self) -> None:
         t = self.tmp
-        subprocess.run(
-            [str(self.vllm_py), "-m", "tests.e2e.tiny_model", str(t / "model")], cwd=ROOT, check=True
-        )
+        built = subprocess.run([str(self.vllm_py), "-m", "tests.e2e.tiny_model", str(t / "model")], cwd=ROOT)
+        if built.returncode:
+            raise RunFailed(f"building the tiny model with {self.vllm_py} failed (exit {built.returncode})")
         cfg = t / "sidecar.yaml"
         cfg.write_text(
             f"engine_listen: unix://{t}/engine.sock\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n"
@@ -164,7 +173,13 @@ class Engine:
             )
         )
         ep = t / "state" / "endpoints.json"
-        self.admin = _wait(lambda: ep.exists() and json.loads(ep.read_text())["admin"], 60, "the sidecar")
+        self.admin = _wait(
+            lambda: ep.exists() and json.loads(ep.read_text())["admin"],
+            60,
+            "the sidecar",
+            self.procs[-1],
+            t / "sidecar.log",
+        )
         venv = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -210,15 +225,13 @@ class Engine:
         )
 
         def healthy() -> bool:
-            if self.procs[-1].poll() is not None:
-                raise RuntimeError(f"vLLM exited; see {t / 'vllm.log'}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     return r.status == 200
             except OSError:
                 return False
 
-        _wait(healthy, 400, "the vLLM server")
+        _wait(healthy, 400, "the vLLM server", self.procs[-1], t / "vllm.log")
 
     def ctl(self, *args: str) -> str:
         r = subprocess.run(
@@ -230,7 +243,7 @@ class Engine:
             timeout=120,
         )
         if r.returncode:
-            raise RuntimeError(f"controllerctl {' '.join(args)}: {r.stderr or r.stdout}")
+            raise RunFailed(f"controllerctl {' '.join(args)}: {(r.stderr or r.stdout).strip()}")
         return r.stdout
 
     def pin(self, arm: str) -> None:
@@ -508,7 +521,11 @@ def main() -> int:
         out = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="sim-vs-engine-"))
         out.mkdir(parents=True, exist_ok=True)
         (out / "run.json").write_text(json.dumps({"args": run_args}))
-        run_engine(out, a.requests, a.max_tokens, rounds=a.rounds, threads=a.threads, budget_s=a.budget_s)
+        try:
+            run_engine(out, a.requests, a.max_tokens, rounds=a.rounds, threads=a.threads, budget_s=a.budget_s)
+        except RunFailed as e:
+            print(f"sim_vs_engine: {e} (the run's files are in {out})", file=sys.stderr)
+            return 1
     lines, doc = analyse(out, a.timing)
     print("\n".join(lines))
     if a.json:

@@ -1,8 +1,12 @@
 """benchmarks/sim_vs_engine.py's run order: every setting once per round, interleaved, one pin per arm."""
 
+import os
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -24,3 +28,38 @@ def test_every_setting_once_per_round_in_a_new_order() -> None:
 def test_the_training_settings_leave_some_held_out() -> None:
     settings = {(a, c) for a in sve.ARMS for c in sve.LEVELS}
     assert settings > sve.TRAIN and len(settings - sve.TRAIN) >= 4
+
+
+def _fake_vllm(tmp: Path, body: str) -> dict[str, str]:
+    """An environment whose vLLM virtualenv's Python is the shell script ``body``."""
+    py = tmp / "venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\n" + body)
+    py.chmod(0o755)
+    return {**os.environ, "VLLM_VENV": str(tmp / "venv"), "TMPDIR": str(tmp)}
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("exit 3\n", "building the tiny model with {py} failed (exit 3)"),
+        # The model is built; the server exits at once (a vLLM that cannot start): the real sidecar
+        # starts and is stopped with it.
+        (
+            '[ "$2" = tests.e2e.tiny_model ] && exit 0\nexit 3\n',
+            "the vLLM server exited (exit 3) before it was up",
+        ),
+    ],
+)
+def test_an_engine_that_cannot_start_is_one_line(tmp_path: Path, body: str, said: str) -> None:
+    # A sidecar slow to start (a loaded machine), vLLM exiting, or a model that could not be built
+    # ended the run in a traceback.
+    env = _fake_vllm(tmp_path, body)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sim_vs_engine.py"), "--rounds", "1"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("sim_vs_engine: " + said.format(py=tmp_path / "venv" / "bin" / "python")), r.stderr
+    assert "Traceback" not in r.stderr and "the run's files are in" in line
