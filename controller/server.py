@@ -306,7 +306,10 @@ class SidecarServer(Sidecar):
             # The socket is created by the bind: a tight umask closes the window before the chmod.
             old = os.umask(0o177)
             try:
-                server.add_insecure_port(target)
+                # Bound as unix:PATH: gRPC's server refuses unix://PATH past 105 bytes (grpcio 1.85,
+                # "Path name should not have more than 107 characters"), where the kernel and the
+                # config take 107; its clients dial either form to the end.
+                server.add_insecure_port(f"unix:{addr}")
             finally:
                 os.umask(old)
             os.chmod(addr, cfg.engine_socket_mode)

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -30,13 +31,14 @@ def test_the_training_settings_leave_some_held_out() -> None:
     assert settings > sve.TRAIN and len(settings - sve.TRAIN) >= 4
 
 
-def _fake_vllm(tmp: Path, body: str) -> dict[str, str]:
-    """An environment whose vLLM virtualenv's Python is the shell script ``body``."""
+def _fake_vllm(tmp: Path, body: str, run_dir: Path) -> dict[str, str]:
+    """An environment whose vLLM virtualenv's Python is the shell script ``body``; runs go in
+    ``run_dir`` (short: the sidecar's socket is in it, and a socket path holds 107 bytes)."""
     py = tmp / "venv" / "bin" / "python"
     py.parent.mkdir(parents=True)
     py.write_text("#!/bin/sh\n" + body)
     py.chmod(0o755)
-    return {**os.environ, "VLLM_VENV": str(tmp / "venv"), "TMPDIR": str(tmp)}
+    return {**os.environ, "VLLM_VENV": str(tmp / "venv"), "TMPDIR": str(run_dir)}
 
 
 @pytest.mark.parametrize(
@@ -54,11 +56,12 @@ def _fake_vllm(tmp: Path, body: str) -> dict[str, str]:
 def test_an_engine_that_cannot_start_is_one_line(tmp_path: Path, body: str, said: str) -> None:
     # A sidecar slow to start (a loaded machine), vLLM exiting, or a model that could not be built
     # ended the run in a traceback.
-    env = _fake_vllm(tmp_path, body)
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sim_vs_engine.py"), "--rounds", "1"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="sve-") as run_dir:
+        env = _fake_vllm(tmp_path, body, Path(run_dir))
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "sim_vs_engine.py"), "--rounds", "1"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("sim_vs_engine: " + said.format(py=tmp_path / "venv" / "bin" / "python")), r.stderr
