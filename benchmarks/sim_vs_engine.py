@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,9 @@ class RunFailed(RuntimeError):
     the log to read, exit 1. It was a traceback."""
 
 
-def _wait(pred: Any, timeout: float, what: str, proc: subprocess.Popen[bytes], log: Path) -> Any:
+def _wait(
+    pred: Callable[[], Any], timeout: float, what: str, *, proc: subprocess.Popen[bytes], log: Path
+) -> Any:
     """``pred()`` once it is true; RunFailed when ``proc`` (what ``pred`` waits on) exits first, or
     after ``timeout`` seconds."""
     end = time.monotonic() + timeout
@@ -177,8 +180,8 @@ class Engine:
             lambda: ep.exists() and json.loads(ep.read_text())["admin"],
             60,
             "the sidecar",
-            self.procs[-1],
-            t / "sidecar.log",
+            proc=self.procs[-1],
+            log=t / "sidecar.log",
         )
         venv = {
             **os.environ,
@@ -231,7 +234,7 @@ class Engine:
             except OSError:
                 return False
 
-        _wait(healthy, 400, "the vLLM server", self.procs[-1], t / "vllm.log")
+        _wait(healthy, 400, "the vLLM server", proc=self.procs[-1], log=t / "vllm.log")
 
     def ctl(self, *args: str) -> str:
         r = subprocess.run(
