@@ -30,9 +30,13 @@ deps: $(STAMP)
 # 536-563 s at 2 workers and 414 s at 3 there, the same day).
 TEST_WORKERS ?= 3
 E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
+# Project tests that are pure computation (no sockets, no deadlines) run beside the real engine's tests
+# instead, at the lowest CPU priority, on the core those leave idle (tests/e2e/background.py).
+BESIDE_ENGINES ?= tests/controller/vllm/test_ngram_long.py tests/policies/test_long_horizon.py \
+  tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py
 test: $(STAMP) deps proto-check lint lint-images typecheck
-	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS)
-	$(MAKE) e2e-vllm
+	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) $(addprefix --ignore=,$(BESIDE_ENGINES))
+	SPECCONTROL_E2E_BESIDE_ENGINES="$(BESIDE_ENGINES)" $(MAKE) e2e-vllm
 	$(MAKE) e2e-vllm-033 E2E_033_TESTS="$(E2E_033_CI)"
 
 # The suite without system tools or vLLM (what a quick local loop wants).

@@ -1,30 +1,36 @@
-"""How the end-to-end tests share the machine: where a session runs the compiled step-kernel tests
-(test_kernels_compiled.py) and real engines, the kernel tests start in the background as the session
-starts, at the lowest CPU priority, and their test runs last, to collect the result. The engines run
-one after another as before; the kernel tests take the CPU they leave (tests/e2e/compiled_kernels.py).
+"""How the end-to-end session shares the machine (tests/e2e/background.py): the compiled step-kernel
+tests and the project tests ``make test`` hands over start in the background as the session starts,
+at the lowest CPU priority, beside the engine tests, which run one after another as before; the tests
+that collect their results run last.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e import compiled_kernels
+from tests.e2e import background, compiled_kernels
 from tests.e2e.harness import VLLM_PY
 
 KERNEL_TEST = "test_kernels_compiled.py::test_kernel_tests_pass_compiled_in_the_vllm_environment"
+BESIDE_TEST = "test_beside_engines.py::test_the_project_tests_run_beside_the_engines_pass"
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected: the project's suite selects none of these
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    kernel = [i for i in items if i.nodeid.endswith(KERNEL_TEST)]
-    engines = [i for i in items if i.get_closest_marker("vllm") and not i.nodeid.endswith(KERNEL_TEST)]
-    if not kernel or not engines or config.option.collectonly or not VLLM_PY.exists():
+    if config.option.collectonly:
         return
-    items[:] = [i for i in items if i not in kernel] + kernel
-    if compiled_kernels.background is None:
-        compiled_kernels.background = compiled_kernels.start(background=True)
+    last = [i for i in items if i.nodeid.endswith((KERNEL_TEST, BESIDE_TEST))]
+    items[:] = [i for i in items if i not in last] + last
+    collecting = {i.nodeid.rsplit("/", 1)[-1] for i in last}
+    engines = any(i.get_closest_marker("vllm") for i in items if i not in last)
+    if KERNEL_TEST in collecting and engines and VLLM_PY.exists() and "kernels" not in background.started:
+        background.started["kernels"] = compiled_kernels.start(background=True)
+    files = background.beside_files()
+    if BESIDE_TEST in collecting and files and "beside" not in background.started:
+        background.started["beside"] = background.start_beside(files, lowest=True)
 
 
 def pytest_sessionfinish() -> None:
-    # (a session that ended before the kernel test collected the run: -x, Ctrl-C)
-    if compiled_kernels.background is not None:
-        compiled_kernels.background.stop()
+    # (a session that ended before a run's result was collected: -x, Ctrl-C)
+    for run in background.started.values():
+        run.stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import compiled_kernels
+from tests.e2e import background, compiled_kernels
 from tests.e2e.compiled_kernels import COMPILED
 from tests.e2e.harness import ROOT, VLLM_PY
 
@@ -26,7 +26,7 @@ def test_kernel_tests_pass_compiled_in_the_vllm_environment() -> None:
         if os.environ.get("SPECCONTROL_REQUIRE_VLLM"):
             pytest.fail(f"the vLLM virtualenv {VLLM_PY.parent.parent} is missing")
         pytest.skip(f"the vLLM virtualenv {VLLM_PY.parent.parent} is missing")
-    run = compiled_kernels.background or compiled_kernels.start(background=False)
+    run = background.started.get("kernels") or compiled_kernels.start(background=False)
     returncode, out = run.result()
     assert returncode == 0, out[-4000:]
     # Nothing skipped for want of numba or vLLM: the compiled path and vLLM's matcher both ran.
