@@ -221,6 +221,11 @@ class EmbeddedEngine:
                 log.exception("engine %s: link failed", self.settings.engine_id)
             finally:
                 self.wire.closed()
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Cancelled inside the gRPC call, which can swallow the cancel and just end (the
+                # demo hung for good: ``run`` awaits this task, which went back to its backoff).
+                raise asyncio.CancelledError
             backoff = self.link.backoff_initial_s if ok else min(backoff * 2, self.link.backoff_max_s)
             await asyncio.sleep(backoff)
 

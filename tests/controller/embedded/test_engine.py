@@ -54,6 +54,57 @@ async def test_an_engine_stopped_mid_run_counts_what_it_did_not_send(tmp_path: P
     assert engine.stats.sent_steps + engine.stats.dropped_steps == engine.totals.steps
 
 
+@pytest.mark.parametrize("where", ["run", "stop"])
+async def test_a_cancel_the_grpc_call_swallows_still_ends_the_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # gRPC aio can take a cancel inside a call and end the call instead of raising it: the link went
+    # back to its backoff and retried for good, and the demo, awaiting it, hung (a clean-clone CI run
+    # with its sidecar stopped mid-run). Here every attach swallows the cancel, as gRPC did.
+    attaching = asyncio.Event()
+    swallow = True
+
+    async def attach_swallowing_the_cancel(self: EmbeddedEngine) -> bool:
+        attaching.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if not swallow:
+                raise
+        return False
+
+    monkeypatch.setattr(EmbeddedEngine, "_attach_once", attach_swallowing_the_cancel)
+    monkeypatch.setattr(engine_mod, "DRAIN_S", 0.0)
+    seconds = 0.5 if where == "run" else 30.0
+    workload = build_workload(Schedule((Phase(seconds, {"chat": 1.0}, 4),)), profile=PROFILE, seed=3)
+    engine = EmbeddedEngine(
+        target=f"unix:{tmp_path / 'no-sidecar.sock'}",
+        settings=EngineSettings(engine_id="alone"),
+        workload=workload,
+        link=LinkSettings(time_scale=0.0 if where == "run" else 0.001),
+        profile=PROFILE,
+    )
+
+    async def play() -> None:
+        if where == "run":
+            await engine.run()  # the schedule ends; run() cancels its link and awaits it
+        else:
+            await engine.start()
+            await attaching.wait()
+            await engine.stop()
+
+    task = asyncio.create_task(play())
+    done, _ = await asyncio.wait({task}, timeout=30)  # (a hang's bound: it ends at once or never)
+    if not done:
+        swallow = False  # (let it end, then fail)
+        task.cancel()
+        await asyncio.wait({task})
+        pytest.fail(f"the engine's {where}() never ended: its link went on after the cancel")
+    task.result()
+    assert engine.done == (where == "run")
+    assert engine.stats.sent_steps + engine.stats.dropped_steps == engine.totals.steps
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
