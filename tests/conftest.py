@@ -4,7 +4,10 @@ kernel runs (policies/jit.py; ``SPECCONTROL_KERNELS_NUMBA_ONLY``: files whose pl
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="how long tests/reliability/test_soak.py runs (default: $SPECCONTROL_SOAK_S or 60)",
     )
+
+
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A temporary directory with a short path, for Unix sockets: a socket path holds 107 bytes, and
+    ``tmp_path`` (deeper still under pytest-xdist) leaves a socket name too few."""
+    d = Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(params=["python", "numba"])

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -53,15 +52,16 @@ def _fake_vllm(tmp: Path, body: str, run_dir: Path) -> dict[str, str]:
         ),
     ],
 )
-def test_an_engine_that_cannot_start_is_one_line(tmp_path: Path, body: str, said: str) -> None:
+def test_an_engine_that_cannot_start_is_one_line(
+    tmp_path: Path, short_tmp_path: Path, body: str, said: str
+) -> None:
     # A sidecar slow to start (a loaded machine), vLLM exiting, or a model that could not be built
     # ended the run in a traceback.
-    with tempfile.TemporaryDirectory(prefix="sve-") as run_dir:
-        env = _fake_vllm(tmp_path, body, Path(run_dir))
-        r = subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / "sim_vs_engine.py"), "--rounds", "1"],
-            env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+    env = _fake_vllm(tmp_path, body, short_tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sim_vs_engine.py"), "--rounds", "1"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("sim_vs_engine: " + said.format(py=tmp_path / "venv" / "bin" / "python")), r.stderr

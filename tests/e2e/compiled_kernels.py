@@ -57,7 +57,8 @@ def start(*, background: bool) -> PytestRun:
     if not background:
         # Two workers where vLLM's environment has pytest-xdist (scripts/e2e_vllm.sh installs it): the
         # longest test (the device drafter at serving sizes in Triton's interpreter, ~50 s) then runs
-        # beside the others (134 -> 91 s on the 2-core development machine, 148 -> 99 s in CI).
+        # beside the others (134 -> 91 s on the 2-core development machine, 148 -> 99 s in CI, when CI still
+        # ran it alone).
         xdist = subprocess.run([str(VLLM_PY), "-c", "import xdist"], capture_output=True).returncode == 0
         workers = ["-n", "2"] if xdist else []
     return start_pytest(VLLM_PY, [*workers, *COMPILED], env, lowest=background)

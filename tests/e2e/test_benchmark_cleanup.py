@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,14 +27,13 @@ skip_module_without_vllm()
 
 @pytest.mark.vllm
 @pytest.mark.integration
-def test_sim_vs_engine_killed_leaves_no_engine_or_sidecar_running() -> None:
+def test_sim_vs_engine_killed_leaves_no_engine_or_sidecar_running(short_tmp_path: Path) -> None:
     # The vLLM server runs in a session of its own (a terminal's Ctrl-C must not reach it before the
     # benchmark stops it): killed (SIGKILL, no finally runs), the benchmark left it and the sidecar
     # running for good. (Ctrl-C and SIGTERM take the finally path tests/benchmarks/test_interrupt.py
     # covers on the other scripts.)
-    # Its TMPDIR (where the benchmark's run and vLLM's engine-core socket go) is short: a socket path
-    # holds 107 bytes, and pytest-xdist's temporary paths leave vLLM's too few.
-    tmp_path = Path(tempfile.mkdtemp(prefix="sve-", dir="/tmp"))
+    # Its TMPDIR (where the benchmark's run and vLLM's engine-core socket go) is short.
+    tmp_path = short_tmp_path
     args = [str(BENCH / "sim_vs_engine.py"), "--requests", "2", "--max-tokens", "8", "--rounds", "1"]
     p = _start(args, tmp_path)
     assert p.stdout is not None
@@ -72,4 +69,3 @@ def test_sim_vs_engine_killed_leaves_no_engine_or_sidecar_running() -> None:
         for line in _processes_naming(str(tmp_path)):  # never leave an engine behind, even on failure
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(os.getpgid(int(line.split(":")[0])), signal.SIGKILL)  # (vLLM's own group)
-        shutil.rmtree(tmp_path, ignore_errors=True)
