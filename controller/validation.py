@@ -1,7 +1,10 @@
 """Validation of what engines send, against their own Hello and the sidecar's limits. Pure.
 
 Every failure carries a machine-readable ``reason`` (a metric label) and a one-line message naming
-the step and request index and the field.
+the step and request index and the field. Where it quotes the engine's own text (a method name), it
+quotes it shortened (``policies.params.shown``): the message is the stream's gRPC status, whose
+metadata gRPC caps at 16 KiB (a longer one reached the engine as RESOURCE_EXHAUSTED "Stream removed",
+reason and place lost), and it is one line of the sidecar's log.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.context import MAX_BATCH_SIZE
 from policies.engine import EngineInfo
 from policies.observation import NOT_SCORED, StepBatch, StepObservation
+from policies.params import shown
 from policies.physics import MAX_STEP_S, MIN_STEP_S, MIN_STEP_S_PER_REQUEST, step_floor_s
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
@@ -131,14 +135,16 @@ def validate_hello(h: pb.Hello) -> EngineInfo:
         raise TelemetryError("no_arms", "hello.arms: the engine must offer at least one arm")
     for i, a in enumerate(h.arms):
         if a.method not in _METHODS:
-            raise TelemetryError("arm_invalid", f"hello.arms[{i}].method: unknown method {a.method!r}")
+            raise TelemetryError("arm_invalid", f"hello.arms[{i}].method: unknown method {shown(a.method)}")
         if a.k > h.max_k:
             raise TelemetryError("k_gt_max", f"hello.arms[{i}].k: {a.k} exceeds max_k {h.max_k}")
     if h.granularity not in (0, 1, 2, 3):
         raise TelemetryError("granularity_invalid", f"hello.granularity: unknown value {h.granularity}")
     for i, m in enumerate(h.counterfactual_methods):
         if m not in _METHODS:
-            raise TelemetryError("method_unknown", f"hello.counterfactual_methods[{i}]: unknown method {m!r}")
+            raise TelemetryError(
+                "method_unknown", f"hello.counterfactual_methods[{i}]: unknown method {shown(m)}"
+            )
     try:
         info = engine_info_from_hello(h)
     except ValueError as e:
@@ -328,7 +334,7 @@ def _read_step(
             reason = "method_unknown" if r.method not in _METHODS else "method_not_offered"
             raise TelemetryError(
                 reason,
-                f"{where}.requests[{j}].method: {r.method!r} is not one of the engine's ({', '.join(sorted(allowed))})",
+                f"{where}.requests[{j}].method: {shown(r.method)} is not one of the engine's ({', '.join(sorted(allowed))})",
             )
         if r.method == Method.OFF.value and r.k > 0:
             raise TelemetryError("off_with_draft", f"{where}.requests[{j}].k: {_off_with_draft(k)(j)}")
@@ -353,7 +359,7 @@ def _read_step(
             if m not in _METHODS or m == Method.OFF.value:
                 raise TelemetryError(
                     "counterfactual_method_unknown",
-                    f"{where}.requests[{j}].counterfactual_accepted: unknown method {m!r}",
+                    f"{where}.requests[{j}].counterfactual_accepted: unknown method {shown(m)}",
                 )
             if v > engine.max_k:
                 raise TelemetryError(
@@ -733,7 +739,7 @@ def _finish_columns(
     for i, (m, v) in enumerate(c.counterfactual):
         at = f"{where}.counterfactual[{i}]"
         if m not in _METHODS or m == Method.OFF.value:
-            raise TelemetryError("counterfactual_method_unknown", f"{at}.method: unknown method {m!r}")
+            raise TelemetryError("counterfactual_method_unknown", f"{at}.method: unknown method {shown(m)}")
         if m in seen:
             raise TelemetryError("counterfactual_method_repeated", f"{at}.method: {m!r} appears twice")
         seen.add(m)

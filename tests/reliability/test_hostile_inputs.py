@@ -10,6 +10,7 @@ import math
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -352,3 +353,94 @@ async def test_the_class_bound_holds_across_restarts(tmp_path: Path) -> None:
         finally:
             await sc.stop()  # a clean stop: the next run restores this one
     assert max(seen) <= MAX_CLASSES_PER_ENGINE, seen
+
+
+def _long_method_hello(h: pb.Hello, name: str) -> None:
+    h.arms.append(pb.Arm(method=name, k=1))
+
+
+def _long_counterfactual_hello(h: pb.Hello, name: str) -> None:
+    h.counterfactual_methods.append(name)
+
+
+def _long_method_row(s: pb.StepReport, name: str) -> None:
+    s.requests[0].method = name
+
+
+def _long_counterfactual_row(s: pb.StepReport, name: str) -> None:
+    s.requests[0].counterfactual_accepted[name] = 1
+
+
+def _long_counterfactual_column(s: pb.StepReport, name: str) -> None:
+    n = len(s.requests)
+    s.CopyFrom(
+        pb.StepReport(
+            time_s=s.time_s,
+            duration_s=s.duration_s,
+            batch_size=n,
+            columns=request_columns(
+                request_ids=[r.request_id for r in s.requests],
+                classes=["default"] * n,
+                methods=["eagle3"] * n,
+                ks=[2] * n,
+                drafted=[2] * n,
+                accepted=[1] * n,
+            ),
+        )
+    )
+    s.columns.counterfactual.add(method=name, accepted=[1] * n)
+
+
+@pytest.mark.parametrize(
+    ("hello_change", "step_change", "reason", "path"),
+    [
+        (_long_method_hello, None, "arm_invalid", "hello.arms[6].method: "),
+        (_long_counterfactual_hello, None, "method_unknown", "hello.counterfactual_methods[0]: "),
+        (None, _long_method_row, "method_unknown", "steps[0].requests[0].method: "),
+        (
+            None,
+            _long_counterfactual_row,
+            "counterfactual_method_unknown",
+            "steps[0].requests[0].counterfactual",
+        ),
+        (
+            None,
+            _long_counterfactual_column,
+            "counterfactual_method_unknown",
+            "steps[0].columns.counterfactual[0]",
+        ),
+    ],
+)
+async def test_a_long_unknown_method_is_refused_by_name_in_a_short_message(
+    sidecar: Sidecar,
+    caplog: pytest.LogCaptureFixture,
+    hello_change: Any,
+    step_change: Any,
+    reason: str,
+    path: str,
+) -> None:
+    # The refusal quoted the engine's method name whole: a name of a few kilobytes made the status
+    # message larger than gRPC's metadata limit, so the engine got RESOURCE_EXHAUSTED "Stream removed
+    # (received metadata size exceeds hard limit)" instead of the reason and the place, and the
+    # sidecar logged a line as long as the name.
+    name = "x" * 100_000 + "\n"
+    h = hello("e1")
+    if hello_change is not None:
+        hello_change(h, name)
+    eng = TestEngine(sidecar.engine_target, pb.EngineMessage(hello=h))
+    try:
+        if step_change is not None:
+            await eng.directive()
+            s = step(t=1.0, accepted=[1, 2])
+            step_change(s, name)
+            eng.out.put_nowait(_batch(1, s))
+        with caplog.at_level(logging.WARNING):
+            details = await _refused(eng)
+    finally:
+        await eng.close()
+    assert details.startswith(f"{reason}: {path}") and len(details) < 500, details[:200]
+    assert "\n" not in details
+    [line] = [r.getMessage() for r in caplog.records if "rejected telemetry" in r.getMessage()]
+    assert len(line) < 600
+    if step_change is not None:
+        assert sidecar.engines()["e1"].loop.totals.steps == 0
