@@ -6,7 +6,8 @@ owns the stream: it sends the Hello, every ``flush_s`` batches the queued steps 
 messages (the engine step never wakes it: ``offer`` is one deque append), stores
 every Directive it receives that the engine can apply (``controller.wire.convert.directive_for_engine``;
 one it cannot is refused with one log line, at most one per ``REFUSED_LOG_S``, and the one in force
-stays), and reconnects with backoff when the sidecar goes away.
+stays), and reconnects with backoff when the sidecar goes away. Whatever text of the sidecar's it
+logs (a refused directive's fault, a stream's status details) is escaped and cut: one short line.
 
 The protocol (sequences across streams for this engine process, ``Hello.instance_id``; batches kept
 until the sidecar acknowledges them and resent after a reconnect) is ``controller.wire.link.LinkCore``'s;
@@ -195,8 +196,7 @@ class SidecarLink:
         if self._refused_logged is not None and now - self._refused_logged < REFUSED_LOG_S:
             self._refused_quiet += 1
             return
-        why = escape_text(str(e))
-        why = why if len(why) <= 300 else f"{why[:297]}..."
+        why = _quoted(str(e))
         more = (
             f" ({self._refused_quiet} more refused since the last such line)" if self._refused_quiet else ""
         )
@@ -233,8 +233,16 @@ def keepalive_options(every_s: float) -> list[tuple[str, int]]:
 
 
 def _describe(e: grpc.RpcError) -> str:
+    """The stream's end in a log line: its status code and details, the details being the sidecar's
+    text (escaped and cut: a newline in them forged a log line, and they ran to gRPC's limit)."""
     code = getattr(e, "code", None)
     details = getattr(e, "details", None)
     c = code() if callable(code) else None
     d = details() if callable(details) else None
-    return f"{c.name if c is not None else 'error'}: {d or ''}".strip()
+    return f"{c.name if c is not None else 'error'}: {_quoted(d or '')}".strip()
+
+
+def _quoted(text: str, limit: int = 300) -> str:
+    """The sidecar's text as the link logs it: control characters escaped, cut to ``limit``."""
+    out = escape_text(text)
+    return out if len(out) <= limit else f"{out[: limit - 3]}..."

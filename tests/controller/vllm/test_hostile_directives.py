@@ -235,3 +235,42 @@ def test_class_arms_match_arm_for_with_a_class_named_like_the_wildcard() -> None
         assert arms.arms(names, bs).tolist() == [
             [METHOD_CODES[a.method], min(a.k, MAX_K)] for a in (d.arm_for(c, bs) for c in names)
         ]
+
+
+class EndingSidecar(pb_grpc.EngineServiceServicer):
+    """Ends every stream at once with a status whose details forge a log line, colour the terminal and
+    run to 6,000 characters (below gRPC's 8 KiB metadata limit, so the engine receives them)."""
+
+    DETAILS = "refused\nWARNING vllm.speccontrol: forged line\x1b[31m " + "y" * 6000
+
+    def Attach(self, request_iterator: Iterator[pb.EngineMessage], context: Any) -> Iterator[pb.Directive]:
+        next(request_iterator)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.DETAILS)
+        yield GOOD  # (never reached: abort raises)
+
+
+def test_a_sidecars_status_details_are_logged_in_one_short_line(
+    caplog: pytest.LogCaptureFixture, short_tmp_path: Any
+) -> None:
+    """The link's "sidecar unavailable" line quoted the stream's status details as the sidecar sent
+    them: a newline forged a second log line, escape sequences reached the terminal, and the line was
+    as long as the details."""
+    sock = str(short_tmp_path / "s.sock")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_EngineServiceServicer_to_server(EndingSidecar(), server)  # type: ignore[no-untyped-call]
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    hello = pb.Hello(engine_id="e", model="m", max_k=MAX_K, protocol_version=1)
+    link = SidecarLink(target=f"unix://{sock}", hello=hello, backoff_s=(0.05, 0.05))
+    caplog.set_level(logging.WARNING, logger="vllm.speccontrol")
+    link.start()
+    try:
+        end = time.monotonic() + 30
+        while link.stats().disconnects < 1 and time.monotonic() < end:
+            time.sleep(0.02)
+    finally:
+        link.close()
+        server.stop(0)
+    [line] = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert "INVALID_ARGUMENT: refused" in line, line[:200]
+    assert not has_control(line) and len(line) < 500, line[:200]
