@@ -64,6 +64,10 @@ MAX_STATUS_CONTEXTS = 256
 WATCH_QUEUE = 256
 #: Bursts of policy changes allowed before ``max_policy_changes_per_s`` applies.
 POLICY_CHANGE_BURST = 10.0
+#: An engine's rate-limited batches are logged in one line at most every this many seconds (the next
+#: line counts those refused meanwhile; the metric counts each): its stream stays up, so a line per
+#: batch let an engine over the limit write the sidecar's log as fast as it sent.
+RATE_LIMITED_LOG_S = 10.0
 
 
 class FleetPolicyLimited(RuntimeError):
@@ -92,6 +96,9 @@ class EngineState:
     classes_pooled: int = 0
     #: Hello.plugin_mode of the last attach ("" when the engine is not the vLLM plugin).
     plugin_mode: str = ""
+    #: (monotonic) when a rate-limited batch was last logged, and those refused since, not logged.
+    limited_logged: float | None = None
+    limited_quiet: int = 0
 
     @property
     def connected(self) -> bool:
@@ -364,12 +371,7 @@ class Sidecar:
         st.last_seen = self.clock()
         if st.bucket is not None and not st.bucket.take(len(batch.steps)):
             # Refused without ending the stream: a reconnect would only bring the same flood back.
-            self.reject(
-                st,
-                TelemetryError(
-                    "rate_limited", f"reports: over {self.config.max_engine_steps_per_s:g} steps/s"
-                ),
-            )
+            self._rate_limited(st)
             return
         try:
             steps = read_batch(batch, st.info, self.limits)
@@ -413,11 +415,28 @@ class Sidecar:
             pooled.update(new[max(room, 0) :])
         return batch.renamed(dict.fromkeys(pooled, "default")) if pooled else batch
 
-    def reject(self, st: EngineState | None, e: TelemetryError) -> None:
+    def reject(self, st: EngineState | None, e: TelemetryError, *, logged: bool = True) -> None:
         self.metrics.rejected.labels(e.reason).inc()
         if st is not None:
             st.rejected += 1
-        log.warning("rejected telemetry%s: %s: %s", f" from {st.info.engine_id}" if st else "", e.reason, e)
+        if logged:
+            log.warning(
+                "rejected telemetry%s: %s: %s", f" from {st.info.engine_id}" if st else "", e.reason, e
+            )
+
+    def _rate_limited(self, st: EngineState) -> None:
+        """A batch over the engine's rate refused: counted, logged at most every ``RATE_LIMITED_LOG_S``."""
+        now = time.monotonic()
+        quiet = st.limited_logged is not None and now - st.limited_logged < RATE_LIMITED_LOG_S
+        more = f" ({st.limited_quiet} more refused since the last such line)" if st.limited_quiet else ""
+        e = TelemetryError(
+            "rate_limited", f"reports: over {self.config.max_engine_steps_per_s:g} steps/s{more}"
+        )
+        self.reject(st, e, logged=not quiet)
+        if quiet:
+            st.limited_quiet += 1
+        else:
+            st.limited_logged, st.limited_quiet = now, 0
 
     def admin_rejected(self, reason: str) -> None:
         self.metrics.rejected_admin.labels(reason).inc()

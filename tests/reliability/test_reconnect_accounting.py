@@ -9,6 +9,7 @@ and the sidecar drops what it already had.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -194,6 +195,36 @@ async def test_rate_limited_batches_are_refused_counted_and_the_stream_stays(tmp
             await eng.close()
     finally:
         await sc.stop(snapshot=False)
+
+
+async def test_a_flood_over_the_rate_limit_is_logged_once_not_per_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The stream stays up for a rate-limited engine, so each of its batches was refused with a warning
+    # line of its own: an engine sending one-step batches as fast as it could wrote the sidecar's log
+    # as fast (20,000 batches, 19,992 lines), the flood the limit is there to stop.
+    sc = Sidecar(
+        config=_config(tmp_path, max_engine_steps_per_s=1.0, telemetry_burst_s=2.0, max_steps_per_batch=2),
+        registry=CollectorRegistry(),
+    )
+    await sc.start()
+    caplog.set_level(logging.WARNING, logger="controller.sidecar")
+    try:
+        eng = TestEngine(sc.engine_target, pb.EngineMessage(hello=hello("flood")))
+        try:
+            await eng.directive()
+            for i in range(500):  # burst of 2 steps, then 498 refused
+                eng.report(step(t=float(i), accepted=[1]))
+            await until(
+                lambda: sample(sc, "speccontrol_rejected_telemetry_total", reason="rate_limited") == 498
+            )
+            assert sc.engines()["flood"].connected and sc.engines()["flood"].rejected == 498
+        finally:
+            await eng.close()
+    finally:
+        await sc.stop(snapshot=False)
+    lines = [r.getMessage() for r in caplog.records if "rate_limited" in r.getMessage()]
+    assert len(lines) == 1, len(lines)
 
 
 async def test_too_many_engines_forgets_idle_ones_then_refuses(tmp_path: Path) -> None:
