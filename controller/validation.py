@@ -20,6 +20,7 @@ import numpy as np
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import (
     MAX_DROPPED_STEPS,
+    MAX_SEQUENCE,
     StepColumns,
     columns_count,
     columns_observation,
@@ -64,9 +65,6 @@ MAX_STEP_DURATION_S = MAX_STEP_S
 MAX_TIME_S = 1e11
 MAX_QUEUE_WAIT_S = 1e7
 MAX_QUEUE_LENGTH = 1 << 24
-#: Sequences and versions count batches and directives: 2^53 (exact in a JSON number, a float64)
-#: takes 285 years at a million a second. Beyond it, a counter is garbage, not a count.
-MAX_SEQUENCE = (1 << 53) - 1
 _METHODS = frozenset(m.value for m in Method)
 _OFF_CODE = METHOD_CODES[Method.OFF]
 

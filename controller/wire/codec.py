@@ -97,6 +97,11 @@ PACKED_PROTOCOL = 2
 #: Steps one batch may report dropped since the batch before (a day at 10k steps/s, far below 2^63):
 #: the sidecar refuses a batch beyond it, so an engine reports more in several batches.
 MAX_DROPPED_STEPS = 1 << 30
+#: Sequences and versions count batches and directives: 2^53 (exact in a JSON number, a float64)
+#: takes 285 years at a million a second. Beyond it, a counter is garbage, not a count: the sidecar
+#: refuses a report batch numbered beyond it or a step run under a directive numbered beyond it, so an
+#: engine takes no directive numbered beyond it either (``convert.directive_for_engine``).
+MAX_SEQUENCE = (1 << 53) - 1
 
 #: The packed form's columns in their order (then ngram_proposal and finished, when flagged).
 PACKED_COLUMNS = ("traffic_class", "method", "k", "drafted", "accepted")

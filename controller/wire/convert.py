@@ -4,8 +4,9 @@ and a message that names an unknown method or an impossible K raises ValueError 
 
 ``directive_for_engine`` is what an engine takes from its sidecar: ``directive_from_pb`` plus every check
 the engine's own code relies on (a known rule with its parameters in range, K within the arms' bound,
-tables no larger than a sidecar makes), so that a directive it accepts can never fail or stall the
-engine's step, and one it refuses raises ValueError naming the field (the engine keeps what it had).
+tables no larger than a sidecar makes, a version its reports may carry back), so that a directive it
+accepts can never fail or stall the engine's step nor get its reports refused, and one it refuses
+raises ValueError naming the field (the engine keeps what it had).
 
 The per-step telemetry columns are ``controller.wire.codec``'s.
 """
@@ -16,6 +17,7 @@ import math
 from collections import Counter
 
 from controller.v1 import controller_pb2 as pb
+from controller.wire.codec import MAX_SEQUENCE
 from controller.wire.names import escape_text
 from policies.arms import MAX_K, Arm, Method
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
@@ -109,13 +111,17 @@ def directive_from_pb(m: pb.Directive) -> Directive:
 def directive_for_engine(m: pb.Directive) -> Directive:
     """``m`` as an engine applies it: ``directive_from_pb``, with the rule's parameters resolved (its
     defaults filled in, ``policies.rules.validate_rule``). Raises ValueError naming the field when the
-    engine cannot apply it: version 0 (the engine's own safe default), a TTL that is not a number, more
+    engine cannot apply it: version 0 (the engine's own safe default) or one beyond ``MAX_SEQUENCE`` (the
+    engine reports the version in force with every step, and the sidecar refuses a report carrying
+    such a one), a TTL that is not a number, more
     K ranges or plan entries than ``MAX_K_RANGES`` / ``MAX_PLAN_ENTRIES`` (``MAX_PLAN_PER_CLASS`` for one
     class), a K beyond ``policies.arms.MAX_K``, an unknown method or rule, a rule parameter it does not
     have or one outside its type or range. The sizes are checked before anything is converted. K
     above the engine's own ``max_k`` is not refused: engines clamp it (``Directive.k_for_batch``)."""
     if m.version == 0:
         raise ValueError("version: 0 is the engine's own safe default; a sidecar numbers from 1")
+    if m.version > MAX_SEQUENCE:  # every step run under it reports it, and the sidecar refuses those
+        raise ValueError(f"version: {m.version} is beyond {MAX_SEQUENCE} (a sidecar's count stops there)")
     if math.isnan(m.ttl_s):
         raise ValueError("ttl_s: not a number")
     if len(m.k_table) > MAX_K_RANGES:

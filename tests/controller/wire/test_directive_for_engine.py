@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controller.v1 import controller_pb2 as pb
+from controller.validation import MAX_SEQUENCE, Limits, read_batch, validate_hello
 from controller.wire.convert import (
     MAX_K_RANGES,
     MAX_PLAN_ENTRIES,
@@ -71,6 +72,7 @@ BAD = [
     (_ok(rule=pb.RequestRule(kind="ngram_margin", params={"margin": 1e300})), r"^rule\.params\.margin: "),
     (_ok(rule=pb.RequestRule(kind="none", params={"alpha": 0.5})), r"^rule\.params\.alpha: unknown"),
     (_ok(version=0), r"^version: 0 is the engine's own safe default"),
+    (_ok(version=MAX_SEQUENCE + 1), rf"^version: {MAX_SEQUENCE + 1} is beyond {MAX_SEQUENCE}"),
     (_ok(ttl_s=float("nan")), r"^ttl_s: not a number"),
     (_ok(k_table=[pb.KRange(bs_min=1, k=MAX_K + 1)]), rf"^k_table\[0\]\.k: at most {MAX_K}, got {MAX_K + 1}"),
     (_ok(k_table=[pb.KRange(bs_min=9, k=1), pb.KRange(bs_min=1, k=2**32 - 1)]), r"^k_table\[1\]\.k: "),
@@ -135,6 +137,19 @@ def test_tables_as_large_as_the_limits_are_taken() -> None:
     assert len(d.k_table) == MAX_K_RANGES and len(d.plan) == MAX_PLAN_ENTRIES
 
 
+def test_the_version_in_force_is_one_the_sidecar_takes_back_in_reports() -> None:
+    # Every step the engine reports carries the version of the directive in force
+    # (StepReport.directive_version), and the sidecar refuses a report whose version is beyond
+    # MAX_SEQUENCE. Taken, a directive numbered 2^63 made every later report refused: the stream ended
+    # after each batch, the engine reattached and got it again, and its telemetry was lost for good.
+    bad = _ok(version=2**63)
+    _refused(bad)
+    last = directive_for_engine(_ok(version=MAX_SEQUENCE))
+    step = pb.StepReport(time_s=1.0, duration_s=0.02, batch_size=1, directive_version=last.version)
+    hello = pb.Hello(engine_id="e", max_k=4, arms=[pb.Arm(method="eagle3", k=2)], protocol_version=1)
+    read_batch(pb.StepReportBatch(sequence=1, steps=[step]), validate_hello(hello), Limits())
+
+
 def test_the_link_counts_a_refused_directive_and_keeps_nothing_of_it() -> None:
     core: LinkCore[int] = LinkCore(encode=lambda s, p: pb.StepReport(), queue_steps=4, resend_steps=4)
     core.opened()
@@ -185,7 +200,7 @@ def test_whatever_a_sidecar_sends_is_refused_or_applies(msg: pb.Directive) -> No
 @given(
     st.builds(
         Directive,
-        version=st.integers(1, 2**64 - 1),
+        version=st.integers(1, MAX_SEQUENCE),  # (a sidecar's counter stops there: controller.state)
         policy=st.text(max_size=40),
         reason=st.text(max_size=40),
         ttl_s=st.floats(allow_nan=False),
