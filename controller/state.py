@@ -28,13 +28,12 @@ from controller.snapshot import (
 from controller.v1 import controller_pb2 as pb
 from controller.validation import (
     MAX_INSTANCE_ID,
-    MAX_TRAFFIC_CLASS,
     TelemetryError,
     validate_hello,
 )
 from controller.wire.codec import MAX_SEQUENCE
 from controller.wire.convert import arm_to_pb
-from controller.wire.names import escape_text, has_control
+from controller.wire.names import MAX_TRAFFIC_CLASS, escape_text, has_control
 from policies.arms import Arm
 from policies.engine import EngineInfo
 from policies.loop import Totals

@@ -67,6 +67,7 @@ from controller.vllm.rows import RequestTable
 from controller.vllm.settings import MAX_ENGINE_ID_SETTING, PluginSettings
 from controller.vllm.v2 import V2_POINTS
 from controller.wire.convert import hello_from_engine_info
+from controller.wire.names import traffic_class_name
 from policies.arms import METHOD_CODES, Arm, Method
 from policies.jit import compiling
 
@@ -527,7 +528,8 @@ class EngineHooks:
         sp = getattr(req, "sampling_params", None)
         extra = getattr(sp, "extra_args", None) or {}
         c = extra.get(self.settings.class_key)
-        return str(c)[:64] if c else "default"
+        # The client's text: reported as a name the sidecar takes (one it refuses loses the batch).
+        return traffic_class_name(str(c)) if c else "default"
 
     def _release(self, rid: str) -> None:
         s = self.controls.fast.release(rid)

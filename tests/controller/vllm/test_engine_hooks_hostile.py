@@ -58,7 +58,12 @@ def _hooks() -> tuple[EngineHooks, FakeLink]:
 
 
 def _drive(
-    seed: int, steps: int, *, max_live: int = 12, prompts: tuple[int, ...] = (0, 1, 2, 50, 500)
+    seed: int,
+    steps: int,
+    *,
+    max_live: int = 12,
+    prompts: tuple[int, ...] = (0, 1, 2, 50, 500),
+    labels: tuple[Any, ...] = ("c",),
 ) -> EngineHooks:
     rng = np.random.default_rng(seed)
     h, link = _hooks()
@@ -75,7 +80,7 @@ def _drive(
             # Ids reused, an aborted one's too: the schedule that reports it finished runs the new one.
             rid = f"q{int(rng.integers(0, 3 * max_live))}"
             if rid not in s.requests:
-                r = Req(rid, "c")
+                r = Req(rid, labels[int(rng.integers(len(labels)))])
                 r._all_token_ids = [int(t) for t in rng.choice(IDS, int(rng.choice(prompts)))]
                 s.requests[rid] = r
         ids = [rid for rid in s.requests if rng.random() < 0.9]
@@ -127,6 +132,21 @@ def _drive(
 @given(st.integers(0, 2**32 - 1))
 def test_hostile_synchronous_traffic(seed: int) -> None:
     _drive(seed, 150)
+
+
+#: Traffic-class labels as clients write them (``vllm_xargs``): a line break, a bidi override, a
+#: terminal escape, 80 characters, a lone surrogate (JSON's "\ud800" decodes to one), not a string.
+LABELS = ("c", "a\nb", "\u202eevil", "\x1b[31mred", "x" * 80, "\ud800", 123, "", "c\n")
+
+
+def test_any_traffic_class_a_client_names_is_reported_as_one_the_sidecar_takes() -> None:
+    """A request's class is its client's text. Reported as written, a control character in it made the
+    sidecar refuse every batch holding a step of that request (all requests' steps, the stream ended
+    each time), and a lone surrogate failed the link's encoding of the batch (its steps lost, not even
+    counted). Distinct labels stay distinct classes."""
+    h = _drive(3, 80, labels=LABELS)
+    names = h.rows.class_names
+    assert len(set(names)) == len(names) == len(LABELS)  # ("": the default class, named "default")
 
 
 def test_churning_requests_leave_the_table_sized_by_the_live_ones() -> None:
