@@ -31,7 +31,13 @@ from controller.wire.codec import (
     unpack_columns,
 )
 from controller.wire.convert import engine_info_from_hello
-from controller.wire.names import MAX_ENGINE_ID, MAX_TRAFFIC_CLASS, escape_text, has_control
+from controller.wire.names import (
+    MAX_ENGINE_ID,
+    MAX_REQUEST_ID,
+    MAX_TRAFFIC_CLASS,
+    escape_text,
+    has_control,
+)
 from policies.arms import MAX_K as ARM_MAX_K
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Method
 from policies.context import MAX_BATCH_SIZE
@@ -45,7 +51,6 @@ MAX_INSTANCE_ID = 128
 #: Hello.plugin_mode is a short sentence ("K table only: <reason>"); longer is a broken engine.
 MAX_PLUGIN_MODE = 512
 MAX_K = ARM_MAX_K  # one bound for arms and engines (policies.arms)
-MAX_REQUEST_ID = 256
 #: Distinct traffic classes one columnar step may name.
 MAX_CLASSES_PER_STEP = 4096
 #: Prompt tokens one step can prefill: far beyond any scheduler's max_num_batched_tokens.

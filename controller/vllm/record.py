@@ -3,7 +3,8 @@
 The engine step only fills numpy columns (traffic classes as indices into the plugin's class table,
 no Python object per request but the id); the background sender turns them into a ``StepReport`` (in
 its columnar form, which the sidecar reads in one pass, naming only the classes the step uses) so
-protobuf work never lands on the engine's critical path.
+protobuf work never lands on the engine's critical path. What must hold: every report it makes is one
+the sidecar takes, whatever ids vLLM gave the requests (``request_ids_for_wire``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import encode_columns
+from controller.wire.names import request_ids_for_wire
 from policies.arms import METHODS_BY_CODE, Method
 
 
@@ -63,7 +65,7 @@ class StepRecord:
                 k=self.k,
                 drafted=self.drafted,
                 accepted=self.accepted,
-                request_id=self.request_id,
+                request_id=request_ids_for_wire(self.request_id),  # (vLLM's ids carry the client's)
                 counterfactual={Method.NGRAM: self.cf_ngram},
                 finished=self.finished,
                 ngram_proposal=self.ngram_proposal,

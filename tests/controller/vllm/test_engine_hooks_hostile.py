@@ -64,6 +64,7 @@ def _drive(
     max_live: int = 12,
     prompts: tuple[int, ...] = (0, 1, 2, 50, 500),
     labels: tuple[Any, ...] = ("c",),
+    rid_prefix: str = "q",
 ) -> EngineHooks:
     rng = np.random.default_rng(seed)
     h, link = _hooks()
@@ -78,7 +79,7 @@ def _drive(
             )
         for _ in range(int(rng.integers(0, max_live)) - len(s.requests)):
             # Ids reused, an aborted one's too: the schedule that reports it finished runs the new one.
-            rid = f"q{int(rng.integers(0, 3 * max_live))}"
+            rid = f"{rid_prefix}{int(rng.integers(0, 3 * max_live))}"
             if rid not in s.requests:
                 r = Req(rid, labels[int(rng.integers(len(labels)))])
                 r._all_token_ids = [int(t) for t in rng.choice(IDS, int(rng.choice(prompts)))]
@@ -123,7 +124,9 @@ def _drive(
             slot = h.controls.fast.slot_of(rid, -1)
             assert h.scorer.tokens(slot).tolist() == s.requests[rid]._all_token_ids, (it, rid)
         for rec in link.records:
-            read_batch(pb.StepReportBatch(sequence=it + 1, steps=[rec.to_pb()]), info, Limits())
+            step = rec.to_pb()
+            read_batch(pb.StepReportBatch(sequence=it + 1, steps=[step]), info, Limits())
+            assert len(set(step.columns.request_id)) == len(step.columns.request_id)  # still one per request
         link.records.clear()
     return h
 
@@ -147,6 +150,14 @@ def test_any_traffic_class_a_client_names_is_reported_as_one_the_sidecar_takes()
     h = _drive(3, 80, labels=LABELS)
     names = h.rows.class_names
     assert len(set(names)) == len(names) == len(LABELS)  # ("": the default class, named "default")
+
+
+def test_any_request_id_a_client_names_is_reported_as_one_the_sidecar_takes() -> None:
+    """vLLM's request ids carry the client's own (the request body's ``request_id``, the X-Request-Id
+    header). Reported as they were, one over 256 characters made the sidecar refuse every batch holding
+    a step of that request (request_id_too_long), and one holding a lone surrogate failed the link's
+    encoding of the batch. Each request keeps an id of its own in the reports."""
+    _drive(4, 40, rid_prefix="chatcmpl-\ud800" + "x" * 300)
 
 
 def test_churning_requests_leave_the_table_sized_by_the_live_ones() -> None:
