@@ -33,6 +33,7 @@ from controller.wire.codec import (
 from controller.wire.convert import engine_info_from_hello
 from controller.wire.names import (
     MAX_ENGINE_ID,
+    MAX_PLUGIN_MODE,
     MAX_REQUEST_ID,
     MAX_TRAFFIC_CLASS,
     escape_text,
@@ -48,8 +49,6 @@ from policies.physics import MAX_STEP_S, MIN_STEP_S, MIN_STEP_S_PER_REQUEST, ste
 from policies.spec import PolicyError, PolicySpec, parse_policy
 
 MAX_INSTANCE_ID = 128
-#: Hello.plugin_mode is a short sentence ("K table only: <reason>"); longer is a broken engine.
-MAX_PLUGIN_MODE = 512
 MAX_K = ARM_MAX_K  # one bound for arms and engines (policies.arms)
 #: Distinct traffic classes one columnar step may name.
 MAX_CLASSES_PER_STEP = 4096

@@ -18,7 +18,7 @@ from collections import Counter
 
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import MAX_SEQUENCE
-from controller.wire.names import escape_text
+from controller.wire.names import MAX_PLUGIN_MODE, escape_text
 from policies.arms import MAX_K, Arm, Method
 from policies.directive import Directive, KRange, PlanEntry, RequestRule
 from policies.engine import EngineInfo, Granularity
@@ -58,6 +58,9 @@ def engine_info_from_hello(h: pb.Hello) -> EngineInfo:
 
 
 def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "", plugin_mode: str = "") -> pb.Hello:
+    """The Hello an engine sends. ``plugin_mode`` goes escaped and cut to what the sidecar takes: the
+    plugin's names every vLLM patch point that no longer matches, with the exception's text, and one
+    too long (or holding a line break) had the whole Hello refused."""
     return pb.Hello(
         engine_id=e.engine_id,
         model=e.model,
@@ -69,7 +72,7 @@ def hello_from_engine_info(e: EngineInfo, *, engine_version: str = "", plugin_mo
         counterfactual_methods=[m.value for m in e.counterfactual_methods],
         p_eagle_partial_k_safe=e.p_eagle_partial_k_safe,
         protocol_version=1,
-        plugin_mode=plugin_mode,
+        plugin_mode=_shown(plugin_mode, MAX_PLUGIN_MODE),
     )
 
 

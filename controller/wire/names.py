@@ -13,6 +13,7 @@ from policies.text import escape_text, has_control
 
 __all__ = [
     "MAX_ENGINE_ID",
+    "MAX_PLUGIN_MODE",
     "MAX_REQUEST_ID",
     "MAX_TRAFFIC_CLASS",
     "engine_id_problem",
@@ -24,6 +25,8 @@ __all__ = [
 
 #: The longest engine id the sidecar accepts in a Hello.
 MAX_ENGINE_ID = 128
+#: Hello.plugin_mode is a short sentence ("K table only: <reason>"); the sidecar refuses a longer one.
+MAX_PLUGIN_MODE = 512
 #: The longest traffic class name the sidecar accepts in a report (a longer one, or one holding a
 #: control character, refuses the whole batch).
 MAX_TRAFFIC_CLASS = 64

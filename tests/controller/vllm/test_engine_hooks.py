@@ -13,12 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from controller.validation import validate_hello
+from controller.vllm import compat
 from controller.vllm.control import Controls, engine_info
 from controller.vllm.engine_hooks import EngineHooks, fixed_table_reason, verifying_plans
 from controller.vllm.mode import NGRAM_ROWS_ATTR, k_table_only_reason, plugin_mode
 from controller.vllm.ngram import NgramIndex
 from controller.vllm.record import StepRecord
 from controller.vllm.settings import PluginSettings
+from controller.vllm.v2 import V2_POINTS
+from controller.wire.convert import hello_from_engine_info
 from policies.arms import METHOD_CODES, METHODS_BY_CODE, Arm, Method
 from policies.context import ANY_CLASS
 from policies.directive import Directive, KRange, PlanEntry
@@ -245,6 +249,28 @@ def test_plugin_mode_says_why(change: dict[str, Any], reason: str | None) -> Non
     else:
         assert got is not None and got.startswith(reason)
         assert plugin_mode(got) == f"K table only: {got}"
+
+
+def test_the_hello_carries_a_long_mode_as_the_sidecar_takes_it() -> None:
+    """Where vLLM has moved on, the mode names every patch point that no longer matches: four missing
+    V2 points and the P-EAGLE fix's made 837 characters (and an exception's text may hold a line
+    break), and the sidecar refused the Hello (plugin_mode_too_long): the plugin never attached, in
+    just the engine it should have attached to in K-table-only mode, saying why."""
+
+    def gone(name: str) -> types.ModuleType:
+        raise ModuleNotFoundError(f"No module named {name!r}\n(moved)")
+
+    runner = compat.problems(V2_POINTS, version=None, importer=gone)
+    depths = compat.problems(compat.P_EAGLE_POINTS, version=None, importer=gone)
+    mode = plugin_mode(
+        "async scheduling, and the V2 model runner does not match: " + "; ".join(runner),
+        p_eagle_depths="; ".join(depths),
+    )
+    info = engine_info(engine_id="e", model="m", method=Method.P_EAGLE, max_k=MAX_K, max_batch_size=8,
+                       composite=False)  # fmt: skip
+    hello = hello_from_engine_info(info, engine_version="vllm 0.32.0", plugin_mode=mode)
+    validate_hello(hello)
+    assert hello.plugin_mode.startswith("K table only: async scheduling, and the V2 model runner")
 
 
 @pytest.mark.parametrize(
