@@ -32,7 +32,7 @@ from controller.embedded.workload import Workload
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.wire.convert import hello_from_engine_info
-from controller.wire.link import LinkCore, LinkStats
+from controller.wire.link import LinkCore, LinkStats, RefusalLog
 from sim.costmodel import Profile
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class EmbeddedEngine:
         self._task: asyncio.Task[None] | None = None
         self._first_directive: asyncio.Event | None = None
         self.instance_id = ""
+        self._refusals = RefusalLog(time.monotonic)
 
     @property
     def stats(self) -> LinkStats:
@@ -246,8 +247,10 @@ class EmbeddedEngine:
             async for msg in call:
                 try:
                     d = self.wire.received(msg)
-                except ValueError as e:
-                    log.warning("engine %s: ignoring a bad directive: %s", self.settings.engine_id, e)
+                except ValueError as e:  # (one line per interval: a sidecar may send them nonstop)
+                    line = self._refusals.line(e)
+                    if line is not None:
+                        log.warning("engine %s: ignoring a bad directive: %s", self.settings.engine_id, line)
                     continue
                 finally:
                     ready.set()  # after the acknowledgement: the sender resumes from it

@@ -5,9 +5,9 @@ The engine step calls ``offer`` (never blocks: a full queue drops the step and c
 owns the stream: it sends the Hello, every ``flush_s`` batches the queued steps into ``StepReportBatch``
 messages (the engine step never wakes it: ``offer`` is one deque append), stores
 every Directive it receives that the engine can apply (``controller.wire.convert.directive_for_engine``;
-one it cannot is refused with one log line, at most one per ``REFUSED_LOG_S``, and the one in force
-stays), and reconnects with backoff when the sidecar goes away. Whatever text of the sidecar's it
-logs (a refused directive's fault, a stream's status details) is escaped and cut: one short line.
+one it cannot is refused with one log line, at most one per ``REFUSED_LOG_S``, ``RefusalLog``, and the
+one in force stays), and reconnects with backoff when the sidecar goes away. Whatever text of the
+sidecar's it logs (a refused directive's fault, a stream's status details) is escaped and cut.
 
 The protocol (sequences across streams for this engine process, ``Hello.instance_id``; batches kept
 until the sidecar acknowledges them and resent after a reconnect) is ``controller.wire.link.LinkCore``'s;
@@ -28,8 +28,7 @@ import grpc
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.vllm.record import StepRecord
-from controller.wire.link import LinkCore, LinkStats
-from controller.wire.names import escape_text
+from controller.wire.link import LinkCore, LinkStats, RefusalLog, quoted
 from policies.directive import Directive
 
 log = logging.getLogger("vllm.speccontrol")
@@ -39,10 +38,6 @@ log = logging.getLogger("vllm.speccontrol")
 #: partitioned network, a host that lost power) stayed open for the kernel's TCP timeout (hours): the
 #: link never reconnected and the engine ran on its safe default long after the sidecar was back.
 KEEPALIVE_S = 20.0
-#: A refused directive is logged in one line, but at most one line per this many seconds (the next one
-#: counts those refused meanwhile): a sidecar sending thousands of bad directives a second must not
-#: fill the engine's log.
-REFUSED_LOG_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +86,7 @@ class SidecarLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._call: grpc.Future | None = None  # type: ignore[type-arg]
-        self._refused_logged: float | None = None  # (link clock) when a refused directive was last logged
-        self._refused_quiet = 0  # refused since, not logged
+        self._refusals = RefusalLog(clock)
 
     # -- engine side (called from the engine step; must stay cheap) -----------------------------
 
@@ -190,18 +184,11 @@ class SidecarLink:
             delay = min(delay * 2, self.backoff_s[1])
 
     def _refused(self, e: ValueError) -> None:
-        """One line for a directive the engine refused (its reason escaped and cut: the sidecar's
-        text), at most one per ``REFUSED_LOG_S``; the directive in force stays."""
-        now = self.clock()
-        if self._refused_logged is not None and now - self._refused_logged < REFUSED_LOG_S:
-            self._refused_quiet += 1
-            return
-        why = _quoted(str(e))
-        more = (
-            f" ({self._refused_quiet} more refused since the last such line)" if self._refused_quiet else ""
-        )
-        log.warning("speccontrol: ignoring an invalid directive (the one in force stays): %s%s", why, more)
-        self._refused_logged, self._refused_quiet = now, 0
+        """One line for a directive the engine refused, at most one per ``REFUSED_LOG_S``
+        (``RefusalLog``); the directive in force stays."""
+        line = self._refusals.line(e)
+        if line is not None:
+            log.warning("speccontrol: ignoring an invalid directive (the one in force stays): %s", line)
 
     def _messages(self, done: threading.Event, ready: threading.Event) -> Iterator[pb.EngineMessage]:
         yield pb.EngineMessage(hello=self.hello)
@@ -239,10 +226,4 @@ def _describe(e: grpc.RpcError) -> str:
     details = getattr(e, "details", None)
     c = code() if callable(code) else None
     d = details() if callable(details) else None
-    return f"{c.name if c is not None else 'error'}: {_quoted(d or '')}".strip()
-
-
-def _quoted(text: str, limit: int = 300) -> str:
-    """The sidecar's text as the link logs it: control characters escaped, cut to ``limit``."""
-    out = escape_text(text)
-    return out if len(out) <= limit else f"{out[: limit - 3]}..."
+    return f"{c.name if c is not None else 'error'}: {quoted(d or '')}".strip()

@@ -37,6 +37,9 @@ What must hold:
 * Thread safety: ``offer`` may run on the engine's thread concurrently with the rest (a deque append,
   no lock, so the engine step never waits on the link); every other method holds one lock and never
   blocks on I/O.
+
+Both links log a directive they refuse through ``RefusalLog``: one short line, at most one per
+``REFUSED_LOG_S``, whatever the sidecar sends.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Generic, TypeVar
 from controller.v1 import controller_pb2 as pb
 from controller.wire.codec import MAX_DROPPED_STEPS, PACKED_PROTOCOL
 from controller.wire.convert import directive_for_engine
+from controller.wire.names import escape_text
 from policies.directive import Directive
 
 T = TypeVar("T")
@@ -61,6 +65,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 ENVELOPE_BYTES = 1024
 #: Per step in a batch beyond its own encoding: the field tag and a length of up to 5 bytes.
 STEP_FRAME_BYTES = 6
+#: A refused directive is logged in one line, but at most one line per this many seconds (the next one
+#: counts those refused meanwhile): a sidecar sending thousands of bad directives a second must not
+#: fill the engine's log.
+REFUSED_LOG_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,3 +310,30 @@ class LinkCore(Generic[T]):
                 unacked_steps=self._unacked_steps,
                 queued_steps=len(self._queue),
             )
+
+
+class RefusalLog:
+    """What an engine logs of the directives it refuses (``LinkCore.received`` raised): the refusal
+    escaped and cut (it quotes the sidecar's text), one line at most per ``REFUSED_LOG_S`` on
+    ``clock``, the next line counting those refused meanwhile."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._logged: float | None = None  # (clock) when a line was last given
+        self._quiet = 0  # refused since, not logged
+
+    def line(self, e: ValueError) -> str | None:
+        """The text to log for the refusal ``e`` now; None: not now (it is counted for the next)."""
+        now = self.clock()
+        if self._logged is not None and now - self._logged < REFUSED_LOG_S:
+            self._quiet += 1
+            return None
+        more = f" ({self._quiet} more refused since the last such line)" if self._quiet else ""
+        self._logged, self._quiet = now, 0
+        return f"{quoted(str(e))}{more}"
+
+
+def quoted(text: str, limit: int = 300) -> str:
+    """A sidecar's text as an engine logs it: control characters escaped, cut to ``limit``."""
+    out = escape_text(text)
+    return out if len(out) <= limit else f"{out[: limit - 3]}..."

@@ -1,14 +1,20 @@
 """The embedded engine on its link, without a sidecar: every step it makes is sent or counted."""
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from controller.embedded import engine as engine_mod
 from controller.embedded.core import EngineSettings
 from controller.embedded.engine import EmbeddedEngine, LinkSettings
 from controller.embedded.workload import Phase, Schedule, build_workload
+from controller.v1 import controller_pb2 as pb
+from controller.v1 import controller_pb2_grpc as pb_grpc
 from sim.costmodel import DEFAULT_PROFILE, load_profile
 
 PROFILE = load_profile(DEFAULT_PROFILE)
@@ -140,3 +146,46 @@ def test_link_and_engine_settings_defaults_and_edges_are_taken() -> None:
         time_scale=0.0, flush_interval_s=0.0, ack_wait_s=0.0, backoff_initial_s=1e-3, backoff_max_s=1e-3
     )
     EngineSettings(engine_id="e", max_batch_size=1)
+
+
+async def test_a_sidecar_sending_bad_directives_gets_one_log_line(
+    short_tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each refused directive was logged on its own line: a buggy sidecar sending hundreds a second
+    # wrote the demo engine's log as fast. As in the vLLM plugin's link: one line per interval,
+    # the next one counting those refused meanwhile.
+    good = pb.Directive(
+        version=1, policy="good", ttl_s=30.0, method="eagle3", k_table=[pb.KRange(bs_min=1, k=2)]
+    )
+    bad = pb.Directive(version=2, method="warp\ndrive")
+
+    class Hostile(pb_grpc.EngineServiceServicer):
+        async def Attach(self, request_iterator: Any, context: Any) -> AsyncIterator[pb.Directive]:
+            await request_iterator.__anext__()
+            yield good
+            for _ in range(300):
+                yield bad
+            async for _ in request_iterator:  # (then reads the reports)
+                pass
+
+    server = grpc.aio.server()
+    pb_grpc.add_EngineServiceServicer_to_server(Hostile(), server)  # type: ignore[no-untyped-call]
+    target = f"unix:{short_tmp_path / 's.sock'}"
+    server.add_insecure_port(target)
+    await server.start()
+    workload = build_workload(Schedule((Phase(30.0, {"chat": 1.0}, 4),)), profile=PROFILE, seed=3)
+    engine = EmbeddedEngine(target=target, settings=EngineSettings(engine_id="e"), workload=workload,
+                            link=LinkSettings(time_scale=0.001), profile=PROFILE)  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="controller.embedded.engine")
+    await engine.start()
+    try:
+        for _ in range(1000):
+            if engine.stats.bad_directives >= 300:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await engine.stop()
+        await server.stop(0)
+    assert engine.stats.bad_directives == 300
+    lines = [r.getMessage() for r in caplog.records if "bad directive" in r.getMessage()]
+    assert len(lines) == 1, len(lines)
