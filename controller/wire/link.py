@@ -28,7 +28,8 @@ What must hold:
   the envelope; gRPC's default 4 MiB until a sidecar says, or where an older one does not), nor holds
   more steps than it takes (``Directive.max_steps_per_batch``): the sidecar refuses a larger message
   before reading it, so it could neither apply nor acknowledge it, and every resend would fail the same
-  way. A step that alone exceeds the limit can never be delivered: it is dropped and counted. A kept
+  way. A step that alone exceeds the limit can never be delivered: it is dropped and counted, as is a
+  step its encoder raises on (a bug there must cost that step, not the batch it was going in). A kept
   batch that exceeds a new stream's limit (a sidecar restarted with a smaller one) is forgotten and
   counted in ``evicted_steps``.
 * Steps go out packed (``RequestColumns.packed``) only while the stream's sidecar says it reads them.
@@ -44,6 +45,7 @@ Both links log a directive they refuse through ``RefusalLog``: one short line, a
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +57,8 @@ from controller.wire.codec import MAX_DROPPED_STEPS, PACKED_PROTOCOL
 from controller.wire.convert import directive_for_engine
 from controller.wire.names import escape_text
 from policies.directive import Directive
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -131,7 +135,8 @@ class LinkCore(Generic[T]):
         # A deque, not a queue.Queue: append and popleft are atomic, so ``offer`` takes no lock.
         self._queue: deque[T] = deque()
         self._dropped = 0  # written by ``offer`` only (``discard`` runs once the engine offers no more)
-        self._too_large = 0  # steps no sidecar limit lets through, dropped under the lock
+        self._undeliverable = 0  # steps too large for any batch, or not encodable: dropped under the lock
+        self._encode_failed = False
         self._dropped_reported = 0
         self._sequence = 0
         self._unacked: deque[_Kept[T]] = deque()
@@ -236,10 +241,17 @@ class LinkCore(Generic[T]):
             size = 0
             while self._queue and len(records) < max_steps:
                 record = self._queue.popleft()
-                step = self._encode(record, self._packed)
+                try:
+                    step = self._encode(record, self._packed)
+                except Exception as e:  # never deliverable: the steps taken before it stay in this batch
+                    self._undeliverable += 1
+                    if not self._encode_failed:  # (a bug: said once, then counted in dropped_steps)
+                        self._encode_failed = True
+                        log.warning("speccontrol link: a step could not be encoded, dropped: %r", e)
+                    continue
                 need = step.ByteSize() + STEP_FRAME_BYTES
                 if need > budget:  # never deliverable: dropped, reported with the next batch
-                    self._too_large += 1
+                    self._undeliverable += 1
                     continue
                 if size + need > budget:  # the next batch's first step
                     self._queue.appendleft(record)
@@ -253,7 +265,7 @@ class LinkCore(Generic[T]):
             self._sequence += 1
             # At most what the sidecar takes in one batch (it refuses more, and the batch would be
             # resent first on every stream, forever); the rest goes with the batches after it.
-            dropped = min(self._dropped + self._too_large - self._dropped_reported, MAX_DROPPED_STEPS)
+            dropped = min(self._dropped + self._undeliverable - self._dropped_reported, MAX_DROPPED_STEPS)
             self._dropped_reported += dropped
             batch = pb.StepReportBatch(sequence=self._sequence, steps=steps, dropped_steps=dropped)
             self._sent += n
@@ -300,7 +312,7 @@ class LinkCore(Generic[T]):
                 attaches=self._attaches,
                 disconnects=self._disconnects,
                 sent_steps=self._sent,
-                dropped_steps=self._dropped + self._too_large,
+                dropped_steps=self._dropped + self._undeliverable,
                 evicted_steps=self._evicted,
                 directives=self._directives,
                 bad_directives=self._bad_directives,

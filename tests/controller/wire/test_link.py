@@ -431,3 +431,28 @@ def test_a_kept_batch_a_new_sidecar_would_refuse_is_forgotten_and_counted() -> N
     core.opened()  # and a roomier one later: nothing is left to resend
     core.received(_limits(4 << 20, 0))
     assert core.resume() == []
+
+
+def test_a_step_its_encoder_raises_on_is_dropped_and_counted_not_the_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An encoder that raises on one step (a bug; lone surrogates in a request id once did) cost that
+    step only: the steps beside it go out and it is counted in ``dropped_steps``, one log line."""
+
+    def encode(i: int, packed: bool) -> pb.StepReport:
+        if i % 3 == 0:
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+        return _step(i, packed)
+
+    core: LinkCore[int] = LinkCore(encode=encode, queue_steps=64, resend_steps=64)
+    for i in range(1, 10):
+        core.offer(i)
+    b = core.next_batch(256)
+    assert b is not None
+    assert [s.directive_version for s in b.steps] == [1, 2, 4, 5, 7, 8] and b.dropped_steps == 3
+    assert core.next_batch(256) is None
+    core.offer(10)
+    b2 = core.next_batch(256)
+    assert b2 is not None and b2.dropped_steps == 0
+    assert core.stats().dropped_steps == 3 and core.stats().sent_steps == 7
+    assert len([r for r in caplog.records if "could not be encoded" in r.getMessage()]) == 1
