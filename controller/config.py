@@ -87,6 +87,8 @@ class SidecarConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     #: Telemetry limits: steps per report batch and request rows per step.
     max_steps_per_batch: int = 1024
+    #: An engine whose batches may hold more requests (vLLM's ``max_num_seqs``) is refused at its Hello
+    #: (reason ``max_batch_size_over_limit``, naming this key).
     max_requests_per_step: int = 4096
     #: Per-engine cap on reported steps per second (a token bucket holding ``telemetry_burst_s`` of
     #: them); a batch beyond it is refused and counted (reason ``rate_limited``), the stream stays up.

@@ -83,11 +83,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
             )
         except TelemetryError as e:
             self.sidecar.reject(None, e)
-            code = (
-                grpc.StatusCode.ALREADY_EXISTS
-                if e.reason == "engine_id_in_use"
-                else grpc.StatusCode.RESOURCE_EXHAUSTED
-            )
+            code = {
+                "engine_id_in_use": grpc.StatusCode.ALREADY_EXISTS,
+                "max_batch_size_over_limit": grpc.StatusCode.FAILED_PRECONDITION,
+            }.get(e.reason, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await context.abort(code, f"{e.reason}: {e}")
         reader = asyncio.create_task(self._read(it, session), name=f"attach-{info.engine_id}")
         try:

@@ -234,8 +234,19 @@ class Sidecar:
     def attach(
         self, info: EngineInfo, *, instance_id: str = "", observe_only: bool = False, plugin_mode: str = ""
     ) -> EngineSession:
-        """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines, or
-        when another engine process holds this engine id on an open stream."""
+        """A new stream for ``info``. Raises TelemetryError when the sidecar holds too many engines, when
+        another engine process holds this engine id on an open stream, or when the engine's batches
+        may hold more requests than this sidecar takes in a step."""
+        most = self.limits.max_requests_per_step
+        if info.max_batch_size > most:
+            # Attached, its first full step would have its whole report batch refused and its stream
+            # ended, and so on at every reconnect: said once here, where the operator can act on it.
+            raise TelemetryError(
+                "max_batch_size_over_limit",
+                f"hello.max_batch_size: the engine runs up to {info.max_batch_size} requests a step, more "
+                f"than this sidecar's max_requests_per_step ({most}) takes in a report; raise "
+                f"max_requests_per_step in the sidecar's config to at least {info.max_batch_size}",
+            )
         st = self._engines.get(info.engine_id)
         now = self.clock()
         if st is not None and st.link.connected:

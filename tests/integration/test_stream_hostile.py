@@ -5,13 +5,15 @@ counted (``hello_timeout``), while an attached stream may stay quiet for as long
 opened and abandoned, half-closed or written to after their end leave no engine shown as connected
 and nothing behind; the registry holds ``max_engines`` engines on open streams and refuses the next
 one (RESOURCE_EXHAUSTED, counted), and one engine id holds ``MAX_STREAMS_PER_ENGINE`` streams at
-most; a stop while streams are sending ends every stream and writes the final snapshot.
+most; an engine whose batches may hold more requests than ``max_requests_per_step`` is refused at its
+Hello (FAILED_PRECONDITION, naming the key); a stop while streams are sending ends every stream and writes the final snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -300,3 +302,32 @@ async def _drained(call: grpc.aio.StreamStreamCall) -> grpc.StatusCode:  # type:
         pass
     code: grpc.StatusCode = await call.code()
     return code
+
+
+async def test_an_engine_whose_batches_exceed_the_request_limit_is_refused_at_its_hello(
+    tmp_path: Path,
+) -> None:
+    """An engine running more requests a step than ``max_requests_per_step`` is refused at its Hello,
+    naming the key to raise: attached, its first full step got the whole report batch refused and the
+    stream ended, at every reconnect (a stream of refusals and reconnects instead of one line)."""
+    cfg = replace(loopback_config(tmp_path), max_requests_per_step=32)
+    sc = Sidecar(config=cfg, registry=CollectorRegistry())
+    await sc.start()
+    try:
+        async with grpc.aio.insecure_channel(sc.engine_target) as ch:
+            over = await _attach(ch, hello("big"))  # max_batch_size 64
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(over.read(), WAIT_S)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            details = err.value.details() or ""
+            assert details.startswith("max_batch_size_over_limit: hello.max_batch_size: ")
+            assert "64" in details and "max_requests_per_step (32)" in details
+            assert _rejected(sc, "max_batch_size_over_limit") == 1
+            assert "big" not in sc.engines()
+            fits = hello("fits")
+            fits.max_batch_size = 32
+            call = await _attach(ch, fits)
+            assert isinstance(await asyncio.wait_for(call.read(), WAIT_S), pb.Directive)
+            call.cancel()
+    finally:
+        await sc.stop()
