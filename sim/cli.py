@@ -705,6 +705,13 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
     if problem is not None:
         _err(problem)
         return EXIT_USAGE
+    try:  # `--out` naming the responses (or token ids) replaced them with the trace, the recording lost
+        _check_not_input(
+            "--out", args.out, _input_files(("vLLM responses", args.file), ("--tokens", args.tokens))
+        )
+    except _UsageError as e:
+        _err(str(e))
+        return EXIT_USAGE
     try:
         if args.tokens is not None:
             tr = import_token_ids(args.tokens, min_n=args.min_n, max_n=args.max_n, max_k=args.max_k)
@@ -735,11 +742,18 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
 def cmd_trace_record(args: argparse.Namespace) -> int:
     from policies.arms import Method
     from sim.progress import ProgressBar
-    from sim.record import RecordUsageError, read_prompts, record_trace
+    from sim.record import RecordUsageError, read_prompts, record_trace, responses_file
 
     problem = output_problem("--out", args.out)
     if problem is not None:
         _err(problem)
+        return EXIT_USAGE
+    try:  # the prompts were replaced by the trace, or by the responses kept beside it, after every request
+        prompts_file = _input_files(("--prompts", args.prompts))
+        for out in (args.out, responses_file(Path(args.out))):
+            _check_not_input("--out", out, prompts_file)
+    except _UsageError as e:
+        _err(str(e))
         return EXIT_USAGE
     try:
         prompts = read_prompts(args.prompts, default_class=args.traffic_class, max_tokens=args.max_tokens)

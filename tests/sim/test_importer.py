@@ -259,3 +259,27 @@ def test_arrivals_on_some_lines_only_are_dropped_with_a_warning(
     src.write_text("\n".join([_response(), _response()]) + "\n")
     assert main(["trace", "import", str(src), "--out", str(out)]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("flag", ["FILE", "--tokens"])
+def test_an_out_naming_the_file_it_imports_is_refused_and_the_file_kept(
+    tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``trace import X --out X`` replaced the responses (or token ids) with the trace: "wrote X", exit 0,
+    the recording lost."""
+    src = tmp_path / "in.jsonl"
+    if flag == "FILE":
+        src.write_text(json.dumps(CAPTURED) + "\n")
+        argv, what = [str(src)], "vLLM responses"
+    else:
+        src.write_text(
+            json.dumps({"prompt_token_ids": [1, 2, 3, 1, 2], "output_token_ids": [3, 1, 2]}) + "\n"
+        )
+        argv, what = ["--tokens", str(src)], "--tokens"
+    before = src.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(src)
+    for out in (str(src), str(link)):
+        assert main(["trace", "import", *argv, "--out", out]) == 2
+        assert capsys.readouterr().err == f"--out {out}: is the {what} file it reads; name another output\n"
+        assert src.read_bytes() == before

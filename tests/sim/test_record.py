@@ -338,3 +338,22 @@ def test_record_says_what_its_steps_do_not_cover(tmp_path: Path, capsys: pytest.
         "accepted there and misaligns what follows (record at a fixed K > 0)\n"
     )
     assert read_trace(out).n == 2
+
+
+@pytest.mark.parametrize("out_name", ["p.jsonl", "p.jsonl.gz", "q.jsonl"])
+def test_outputs_naming_the_prompts_are_refused_before_any_request(
+    server: str, tmp_path: Path, out_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The prompts were replaced by the trace (``--out`` naming them) or by the responses kept beside it
+    (``--prompts q.responses.jsonl --out q.jsonl``) once every prompt had been sent: exit 0, the prompts
+    lost."""
+    from sim.cli import main
+
+    prompts = tmp_path / ("q.responses.jsonl" if out_name == "q.jsonl" else out_name)
+    prompts.write_text("hello\nthere\n")
+    out = tmp_path / out_name
+    argv = ["trace", "record", "--url", server, "--model", "m", "--prompts", str(prompts), "--out", str(out)]
+    assert main(argv) == 2
+    named = prompts if out_name == "q.jsonl" else out
+    assert capsys.readouterr().err == f"--out {named}: is the --prompts file it reads; name another output\n"
+    assert prompts.read_text() == "hello\nthere\n" and SEEN == []
