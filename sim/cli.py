@@ -570,8 +570,9 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
     try:
         _check_output("--out", args.out)
         _check_output("--plot", args.plot, suffix=".png")
-        # The steps were replaced by the profile (--out naming the steps file), or the plot by it.
-        inputs = _input_files(("steps", args.steps))
+        # The steps were replaced by the profile (--out naming the steps file), or the plot by it; so
+        # was a --base profile file.
+        inputs = _input_files(("steps", args.steps), ("--base", args.base))
         _check_not_input("--out", args.out, inputs)
         _check_not_input("--plot", args.plot, inputs)
         if args.plot and _same_file(args.out, args.plot):

@@ -107,6 +107,22 @@ def test_profile_fit_out_naming_the_steps_is_refused_and_the_steps_kept(
     assert steps.read_bytes() == before
 
 
+def test_profile_fit_out_naming_the_base_profile_is_refused_and_the_base_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The base profile was replaced by the fitted one ("wrote mine.yaml", exit 0), its memory, prices
+    # and hand-set parameters lost. (--plot cannot name it: a .png is no profile.)
+    steps = _steps(tmp_path)
+    base = tmp_path / "mine.yaml"
+    base.write_text((_profile_dir() / "llama-3.1-8b-h100.yaml").read_text().replace(
+        "name: llama-3.1-8b-h100", "name: mine", 1))  # fmt: skip
+    before = base.read_bytes()
+    argv = ["profile", "fit", str(steps), "--base", str(base), "--out", str(base), "--engine", ENGINE.name]
+    assert main(argv) == 2
+    _one_line_usage(capsys, f"--out {base}: is the --base file it reads")
+    assert base.read_bytes() == before
+
+
 def test_profile_fit_plot_and_out_on_one_path_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
