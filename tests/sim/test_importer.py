@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +284,21 @@ def test_an_out_naming_the_file_it_imports_is_refused_and_the_file_kept(
         assert main(["trace", "import", *argv, "--out", out]) == 2
         assert capsys.readouterr().err == f"--out {out}: is the {what} file it reads; name another output\n"
         assert src.read_bytes() == before
+
+
+@pytest.mark.parametrize("flag", ["FILE", "--tokens"])
+def test_a_file_name_that_is_not_utf8_is_written_escaped(tmp_path: Path, flag: str) -> None:
+    """The header's ``source_file`` held the name's bytes as lone surrogates, which the trace writer
+    refuses: ``trace import`` ended in a TraceError traceback after reading the whole file."""
+    src = tmp_path / os.fsdecode(b"r\xff.jsonl")
+    if flag == "FILE":
+        src.write_text(json.dumps(CAPTURED) + "\n")
+        argv = [str(src)]
+    else:
+        src.write_text(
+            json.dumps({"prompt_token_ids": [1, 2, 3, 1, 2], "output_token_ids": [3, 1, 2]}) + "\n"
+        )
+        argv = ["--tokens", str(src)]
+    out = tmp_path / "o.jsonl"
+    assert main(["trace", "import", *argv, "--out", str(out)]) == 0
+    assert read_trace(out).meta["source_file"] == "r\\xff.jsonl"
