@@ -11,7 +11,7 @@ the signal the plugin reports per step.
 
 Prompt file: JSON Lines of ``{"prompt": "...", "class": "code", "max_tokens": 256}`` (class and
 max_tokens optional; a class is a non-empty string, max_tokens in --max-tokens' range 2..2^22, both
-checked before any request is sent), or plain text with one prompt per line.
+checked before any request is sent, as is ``--class``), or plain text with one prompt per line.
 """
 
 from __future__ import annotations
@@ -37,7 +37,15 @@ from policies.arms import Method
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from sim.files import output_problem
 from sim.importer import import_vllm_metrics
-from sim.trace import DEFAULT_LIMITS, MAX_OUTPUT_TOKENS, Trace, TraceError, load_json_line, read_json_lines
+from sim.trace import (
+    DEFAULT_LIMITS,
+    MAX_OUTPUT_TOKENS,
+    Trace,
+    TraceError,
+    _not_unicode,
+    load_json_line,
+    read_json_lines,
+)
 
 MAX_PROMPTS = 100_000
 #: The largest answer read (bytes): what the importer reads as one line of the responses file; past it
@@ -53,8 +61,20 @@ class Prompt:
     where: str = ""  # FILE:LINE of the prompt, which errors about its request name
 
 
+def _class_problem(cls: Any) -> str | None:
+    """Why ``cls`` cannot be a prompt's traffic class (None: it can): the importer takes a non-empty
+    string of text, and refuses anything else only after every prompt was sent."""
+    if isinstance(cls, str) and cls and _not_unicode(cls, "") is None:
+        return None
+    return f"expected a non-empty string, got {json.dumps(cls)}"
+
+
 def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> list[Prompt]:
-    """Prompts from JSON Lines or plain text; errors name the file and line."""
+    """Prompts from JSON Lines or plain text; errors name the file and line (``--class`` for the class
+    of prompts without one: a byte of it that is not UTF-8 is a lone surrogate, no text)."""
+    bad = _class_problem(default_class)
+    if bad is not None:
+        raise TraceError(bad, source="--class")
     p = Path(path)
     out: list[Prompt] = []
     for lineno, raw in read_json_lines(p):
@@ -76,13 +96,9 @@ def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> li
             n = obj.get("max_tokens", max_tokens)
             # Refused here, before any request: the importer refuses an empty class only after every
             # prompt was sent, and a max_tokens past the flag's range is sent as is (a failed request).
-            if not isinstance(cls, str) or not cls:
-                raise TraceError(
-                    f"expected a non-empty string, got {json.dumps(cls)}",
-                    source=str(p),
-                    line=lineno,
-                    field="class",
-                )
+            bad = _class_problem(cls)
+            if bad is not None:
+                raise TraceError(bad, source=str(p), line=lineno, field="class")
             if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= MAX_OUTPUT_TOKENS:
                 raise TraceError(
                     f"expected an integer 2..{MAX_OUTPUT_TOKENS} (as --max-tokens), got {json.dumps(n)}",

@@ -357,3 +357,19 @@ def test_outputs_naming_the_prompts_are_refused_before_any_request(
     named = prompts if out_name == "q.jsonl" else out
     assert capsys.readouterr().err == f"--out {named}: is the --prompts file it reads; name another output\n"
     assert prompts.read_text() == "hello\nthere\n" and SEEN == []
+
+
+@pytest.mark.parametrize("cls", ["", "\udcff"])
+def test_a_class_flag_the_importer_would_refuse_is_refused_before_any_request(
+    server: str, tmp_path: Path, cls: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--class ''`` (or one holding a byte that is not UTF-8) is the class of every plain-text prompt:
+    every prompt was sent, then the import refused the responses file's first line (exit 1)."""
+    from sim.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    argv = ["trace", "record", "--url", server, "--model", "m", "--prompts", str(prompts), "--class", cls]
+    assert main([*argv, "--out", str(tmp_path / "t.jsonl")]) == 2
+    assert capsys.readouterr().err == f"--class: expected a non-empty string, got {json.dumps(cls)}\n"
+    assert SEEN == [] and not (tmp_path / "t.responses.jsonl").exists()
