@@ -54,6 +54,10 @@ def read_policy_file(path: Path) -> str:
 
 def resolve_policy_text(name_or_path: str) -> tuple[str, str]:
     """``(yaml, source)`` for a policy file path if it exists, else a preset name."""
+    if not name_or_path.strip():
+        # Named by its repr: as the source of the error it named nothing (": not a regular file", for
+        # '' is the path '.'; " : unknown policy preset ' '").
+        raise PolicyError("not a policy file or preset name", source=repr(name_or_path))
     p = Path(name_or_path)
     try:  # stat() raises for a name longer than the file system takes (ENAMETOOLONG), or EACCES
         is_file, exists = p.is_file(), p.exists()

@@ -68,6 +68,15 @@ def test_unknown_preset_is_an_input_error(capsys: pytest.CaptureFixture[str]) ->
     assert "unknown policy preset" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["", " ", "\t"])
+@pytest.mark.parametrize("action", ["validate", "set"])
+def test_a_blank_policy_name_is_named(action: str, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The error named nothing: ": not a regular file (...)" ('' is the path '.'), or " : unknown
+    # policy preset ' '" (its source a blank).
+    assert main(["--admin", _closed_port(), "policy", action, name]) == 2
+    assert capsys.readouterr().err == f"{name!r}: not a policy file or preset name\n"
+
+
 def test_fleet_needs_a_broker(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("SPECCONTROL_MQTT_URL", raising=False)
     assert main(["policy", "set", "default", "--fleet"]) == 2
