@@ -193,7 +193,7 @@ def _scenarios(text: str, args: argparse.Namespace) -> list[Trace]:
 
 def _load_traces(args: argparse.Namespace) -> list[Trace]:
     """``--trace`` (repeatable for compare) or ``--scenario A,B``, in the order given."""
-    if args.trace:
+    if args.trace is not None:  # (sim replay's --trace '' is a trace to read, not none)
         paths = args.trace if isinstance(args.trace, list) else [args.trace]
         return [read_trace(t, seed=args.seed) for t in paths]
     return _scenarios(args.scenario, args)
