@@ -300,8 +300,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem is not None:
         raise UserError(f"error: {problem}")  # (as serve's own errors read)
     try:
-        argv = ["--config", args.config] if args.config else []
-        if args.record_steps:
+        # Passed on when given at all: '' (an unset variable) is a file name serve refuses, not no
+        # flag (the defaults were served, or nothing recorded, without a word).
+        argv = ["--config", args.config] if args.config is not None else []
+        if args.record_steps is not None:
             argv += ["--record-steps", args.record_steps]
         return serve_main(argv)
     except ConfigError as e:  # found at start, e.g. an unreadable mqtt_password_file

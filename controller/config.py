@@ -480,6 +480,8 @@ def load_config(path: str | None) -> SidecarConfig:
     """The config from a YAML file, or the defaults when ``path`` is None."""
     if path is None:
         return SidecarConfig()
+    if not path:  # Path('') is '.': the error read ": cannot read: Is a directory"
+        raise ConfigError("not a file name", source="''")
     try:
         # Never read past the limit: a device (``--config /dev/zero``, a slip of the shell) was read
         # whole, gigabytes a second until the process was killed for memory.

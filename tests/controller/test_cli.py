@@ -203,6 +203,31 @@ def test_serve_with_a_refused_default_policy_writes_nothing(
     assert not (tmp_path / "state").exists()
 
 
+@pytest.mark.parametrize("flag", ["--config", "--record-steps"])
+def test_serve_with_an_empty_file_name_is_refused_before_it_starts(
+    flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # '' (an unset variable) was taken for no flag: `--config ''` served the defaults, and
+    # `--record-steps ''` recorded nothing, without a word.
+    import controller.serve
+
+    started: list[bool] = []
+
+    async def serve(*_: object, **__: object) -> None:
+        started.append(True)
+
+    monkeypatch.setattr(controller.serve, "serve", serve)
+    monkeypatch.chdir(tmp_path)  # (the defaults' state directory)
+    assert main(["serve", flag, ""]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: '': not a file name\n"
+        if flag == "--config"
+        else "error: --record-steps '': not a file name\n"
+    )
+    assert not started
+
+
 # -- --json numbers ----------------------------------------------------------------------------------
 
 
