@@ -189,6 +189,16 @@ def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
     from controller.config import read_secret_file
     from controller.errors import ConfigError
 
+    for flag, path in (
+        ("--token-file", args.token_file),
+        ("--admin-ca-file", args.admin_ca_file),
+        ("--admin-cert-file", args.admin_cert_file),
+        ("--admin-key-file", args.admin_key_file),
+    ):
+        # '' (an unset variable) was taken for no flag: TLS dropped without a word, the bearer token
+        # then sent in plaintext, or $SPECCONTROL_ADMIN_TOKEN sent in place of the file's.
+        if path == "":
+            raise UserError(f"{flag} '': not a file name")
     token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
     if args.token_file:
         try:

@@ -362,6 +362,15 @@ def test_policy_engine_ids_are_checked_before_the_sidecar_is_called(
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--token-file", "--admin-ca-file", "--admin-cert-file", "--admin-key-file"])
+def test_an_empty_admin_file_is_refused_not_dropped(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # '' (an unset variable) was taken for no flag: --admin-ca-file '' dialled the sidecar in plaintext
+    # (the bearer token then sent unencrypted to whoever answered), --token-file '' sent
+    # $SPECCONTROL_ADMIN_TOKEN instead; exit 1 here, the sidecar being unreachable.
+    assert main(["--admin", _closed_port(), "--timeout", "2", flag, "", "status"]) == 2
+    assert capsys.readouterr().err == f"{flag} '': not a file name\n"
+
+
 def test_a_bad_admin_address_in_the_environment_only_stops_commands_that_dial_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
