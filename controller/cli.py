@@ -184,21 +184,27 @@ def read_policy(name_or_path: str) -> tuple[str, str, PolicySpec]:
         raise UserError(one_line(str(e))) from None
 
 
+def _refuse_empty_files(*flags: tuple[str, str | None]) -> None:
+    """UserError (exit 2) for a file flag given as '' (an unset variable in a script): it was taken
+    for the flag left out, and what the file was for dropped without a word."""
+    for flag, path in flags:
+        if path == "":
+            raise UserError(f"{flag} '': not a file name")
+
+
 def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
     """The bearer token (``--token-file`` or ``$SPECCONTROL_ADMIN_TOKEN``) and TLS settings."""
     from controller.config import read_secret_file
     from controller.errors import ConfigError
 
-    for flag, path in (
+    # TLS dropped without a word (the bearer token then sent in plaintext), or $SPECCONTROL_ADMIN_TOKEN
+    # sent in place of the file's.
+    _refuse_empty_files(
         ("--token-file", args.token_file),
         ("--admin-ca-file", args.admin_ca_file),
         ("--admin-cert-file", args.admin_cert_file),
         ("--admin-key-file", args.admin_key_file),
-    ):
-        # '' (an unset variable) was taken for no flag: TLS dropped without a word, the bearer token
-        # then sent in plaintext, or $SPECCONTROL_ADMIN_TOKEN sent in place of the file's.
-        if path == "":
-            raise UserError(f"{flag} '': not a file name")
+    )
     token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
     if args.token_file:
         try:
@@ -419,6 +425,12 @@ def _fleet_broker(args: argparse.Namespace) -> BrokerSettings:
     """The broker for ``--fleet`` from ``--broker`` or the environment; raises UserError (exit 2)."""
     from controller._mqtt import BrokerSettings
 
+    if args.broker == "":  # (an unset variable: $SPECCONTROL_MQTT_URL was taken in its place)
+        raise UserError("--broker '': not a broker URL")
+    # (the system's CAs were trusted in place of --ca-file's, and no client certificate was sent)
+    _refuse_empty_files(
+        ("--ca-file", args.ca_file), ("--cert-file", args.cert_file), ("--key-file", args.key_file)
+    )
     url = args.broker or os.environ.get(MQTT_URL_ENV, "")
     if not url:
         raise UserError(f"--fleet needs the MQTT broker: --broker mqtt[s]://host[:port] or ${MQTT_URL_ENV}")
@@ -442,7 +454,9 @@ def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: st
     from controller.fleet import FleetVersionsUsedUp, publish_fleet_policy
 
     broker = _fleet_broker(args)
-    fleet = args.fleet_name or os.environ.get(FLEET_ENV) or "default"
+    # --fleet-name '' is refused below, not taken for the flag left out: the policy went to the fleet
+    # 'default', every sidecar of it.
+    fleet = args.fleet_name if args.fleet_name is not None else os.environ.get(FLEET_ENV) or "default"
     problem = name_problem(fleet, longest=MAX_FLEET_NAME)
     if problem is not None:
         raise UserError(f"--fleet-name: {problem}")
@@ -468,7 +482,9 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
     text, source, spec = read_policy(args.policy)
     if args.fleet:
         return _set_fleet_policy(args, text, source, spec.name)
-    if args.broker or args.fleet_name or args.ca_file or args.cert_file or args.key_file:
+    if any(
+        v is not None for v in (args.broker, args.fleet_name, args.ca_file, args.cert_file, args.key_file)
+    ):
         raise UserError("--broker, --fleet-name, --ca-file, --cert-file and --key-file go with --fleet")
 
     async def set_policy(a: AdminClient) -> pb.PolicyInfo:

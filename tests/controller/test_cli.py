@@ -128,6 +128,15 @@ def test_fleet_versions_used_up_is_a_runtime_error_of_the_fleet_not_of_the_file(
         (["--fleet", "--broker", "mqtt://h", "--ca-file", "ca.pem"], "--broker: broker TLS options"),
         (["--fleet", "--broker", "mqtt://h", "--fleet-name", "a/b"], "--fleet-name: must be 1-64 letters"),
         (["--broker", "mqtt://h"], "--broker, --fleet-name, --ca-file, --cert-file and --key-file go with"),
+        # '' (an unset variable) was taken for no flag: --fleet-name '' published to the fleet
+        # 'default' (every sidecar of it took the policy), --broker '' used $SPECCONTROL_MQTT_URL, and
+        # the TLS files were dropped (the system's CAs, no client certificate).
+        (["--fleet", "--broker", "mqtt://h", "--fleet-name", ""], "--fleet-name: must be 1-64 letters"),
+        (["--fleet", "--broker", ""], "--broker '': not a broker URL"),
+        (["--fleet", "--broker", "mqtts://h", "--ca-file", ""], "--ca-file '': not a file name"),
+        (["--fleet", "--broker", "mqtts://h", "--cert-file", ""], "--cert-file '': not a file name"),
+        (["--fleet", "--broker", "mqtts://h", "--key-file", ""], "--key-file '': not a file name"),
+        (["--fleet-name", ""], "--broker, --fleet-name, --ca-file, --cert-file and --key-file go with"),
     ],
 )
 def test_fleet_bad_options_are_input_errors(
