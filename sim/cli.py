@@ -667,8 +667,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_trace_validate(args: argparse.Namespace) -> int:
     bad = 0
     for f in args.files:
-        # Path('') is '.': an empty argument was reported as the directory '.'.
-        errors = [TraceError("not a file name", source="''")] if not f else validate_trace(f)
+        errors = validate_trace(f)
         for e in errors:
             _err(str(e))
         if errors:

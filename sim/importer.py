@@ -50,6 +50,7 @@ from sim.trace import (
     _bad_int_list,
     _int_in,
     _is_num,
+    input_path,
     load_json_line,
     read_json_lines,
 )
@@ -188,7 +189,7 @@ def import_vllm_metrics(
     if method not in TRACE_METHODS:
         raise TraceError(f"cannot import method {method.value!r}", source=str(path))
     say = warn or _to_stderr
-    p = Path(path)
+    p = input_path(path)
     ids: list[str] = []
     seen: set[str] = set()  # ids' membership: a list made the import quadratic in its responses
     classes: list[str] = []
@@ -453,7 +454,7 @@ def import_token_ids(
     if not 1 <= max_k <= MAX_K_LIMIT:
         raise ValueError(f"--max-k: must be 1..{MAX_K_LIMIT}, got {max_k}")
     say = warn or _to_stderr
-    p = Path(path)
+    p = input_path(path)
     src = str(p)
     ids: list[str] = []
     seen: set[str] = set()

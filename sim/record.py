@@ -43,6 +43,7 @@ from sim.trace import (
     Trace,
     TraceError,
     _not_unicode,
+    input_path,
     load_json_line,
     read_json_lines,
 )
@@ -75,7 +76,7 @@ def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> li
     bad = _class_problem(default_class)
     if bad is not None:
         raise TraceError(bad, source="--class")
-    p = Path(path)
+    p = input_path(path)
     out: list[Prompt] = []
     for lineno, raw in read_json_lines(p):
         line = raw.rstrip("\r\n")

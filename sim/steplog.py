@@ -40,7 +40,7 @@ from policies.arms import METHOD_CODES, Method
 from policies.observation import StepObservation
 from policies.params import shown
 from policies.physics import MAX_STEP_S, MIN_STEP_S, MIN_STEP_S_PER_REQUEST, step_floor_s
-from sim.trace import TraceError, load_json_line, read_json_lines
+from sim.trace import TraceError, input_path, load_json_line, read_json_lines
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,6 @@ def read_steps(path: str | Path) -> StepLog:
 
     Memory is the returned columns (48 bytes a step, 25 a request row) plus 12 bytes a step and 3 a
     row while reading: every value is validated in range first, so the compact dtypes hold it exactly."""
-    p = Path(path)
     engines: dict[str, int] = {}  # one string per engine name, however many steps name it
     engine = _Column(np.int32)
     duration = _Column(np.float64)
@@ -386,6 +385,7 @@ def read_steps(path: str | Path) -> StepLog:
     acc = _Column(np.int8)
     nan = float("nan")
     try:
+        p = input_path(path)
         # The trace reader's bounded line reader and JSON loader (sizes, nesting, long integers).
         for ln, line in read_json_lines(p):
             d = load_json_line(line, source=str(p), line=ln)

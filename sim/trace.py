@@ -194,6 +194,14 @@ def _depth_ok(text: str, max_depth: int) -> bool:
     return True
 
 
+def input_path(path: str | Path) -> Path:
+    """An input file's path as every reader here takes it: TraceError for '' (an unset variable), which
+    ``Path`` makes '.', so the error named the directory '.' ("cannot read: Is a directory")."""
+    if isinstance(path, str) and not path:
+        raise TraceError("not a file name", source="''")
+    return Path(path)
+
+
 def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterator[tuple[int, str]]:
     """``(line number, text)`` of every non-blank line of a JSON Lines file (gzip or plain), bounded.
 
@@ -685,9 +693,8 @@ def sample_counts(alpha: Sequence[float] | np.ndarray, n: int, rng: np.random.Ge
 
 def validate_trace(path: str | Path, *, limits: TraceLimits = DEFAULT_LIMITS) -> list[TraceError]:
     """Every problem found (up to ``MAX_ERRORS``), each with its line and field; empty when valid."""
-    p = Path(path)
     try:
-        _, _, errors = _parse(p, collect=True, limits=limits)
+        _, _, errors = _parse(input_path(path), collect=True, limits=limits)
     except TraceError as e:
         return [e]
     return errors
@@ -695,7 +702,7 @@ def validate_trace(path: str | Path, *, limits: TraceLimits = DEFAULT_LIMITS) ->
 
 def read_trace(path: str | Path, *, seed: int = 0, limits: TraceLimits = DEFAULT_LIMITS) -> Trace:
     """Read and validate a trace; raises TraceError at the first problem."""
-    p = Path(path)
+    p = input_path(path)
     hdr, reqs, _ = _parse(p, collect=False, limits=limits)
     assert hdr is not None
     rng = np.random.default_rng(seed)

@@ -412,14 +412,6 @@ def test_profile_fit_names_base_when_it_is_no_profile(
     _one_line_usage(capsys, "--base: unknown profile 'nope' (known: ")
 
 
-def test_replay_of_an_empty_trace_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    # --trace '' (an unset variable) was taken for no --trace: the run went on to --scenario, which was
-    # None, and ended in an AttributeError traceback (sim compare read '' as sim replay now does).
-    for verb in ("replay", "compare"):
-        assert main(["sim", verb, "--trace", "", "--policy", "default"]) == 2
-        _one_line_usage(capsys, "cannot read")
-
-
 def test_tune_requests_without_a_scenario_is_a_usage_error(
     hand_trace: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

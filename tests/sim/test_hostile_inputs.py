@@ -362,6 +362,38 @@ def test_trace_validate_of_an_empty_name_names_it(capsys: pytest.CaptureFixture[
     assert _one_line(capsys) == "'': not a file name\n"  # was ".: cannot read: [Errno 21] Is a directory"
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sim", "replay", "--trace", "", "--policy", "default"],
+        ["sim", "compare", "--trace", ""],
+        ["sim", "tune", "--trace", "", "--policy", "default", "--param", "explore=0.1"],
+        ["profile", "fit", "", "--out", "OUT/p.yaml"],
+        ["trace", "import", "", "--out", "OUT/t.jsonl"],
+        ["trace", "import", "--tokens", "", "--out", "OUT/t.jsonl"],
+        [
+            "trace",
+            "record",
+            "--url",
+            "http://127.0.0.1:1",
+            "--model",
+            "m",
+            "--prompts",
+            "",
+            "--out",
+            "OUT/t.jsonl",
+        ],
+    ],
+)
+def test_every_reader_of_an_empty_name_names_it(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Path('') is '.': each said ".: cannot read: [Errno 21] Is a directory: '.'", as trace validate did
+    # (and sim replay took --trace '' for none, and ended in an AttributeError traceback).
+    assert main([a.replace("OUT", str(tmp_path)) for a in argv]) == 2
+    assert _one_line(capsys) == "'': not a file name\n"
+
+
 @pytest.mark.parametrize("profile", ["", ",", " "])
 def test_an_empty_profile_flag_is_named(capsys: pytest.CaptureFixture[str], profile: str) -> None:
     assert main(["sim", "replay", *FAST, "--profile", profile]) == 2
