@@ -40,6 +40,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sim import cli_types  # noqa: E402
+
 K = 4
 CHURN = 8  # steps between a request leaving and a new one arriving
 
@@ -228,7 +230,7 @@ def main() -> int:
         default="both",
         help="the device drafter's kernels to measure (triton: where it passes its start check)",
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli_types.seed, default=0)
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     args = ap.parse_args()
     try:

@@ -23,6 +23,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "worker_drafter.py
         (["--batches", "0"], "batches in 1..1024"),
         (["--steps", "2"], "--steps in 4..100000"),
         (["--ngram-share", "1.5"], "--ngram-share: 0..1"),
+        # A seed below -batch reached numpy (default_rng(seed + batch)): a ValueError traceback after
+        # torch and the Triton check had loaded.
+        (["--seed", "-100"], "argument --seed: must be an integer 0..4294967295"),
     ],
 )
 def test_usage_errors_exit_2_and_say_what(args: list[str], says: str) -> None:
