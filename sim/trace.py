@@ -161,8 +161,9 @@ DEFAULT_LIMITS = TraceLimits()
 
 def _open_bytes(path: Path) -> IO[bytes]:
     raw = path.open("rb")
-    head = raw.read(2)
-    raw.seek(0)
+    # gzip's magic is peeked at, not read and sought back from: a pipe (`<(zcat t.jsonl.gz)`, a FIFO)
+    # cannot seek, and was refused as "File or stream is not seekable".
+    head = raw.peek(2)[:2]
     if head == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
     return raw

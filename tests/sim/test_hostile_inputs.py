@@ -7,8 +7,12 @@ exit 2, no traceback, and nothing written when the input is refused.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
+import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -398,3 +402,26 @@ def test_every_reader_of_an_empty_name_names_it(
 def test_an_empty_profile_flag_is_named(capsys: pytest.CaptureFixture[str], profile: str) -> None:
     assert main(["sim", "replay", *FAST, "--profile", profile]) == 2
     assert _one_line(capsys) == f"--profile {profile!r}: not a profile name or file\n"
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_trace_from_a_pipe_is_read(tmp_path: Path, gz: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    # `trace validate <(zcat t.jsonl.gz)`, or a FIFO a writer feeds: the reader sniffed gzip's magic
+    # by seeking back, and a pipe cannot seek: "cannot read: File or stream is not seekable".
+    text = (json.dumps(HEADER) + "\n" + json.dumps(OK) + "\n").encode()
+    fifo = tmp_path / "t.jsonl"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with contextlib.suppress(BrokenPipeError), open(fifo, "wb") as f:
+            f.write(gzip.compress(text) if gz else text)
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    try:
+        assert main(["trace", "validate", str(fifo)]) == 0, capsys.readouterr().err
+    finally:
+        if writer.is_alive():  # (a reader that never opened the FIFO leaves the writer waiting)
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(5)
+    assert capsys.readouterr().out == f"{fifo}: ok\n"
