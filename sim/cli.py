@@ -30,6 +30,7 @@ from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import (
     DEFAULT_PROFILE,
     MAX_REPLAY_BATCH,
+    PROFILE_SUFFIXES,
     Profile,
     ProfileError,
     load_profile,
@@ -433,7 +434,7 @@ def _check_outputs(
         *(("--trace", t) for t in paths),
         *(("--policy", n) for n in names),
         # A profile is read from a file only by a .yaml/.yml name (load_profile); else it is a name.
-        *(("--profile", n.strip()) for n in args.profile.split(",") if n.strip().endswith((".yaml", ".yml"))),
+        *(("--profile", n.strip()) for n in args.profile.split(",") if n.strip().endswith(PROFILE_SUFFIXES)),
     )
     _check_not_input("--json", args.json, inputs)
     for d in dirs:
@@ -577,6 +578,8 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
         _check_not_input("--plot", args.plot, inputs)
         if args.plot and _same_file(args.out, args.plot):
             raise _UsageError(f"--plot {args.plot}: --out writes the profile there (give another path)")
+        if Path(args.out).suffix not in PROFILE_SUFFIXES:  # fitted, written, then read by no --profile
+            raise _UsageError(f"--out {args.out}: must name a .yaml or .yml file (--profile reads no other)")
         name = args.name if args.name is not None else Path(args.out).stem
         bad_name = name_problem(name)
         if bad_name is not None:  # before the fit: a name that cannot load is not written

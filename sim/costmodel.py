@@ -286,6 +286,8 @@ MAX_REPLAY_BATCH = 4096
 MAX_FIT_K = 64
 #: A profile is a page of YAML; a larger file is refused before it is read.
 MAX_PROFILE_BYTES = 1 << 20
+#: What a profile file's name ends in (as written): ``load_profile`` reads any other as a profile name.
+PROFILE_SUFFIXES = (".yaml", ".yml")
 #: Physical ranges of a profile's figures (beyond them a replay's figures mean nothing, or overflow):
 #: a step lasts as long as policies.physics allows (the sidecar's telemetry bounds), no GPU spends a
 #: second per token, and memory sizes stay below a petabyte.
@@ -599,7 +601,7 @@ def profile_names() -> list[str]:
 def load_profile(name_or_path: str) -> Profile:
     """A profile by name (``sim/profiles/NAME.yaml``) or by path to a YAML file."""
     p = Path(name_or_path)
-    if not (p.suffix in (".yaml", ".yml") and p.exists()):
+    if not (p.suffix in PROFILE_SUFFIXES and p.exists()):
         p = _profile_dir() / f"{name_or_path}.yaml"
         # A name is a shipped file's stem, never a path ('../x' read a file outside sim/profiles).
         if name_problem(name_or_path) is not None or not p.exists():

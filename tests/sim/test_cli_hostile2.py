@@ -123,6 +123,19 @@ def test_profile_fit_out_naming_the_base_profile_is_refused_and_the_base_kept(
     assert base.read_bytes() == before
 
 
+@pytest.mark.parametrize("name", ["mine.txt", "mine", "Mine.YAML"])
+def test_profile_fit_out_that_no_profile_flag_can_read_is_refused(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The profile was fitted and written ("wrote mine.txt", exit 0), but --profile reads a file only by
+    # a .yaml or .yml name (any other is a profile name): "unknown profile '.../mine.txt'".
+    steps = _steps(tmp_path)
+    out = tmp_path / name
+    assert main(["profile", "fit", str(steps), "--out", str(out), "--engine", ENGINE.name]) == 2
+    _one_line_usage(capsys, f"--out {out}: must name a .yaml or .yml file")
+    assert not out.exists()
+
+
 def test_profile_fit_plot_and_out_on_one_path_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
