@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -26,7 +27,7 @@ from controller.snapshot import write_json_atomic
 from controller.state_dir import SocketInUse, StateDirLocked
 from controller.wire.address import parse_address
 from policies.spec import PolicyError
-from sim.files import output_problem
+from sim.files import output_problem, same_file
 
 log = logging.getLogger("controller.serve")
 
@@ -107,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     except PolicyError as e:
         print(f"error: {args.config or '<defaults>'}: default_policy: {e}", file=sys.stderr)
         return 2
+    problem = _record_steps_problem(args.record_steps, config, args.config)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(config, record_steps=Path(args.record_steps) if args.record_steps else None))
@@ -132,6 +137,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1
     return 0
+
+
+def _record_steps_problem(path: str | None, config: SidecarConfig, config_file: str | None) -> str | None:
+    """Why ``--record-steps`` may not be ``path`` (None: it may, or none is asked for): a file the
+    sidecar reads (its config, default policy, token, password and TLS files) or keeps its state in.
+    The steps were appended to it: `--record-steps sidecar.yaml` left a config the next start refused,
+    and the snapshot's rename dropped them."""
+    if not path:
+        return None
+    policy_file = config.default_policy if os.path.isfile(config.default_policy) else ""  # (else a preset)
+    named: list[tuple[str, str | Path]] = [("--config", config_file or ""), ("default_policy", policy_file)]
+    named += [
+        (f.name, getattr(config, f.name)) for f in dataclasses.fields(config) if f.name.endswith("_file")
+    ]
+    named += [("state_dir", config.snapshot_path), ("state_dir", config.endpoints_path)]
+    for what, other in named:
+        if other and same_file(path, other):
+            return f"--record-steps {path}: is the {what} file it reads; name another output"
+    return None
 
 
 def taken_addresses(config: SidecarConfig) -> list[tuple[str, str]]:

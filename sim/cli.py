@@ -10,7 +10,6 @@ output may name a file the command reads, or another output of the same run: ref
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -37,7 +36,7 @@ from sim.costmodel import (
     profile_names,
 )
 from sim.engines import ENGINES, EngineModel
-from sim.files import output_problem, replace_file
+from sim.files import output_problem, replace_file, same_file
 from sim.trace import (
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TOKENS,
@@ -120,14 +119,6 @@ def _check_output(flag: str, path: str | None, *, directory: bool = False, suffi
         raise _UsageError(problem)
 
 
-def _same_file(a: str | Path, b: str | Path) -> bool:
-    """Whether two paths name one file: links, ``..`` and hard links seen through."""
-    with contextlib.suppress(OSError):
-        if os.path.exists(a) and os.path.exists(b):
-            return os.path.samefile(a, b)
-    return Path(a).resolve() == Path(b).resolve()
-
-
 def _input_files(*named: tuple[str, str | None]) -> list[tuple[str, str]]:
     """The ``(flag, path)`` of each input that is a file (a preset or profile name is none)."""
     return [(flag, path) for flag, path in named if path and os.path.isfile(path)]
@@ -139,7 +130,7 @@ def _check_not_input(flag: str, out: str | Path | None, inputs: Sequence[tuple[s
     if not out:
         return
     for what, path in inputs:
-        if _same_file(out, path):
+        if same_file(out, path):
             raise _UsageError(f"{flag} {out}: is the {what} file it reads; name another output")
 
 
@@ -576,7 +567,7 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
         inputs = _input_files(("steps", args.steps), ("--base", args.base))
         _check_not_input("--out", args.out, inputs)
         _check_not_input("--plot", args.plot, inputs)
-        if args.plot and _same_file(args.out, args.plot):
+        if args.plot and same_file(args.out, args.plot):
             raise _UsageError(f"--plot {args.plot}: --out writes the profile there (give another path)")
         if Path(args.out).suffix not in PROFILE_SUFFIXES:  # fitted, written, then read by no --profile
             raise _UsageError(f"--out {args.out}: must name a .yaml or .yml file (--profile reads no other)")

@@ -89,6 +89,15 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int) -> None:
     replace_file(path, buf.getvalue())
 
 
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file: links, ``..`` and hard links seen through (one that does not
+    exist yet compared by its resolved path). Commands check an output against their inputs with it."""
+    with contextlib.suppress(OSError):
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def missing_directory(path: str | Path) -> Path | None:
     """The directory a file at ``path`` would be written in, when it does not exist (None: it does):
     commands check their output files with it before a long run, not after it."""
@@ -151,4 +160,4 @@ def output_problem(
     return None if why is None else f"{flag} {path}: cannot write in {parent}: {why}"
 
 
-__all__ = ["missing_directory", "output_problem", "replace_file", "unwritable_directory"]
+__all__ = ["missing_directory", "output_problem", "replace_file", "same_file", "unwritable_directory"]

@@ -237,6 +237,38 @@ def test_serve_with_an_empty_file_name_is_refused_before_it_starts(
     assert not started
 
 
+@pytest.mark.parametrize("names", ["--config", "default_policy", "admin_token_file", "state_dir"])
+def test_serve_refuses_to_record_steps_into_a_file_it_reads_or_keeps(
+    names: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The steps were appended to it: `--record-steps sidecar.yaml` left a config (or a policy, a token)
+    # that the next start refused, and in the state directory the snapshot's rename dropped them.
+    import controller.serve
+
+    started: list[bool] = []
+
+    async def serve(*_: object, **__: object) -> None:
+        started.append(True)
+
+    monkeypatch.setattr(controller.serve, "serve", serve)
+    policy, token, state = tmp_path / "p.yaml", tmp_path / "token", tmp_path / "state"
+    policy.write_text(Path("policies/library/default.yaml").read_text())
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    state.mkdir()
+    (state / "sidecar-state.json").write_text("{}")  # (a restart: the default policy is not read)
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(f"state_dir: {state}\ndefault_policy: {policy}\nadmin_token_file: {token}\n")
+    target = {"--config": cfg, "default_policy": policy, "admin_token_file": token}.get(
+        names, state / "sidecar-state.json"
+    )
+    before = target.read_bytes()
+    assert main(["serve", "--config", str(cfg), "--record-steps", str(target)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --record-steps {target}: is the {names} file it reads; name another output\n"
+    )
+    assert not started and target.read_bytes() == before
+
+
 # -- --json numbers ----------------------------------------------------------------------------------
 
 
