@@ -320,6 +320,8 @@ def make_executor(kind: str, *, jobs: int | None = None, address: str | None = N
     """``local`` (a process pool; the default) or ``ray``; ``jobs`` defaults to the usable CPU count
     (a local pool runs no more workers than that whatever ``jobs`` says: ``LocalExecutor.workers``)."""
     n = max(1, jobs if jobs is not None else usable_cpus())
+    if address == "":  # (an unset variable) not taken for none: Ray started a cluster of its own here
+        raise ExecutorUsageError("--address '': not a cluster address (leave it out for none)")
     if kind == "local":
         if address:
             raise ExecutorUsageError("--address: only with --executor ray")

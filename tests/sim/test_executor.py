@@ -50,6 +50,11 @@ def test_executor_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> Non
     base = ["sim", "compare", "--scenario", "chat", "--requests", "4", "--concurrency", "1", "--no-oracle"]
     assert main([*base, "--address", "auto"]) == 2
     assert "--address: only with --executor ray" in capsys.readouterr().err
+    # '' (an unset variable) was taken for no --address: a local pool ran, or Ray started a cluster
+    # of its own on this machine in place of the one meant, without a word.
+    for executor in ("local", "ray"):
+        assert main([*base, "--executor", executor, "--address", ""]) == 2
+        assert capsys.readouterr().err == "--address '': not a cluster address (leave it out for none)\n"
     with pytest.raises(SystemExit) as e:
         main([*base, "--executor", "dask"])
     assert e.value.code == 2
