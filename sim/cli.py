@@ -283,10 +283,13 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
         if not profiles or not traces:
             raise _UsageError("give at least one --profile and one --trace or --scenario")
         # A sweep names each comparison (and its --out directory) TRACE--PROFILE: two alike overwrote.
-        for what, seen in (("trace", [t.name for t in traces]), ("profile", [p.name for p in profiles])):
+        for flag, what, seen in (
+            ("--trace" if args.trace is not None else "--scenario", "trace", [t.name for t in traces]),
+            ("--profile", "profile", [p.name for p in profiles]),
+        ):
             twice = next((n for i, n in enumerate(seen) if n in seen[:i]), None)
             if twice is not None:
-                raise _UsageError(f"--{what}: two {what}s named {twice!r}: a sweep names its results by them")
+                raise _UsageError(f"{flag}: two {what}s named {twice!r}: a sweep names its results by them")
         # A comparison labels its runs POLICY @ ENGINE: two policies of one name (a copy of a preset
         # under its name) gave two rows alike with different figures, and an engine or policy given
         # twice ran it twice.

@@ -212,6 +212,13 @@ def test_json_on_a_sweeps_report_directory_is_refused(
 # -- labels -----------------------------------------------------------------------------------------
 
 
+def test_a_scenario_given_twice_is_named_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    # "--trace: two traces named 'chat'" named a flag the command line did not hold.
+    argv = ["sim", "compare", "--scenario", "chat,chat", "--requests", "4", "--concurrency", "1"]
+    assert main(argv) == 2
+    _one_line_usage(capsys, "--scenario: two traces named 'chat': a sweep names its results by them")
+
+
 def test_two_policies_of_one_name_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A copy of a preset under its own name: two rows "epsilon-greedy @ composite", different figures.
     pol = tmp_path / "eg.yaml"
