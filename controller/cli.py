@@ -194,7 +194,7 @@ def _refuse_empty_files(*flags: tuple[str, str | None]) -> None:
 
 def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
     """The bearer token (``--token-file`` or ``$SPECCONTROL_ADMIN_TOKEN``) and TLS settings."""
-    from controller.config import read_secret_file
+    from controller.config import header_safe, read_secret_file
     from controller.errors import ConfigError
 
     # TLS dropped without a word (the bearer token then sent in plaintext), or $SPECCONTROL_ADMIN_TOKEN
@@ -206,11 +206,15 @@ def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
         ("--admin-key-file", args.admin_key_file),
     )
     token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+    source = f"${ADMIN_TOKEN_ENV}"
     if args.token_file:
         try:
             token = read_secret_file(args.token_file, field="--token-file")
         except ConfigError as e:
             raise UserError(str(e).removeprefix("<config>: ")) from None
+        source = f"--token-file {one_line(args.token_file)}"
+    if not header_safe(token):  # (gRPC refused it inside the call: an ExecuteBatchError traceback)
+        raise UserError(f"{source}: the token must be printable ASCII characters")
     tls = None
     if args.admin_ca_file or args.admin_cert_file or args.admin_key_file:
         try:

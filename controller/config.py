@@ -33,6 +33,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_FLEET_NAME = 64
 
 
+def header_safe(token: str) -> bool:
+    """Whether ``token`` can go in a gRPC header value: printable ASCII only (a gRPC client refuses
+    other bytes there, failing the call on its own side)."""
+    return token.isascii() and token.isprintable()
+
+
 def read_secret_file(path: str, *, field: str) -> str:
     """A token or password from a file (e.g. a mounted Secret), stripped. Raises ConfigError."""
     try:
@@ -242,9 +248,9 @@ class SidecarConfig:
         if not self.admin_token_file:
             return ""
         token = read_secret_file(self.admin_token_file, field="admin_token_file")
-        # Printable ASCII only: gRPC clients refuse other bytes in a header value, so a token with
-        # them started the sidecar and then failed every mutating call with a client-side error.
-        if len(token) < MIN_TOKEN_CHARS or not (token.isascii() and token.isprintable()) or " " in token:
+        # Printable ASCII only (header_safe): a token with other bytes started the sidecar and then
+        # failed every mutating call with a client-side error.
+        if len(token) < MIN_TOKEN_CHARS or not header_safe(token) or " " in token:
             raise ConfigError(
                 f"{self.admin_token_file}: the token must be at least {MIN_TOKEN_CHARS} printable ASCII "
                 "characters without spaces (e.g. openssl rand -hex 32)",

@@ -412,6 +412,29 @@ def test_an_empty_admin_file_is_refused_not_dropped(flag: str, capsys: pytest.Ca
     assert capsys.readouterr().err == f"{flag} '': not a file name\n"
 
 
+@pytest.mark.parametrize("token", ["abc\ndef", "t\u00f6ken", "a\x07b"])
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_a_token_grpc_cannot_send_is_refused_naming_where_it_came_from(
+    token: str,
+    where: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # gRPC refuses a header value that is not printable ASCII: every command that dialled ended in
+    # grpc's ExecuteBatchError traceback (exit 1), the sidecar reachable or not.
+    flags: list[str] = []
+    if where == "env":
+        monkeypatch.setenv("SPECCONTROL_ADMIN_TOKEN", token)
+        source = "$SPECCONTROL_ADMIN_TOKEN"
+    else:
+        f = tmp_path / "token"
+        f.write_text(token + "\n")
+        flags, source = ["--token-file", str(f)], f"--token-file {f}"
+    assert main(["--admin", _closed_port(), "--timeout", "2", *flags, "status"]) == 2
+    assert capsys.readouterr().err == f"{source}: the token must be printable ASCII characters\n"
+
+
 def test_a_bad_admin_address_in_the_environment_only_stops_commands_that_dial_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
