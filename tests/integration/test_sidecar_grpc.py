@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -392,24 +390,21 @@ async def test_directive_is_refreshed_before_its_ttl_lapses(
         await eng.close()
 
 
-async def test_unix_socket_listener(tmp_path: Path) -> None:
-    sock_dir = Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
+async def test_unix_socket_listener(tmp_path: Path, short_tmp_path: Path) -> None:
+    sock_dir = short_tmp_path
+    cfg = replace(_config(tmp_path), engine_listen=f"unix://{sock_dir}/engine.sock", metrics_listen="")
+    sc = Sidecar(config=cfg, registry=CollectorRegistry())
+    await sc.start()
     try:
-        cfg = replace(_config(tmp_path), engine_listen=f"unix://{sock_dir}/engine.sock", metrics_listen="")
-        sc = Sidecar(config=cfg, registry=CollectorRegistry())
-        await sc.start()
+        assert sc.engine_target == f"unix://{sock_dir}/engine.sock"
+        assert sc.metrics_url == ""
+        eng = TestEngine(sc.engine_target, pb.EngineMessage(hello=hello("uds")))
         try:
-            assert sc.engine_target == f"unix://{sock_dir}/engine.sock"
-            assert sc.metrics_url == ""
-            eng = TestEngine(sc.engine_target, pb.EngineMessage(hello=hello("uds")))
-            try:
-                assert (await eng.directive()).policy == "default"
-            finally:
-                await eng.close()
+            assert (await eng.directive()).policy == "default"
         finally:
-            await sc.stop()
+            await eng.close()
     finally:
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        await sc.stop()
 
 
 async def test_versions_skip_ahead_after_an_unclean_stop(tmp_path: Path) -> None:

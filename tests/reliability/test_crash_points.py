@@ -19,13 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,12 +97,8 @@ class _Model:
 
 
 @pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="cp-", dir="/tmp"))  # short: sun_path is 108 bytes
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def sock_dir(short_tmp_path: Path) -> Path:
+    return short_tmp_path  # (tests/conftest.py: a socket path holds 107 bytes)
 
 
 async def _check(admin: pb_grpc.AdminServiceStub, model: _Model) -> None:

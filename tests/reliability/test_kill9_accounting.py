@@ -10,9 +10,7 @@ Only counts are asserted.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -33,12 +31,8 @@ KILLS = 2
 
 
 @pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="k9-", dir="/tmp"))  # short: sun_path is 108 bytes
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def sock_dir(short_tmp_path: Path) -> Path:
+    return short_tmp_path  # (tests/conftest.py: a socket path holds 107 bytes)
 
 
 def _grew(engines: list[EmbeddedEngine], counter: str, *, by: int) -> Callable[[], bool]:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +31,8 @@ POLICY = STATIC_EAGLE3_2.replace("directive_ttl_s: 10.0", f"directive_ttl_s: {TT
 
 
 @pytest.fixture
-def setup(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
-    sock_dir = Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))  # short: sun_path is 108 bytes
+def setup(tmp_path: Path, short_tmp_path: Path) -> tuple[Path, Path, Path]:
+    sock_dir = short_tmp_path  # (tests/conftest.py: a socket path holds 107 bytes)
     state = tmp_path / "state"
     cfg = tmp_path / "sidecar.yaml"
     cfg.write_text(
@@ -46,10 +44,7 @@ def setup(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
         "snapshot_interval_s: 0.2\n"
         "ack_interval_s: 0.05\n"
     )
-    try:
-        yield cfg, state, sock_dir
-    finally:
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    return cfg, state, sock_dir
 
 
 def _engines(resp: pb.ListEnginesResponse) -> dict[str, Any]:

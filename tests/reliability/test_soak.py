@@ -21,11 +21,9 @@ import asyncio
 import contextlib
 import os
 import random
-import shutil
-import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -176,12 +174,8 @@ async def _fleet_policy(broker: BrokerSettings, admin_target: str, n: int) -> st
 
 
 @pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))  # short: sun_path is 108 bytes
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def sock_dir(short_tmp_path: Path) -> Path:
+    return short_tmp_path  # (tests/conftest.py: a socket path holds 107 bytes)
 
 
 async def test_soak(

@@ -10,11 +10,10 @@ Through the real intake: a real gRPC server posing as the sidecar and the plugin
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -98,9 +97,9 @@ class HostileSidecar(pb_grpc.EngineServiceServicer):
 
 
 def test_a_hostile_sidecar_is_refused_and_the_last_good_directive_stays(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, short_tmp_path: Path
 ) -> None:
-    sock = os.path.join(tempfile.mkdtemp(prefix="sc-"), "s.sock")
+    sock = short_tmp_path / "s.sock"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_EngineServiceServicer_to_server(HostileSidecar(), server)  # type: ignore[no-untyped-call]
     server.add_insecure_port(f"unix://{sock}")
