@@ -3,9 +3,10 @@
 What must hold: ``state_to_json`` writes the policies, the directive version counter, the fleet policy
 version and per engine its description, control-loop state, counters and report sequence; ``parse_state``
 checks every value read back (a field path names any bad one). A snapshot whose policies or counters are
-unusable raises (the caller moves the file aside and starts clean); a bad engine entry is dropped alone
-and named in ``problems``, the rest is kept. After a crash the version counter skips ahead by
-``CRASH_VERSION_GAP`` so directives stay strictly increasing. No I/O here but through ``SnapshotStore``.
+unusable raises (the caller moves the file aside and starts clean), and so does a configured default
+policy that cannot be loaded where it must stand in (the file is then left where it is: the config is
+at fault); a bad engine entry is dropped alone and named in ``problems``, the rest is kept. After a
+crash the version counter skips ahead by ``CRASH_VERSION_GAP`` so directives stay strictly increasing. No I/O here but through ``SnapshotStore``.
 """
 
 from __future__ import annotations
@@ -256,13 +257,27 @@ def load_state(
     fallback: Callable[[], tuple[PolicySpec, str]] | None = None,
 ) -> SavedState | None:
     """The state the snapshot file holds, or None when there is none or it cannot be restored as a
-    whole (the file is then moved aside)."""
+    whole (the file is then moved aside). A PolicyError of ``fallback`` itself (the configured default
+    policy cannot be loaded) is raised as it is, with the file left in place: the config is at fault,
+    not the snapshot (moved aside as corrupt, the start after the config was mended was clean)."""
     state = snapshots.load()
     if state is None:
         return None
+    configured: list[PolicyError] = []
+
+    def configured_default() -> tuple[PolicySpec, str]:
+        assert fallback is not None
+        try:
+            return fallback()
+        except PolicyError as e:
+            configured.append(e)
+            raise
+
     try:
-        return parse_state(state, clock=clock, fallback=fallback)
+        return parse_state(state, clock=clock, fallback=configured_default if fallback else None)
     except (PolicyError, SnapshotError) as e:
+        if configured:
+            raise configured[0] from None
         snapshots.quarantine(f"cannot be restored: {oneline(str(e))}")
         return None
 

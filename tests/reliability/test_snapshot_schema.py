@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.server import SidecarServer as Sidecar
 from controller.v1 import controller_pb2 as pb
+from policies.spec import PolicyError
 from tests.integration.test_sidecar_grpc import TestEngine, hello
 from tests.reliability.test_snapshot_faults import _config, _with_state
 
@@ -235,5 +237,33 @@ async def test_a_saved_default_policy_this_version_refuses_gives_way_to_the_conf
             "from_a_later_version" in caplog.text and f"default policy {want!r} serves instead" in caplog.text
         )
         await _attach_works(sc, want)
+    finally:
+        await sc.stop()
+
+
+async def test_a_configured_default_policy_that_cannot_be_loaded_leaves_the_snapshot_in_place(
+    tmp_path: Path,
+) -> None:
+    # The saved default is refused (a rule added since), so the configured one is asked for, and it
+    # cannot be loaded (its file is gone): that is the config's fault, not the snapshot's. The start
+    # must stop naming it, with the snapshot where it was: it was moved aside as corrupt, and the
+    # start after the config was mended was clean (engines, counters and version counter lost).
+    path = await _with_state(tmp_path)
+    doc = json.loads(path.read_text())
+    cur = doc["state"]["policies"]["default"]["current"]
+    cur["yaml"] = cur["yaml"].replace("    name: static\n", "    name: from_a_later_version\n")
+    path.write_text(json.dumps(doc))
+    before = sorted(p.name for p in path.parent.iterdir())
+    missing = tmp_path / "gone.yaml"
+    sc = Sidecar(config=replace(_config(tmp_path), default_policy=str(missing)), registry=CollectorRegistry())
+    with pytest.raises(PolicyError, match=r"gone\.yaml: no such policy file"):
+        await sc.start()
+    assert sorted(p.name for p in path.parent.iterdir()) == before
+    assert json.loads(path.read_text()) == doc
+    # mended, the next start restores the snapshot: its engine and counters are there
+    sc = Sidecar(config=_config(tmp_path), registry=CollectorRegistry())
+    await sc.start()
+    try:
+        assert sc.engines()["e1"].loop.totals.steps == 1
     finally:
         await sc.stop()
