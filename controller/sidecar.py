@@ -5,9 +5,9 @@ directives go back on their streams; policies are set, rolled back and written t
 is built and driven in-process (``open``, ``attach``, ``ingest``, ``tick``, ``set_policy``, ``close``),
 which is what ``controller.server.SidecarServer`` does from its gRPC services and background task.
 What must hold: every directive version is strictly greater than any sent before (also across a
-restart); a policy change is on disk before it is acknowledged; one engine's broken loop is reset
-alone and never breaks status, snapshots or other engines; the registry never grows past
-``max_engines``.
+restart); a policy change, with the fresh loops it gives engines, is on disk before it is
+acknowledged; one engine's broken loop is reset alone and never breaks status, snapshots or other
+engines; the registry never grows past ``max_engines``.
 """
 
 from __future__ import annotations
@@ -474,25 +474,46 @@ class Sidecar:
         affected = self._affected(engine_id)
         loops = {eid: self._loop_for(self._engines[eid].info, spec) for eid in affected}
         rec = self._durably(
-            lambda: self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id)
+            lambda: self.policy_store.set_spec(spec, source=source or "<policy>", engine_id=engine_id),
+            lambda: loops,
         )
-        self._swap(loops)
         log.info("policy %s (revision %d) set for %s", spec.name, rec.revision, engine_id or "all engines")
         return rec
 
-    def _durably(self, change: Callable[[], PolicyRecord]) -> PolicyRecord:
-        """Make a policy change in the store and write it through before anything acts on it (it
-        must survive a kill -9 right after it is acknowledged). When the write fails, the store is
-        as it was and PolicyNotSaved says why: a change that is not on disk is not made."""
+    def _durably(
+        self, change: Callable[[], PolicyRecord], new_loops: Callable[[], Mapping[str, ControlLoop]]
+    ) -> PolicyRecord:
+        """Make a policy change in the store, give the engines it affects ``new_loops()`` (built after
+        the change) and write both through before anything acts on them (the change must survive a
+        kill -9 right after it is acknowledged, fresh loops included: written with the old loops, the
+        restart loaded their statistics into the new policy where it bore the old one's name). Then
+        the connected ones decide. When the write fails, the store and the loops are as they were and
+        PolicyNotSaved says why: a change that is not on disk is not made."""
         before = self.policy_store.copy()
         rec = change()
+        try:
+            loops = new_loops()
+        except BaseException:
+            self._store = before
+            raise
+        old = {eid: (self._engines[eid].loop, self._engines[eid].loop_version) for eid in loops}
+        for eid, loop in loops.items():
+            st = self._engines[eid]
+            loop.totals = st.loop.totals
+            st.loop, st.loop_version = loop, -1
         if not self.save_snapshot():
             self._store = before
+            for eid, (loop, version) in old.items():
+                self._engines[eid].loop, self._engines[eid].loop_version = loop, version
             why = self.snapshots.last_error or "see the sidecar's log"
             log.error("policy change refused: the state could not be written (%s)", why)
             raise PolicyNotSaved(
                 f"policy not changed: the state could not be written to {self.snapshots.path}: {why}"
             )
+        now = self.clock()
+        for eid in loops:
+            if self._engines[eid].connected:
+                self._decide(self._engines[eid], now)
         return rec
 
     def _on_fleet_policy(self, yaml_text: str, version: int) -> None:
@@ -524,8 +545,10 @@ class Sidecar:
     def rollback_policy(self, engine_id: str = "") -> PolicyRecord:
         """Raises NoPreviousPolicy, or PolicyNotSaved (nothing changed)."""
         affected = self._affected(engine_id)
-        rec = self._durably(lambda: self.policy_store.rollback(engine_id))
-        self._swap({eid: self._new_loop(self._engines[eid].info) for eid in affected})
+        rec = self._durably(
+            lambda: self.policy_store.rollback(engine_id),
+            lambda: {eid: self._new_loop(self._engines[eid].info) for eid in affected},
+        )
         log.info(
             "policy rolled back to %s (revision %d) for %s", rec.spec.name, rec.revision, engine_id or "all"
         )
@@ -545,15 +568,6 @@ class Sidecar:
 
     def _new_loop(self, info: EngineInfo) -> ControlLoop:
         return ControlLoop(spec=self.policy_store.effective(info.engine_id).spec, engine=info)
-
-    def _swap(self, loops: Mapping[str, ControlLoop]) -> None:
-        now = self.clock()
-        for eid, loop in loops.items():
-            st = self._engines[eid]
-            loop.totals = st.loop.totals
-            st.loop, st.loop_version = loop, -1
-            if st.connected:
-                self._decide(st, now)
 
     def _reset_loop(self, st: EngineState, why: str) -> None:
         """Give an engine a fresh control loop (what it learned is lost, its counters are kept): a

@@ -531,3 +531,43 @@ def test_the_engine_forgotten_is_the_one_idle_longest_not_the_one_silent_longest
         assert sorted(sc.engines()) == ["new", "quiet"]
     finally:
         sc.close(snapshot=False)
+
+
+@pytest.mark.parametrize("change", ["set", "rollback"])
+def test_kill_9_right_after_a_change_to_a_policy_of_the_same_name_restores_what_it_acknowledged(
+    tmp_path: Path, clock: Clock, change: str
+) -> None:
+    # A policy change gives each affected engine a fresh loop. The change's own snapshot held the
+    # engines' old loops, so after a kill -9 before the next periodic one, the restart (which loads a
+    # saved loop whose policy bears the new one's name) gave the new policy the old one's learned
+    # statistics: here UCB1's tables in a Thompson learner, rounds and all.
+    ucb = preset_text("ucb1").replace("name: ucb1\n", "name: mine\n", 1)
+    thompson = preset_text("thompson").replace("name: thompson\n", "name: mine\n", 1)
+    sc = make(tmp_path, clock)
+    sc.open()
+    sc.set_policy(thompson if change == "rollback" else ucb, source="mine.yaml")
+    if change == "rollback":
+        sc.set_policy(ucb, source="mine.yaml")
+    s = sc.attach(info("e1"), instance_id="1" * 32)
+    for seq in range(1, 20):
+        sc.ingest(s, batch(seq, 8, t0=float(seq)))
+        clock.now += 1.0
+        sc.tick()
+    assert sc.engines()["e1"].loop.rounds > 0
+    if change == "set":
+        sc.set_policy(thompson, source="mine.yaml")
+    else:
+        sc.rollback_policy()
+    acked = sc.engines()["e1"].loop
+    assert acked.spec.algorithm == "discounted_thompson" and acked.rounds == 1  # its first decision
+    sc.close(snapshot=False)  # kill -9: no final snapshot
+    again = make(tmp_path, clock)
+    again.open()
+    try:
+        got = again.engines()["e1"].loop
+        fresh = again._new_loop(info("e1"))
+        assert got.spec.algorithm == "discounted_thompson"
+        assert (got.rounds, got.state_dict()["learner"]) == (0, fresh.state_dict()["learner"])
+        assert got.totals.steps == 19 * 8  # the counters are kept all the same
+    finally:
+        again.close(snapshot=False)
