@@ -8,18 +8,22 @@ batch size, so one detector per (class, method) serves every bucket.
 Two-sided Page-Hinkley (Page 1954; Hinkley 1971): with ``m`` the running mean since the last alarm,
 ``up += x - m - delta`` and ``down += x - m + delta``; an alarm fires when ``up`` rises ``threshold``
 above its minimum (acceptance rose) or ``down`` falls ``threshold`` below its maximum (it fell). Each
-request-step row is one sample, summed per step, so a step of batch 32 weighs 32 samples.
+request-step row is one sample, summed per step, so a step of batch 32 weighs 32 samples. Saved
+tests are checked on load against what ``add`` keeps, and refused with a ValueError naming the field.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from policies.params import Param
+from policies.algorithms.base import MAX_COUNT, saved_class, saved_count, saved_mapping, saved_numbers
+from policies.arms import Method
+from policies.params import Param, shown
 
 #: Spec fields of ``spec.drift``.
 DRIFT_FIELDS: dict[str, Param] = {
@@ -32,6 +36,8 @@ DRIFT_FIELDS: dict[str, Param] = {
     "shrink": Param(0.1, "Weight kept by the affected statistics on an alarm (0: forget them).", 0.0, 1.0),
 }
 DETECTORS = ("none", "page_hinkley")
+#: Rounding a running mean of values in [0, 1] may leave it this far outside.
+_SLACK = 1e-9
 
 
 @dataclass(slots=True)
@@ -71,8 +77,20 @@ class PageHinkley:
     def to_json(self) -> list[float]:
         return [self.n, self.mean, self.up, self.up_min, self.down, self.down_max]
 
-    def load(self, v: list[float]) -> None:
-        self.n, self.mean, self.up, self.up_min, self.down, self.down_max = (float(x) for x in v)
+    def load(self, v: Any, where: str) -> None:
+        """Load what ``to_json`` saved, checked first against what ``add`` keeps (ValueError naming
+        ``where``): ``float()`` took "nan" (a test of NaN sums never fires again) and a negative count."""
+        saved = saved_numbers(v, where, (6,), lo=-math.inf).tolist()
+        n, mean, up, up_min, down, down_max = saved
+        if not (0 <= n <= MAX_COUNT and n == math.floor(n)):
+            raise ValueError(f"{where}: a sample count is a whole number in [0, {MAX_COUNT}], got {shown(n)}")
+        if not -_SLACK <= mean <= 1 + _SLACK:  # a running mean of values in [0, 1]
+            raise ValueError(
+                f"{where}: the mean of first-position acceptances is in [0, 1], got {shown(mean)}"
+            )
+        if up_min > min(0.0, up) or down_max < max(0.0, down):
+            raise ValueError(f"{where}: the running minimum and maximum do not bound the sums")
+        self.n, self.mean, self.up, self.up_min, self.down, self.down_max = saved
 
 
 @dataclass(slots=True)
@@ -102,10 +120,19 @@ class DriftMonitor:
         return {"alarms": self.alarms, "tests": {f"{c}|{m}": t.to_json() for (c, m), t in self.tests.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.alarms = int(state.get("alarms", 0))
-        self.tests = {}
-        for key, v in state.get("tests", {}).items():
-            c, _, m = str(key).rpartition("|")
-            t = PageHinkley(self.delta, self.threshold, self.min_samples)
-            t.load(list(v))
-            self.tests[(c, m)] = t
+        """Load what ``state_dict`` saved; every field is checked before any is taken (ValueError naming
+        it: ``int()`` took "7", true and -1 as a count of alarms)."""
+        alarms = saved_count(state.get("alarms", 0), "alarms")
+        tests = {}
+        saved = saved_mapping(
+            state.get("tests", {}), "tests", "a mapping of 'CLASS|METHOD' to a Page-Hinkley test"
+        )
+        for key, v in saved.items():
+            where = f"tests[{key!r}]"
+            c, _, m = key.rpartition("|")
+            saved_class(c, where)
+            if m not in set(Method):
+                raise ValueError(f"{where}: {m!r} is not a drafting method (one of {', '.join(Method)})")
+            t = tests[(c, m)] = PageHinkley(self.delta, self.threshold, self.min_samples)
+            t.load(v, where)
+        self.alarms, self.tests = alarms, tests

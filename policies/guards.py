@@ -10,6 +10,9 @@ Each guard is a small stateful filter the ControlLoop applies after the learner 
   so there the share of decisions that depart from the learner's greedy choice is capped.
 * ``keeps_current``: hysteresis on estimated goodput, so two arms within the margin do not flip-flop:
   the policy's relative ``switch_margin`` and the learner's own margin from its uncertainty.
+
+Saved guard state (snapshots, the fleet's posteriors) is checked field by field on load, as the
+learners' is, and refused with a ValueError naming the field: never coerced into range.
 """
 
 from __future__ import annotations
@@ -20,10 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from policies.algorithms.base import saved_bucket, saved_mapping, saved_numbers
-from policies.arms import Arm
+from policies.algorithms.base import (
+    MAX_COUNT,
+    saved_bucket,
+    saved_context,
+    saved_count,
+    saved_mapping,
+    saved_numbers,
+)
+from policies.arms import MAX_K, Arm
 from policies.context import Context
-from policies.params import Param
+from policies.params import Param, shown
 
 SLO_FIELDS: dict[str, Param] = {
     "p99_tpot_ms": Param(
@@ -186,10 +196,17 @@ class TpotGuard:
                 state.get("windows", {}), "windows", "a mapping of bucket to TPOTs"
             ).items()
         }
-        self.trips = int(state.get("trips", 0))
+        # Checked like the windows (``int()`` took "7", 2.5 and -7): the trips go on into the loop's
+        # totals, where one out of range had the next snapshot's restore drop the whole engine.
+        trips = saved_count(state.get("trips", 0), "trips")
+        caps = {
+            saved_bucket(b, "caps"): _saved_cap(cap, f"caps[{b!r}]")
+            for b, cap in saved_mapping(state.get("caps", {}), "caps", "a mapping of bucket to K cap").items()
+        }
+        self.trips = trips
         self.buckets = {}
-        for b, cap in state.get("caps", {}).items():
-            self._win(str(b)).cap = int(cap)
+        for b, cap in caps.items():
+            self._win(b).cap = cap
         for b, v in windows.items():
             self._win(b).add(v)  # the newest ``window`` of them, should the window have shrunk
 
@@ -232,4 +249,28 @@ class ExplorationBudget:
         return {"counts": {k.key: list(v) for k, v in self.counts.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.counts = {Context.parse(k): [int(v[0]), int(v[1])] for k, v in state.get("counts", {}).items()}
+        """Load what ``state_dict`` saved; ValueError naming the field for counts ``permit`` never keeps
+        (``int()`` took strings, fractions and a negative count of explored decisions: that one let the
+        budget explore without limit at high load)."""
+        counts = {}
+        saved = saved_mapping(
+            state.get("counts", {}), "counts", "a mapping of context to [decisions, explored]"
+        )
+        for k, v in saved.items():
+            where = f"counts[{k!r}]"
+            ctx = saved_context(k, "counts")
+            pair = saved_numbers(v, where, (2,), hi=MAX_COUNT)
+            if (pair != np.floor(pair)).any():
+                raise ValueError(f"{where}: decisions are counted in whole numbers, got {pair.tolist()}")
+            decisions, explored = (int(x) for x in pair)
+            if explored > decisions:
+                raise ValueError(f"{where}: explored {explored} of {decisions} decisions")
+            counts[ctx] = [decisions, explored]
+        self.counts = counts
+
+
+def _saved_cap(value: Any, where: str) -> int:
+    """A saved TPOT cap: what ``TpotGuard.update`` sets, an integer in [1, MAX_K]; ValueError naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_K:
+        raise ValueError(f"{where}: expected an integer in [1, {MAX_K}], got {shown(value)}")
+    return value

@@ -368,3 +368,106 @@ def test_a_newer_learner_field_of_the_wrong_shape_is_named(
     _put(state["learner"], path, value)
     with pytest.raises(ValueError, match=re.escape(says)):
         _loop(preset).load_state_dict(state)
+
+
+#: The default policy with every guard on: drift detection, the p99 TPOT guard and the exploration
+#: budget each save state of their own.
+GUARDED = preset_text("default").replace(
+    "  seed: 0\n",
+    "  seed: 0\n  drift: {detector: page_hinkley}\n  slo: {p99_tpot_ms: 5, window: 16, min_samples: 16}\n"
+    "  exploration: {max_share_at_high_load: 0.2, high_load_batch: 16}\n",
+)
+
+
+def _guarded() -> ControlLoop:
+    return ControlLoop(spec=parse_policy(GUARDED), engine=ENGINE, seed=0)
+
+
+def _guarded_state() -> dict[str, Any]:
+    loop = _guarded()
+    for r in range(30):
+        arm = loop.decide(float(r)).arm_for("code", 32)
+        loop.observe(StepBatch.of(_obs(arm, 32)))
+    state: dict[str, Any] = json.loads(json.dumps(loop.state_dict()))
+    assert state["guards"]["drift"]["tests"] and state["guards"]["budget"]["counts"]
+    assert state["guards"]["tpot"]["trips"] and state["guards"]["tpot"]["caps"]
+    return state
+
+
+SAVED_GUARDED = _guarded_state()
+
+
+@pytest.mark.parametrize(
+    ("guard", "field", "value", "says"),
+    [
+        # int() and float() took each of these: a trips count below 0 or beyond 2^53 went on into the
+        # loop's totals, whose next snapshot then dropped the whole engine on restore
+        ("tpot", "trips", -7, "guards.tpot: trips: expected an integer in [0, "),
+        ("tpot", "trips", 1e300, "guards.tpot: trips: expected an integer in [0, "),
+        ("tpot", "trips", "7", "guards.tpot: trips: expected an integer in [0, "),
+        ("tpot", "trips", 2.5, "guards.tpot: trips: expected an integer in [0, "),
+        ("tpot", "caps", {"17-32": 0}, "guards.tpot: caps['17-32']: expected an integer in [1, 64]"),
+        ("tpot", "caps", {"17-32": "3"}, "guards.tpot: caps['17-32']: expected an integer in [1, 64]"),
+        ("tpot", "caps", {"17-32": True}, "guards.tpot: caps['17-32']: expected an integer in [1, 64]"),
+        ("tpot", "caps", {"x": 2}, "guards.tpot: caps: 'x' is not a batch bucket label"),
+        # a negative count of explored decisions let the budget explore without limit at high load
+        ("budget", "counts", {"17-32/*": [100, -1000]}, "guards.budget: counts['17-32/*']: every value must"),
+        ("budget", "counts", {"17-32/*": [10, 11]}, "guards.budget: counts['17-32/*']: explored 11 of 10"),
+        ("budget", "counts", {"17-32/*": "12"}, "guards.budget: counts['17-32/*']: expected a list"),
+        (
+            "budget",
+            "counts",
+            {"17-32/*": [2.5, 1]},
+            "guards.budget: counts['17-32/*']: decisions are counted in whole numbers",
+        ),
+        ("drift", "alarms", -1, "guards.drift: alarms: expected an integer in [0, "),
+        ("drift", "alarms", True, "guards.drift: alarms: expected an integer in [0, "),
+        # "nan" through float(): a test whose sums are NaN never fires again
+        (
+            "drift",
+            "tests",
+            {"code|eagle3": ["nan"] * 6},
+            "guards.drift: tests['code|eagle3']: expected a list",
+        ),
+        (
+            "drift",
+            "tests",
+            {"code|eagle3": [5, 3.0, 0, 0, 0, 0]},
+            "guards.drift: tests['code|eagle3']: the mean of first-position acceptances is in [0, 1]",
+        ),
+        (
+            "drift",
+            "tests",
+            {"code|eagle3": [-5, 0.5, 0, 0, 0, 0]},
+            "guards.drift: tests['code|eagle3']: a sample count is a whole number",
+        ),
+        (
+            "drift",
+            "tests",
+            {"code|eagle3": [5, 0.5, 1, 2, 0, 0]},
+            "guards.drift: tests['code|eagle3']: the running minimum and maximum do not bound the sums",
+        ),
+        ("drift", "tests", {"code|nope": [5, 0.5, 0, 0, 0, 0]}, "guards.drift: tests['code|nope']: 'nope' "),
+        (
+            "drift",
+            "tests",
+            {"|eagle3": [5, 0.5, 0, 0, 0, 0]},
+            "guards.drift: tests['|eagle3']: expected a traffic",
+        ),
+    ],
+)
+def test_a_guard_value_of_the_wrong_type_or_range_is_named(
+    guard: str, field: str, value: Any, says: str
+) -> None:
+    state = copy.deepcopy(SAVED_GUARDED)
+    state["guards"][guard][field] = value
+    with pytest.raises(ValueError, match=re.escape(f"loop state.{says}")):
+        _guarded().load_state_dict(state)
+
+
+def test_a_guarded_state_still_loads_and_decides_the_same() -> None:
+    a, b = _guarded(), _guarded()
+    a.load_state_dict(copy.deepcopy(SAVED_GUARDED))
+    b.load_state_dict(copy.deepcopy(SAVED_GUARDED))
+    assert a.state_dict()["guards"] == SAVED_GUARDED["guards"]
+    assert a.decide(1e6).plan == b.decide(1e6).plan
