@@ -28,6 +28,7 @@ from policies.drift import DriftMonitor
 from policies.engine import EngineInfo, Granularity
 from policies.guards import ExplorationBudget, TpotGuard, greedy_choice, keeps_current
 from policies.observation import NOT_SCORED, StepBatch
+from policies.params import shown
 from policies.spec import PolicySpec
 
 #: The largest counter a saved state may hold: every JSON reader keeps integers up to it exact.
@@ -551,6 +552,7 @@ class ControlLoop:
         state: dict[str, Any] = {
             "state_version": STATE_VERSION,
             "policy": self.spec.name,
+            "algorithm": self.spec.algorithm,
             "arms": [str(a) for a in self.arms],
             "rounds": self.rounds,
             "version": self.version,
@@ -592,6 +594,14 @@ class ControlLoop:
             raise ValueError(f"loop state: a mapping expected, got {type(state).__name__}")
         if state.get("state_version") != STATE_VERSION:
             raise ValueError(f"loop state version {state.get('state_version')!r} is not {STATE_VERSION}")
+        # Saved states are matched to a policy by its name (the sidecar's snapshot, the fleet's
+        # posteriors), and nearly every learner reads another's tables: a same-named policy of another
+        # algorithm took them in silence. Absent from the states older versions saved.
+        algorithm = state.get("algorithm", self.spec.algorithm)
+        if algorithm != self.spec.algorithm:
+            raise ValueError(
+                f"loop state was saved by algorithm {shown(algorithm)}, not {self.spec.algorithm}"
+            )
         if [str(a) for a in self.arms] != list(state["arms"]):
             raise ValueError("loop state was saved for a different arm set")
         for key in ("learner", "totals", "contexts"):

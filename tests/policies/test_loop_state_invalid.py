@@ -471,3 +471,14 @@ def test_a_guarded_state_still_loads_and_decides_the_same() -> None:
     b.load_state_dict(copy.deepcopy(SAVED_GUARDED))
     assert a.state_dict()["guards"] == SAVED_GUARDED["guards"]
     assert a.decide(1e6).plan == b.decide(1e6).plan
+
+
+def test_a_state_another_algorithm_saved_is_refused() -> None:
+    # A policy is matched to a saved state by its name alone (the sidecar's snapshot, the fleet's
+    # posteriors), and nearly every learner reads another's tables: a same-named policy of another
+    # algorithm took UCB1's statistics into Thompson sampling without a word.
+    with pytest.raises(ValueError, match=re.escape("loop state was saved by algorithm 'ucb1', not")):
+        _loop("thompson").load_state_dict(copy.deepcopy(SAVED["ucb1"]))
+    older = copy.deepcopy(SAVED["thompson"])
+    del older["algorithm"]  # the states of older versions do not say: taken as before
+    _loop("thompson").load_state_dict(older)
