@@ -17,7 +17,8 @@ JSON Lines, one engine step per line, in the order the sidecar applied them::
 
 Reading validates every line and names the first bad one as ``FILE:LINE: field: message``; nothing is
 returned for a bad file. Writing never raises into the sidecar: a failed write is logged once and the
-recorder stops (the engine's reports are still applied).
+recorder stops (the engine's reports are still applied). The file holds whole lines only when a
+recording starts: a half line a killed sidecar left is cut first.
 """
 
 from __future__ import annotations
@@ -134,7 +135,9 @@ class StepRecorder:
     Never raises into the sidecar: a failed write is logged once, the file is cut back to its last whole
     line (a half-written line made ``profile fit`` refuse the whole file) and the recording stops. A file
     removed or replaced while recording (rotated, or deleted by mistake) is said once and made anew at
-    the path: the steps went on into the removed file, and the log said they were in ``path``."""
+    the path: the steps went on into the removed file, and the log said they were in ``path``. A half
+    line at the end of the file when recording starts (a sidecar killed inside a write) is cut first:
+    the next step appended to it made one broken line in the middle, and the whole file unreadable."""
 
     #: How often (seconds) the path is checked to still name the file written.
     CHECK_EVERY_S = 1.0
@@ -144,6 +147,7 @@ class StepRecorder:
         self.steps = 0
         #: Of ``steps``, those in the file at ``path`` now (the rest went to one removed while recording).
         self.steps_at_path = 0
+        _cut_half_line(path)
         self._file: IO[str] | None = path.open("a", encoding="utf-8")
         self._whole = self._end()
         self._checked = time.monotonic()
@@ -179,6 +183,7 @@ class StepRecorder:
         old, self._file = self._file, None
         with contextlib.suppress(OSError):
             old.close()
+        _cut_half_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         self._whole = self._end()
         self.steps_at_path = 0
@@ -245,6 +250,35 @@ class StepRecorder:
                 with contextlib.suppress(OSError):
                     f.close()
                 log.error("--record-steps %s: %s", self.path, e)
+
+
+def _cut_half_line(path: Path) -> None:
+    """Cut a regular file at ``path`` back to its last whole line, saying what was cut. Anything else
+    there (nothing yet, a FIFO, a device) is left as it is; a file that cannot be read or cut is left
+    to the append, whose own errors say so."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not st.st_size:
+            return
+        end = pos = st.st_size
+        while pos > 0:  # back from the end to the last newline, a chunk at a time
+            start = max(0, pos - 65536)
+            at = os.pread(fd, pos - start, start).rfind(b"\n")
+            if at >= 0:
+                pos = start + at + 1
+                break
+            pos = start
+        if pos < end:
+            os.ftruncate(fd, pos)
+            log.warning("--record-steps %s: cut %d bytes of a half-written last line", path, end - pos)
+    except OSError as e:
+        log.warning("--record-steps %s: could not check its last line: %s", path, e)
+    finally:
+        os.close(fd)
 
 
 # -- reading ---------------------------------------------------------------------------------------

@@ -108,3 +108,24 @@ def test_an_unexpected_error_in_recording_never_reaches_the_sidecar(
         rec("e", [bad])
         rec("e", [_obs(1.0)])
     assert caplog.text.count("recording stopped after 0 steps") == 1
+
+
+def test_a_half_line_a_killed_sidecar_left_is_cut_before_the_next_recording(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kill -9 inside a write leaves a half line at the end (the kernel ends a write between pages when
+    the signal comes; a batch is up to hundreds of KB), and so may a power loss; the restarted sidecar
+    appended its first step to it, and the one line that made in the middle of the file had profile
+    fit refuse the whole recording."""
+    path = tmp_path / "s.jsonl"
+    rec = StepRecorder(path=path)
+    rec("pod-1", [_obs(float(i), 3) for i in range(3)])
+    rec.close()
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole.splitlines(keepends=True)[0][:40])  # the killed write's first bytes
+    caplog.set_level(logging.WARNING)
+    rec = StepRecorder(path=path)  # the restart, on the same file
+    rec("pod-1", [_obs(float(i), 3) for i in range(3, 5)])
+    rec.close()
+    assert read_steps(path).n == 5
+    assert "40 bytes" in caplog.text  # what was cut is said
