@@ -68,9 +68,28 @@ def info_to_json(e: EngineInfo) -> dict[str, Any]:
     }
 
 
+#: The type of each field of a saved engine description: protobuf takes a number for a bool (-1 as
+#: true), None for unset (a model "", the default batch size) and raises OverflowError for a bool
+#: beyond a C long, which no handler took: the sidecar did not start on such a snapshot.
+_INFO_TYPES: dict[str, type] = {
+    "engine_id": str,
+    "model": str,
+    "max_k": int,
+    "arms": list,
+    "granularity": int,
+    "max_batch_size": int,
+    "counterfactual_methods": list,
+    "p_eagle_partial_k_safe": bool,
+}
+
+
 def info_from_json(d: Mapping[str, Any]) -> EngineInfo:
     """An engine description from a snapshot, checked as its Hello was. Raises TelemetryError or
     SnapshotError."""
+    for key, kind in _INFO_TYPES.items():
+        v = d.get(key)
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise SnapshotError(f"info.{key}: expected {kind.__name__}, got {type(v).__name__}")
     try:
         hello = pb.Hello(
             engine_id=d["engine_id"],
@@ -83,7 +102,7 @@ def info_from_json(d: Mapping[str, Any]) -> EngineInfo:
             p_eagle_partial_k_safe=d["p_eagle_partial_k_safe"],
             protocol_version=1,
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise SnapshotError(f"info: {type(e).__name__}: {e}") from None
     return validate_hello(hello)
 

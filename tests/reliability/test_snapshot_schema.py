@@ -153,6 +153,18 @@ PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
     "model-5k": (_and_e2(lambda d: _engine(d)["info"].update(model="m" * 5000)), {"e2"}),
     "info-id-mismatch": (_and_e2(lambda d: _engine(d)["info"].update(engine_id="other")), {"e2"}),
     "max-k-string": (_and_e2(lambda d: _engine(d)["info"].update(max_k="4")), {"e2"}),
+    # protobuf raises OverflowError for these: past every handler, the sidecar did not start, each time
+    "partial-k-safe-2^64": (
+        _and_e2(lambda d: _engine(d)["info"].update(p_eagle_partial_k_safe=2**64)),
+        {"e2"},
+    ),
+    # protobuf took them as true, "" and unset (256)
+    "partial-k-safe-number": (
+        _and_e2(lambda d: _engine(d)["info"].update(p_eagle_partial_k_safe=-1)),
+        {"e2"},
+    ),
+    "model-null": (_and_e2(lambda d: _engine(d)["info"].update(model=None)), {"e2"}),
+    "max-batch-size-null": (_and_e2(lambda d: _engine(d)["info"].update(max_batch_size=None)), {"e2"}),
     "totals-steps-float": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(steps=1.5)), {"e2"}),
     "totals-busy-huge": (_and_e2(lambda d: _engine(d)["loop"]["totals"].update(busy_s=1e300)), {"e2"}),
     "override-revision-2^70": (_edit(_override(2**70)), {"e1"}),
