@@ -180,6 +180,13 @@ def _classes_field(e: Mapping[str, Any], *, path: str) -> tuple[str, ...]:
             raise SnapshotError(f"{at}: longer than {MAX_TRAFFIC_CLASS} characters")
         if has_control(c):
             raise SnapshotError(f"{at}: holds control characters ({escape_text(c)[:80]})")
+    # The engine's classes are these and "default" (``_engine_from_saved``): one over the bound was
+    # restored, written back, and refused by the restart after, which dropped the engine.
+    if len({"default", *v}) > MAX_CLASSES_PER_ENGINE:
+        raise SnapshotError(
+            f"{path}.classes: {len(v)} classes besides 'default', more than the "
+            f"{MAX_CLASSES_PER_ENGINE} an engine has with it"
+        )
     return tuple(v)
 
 

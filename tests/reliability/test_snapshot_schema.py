@@ -171,6 +171,12 @@ PARTIAL: dict[str, tuple[Callable[[Path], None], set[str]]] = {
     "instance-id-control-characters": (_and_e2(lambda d: _engine(d).update(instance_id="i\x1b[2J")), {"e2"}),
     "classes-string": (_and_e2(lambda d: _engine(d).update(classes="chat")), {"e2"}),
     "classes-300": (_and_e2(lambda d: _engine(d).update(classes=[f"c{i}" for i in range(300)])), {"e2"}),
+    # with "default", which every engine has, one over the bound: restored, then refused by the restart
+    # after (the engine dropped one restart late)
+    "classes-256-without-default": (
+        _and_e2(lambda d: _engine(d).update(classes=[f"c{i}" for i in range(256)])),
+        {"e2"},
+    ),
     "class-number": (_and_e2(lambda d: _engine(d).update(classes=["chat", 7])), {"e2"}),
     "class-control-characters": (_and_e2(lambda d: _engine(d).update(classes=["a\nFORGED"])), {"e2"}),
     # what an older sidecar took from the fleet unbounded: dropped alone, not the whole snapshot
