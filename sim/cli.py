@@ -75,15 +75,22 @@ def _err(msg: str) -> None:
 
 
 def resolve_policy(name_or_path: str) -> PolicySpec:
-    """A policy file, a preset of ``policies/library``, or ``static:ARM`` (e.g. ``static:eagle3:3``)."""
+    """A policy file, a preset of ``policies/library``, or ``static:ARM`` (e.g. ``static:eagle3:3``).
+
+    Its errors name the flag, ``--policy SOURCE[:LINE]: ...``, in every command that takes one: sim
+    replay|compare|tune said ``static:eagle3:99: ...`` (the value alone) where sim autoscale said
+    ``--policy static:eagle3:99: ...``."""
     if not name_or_path.strip():  # '' is the path '.', reported as ": not a regular file"
         raise PolicyError("not a policy file, preset name or static:ARM", source=f"--policy {name_or_path!r}")
-    if name_or_path.startswith("static:"):
-        try:
-            return static_policy(name_or_path.removeprefix("static:"))
-        except ValueError as e:
-            raise PolicyError(str(e), source=name_or_path) from None
-    return resolve_named_policy(name_or_path)
+    try:
+        if name_or_path.startswith("static:"):
+            try:
+                return static_policy(name_or_path.removeprefix("static:"))
+            except ValueError as e:
+                raise PolicyError(str(e), source=name_or_path) from None
+        return resolve_named_policy(name_or_path)
+    except PolicyError as e:
+        raise PolicyError(e.message, source=f"--policy {e.source}", line=e.line, field=e.field) from None
 
 
 def load_named_profile(name: str, flag: str = "--profile") -> Profile:
