@@ -24,7 +24,6 @@ Warnings go to ``warn`` (stderr when None), one line each.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +49,7 @@ from sim.trace import (
     _bad_int_list,
     _int_in,
     _is_num,
+    file_name_text,
     input_path,
     load_json_line,
     read_json_lines,
@@ -112,13 +112,6 @@ def _request_names(obj: dict[str, Any], lineno: int, fail: Any) -> tuple[str, st
     if not isinstance(cls, str) or not cls:
         raise fail(key, f"must be a non-empty string, got {shown(cls)}")
     return rid, cls
-
-
-def _file_name(p: Path) -> str:
-    """``p``'s name as the header's ``source_file``: bytes of it that are not UTF-8 written as escapes
-    (``r\\xff.jsonl``). Held as Python holds them (lone surrogates), they are no text, and the trace
-    writer refused the whole import after reading it."""
-    return os.fsencode(p.name).decode("utf-8", "backslashreplace")
 
 
 def _to_stderr(message: str) -> None:
@@ -316,7 +309,7 @@ def import_vllm_metrics(
     arrivals = _arrivals(arrival, lines, src, say)
     meta: dict[str, Any] = {
         "imported_from": "vllm per-request spec decode metrics (detailed)",
-        "source_file": _file_name(p),
+        "source_file": file_name_text(p),
         "censored_at_recorded_k": True,
         "note": "counts are exact below the recorded K and censored at it; K = 0 phases are not recorded",
     }
@@ -536,7 +529,7 @@ def import_token_ids(
         acc=acc,
         meta={
             "imported_from": "token ids (trace import --tokens)",
-            "source_file": _file_name(p),
+            "source_file": file_name_text(p),
             "ngram": {"min_n": min_n, "max_n": max_n},
             "note": f"acc.ngram and ngram_proposal computed with vLLM's matcher; exact for greedy decoding; "
             f"acc.ngram capped at {NGRAM_HORIZON}",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import re
 import sys
 import zlib
@@ -193,6 +194,14 @@ def _depth_ok(text: str, max_depth: int) -> bool:
         elif ch in "]}":
             depth -= 1
     return True
+
+
+def file_name_text(p: Path) -> str:
+    """``p``'s name as text: bytes of it that are not UTF-8 written as escapes (``s\\xff.jsonl``). Held
+    as Python holds them (lone surrogates) they are no text: a trace named so wrote ``"s\\udcff"`` into
+    the result JSON and its report was refused after the whole replay, and the trace writer refused a
+    whole import after reading it (the importer's ``source_file``)."""
+    return os.fsencode(p.name).decode("utf-8", "backslashreplace")
 
 
 def input_path(path: str | Path) -> Path:
@@ -727,7 +736,7 @@ def read_trace(path: str | Path, *, seed: int = 0, limits: TraceLimits = DEFAULT
         for r in reqs:
             if m not in r.alpha:
                 del r.acc[m]
-    name = p.name
+    name = file_name_text(p)
     for suffix in (".gz", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
     return Trace(
