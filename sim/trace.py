@@ -296,7 +296,7 @@ def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = D
     # not at "column 1" of the line after it.
     body = text.rstrip("\r\n")
     try:
-        value = json.loads(body, object_pairs_hook=_no_repeated_keys)
+        value = json.loads(body, object_pairs_hook=_no_repeated_keys, parse_constant=_NotJson)
     except _RepeatedKey as e:  # JSON keeps the last of two equal keys: the first would be dropped unread
         raise TraceError(f"{e.key}: given twice in one object", source=source, line=line) from None
     except json.JSONDecodeError as e:
@@ -310,6 +310,11 @@ def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = D
         ) from None
     except RecursionError:  # a nesting the pre-check missed must still not escape as a traceback
         raise TraceError("JSON nested too deeply", source=source, line=line) from None
+    # Python reads NaN, Infinity and -Infinity, which JSON has not: kept, a header's free-form meta
+    # took them and a trace written from it held them too. Searched for only where the text names one.
+    if ("NaN" in body or "Infinity" in body) and (found := _json_constant(value, "")) is not None:
+        where, constant = found
+        raise TraceError(f"{constant} is not a JSON number", source=source, line=line, field=where)
     # JSON's \\uD800 escapes decode to lone surrogates, which are not text: they would pass every check
     # and then fail whatever writes them (a report, an imported trace) with half its output written.
     if _SURROGATE_ESCAPE.search(body):
@@ -322,6 +327,27 @@ def load_json_line(text: str, *, source: str, line: int, limits: TraceLimits = D
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class _NotJson(str):
+    """``NaN``, ``Infinity`` or ``-Infinity`` as read (``parse_constant``), found by ``_json_constant``."""
+
+
+def _json_constant(v: Any, path: str) -> tuple[str, str] | None:
+    """``(field path, constant)`` of the first ``_NotJson`` in ``v``, else None."""
+    if isinstance(v, _NotJson):
+        return path or "(value)", str(v)
+    if isinstance(v, dict):
+        for k, x in v.items():
+            found = _json_constant(x, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _json_constant(x, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _not_unicode(v: Any, path: str) -> str | None:
@@ -805,7 +831,8 @@ def _check_columns(trace: Trace, hdr: _Header, err: _WriteErrors) -> None:
 
 def _checked_line(rec: dict[str, Any], limits: TraceLimits, err: _WriteErrors) -> str:
     try:
-        line = json.dumps(rec, separators=(",", ":"))
+        # allow_nan=False: NaN and Infinity are no JSON, and the reader refuses them
+        line = json.dumps(rec, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:  # not JSON (a set, an object), an integer over Python's limit
         err("meta" if "meta" in rec else "", f"cannot be written as JSON: {e}")
     # ensure_ascii: one character is one byte; the reader counts the newline too
