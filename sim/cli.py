@@ -198,6 +198,17 @@ def _load_traces(args: argparse.Namespace) -> list[Trace]:
     return _scenarios(args.scenario, args)
 
 
+def _check_kv_room(trace: Trace, profiles: Sequence[Profile], given: str) -> None:
+    """Before the run: the trace's longest request fits each profile's KV room (``kv_fit_problem``)."""
+    from sim.sizing import kv_fit_problem
+
+    names = [n.strip() for n in given.split(",") if n.strip()]
+    for i, profile in enumerate(profiles):
+        problem = kv_fit_problem(profile, trace)
+        if problem is not None:
+            raise _UsageError(f"--profile {names[i] if i < len(names) else profile.name}: {problem}")
+
+
 def _check_methods(
     trace: Trace, names: Sequence[str], policies: Sequence[PolicySpec], engines: Sequence[EngineModel]
 ) -> None:
@@ -308,6 +319,7 @@ def _run(args: argparse.Namespace, *, compare: bool) -> int:
                 )
         for trace in traces:
             _check_methods(trace, names, policies, engines)
+            _check_kv_room(trace, profiles, args.profile)
             if args.open_loop and not trace.has_arrivals:
                 raise _UsageError(
                     f"--open-loop: trace {trace.name!r} has no arrival_s (try --scenario load-ramp)"
@@ -487,6 +499,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             )
         for tr in traces:  # before the baseline jobs run, not after
             _check_methods(tr, [args.policy], [spec], engines)
+            _check_kv_room(tr, [profile], args.profile)
         _check_output("--out", args.out)
         # The policy and profile files too: `--policy mine.yaml --out mine.yaml` replaced the policy
         # being tuned with the winner (under another name), and the original was gone.

@@ -1,10 +1,15 @@
-"""Memory sizing per replica: weights, KV bytes per token, and the KV room left on the GPUs."""
+"""Memory sizing per replica: weights, KV bytes per token, and the KV room left on the GPUs.
+
+What must hold: the replay prices steps, not memory, so a trace is replayed on a profile only where its
+longest request (prompt and output) fits the KV room (``kv_fit_problem``): vLLM cannot hold a longer one.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from sim.costmodel import Memory, Profile
+from sim.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +75,19 @@ def extra_sizings() -> list[Sizing]:
         ),
         _sizing("llama-3.3-70b-bf16", "2x H200 141GB, TP2", LLAMA_70B_BF16_2XH200, "unquantised, TP2"),
     ]
+
+
+def kv_fit_problem(profile: Profile, trace: Trace) -> str | None:
+    """Why no engine of ``profile`` can hold the longest request of ``trace`` (its prompt and output in
+    the KV cache), or None. The replay priced such a request as if it fitted: a profile with room for 0
+    tokens reported thousands of tokens/s."""
+    if trace.n == 0:
+        return None
+    room = profile.memory.kv_capacity_tokens()
+    longest = int((trace.prompt_tokens + trace.output_tokens).max())
+    if longest <= room:
+        return None
+    return (
+        f"KV room for {room} tokens; trace {trace.name!r} has a request of {longest} tokens (prompt and "
+        "output): no engine with that room can hold it"
+    )
