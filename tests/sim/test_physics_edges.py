@@ -196,7 +196,36 @@ def test_every_policy_keeps_the_invariants_and_stays_below_the_oracle(
         trace=trace, profile=p, engine=ENGINES[engine], policy=load_preset(policy), concurrency=c
     ).run()
     check_run(r, trace, c)
-    assert compute_oracles(trace, p, c).throughput >= r.throughput * (1 - 1e-9)
+    o = compute_oracles(trace, p, c)
+    # Up to the drain: the per-step oracle prices each row at the full batch, so where the run's last
+    # requests run alone a policy can play those steps better (sim/oracle.py); by at most their share.
+    drain = max(_drain_share(r), _drain_share(o.per_step)) if o.per_step is not None else 0.0
+    assert o.throughput >= r.throughput * (1 - drain) * (1 - 1e-9)
+
+
+def _drain_share(r: RunResult) -> float:
+    """The share of a closed-loop run's time after its batch first shrinks for good: from the first
+    request to finish after the last one was admitted (0 when every request ends in the last step)."""
+    end = float(r.finish_s.max())
+    after = r.finish_s[r.finish_s > r.submit_s.max()]
+    return (end - float(after.min())) / end if end > 0 else 0.0
+
+
+def test_the_oracle_is_passed_only_in_the_drain() -> None:
+    """The known case (the test above failed on it): two requests at full acceptance, Thompson on the
+    n-gram engine, passes the reported oracle by 0.24 %, less than the drain's share (a step alone)."""
+    trace = make_trace([25, 26], max_k=2, acc="full", prompt=0)
+    p = PROFILES["gpt-oss-120b-h100"]
+    r = Replayer(
+        trace=trace,
+        profile=p,
+        engine=ENGINES["stock-vllm-ngram"],
+        policy=load_preset("thompson"),
+        concurrency=3,
+    ).run()
+    o = compute_oracles(trace, p, 3)
+    assert o.per_step is not None
+    assert r.throughput < o.throughput / (1 - max(_drain_share(r), _drain_share(o.per_step)))
 
 
 # -- profiles at the ends of their ranges ---------------------------------------------------------
