@@ -30,7 +30,10 @@ backoff, and its log line says so: two sidecars sharing a node id reconnected tw
 A fleet policy counts as applied (its version, the gauge, the copy this node republishes) only once
 ``on_policy`` returned: one it refuses with a ValueError (an invalid document) is refused for good; one
 it refuses otherwise (the sidecar could not write its state) is tried again, with backoff, while it is
-the newest the fleet has.
+the newest the fleet has. A retained policy cleared (an empty retained message, as
+FleetVersionsUsedUp asks) or replaced by one this node cannot read takes the fleet's numbering with
+it: publishers number from 1 again, so the link applies the next policy whatever its version (not
+ignored as stale below the one that is gone), unless it is the retained copy of the one in force.
 """
 
 from __future__ import annotations
@@ -374,6 +377,9 @@ class FleetLink:
         self._refused_now: asyncio.Event | None = None
         #: Digest of the applied policy when only its version is known (restored from a snapshot).
         self._applied_digest = policy_digest
+        #: The fleet's retained policy was found gone or unreadable, its numbering with it (see
+        #: ``_numbering_lost``): the next policy is applied whatever its version.
+        self._renumbered = False
         #: model -> the payload of the newest posteriors another node shared (checked on receipt),
         #: oldest received first; ``_posteriors_bytes`` is what they cost (see MAX_POSTERIORS_BYTES).
         self._posteriors: dict[str, bytes] = {}
@@ -452,7 +458,7 @@ class FleetLink:
         p = FleetPolicy(version, yaml_text, source, self.clock(), self.node_id)
         self._queue(self.topics.policy, "policy", _policy_fields(p), qos=1, retain=True, at=p.published_at)
         # The caller applied it locally already: the broker's echo must not apply it a second time.
-        self._policy, self._policy_version = p, version
+        self._policy, self._policy_version, self._renumbered = p, version, False
         self._newest_version, self._refused = version, None
         self.metrics.policy_version.set(version)
         return version
@@ -664,6 +670,9 @@ class FleetLink:
         if msg.topic in self._retained_own:
             self._seen_topics.add(msg.topic)
         try:
+            if kind == "policy" and not msg.payload:
+                self._numbering_lost("was cleared")
+                return
             doc = decode(kind, msg.payload, limit=self.max_payload_bytes)
             if kind == "policy":
                 await self._on_policy(policy_from(doc))
@@ -676,6 +685,8 @@ class FleetLink:
             self._warnings.warn(
                 "fleet link: dropped a malformed %s message on %s: %s", kind, escape_text(msg.topic), e
             )
+            if kind == "policy":
+                self._numbering_lost("cannot be read")
         except Exception:
             # A defect here must cost one message, not the session: the message, if retained, would
             # come back at every reconnect.
@@ -689,17 +700,21 @@ class FleetLink:
 
     async def _apply_policy(self, p: FleetPolicy) -> None:
         current = self._policy
-        if p.version < self._policy_version:
-            self.metrics.stale.inc()
-            log.info(
-                "fleet link: ignored stale fleet policy v%d (applied: v%d)", p.version, self._policy_version
-            )
-            return
         applied = current.digest if current is not None else self._applied_digest
         if p.version == self._policy_version and (not applied or applied == p.digest):
             # The retained copy of what is applied (reconnect) or of what a snapshot restored. A
             # different document under the same number is new: a broker restarted without its
             # retained copy makes the next publisher number from 1 again.
+            if self._renumbered:  # it was not the retained copy that was lost after all
+                self._renumbered = False
+                if current is not None:
+                    self._stand_behind(current)
+            return
+        if p.version < self._policy_version and not self._renumbered:
+            self.metrics.stale.inc()
+            log.info(
+                "fleet link: ignored stale fleet policy v%d (applied: v%d)", p.version, self._policy_version
+            )
             return
         if self._refused is not None and p.version < self._refused.version:
             return  # older than the one waiting for a retry, which the fleet has moved on to
@@ -727,15 +742,30 @@ class FleetLink:
                 return
         # Equal versions with different documents come from concurrent publishers: taking the later
         # delivery converges on the broker's retained one, which is also what new replicas get.
-        self._policy, self._policy_version = p, p.version
-        # Kept as received (same node and time) so a republished copy is the same document.
+        self._policy, self._policy_version, self._renumbered = p, p.version, False
+        self._stand_behind(p)
+        self.metrics.policy_version.set(p.version)
+        if self.on_policy is not None:
+            log.info("fleet link: applied fleet policy v%d from %s (%s)", p.version, p.node, p.source or "-")
+
+    def _stand_behind(self, p: FleetPolicy) -> None:
+        """Republish ``p`` after a resync that finds the broker without a policy. Kept as received
+        (same node and time) so a republished copy is the same document."""
         self._retained_own[self.topics.policy] = (
             encode("policy", p.node, p.published_at, _policy_fields(p), limit=2 * self.max_payload_bytes),
             "policy",
         )
-        self.metrics.policy_version.set(p.version)
-        if self.on_policy is not None:
-            log.info("fleet link: applied fleet policy v%d from %s (%s)", p.version, p.node, p.source or "-")
+
+    def _numbering_lost(self, why: str) -> None:
+        """The fleet's retained policy is gone (cleared, what FleetVersionsUsedUp asks for) or cannot
+        be read: its version with it, so publishers number from 1 again (``publish_fleet_policy``).
+        The policy in force stays (version, gauge), the next one is applied whatever its version
+        (below the one gone, it would be stale for good), and the one gone is no longer this node's
+        to republish, unless its retained copy comes back (the unreadable one was not retained)."""
+        self._renumbered, self._refused = True, None
+        self._retained_own.pop(self.topics.policy, None)
+        if self._policy_version:
+            log.info("fleet link: the fleet policy %s; the next is applied whatever its version", why)
 
     async def _on_posteriors(self, model: str, doc: Mapping[str, Any], raw: bytes) -> None:
         if _field(doc, "model", str) != model:

@@ -30,8 +30,10 @@ class FakeBroker:
 
     def route(self, topic: str, payload: bytes, retain: bool) -> None:
         self.published.append((topic, payload, retain))
-        if retain:
+        if retain and payload:
             self.retained[topic] = payload
+        elif retain:  # an empty retained message clears the topic (MQTT 3.1.1, 3.3.1.3)
+            self.retained.pop(topic, None)
         for s in list(self.sessions):
             if any(_match(f, topic) for f in s.filters):
                 s.inbox.put_nowait(Received(topic, payload, False))

@@ -334,6 +334,104 @@ async def test_no_policy_is_published_past_the_highest_version_a_sidecar_takes(
         await lk.stop()
 
 
+async def test_clearing_the_used_up_version_lets_the_fleet_number_from_1_again(broker: FakeBroker) -> None:
+    # FleetVersionsUsedUp tells the operator to clear the retained policy to number from 1 again; the
+    # sidecars, still at 2**53 - 1, then ignored version 1 as stale: the fleet could never change its
+    # policy again (and the snapshot kept the version through restarts).
+    t = fleet.Topics("prod")
+    broker.retained[t.policy] = policy_payload(MAX_COUNT)
+    applied: list[tuple[int, str]] = []
+    lk, reg = link(node_id="n1", on_policy=lambda y, v: applied.append((v, y)))
+    await lk.start()
+    try:
+        assert await lk.wait_synced(5)
+        await until(lambda: applied == [(MAX_COUNT, "name: p\n")], "the retained policy applied")
+        broker.route(t.policy, b"", retain=True)  # mosquitto_pub -r -n -t <policy topic>
+        version = await fleet.publish_fleet_policy(
+            broker=fleet.BrokerSettings(), fleet="prod", yaml="name: q\n", source="s"
+        )
+        assert version == 1
+        await until(lambda: applied[-1] == (1, "name: q\n"), "version 1 applied")
+        assert lk.policy_version == 1
+        assert sample(reg, "speccontrol_fleet_stale_policies_total") == 0
+        # The clear is the operator's, not a malformed message.
+        assert (
+            sample(reg, "speccontrol_fleet_malformed_messages_total", kind="policy", reason="not_json")
+            is None
+        )
+    finally:
+        await lk.stop()
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"not json",
+        json.dumps(envelope("policy", yaml="name: p\n")).encode(),  # no version
+        json.dumps({**envelope("policy", version=9, yaml="name: p\n"), "v": 2}).encode(),  # newer software
+    ],
+)
+async def test_a_policy_published_over_an_unreadable_retained_one_is_applied(
+    broker: FakeBroker, garbage: bytes, restarted: bool
+) -> None:
+    # A careless peer overwrote the retained policy: the publisher can no longer read the fleet's
+    # version, numbers from 0 and reports version 1 as published, which every sidecar holding a fleet
+    # policy (here version 7) ignored as stale, for good (the snapshot keeps the version).
+    t = fleet.Topics("prod")
+    applied: list[int] = []
+    if restarted:  # a sidecar restored at version 7 finds the garbage when it joins
+        broker.retained[t.policy] = garbage
+        digest = fleet.policy_digest("name: p\n")
+        lk, reg = link(
+            node_id="n1", on_policy=lambda y, v: applied.append(v), policy_version=7, policy_digest=digest
+        )
+        await lk.start()
+    else:
+        broker.retained[t.policy] = policy_payload(7)
+        lk, reg = link(node_id="n1", on_policy=lambda y, v: applied.append(v))
+        await lk.start()
+        await until(lambda: applied == [7], "the retained policy applied")
+        broker.route(t.policy, garbage, retain=True)
+    try:
+        assert await lk.wait_synced(5)
+        version = await fleet.publish_fleet_policy(
+            broker=fleet.BrokerSettings(), fleet="prod", yaml="name: q\n", source="s"
+        )
+        assert version == 1
+        await until(lambda: applied[-1:] == [1], "version 1 applied")
+        assert lk.policy_version == 1
+        assert sample(reg, "speccontrol_fleet_policy_version") == 1
+        assert sample(reg, "speccontrol_fleet_stale_policies_total") == 0
+    finally:
+        await lk.stop()
+
+
+async def test_the_policy_in_force_coming_back_after_an_unreadable_one_is_not_applied_again(
+    broker: FakeBroker,
+) -> None:
+    # Garbage published on the policy topic without retain leaves the broker's copy of the policy in
+    # force: when that copy comes back (a reconnect), it is what the node has, not a new policy (that
+    # would undo a local policy set made since), and the node stands behind it again.
+    t = fleet.Topics("prod")
+    broker.retained[t.policy] = policy_payload(7)
+    applied: list[int] = []
+    lk, reg = link(node_id="n1", on_policy=lambda y, v: applied.append(v))
+    await lk.start()
+    try:
+        assert await lk.wait_synced(5)
+        await until(lambda: applied == [7], "the retained policy applied")
+        broker.route(t.policy, b"not json", retain=False)
+        broker.route(t.policy, policy_payload(7), retain=False)  # as a reconnect brings it back
+        broker.route(t.policy, policy_payload(3, yaml="name: old\n"), retain=False)
+        broker.route(t.policy, policy_payload(8, yaml="name: new\n"), retain=False)
+        await until(lambda: applied[-1:] == [8], "the next policy applied")
+        assert applied == [7, 8] and lk.policy_version == 8
+        assert sample(reg, "speccontrol_fleet_stale_policies_total") == 1  # v3: the numbering is back
+    finally:
+        await lk.stop()
+
+
 class StuckInSetup(FakeConnection):
     """A broker that accepts the connection and lets the subscription fail (as aiomqtt's does, after
     its operation timeout, when the connection was taken over meanwhile)."""
