@@ -666,8 +666,10 @@ class FleetLink:
             return
         # Any message counts as "the broker has something here", even one we cannot read: it may be
         # from a newer version of this software and must not be overwritten. Only the topics this node
-        # may republish matter (a flood of other topics must not grow the set).
-        if msg.topic in self._retained_own:
+        # may republish matter (a flood of other topics must not grow the set): those it stands behind,
+        # and the policy's, which it may stand behind once this very message is applied (else it put
+        # back what the broker had just delivered, over any newer policy published meanwhile).
+        if msg.topic in self._retained_own or kind == "policy":
             self._seen_topics.add(msg.topic)
         try:
             if kind == "policy" and not msg.payload:

@@ -387,6 +387,32 @@ async def test_broker_down_then_back_resyncs_and_republishes(broker: FakeBroker)
     assert sample(reg, "speccontrol_fleet_connected") == 0.0
 
 
+async def test_a_joining_link_does_not_put_back_the_retained_policy_it_was_just_given(
+    broker: FakeBroker,
+) -> None:
+    # The retained policy a link applies as it joins was not marked as on the broker (only topics it
+    # already stood behind were): at the end of the resync it republished it, over a newer policy
+    # published meanwhile, so replicas started later got the older one and the fleet split.
+    t = Topics("prod")
+    broker.retained[t.policy] = policy_payload(5)
+    got: list[int] = []
+
+    def on_policy(yaml: str, version: int) -> None:
+        got.append(version)
+        if version == 5:  # the operator publishes v6 while this link is still resyncing
+            broker.route(t.policy, policy_payload(6, yaml="name: six\n"), retain=True)
+
+    lk, _ = link(node_id="n1", on_policy=on_policy)
+    await lk.start()
+    try:
+        assert await lk.wait_synced(2)
+        await until(lambda: got == [5, 6], "both applied")
+        assert json.loads(broker.retained[t.policy])["version"] == 6
+        assert [topic for topic, _, _ in broker.published].count(t.policy) == 1  # the operator's only
+    finally:
+        await lk.stop()
+
+
 async def test_a_policy_refused_for_a_passing_reason_is_not_applied_until_it_is(
     broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
