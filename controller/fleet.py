@@ -814,7 +814,8 @@ class FleetLink:
                 await _maybe_await(self.on_state(engine, state))
             except Exception:
                 self.metrics.callback_errors.labels("state").inc()
-                log.exception("fleet link: state of %s not used", engine)
+                # (decoded from the topic: any text)
+                log.exception("fleet link: state of %s not used", escape_text(engine))
 
 
 class FleetVersionsUsedUp(ValueError):

@@ -254,6 +254,32 @@ async def test_a_topic_from_the_broker_is_logged_escaped(
         await lk.stop()
 
 
+async def test_an_engine_named_by_a_state_topic_is_logged_escaped(
+    broker: FakeBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The topic's percent-encoded level is plain ASCII (mosquitto takes it); decoded, it held a line
+    # break that went raw into the line saying the engine's state was not used.
+    evil = "e\nWARNING forged line"
+    t = fleet.Topics("prod")
+
+    def on_state(engine: str, state: Any) -> None:
+        raise RuntimeError("the callback failed")
+
+    lk, reg = link(node_id="n1", on_state=on_state)
+    await lk.start()
+    try:
+        assert await lk.wait_synced(5)
+        with caplog.at_level(logging.WARNING, logger="controller.fleet"):
+            broker.route(t.state(evil), json.dumps(envelope("state", engine=evil, state={})).encode(), False)
+            await until(
+                lambda: sample(reg, "speccontrol_fleet_callback_errors_total", kind="state") == 1, "the error"
+            )
+        (line,) = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+        assert "\n" not in line and "e\\nWARNING" in line, line
+    finally:
+        await lk.stop()
+
+
 class KickedConnection(FakeConnection):
     """A broker that accepts the connection and closes it at once: what a second client with the same
     client id does to the first, over and over."""
