@@ -33,7 +33,9 @@ it refuses otherwise (the sidecar could not write its state) is tried again, wit
 the newest the fleet has. A retained policy cleared (an empty retained message, as
 FleetVersionsUsedUp asks) or replaced by one this node cannot read takes the fleet's numbering with
 it: publishers number from 1 again, so the link applies the next policy whatever its version (not
-ignored as stale below the one that is gone), unless it is the retained copy of the one in force.
+ignored as stale below the one that is gone), unless it is the retained copy of the one in force. So
+does a broker found without a policy by a link that has none to put back (its version restored from
+a snapshot): a broker restarted without persistence while every sidecar restarted froze the fleet.
 """
 
 from __future__ import annotations
@@ -503,6 +505,11 @@ class FleetLink:
             if topic not in self._seen_topics and topic not in self._outbox:
                 log.info("fleet link: the broker has no %s on %s; republishing ours", kind, topic)
                 self._outbox[topic] = (payload, 1, True, kind)
+        policy = self.topics.policy
+        if self._policy_version and policy not in self._seen_topics and policy not in self._retained_own:
+            # A version restored from a snapshot, without the payload to put back: no node may have
+            # one, and the next publisher then numbers from 1.
+            self._numbering_lost("is not on the broker", withdrawn=False)
         if self._wake is not None:
             self._wake.set()
         if self._synced is not None:
@@ -718,7 +725,7 @@ class FleetLink:
                 "fleet link: ignored stale fleet policy v%d (applied: v%d)", p.version, self._policy_version
             )
             return
-        if self._refused is not None and p.version < self._refused.version:
+        if self._refused is not None and p.version < self._refused.version and not self._renumbered:
             return  # older than the one waiting for a retry, which the fleet has moved on to
         retry = p is self._refused
         if not retry:
@@ -758,13 +765,17 @@ class FleetLink:
             "policy",
         )
 
-    def _numbering_lost(self, why: str) -> None:
-        """The fleet's retained policy is gone (cleared, what FleetVersionsUsedUp asks for) or cannot
-        be read: its version with it, so publishers number from 1 again (``publish_fleet_policy``).
-        The policy in force stays (version, gauge), the next one is applied whatever its version
-        (below the one gone, it would be stale for good), and the one gone is no longer this node's
-        to republish, unless its retained copy comes back (the unreadable one was not retained)."""
-        self._renumbered, self._refused = True, None
+    def _numbering_lost(self, why: str, *, withdrawn: bool = True) -> None:
+        """The fleet's retained policy is gone (cleared, what FleetVersionsUsedUp asks for; lost by
+        the broker) or cannot be read: its version with it, so publishers number from 1 again
+        (``publish_fleet_policy``). The policy in force stays (version, gauge), the next one is
+        applied whatever its version (below the one gone, it would be stale for good), and the one
+        gone is no longer this node's to republish, unless its retained copy comes back (the
+        unreadable one was not retained). One waiting for a retry is no longer the fleet's newest
+        once ``withdrawn`` (a message replaced it), only once another arrives."""
+        self._renumbered = True
+        if withdrawn:
+            self._refused = None
         self._retained_own.pop(self.topics.policy, None)
         if self._policy_version:
             log.info("fleet link: the fleet policy %s; the next is applied whatever its version", why)

@@ -458,6 +458,57 @@ async def test_the_policy_in_force_coming_back_after_an_unreadable_one_is_not_ap
         await lk.stop()
 
 
+async def test_a_restarted_link_that_finds_no_policy_on_the_broker_takes_the_next_whatever_its_version(
+    broker: FakeBroker,
+) -> None:
+    # The broker lost its retained policy (restarted without persistence, or cleared) while the
+    # sidecars restarted: restored from their snapshots they hold v7 but not the payload, so none
+    # puts it back, the next publisher numbers from 1, and every one of them ignored it as stale,
+    # for good.
+    applied: list[int] = []
+    lk, reg = link(
+        node_id="n1",
+        on_policy=lambda y, v: applied.append(v),
+        policy_version=7,
+        policy_digest=fleet.policy_digest("name: p\n"),
+    )
+    await lk.start()
+    try:
+        assert await lk.wait_synced(5)
+        version = await fleet.publish_fleet_policy(
+            broker=fleet.BrokerSettings(), fleet="prod", yaml="name: q\n", source="s"
+        )
+        assert version == 1
+        await until(lambda: applied == [1], "version 1 applied")
+        assert sample(reg, "speccontrol_fleet_stale_policies_total") == 0
+    finally:
+        await lk.stop()
+
+
+async def test_a_restarted_link_that_finds_no_policy_takes_its_own_back_from_a_peer_as_the_same(
+    broker: FakeBroker,
+) -> None:
+    # Another sidecar that kept the payload puts the policy back: the same one, not a new one, and
+    # the numbering holds again from it.
+    t = fleet.Topics("prod")
+    applied: list[int] = []
+    lk, reg = link(
+        node_id="n1",
+        on_policy=lambda y, v: applied.append(v),
+        policy_version=7,
+        policy_digest=fleet.policy_digest("name: p\n"),
+    )
+    await lk.start()
+    try:
+        assert await lk.wait_synced(5)
+        broker.route(t.policy, policy_payload(7), retain=True)
+        broker.route(t.policy, policy_payload(3, yaml="name: old\n"), retain=False)
+        await until(lambda: sample(reg, "speccontrol_fleet_stale_policies_total") == 1, "v3 stale")
+        assert applied == [] and lk.policy_version == 7
+    finally:
+        await lk.stop()
+
+
 class StuckInSetup(FakeConnection):
     """A broker that accepts the connection and lets the subscription fail (as aiomqtt's does, after
     its operation timeout, when the connection was taken over meanwhile)."""

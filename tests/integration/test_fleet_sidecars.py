@@ -253,6 +253,31 @@ async def test_fleet_policy_warm_start_and_broker_restart(
     assert again.policy_store.default.revision == a.policy_store.default.revision
 
 
+async def test_sidecars_restarted_with_a_broker_that_lost_the_policy_take_the_next_one(
+    fleet: Fleet, mosquitto: Mosquitto, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Restored from its snapshot, a sidecar has the fleet policy's version, not the payload to put
+    # back: with the broker restarted empty too, the next publisher numbered from 1 and the sidecar
+    # ignored it as stale below its version, for good.
+    a = await fleet.sidecar("sidecar-a")
+    await set_fleet_policy(tmp_path, LEARNING, fleet.broker_url, capsys)
+    _, out = await set_fleet_policy(tmp_path, STATIC_K4, fleet.broker_url, capsys)
+    assert "as version 2" in out
+    await until(lambda: a.fleet_policy_version == 2, "fleet policy v2")
+    await a.stop()
+    fleet.sidecars.remove(a)
+    mosquitto.kill()
+    mosquitto.start()  # without persistence: the retained policy is gone
+    again = await fleet.sidecar("sidecar-a")
+    assert again.fleet is not None and await again.fleet.wait_synced(WAIT_S)
+    assert again.fleet_policy_version == 2 and again.policy_store.default.spec.name == "fleet-k4"
+    _, out = await set_fleet_policy(tmp_path, LEARNING, fleet.broker_url, capsys)
+    assert "as version 1" in out
+    await until(lambda: again.fleet_policy_version == 1, "the next fleet policy, version 1")
+    assert again.policy_store.default.spec.name == "fleet-learn"
+    assert sample(again, "speccontrol_fleet_stale_policies_total") == 0
+
+
 async def test_a_sidecar_keeps_serving_through_what_a_hostile_peer_retained(fleet: Fleet) -> None:
     # A peer with publish rights leaves on the broker: a policy and posteriors holding an integer
     # json cannot read (4301 digits), posteriors for "tiny" of arms and shapes no loop has, NaN
