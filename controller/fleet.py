@@ -773,12 +773,12 @@ class FleetLink:
         gone is no longer this node's to republish, unless its retained copy comes back (the
         unreadable one was not retained). One waiting for a retry is no longer the fleet's newest
         once ``withdrawn`` (a message replaced it), only once another arrives."""
-        self._renumbered = True
         if withdrawn:
             self._refused = None
         self._retained_own.pop(self.topics.policy, None)
-        if self._policy_version:
+        if self._policy_version and not self._renumbered:  # once: a peer's flood is not logged at its pace
             log.info("fleet link: the fleet policy %s; the next is applied whatever its version", why)
+        self._renumbered = True
 
     async def _on_posteriors(self, model: str, doc: Mapping[str, Any], raw: bytes) -> None:
         if _field(doc, "model", str) != model:

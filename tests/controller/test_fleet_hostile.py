@@ -509,6 +509,36 @@ async def test_a_restarted_link_that_finds_no_policy_takes_its_own_back_from_a_p
         await lk.stop()
 
 
+async def test_a_flood_of_unreadable_policies_is_one_line_about_the_numbering(
+    broker: FakeBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each unreadable policy message takes the numbering away; only the first says so, as the
+    # malformed warnings are rate-limited (a peer's flood must not write the log at its pace).
+    t = fleet.Topics("prod")
+    broker.retained[t.policy] = policy_payload(7)
+    applied: list[int] = []
+    lk, reg = link(node_id="n1", on_policy=lambda y, v: applied.append(v))
+    await lk.start()
+    try:
+        assert await lk.wait_synced(5)
+        await until(lambda: applied == [7], "the retained policy applied")
+        with caplog.at_level(logging.INFO, logger="controller.fleet"):
+            for _ in range(200):
+                broker.route(t.policy, b"not json", retain=False)
+            await until(
+                lambda: (
+                    sample(
+                        reg, "speccontrol_fleet_malformed_messages_total", kind="policy", reason="not_json"
+                    )
+                    == 200
+                ),
+                "all counted",
+            )
+        assert len([r for r in caplog.records if "whatever its version" in r.getMessage()]) == 1
+    finally:
+        await lk.stop()
+
+
 class StuckInSetup(FakeConnection):
     """A broker that accepts the connection and lets the subscription fail (as aiomqtt's does, after
     its operation timeout, when the connection was taken over meanwhile)."""
