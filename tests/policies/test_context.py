@@ -109,7 +109,8 @@ def _feed(loop: ControlLoop, steps: int) -> None:
 @pytest.mark.parametrize("preset", sorted(json.loads(OLD_STATES.read_text(encoding="utf-8"))))
 def test_old_snapshots_load_and_keep_learning(preset: str) -> None:
     """The string-keyed snapshot loads into typed contexts, saves back unchanged (but for counters
-    added to ``totals`` and learner and guard state kept since, at zero or empty), and the loop goes on.
+    added to ``totals`` and learner and guard state kept since, at zero or empty, and the algorithm
+    that saved it), and the loop goes on.
     It holds no round in progress nor timers (saved since): none are saved back."""
     old = json.loads(OLD_STATES.read_text(encoding="utf-8"))[preset]
     loop = ControlLoop(spec=load_preset(preset), engine=_ENGINE, seed=3)
@@ -130,6 +131,7 @@ def test_old_snapshots_load_and_keep_learning(preset: str) -> None:
     assert "decision" not in old and not any({"acc", "since_s"} & v.keys() for v in old["contexts"].values())
     want = {
         **old,
+        "algorithm": loop.spec.algorithm,  # (saved since: absent, the state loads as the policy's)
         "totals": {**old["totals"], **added},
         "learner": {**old["learner"], **learner_added},
         "guards": {**old["guards"], "tpot": tpot},
