@@ -29,8 +29,10 @@ def limited(argv: Sequence[str], *, limit: str, value: int) -> list[str]:
     return [sys.executable, "-c", prelude, *argv]
 
 
-def default_sigint(argv: Sequence[str]) -> list[str]:
-    """``argv`` with SIGINT at its default (a pytest worker may ignore it, and an ignored signal stays
-    ignored across exec, so Ctrl-C as the tests send it would do nothing)."""
-    prelude = f"import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); {_EXEC}"
+def default_signals(argv: Sequence[str]) -> list[str]:
+    """``argv`` with SIGINT, SIGHUP and SIGTERM at their defaults: an ignored signal stays ignored
+    across exec, and a pytest worker may ignore SIGINT, a run started under ``nohup`` SIGHUP (a
+    clean-clone CI run so started failed both SIGHUP tests: the scripts never saw the signal)."""
+    reset = "; ".join(f"signal.signal(signal.{s}, signal.SIG_DFL)" for s in ("SIGINT", "SIGHUP", "SIGTERM"))
+    prelude = f"import os, signal, sys; {reset}; {_EXEC}"
     return [sys.executable, "-c", prelude, *argv]

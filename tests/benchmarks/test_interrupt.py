@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.spawn import default_sigint
+from tests.spawn import default_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -30,7 +30,7 @@ ENDS_WITHIN_S = 120
 def _start(args: list[str], tmp: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
     return subprocess.Popen(
-        default_sigint([sys.executable, *args]),
+        default_signals([sys.executable, *args]),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
