@@ -24,7 +24,7 @@ import os
 import re
 import sys
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -335,42 +335,42 @@ class _NotJson(str):
 
 def _json_constant(v: Any, path: str) -> tuple[str, str] | None:
     """``(field path, constant)`` of the first ``_NotJson`` in ``v``, else None."""
-    if isinstance(v, _NotJson):
-        return path or "(value)", str(v)
-    if isinstance(v, dict):
-        for k, x in v.items():
-            found = _json_constant(x, f"{path}.{k}" if path else str(k))
-            if found is not None:
-                return found
-    elif isinstance(v, list):
-        for i, x in enumerate(v):
-            found = _json_constant(x, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
+    return _first(v, path, lambda x: isinstance(x, _NotJson))
 
 
 def _not_unicode(v: Any, path: str) -> str | None:
     """The field path of the first string (or key) in ``v`` that holds a lone surrogate, else None."""
-    if isinstance(v, str):
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "(value)"
-        return None
+    found = _first(v, path, _lone_surrogate)
+    return found[0] if found is not None else None
+
+
+def _lone_surrogate(x: Any) -> bool:
+    if not isinstance(x, str):
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _first(v: Any, path: str, bad: Callable[[Any], bool]) -> tuple[str, str] | None:
+    """``(field path, value)`` of the first value or key in ``v`` (depth first) that is ``bad``, else
+    None; a key's path ends in its ``ascii()`` form (a bad key may not print)."""
+    if bad(v):
+        return path or "(value)", str(v)
     if isinstance(v, dict):
         for k, x in v.items():
-            at = f"{path}.{k}" if path else str(k)
-            if _not_unicode(k, "") is not None:
-                return (f"{path}." if path else "") + ascii(k)
-            bad = _not_unicode(x, at)
-            if bad is not None:
-                return bad
+            if bad(k):
+                return (f"{path}." if path else "") + ascii(k), str(k)
+            found = _first(x, f"{path}.{k}" if path else str(k), bad)
+            if found is not None:
+                return found
     elif isinstance(v, list):
         for i, x in enumerate(v):
-            bad = _not_unicode(x, f"{path}[{i}]")
-            if bad is not None:
-                return bad
+            found = _first(x, f"{path}[{i}]", bad)
+            if found is not None:
+                return found
     return None
 
 
