@@ -32,7 +32,6 @@ from controller.metrics import SidecarMetrics
 from controller.policy_store import PolicyNotSaved, PolicyRecord, PolicyStore
 from controller.snapshot import SnapshotStore
 from controller.state import (
-    MAX_CLASSES_PER_ENGINE,
     SavedEngine,
     load_state,
     oneline,
@@ -51,6 +50,7 @@ from controller.validation import (
 )
 from controller.wire.convert import arm_to_pb, directive_to_pb
 from policies.arms import Arm
+from policies.classes import DEFAULT_CLASS, MAX_CLASSES_PER_ENGINE, ClassBound
 from policies.directive import Directive
 from policies.engine import EngineInfo
 from policies.loop import ControlLoop, Totals
@@ -91,9 +91,8 @@ class EngineState:
     #: recommendations.
     observe_only: bool = False
     #: Traffic classes learned per context (at most MAX_CLASSES_PER_ENGINE, "default" among them),
-    #: and the steps whose other classes were pooled into "default".
-    classes: set[str] = field(default_factory=lambda: {"default"})
-    classes_pooled: int = 0
+    #: and the steps whose other classes were pooled into "default" (the simulator's rule too).
+    class_bound: ClassBound = field(default_factory=ClassBound)
     #: Hello.plugin_mode of the last attach ("" when the engine is not the vLLM plugin).
     plugin_mode: str = ""
     #: (monotonic) when a rate-limited batch was last logged, and those refused since, not logged.
@@ -103,6 +102,14 @@ class EngineState:
     @property
     def connected(self) -> bool:
         return self.link.connected
+
+    @property
+    def classes(self) -> set[str]:
+        return self.class_bound.known
+
+    @property
+    def classes_pooled(self) -> int:
+        return self.class_bound.pooled_steps
 
     @property
     def instance_id(self) -> str:
@@ -399,32 +406,18 @@ class Sidecar:
 
     def _bound_classes(self, st: EngineState, batch: StepBatch) -> StepBatch:
         """The steps with every traffic class beyond the engine's first ``MAX_CLASSES_PER_ENGINE``
-        pooled into ``default``: each class is a context (memory, status, snapshot, metric labels),
-        and an engine naming a new one on every step must not grow them without bound."""
-        known = st.classes
-        names = batch.class_names
-        if known.issuperset(names):  # the usual batch: only classes the engine named before
-            return batch
-        of = batch.class_of
-        pooled: set[str] = set()
-        for i in range(len(batch)):  # in step order: the first classes named take the room
-            used = {names[j] for j in set(of[batch.rows(i)].tolist())}
-            new = sorted(used - known)
-            if not new:
-                continue
-            room = MAX_CLASSES_PER_ENGINE - len(known)
-            known.update(new[: max(room, 0)])
-            if len(new) <= room:
-                continue
-            if not st.classes_pooled:
-                log.warning(
-                    "engine %s: more than %d traffic classes; further ones are pooled into 'default'",
-                    st.info.engine_id,
-                    MAX_CLASSES_PER_ENGINE,
-                )
-            st.classes_pooled += 1
-            pooled.update(new[max(room, 0) :])
-        return batch.renamed(dict.fromkeys(pooled, "default")) if pooled else batch
+        pooled into ``default`` (``policies.classes``: each class is a context, and an engine naming a
+        new one on every step must not grow them without bound); said once per engine."""
+        before = st.class_bound.pooled_steps
+        batch = st.class_bound.apply(batch)
+        if st.class_bound.pooled_steps and not before:
+            log.warning(
+                "engine %s: more than %d traffic classes; further ones are pooled into %r",
+                st.info.engine_id,
+                MAX_CLASSES_PER_ENGINE,
+                DEFAULT_CLASS,
+            )
+        return batch
 
     def reject(self, st: EngineState | None, e: TelemetryError, *, logged: bool = True) -> None:
         self.metrics.rejected.labels(e.reason).inc()
@@ -926,5 +919,5 @@ class Sidecar:
             ),
             rejected=e.rejected,
             # The classes it named before count against its bound after a restart too.
-            classes={"default", *e.classes},
+            class_bound=ClassBound(known=set(e.classes)),
         )

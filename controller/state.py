@@ -36,12 +36,10 @@ from controller.wire.codec import MAX_SEQUENCE
 from controller.wire.convert import arm_to_pb
 from controller.wire.names import MAX_TRAFFIC_CLASS, escape_text, has_control
 from policies.arms import Arm
+from policies.classes import MAX_CLASSES_PER_ENGINE
 from policies.engine import EngineInfo
 from policies.loop import Totals
 from policies.spec import PolicyError, PolicySpec
-
-#: Distinct traffic classes one engine's loop learns about; later ones are pooled into "default".
-MAX_CLASSES_PER_ENGINE = 256
 
 log = logging.getLogger(__name__)
 

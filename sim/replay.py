@@ -7,7 +7,8 @@ The step itself (plan, clamp, acceptance, price, the per-request rule's feedback
 ``sim.kernel.StepKernel``'s, the same one the demo engine runs; this module keeps the scheduling.
 The policy decides exactly as in the sidecar and the plugin: ``ControlLoop.decide(now)`` on its own
 cadence of the virtual clock (the slow loop's Directive), then ``ControlLoop.observe`` with the
-feedback that engine returns.
+feedback that engine returns, its traffic classes bounded by the sidecar's rule
+(``policies.classes.ClassBound``: those beyond an engine's first 256 pooled into ``default``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.classes import ClassBound
 from policies.engine import Granularity
 from policies.loop import ControlLoop
 from policies.observation import StepBatch, StepObservation
@@ -88,6 +90,8 @@ class Replayer:
             ngram_signal=self.ngram_signal,
             controlled=needs_plugin(self.policy),
         )
+        # The sidecar pools an engine's classes beyond its bound before its loop learns from them.
+        class_bound = ClassBound()
         n, C = tr.n, self.concurrency
         out_all = tr.output_tokens
         batch_k = eng.granularity is Granularity.BATCH_STEP
@@ -163,7 +167,8 @@ class Replayer:
                     prefill_tokens=st.prefill_tokens,
                     ngram_proposal=st.ngram_proposal,
                 )
-                loop.observe(StepBatch.of(obs))  # production's path: a report of one step
+                # production's path: a report of one step, its classes bounded as the sidecar does
+                loop.observe(class_bound.apply(StepBatch.of(obs)))
                 request_steps += nd
                 drafted_total += ksum
                 accepted_total += acc_sum
