@@ -53,7 +53,7 @@ from policies.arms import Arm
 from policies.classes import DEFAULT_CLASS, MAX_CLASSES_PER_ENGINE, ClassBound
 from policies.directive import Directive
 from policies.engine import EngineInfo
-from policies.loop import ControlLoop, Totals
+from policies.loop import ControlLoop, Totals, engine_seed
 from policies.observation import StepBatch, StepObservation
 from policies.spec import PolicyError, PolicySpec
 
@@ -68,6 +68,13 @@ POLICY_CHANGE_BURST = 10.0
 #: line counts those refused meanwhile; the metric counts each): its stream stays up, so a line per
 #: batch let an engine over the limit write the sidecar's log as fast as it sent.
 RATE_LIMITED_LOG_S = 10.0
+
+
+def _seeded_loop(info: EngineInfo, spec: PolicySpec) -> ControlLoop:
+    """An engine's fresh loop, its generator seeded from the policy's seed and the engine's id: engines
+    of one policy (here or on other replicas, fleet warm-started from one donor or not) draw numbers
+    of their own, and the same engine draws the same ones on every run."""
+    return ControlLoop(spec=spec, engine=info, seed=engine_seed(spec.seed, info.engine_id))
 
 
 class FleetPolicyLimited(RuntimeError):
@@ -555,12 +562,12 @@ class Sidecar:
 
     def _loop_for(self, info: EngineInfo, spec: PolicySpec) -> ControlLoop:
         try:
-            return ControlLoop(spec=spec, engine=info)
+            return _seeded_loop(info, spec)
         except ValueError as e:
             raise PolicyError(f"engine {info.engine_id!r}: {e}", source=spec.name) from None
 
     def _new_loop(self, info: EngineInfo) -> ControlLoop:
-        return ControlLoop(spec=self.policy_store.effective(info.engine_id).spec, engine=info)
+        return _seeded_loop(info, self.policy_store.effective(info.engine_id).spec)
 
     def _reset_loop(self, st: EngineState, why: str) -> None:
         """Give an engine a fresh control loop (what it learned is lost, its counters are kept): a

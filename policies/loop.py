@@ -7,10 +7,15 @@ last decision becomes that arm's reward, then the learner picks the arm for the 
 Contexts: for each batch bucket a pooled context ``<bucket>/*`` over all requests (what a
 batch-granular engine can act on, and the fallback for classes not seen yet), plus ``<bucket>/<class>``
 per traffic class when the engine can choose per request and the policy learns per class.
+
+Random draws (exploration) come from the loop's own generator: a fleet warm start (``load_learned``)
+takes another engine's learned tables but never its generator, and the sidecar seeds each engine's
+loop with ``engine_seed`` so engines of one policy do not draw the same numbers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -42,6 +47,16 @@ MAX_REASON = 1 << 16
 #: How far before the saved decision a saved dwell or issue time may be (about 30 years): further, the
 #: shift of a clock behind (``_resume``) could overflow it to -inf, which no snapshot holds.
 MAX_AGE_S = 1e9
+
+
+def engine_seed(seed: int, engine_id: str) -> int:
+    """The seed of one engine's loop under a policy of seed ``seed``: a 32-bit word (a valid policy
+    seed) that differs from engine to engine and is the same on every run and every machine. Engines
+    of one policy seeded alike explored in step (the same draws on the same tables after a warm start).
+    """
+    digest = hashlib.sha256(engine_id.encode("utf-8", "surrogatepass")).digest()
+    words = np.frombuffer(digest, dtype="<u4").tolist()
+    return int(np.random.SeedSequence([seed, *words]).generate_state(1)[0])
 
 
 @dataclass(slots=True)
@@ -671,8 +686,9 @@ class ControlLoop:
 
     def load_learned(self, state: Mapping[str, Any]) -> None:
         """``load_state_dict`` of another engine's state (a fleet warm start): its learned tables, its
-        guards and each context's arm, not what belongs to that engine's own traffic and clock: its
-        round in progress, its dwell timers and the directive it had in force. The first decision
+        guards and each context's arm, not what belongs to that engine's own traffic, clock and draws:
+        its round in progress, its dwell timers, the directive it had in force and its random generator
+        (this loop keeps its own). The first decision
         then runs a round, with every dwell over, as after an older version's snapshot."""
         if isinstance(state, Mapping) and isinstance(state.get("contexts"), Mapping):
             contexts = {
@@ -682,6 +698,10 @@ class ControlLoop:
                 for k, v in state["contexts"].items()
             }
             state = {**{f: x for f, x in state.items() if f != "decision"}, "contexts": contexts}
+        if isinstance(state, Mapping):
+            # This loop's own generator, not the donor's: every replica warm-started from one donor
+            # took its state before and drew the same numbers on the same tables (explored in step).
+            state = {**state, "rng": self.rng.bit_generator.state}
         self.load_state_dict(state)
 
     def _saved_acc(self, value: Any, where: str) -> _Acc:
