@@ -10,7 +10,10 @@ rollback still reaches the newest of them. A history or an overrides table of th
 dropped the same way, alone (the current default record, and the snapshot's engines and counters with
 it, used to be moved aside with it). Revision numbers never go backwards across a restore, nor repeat
 for an engine whose override a rollback removed and a later set gives one again (they started at 1
-again; the last ``MAX_REMOVED`` such engines are remembered).
+again; the last ``MAX_REMOVED`` such engines are remembered). Revisions out of order are bad values
+like any other: a history entry not after the one before it is dropped alone, and a current record
+not after its history's newest is refused (the default's: the snapshot; an override's: the override),
+so a restored history is in increasing order below its current revision and rollback pops the newest.
 """
 
 from __future__ import annotations
@@ -238,7 +241,9 @@ class PolicyStore:
         one, with the valid history kept for rollback; the rest of the snapshot is kept too. An
         engine override whose current record is refused (its document or a field) is dropped (the engine follows the default) but
         its valid history is kept for rollback. A bad history entry or engine override is dropped
-        alone. Each thing dropped appends one line to ``problems``, naming its path (and revision)."""
+        alone, and so is one whose revision is not after the entry before it; a current record whose
+        revision is not after its history's newest is refused as a field of the wrong value is. Each
+        thing dropped appends one line to ``problems``, naming its path (and revision)."""
         dropped = problems if problems is not None else []
 
         def past(s: Mapping[str, Any], at: str) -> deque[PolicyRecord]:
@@ -253,10 +258,20 @@ class PolicyStore:
                 saved = []
             for i, r in enumerate(saved):
                 try:
-                    kept.append((i, PolicyRecord.from_json(r, path=f"{at}.history[{i}]")))
+                    rec = PolicyRecord.from_json(r, path=f"{at}.history[{i}]")
                 except (SnapshotError, PolicyError) as e:
                     # what and where first: log lines are cut at 300 characters, reasons can be long
                     dropped.append(f"{at}.history[{i}]{_revision_of(r, at)} dropped: {e}")
+                    continue
+                if kept and rec.revision <= kept[-1][1].revision:
+                    # Rollback pops the last entry as the newest earlier revision: one out of order
+                    # (a hand edit) rolled back to an older policy than the newest.
+                    dropped.append(
+                        f"{at}.history[{i}].revision: {rec.revision} is not after the revision before it"
+                        f" ({kept[-1][1].revision}); entry dropped"
+                    )
+                    continue
+                kept.append((i, rec))
             # a snapshot from a store that kept more: the oldest go, as on set, each one named
             cut = max(0, len(kept) - history)
             for i, rec in kept[:cut]:
@@ -274,8 +289,16 @@ class PolicyStore:
             revisions went back to 1). A default record of the wrong shape fails the whole store."""
             if not isinstance(s, Mapping):
                 raise SnapshotError(f"{at}: expected an object, got {type(s).__name__}")
+            kept = past(s, at)
             try:
                 current = PolicyRecord.from_json(s.get("current"), path=f"{at}.current")
+                if kept and current.revision <= kept[-1].revision:
+                    # The next revision is the current one's + 1: it would repeat one of the history's
+                    # (or go below it), and the history would hold a revision newer than the current.
+                    raise SnapshotError(
+                        f"{at}.current.revision: {current.revision} is not after the history's newest"
+                        f" revision ({kept[-1].revision})"
+                    )
             except (PolicyError, SnapshotError) as e:
                 if isinstance(e, SnapshotError) and not override:
                     raise
@@ -290,9 +313,8 @@ class PolicyStore:
                     )
                 except SnapshotError:
                     revision = 0
-                kept = past(s, at)
                 return e, max([revision, *(r.revision for r in kept)]), kept
-            return _Slot(current, past(s, at))
+            return _Slot(current, kept)
 
         def kept_line(kept: deque[PolicyRecord]) -> str:
             n = len(kept)

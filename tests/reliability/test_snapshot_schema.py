@@ -72,6 +72,8 @@ WHOLE = {
     "directive-version-infinity": _infinity_version,
     "revision-2^70": _set("state.policies.default.current.revision", 2**70),
     "revision-0": _set("state.policies.default.current.revision", 0),
+    # the history holds revision 1: the next set would repeat it (tests/controller/test_policy_store_revisions.py)
+    "revision-not-after-history": _set("state.policies.default.current.revision", 1),
     "set-at-string": _set("state.policies.default.current.set_at_s", "yesterday"),
     "deep-nesting": _raw("[" * 100_000 + "]" * 100_000),
     "nan-constant": _raw('{"format": 1, "saved_at_s": NaN, "state": {}}'),
