@@ -71,7 +71,9 @@ class Replayer:
         self.seed = seed
         self.label = label or policy.name
         self.progress = progress
-        #: A ControlLoop state to start from (a warm start); the loop's state after ``run`` is kept.
+        #: Another loop's state to warm-start from, taken as a sidecar takes a fleet donor's
+        #: (``ControlLoop.load_learned``: its learned tables, not its clock, round or generator); the
+        #: loop's state after ``run`` is kept in ``final_state``.
         self.loop_state = loop_state
         self.final_state: dict[str, Any] | None = None
         #: Show the policy the trace's ``ngram_proposal`` (False: replay as if the engine had no signal).
@@ -81,7 +83,7 @@ class Replayer:
         tr, eng = self.trace, self.engine
         loop = ControlLoop(spec=self.policy, engine=eng.info(tr.max_k), seed=self.seed)
         if self.loop_state is not None:
-            loop.load_state_dict(self.loop_state)
+            loop.load_learned(self.loop_state)
         kernel = StepKernel(
             trace=tr,
             profile=self.profile,

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from policies.arms import METHOD_CODES, Method
 from policies.loop import ControlLoop
 from policies.observation import NOT_SCORED, StepBatch, StepObservation
+from policies.presets import load_preset
 from policies.spec import parse_policy, static_policy
 from sim.costmodel import load_profile
 from sim.engines import ENGINES, EngineModel
@@ -312,3 +314,26 @@ def test_sync_scheduling_is_charged_to_sync_engines_and_the_plugin_to_controlled
     assert not needs_plugin(static_policy(arm))
     assert needs_plugin(load_preset("default"))
     assert needs_plugin(dc_replace(static_policy(arm), rule=load_preset("default").rule))
+
+
+def test_a_warm_start_takes_the_donors_tables_not_its_generator(small: Trace) -> None:
+    # The autoscale model's warm replica is a sidecar's fleet warm start (ControlLoop.load_learned): it
+    # keeps the donor's learned tables but draws from its own seed. It loaded the donor's whole state
+    # (load_state_dict), generator included, so replicas of any seed explored with the donor's draws.
+    pol = load_preset("thompson")  # draws from its generator at every round
+
+    def run(seed: int, state: dict[str, Any] | None) -> Replayer:
+        r = Replayer(
+            trace=small, profile=PROFILE, engine=ENGINES["composite"], policy=pol, concurrency=4, seed=seed,
+            loop_state=state,
+        )  # fmt: skip
+        r.run()
+        return r
+
+    donor = run(0, None).final_state
+    assert donor is not None
+    warm = [run(s, donor).final_state for s in (1, 2, 1)]
+    assert all(w is not None for w in warm)
+    rng = [w["rng"] for w in warm if w is not None]
+    assert rng[0] != rng[1]  # each seed its own draws
+    assert rng[0] == rng[2]  # and the same seed the same ones
