@@ -3,7 +3,8 @@
 Topics (``<fleet>``, ``<engine>`` and ``<model>`` are percent-encoded into one topic level each, so a
 model name like ``meta-llama/Llama-3.1-8B`` stays one level):
 
-- ``speccontrol/v1/<fleet>/policy`` (retained): the fleet's policy, a versioned YAML document.
+- ``speccontrol/v1/<fleet>/policy`` (retained): the fleet's policy, a versioned YAML document, or
+  the tombstone ``controllerctl policy clear --fleet`` leaves (``"cleared": true``, no YAML).
 - ``speccontrol/v1/<fleet>/engines/<engine>/state``: each engine's state, for fleet views.
 - ``speccontrol/v1/<fleet>/posteriors/<model>`` (retained): the latest learned statistics per model, so
   a new replica starts warm.
@@ -30,12 +31,23 @@ backoff, and its log line says so: two sidecars sharing a node id reconnected tw
 A fleet policy counts as applied (its version, the gauge, the copy this node republishes) only once
 ``on_policy`` returned: one it refuses with a ValueError (an invalid document) is refused for good; one
 it refuses otherwise (the sidecar could not write its state) is tried again, with backoff, while it is
-the newest the fleet has. A retained policy cleared (an empty retained message, as
-FleetVersionsUsedUp asks) or replaced by one this node cannot read takes the fleet's numbering with
-it: publishers number from 1 again, so the link applies the next policy whatever its version (not
-ignored as stale below the one that is gone), unless it is the retained copy of the one in force. So
-does a broker found without a policy by a link that has none to put back (its version restored from
-a snapshot): a broker restarted without persistence while every sidecar restarted froze the fleet.
+the newest the fleet has. A retained policy emptied (an empty retained message) or replaced by one
+this node cannot read takes the fleet's numbering with it: publishers number from 1 again, so the
+link applies the next policy whatever its version (not ignored as stale below the one that is gone),
+unless it is the retained copy of the one in force. So does a broker found without a policy by a
+link that has none to put back (its version restored from a snapshot): a broker restarted without
+persistence while every sidecar restarted froze the fleet.
+
+A deliberate clear (``publish_fleet_clear``) is a retained tombstone, not an empty topic: an empty
+topic also means a broker that lost its retained messages, where each link puts back the policy it
+applied, so a link disconnected during an empty-message clear put the cleared policy back. The
+tombstone is numbered like a policy, one above the version it clears, and ordered like one: a link
+applies it (``on_policy_cleared``; the sidecar's engines go back to its local policy) when it is newer
+than what it has, stands behind it as it would behind a policy (a broker restarted empty gets the
+tombstone back, never the policy it cleared), and the next policy numbers above it. The numbering is
+kept, not lost; only a clear of the highest version (FleetVersionsUsedUp) carries that version
+itself and lets the next policy number from 1. A link of an older version reads the tombstone as an
+unreadable policy: it keeps its policy in force and no longer puts it back.
 """
 
 from __future__ import annotations
@@ -71,7 +83,9 @@ __all__ = [
     "FleetPolicy",
     "FleetVersionsUsedUp",
     "MalformedPayload",
+    "RetainedPolicy",
     "Topics",
+    "publish_fleet_clear",
     "publish_fleet_policy",
 ]
 
@@ -97,6 +111,8 @@ WARNINGS_PER_S: Final = 1.0
 WARNINGS_BURST: Final = 20
 
 PolicyCallback = Callable[[str, int], Awaitable[None] | None]
+#: Called with the tombstone's version when the fleet's policy is cleared.
+ClearCallback = Callable[[int], Awaitable[None] | None]
 PosteriorsCallback = Callable[[str, Mapping[str, Any]], Awaitable[None] | None]
 StateCallback = Callable[[str, Mapping[str, Any]], Awaitable[None] | None]
 
@@ -183,11 +199,14 @@ class Topics:
 
 @dataclass(frozen=True, slots=True)
 class FleetPolicy:
+    """A fleet policy as received, or the tombstone of a clear (``cleared``; ``yaml`` empty)."""
+
     version: int
     yaml: str
     source: str
     published_at: float
     node: str
+    cleared: bool = False
 
     @property
     def digest(self) -> str:
@@ -197,6 +216,12 @@ class FleetPolicy:
 def policy_digest(yaml_text: str) -> str:
     """SHA-256 (hex) of a fleet policy's YAML: what tells two documents of one version apart."""
     return hashlib.sha256(yaml_text.encode()).hexdigest()
+
+
+#: The digest a clear is known by (a tombstone's YAML is empty): what a sidecar's snapshot keeps beside
+#: the tombstone's version, so that its retained copy is not applied again after a restart. A policy
+#: whose YAML is empty shares it, harmlessly: no sidecar applies such a document.
+CLEARED_DIGEST: Final = policy_digest("")
 
 
 def encode(kind: str, node: str, now: float, fields: Mapping[str, Any], *, limit: int) -> bytes:
@@ -259,6 +284,20 @@ def policy_from(doc: Mapping[str, Any]) -> FleetPolicy:
     version = _field(doc, "version", int)
     if not 1 <= version <= MAX_COUNT:  # a snapshot keeps the applied version: it must hold it
         raise MalformedPayload("schema", f"version: must be in [1, {MAX_COUNT}], got {version}")
+    cleared = doc.get("cleared", False)
+    if not isinstance(cleared, bool):
+        raise MalformedPayload("schema", f"cleared: expected bool, got {type(cleared).__name__}")
+    if cleared:
+        if "yaml" in doc:  # one or the other: a document that is both must not be half taken
+            raise MalformedPayload("schema", "yaml: a cleared policy (cleared: true) carries none")
+        return FleetPolicy(
+            version=version,
+            yaml="",
+            source=_source(doc.get("source", "")),
+            published_at=float(doc["published_at"]),
+            node=str(doc["node"]),
+            cleared=True,
+        )
     return FleetPolicy(
         version=version,
         yaml=_field(doc, "yaml", str),
@@ -328,6 +367,7 @@ class FleetLink:
         fleet: str,
         node_id: str | None = None,
         on_policy: PolicyCallback | None = None,
+        on_policy_cleared: ClearCallback | None = None,
         on_posteriors: PosteriorsCallback | None = None,
         on_state: StateCallback | None = None,
         policy_version: int = 0,
@@ -354,6 +394,7 @@ class FleetLink:
         self.node_id = node_id or f"speccontrol-{uuid.uuid4().hex[:12]}"
         _segment(self.node_id, "node_id")
         self.on_policy = on_policy
+        self.on_policy_cleared = on_policy_cleared
         self.on_posteriors = on_posteriors
         self.on_state = on_state
         self.metrics = FleetMetrics(registry if registry is not None else CollectorRegistry())
@@ -415,6 +456,7 @@ class FleetLink:
 
     @property
     def policy(self) -> FleetPolicy | None:
+        """The fleet policy applied, or the tombstone of the clear applied (``cleared``)."""
         return self._policy
 
     def latest_posteriors(self, model: str) -> Mapping[str, Any] | None:
@@ -456,7 +498,9 @@ class FleetLink:
         The version is one above the newest this node has seen, so it is applied everywhere unless
         another node published concurrently (then the broker's order decides, see ``_on_policy``).
         """
-        version = _next_version(max(self._policy_version, self._newest_version), self.topics)
+        version = _next_version(
+            max(self._policy_version, self._newest_version), self.topics, restart=self._numbering_restarts()
+        )
         p = FleetPolicy(version, yaml_text, source, self.clock(), self.node_id)
         self._queue(self.topics.policy, "policy", _policy_fields(p), qos=1, retain=True, at=p.published_at)
         # The caller applied it locally already: the broker's echo must not apply it a second time.
@@ -680,7 +724,7 @@ class FleetLink:
             self._seen_topics.add(msg.topic)
         try:
             if kind == "policy" and not msg.payload:
-                self._numbering_lost("was cleared")
+                self._numbering_lost("was emptied (an empty retained message)")
                 return
             doc = decode(kind, msg.payload, limit=self.max_payload_bytes)
             if kind == "policy":
@@ -719,55 +763,69 @@ class FleetLink:
                 if current is not None:
                     self._stand_behind(current)
             return
-        if p.version < self._policy_version and not self._renumbered:
+        # The numbering started over (the retained policy lost, or cleared at the highest version):
+        # nothing received since is stale, whatever its version.
+        restarted = self._renumbered or self._numbering_restarts()
+        if p.version < self._policy_version and not restarted:
             self.metrics.stale.inc()
-            log.info(
-                "fleet link: ignored stale fleet policy v%d (applied: v%d)", p.version, self._policy_version
-            )
+            log.info("fleet link: ignored stale %s (applied: v%d)", _what(p), self._policy_version)
             return
-        if self._refused is not None and p.version < self._refused.version and not self._renumbered:
+        if self._refused is not None and p.version < self._refused.version and not restarted:
             return  # older than the one waiting for a retry, which the fleet has moved on to
         retry = p is self._refused
         if not retry:
             self.metrics.received.labels("policy").inc()
-            self._newest_version = max(self._newest_version, p.version)
+            self._newest_version = p.version if restarted else max(self._newest_version, p.version)
         # Applied, or refused for good, the newest supersedes one waiting for a retry.
         self._refused = None
-        if self.on_policy is not None:
-            try:
+        try:
+            if p.cleared:
+                if self.on_policy_cleared is not None:
+                    await _maybe_await(self.on_policy_cleared(p.version))
+            elif self.on_policy is not None:
                 await _maybe_await(self.on_policy(p.yaml, p.version))
-            except Exception as e:
-                self.metrics.rejected.inc()
-                if isinstance(e, ValueError):  # the document itself: no retry can change that
-                    log.error("fleet link: fleet policy v%d from %s refused: %s", p.version, p.node, e)
-                    return
-                if not retry:
-                    self._retry_s = RETRY_REFUSED_MIN_S
-                    if self._refused_now is not None:
-                        self._refused_now.set()
-                self._refused = p
-                log.error("fleet link: fleet policy v%d from %s refused (retried in %.0f s): %s", p.version,
-                          p.node, self._retry_s, e)  # fmt: skip
+        except Exception as e:
+            self.metrics.rejected.inc()
+            if isinstance(e, ValueError):  # the document itself: no retry can change that
+                log.error("fleet link: %s from %s refused: %s", _what(p), p.node, e)
                 return
+            if not retry:
+                self._retry_s = RETRY_REFUSED_MIN_S
+                if self._refused_now is not None:
+                    self._refused_now.set()
+            self._refused = p
+            log.error("fleet link: %s from %s refused (retried in %.0f s): %s", _what(p), p.node,
+                      self._retry_s, e)  # fmt: skip
+            return
         # Equal versions with different documents come from concurrent publishers: taking the later
         # delivery converges on the broker's retained one, which is also what new replicas get.
+        # A tombstone is stood behind like a policy: a broker restarted empty gets it back, never the
+        # policy it cleared (that is what an empty-message clear could not do).
         self._policy, self._policy_version, self._renumbered = p, p.version, False
         self._stand_behind(p)
         self.metrics.policy_version.set(p.version)
-        if self.on_policy is not None:
+        if p.cleared:
+            log.info("fleet link: the fleet policy was cleared (v%d from %s)", p.version, p.node)
+        elif self.on_policy is not None:
             log.info("fleet link: applied fleet policy v%d from %s (%s)", p.version, p.node, p.source or "-")
 
+    def _numbering_restarts(self) -> bool:
+        """The clear in force is of the highest version a sidecar takes: the next policy numbers from
+        1 (what FleetVersionsUsedUp asks the operator for), so none received since is stale."""
+        applied = self._policy.digest if self._policy is not None else self._applied_digest
+        return self._policy_version >= MAX_COUNT and applied == CLEARED_DIGEST
+
     def _stand_behind(self, p: FleetPolicy) -> None:
-        """Republish ``p`` after a resync that finds the broker without a policy. Kept as received
-        (same node and time) so a republished copy is the same document."""
+        """Republish ``p`` (a policy or a tombstone) after a resync that finds the broker without a
+        policy. Kept as received (same node and time) so a republished copy is the same document."""
         self._retained_own[self.topics.policy] = (
             encode("policy", p.node, p.published_at, _policy_fields(p), limit=2 * self.max_payload_bytes),
             "policy",
         )
 
     def _numbering_lost(self, why: str, *, withdrawn: bool = True) -> None:
-        """The fleet's retained policy is gone (cleared, what FleetVersionsUsedUp asks for; lost by
-        the broker) or cannot be read: its version with it, so publishers number from 1 again
+        """The fleet's retained policy is gone (emptied with an empty retained message; lost by the
+        broker) or cannot be read: its version with it, so publishers number from 1 again
         (``publish_fleet_policy``). The policy in force stays (version, gauge), the next one is
         applied whatever its version (below the one gone, it would be stale for good), and the one
         gone is no longer this node's to republish, unless its retained copy comes back (the
@@ -831,28 +889,93 @@ class FleetLink:
 
 class FleetVersionsUsedUp(ValueError):
     """The fleet's retained policy carries the highest version a sidecar takes: nothing can be
-    published above it until that retained message is cleared (the fleet's state, not the document)."""
+    published above it until the fleet's policy is cleared (the fleet's state, not the document)."""
 
 
-def _next_version(current: int, topics: Topics) -> int:
-    """The version above ``current``; FleetVersionsUsedUp when there is none a sidecar takes (a peer
-    published the highest, and what came next was dropped by every sidecar while the publisher
-    reported it)."""
+def _next_version(current: int, topics: Topics, *, restart: bool = False) -> int:
+    """The version above ``current``; 1 when ``restart`` (``current`` is a clear of the highest
+    version); FleetVersionsUsedUp when there is none a sidecar takes (a peer published the highest,
+    and what came next was dropped by every sidecar while the publisher reported it)."""
     if current >= MAX_COUNT:
+        if restart:
+            return 1
         raise FleetVersionsUsedUp(
-            f"the fleet's policy version is already {current}, the highest a sidecar takes: clear the "
-            f"retained message on {topics.policy} (an empty retained message) to number from 1 again"
+            f"the fleet's policy version is already {current}, the highest a sidecar takes: clear it "
+            f"(controllerctl policy clear --fleet --fleet-name {topics.fleet}) to number from 1 again"
         )
     return current + 1
 
 
+def _tombstone_version(current: int) -> int:
+    """The version of a clear of ``current``: one above it, so that links order it after the policy it
+    clears; ``current`` itself at the highest version (its document, not its number, is new: links
+    apply a different document under the version they hold), and the next policy numbers from 1."""
+    return min(current + 1, MAX_COUNT)
+
+
+def _what(p: FleetPolicy) -> str:
+    return f"clear of the fleet policy v{p.version}" if p.cleared else f"fleet policy v{p.version}"
+
+
 def _policy_fields(p: FleetPolicy) -> dict[str, Any]:
+    if p.cleared:
+        return {"version": p.version, "cleared": True, "source": p.source}
     return {"version": p.version, "yaml": p.yaml, "source": p.source}
 
 
 async def _maybe_await(result: Awaitable[None] | None) -> None:
     if inspect.isawaitable(result):
         await result
+
+
+@dataclass(frozen=True, slots=True)
+class RetainedPolicy:
+    """What the broker held on a fleet's policy topic before a publisher replaced it.
+
+    ``state``: ``"policy"``, ``"cleared"`` (a tombstone), ``"none"`` (empty: never set, emptied, or lost
+    in a broker restart) or ``"unreadable"`` (numbered as none); ``version``: its version (0 unless
+    policy or cleared)."""
+
+    state: str
+    version: int = 0
+
+
+async def _replace_retained_policy(
+    *,
+    broker: BrokerSettings,
+    topics: Topics,
+    timeout_s: float,
+    max_payload_bytes: int,
+    fields: Callable[[RetainedPolicy], dict[str, Any]],
+) -> RetainedPolicy:
+    """Read the fleet's retained policy, then publish ``fields(what was read)`` over it, retained.
+    ``fields`` raises (ValueError) to publish nothing."""
+    node = f"controllerctl-{uuid.uuid4().hex[:12]}"
+    token = uuid.uuid4().hex
+    found = RetainedPolicy("none")
+    async with asyncio.timeout(timeout_s):
+        async with MqttConnection(settings=broker, client_id=node) as conn:
+            await conn.subscribe([topics.policy, topics.probe(node)])
+            await conn.publish(topics.probe(node), token.encode(), qos=1)
+            messages = conn.messages()
+            async for msg in messages:
+                kind, _ = topics.parse(msg.topic)
+                if kind == "probe" and msg.payload == token.encode():
+                    break
+                if kind == "policy" and msg.payload:
+                    try:
+                        p = policy_from(decode("policy", msg.payload, limit=max_payload_bytes))
+                    except MalformedPayload as e:
+                        log.warning("the retained fleet policy is malformed (%s); numbering it as none", e)
+                        if found.state == "none":
+                            found = RetainedPolicy("unreadable")
+                        continue
+                    if p.version >= found.version:
+                        found = RetainedPolicy("cleared" if p.cleared else "policy", p.version)
+            await messages.aclose()  # type: ignore[attr-defined]
+            payload = encode("policy", node, time.time(), fields(found), limit=max_payload_bytes)
+            await conn.publish(topics.policy, payload, qos=1, retain=True)
+    return found
 
 
 async def publish_fleet_policy(
@@ -866,43 +989,59 @@ async def publish_fleet_policy(
 ) -> int:
     """Publish ``yaml`` as the fleet's policy (retained) and return its version.
 
-    Reads the retained policy first so the version is one above the fleet's current one. The caller
+    Reads the retained policy first so the version is one above the fleet's current one (a clear's
+    too: the numbering goes on after it; from 1 after a clear of the highest version). The caller
     validates the document (``parse_policy``) before calling. Raises ConnectionLost when the broker
     cannot be reached and TimeoutError when it does not answer within ``timeout_s``; ValueError when
     the payload is too large, FleetVersionsUsedUp (a ValueError) when the retained version is the
     highest there is.
     """
     topics = Topics(fleet)
-    node = f"controllerctl-{uuid.uuid4().hex[:12]}"
-    token = uuid.uuid4().hex
-    current = 0
-    async with asyncio.timeout(timeout_s):
-        async with MqttConnection(settings=broker, client_id=node) as conn:
-            await conn.subscribe([topics.policy, topics.probe(node)])
-            await conn.publish(topics.probe(node), token.encode(), qos=1)
-            messages = conn.messages()
-            async for msg in messages:
-                kind, _ = topics.parse(msg.topic)
-                if kind == "probe" and msg.payload == token.encode():
-                    break
-                if kind == "policy" and msg.payload:
-                    try:
-                        current = max(
-                            current,
-                            policy_from(decode("policy", msg.payload, limit=max_payload_bytes)).version,
-                        )
-                    except MalformedPayload as e:
-                        log.warning(
-                            "the retained fleet policy is malformed (%s); publishing version 1 above 0", e
-                        )
-            await messages.aclose()  # type: ignore[attr-defined]
-            version = _next_version(current, topics)
-            payload = encode(
-                "policy",
-                node,
-                time.time(),
-                {"version": version, "yaml": yaml, "source": source},
-                limit=max_payload_bytes,
-            )
-            await conn.publish(topics.policy, payload, qos=1, retain=True)
-    return version
+    fields: dict[str, Any] = {}
+
+    def policy_fields(found: RetainedPolicy) -> dict[str, Any]:
+        version = _next_version(found.version, topics, restart=found.state == "cleared")
+        fields.update(version=version, yaml=yaml, source=source)
+        return fields
+
+    await _replace_retained_policy(
+        broker=broker,
+        topics=topics,
+        timeout_s=timeout_s,
+        max_payload_bytes=max_payload_bytes,
+        fields=policy_fields,
+    )
+    return int(fields["version"])
+
+
+async def publish_fleet_clear(
+    *,
+    broker: BrokerSettings,
+    fleet: str,
+    timeout_s: float = 10.0,
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+) -> tuple[int, RetainedPolicy]:
+    """Clear the fleet's policy: publish a tombstone (retained) over it. Returns the tombstone's
+    version and what it replaced.
+
+    Every link applies it (its sidecar's engines go back to its local policy) and none puts the
+    cleared policy back, also one disconnected meanwhile (it finds the tombstone when it returns).
+    The tombstone is numbered one above the retained version (above nothing: 1), or at the highest
+    version, that version (then the next policy numbers from 1). Raises ConnectionLost and
+    TimeoutError as ``publish_fleet_policy`` does.
+    """
+    topics = Topics(fleet)
+    fields: dict[str, Any] = {}
+
+    def tombstone_fields(found: RetainedPolicy) -> dict[str, Any]:
+        fields.update(version=_tombstone_version(found.version), cleared=True, source="")
+        return fields
+
+    found = await _replace_retained_policy(
+        broker=broker,
+        topics=topics,
+        timeout_s=timeout_s,
+        max_payload_bytes=max_payload_bytes,
+        fields=tombstone_fields,
+    )
+    return int(fields["version"]), found

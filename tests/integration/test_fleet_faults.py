@@ -76,8 +76,9 @@ async def test_a_retained_number_too_long_to_read_costs_the_message_not_the_sess
 async def test_the_used_up_version_cleared_as_the_error_says_numbers_the_fleet_from_1(
     mosquitto: Mosquitto,
 ) -> None:
-    # FleetVersionsUsedUp says to clear the retained policy; before, the sidecars kept 2**53 - 1 and
-    # ignored the version 1 published next as stale, for good.
+    # An empty retained message (the clear FleetVersionsUsedUp advised before policy clear --fleet,
+    # and still a way out): before, the sidecars kept 2**53 - 1 and ignored the version 1 published
+    # next as stale, for good.
     t = Topics("itest")
     async with MqttConnection(settings=broker_of(mosquitto), client_id="careless") as raw:
         await raw.publish(t.policy, payload("policy", yaml="name: p\n", version=fleet.MAX_COUNT), retain=True)
@@ -86,7 +87,7 @@ async def test_the_used_up_version_cleared_as_the_error_says_numbers_the_fleet_f
     try:
         assert await node.link.wait_synced(10)
         await until(lambda: node.policies == [("name: p\n", fleet.MAX_COUNT)], "the used-up version")
-        with pytest.raises(fleet.FleetVersionsUsedUp, match="clear the retained message"):
+        with pytest.raises(fleet.FleetVersionsUsedUp, match="policy clear --fleet"):
             await fleet.publish_fleet_policy(broker=broker_of(mosquitto), fleet="itest", yaml="x", source="t")
         async with MqttConnection(settings=broker_of(mosquitto), client_id="operator") as raw:
             await raw.publish(t.policy, b"", retain=True)  # mosquitto_pub -r -n
