@@ -143,6 +143,7 @@ class SidecarServer(Sidecar):
                 policy_version=self.fleet_policy_version,
                 policy_digest=self.fleet_policy_digest,
                 on_policy=self._on_fleet_policy,
+                on_policy_cleared=self._on_fleet_policy_cleared,
                 clock=self.clock,
             )
             await self.fleet.start()

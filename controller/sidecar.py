@@ -16,6 +16,7 @@ import asyncio
 import bisect
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 import controller
 from controller.config import SidecarConfig
-from controller.fleet import FleetLink, policy_digest
+from controller.fleet import CLEARED_DIGEST, FleetLink, policy_digest
 from controller.limits import TokenBucket
 from controller.metrics import SidecarMetrics
 from controller.policy_store import PolicyNotSaved, PolicyRecord, PolicyStore
@@ -55,6 +56,7 @@ from policies.directive import Directive
 from policies.engine import EngineInfo
 from policies.loop import ControlLoop, Totals, engine_seed
 from policies.observation import StepBatch, StepObservation
+from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,19 @@ POLICY_CHANGE_BURST = 10.0
 #: line counts those refused meanwhile; the metric counts each): its stream stays up, so a line per
 #: batch let an engine over the limit write the sidecar's log as fast as it sent.
 RATE_LIMITED_LOG_S = 10.0
+
+
+#: The source a fleet policy is set under (``fleet v7``): what tells the fleet's revisions of the
+#: default policy from the sidecar's own when the fleet's policy is cleared.
+_FLEET_SOURCE = re.compile(r"fleet v[0-9]+")
+
+
+def fleet_source(version: int) -> str:
+    return f"fleet v{version}"
+
+
+def is_fleet_source(source: str) -> bool:
+    return _FLEET_SOURCE.fullmatch(source) is not None
 
 
 def _seeded_loop(info: EngineInfo, spec: PolicySpec) -> ControlLoop:
@@ -527,10 +542,47 @@ class Sidecar:
         before = self._fleet_version, self._fleet_digest
         self._fleet_version, self._fleet_digest = version, policy_digest(yaml_text)
         try:
-            self.set_policy(yaml_text, source=f"fleet v{version}")  # writes the new version through
+            self.set_policy(yaml_text, source=fleet_source(version))  # writes the new version through
         except BaseException:
             self._fleet_version, self._fleet_digest = before
             raise
+
+    def _on_fleet_policy_cleared(self, version: int) -> None:
+        """The fleet's policy was cleared (``controllerctl policy clear --fleet``; ``version`` is the
+        clear's): engines without an override go back to the sidecar's local policy, the newest
+        revision of its default that the fleet did not set (``controllerctl policy set`` here, or
+        ``default_policy`` when its history holds none), as a new revision written through. When the
+        default in force is not the fleet's (a local set or rollback since), nothing changes but
+        the version kept. Refused like a fleet policy: a PolicyError for good; PolicyNotSaved or
+        FleetPolicyLimited for now (the fleet link tries again)."""
+        before = self._fleet_version, self._fleet_digest
+        # (the digest a clear is known by: its retained copy is not applied again after a restart)
+        self._fleet_version, self._fleet_digest = version, CLEARED_DIGEST
+        current = self.policy_store.default
+        if not is_fleet_source(current.source):
+            log.info("fleet policy cleared (v%d); the local policy %s stays", version, current.spec.name)
+            return
+        try:
+            if not self.policy_changes.take():
+                raise FleetPolicyLimited(
+                    f"policy changes are limited to {self.config.max_policy_changes_per_s:g}/s"
+                )
+            yaml_text, source = self._local_default()
+            rec = self.set_policy(yaml_text, source=source)  # writes the clear's version through
+        except BaseException:
+            self._fleet_version, self._fleet_digest = before
+            raise
+        log.info(
+            "fleet policy cleared (v%d): back to the local policy %s from %s", version, rec.spec.name, source
+        )
+
+    def _local_default(self) -> tuple[str, str]:
+        """The sidecar's own default policy (YAML, source): the newest revision the fleet did not set,
+        else ``default_policy`` (a history of fleet policies only, or one they pushed out)."""
+        for rec in self.policy_store.history():
+            if not is_fleet_source(rec.source):
+                return rec.yaml, rec.source
+        return resolve_policy_text(self.config.default_policy)
 
     @property
     def fleet_policy_version(self) -> int:

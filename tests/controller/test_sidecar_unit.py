@@ -571,3 +571,77 @@ def test_kill_9_right_after_a_change_to_a_policy_of_the_same_name_restores_what_
         assert got.totals.steps == 19 * 8  # the counters are kept all the same
     finally:
         again.close(snapshot=False)
+
+
+def test_a_fleet_clear_takes_the_engines_back_to_the_local_policy(tmp_path: Path, clock: Clock) -> None:
+    # controllerctl policy clear --fleet: the engines following the default go back to the policy
+    # this sidecar had of its own (set here before the fleet's), as a new revision written through;
+    # an engine with an override of its own keeps it.
+    from controller.fleet import CLEARED_DIGEST
+
+    sc = make(tmp_path, clock)
+    sc.open()
+    s1, s2 = sc.attach(info("e1")), sc.attach(info("e2"))
+    sc.set_policy(preset_text("static-off"), source="local.yaml")
+    sc.set_policy(preset_text("ucb1"), source="mine.yaml", engine_id="e2")
+    sc._on_fleet_policy(preset_text("static-eagle3-3"), 3)
+    sc._on_fleet_policy(preset_text("thompson"), 4)
+    assert sc.policy_store.default.source == "fleet v4"
+    revision = sc.policy_store.default.revision
+    drain(s1.queue), drain(s2.queue)
+    sc._on_fleet_policy_cleared(5)
+    default = sc.policy_store.default
+    assert (default.spec.name, default.source, default.revision) == ("static-off", "local.yaml", revision + 1)
+    assert (sc.fleet_policy_version, sc.fleet_policy_digest) == (5, CLEARED_DIGEST)
+    assert [d.policy for d in drain(s1.queue) if isinstance(d, Directive)][-1:] == ["static-off"]
+    assert drain(s2.queue) == [] and sc.engines()["e2"].loop.spec.name == "ucb1"
+    sc._release_lock()  # as a kill -9 would: the write-through snapshot holds the clear
+
+    again = make(tmp_path, clock)
+    again.open()
+    try:
+        assert (again.fleet_policy_version, again.fleet_policy_digest) == (5, CLEARED_DIGEST)
+        assert again.policy_store.default.source == "local.yaml"
+        # A local policy set since the clear is the sidecar's own: a later clear leaves it.
+        again.set_policy(preset_text("epsilon-greedy"), source="later.yaml")
+        revision = again.policy_store.default.revision
+        again._on_fleet_policy_cleared(6)
+        assert (again.policy_store.default.source, again.policy_store.default.revision) == (
+            "later.yaml",
+            revision,
+        )
+        assert again.fleet_policy_version == 6
+    finally:
+        again.close(snapshot=False)
+
+
+def test_a_fleet_clear_with_no_local_revision_left_goes_back_to_default_policy(sidecar: Sidecar) -> None:
+    # More fleet policies than the history keeps pushed the sidecar's own out: the clear falls back
+    # to default_policy from the config (the preset 'default' here).
+    from controller.limits import TokenBucket
+
+    sidecar.policy_changes = TokenBucket(rate=1e9, burst=1e9)  # (the budget has its own test)
+    for v in range(1, 22):
+        sidecar._on_fleet_policy(preset_text("static-eagle3-3" if v % 2 else "static-off"), v)
+    assert all(r.source.startswith("fleet v") for r in sidecar.policy_store.history())
+    sidecar._on_fleet_policy_cleared(22)
+    default = sidecar.policy_store.default
+    assert (default.spec.name, default.source) == ("default", "preset:default")
+
+
+def test_a_fleet_clear_that_cannot_be_made_now_changes_nothing(tmp_path: Path, clock: Clock) -> None:
+    # Past the policy-change budget (or with the state unwritable) the clear is refused for now, like
+    # a fleet policy: the fleet link tries it again, and the fleet version is the one before.
+    cfg = SidecarConfig(state_dir=str(tmp_path / "state"), max_policy_changes_per_s=0.01)
+    sc = Sidecar(config=cfg, registry=CollectorRegistry(), clock=clock)
+    sc.open()
+    try:
+        sc._on_fleet_policy(preset_text("static-eagle3-3"), 3)
+        for _ in range(20):
+            if not sc.policy_changes.take():
+                break
+        with pytest.raises(FleetPolicyLimited):
+            sc._on_fleet_policy_cleared(4)
+        assert (sc.fleet_policy_version, sc.policy_store.default.source) == (3, "fleet v3")
+    finally:
+        sc.close(snapshot=False)
