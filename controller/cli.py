@@ -22,7 +22,7 @@ import signal
 import sys
 import unicodedata
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -453,27 +453,41 @@ def _fleet_broker(args: argparse.Namespace) -> BrokerSettings:
     return broker
 
 
-def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: str) -> int:
-    from controller._mqtt import ConnectionLost
-    from controller.fleet import FleetVersionsUsedUp, publish_fleet_policy
-
-    broker = _fleet_broker(args)
+def _fleet_name(args: argparse.Namespace) -> str:
+    """The fleet for ``--fleet`` from ``--fleet-name`` or the environment; raises UserError (exit 2)."""
     # --fleet-name '' is refused below, not taken for the flag left out: the policy went to the fleet
     # 'default', every sidecar of it.
     fleet = args.fleet_name if args.fleet_name is not None else os.environ.get(FLEET_ENV) or "default"
     problem = name_problem(fleet, longest=MAX_FLEET_NAME)
     if problem is not None:
         raise UserError(f"--fleet-name: {problem}")
+    return str(fleet)
+
+
+def _on_broker(broker: BrokerSettings, timeout_s: float, call: Coroutine[Any, Any, T]) -> T:
+    """Run ``call`` against the broker; unreachable or silent is one line and exit 1."""
+    from controller._mqtt import ConnectionLost
+
     try:
-        version = asyncio.run(
-            publish_fleet_policy(broker=broker, fleet=fleet, yaml=text, source=source, timeout_s=args.timeout)
-        )
+        return asyncio.run(call)
     except ConnectionLost as e:
         raise UserError(f"cannot reach the MQTT broker: {str(e).splitlines()[0]}", 1) from None
     except TimeoutError:
         raise UserError(
-            f"the MQTT broker at {broker.describe()} did not answer within {args.timeout:g} s", 1
+            f"the MQTT broker at {broker.describe()} did not answer within {timeout_s:g} s", 1
         ) from None
+
+
+def _set_fleet_policy(args: argparse.Namespace, text: str, source: str, name: str) -> int:
+    from controller.fleet import FleetVersionsUsedUp, publish_fleet_policy
+
+    broker = _fleet_broker(args)
+    fleet = _fleet_name(args)
+    publish = publish_fleet_policy(
+        broker=broker, fleet=fleet, yaml=text, source=source, timeout_s=args.timeout
+    )
+    try:
+        version = _on_broker(broker, args.timeout, publish)
     except FleetVersionsUsedUp as e:  # the fleet's state, not the file: a runtime error
         raise UserError(f"fleet {fleet}: {one_line(str(e))}", 1) from None
     except ValueError as e:
@@ -503,6 +517,44 @@ def cmd_policy_set(args: argparse.Namespace) -> int:
 
     info = _admin_call(args, set_policy)
     print(f"set {_policy_line(info)}")
+    return 0
+
+
+def cmd_policy_clear(args: argparse.Namespace) -> int:
+    """Clear the fleet's policy: a retained tombstone every sidecar applies (its engines go back to
+    its local policy) and none puts the cleared policy back, also one disconnected meanwhile."""
+    from controller.fleet import publish_fleet_clear
+
+    if not args.fleet:
+        raise UserError(
+            "policy clear: --fleet is required (only a fleet's policy is cleared; a sidecar's own: "
+            "policy set or policy rollback)"
+        )
+    broker = _fleet_broker(args)
+    fleet = _fleet_name(args)
+    version, found = _on_broker(
+        broker, args.timeout, publish_fleet_clear(broker=broker, fleet=fleet, timeout_s=args.timeout)
+    )
+    if args.json:
+        _print_json(
+            {
+                "fleet": fleet,
+                "broker": broker.describe(),
+                "version": version,
+                "previous": {"state": found.state, "version": found.version},
+            }
+        )
+        return 0
+    was = {
+        "policy": f"its policy version {found.version}",
+        "cleared": f"its policy, already cleared as version {found.version},",
+        "none": "no policy on the broker",
+        "unreadable": "a policy on the broker no sidecar reads",
+    }[found.state]
+    print(
+        f"cleared fleet {fleet} ({was} before) as version {version} ({broker.describe()}): its sidecars "
+        "go back to their local policy"
+    )
     return 0
 
 
@@ -740,6 +792,22 @@ def _admin_address(text: str) -> str:
     return str(text)
 
 
+def _add_broker_options(s: argparse.ArgumentParser) -> None:
+    """The broker and fleet options of ``policy set --fleet`` and ``policy clear --fleet``."""
+    s.add_argument(
+        "--broker",
+        metavar="URL",
+        help=f"with --fleet: mqtt[s]://[user[:password]@]host[:port] (default: ${MQTT_URL_ENV}; "
+        f"a password can come from ${MQTT_PASSWORD_ENV})",
+    )
+    s.add_argument(
+        "--fleet-name", metavar="NAME", help=f"with --fleet: the fleet (default: ${FLEET_ENV} or 'default')"
+    )
+    s.add_argument("--ca-file", metavar="FILE", help="with --fleet and mqtts://: CA bundle of the broker")
+    s.add_argument("--cert-file", metavar="FILE", help="with --fleet and mqtts://: client certificate (mTLS)")
+    s.add_argument("--key-file", metavar="FILE", help="with --fleet and mqtts://: client key (mTLS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli_types.OneLineParser(prog="controllerctl", description="Adaptive speculation controller for vLLM.")
     p.add_argument("--version", action="version", version=f"controllerctl {package_version()}")
@@ -796,7 +864,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE", help="also draw goodput over time per engine (PNG)")
     s.set_defaults(func=cmd_demo)
 
-    pol = sub.add_parser("policy", help="set, get, list, validate or roll back policies")
+    pol = sub.add_parser("policy", help="set, get, list, validate, roll back or clear (--fleet) policies")
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION")
     psub.required = True
     s = psub.add_parser("set", help="validate locally, then set a policy (file or preset name)")
@@ -809,19 +877,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="only this engine (default: the sidecar's default policy)",
     )
     scope.add_argument("--fleet", action="store_true", help="every sidecar of the fleet (over MQTT)")
-    s.add_argument(
-        "--broker",
-        metavar="URL",
-        help=f"with --fleet: mqtt[s]://[user[:password]@]host[:port] (default: ${MQTT_URL_ENV}; "
-        f"a password can come from ${MQTT_PASSWORD_ENV})",
-    )
-    s.add_argument(
-        "--fleet-name", metavar="NAME", help=f"with --fleet: the fleet (default: ${FLEET_ENV} or 'default')"
-    )
-    s.add_argument("--ca-file", metavar="FILE", help="with --fleet and mqtts://: CA bundle of the broker")
-    s.add_argument("--cert-file", metavar="FILE", help="with --fleet and mqtts://: client certificate (mTLS)")
-    s.add_argument("--key-file", metavar="FILE", help="with --fleet and mqtts://: client key (mTLS)")
+    _add_broker_options(s)
     s.set_defaults(func=cmd_policy_set)
+    s = psub.add_parser(
+        "clear", help="clear the fleet's policy (--fleet): every sidecar goes back to its local policy"
+    )
+    s.add_argument("--fleet", action="store_true", help="the fleet's policy, over MQTT (required)")
+    _add_broker_options(s)
+    s.add_argument("--json", action="store_true", help="one JSON document: fleet, broker, version, previous")
+    s.set_defaults(func=cmd_policy_clear)
     s = psub.add_parser("get", help="the policy in force")
     s.add_argument(
         "--engine", metavar="ID", type=_engine_id, help="this engine's (default: the default policy)"

@@ -450,3 +450,79 @@ def test_a_bad_admin_address_in_the_environment_only_stops_commands_that_dial_it
     with pytest.raises(SystemExit) as e:  # given as --admin, it is a usage error at once
         main(["--admin", "bad:99999", "policy", "validate", "policies/library/default.yaml"])
     assert e.value.code == 2
+
+
+# -- policy clear --fleet --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "policy clear: --fleet is required"),
+        (["--broker", "mqtt://h"], "policy clear: --fleet is required"),
+        (["--fleet", "--broker", "http://h"], "--broker: broker URL: expected mqtt://host[:port]"),
+        (["--fleet", "--broker", "mqtt://h", "--ca-file", "ca.pem"], "--broker: broker TLS options"),
+        (["--fleet", "--broker", "mqtt://h", "--fleet-name", "a/b"], "--fleet-name: must be 1-64 letters"),
+        (["--fleet", "--broker", "mqtt://h", "--fleet-name", ""], "--fleet-name: must be 1-64 letters"),
+        (["--fleet", "--broker", ""], "--broker '': not a broker URL"),
+        (["--fleet", "--broker", "mqtts://h", "--cert-file", ""], "--cert-file '': not a file name"),
+        (["--fleet", "--engine", "e1"], "controllerctl: error: unrecognized arguments: --engine e1"),
+    ],
+)
+def test_fleet_clear_bad_options_are_input_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SPECCONTROL_MQTT_URL", raising=False)
+    try:
+        code = main(["policy", "clear", *args])
+    except SystemExit as e:  # argparse's own (one line: OneLineParser)
+        code = int(str(e.code))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_fleet_clear_needs_a_broker_and_an_unreachable_one_is_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("SPECCONTROL_MQTT_URL", raising=False)
+    assert main(["policy", "clear", "--fleet"]) == 2
+    err = capsys.readouterr().err
+    assert "MQTT broker" in err and "SPECCONTROL_MQTT_URL" in err and err.count("\n") == 1
+    monkeypatch.setenv("SPECCONTROL_MQTT_URL", f"mqtt://{_closed_port()}")
+    assert main(["--timeout", "5", "policy", "clear", "--fleet", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("cannot reach the MQTT broker: ") and err.count("\n") == 1
+
+
+def test_fleet_clear_says_what_it_cleared_and_json_is_one_document(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller import fleet
+    from tests.controller.test_fleet import FakeBroker, FakeConnection, policy_payload
+
+    broker = FakeBroker()
+    FakeConnection.broker = broker
+    monkeypatch.setattr(fleet, "MqttConnection", FakeConnection)
+    monkeypatch.setenv("SPECCONTROL_FLEET", "prod")
+    broker.retained[fleet.Topics("prod").policy] = policy_payload(5)
+    ctl = ["policy", "clear", "--fleet", "--broker", "mqtt://broker.example:1883"]
+    assert main([*ctl, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert json.loads(out) == {
+        "fleet": "prod",
+        "broker": "mqtt://broker.example:1883",
+        "version": 6,
+        "previous": {"state": "policy", "version": 5},
+    }
+    assert main([*ctl, "--fleet-name", "prod"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "cleared fleet prod (its policy, already cleared as version 6, before) as version 7"
+    )
+    assert main([*ctl, "--fleet-name", "other", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["previous"] == {"state": "none", "version": 0}
+    # The next policy set numbers above the clear.
+    assert main(["policy", "set", "static-off", "--fleet", "--broker", "mqtt://broker.example:1883"]) == 0
+    assert "to fleet prod as version 8" in capsys.readouterr().out
