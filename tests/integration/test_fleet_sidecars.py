@@ -2,12 +2,15 @@
 
 A fleet policy published with ``controllerctl policy set --fleet`` reaches every sidecar and its
 engines; a sidecar started later takes the retained policy and warm-starts a new engine from the
-shared posteriors; the broker is killed and restarted while local control carries on.
+shared posteriors; the broker is killed and restarted while local control carries on; a policy
+cleared with ``controllerctl policy clear --fleet`` stays cleared, also for a sidecar whose broker
+connection was cut while it was cleared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -109,7 +112,7 @@ class Fleet:
         self.sidecars: list[Sidecar] = []
         self.engines: list[TestEngine] = []
 
-    async def sidecar(self, name: str) -> Sidecar:
+    async def sidecar(self, name: str, broker_url: str = "") -> Sidecar:
         config = SidecarConfig(
             engine_listen="127.0.0.1:0",
             admin_listen="127.0.0.1:0",
@@ -117,7 +120,7 @@ class Fleet:
             state_dir=str(self.tmp_path / name),
             decision_tick_s=0.02,
             fleet=FLEET,
-            mqtt_url=self.broker_url,
+            mqtt_url=broker_url or self.broker_url,
             node_id=name,
             posteriors_interval_s=0.2,
         )
@@ -322,3 +325,126 @@ async def test_a_sidecar_keeps_serving_through_what_a_hostile_peer_retained(flee
     assert sample(sc, "speccontrol_fleet_malformed_messages_total", kind="policy", reason="not_json") == 1
     assert sample(sc, "speccontrol_fleet_malformed_messages_total", kind="posteriors", reason="not_json") == 1
     assert sc.fleet._posteriors_bytes <= sc.fleet.max_posteriors_bytes
+
+
+class Cuttable:
+    """A TCP relay to the broker that can be cut (its connections aborted, new ones refused) and
+    restored on the same port: a sidecar behind it loses the broker while the others keep it."""
+
+    def __init__(self, broker_port: int) -> None:
+        self.broker_port, self.port = broker_port, 0
+        self._server: asyncio.Server | None = None
+        self._transports: set[asyncio.WriteTransport] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.broker_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._transports |= {writer.transport, up_writer.transport}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for t in self._transports:
+            t.abort()
+        self._transports.clear()
+        await self._server.wait_closed()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self.cut()
+            self._server = None
+
+
+async def clear_fleet_policy(url: str, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    argv = ["--timeout", "10", "policy", "clear", "--fleet", "--broker", url, "--fleet-name", FLEET, "--json"]
+    rc = await asyncio.to_thread(controllerctl, argv)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return dict(json.loads(out.out))
+
+
+async def test_a_sidecar_cut_off_while_the_fleet_policy_is_cleared_does_not_put_it_back(
+    fleet: Fleet, mosquitto: Mosquitto, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # With an empty retained message as the clear, the sidecar that was cut off found the topic
+    # empty when it came back, took it for a broker restarted without persistence and republished the
+    # cleared policy to the whole fleet. The tombstone of policy clear --fleet is found instead.
+    relay = Cuttable(mosquitto.port)
+    await relay.start()
+    try:
+        a = await fleet.sidecar("sidecar-a")
+        b = await fleet.sidecar("sidecar-b", broker_url=f"mqtt://127.0.0.1:{relay.port}")
+        b.set_policy(STATIC_EAGLE3_2, source="local.yaml")  # b's own policy, before the fleet's
+        ea, eb = fleet.engine(a, "ea"), fleet.engine(b, "eb")
+        await ea.directive(lambda d: d.policy == "default")
+        await eb.directive(lambda d: d.policy == "static-eagle3-2")
+        await set_fleet_policy(tmp_path, LEARNING, fleet.broker_url, capsys)
+        await ea.directive(lambda d: d.policy == "fleet-learn")
+        await eb.directive(lambda d: d.policy == "fleet-learn")
+
+        await relay.cut()
+        await until(lambda: b.fleet is not None and not b.fleet.connected, "b cut off")
+        cleared = await clear_fleet_policy(fleet.broker_url, capsys)
+        assert cleared == {
+            "fleet": FLEET,
+            "broker": fleet.broker_url,
+            "version": 2,
+            "previous": {"state": "policy", "version": 1},
+        }
+        await ea.directive(lambda d: d.policy == "default")  # a's own: default_policy
+        assert (a.fleet_policy_version, a.policy_store.default.source) == (2, "preset:default")
+        assert b.fleet_policy_version == 1 and b.policy_store.default.source == "fleet v1"
+
+        await relay.start()  # b's link reconnects by itself
+        await until(lambda: sample(b, "speccontrol_fleet_connections_total") == 2, "b reconnected")
+        await until(lambda: b.fleet_policy_version == 2, "b took the clear")
+        await eb.directive(lambda d: d.policy == "static-eagle3-2")
+        assert b.policy_store.default.source == "local.yaml"
+        # Nothing was put back: a sidecar started now finds the clear, and b published no policy.
+        c = await fleet.sidecar("sidecar-c")
+        assert c.fleet_policy_version == 2 and c.policy_store.default.spec.name == "default"
+        assert sample(b, "speccontrol_fleet_messages_published_total", kind="policy") == 0
+        assert a.fleet_policy_version == 2 and a.policy_store.default.source == "preset:default"
+
+        # The broker restarted without persistence gets the clear back from the sidecars, not a policy.
+        mosquitto.kill()
+        mosquitto.start()
+        await until(
+            lambda: (
+                all(sample(sc, "speccontrol_fleet_connections_total") >= 2 for sc in (a, c))
+                and sample(b, "speccontrol_fleet_connections_total") >= 3
+            ),
+            "reconnects after the broker restart",
+        )
+        d = await fleet.sidecar("sidecar-d")
+        await until(lambda: d.fleet_policy_version == 2, "the clear put back on the broker")
+        assert d.policy_store.default.spec.name == "default"
+
+        # The next fleet policy numbers above the clear and reaches everyone.
+        _, out = await set_fleet_policy(tmp_path, STATIC_K4, fleet.broker_url, capsys)
+        assert "as version 3" in out
+        await until(lambda: all(sc.fleet_policy_version == 3 for sc in (a, b, c, d)), "fleet policy v3")
+        for eng in (ea, eb):
+            await eng.directive(lambda d: d.policy == "fleet-k4")
+        assert all(sample(sc, "speccontrol_fleet_rejected_policies_total") == 0 for sc in (a, b, c, d))
+    finally:
+        await relay.close()
