@@ -46,7 +46,8 @@ applies it (``on_policy_cleared``; the sidecar's engines go back to its local po
 than what it has, stands behind it as it would behind a policy (a broker restarted empty gets the
 tombstone back, never the policy it cleared), and the next policy numbers above it. The numbering is
 kept, not lost; only a clear of the highest version (FleetVersionsUsedUp) carries that version
-itself and lets the next policy number from 1. A link of an older version reads the tombstone as an
+itself and lets the next policy number from 1 (a link holding the highest version takes any policy
+that differs, whatever its version: none can be numbered above it). A link of an older version reads the tombstone as an
 unreadable policy: it keeps its policy in force and no longer puts it back.
 """
 
@@ -763,9 +764,10 @@ class FleetLink:
                 if current is not None:
                     self._stand_behind(current)
             return
-        # The numbering started over (the retained policy lost, or cleared at the highest version):
-        # nothing received since is stale, whatever its version.
-        restarted = self._renumbered or self._numbering_restarts()
+        # The numbering started over (the retained policy lost), or this node holds the highest version
+        # a sidecar takes, above which nobody numbers (the next policy is numbered from 1 once it is
+        # cleared, also while this node is away): nothing received is stale, whatever its version.
+        restarted = self._renumbered or self._policy_version >= MAX_COUNT
         if p.version < self._policy_version and not restarted:
             self.metrics.stale.inc()
             log.info("fleet link: ignored stale %s (applied: v%d)", _what(p), self._policy_version)
@@ -810,8 +812,8 @@ class FleetLink:
             log.info("fleet link: applied fleet policy v%d from %s (%s)", p.version, p.node, p.source or "-")
 
     def _numbering_restarts(self) -> bool:
-        """The clear in force is of the highest version a sidecar takes: the next policy numbers from
-        1 (what FleetVersionsUsedUp asks the operator for), so none received since is stale."""
+        """The clear in force is of the highest version a sidecar takes: the next policy this node
+        publishes numbers from 1 (what FleetVersionsUsedUp asks the operator for)."""
         applied = self._policy.digest if self._policy is not None else self._applied_digest
         return self._policy_version >= MAX_COUNT and applied == CLEARED_DIGEST
 

@@ -166,12 +166,13 @@ async def test_clearing_the_used_up_version_numbers_the_fleet_from_1(broker: Fak
     # carries that version (a different document under the version a link holds is new to it), and
     # the next policy numbers from 1, which links that applied the clear take as the next.
     broker.retained[T.policy] = policy_payload(MAX_COUNT)
-    connected, away = Node("n1"), Node("n2")
-    for n in (connected, away):
+    connected, away, long_away = Node("n1"), Node("n2"), Node("n3")
+    for n in (connected, away, long_away):
         await n.link.start()
-    for n in (connected, away):
+    for n in (connected, away, long_away):
         await until(lambda n=n: n.applied == [("policy", MAX_COUNT)], "the used-up version")
     await away.link.stop()
+    await long_away.link.stop()
     try:
         with pytest.raises(
             fleet.FleetVersionsUsedUp, match=re.escape("policy clear --fleet --fleet-name prod")
@@ -192,9 +193,14 @@ async def test_clearing_the_used_up_version_numbers_the_fleet_from_1(broker: Fak
         for n in (connected, away):
             await until(lambda n=n: n.applied[-1:] == [("policy", 1)], "version 1 applied")
             assert sample(n.registry, "speccontrol_fleet_stale_policies_total") == 0
+        # Away through both the clear and version 1: nothing is numbered above what it holds, so
+        # version 1 is not stale to it (it was, for good, before).
+        await long_away.link.start()
+        await until(lambda: long_away.applied[-1:] == [("policy", 1)], "version 1 applied after all")
+        assert sample(long_away.registry, "speccontrol_fleet_stale_policies_total") == 0
         assert connected.link.publish_policy("name: mine\n") == 2  # the numbering goes on from 1
     finally:
-        for n in (connected, away):
+        for n in (connected, away, long_away):
             await n.link.stop()
 
 
