@@ -7,7 +7,8 @@ which is what ``controller.server.SidecarServer`` does from its gRPC services an
 What must hold: every directive version is strictly greater than any sent before (also across a
 restart); a policy change, with the fresh loops it gives engines, is on disk before it is
 acknowledged; one engine's broken loop is reset alone and never breaks status, snapshots or other
-engines; the registry never grows past ``max_engines``.
+engines; the registry never grows past ``max_engines``; a cleared fleet policy takes the engines that
+follow the default back to the sidecar's own policy, written through like any policy change.
 """
 
 from __future__ import annotations
