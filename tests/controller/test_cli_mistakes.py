@@ -76,6 +76,13 @@ def _mistakes() -> list[Mistake]:
             "policy file missing", ("policy", "validate", "/nonexistent/p.yaml"), 2, "/nonexistent/p.yaml"
         ),
         Mistake("unknown preset", ("policy", "set", "no-such-preset"), 2, "no-such-preset"),
+        Mistake("clear without --fleet", ("policy", "clear"), 2, "--fleet is required"),
+        Mistake(
+            "clear, broker without scheme",
+            ("policy", "clear", "--fleet", "--broker", "127.0.0.1:1"),
+            2,
+            "--broker: broker URL: expected mqtt://host[:port]",
+        ),
         Mistake(
             "sidecar unreachable",
             ("--admin", closed, "--timeout", "2", "status"),
