@@ -51,6 +51,7 @@ from controller.validation import (
     read_batch,
 )
 from controller.wire.convert import arm_to_pb, directive_to_pb
+from controller.wire.link import RefusalLog
 from policies.arms import Arm
 from policies.classes import DEFAULT_CLASS, MAX_CLASSES_PER_ENGINE, ClassBound
 from policies.directive import Directive
@@ -67,10 +68,6 @@ MAX_STATUS_CONTEXTS = 256
 WATCH_QUEUE = 256
 #: Bursts of policy changes allowed before ``max_policy_changes_per_s`` applies.
 POLICY_CHANGE_BURST = 10.0
-#: An engine's rate-limited batches are logged in one line at most every this many seconds (the next
-#: line counts those refused meanwhile; the metric counts each): its stream stays up, so a line per
-#: batch let an engine over the limit write the sidecar's log as fast as it sent.
-RATE_LIMITED_LOG_S = 10.0
 
 
 #: The source a fleet policy is set under (``fleet v7``): what tells the fleet's revisions of the
@@ -118,9 +115,10 @@ class EngineState:
     class_bound: ClassBound = field(default_factory=ClassBound)
     #: Hello.plugin_mode of the last attach ("" when the engine is not the vLLM plugin).
     plugin_mode: str = ""
-    #: (monotonic) when a rate-limited batch was last logged, and those refused since, not logged.
-    limited_logged: float | None = None
-    limited_quiet: int = 0
+    #: Its rate-limited batches are logged by the engine links' rule (one line per ``REFUSED_LOG_S``,
+    #: the next counting those refused meanwhile; the metric counts each): its stream stays up, so a
+    #: line per batch let an engine over the limit write the sidecar's log as fast as it sent.
+    limited_log: RefusalLog = field(default_factory=lambda: RefusalLog(time.monotonic))
 
     @property
     def connected(self) -> bool:
@@ -452,18 +450,12 @@ class Sidecar:
             )
 
     def _rate_limited(self, st: EngineState) -> None:
-        """A batch over the engine's rate refused: counted, logged at most every ``RATE_LIMITED_LOG_S``."""
-        now = time.monotonic()
-        quiet = st.limited_logged is not None and now - st.limited_logged < RATE_LIMITED_LOG_S
-        more = f" ({st.limited_quiet} more refused since the last such line)" if st.limited_quiet else ""
-        e = TelemetryError(
-            "rate_limited", f"reports: over {self.config.max_engine_steps_per_s:g} steps/s{more}"
-        )
-        self.reject(st, e, logged=not quiet)
-        if quiet:
-            st.limited_quiet += 1
-        else:
-            st.limited_logged, st.limited_quiet = now, 0
+        """A batch over the engine's rate refused: counted, logged by ``st.limited_log``'s rule."""
+        e = TelemetryError("rate_limited", f"reports: over {self.config.max_engine_steps_per_s:g} steps/s")
+        line = st.limited_log.line(e)
+        self.reject(st, e, logged=False)
+        if line is not None:
+            log.warning("rejected telemetry from %s: %s: %s", st.info.engine_id, e.reason, line)
 
     def admin_rejected(self, reason: str) -> None:
         self.metrics.rejected_admin.labels(reason).inc()

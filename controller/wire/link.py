@@ -40,7 +40,8 @@ What must hold:
   blocks on I/O.
 
 Both links log a directive they refuse through ``RefusalLog``: one short line, at most one per
-``REFUSED_LOG_S``, whatever the sidecar sends.
+``REFUSED_LOG_S``, whatever the sidecar sends. The sidecar logs an engine's rate-limited report
+batches by the same rule (one ``RefusalLog`` per engine), so the rule is written once, here.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ ENVELOPE_BYTES = 1024
 STEP_FRAME_BYTES = 6
 #: A refused directive is logged in one line, but at most one line per this many seconds (the next one
 #: counts those refused meanwhile): a sidecar sending thousands of bad directives a second must not
-#: fill the engine's log.
+#: fill the engine's log, nor an engine over its rate limit the sidecar's (``RefusalLog``).
 REFUSED_LOG_S = 10.0
 
 
@@ -325,9 +326,10 @@ class LinkCore(Generic[T]):
 
 
 class RefusalLog:
-    """What an engine logs of the directives it refuses (``LinkCore.received`` raised): the refusal
-    escaped and cut (it quotes the sidecar's text), one line at most per ``REFUSED_LOG_S`` on
-    ``clock``, the next line counting those refused meanwhile."""
+    """What is logged of a run of refusals (an engine's of the directives ``LinkCore.received`` raised
+    on; the sidecar's of an engine's rate-limited batches): the refusal escaped and cut (an engine
+    quotes the sidecar's text), one line at most per ``REFUSED_LOG_S`` on ``clock``, the next line
+    counting those refused meanwhile. Each refusal is still the caller's to count."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -26,6 +27,7 @@ from controller.state_dir import StateDirLocked
 from controller.streams import StreamEnd
 from controller.v1 import controller_pb2 as pb
 from controller.validation import TelemetryError, validate_hello
+from controller.wire import link
 from controller.wire.codec import request_steps
 from policies.directive import Directive
 from policies.engine import EngineInfo
@@ -645,3 +647,29 @@ def test_a_fleet_clear_that_cannot_be_made_now_changes_nothing(tmp_path: Path, c
         assert (sc.fleet_policy_version, sc.policy_store.default.source) == (3, "fleet v3")
     finally:
         sc.close(snapshot=False)
+
+
+def test_rate_limited_batches_are_logged_by_the_one_refusal_rule(
+    tmp_path: Path, clock: Clock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sidecar kept its own copy of the rule the engine links log refusals by (one line per 10 s,
+    # the next counting the rest): one rule, ``RefusalLog``, so changing it changes both.
+    monkeypatch.setattr(link, "REFUSED_LOG_S", 0.0)  # every refusal gets its line
+    cfg = SidecarConfig(
+        state_dir=str(tmp_path / "state"),
+        max_engine_steps_per_s=1.0,
+        telemetry_burst_s=2.0,
+        max_steps_per_batch=2,
+    )
+    sc = Sidecar(config=cfg, registry=CollectorRegistry(), clock=clock)
+    sc.open()
+    caplog.set_level(logging.WARNING, logger="controller.sidecar")
+    try:
+        s = sc.attach(info("e1"), instance_id="a" * 32)
+        for seq in range(1, 6):  # a burst of 2 steps, then 3 refused
+            sc.ingest(s, batch(seq, 1))
+        assert sample(sc, "speccontrol_rejected_telemetry_total", reason="rate_limited") == 3
+    finally:
+        sc.close(snapshot=False)
+    lines = [r.getMessage() for r in caplog.records if "rate_limited" in r.getMessage()]
+    assert lines == ["rejected telemetry from e1: rate_limited: reports: over 1 steps/s"] * 3, lines
