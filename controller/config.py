@@ -100,6 +100,14 @@ class SidecarConfig:
     #: them); a batch beyond it is refused and counted (reason ``rate_limited``), the stream stays up.
     max_engine_steps_per_s: float = 5000.0
     telemetry_burst_s: float = 5.0
+    #: Per-engine cap on reported request-steps per second (each step's requests, summed: what the
+    #: sidecar's work on a batch grows with, so steps of thousands of requests within
+    #: ``max_engine_steps_per_s`` cannot keep it busy); a token bucket holding ``telemetry_burst_s`` of
+    #: them, and at least one batch of ``max_steps_per_batch`` x ``max_requests_per_step``. A batch
+    #: beyond it is refused and counted (reason ``rate_limited_request_steps``), the stream stays up.
+    #: The default is 20x an engine at 100 steps/s of 512 requests, and its burst holds that engine's
+    #: backlog after an outage (the vLLM plugin queues up to 8,192 steps).
+    max_engine_request_steps_per_s: float = 1_000_000.0
     #: Distinct engine ids the sidecar keeps; a Hello beyond it is refused (reason ``too_many_engines``).
     max_engines: int = 1024
     #: How often, at most, an engine hears which report batches are on disk (a directive refresh); while
@@ -158,6 +166,7 @@ class SidecarConfig:
         _integer(self, "max_requests_per_step", 1, 1_000_000)
         _number(self, "max_engine_steps_per_s", 1.0, 1e7)
         _number(self, "telemetry_burst_s", 0.1, 3600.0)
+        _number(self, "max_engine_request_steps_per_s", 1.0, 1e10)
         _integer(self, "max_engines", 1, 1_000_000)
         _number(self, "ack_interval_s", 0.01, 3600.0)
         _number(self, "max_policy_changes_per_s", 0.01, 1000.0)

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 import controller
 from controller.config import SidecarConfig
 from controller.fleet import CLEARED_DIGEST, FleetLink, policy_digest
-from controller.limits import TokenBucket
+from controller.limits import ReportLimit, TokenBucket
 from controller.metrics import SidecarMetrics
 from controller.policy_store import PolicyNotSaved, PolicyRecord, PolicyStore
 from controller.snapshot import SnapshotStore
@@ -46,6 +46,7 @@ from controller.v1 import controller_pb2 as pb
 from controller.validation import (
     Limits,
     TelemetryError,
+    batch_request_steps,
     check_batch_header,
     parse_policy_checked,
     read_batch,
@@ -90,6 +91,21 @@ def _seeded_loop(info: EngineInfo, spec: PolicySpec) -> ControlLoop:
     return ControlLoop(spec=spec, engine=info, seed=engine_seed(spec.seed, info.engine_id))
 
 
+def engine_report_limit(config: SidecarConfig, *, clock: Callable[[], float] = time.monotonic) -> ReportLimit:
+    """An engine's report budget under ``config``: ``max_engine_steps_per_s`` and
+    ``max_engine_request_steps_per_s``, each with ``telemetry_burst_s`` of it saved up, and at least
+    one whole batch the sidecar takes (a batch larger than the burst would be refused for good)."""
+    burst_s = config.telemetry_burst_s
+    steps, rows = config.max_engine_steps_per_s, config.max_engine_request_steps_per_s
+    largest = config.max_steps_per_batch
+    return ReportLimit(
+        steps=TokenBucket(rate=steps, burst=max(steps * burst_s, float(largest)), clock=clock),
+        request_steps=TokenBucket(
+            rate=rows, burst=max(rows * burst_s, float(largest * config.max_requests_per_step)), clock=clock
+        ),
+    )
+
+
 class FleetPolicyLimited(RuntimeError):
     """A fleet policy came while ``max_policy_changes_per_s`` was spent (the fleet link retries it)."""
 
@@ -106,7 +122,8 @@ class EngineState:
     sent_at: float = 0.0
     rejected: int = 0
     last_seen: float = 0.0
-    bucket: TokenBucket | None = None
+    #: Its report budget (steps and request-steps per second; ``engine_report_limit``).
+    report_limit: ReportLimit | None = None
     #: The engine said it cannot apply directives (an observe-only adapter): status shows them as
     #: recommendations.
     observe_only: bool = False
@@ -303,10 +320,8 @@ class Sidecar:
             old = st.loop.totals
             st.info, st.loop, st.loop_version = info, self._new_loop(info), -1
             st.loop.totals = old
-        if st.bucket is None:
-            rate = self.config.max_engine_steps_per_s
-            burst = max(rate * self.config.telemetry_burst_s, float(self.config.max_steps_per_batch))
-            st.bucket = TokenBucket(rate=rate, burst=burst, clock=time.monotonic)
+        if st.report_limit is None:
+            st.report_limit = engine_report_limit(self.config)
         st.last_seen = now
         st.observe_only = observe_only
         st.plugin_mode = plugin_mode
@@ -408,9 +423,13 @@ class Sidecar:
         if lost:
             self.metrics.lost_batches.labels(eid).inc(lost)
         st.last_seen = self.clock()
-        if st.bucket is not None and not st.bucket.take(len(batch.steps)):
+        limit = st.report_limit
+        over = (
+            limit.take(len(batch.steps), batch_request_steps(batch, self.limits)) if limit is not None else ""
+        )
+        if over:
             # Refused without ending the stream: a reconnect would only bring the same flood back.
-            self._rate_limited(st)
+            self._rate_limited(st, over)
             return
         try:
             steps = read_batch(batch, st.info, self.limits)
@@ -449,9 +468,20 @@ class Sidecar:
                 "rejected telemetry%s: %s: %s", f" from {st.info.engine_id}" if st else "", e.reason, e
             )
 
-    def _rate_limited(self, st: EngineState) -> None:
-        """A batch over the engine's rate refused: counted, logged by ``st.limited_log``'s rule."""
-        e = TelemetryError("rate_limited", f"reports: over {self.config.max_engine_steps_per_s:g} steps/s")
+    def _rate_limited(self, st: EngineState, over: str) -> None:
+        """A batch over the engine's rate (``over``: "steps" or "request_steps") refused: counted,
+        logged by ``st.limited_log``'s rule."""
+        if over == "steps":
+            e = TelemetryError(
+                "rate_limited",
+                f"reports: over {self.config.max_engine_steps_per_s:g} steps/s (max_engine_steps_per_s)",
+            )
+        else:
+            e = TelemetryError(
+                "rate_limited_request_steps",
+                f"reports: over {self.config.max_engine_request_steps_per_s:g} request-steps/s "
+                "(max_engine_request_steps_per_s)",
+            )
         line = st.limited_log.line(e)
         self.reject(st, e, logged=False)
         if line is not None:

@@ -211,6 +211,15 @@ def check_batch_header(batch: pb.StepReportBatch) -> None:
         )
 
 
+def batch_request_steps(batch: pb.StepReportBatch, limits: Limits) -> int:
+    """The request-steps a batch reports (each step's requests, in either form, summed), read before
+    the batch is (what reading it costs grows with). A step is counted at most at
+    ``max_requests_per_step``: one claiming more is refused when read (``too_many_requests``), not
+    taken for a flood."""
+    most = limits.max_requests_per_step
+    return sum(min(len(s.requests) + columns_count(s.columns), most) for s in batch.steps)
+
+
 #: (field, reason, upper bound) of a step's times, all finite and >= 0.
 _STEP_TIMES = (
     ("time_s", "time_invalid", MAX_TIME_S),

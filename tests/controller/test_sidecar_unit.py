@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.config import SidecarConfig
 from controller.policy_store import NoPreviousPolicy, PolicyNotSaved
-from controller.sidecar import EngineSession, FleetPolicyLimited, Sidecar
+from controller.sidecar import EngineSession, FleetPolicyLimited, Sidecar, engine_report_limit
 from controller.state import CRASH_VERSION_GAP
 from controller.state_dir import StateDirLocked
 from controller.streams import StreamEnd
@@ -672,4 +672,64 @@ def test_rate_limited_batches_are_logged_by_the_one_refusal_rule(
     finally:
         sc.close(snapshot=False)
     lines = [r.getMessage() for r in caplog.records if "rate_limited" in r.getMessage()]
-    assert lines == ["rejected telemetry from e1: rate_limited: reports: over 1 steps/s"] * 3, lines
+    assert (
+        lines
+        == ["rejected telemetry from e1: rate_limited: reports: over 1 steps/s (max_engine_steps_per_s)"] * 3
+    ), lines
+
+
+def test_request_steps_over_the_engines_rate_are_refused_under_their_own_reason(
+    tmp_path: Path, clock: Clock
+) -> None:
+    # The limit counted steps only: an engine within its steps/s could send steps of thousands of
+    # requests each (a report batch of 40 steps x 4,096 requests took the loop 58 ms), so one engine
+    # kept the sidecar's event loop busy. Request-steps (a step's requests) are limited too.
+    cfg = SidecarConfig(
+        state_dir=str(tmp_path / "state"),
+        max_engine_request_steps_per_s=1.0,  # (the budget refills in real time: slowly)
+        telemetry_burst_s=1000.0,
+        max_steps_per_batch=2,
+        max_requests_per_step=64,
+    )
+    sc = Sidecar(config=cfg, registry=CollectorRegistry(), clock=clock)
+    sc.open()
+    try:
+        s = sc.attach(info("e1"), instance_id="a" * 32)
+        for seq in range(1, 11):  # 128 request-steps a batch: 7 fill the burst of 1,000, 3 refused
+            sc.ingest(s, batch(seq, 2, n=64))
+        st_ = sc.engines()["e1"]
+        assert st_.loop.totals.request_steps == 7 * 128 and st_.rejected == 3 and st_.connected
+        assert sample(sc, "speccontrol_rejected_telemetry_total", reason="rate_limited_request_steps") == 3
+        assert sample(sc, "speccontrol_rejected_telemetry_total", reason="rate_limited") == 0
+        assert s.acked_sequence == 0 and sc.save_snapshot() and s.acked_sequence == 10  # refused for good
+    finally:
+        sc.close(snapshot=False)
+
+
+def test_an_engine_at_the_documented_sizes_is_never_rate_limited() -> None:
+    # The defaults against what a well-behaved engine sends (benchmarks/sidecar_load.py: 100 steps/s,
+    # 32..512 requests a step), in the vLLM plugin's batches (every 0.1 s), then its whole send queue
+    # (8,192 steps) at once after an outage, on a fake clock; and the flood the limit is for.
+    cfg = SidecarConfig()
+    for requests in (32, 512):
+        clock = Clock()
+        limit = engine_report_limit(cfg, clock=clock)
+        for _ in range(600):  # 60 s at 10 steps a batch
+            clock.now += 0.1
+            assert limit.take(10, 10 * requests) == ""
+        clock.now += 120.0  # an outage: the plugin's queue fills (8,192 steps), sent in 256-step batches
+        for _ in range(8192 // 256):
+            assert limit.take(256, 256 * requests) == ""
+        for _ in range(600):
+            clock.now += 0.1
+            assert limit.take(10, 10 * requests) == ""
+    clock = Clock()
+    limit = engine_report_limit(cfg, clock=clock)
+    taken = 0
+    for _ in range(1000):  # 10 s within 5,000 steps/s, at 4,096 requests a step: 16M request-steps/s
+        clock.now += 0.01
+        over = limit.take(40, 40 * 4096)
+        assert over in ("", "request_steps")
+        taken += over == ""
+    # At most the burst (5 s) and 10 s of the rate: 15M of the 164M sent.
+    assert taken * 40 * 4096 <= 5 * 1e6 + 10 * 1e6

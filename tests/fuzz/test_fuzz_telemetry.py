@@ -108,6 +108,7 @@ async def sidecar(tmp_path: Path) -> AsyncIterator[Sidecar]:
         metrics_listen="",
         state_dir=str(tmp_path / "state"),
         max_engine_steps_per_s=1e6,
+        max_engine_request_steps_per_s=1e10,  # (each example is a batch of its own, never a flood)
     )
     sc = Sidecar(config=cfg, registry=CollectorRegistry())
     await sc.start()
