@@ -29,8 +29,9 @@ another client connected with the same client id, i.e. ``node_id``) does not res
 backoff, and its log line says so: two sidecars sharing a node id reconnected two or three times a second forever.
 
 A fleet policy counts as applied (its version, the gauge, the copy this node republishes) only once
-``on_policy`` returned: one it refuses with a ValueError (an invalid document) is refused for good; one
-it refuses otherwise (the sidecar could not write its state) is tried again, with backoff, while it is
+``on_policy`` returned: one it refuses with a ValueError (an invalid document) is refused for good,
+tried again only when the broker redelivers it at a reconnect, each refusal counted but one ERROR
+line per version; one it refuses otherwise (the sidecar could not write its state) is tried again, with backoff, while it is
 the newest the fleet has. A retained policy emptied (an empty retained message) or replaced by one
 this node cannot read takes the fleet's numbering with it: publishers number from 1 again, so the
 link applies the next policy whatever its version (not ignored as stale below the one that is gone),
@@ -419,6 +420,9 @@ class FleetLink:
         self._policy_lock: asyncio.Lock | None = None
         #: Set when a newly delivered policy is refused: its retry waits its own (short) delay.
         self._refused_now: asyncio.Event | None = None
+        #: (version, digest) of the policy last refused for good and logged: the broker redelivers a
+        #: retained policy at every reconnect, and each refusal is counted but said once.
+        self._rejected_logged: tuple[int, str] | None = None
         #: Digest of the applied policy when only its version is known (restored from a snapshot).
         self._applied_digest = policy_digest
         #: The fleet's retained policy was found gone or unreadable, its numbering with it (see
@@ -789,7 +793,9 @@ class FleetLink:
         except Exception as e:
             self.metrics.rejected.inc()
             if isinstance(e, ValueError):  # the document itself: no retry can change that
-                log.error("fleet link: %s from %s refused: %s", _what(p), p.node, e)
+                if self._rejected_logged != (p.version, p.digest):
+                    self._rejected_logged = (p.version, p.digest)
+                    log.error("fleet link: %s from %s refused: %s", _what(p), p.node, e)
                 return
             if not retry:
                 self._retry_s = RETRY_REFUSED_MIN_S
@@ -804,6 +810,7 @@ class FleetLink:
         # A tombstone is stood behind like a policy: a broker restarted empty gets it back, never the
         # policy it cleared (that is what an empty-message clear could not do).
         self._policy, self._policy_version, self._renumbered = p, p.version, False
+        self._rejected_logged = None
         self._stand_behind(p)
         self.metrics.policy_version.set(p.version)
         if p.cleared:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
@@ -500,6 +501,46 @@ async def test_an_invalid_policy_is_refused_for_good_and_numbered_past(broker: F
         assert lk.publish_policy("name: mine\n") == 5  # above what the fleet has seen
         await asyncio.sleep(0.05)
         assert tries == [4]
+    finally:
+        await lk.stop()
+
+
+async def test_an_invalid_retained_policy_is_logged_once_not_at_every_reconnect(
+    broker: FakeBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The broker redelivers its retained policy at every reconnect: one the sidecar refuses for good
+    # was logged at ERROR each time (a flapping broker wrote the same line at its pace). Each refusal
+    # is still counted, and tried (whether a policy fits can change with the engines attached).
+    tries: list[int] = []
+
+    def on_policy(yaml: str, version: int) -> None:
+        tries.append(version)
+        raise ValueError(f"policy.yaml:1: name: bad ({yaml.strip()})")
+
+    def refusals() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "fleet policy v" in r.getMessage()]
+
+    async def reconnect(n: int) -> None:
+        broker.crash()  # its retained messages kept
+        broker.up = True
+        await until(lambda: len(tries) == n, f"redelivery {n}")
+
+    caplog.set_level(logging.INFO, logger="controller.fleet")
+    broker.retained[Topics("prod").policy] = policy_payload(4, "name: bad\n")
+    lk, reg = link(node_id="n1", on_policy=on_policy)
+    await lk.start()
+    try:
+        await until(lambda: tries == [4], "refusal")
+        for n in (2, 3, 4):
+            await reconnect(n)
+        assert tries == [4] * 4 and sample(reg, "speccontrol_fleet_rejected_policies_total") == 4.0
+        assert len(refusals()) == 1, refusals()
+        broker.route(Topics("prod").policy, policy_payload(5, "name: worse\n"), True)  # a new version
+        await until(lambda: len(tries) == 5, "v5")
+        await reconnect(6)
+        assert tries == [4, 4, 4, 4, 5, 5]
+        assert sample(reg, "speccontrol_fleet_rejected_policies_total") == 6.0
+        assert len(refusals()) == 2 and "v5" in refusals()[1], refusals()
     finally:
         await lk.stop()
 
