@@ -24,7 +24,7 @@ from controller.config import SidecarConfig, load_config
 from controller.errors import ConfigError
 from controller.server import SidecarServer
 from controller.snapshot import write_json_atomic
-from controller.state_dir import SocketInUse, StateDirLocked
+from controller.state_dir import LOCK_NAME, SocketInUse, StateDirLocked
 from controller.wire.address import parse_address
 from policies.spec import PolicyError
 from sim.files import output_problem, same_file
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _record_steps_problem(path: str | None, config: SidecarConfig, config_file: str | None) -> str | None:
     """Why ``--record-steps`` may not be ``path`` (None: it may, or none is asked for): a file the
-    sidecar reads (its config, default policy, token, password and TLS files) or keeps its state in.
+    sidecar reads (its config, default policy, token, password and TLS files), keeps its state in, or
+    owns (its state directory's lock, its Unix sockets, its temporary files).
     The steps were appended to it: `--record-steps sidecar.yaml` left a config the next start refused,
     and the snapshot's rename dropped them."""
     if not path:
@@ -155,6 +156,26 @@ def _record_steps_problem(path: str | None, config: SidecarConfig, config_file: 
     for what, other in named:
         if other and same_file(path, other):
             return f"--record-steps {path}: is the {what} file it reads; name another output"
+    # What the sidecar makes and owns: the lock (its pid line, which a second sidecar names, would be
+    # buried), the Unix sockets it binds (a file there fails the bind), and the temporary files of its
+    # atomic writes (a start removes the snapshot's).
+    owned: list[tuple[str, str | Path]] = [
+        (f"the state_dir's lock file ({LOCK_NAME})", Path(config.state_dir) / LOCK_NAME)
+    ]
+    for side in ("engine", "admin"):
+        addr = parse_address(config.listen_address(side), field=f"{side}_listen")
+        if isinstance(addr, str):
+            owned.append((f"the {side}_listen socket", addr))
+    for what, other in owned:
+        if same_file(path, other):
+            return f"--record-steps {path}: is {what}; name another output"
+    p = Path(path)
+    temporary = tuple(f".{f.name}." for f in (config.snapshot_path, config.endpoints_path))
+    if p.name.startswith(temporary) and p.name.endswith(".tmp") and same_file(p.parent, config.state_dir):
+        return (
+            f"--record-steps {path}: is a temporary file of the sidecar's writes in state_dir; "
+            "name another output"
+        )
     return None
 
 

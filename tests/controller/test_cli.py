@@ -269,6 +269,42 @@ def test_serve_refuses_to_record_steps_into_a_file_it_reads_or_keeps(
     assert not started and target.read_bytes() == before
 
 
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [
+        ("sidecar.lock", "the state_dir's lock file (sidecar.lock)"),
+        ("engine.sock", "the engine_listen socket"),
+        ("admin.sock", "the admin_listen socket"),
+        (".sidecar-state.json.x1.tmp", "a temporary file of the sidecar's writes in state_dir"),
+        (".endpoints.json.x1.tmp", "a temporary file of the sidecar's writes in state_dir"),
+    ],
+)
+def test_serve_refuses_to_record_steps_into_a_file_the_sidecar_owns_in_its_state_dir(
+    name: str, what: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Only the snapshot and endpoints.json were refused: the steps went into the lock file (its pid
+    # line, which a second sidecar reports, buried), a file where the engine socket is bound (the bind
+    # then refused it), or a temporary file the next start removes.
+    import controller.serve
+
+    started: list[bool] = []
+
+    async def serve(*_: object, **__: object) -> None:
+        started.append(True)
+
+    monkeypatch.setattr(controller.serve, "serve", serve)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "sidecar.lock").write_text("123\n")  # (left by an earlier run)
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(f"state_dir: {state}\nadmin_listen: unix://{state / 'admin.sock'}\nmetrics_listen: ''\n")
+    target = state / name
+    before = target.read_bytes() if target.exists() else None
+    assert main(["serve", "--config", str(cfg), "--record-steps", str(target)]) == 2
+    assert capsys.readouterr().err == f"error: --record-steps {target}: is {what}; name another output\n"
+    assert not started and (target.read_bytes() if target.exists() else None) == before
+
+
 # -- --json numbers ----------------------------------------------------------------------------------
 
 
