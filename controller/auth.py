@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from controller.errors import ConfigError
+from controller.errors import ConfigError, not_regular
 
 AUTH_HEADER = "authorization"
 #: Larger than any certificate chain or key a listener would use.
@@ -33,6 +33,9 @@ READ_METHODS = frozenset(
 def _read(path: str, field: str) -> bytes:
     """A PEM file (a certificate, a key or a CA bundle). Raises ConfigError naming ``field``: grpc
     would report a file that is not PEM only as a failed bind, naming no file."""
+    problem = not_regular(path)
+    if problem:
+        raise ConfigError(f"{path}: {problem}", field=field)
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_PEM_BYTES + 1)

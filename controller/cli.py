@@ -32,6 +32,7 @@ from google.protobuf.json_format import MessageToDict
 from controller.auth import ClientTLS
 from controller.client import AdminClient
 from controller.config import MAX_FLEET_NAME
+from controller.errors import not_regular
 from controller.v1 import controller_pb2 as pb
 from controller.wire.names import engine_id_problem
 from policies.presets import resolve_policy_text
@@ -208,6 +209,12 @@ def _admin_auth(args: argparse.Namespace) -> tuple[str, ClientTLS | None]:
     token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
     source = f"${ADMIN_TOKEN_ENV}"
     if args.token_file:
+        problem = not_regular(args.token_file)
+        if problem:  # (read_secret_file refuses it too; here with where a piped token goes instead)
+            raise UserError(
+                f"--token-file: {one_line(args.token_file)}: {problem} (a token from a pipe goes in "
+                f"${ADMIN_TOKEN_ENV})"
+            )
         try:
             token = read_secret_file(args.token_file, field="--token-file")
         except ConfigError as e:
@@ -244,6 +251,9 @@ def _check_client_tls(tls: ClientTLS) -> None:
     )
     for flag, path in files:
         if path:
+            problem = not_regular(path)
+            if problem:
+                raise UserError(f"{flag}: {one_line(path)}: {problem}")
             try:
                 with open(path, "rb"):
                     pass
@@ -435,6 +445,15 @@ def _fleet_broker(args: argparse.Namespace) -> BrokerSettings:
     _refuse_empty_files(
         ("--ca-file", args.ca_file), ("--cert-file", args.cert_file), ("--key-file", args.key_file)
     )
+    # Read only when the link connects (ssl): a FIFO there hung the command.
+    for flag, path in (
+        ("--ca-file", args.ca_file),
+        ("--cert-file", args.cert_file),
+        ("--key-file", args.key_file),
+    ):
+        problem = not_regular(path) if path else None
+        if problem:
+            raise UserError(f"{flag}: {one_line(path)}: {problem}")
     url = args.broker or os.environ.get(MQTT_URL_ENV, "")
     if not url:
         raise UserError(f"--fleet needs the MQTT broker: --broker mqtt[s]://host[:port] or ${MQTT_URL_ENV}")

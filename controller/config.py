@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.errors import ConfigError
+from controller.errors import ConfigError, not_regular
 from controller.wire.address import MAX_UNIX_PATH, is_local_address, parse_address
 from controller.wire.names import escape_text, has_control
 from policies import yamldoc
@@ -41,6 +41,9 @@ def header_safe(token: str) -> bool:
 
 def read_secret_file(path: str, *, field: str) -> str:
     """A token or password from a file (e.g. a mounted Secret), stripped. Raises ConfigError."""
+    problem = not_regular(path)
+    if problem:
+        raise ConfigError(f"{path}: {problem}", field=field)
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_TOKEN_BYTES + 1)
@@ -280,6 +283,13 @@ class SidecarConfig:
         self.admin_token()
         if self.mqtt_url:
             self.broker_settings()  # reads mqtt_password_file
+            # The fleet link reads its TLS files only when it connects, inside the event loop: a FIFO
+            # there blocked the whole sidecar.
+            for name in ("mqtt_ca_file", "mqtt_cert_file", "mqtt_key_file"):
+                path = getattr(self, name)
+                problem = not_regular(path) if path else None
+                if problem:
+                    raise ConfigError(f"{path}: {problem}", field=name)
         for side in ("engine", "admin"):
             cert = getattr(self, f"{side}_tls_cert_file")
             if cert:

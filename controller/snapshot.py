@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from controller.errors import file_kind
 from controller.wire.names import escape_text, has_control
 
 log = logging.getLogger(__name__)
@@ -47,18 +48,6 @@ class SnapshotUnusable(OSError):
     and does not remove it (it never removes what it did not write)."""
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
 def _read_regular(path: Path) -> bytes:
     """The bytes of the regular file ``path`` (a link to one is followed). Raises FileNotFoundError
     when nothing is there, SnapshotUnusable for anything else that is not a readable regular file.
@@ -75,7 +64,7 @@ def _read_regular(path: Path) -> bytes:
     if not stat.S_ISREG(mode):
         os.close(fd)
         raise SnapshotUnusable(
-            f"snapshot {path} is {_kind(mode)}, not a file: move it away and start again (the "
+            f"snapshot {path} is {file_kind(mode)}, not a file: move it away and start again (the "
             "sidecar removes nothing it did not write)",
         )
     with os.fdopen(fd, "rb") as f:

@@ -1,11 +1,14 @@
-"""Options and fixtures shared by the test packages: the soak test's length, and the two ways a step
-kernel runs (policies/jit.py; ``SPECCONTROL_KERNELS_NUMBA_ONLY``: files whose plain-Python half is left out)."""
+"""Options and fixtures shared by the test packages: the soak test's length, the two ways a step
+kernel runs (policies/jit.py; ``SPECCONTROL_KERNELS_NUMBA_ONLY``: files whose plain-Python half is left
+out), and a FIFO with no writer that cannot hang the test that reads it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +33,29 @@ def short_tmp_path() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def fifo_without_writer(tmp_path: Path) -> Iterator[Path]:
+    """A FIFO that nothing writes to: what a file given in place of a token or a certificate must be
+    refused as, before it is opened. Code that opens it anyway (``open()`` of a FIFO without a writer
+    blocks until one comes) is let go by a writer that comes and leaves at once, so it reads an empty
+    file and the test fails on what it then says, rather than hanging for good."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def let_readers_go() -> None:
+        while not done.wait(0.01):
+            # (succeeds only while a reader is there, which it then sends an end of file)
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    t = threading.Thread(target=let_readers_go, daemon=True)
+    t.start()
+    yield fifo
+    done.set()
+    t.join()
 
 
 @pytest.fixture(params=["python", "numba"])

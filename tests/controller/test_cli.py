@@ -448,6 +448,31 @@ def test_an_empty_admin_file_is_refused_not_dropped(flag: str, capsys: pytest.Ca
     assert capsys.readouterr().err == f"{flag} '': not a file name\n"
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--token-file", "FIFO", "status"], "--token-file"),
+        (["--admin-ca-file", "FIFO", "status"], "--admin-ca-file"),
+        (["--admin-cert-file", "FIFO", "--admin-key-file", "FILE", "status"], "--admin-cert-file"),
+        (["--admin-cert-file", "FILE", "--admin-key-file", "FIFO", "status"], "--admin-key-file"),
+        (["policy", "set", "default", "--fleet", "--broker", "mqtts://127.0.0.1:1", "--ca-file", "FIFO"],
+         "--ca-file"),
+        (["policy", "set", "default", "--fleet", "--broker", "mqtts://127.0.0.1:1", "--cert-file", "FIFO",
+          "--key-file", "FILE"], "--cert-file"),
+    ],
+)  # fmt: skip
+def test_a_token_or_tls_file_that_is_a_fifo_is_refused_before_it_is_opened(
+    argv: list[str], flag: str, fifo_without_writer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # open() of a FIFO without a writer blocks until one comes: the command hung before it dialled.
+    other = tmp_path / "other.pem"
+    other.write_text("-----BEGIN CERTIFICATE-----\n")
+    args = [str(fifo_without_writer) if a == "FIFO" else str(other) if a == "FILE" else a for a in argv]
+    assert main(["--admin", _closed_port(), "--timeout", "2", *args]) == 2
+    hint = " (a token from a pipe goes in $SPECCONTROL_ADMIN_TOKEN)" if flag == "--token-file" else ""
+    assert capsys.readouterr().err == f"{flag}: {fifo_without_writer}: is a FIFO, not a regular file{hint}\n"
+
+
 @pytest.mark.parametrize("token", ["abc\ndef", "t\u00f6ken", "a\x07b"])
 @pytest.mark.parametrize("where", ["env", "file"])
 def test_a_token_grpc_cannot_send_is_refused_naming_where_it_came_from(

@@ -432,7 +432,7 @@ def test_admin_tls_files_are_checked_and_good_ones_work(
         assert rc == 2 and err.startswith(f"--admin-cert-file {certs.client_cert} with --admin-key-file ")
         assert err.count("\n") == 1 and "not a certificate and its own unencrypted key" in err
         rc, _, err = ctl_in(live, capsys, *good[:4], "--admin-key-file", str(tmp_path), "status")
-        assert rc == 2 and err == f"--admin-key-file: cannot read {tmp_path}: Is a directory\n"
+        assert rc == 2 and err == f"--admin-key-file: {tmp_path}: is a directory, not a regular file\n"
 
 
 @pytest.mark.parametrize("argv", [("config", "validate", "/dev/zero"), ("serve", "--config", "/dev/urandom")])

@@ -222,7 +222,7 @@ MISTAKES = _mistakes()
     [
         ("state_dir: FILE", "state_dir: FILE exists and is not a directory"),
         ("engine_listen: unix://FILE/e.sock", "engine_listen: FILE exists and is not a directory"),
-        ("admin_token_file: DIR", "admin_token_file: cannot read DIR: Is a directory"),
+        ("admin_token_file: DIR", "admin_token_file: DIR: is a directory, not a regular file"),
         (
             "admin_tls_cert_file: FILE\nadmin_tls_key_file: FILE",
             "admin_tls_cert_file: FILE: not a PEM certificate",

@@ -204,7 +204,7 @@ def test_check_files_reads_what_serve_will_read(tmp_path: Path) -> None:
             f"engine_listen: {afile} exists and is not a directory"
         ),
         f"state_dir: {tmp_path}/s\nadmin_token_file: {tmp_path}\n": (
-            f"admin_token_file: cannot read {tmp_path}: Is a directory"
+            f"admin_token_file: {tmp_path}: is a directory, not a regular file"
         ),
         f"state_dir: {tmp_path}/s\nadmin_listen: 127.0.0.1:0\nadmin_tls_cert_file: {afile}\n"
         f"admin_tls_key_file: {afile}\n": (

@@ -53,3 +53,50 @@ def test_an_integer_too_long_to_convert_has_its_line_and_field() -> None:
         parse_config(text, source="c.yaml")
     limit = sys.get_int_max_str_digits()
     assert str(e.value) == f"c.yaml:2: snapshot_interval_s: an integer longer than {limit} digits"
+
+
+@pytest.mark.parametrize(
+    ("field", "config"),
+    [
+        ("admin_token_file", ""),
+        ("mqtt_password_file", "mqtt_url: mqtt://u@127.0.0.1:1883\n"),
+        ("engine_tls_cert_file", "engine_listen: 127.0.0.1:0\nengine_tls_key_file: {key}\n"),
+        ("mqtt_ca_file", "mqtt_url: mqtts://127.0.0.1:8883\n"),
+    ],
+)
+@pytest.mark.parametrize("command", ["config validate", "serve"])
+def test_a_token_password_or_tls_file_that_is_a_fifo_is_refused_before_it_is_opened(
+    field: str,
+    config: str,
+    command: str,
+    fifo_without_writer: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # open() of a FIFO without a writer blocks until one comes: `serve` and `config validate` hung at
+    # start, for good (mqtt_ca_file: the fleet link's connect blocked the event loop, as serve never
+    # read it before).
+    import controller.serve
+
+    started: list[bool] = []
+
+    async def serve(*_: object, **__: object) -> None:  # (serve would run until stopped)
+        started.append(True)
+
+    monkeypatch.setattr(controller.serve, "serve", serve)
+    key = tmp_path / "key.pem"
+    key.write_text("-----BEGIN PRIVATE KEY-----\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"state_dir: {tmp_path / 'state'}\nadmin_listen: 127.0.0.1:0\nmetrics_listen: ''\n"
+        f"{config.format(key=key)}{field}: {fifo_without_writer}\n"
+    )
+    argv = (
+        ["config", "validate", str(cfg)] if command == "config validate" else ["serve", "--config", str(cfg)]
+    )
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    said = f"{cfg}: {field}: {fifo_without_writer}: is a FIFO, not a regular file\n"
+    assert err == (said if command == "config validate" else f"error: {said}"), err
+    assert not started and not (tmp_path / "state").exists()
