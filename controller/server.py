@@ -5,10 +5,12 @@ metrics endpoint, the fleet link, and the background task (decision tick, poster
 every configured address or leaves nothing behind (servers closed, fleet stopped, state directory
 released); a Unix socket is created with ``engine_socket_mode`` and no window in which it is wider;
 a broker that is down delays the start by ``FLEET_SYNC_S`` at most and never prevents it; the
-background task survives any failure of one tick. A start that fails or is cancelled at any point
-(also mid-bind, where gRPC's own stop can fail once) raises what stopped it and leaves nothing
-behind; ``stop`` after such a start, or a second ``stop``, does nothing (in particular it writes no
-snapshot into a state directory this sidecar no longer holds).
+background task survives any failure of one tick; ``max_engines`` engines attaching at once are all
+taken, also while the loop is busy (gRPC's backlog of streams not yet taken is sized to them, see
+``engine_backlog_options``). A start that fails or is cancelled at any point (also mid-bind, where
+gRPC's own stop can fail once) raises what stopped it and leaves nothing behind; ``stop`` after such
+a start, or a second ``stop``, does nothing (in particular it writes no snapshot into a state
+directory this sidecar no longer holds).
 
 Server reflection (what ``grpcurl list`` reads) is served only on a listener that only this host can
 reach (a Unix socket or a loopback address): it lists every service and method to whoever connects,
@@ -63,6 +65,34 @@ FLEET_SYNC_S = 2.0
 #: The sidecar pings each engine connection this often (seconds) and closes it when a ping goes
 #: unanswered for half of it (see ``_serve``).
 ENGINE_KEEPALIVE_S = 30.0
+
+
+#: gRPC's own limits on streams waiting to be taken by the server's loop (the soft limit, above which it
+#: drops new streams at random, rising to all of them at the hard limit).
+GRPC_DEFAULT_PENDING = (1000, 3000)
+
+
+def engine_backlog_options(max_engines: int) -> list[tuple[str, int]]:
+    """The engine server's limits on streams that arrived but are not yet taken by its event loop.
+
+    gRPC's server keeps a stream in that backlog until the Python loop asks for the next call (one at a
+    time, between everything else the loop runs); above ``grpc.server.max_pending_requests`` (1000 by
+    default) it drops new streams at random, and above the hard limit (3000) all of them. A dropped
+    stream ends CANCELLED (INTERNAL when the engine's Hello was still being written) without reaching
+    the sidecar: no handler, no log line, no count. The default ``max_engines`` is 1024, so every
+    engine attaching at once (a restart's reconnect storm) while the loop is busy with the first of
+    them lost a stream or two at random (``test_stream_hostile.py::test_max_engines_streams_attach_*``
+    failed about 1 run in 10: one stream past the 1000th ended CANCELLED). The soft limit leaves room
+    for every engine and as many again (probes, refused and reconnecting engines), the hard limit keeps
+    gRPC's ratio; neither goes below gRPC's defaults, and the backlog stays bounded (a flood is still
+    dropped, by gRPC).
+    """
+    soft = max(GRPC_DEFAULT_PENDING[0], 2 * max_engines)
+    hard = max(GRPC_DEFAULT_PENDING[1], 3 * soft)
+    return [
+        ("grpc.server.max_pending_requests", soft),
+        ("grpc.server.max_pending_requests_hard_limit", hard),
+    ]
 
 
 def client_target(listen: str, port: int) -> str:
@@ -197,7 +227,7 @@ class SidecarServer(Sidecar):
             interceptors.append(TokenInterceptor(token=token, guarded=guarded, on_reject=self._auth_rejected))
         elif not is_local_address(self.config.admin_listen, field="admin_listen"):
             log.info("admin API on %s: clients authenticate with mTLS", self.config.admin_listen)
-        self._engine_server = grpc.aio.server(options=opts)
+        self._engine_server = grpc.aio.server(options=opts + engine_backlog_options(self.config.max_engines))
         pb_grpc.add_EngineServiceServicer_to_server(EngineService(self), self._engine_server)  # type: ignore[no-untyped-call]
         self._admin_server = grpc.aio.server(options=opts, interceptors=interceptors)
         self._admin_service = AdminService(self)
