@@ -17,7 +17,8 @@ so it is fitted by Levenberg-Marquardt least squares; confidence intervals come 
 the optimum (``s² (JᵀJ)⁻¹``, Student t). A parameter the steps cannot inform (no P-EAGLE steps, no KV
 variation, columns collinear with others) is fixed at the base profile's value; one whose estimate is
 negative is fixed at 0. Both are said in the result and in the written YAML. Steps that leave no
-parameter free (one batch size, no drafting) are refused with FitError.
+parameter free (no drafting), or that all ran at one batch size (how a step grows with the batch is
+then unknown, whatever else varies), are refused with FitError.
 """
 
 from __future__ import annotations
@@ -345,6 +346,14 @@ def fit_steps(
         break
     else:
         raise FitError(f"{steps.source}: the fit did not settle; record more varied steps")
+    if np.ptp(steps.batch) == 0:
+        # Prefill or K variation can still give the batched tokens a slope, but not the one the
+        # simulator needs (how a step grows with the batch): a profile fitted here charged the whole
+        # step per token, the constant fixed at the base profile's, R² 0.
+        raise FitError(
+            f"{steps.source}: every step at batch {int(steps.batch[0])}: the steps cannot tell how step "
+            f"time grows with the batch; record steps at varied batch sizes"
+        )
     theta = u * scale
     pred = model(u)
     resid = y - pred
