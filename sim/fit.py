@@ -18,7 +18,9 @@ the optimum (``s² (JᵀJ)⁻¹``, Student t). A parameter the steps cannot info
 variation, columns collinear with others) is fixed at the base profile's value; one whose estimate is
 negative is fixed at 0. Both are said in the result and in the written YAML. Steps that leave no
 parameter free (no drafting), or that all ran at one batch size (how a step grows with the batch is
-then unknown, whatever else varies), are refused with FitError.
+then unknown, whatever else varies), are refused with FitError; so are steps whose durations fall as
+the batch grows (target.batched_s_per_token negative by more than 5 % of the median step over the
+steps' batched tokens: batching for free is no engine's profile).
 """
 
 from __future__ import annotations
@@ -240,6 +242,11 @@ def _lm(
     return u, jac(u)
 
 
+#: How much a negative target.batched_s_per_token may take off a step over the steps' range of batched
+#: tokens (a share of the median step) before the steps are refused rather than the slope fixed at 0.
+_ABSURD_FALL = 0.05
+
+
 def _lacking(steps: StepLog) -> str:
     """What the steps lack for a fit, said as what to record."""
     lack = []
@@ -270,6 +277,7 @@ def fit_steps(
     start = _start(base, draft_cost)
     scale = np.where(np.abs(start) > 0, np.abs(start), [1e-8, 1e-5, 1e-3, 1e-9, 1e-6, 1e-3, 1.0, 1e-2])
     notes: dict[int, str] = {}
+    batched_slope = 0.0  # target.batched_s_per_token's estimate where it went negative (then fixed at 0)
     free = np.ones(len(PARAMS), dtype=bool)
 
     def fix(idx: Sequence[int], why: str) -> None:
@@ -339,6 +347,8 @@ def fit_steps(
         neg = [i for i in np.flatnonzero(free) if u[i] < 0]
         if neg:
             i = int(min(neg, key=lambda j: u[j]))
+            if i == 1:
+                batched_slope = float(u[1] * scale[1])
             free[i] = False
             notes[i] = f"{_NEGATIVE} ({u[i] * scale[i]:.3g}): fixed at 0"
             u[i] = 0.0
@@ -354,6 +364,19 @@ def fit_steps(
             f"{steps.source}: every step at batch {int(steps.batch[0])}: the steps cannot tell how step "
             f"time grows with the batch; record steps at varied batch sizes"
         )
+    if batched_slope < 0:
+        fall_s = -batched_slope * float(np.ptp(f["batched"]))
+        median_s = float(np.median(y))
+        if fall_s > _ABSURD_FALL * median_s:
+            # Batching for free (the slope clamped at 0, the rest in the constant) is no engine's
+            # profile: the durations are not one engine's step times (another's mixed in, a bad clock).
+            # A slope negative by a sliver (flat steps, noise) is fixed at 0 and said, as any other.
+            raise FitError(
+                f"{steps.source}: target.batched_s_per_token fits negative ({batched_slope:.3g} s per token, "
+                f"{fall_s * 1e3:.3g} ms less over the steps' batched tokens, median step "
+                f"{median_s * 1e3:.3g} ms): the step durations fall as the batch grows, which no engine's "
+                f"do (check duration_s, and that the steps are of one engine); nothing written"
+            )
     theta = u * scale
     pred = model(u)
     resid = y - pred

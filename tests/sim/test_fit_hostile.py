@@ -1,7 +1,7 @@
 """``profile fit`` on step logs that cannot support a profile: it refuses them in one line (exit 2) and
-writes nothing, rather than a profile no engine could have (a per-token cost guessed from a single
-batch size). What must hold: whatever the durations, a log whose steps all ran at one batch size never
-becomes a profile."""
+writes nothing, rather than a profile no engine could have (batching for free, or a per-token cost
+guessed from a single batch size). What must hold: whatever the durations, a log whose steps all ran
+at one batch size, or whose durations fall as the batch grows, never becomes a profile."""
 
 from __future__ import annotations
 
@@ -73,5 +73,27 @@ def test_steps_all_at_one_batch_size_are_refused(
     code, err, out = _fit(tmp_path, steps, capsys)
     assert code == 2, err
     assert f"every step at batch {batch}" in err and "varied batch sizes" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+@_SETTINGS
+@given(
+    const_ms=st.floats(100.0, 400.0),
+    fall_ms=st.floats(1.0, 2.5),
+    jitter=st.lists(st.floats(0.0, 0.5), min_size=120, max_size=120),
+)
+def test_durations_that_fall_as_the_batch_grows_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], const_ms: float, fall_ms: float, jitter: list[float]
+) -> None:
+    """The per-token costs fitted negative were fixed at 0 and the rest went into the constant: a
+    profile in which a batch of 32 costs what a batch of 1 does was written, exit 0."""
+    steps = []
+    for i, j in enumerate(jitter):
+        batch = 1 + i % 32
+        steps.append(_step(i, batch, (const_ms - fall_ms * batch + j) * 1e-3, 1 + i % 4, 0))
+    code, err, out = _fit(tmp_path, steps, capsys)
+    assert code == 2, err
+    assert "target.batched_s_per_token" in err and "fall as the batch grows" in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not out.exists()
