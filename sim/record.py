@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +214,11 @@ class _Deadline:
 
         return make
 
+    def cut(self) -> None:
+        """Ends the request now, as its deadline would (the recording was interrupted)."""
+        self._timer.cancel()
+        self._expire()
+
     def stop(self) -> bool:
         """Ends the watch (the timer's thread too, the watched dup closed); whether the deadline
         had cut the request. Idempotent."""
@@ -226,6 +231,38 @@ class _Deadline:
             sock.close()
         self._timer.join()
         return expired
+
+
+class _InFlight:
+    """The deadlines of the requests under way, so that an interrupted recording cuts them all at once
+    (each waited out its own timeout, minutes, before the run could end), and refuses to start more."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[_Deadline] = set()
+        self._cut = False
+
+    def add(self, deadline: _Deadline) -> None:
+        with self._lock:
+            self._live.add(deadline)
+            cut = self._cut
+        if cut:
+            deadline.cut()
+
+    def discard(self, deadline: _Deadline) -> None:
+        with self._lock:
+            self._live.discard(deadline)
+
+    def cut_all(self) -> None:
+        with self._lock:
+            self._cut = True
+            live = list(self._live)
+        for d in live:
+            d.cut()
+
+    @property
+    def cut(self) -> bool:
+        return self._cut
 
 
 class _Deadlined(urllib.request.AbstractHTTPHandler):
@@ -273,14 +310,21 @@ def _exchange(req: urllib.request.Request, deadline: _Deadline, timeout_s: float
 
 
 def _post(
-    url: str, body: dict[str, Any], timeout_s: float, *, max_bytes: int = MAX_RESPONSE_BYTES
+    url: str,
+    body: dict[str, Any],
+    timeout_s: float,
+    *,
+    max_bytes: int = MAX_RESPONSE_BYTES,
+    in_flight: _InFlight | None = None,
 ) -> dict[str, Any]:
     """POST ``body`` as JSON; the answer's JSON object. ``timeout_s`` bounds the whole request (connect,
-    send, status line, headers and body)."""
+    send, status line, headers and body); ``in_flight`` may cut it sooner (then it fails as timed out)."""
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
     deadline = _Deadline(timeout_s)
+    if in_flight is not None:
+        in_flight.add(deadline)
     timed_out = False
     data = b""
     try:
@@ -293,6 +337,8 @@ def _post(
             raise
     finally:
         timed_out = deadline.stop() or timed_out  # (a body cut at the deadline may end quietly)
+        if in_flight is not None:
+            in_flight.discard(deadline)
     if timed_out:
         raise ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")
     try:
@@ -338,14 +384,18 @@ def record(
     The lines go to ``<responses>.partial`` as the answers come, and ``responses_path`` gets them in
     prompt order once every request is done (that file renamed, or its lines copied in order to
     ``<responses>.ordering``, renamed): a run cut short (Ctrl-C, a full disk) leaves no file that reads
-    as a whole recording, and a run whose every request failed leaves none. Memory holds no answer
+    as a whole recording, and a run whose every request failed leaves none. Cut short, it sends no more
+    prompts and cuts the requests under way before it re-raises. Memory holds no answer
     past its writing, whatever the order they finish in. A file that cannot be written raises TraceError naming it.
     A response whose line would be over ``max_line_bytes`` (the importer's limit) is a failed request."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
+    in_flight = _InFlight()
 
     def one(i_p: tuple[int, Prompt]) -> dict[str, Any] | None:
         i, p = i_p
+        if in_flight.cut:  # interrupted: a worker taking up its next prompt sends nothing
+            return None
         sent = time.monotonic() - start
         body = {
             "model": model,
@@ -357,7 +407,7 @@ def record(
         }
         request = f"POST {url} for prompt {p.where or i + 1}"
         try:
-            obj = _post(url, body, timeout_s, max_bytes=max_response_bytes)
+            obj = _post(url, body, timeout_s, max_bytes=max_response_bytes, in_flight=in_flight)
         except (urllib.error.URLError, OSError, ValueError) as e:
             if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
                 e = ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
@@ -386,7 +436,7 @@ def record(
     try:
         responses_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with partial.open("w+b") as f, ThreadPoolExecutor(max_workers=concurrency) as pool:
+            with partial.open("w+b") as f, _pool(concurrency, in_flight) as pool:
                 pending = {pool.submit(one, ip): ip[0] for ip in enumerate(prompts)}
                 for done, fut in enumerate(as_completed(pending), start=1):
                     i = pending.pop(fut)  # (as_completed lets go of it too: its answer is freed)
@@ -428,6 +478,22 @@ def record(
     if errors is not None:
         errors.extend(msg for _, msg in sorted(failed))  # in prompt order: the first is the first prompt's
     return failures
+
+
+@contextlib.contextmanager
+def _pool(workers: int, in_flight: _InFlight) -> Iterator[ThreadPoolExecutor]:
+    """A thread pool that, left by an exception (Ctrl-C, a failed write), sends nothing more: the
+    prompts not yet sent are dropped and the requests under way cut. Left as ``with ThreadPoolExecutor``
+    leaves it, its shutdown waited for every queued prompt to be sent and answered: Ctrl-C stopped the
+    progress bar while the recording went on unseen to the end of the prompt file."""
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        yield pool
+    except BaseException:
+        in_flight.cut_all()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 class RecordUsageError(ValueError):
