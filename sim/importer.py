@@ -155,6 +155,86 @@ def _response_token_ids(obj: dict[str, Any]) -> tuple[Any, Any]:
     return c.get("prompt_token_ids", obj.get("prompt_token_ids")), c.get("token_ids")
 
 
+def _checked_response(obj: Any, fail: Any) -> tuple[int, int, list[int], list[int]]:
+    """(prompt tokens, output tokens, per-step accepted, per-step drafted) of one vLLM response, checked
+    as a trace takes them (``fail(field, message)`` makes the error raised; ``_checked_token_ids`` checks
+    the token ids). ``trace record`` checks each answer with both as it comes (``response_problem``):
+    one the import would refuse failed the whole recording after every request."""
+    if not isinstance(obj, dict):
+        raise fail("", "expected a JSON object (a vLLM response)")
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        raise fail("usage", "missing: the response needs usage.prompt_tokens and completion_tokens")
+    n_out: Any = usage.get("completion_tokens")
+    n_in: Any = usage.get("prompt_tokens", 0)
+    if not _int_in(n_out, 1, MAX_OUTPUT_TOKENS):
+        raise fail(
+            "usage.completion_tokens", f"expected an integer 1..{MAX_OUTPUT_TOKENS}, got {shown(n_out)}"
+        )
+    if not _int_in(n_in, 0, MAX_PROMPT_TOKENS):
+        raise fail("usage.prompt_tokens", f"expected an integer 0..{MAX_PROMPT_TOKENS}, got {shown(n_in)}")
+    sd = _spec_metrics(obj)
+    if not isinstance(sd, dict):
+        raise fail(
+            "metrics.speculative_decoding",
+            "missing (start vLLM with --per-request-spec-decode-metrics detailed)",
+        )
+    pa, pd = sd.get("per_step_accepted"), sd.get("per_step_drafted")
+    ok = (
+        isinstance(pa, list)
+        and isinstance(pd, list)
+        and len(pa) == len(pd)
+        and _bad_int_list(pa + pd, 0, MAX_K_LIMIT) is None
+    )
+    if not ok:
+        raise fail(
+            "metrics.speculative_decoding.per_step_accepted",
+            f"per_step_accepted and per_step_drafted must be equal-length lists of integers "
+            f"0..{MAX_K_LIMIT} (use --per-request-spec-decode-metrics detailed)",
+        )
+    assert isinstance(pa, list) and isinstance(pd, list)
+    over = next((i for i, (x, d) in enumerate(zip(pa, pd, strict=True)) if x > d), None)
+    if over is not None:
+        raise fail(
+            f"metrics.speculative_decoding.per_step_accepted[{over}]",
+            f"{pa[over]} accepted of {pd[over]} drafted: a step accepts at most what it drafted",
+        )
+    before_last = 1 + sum(pa[:-1]) + len(pa[:-1])  # prefill's token, then a + 1 per step
+    if pa and before_last >= n_out:
+        raise fail(
+            "metrics.speculative_decoding.per_step_accepted",
+            f"{len(pa)} steps emit more than usage.completion_tokens ({n_out}): {before_last} tokens "
+            "before the last step",
+        )
+    return n_in, n_out, pa, pd
+
+
+def response_problem(obj: Any) -> str | None:
+    """Why the answer ``obj`` cannot be a response of an imported trace (``field: message``; None: it
+    can), the import's own checks (``trace record`` fails such a request, naming it)."""
+
+    def fail(fld: str, msg: str) -> ValueError:
+        return ValueError(f"{fld}: {msg}" if fld else msg)
+
+    try:
+        _, n_out, _, _ = _checked_response(obj, fail)
+        pids, oids = _response_token_ids(obj)
+        if pids is not None and oids is not None:
+            _checked_token_ids(pids, oids, n_out, fail)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _checked_token_ids(pids: Any, oids: Any, n_out: int, fail: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A response's (prompt, output) token ids, checked: token ids, as many output ones as its usage says."""
+    pid = _token_ids(pids, "choices[0].prompt_token_ids", fail, min_len=0)
+    oid = _token_ids(oids, "choices[0].token_ids", fail, min_len=1)
+    if len(oid) != n_out:
+        raise fail("choices[0].token_ids", f"{len(oid)} token ids, but usage.completion_tokens is {n_out}")
+    return pid, oid
+
+
 def import_vllm_metrics(
     path: str | Path,
     *,
@@ -205,54 +285,7 @@ def import_vllm_metrics(
             return TraceError(msg, source=src, line=lineno, field=fld)
 
         obj = load_json_line(text, source=src, line=lineno, limits=limits)
-        if not isinstance(obj, dict):
-            raise fail("", "expected a JSON object (a vLLM response)")
-        usage = obj.get("usage")
-        if not isinstance(usage, dict):
-            raise fail("usage", "missing: the response needs usage.prompt_tokens and completion_tokens")
-        n_out: Any = usage.get("completion_tokens")
-        n_in: Any = usage.get("prompt_tokens", 0)
-        if not _int_in(n_out, 1, MAX_OUTPUT_TOKENS):
-            raise fail(
-                "usage.completion_tokens", f"expected an integer 1..{MAX_OUTPUT_TOKENS}, got {shown(n_out)}"
-            )
-        if not _int_in(n_in, 0, MAX_PROMPT_TOKENS):
-            raise fail(
-                "usage.prompt_tokens", f"expected an integer 0..{MAX_PROMPT_TOKENS}, got {shown(n_in)}"
-            )
-        sd = _spec_metrics(obj)
-        if not isinstance(sd, dict):
-            raise fail(
-                "metrics.speculative_decoding",
-                "missing (start vLLM with --per-request-spec-decode-metrics detailed)",
-            )
-        pa, pd = sd.get("per_step_accepted"), sd.get("per_step_drafted")
-        ok = (
-            isinstance(pa, list)
-            and isinstance(pd, list)
-            and len(pa) == len(pd)
-            and _bad_int_list(pa + pd, 0, MAX_K_LIMIT) is None
-        )
-        if not ok:
-            raise fail(
-                "metrics.speculative_decoding.per_step_accepted",
-                f"per_step_accepted and per_step_drafted must be equal-length lists of integers "
-                f"0..{MAX_K_LIMIT} (use --per-request-spec-decode-metrics detailed)",
-            )
-        assert isinstance(pa, list) and isinstance(pd, list)
-        over = next((i for i, (x, d) in enumerate(zip(pa, pd, strict=True)) if x > d), None)
-        if over is not None:
-            raise fail(
-                f"metrics.speculative_decoding.per_step_accepted[{over}]",
-                f"{pa[over]} accepted of {pd[over]} drafted: a step accepts at most what it drafted",
-            )
-        before_last = 1 + sum(pa[:-1]) + len(pa[:-1])  # prefill's token, then a + 1 per step
-        if pa and before_last >= n_out:
-            raise fail(
-                "metrics.speculative_decoding.per_step_accepted",
-                f"{len(pa)} steps emit more than usage.completion_tokens ({n_out}): {before_last} tokens "
-                "before the last step",
-            )
+        n_in, n_out, pa, pd = _checked_response(obj, fail)
         # Tokens the steps account for: prefill's, then a + 1 per step. Short of the output by more than
         # one step's reach, K = 0 steps (not reported) made the rest: counts 0 there, later ones misaligned.
         short = n_out - (1 + sum(pa) + len(pa))
@@ -276,13 +309,7 @@ def import_vllm_metrics(
             if pids is None or oids is None:
                 ngram_cols = None  # (its lines are still checked, as they were)
             else:
-                pid = _token_ids(pids, "choices[0].prompt_token_ids", fail, min_len=0)
-                oid = _token_ids(oids, "choices[0].token_ids", fail, min_len=1)
-                if len(oid) != n_out:
-                    raise fail(
-                        "choices[0].token_ids",
-                        f"{len(oid)} token ids, but usage.completion_tokens is {n_out}",
-                    )
+                pid, oid = _checked_token_ids(pids, oids, n_out, fail)
                 if ngram_cols is not None:
                     # max_k is known only at the end: the proposal is capped at the horizon here (a
                     # draft is never longer) and at max_k below, min(len, max_k) as the matcher caps it.

@@ -36,7 +36,7 @@ from typing import IO, Any
 from policies.arms import Method
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from sim.files import output_problem
-from sim.importer import import_vllm_metrics
+from sim.importer import import_vllm_metrics, response_problem
 from sim.trace import (
     DEFAULT_LIMITS,
     MAX_OUTPUT_TOKENS,
@@ -387,7 +387,8 @@ def record(
     as a whole recording, and a run whose every request failed leaves none. Cut short, it sends no more
     prompts and cuts the requests under way before it re-raises. Memory holds no answer
     past its writing, whatever the order they finish in. A file that cannot be written raises TraceError naming it.
-    A response whose line would be over ``max_line_bytes`` (the importer's limit) is a failed request."""
+    A response whose line would be over ``max_line_bytes`` (the importer's limit), or that the import
+    would refuse (``response_problem``: usage, spec metrics, token ids), is a failed request."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     in_flight = _InFlight()
@@ -420,6 +421,11 @@ def record(
                 "error": f"not a whole HTTP answer ({type(e).__name__}: {e!s:.200}) ({request})",
                 "index": i,
             }
+        # Checked as the import will check it: one answer it refuses failed the whole recording, after
+        # every request, naming a line of the responses file rather than the request.
+        problem = response_problem(obj)
+        if problem is not None:
+            return {"error": f"{problem} ({request})", "index": i}
         obj["traffic_class"] = p.traffic_class
         obj["arrival_s"] = round(sent, 6)
         obj["id"] = f"r{i}"

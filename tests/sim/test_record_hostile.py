@@ -21,6 +21,7 @@ GOOD = {
     "metrics": {"speculative_decoding": {"per_step_accepted": [2, 0, 1], "per_step_drafted": [2, 2, 2]}},
 }
 MODE: dict[str, str] = {"mode": "good"}
+BAD: dict[str, Any] = {}  # mode "bad-second": the answer to the prompt "two"
 
 
 class Hostile(BaseHTTPRequestHandler):
@@ -64,6 +65,9 @@ class Hostile(BaseHTTPRequestHandler):
         mode = MODE["mode"]
         if mode == "half" and body["prompt"] == "good":
             mode = "good"
+        if mode == "bad-second":
+            self._send(json.dumps(BAD["answer"] if body["prompt"] == "two" else GOOD).encode())
+            return
         if mode in ("good", "half"):
             self._send(json.dumps(GOOD).encode() if mode == "good" else b"<html>busy</html>")
         elif mode == "500":
@@ -202,3 +206,59 @@ def test_a_full_disk_is_one_runtime_error_and_leaves_no_partial_file(
     err = capsys.readouterr().err.strip()
     assert err.endswith(": cannot write the responses: No space left on device"), err
     assert not (tmp_path / "t.responses.jsonl").exists() and not (tmp_path / "t.jsonl").exists()
+
+
+# -- answers that are JSON objects, but no response the trace can take ------------------------------
+
+
+def _bad_answer(case: str) -> dict[str, Any]:
+    bad: dict[str, Any] = json.loads(json.dumps(GOOD))
+    sd = bad["metrics"]["speculative_decoding"]
+    if case == "no usage":
+        del bad["usage"]
+    elif case == "negative tokens":
+        bad["usage"]["completion_tokens"] = -3
+    elif case == "float tokens":
+        bad["usage"]["completion_tokens"] = 6.5
+    elif case == "string tokens":
+        bad["usage"]["prompt_tokens"] = "5"
+    elif case == "huge tokens":
+        bad["usage"]["completion_tokens"] = 2**63
+    elif case == "no metrics":
+        del bad["metrics"]
+    elif case == "accepted over drafted":
+        sd["per_step_accepted"] = [3, 0, 1]
+    elif case == "token ids short":
+        bad["choices"][0]["token_ids"] = [3, 1]
+    return bad
+
+
+BAD_ANSWERS = {
+    "no usage": "usage: missing",
+    "negative tokens": "usage.completion_tokens: expected an integer 1..4194304, got -3",
+    "float tokens": "usage.completion_tokens: expected an integer 1..4194304, got 6.5",
+    "string tokens": "usage.prompt_tokens: expected an integer 0..16777216, got '5'",
+    "huge tokens": "usage.completion_tokens: expected an integer 1..4194304, got 9223372036854775808",
+    "no metrics": "metrics.speculative_decoding: missing",
+    "accepted over drafted": "per_step_accepted[0]: 3 accepted of 2 drafted",
+    "token ids short": "choices[0].token_ids: 2 token ids, but usage.completion_tokens is 6",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ANSWERS))
+def test_an_answer_the_trace_cannot_take_fails_its_request_not_the_recording(
+    url: str, tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One such answer among good ones failed the whole recording after every request (exit 1, no
+    trace), the error naming a line of the responses file rather than the request."""
+    MODE["mode"] = "bad-second"
+    BAD["answer"] = _bad_answer(case)
+    assert _record(url, tmp_path, prompts="one\ntwo\nthree\n") == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith(f"{url}: 1 of 3 requests failed; the first: "), err[0]
+    assert BAD_ANSWERS[case] in err[0], err[0]
+    assert err[0].endswith(f"(POST {url}/v1/completions for prompt {tmp_path / 'p.txt'}:2)"), err[0]
+    lines = (tmp_path / "t.responses.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == ["r0", "r2"]  # kept: the good ones only
+    assert (tmp_path / "t.jsonl").exists()
