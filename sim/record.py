@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from policies.arms import Method
+from policies.params import shown
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
 from sim.files import output_problem
 from sim.importer import import_vllm_metrics, response_problem
@@ -377,6 +378,7 @@ def record(
     errors: list[str] | None = None,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
     max_line_bytes: int = DEFAULT_LIMITS.max_line_bytes,
+    other_models: list[tuple[int, str]] | None = None,
 ) -> int:
     """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures
     (``errors``, when given, gets each failed request's error, naming its prompt).
@@ -388,7 +390,9 @@ def record(
     prompts and cuts the requests under way before it re-raises. Memory holds no answer
     past its writing, whatever the order they finish in. A file that cannot be written raises TraceError naming it.
     A response whose line would be over ``max_line_bytes`` (the importer's limit), or that the import
-    would refuse (``response_problem``: usage, spec metrics, token ids), is a failed request."""
+    would refuse (``response_problem``: usage, spec metrics, token ids), is a failed request.
+    ``other_models``, when given, gets (prompt index, model) of each recorded answer that names a
+    model other than ``model``, in prompt order."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     in_flight = _InFlight()
@@ -438,6 +442,7 @@ def record(
     # (``pool.map``), every answer that finished behind a slow one was held in memory until it was
     # done: one long request held all the others' token ids, gigabytes over a long recording.
     where: list[tuple[int, int, int]] = []  # (prompt index, offset in ``partial``, bytes) of each line
+    others: list[tuple[int, str]] = []  # (prompt index, model) of answers naming another model
     failed: list[tuple[int, str]] = []
     try:
         responses_path.parent.mkdir(parents=True, exist_ok=True)
@@ -462,6 +467,10 @@ def record(
                     if line is None:
                         failed.append((i, str(obj["error"]) if obj is not None else "no response"))
                     else:
+                        assert obj is not None
+                        named = obj.get("model")
+                        if isinstance(named, str) and named != model:
+                            others.append((i, named))
                         data = line.encode("utf-8")
                         where.append((i, f.tell(), len(data)))
                         f.write(data)
@@ -481,6 +490,8 @@ def record(
             f"cannot write the responses: {e.strerror or e}", source=str(e.filename or partial)
         ) from None
     failures = len(failed)
+    if other_models is not None:
+        other_models.extend(sorted(others))
     if errors is not None:
         errors.extend(msg for _, msg in sorted(failed))  # in prompt order: the first is the first prompt's
     return failures
@@ -540,6 +551,7 @@ def record_trace(
     if problem is not None:
         raise RecordUsageError(f"{problem} (the responses kept beside the trace)")
     errors: list[str] = []
+    other_models: list[tuple[int, str]] = []
     failures = record(
         base_url=base_url,
         model=model,
@@ -549,11 +561,25 @@ def record_trace(
         timeout_s=timeout_s,
         on_done=on_done,
         errors=errors,
+        other_models=other_models,
     )
     if prompts and failures == len(prompts):  # (the import would say only "no responses found")
         raise TraceError(f"every request failed ({failures}); the first: {errors[0]}", source=base_url)
     if failures:  # counted in the summary; why is said once, not lost
         (warn or _say)(f"{base_url}: {failures} of {len(prompts)} requests failed; the first: {errors[0]}")
+    if other_models:
+        # Said, not refused: vLLM answers with its first served name whichever alias was asked for
+        # (--served-model-name a b), and a router may name the model it routed to. Said, the trace
+        # is known to hold that model's acceptance (a proxy's other model, or a mix of models).
+        i, named = other_models[0]
+        names = sorted({m for _, m in other_models})
+        (warn or _say)(
+            f"{base_url}: {len(other_models)} of {len(prompts) - failures} responses name the model "
+            f"{shown(named)}, not --model {shown(model)}"
+            + (f" ({len(names)} models: {', '.join(shown(m) for m in names[:5])})" if len(names) > 1 else "")
+            + f", the first for prompt {prompts[i].where or i + 1}: the trace holds the acceptance of the "
+            f"model that answered (an alias of the served name, or a router's pick)"
+        )
     trace = import_vllm_metrics(responses, method=method, ngram=ngram, greedy=True, warn=warn)
     return trace, failures, responses
 

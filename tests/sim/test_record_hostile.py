@@ -65,6 +65,9 @@ class Hostile(BaseHTTPRequestHandler):
         mode = MODE["mode"]
         if mode == "half" and body["prompt"] == "good":
             mode = "good"
+        if mode == "other-model":
+            self._send(json.dumps({**GOOD, "model": "llama-70b"}).encode())
+            return
         if mode == "bad-second":
             self._send(json.dumps(BAD["answer"] if body["prompt"] == "two" else GOOD).encode())
             return
@@ -262,3 +265,16 @@ def test_an_answer_the_trace_cannot_take_fails_its_request_not_the_recording(
     lines = (tmp_path / "t.responses.jsonl").read_text().splitlines()
     assert [json.loads(x)["id"] for x in lines] == ["r0", "r2"]  # kept: the good ones only
     assert (tmp_path / "t.jsonl").exists()
+
+
+def test_answers_from_another_model_are_said(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server (a router, a proxy) answering for a model other than --model was recorded without a
+    word: the trace held that model's acceptance under the name asked for."""
+    MODE["mode"] = "other-model"
+    assert _record(url, tmp_path, prompts="one\ntwo\n") == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith(f"{url}: 2 of 2 responses name the model 'llama-70b', not --model 'm'"), err[0]
+    assert f"the first for prompt {tmp_path / 'p.txt'}:1" in err[0]
