@@ -609,7 +609,7 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
         tty = sys.stderr.isatty()
         if tty:
             _err(f"reading {args.steps} ...")
-        steps = read_steps(args.steps)
+        steps = read_steps(args.steps, warn=_err)
         costs: list[DraftCost] = list(DRAFT_COSTS) if args.draft_cost == "auto" else [args.draft_cost]
         if tty:
             _err(f"fitting {steps.n} steps ({', '.join(costs)}) ...")

@@ -16,7 +16,8 @@ JSON Lines, one engine step per line, in the order the sidecar applied them::
   its requests had emitted in earlier reported steps (known exactly from request ids; prompts excluded).
 
 Reading validates every line and names the first bad one as ``FILE:LINE: field: message``; nothing is
-returned for a bad file. Writing never raises into the sidecar: a failed write is logged once and the
+returned for a bad file, but for a last line cut mid-way (no newline ends it, and it is not JSON: a
+sidecar still writing, or killed inside a write), which is left out and said. Writing never raises into the sidecar: a failed write is logged once and the
 recorder stops (the engine's reports are still applied). The file holds whole lines only when a
 recording starts: a half line a killed sidecar left is cut first.
 """
@@ -30,7 +31,7 @@ import os
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -400,8 +401,12 @@ class _Column:
         return out
 
 
-def read_steps(path: str | Path) -> StepLog:
+def read_steps(path: str | Path, *, warn: Callable[[str], None] | None = None) -> StepLog:
     """Reads and validates a step file; raises StepLogError naming FILE:LINE: field on the first fault.
+
+    A last line that no newline ends and that is not JSON (cut: the sidecar still writing it, or killed
+    inside the write) is left out and said to ``warn`` (the log when None): it refused the whole file,
+    every whole step with it, until a sidecar started on the file again and cut it.
 
     Memory is the returned columns (48 bytes a step, 25 a request row) plus 12 bytes a step and 3 a
     row while reading: every value is validated in range first, so the compact dtypes hold it exactly."""
@@ -418,12 +423,24 @@ def read_steps(path: str | Path) -> StepLog:
     k = _Column(np.int8)  # 0.._MAX_K
     acc = _Column(np.int8)
     nan = float("nan")
+    read = 0  # steps read so far
     try:
         p = input_path(path)
         # The trace reader's bounded line reader and JSON loader (sizes, nesting, long integers).
         for ln, line in read_json_lines(p):
-            d = load_json_line(line, source=str(p), line=ln)
+            try:
+                d = load_json_line(line, source=str(p), line=ln)
+            except TraceError:
+                if line.endswith("\n"):
+                    raise
+                # No newline: the file's last line (read_json_lines refuses an over-long one), cut.
+                (warn or log.warning)(
+                    f"{p}:{ln}: a half-written last line (no newline ends it): left out, the "
+                    f"{read} steps before it read"
+                )
+                break
             fields, codes, ks, a = parse_step(d, f"{p}:{ln}")
+            read += 1
             engine.add(engines.setdefault(fields["engine"], len(engines)))
             duration.add(fields["duration_s"])
             time_s.add(fields["time_s"])

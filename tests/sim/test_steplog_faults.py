@@ -4,18 +4,23 @@ file is said once and made anew, and nothing raises into the sidecar."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from policies.arms import Method
 from policies.observation import StepObservation
-from sim.steplog import StepRecorder, read_steps
+from sim.cli import main
+from sim.steplog import StepLogError, StepRecorder, read_steps
 
 
 def _obs(t: float, n: int = 1) -> StepObservation:
@@ -129,3 +134,62 @@ def test_a_half_line_a_killed_sidecar_left_is_cut_before_the_next_recording(
     rec.close()
     assert read_steps(path).n == 5
     assert "40 bytes" in caplog.text  # what was cut is said
+
+
+# -- a file still being written (or left by a killed sidecar) read by profile fit ---------------------
+
+
+def _whole_steps(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "engine": "e",
+            "time_s": float(i),
+            "duration_s": 0.01 + 1e-4 * (1 + i % 16),
+            "batch": 1 + i % 16,
+            "prefill_tokens": 0,
+            "kv_tokens": None,
+            "decoded_tokens": 10 * i,
+            "method": ["eagle3"] * (1 + i % 16),
+            "k": [2] * (1 + i % 16),
+            "accepted": [1] * (1 + i % 16),
+        }
+        for i in range(n)
+    ]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(0.0, 1.0, exclude_max=True))
+def test_a_half_written_last_line_is_left_out_and_said(tmp_path: Path, cut: float) -> None:
+    """A sidecar killed inside a write (or still writing) leaves its last line cut: profile fit refused
+    the whole file ("FILE:N: invalid JSON: Unterminated string ..."), every whole step with it."""
+    steps = _whole_steps(5)
+    text = "".join(json.dumps(s) + "\n" for s in steps)
+    last = json.dumps(_whole_steps(6)[5])
+    path = tmp_path / "steps.jsonl"
+    path.write_text(text + last[: max(1, int(cut * len(last)))])
+    said: list[str] = []
+    log = read_steps(path, warn=said.append)
+    assert log.n == 5
+    assert said == [
+        f"{path}:6: a half-written last line (no newline ends it): left out, the 5 steps before it read"
+    ]
+
+
+def test_a_bad_line_with_its_newline_is_still_refused(tmp_path: Path) -> None:
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in _whole_steps(5)) + '{"engine": \n')
+    with pytest.raises(StepLogError, match=r"steps.jsonl:6: invalid JSON"):
+        read_steps(path, warn=lambda _: None)
+
+
+def test_profile_fit_says_the_half_line_it_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    steps = _whole_steps(300)
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps) + json.dumps(steps[0])[:40])
+    out = tmp_path / "mine.yaml"
+    assert main(["profile", "fit", str(path), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}:301: a half-written last line" in err and err.count("\n") == 1
+    assert out.exists()
