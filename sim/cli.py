@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from sim.executor import ShippedPolicy
     from sim.prices import Prices
     from sim.progress import ProgressBar
+    from sim.steplog import StepLog
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -576,6 +577,29 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_engines_steps(steps: StepLog, engine_id: str | None, source: str) -> StepLog:
+    """The steps ``--engine-id`` names (all when None). Steps of several engines are fitted as one,
+    said in one line: pods of one model on one kind of GPU pool well, but a log of several sidecars'
+    engines (another GPU, another model) was fitted as one without a word, a profile of neither."""
+    import numpy as np
+
+    counts: dict[str, int] = {}
+    for e in steps.engine:
+        counts[e] = counts.get(e, 0) + 1
+    if engine_id is not None:
+        if engine_id not in counts:
+            names = ", ".join(sorted(counts)[:10]) + (", ..." if len(counts) > 10 else "")
+            raise _UsageError(f"--engine-id {engine_id}: no steps of that engine in {source} ({names})")
+        return steps.select(np.array([e == engine_id for e in steps.engine]))
+    if len(counts) > 1:
+        shown = ", ".join(f"{e or '(none)'}: {n}" for e, n in sorted(counts.items())[:10])
+        _err(
+            f"{source}: steps of {len(counts)} engines ({shown}{', ...' if len(counts) > 10 else ''}) fitted "
+            f"as one; if they differ (GPU, model), give --engine-id to fit one"
+        )
+    return steps
+
+
 def cmd_profile_fit(args: argparse.Namespace) -> int:
     """Fit a profile to recorded steps; writes the YAML (and the residual plot) only when the fit holds."""
     from sim.costmodel import DRAFT_COSTS, DraftCost, parse_profile_text
@@ -609,7 +633,7 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
         tty = sys.stderr.isatty()
         if tty:
             _err(f"reading {args.steps} ...")
-        steps = read_steps(args.steps, warn=_err)
+        steps = _one_engines_steps(read_steps(args.steps, warn=_err), args.engine_id, args.steps)
         costs: list[DraftCost] = list(DRAFT_COSTS) if args.draft_cost == "auto" else [args.draft_cost]
         if tty:
             _err(f"fitting {steps.n} steps ({', '.join(costs)}) ...")
@@ -961,6 +985,10 @@ def register(subparsers: Any) -> None:
         type=cli_types.float_in(0.5, 1, hi_open=True),
         default=0.95,
         help="confidence level of the intervals",
+    )
+    p.add_argument(
+        "--engine-id",
+        help="fit only the steps of this engine (the steps' `engine`; default: all, said when several)",
     )
     p.add_argument("--plot", help="residual plot to write (a .png file)")
     p.add_argument("--json", action="store_true", help="print the fit as JSON")

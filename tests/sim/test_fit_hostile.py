@@ -97,3 +97,32 @@ def test_durations_that_fall_as_the_batch_grows_are_refused(
     assert "target.batched_s_per_token" in err and "fall as the batch grows" in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not out.exists()
+
+
+def _two_engines() -> list[dict[str, Any]]:
+    """Steps of two engines, one ten times slower than the other (another GPU, another model)."""
+    steps = []
+    for i in range(240):
+        batch = 1 + i % 16
+        fast = i % 2 == 0
+        s = _step(i, batch, (6.0 + 0.3 * batch + 0.05 * (i % 7)) * 1e-3 * (1 if fast else 10), 1 + i % 4, 0)
+        steps.append({**s, "engine": "pod-a" if fast else "pod-b"})
+    return steps
+
+
+def test_steps_of_several_engines_are_said_and_one_can_be_chosen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Steps of two engines were fitted as one without a word: a profile of neither (R² 0.4 here)."""
+    code, err, out = _fit(tmp_path, _two_engines(), capsys)
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{tmp_path / 'steps.jsonl'}: steps of 2 engines (pod-a: 120, pod-b: 120)")
+    assert "--engine-id" in lines[0]
+    path = tmp_path / "steps.jsonl"
+    assert main(["profile", "fit", str(path), "--out", str(out), "--engine-id", "pod-b", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and json.loads(captured.out)["steps"] == 120
+    assert main(["profile", "fit", str(path), "--out", str(out), "--engine-id", "pod-c"]) == 2
+    assert capsys.readouterr().err == f"--engine-id pod-c: no steps of that engine in {path} (pod-a, pod-b)\n"
