@@ -280,6 +280,15 @@ class _Deadlined(urllib.request.AbstractHTTPHandler):
         return super().do_open(self._deadline.connection(http_class), req, **kwargs)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect: urllib resends a POST redirected by 301, 302 or 303 as a GET without its
+    body, and whatever answered that GET was recorded as the prompt's response. The 3xx is then an
+    HTTPError like any other status, said with where it pointed."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class _DeadlineHTTPHandler(_Deadlined, urllib.request.HTTPHandler):
     pass
 
@@ -289,9 +298,11 @@ class _DeadlineHTTPSHandler(_Deadlined, urllib.request.HTTPSHandler):
 
 
 def _exchange(req: urllib.request.Request, deadline: _Deadline, timeout_s: float, max_bytes: int) -> bytes:
-    # urllib's default opener otherwise (proxies from the environment, redirects, HTTPError), with
-    # connections bounded by ``deadline``.
-    opener = urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
+    # urllib's default opener otherwise (proxies from the environment, HTTPError), with connections
+    # bounded by ``deadline`` and no redirect followed.
+    opener = urllib.request.build_opener(
+        _DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline), _NoRedirect()
+    )
     try:
         resp_cm = opener.open(req, timeout=timeout_s)
     except urllib.error.HTTPError as e:
@@ -302,6 +313,9 @@ def _exchange(req: urllib.request.Request, deadline: _Deadline, timeout_s: float
             except (OSError, http.client.HTTPException):
                 detail = ""
         said = " ".join(detail.split())[:200]
+        if 300 <= e.code < 400:
+            to = " ".join(str(e.headers.get("Location", "nowhere")).split())[:200]
+            said = f"redirected to {to}, not followed: give --url of the server itself"
         raise ValueError(f"HTTP {e.code} {e.reason}" + (f": {said}" if said else "")) from None
     with resp_cm as resp:
         ctype = resp.headers.get("Content-Type", "")

@@ -65,6 +65,12 @@ class Hostile(BaseHTTPRequestHandler):
         mode = MODE["mode"]
         if mode == "half" and body["prompt"] == "good":
             mode = "good"
+        if mode.startswith("redirect-"):
+            self.send_response(int(mode.removeprefix("redirect-")))
+            self.send_header("Location", "/elsewhere")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if mode == "other-model":
             self._send(json.dumps({**GOOD, "model": "llama-70b"}).encode())
             return
@@ -89,6 +95,9 @@ class Hostile(BaseHTTPRequestHandler):
             data = json.dumps(GOOD).encode()
             head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
             self._drip_raw(head.encode() + data, 0.003)
+
+    def do_GET(self) -> None:  # what a redirect's target answers: a response, for no prompt
+        self._send(json.dumps(GOOD).encode())
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -278,3 +287,18 @@ def test_answers_from_another_model_are_said(
     assert len(err) == 1 and "Traceback" not in err[0], err
     assert err[0].startswith(f"{url}: 2 of 2 responses name the model 'llama-70b', not --model 'm'"), err[0]
     assert f"the first for prompt {tmp_path / 'p.txt'}:1" in err[0]
+
+
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+def test_a_redirect_fails_the_request_saying_where_it_pointed(
+    url: str, tmp_path: Path, code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """urllib follows a 301, 302 or 303 to a POST with a GET without the prompt: whatever answered
+    that GET (here a well-formed response) was recorded as the prompt's response, exit 0."""
+    MODE["mode"] = f"redirect-{code}"
+    assert _record(url, tmp_path) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert f"HTTP {code} " in err[0] and "redirected to /elsewhere, not followed" in err[0], err[0]
+    assert "give --url of the server itself" in err[0], err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
