@@ -9,9 +9,10 @@ their token ids (``return_token_ids``), from which the importer computes each po
 (``ngram_proposal``, with the plugin's n-gram sizes: pass the engine's ``SPECCONTROL_NGRAM_MIN/MAX``),
 the signal the plugin reports per step.
 
-Prompt file: JSON Lines of ``{"prompt": "...", "class": "code", "max_tokens": 256}`` (class and
-max_tokens optional; a class is a non-empty string, max_tokens in --max-tokens' range 2..2^22, both
-checked before any request is sent, as is ``--class``), or plain text with one prompt per line.
+Prompt file: JSON Lines of ``{"prompt": "...", "class": "code", "max_tokens": 256}`` (class, or
+``traffic_class`` as the importer takes it, and max_tokens optional; a class is a non-empty string,
+max_tokens in --max-tokens' range 2..2^22, both checked before any request is sent, as is
+``--class``), or plain text with one prompt per line.
 """
 
 from __future__ import annotations
@@ -94,7 +95,17 @@ def read_prompts(path: str | Path, *, default_class: str, max_tokens: int) -> li
             text = obj.get("prompt") if isinstance(obj, dict) else None
             if not isinstance(text, str) or not text:
                 raise TraceError("expected a non-empty string", source=str(p), line=lineno, field="prompt")
-            cls = obj.get("class", default_class)
+            # ``traffic_class`` (what the request and the importer call it) or ``class``: the former was
+            # ignored, every such prompt recorded as the default class. Both, they must agree.
+            key = "traffic_class" if obj.get("traffic_class") is not None else "class"
+            if key == "traffic_class" and obj.get("class") is not None and obj["class"] != obj[key]:
+                raise TraceError(
+                    f"{shown(obj['class'])}, but traffic_class is {shown(obj[key])}: give one of them",
+                    source=str(p),
+                    line=lineno,
+                    field="class",
+                )
+            cls = obj.get(key, default_class)
             n = obj.get("max_tokens", max_tokens)
             # Refused here, before any request: the importer refuses an empty class only after every
             # prompt was sent, and a max_tokens past the flag's range is sent as is (a failed request).

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from policies.arms import Method
 from sim.importer import ngram_columns
@@ -373,3 +375,18 @@ def test_a_class_flag_the_importer_would_refuse_is_refused_before_any_request(
     assert main([*argv, "--out", str(tmp_path / "t.jsonl")]) == 2
     assert capsys.readouterr().err == f"--class: expected a non-empty string, got {json.dumps(cls)}\n"
     assert SEEN == [] and not (tmp_path / "t.responses.jsonl").exists()
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cls=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=20))
+def test_a_prompts_traffic_class_key_is_its_class(tmp_path: Path, cls: str) -> None:
+    """The key the request carries it under (``vllm_xargs.traffic_class``), which the importer takes as
+    well as ``class``, was ignored: every such prompt was recorded as class ``default``, unsaid."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "x", "traffic_class": cls}) + "\n", encoding="utf-8")
+    assert read_prompts(f, default_class="default", max_tokens=8)[0].traffic_class == cls
+    f.write_text(
+        json.dumps({"prompt": "x", "traffic_class": cls, "class": cls + "2"}) + "\n", encoding="utf-8"
+    )
+    with pytest.raises(TraceError, match=r"p\.jsonl:1: class: .*but traffic_class is .*: give one of them"):
+        read_prompts(f, default_class="default", max_tokens=8)
