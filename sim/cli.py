@@ -834,7 +834,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         f"n-gram match at {float((tr.ngram_proposal > 0).mean()):.1%} of positions (min_n {args.min_n}, "
         f"max_n {args.max_n})"
         if tr.ngram_proposal is not None
-        else "no n-gram proposals: the server returned no token ids"
+        else "no n-gram proposals: responses without token ids"
     )
     print(
         f"wrote {args.out}: {tr.n} requests ({failures} failed), {tr.total_output_tokens} output tokens, "

@@ -275,6 +275,7 @@ def import_vllm_metrics(
     # included) until then. None once a response came without token ids (then no proposal at all).
     ngram_cols: list[tuple[np.ndarray, np.ndarray]] | None = [] if ngram is not None else None
     lines: list[int] = []
+    no_ids: list[int] = []  # lines of responses without token ids (with ``ngram``)
     drafted = False  # a step with drafts on some line
     uncovered: list[tuple[int, int]] = []  # (line, tokens) of responses their steps fall short of
     max_k = 1
@@ -308,6 +309,7 @@ def import_vllm_metrics(
             pids, oids = _response_token_ids(obj)
             if pids is None or oids is None:
                 ngram_cols = None  # (its lines are still checked, as they were)
+                no_ids.append(lineno)
             else:
                 pid, oid = _checked_token_ids(pids, oids, n_out, fail)
                 if ngram_cols is not None:
@@ -332,6 +334,14 @@ def import_vllm_metrics(
             f"covered by their speculative steps, the first at line {uncovered[0][0]}: K = 0 phases, which "
             f"vLLM does not report; the trace counts 0 accepted there and misaligns what follows (record at "
             f"a fixed K > 0)"
+        )
+    if 0 < len(no_ids) < len(ids):
+        # Some responses only: the others' token ids are unused, and the signal went from the whole
+        # trace without a word (the summary blamed the server for returning none).
+        say(
+            f"{src}: {len(no_ids)} of {len(ids)} responses carry no token ids (choices[0].token_ids, "
+            f"prompt_token_ids), the first at line {no_ids[0]}: the trace has no n-gram proposals or "
+            f"counts from them"
         )
     arrivals = _arrivals(arrival, lines, src, say)
     meta: dict[str, Any] = {

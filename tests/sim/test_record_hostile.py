@@ -302,3 +302,22 @@ def test_a_redirect_fails_the_request_saying_where_it_pointed(
     assert f"HTTP {code} " in err[0] and "redirected to /elsewhere, not followed" in err[0], err[0]
     assert "give --url of the server itself" in err[0], err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+def test_some_answers_without_token_ids_are_said(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One answer without token ids (of answers that have them) dropped the n-gram signal and counts
+    from the whole trace, and the summary said "the server returned no token ids"."""
+    MODE["mode"] = "bad-second"
+    BAD["answer"] = {**GOOD, "choices": [{"text": "......"}]}
+    assert _record(url, tmp_path, prompts="one\ntwo\nthree\n") == 0
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    responses = tmp_path / "t.responses.jsonl"
+    assert err[0] == (
+        f"{responses}: 1 of 3 responses carry no token ids (choices[0].token_ids, prompt_token_ids), the "
+        f"first at line 2: the trace has no n-gram proposals or counts from them"
+    ), err[0]
+    assert "no n-gram proposals: responses without token ids" in captured.out
