@@ -1,5 +1,7 @@
 """``trace record`` against servers that misbehave: every failure is one line naming the request, memory and
-time stay bounded, and no responses file is left that reads as a whole recording."""
+time stay bounded, and no responses file is left that reads as a whole recording. An answer the import
+would refuse, or a redirect, fails its request only; answers of another model, or some without token
+ids, are kept and said in one line."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """``serve --record-steps`` when its file fails: a write cut short leaves whole lines only, a removed
-file is said once and made anew, and nothing raises into the sidecar."""
+file is said once and made anew, and nothing raises into the sidecar. Read back (``profile fit``), a
+last line cut mid-way is left out and said, never the whole file refused for it."""
 
 from __future__ import annotations
 
