@@ -118,11 +118,13 @@ _CREATED = {
 
 def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> VllmCounters:
     """Read vLLM's exposition text; raises ValueError when it is not Prometheus text, or when a sample
-    the adapter reads is not a finite number >= 0, names a draft position outside 0..63 or appears
-    twice with the same labels (a scrape that cannot be vLLM's: it is refused, as an unreadable one is,
+    the adapter reads is not a finite number >= 0, names a draft position outside 0..63, lacks a draft
+    position below another of its engine's, or appears twice with the same labels (a scrape that cannot be vLLM's: it is refused, as an unreadable one is,
     not turned into an observation)."""
     sums: dict[str, float] = {}
     per_pos: dict[int, float] = {}
+    #: The positions each engine's per-position counters hold, by their labels other than position.
+    positions: dict[str, set[int]] = {}
     series: dict[str, float] = {}
     created: dict[str, float] = {}
     seen: set[str] = set()
@@ -157,6 +159,8 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                     raise ValueError(f"{s.name}: position must be 0..{MAX_POSITIONS - 1}, got {label[:20]!r}")
                 pos = int(label)
                 per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+                engine = _labels({n: v for n, v in s.labels.items() if n != "position"})
+                positions.setdefault(engine, set()).add(pos)
             else:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
     if _DRAFTS in sums:
@@ -166,6 +170,14 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         missing += [] if per_pos or not sums[_DRAFTS] else [_PER_POS]
         if missing:
             raise ValueError(f"{', '.join(missing)}: missing beside {_DRAFTS}")
+    for engine, held in positions.items():
+        # vLLM keeps a counter for every position it drafts: one missing was read as 0, and every
+        # draft that accepted past it was reported as stopping before it.
+        gap = min(set(range(max(held) + 1)) - held, default=None)
+        if gap is not None:
+            raise ValueError(
+                f"{_PER_POS}: position {gap} missing beside position {max(held)} ({escape_text(engine)[:200]})"
+            )
     k = max(per_pos) + 1 if per_pos else 0
     return VllmCounters(
         time_s=time_s,
@@ -182,6 +194,12 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         series=series,
         created=created,
     )
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    """Labels as the exposition writes them (``{engine="0",model_name="m"}``), sorted: a series' name in
+    an error line."""
+    return "{" + ",".join(f'{n}="{v}"' for n, v in sorted(labels.items())) + "}"
 
 
 def _went_back(prev: VllmCounters, cur: VllmCounters) -> str | None:

@@ -1,0 +1,150 @@
+"""The observe adapter against /metrics that no vLLM can render, served over real HTTP to a real
+sidecar: draft positions missing, intervals whose counters contradict each other (more tokens accepted
+than drafted, a position accepted more often than drafts were verified), counters beyond float
+precision, several models in one exposition. What must hold: such a scrape is refused or such an
+interval skipped, saying what and where, the observer goes on, and no report made from it reaches the
+sidecar."""
+
+import asyncio
+import contextlib
+import http.server
+import itertools
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from controller.observe import parse_metrics, run_observer
+from controller.server import SidecarServer as Sidecar
+from tests.integration.test_observe_adapter import _settings, sidecar  # noqa: F401 (a fixture)
+
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _text(
+    drafts: float,
+    draft_tokens: float,
+    accepted: float,
+    per_position: dict[int, float],
+    iterations: float,
+    *,
+    labels: str = 'engine="0",model_name="m"',
+) -> str:
+    """One engine's counters in vLLM's exposition, the per-position ones only at the positions given."""
+    lines = [
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts}",
+        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {draft_tokens}",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted}",
+        *(f'{_PER_POS}{{{labels},position="{i}"}} {v}' for i, v in per_position.items()),
+        f"vllm:iteration_tokens_total_count{{{labels}}} {iterations}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _good(n: int, *, base: float = 0.0, labels: str = 'engine="0",model_name="m"') -> str:
+    """``n`` intervals of 100 drafts of K=4 (50 accept one, 25 two, 25 all four), 25 iterations each."""
+    pos = {0: 100 * n, 1: 50 * n, 2: 25 * n, 3: 25 * n}
+    return _text(
+        base + 100 * n,
+        base + 400 * n,
+        base + 200 * n,
+        {i: base + v for i, v in pos.items()},
+        base + 25 * n,
+        labels=labels,
+    )
+
+
+class _Script:
+    """Serves the bodies in order, then the last one again (idle intervals), counting the scrapes."""
+
+    def __init__(self, bodies: Sequence[str]) -> None:
+        self.bodies = list(bodies)
+        self.served = 0
+
+    def next_body(self) -> bytes:
+        body = self.bodies[min(self.served, len(self.bodies) - 1)]
+        self.served += 1
+        return body.encode()
+
+
+@contextlib.contextmanager
+def _serving(script: _Script) -> Iterator[str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = script.next_body()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+async def _observe(server: Sidecar, bodies: Sequence[str], **kw: object) -> tuple[int, list[str], str]:
+    """Observations sent, the lines said and the URL, once the observer has read every body (each scrape
+    5 s after the last on the interval clock)."""
+    script = _Script(bodies)
+    ticks = itertools.count()
+    said: list[str] = []
+    stop = asyncio.Event()
+    with _serving(script) as url:
+        settings = _settings(url, server.engine_target, interval_s=0.01, **kw)
+        task = asyncio.create_task(
+            run_observer(settings, on_status=said.append, stop=stop, clock=lambda: 5.0 * next(ticks))
+        )
+        try:
+            for _ in range(1000):
+                if script.served > len(bodies) + 1 or task.done():
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            stop.set()
+        sent = await asyncio.wait_for(task, 10)
+    return sent, said, url
+
+
+def _steps(server: Sidecar) -> int:
+    st = server.engines().get("plain-vllm")
+    return 0 if st is None else st.loop.totals.steps
+
+
+# -- draft positions missing: vLLM keeps a counter for every position 0..K-1 of every engine
+
+
+async def test_a_draft_position_missing_refuses_the_scrape_and_the_observer_goes_on(
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """Position 1 missing from the third scrape was read as 0: the interval's drafts that accepted two
+    or more tokens were reported as accepting one (positions 2 and 3 cut at the gap)."""
+    gap = _good(2).replace(f'{_PER_POS}{{engine="0",model_name="m",position="1"}} 100.0\n', "")
+    assert gap != _good(2)
+    sent, said, url = await _observe(sidecar, [_good(0), _good(1), gap, _good(3)])
+    refused = [m for m in said if m.startswith(f"cannot read {url}")]
+    assert len(refused) == 1 and "position 1 missing" in refused[0], said
+    assert _PER_POS in refused[0] and 'engine="0"' in refused[0]
+    assert sent == 2  # 0 -> 1, then 1 -> 3 across the refused scrape
+    assert _steps(sidecar) == 25 + 50  # (100 drafts in steps of 4, then 200)
+    assert sidecar.engines()["plain-vllm"].rejected == 0
+
+
+def test_a_position_one_engine_lacks_is_missing_even_when_another_has_it() -> None:
+    """Data parallel: engine 1 without position 2 was summed as if it had accepted nothing there."""
+    two = _good(1) + _good(1, labels='engine="1",model_name="m"').replace(
+        f'{_PER_POS}{{engine="1",model_name="m",position="2"}} 25.0\n', ""
+    )
+    with pytest.raises(ValueError, match=r'position 2 missing .*engine="1"'):
+        parse_metrics(two, time_s=0.0)
+    # Fewer positions at every engine is a smaller K, not a gap.
+    k2 = _text(100, 200, 150, {0: 100, 1: 50}, 25)
+    assert parse_metrics(k2, time_s=0.0).per_position == (100.0, 50.0)
