@@ -224,6 +224,46 @@ def _went_back(prev: VllmCounters, cur: VllmCounters) -> str | None:
     return None
 
 
+_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+def _contradiction(prev: VllmCounters, cur: VllmCounters, drafts: float) -> str | None:
+    """What no engine counts in an interval of ``drafts`` drafts (> 0, no counter gone back), or None.
+    vLLM adds each step's drafts, draft tokens, accepted tokens and accepted tokens per position at once
+    (one ``record`` call, rendered on the same event loop), so in every interval: a draft has a token at
+    least; a draft's accepted tokens are a prefix of it (position i + 1 is accepted only where i was,
+    position 0 at most once per draft); the accepted total is its positions' sum and at most the tokens
+    drafted. Capped (``np.minimum``) or ignored, such counters became reports of drafts accepting what
+    was never drafted."""
+    draft_tokens = cur.draft_tokens - prev.draft_tokens
+    accepted = cur.accepted - prev.accepted
+    if draft_tokens < drafts:
+        return (
+            f"{_DRAFT_TOKENS} grew by {draft_tokens:g}, less than the {drafts:g} drafts (each drafts a token)"
+        )
+    if accepted > draft_tokens:
+        return f"{_ACCEPTED} grew by {accepted:g}, more than the {draft_tokens:g} tokens drafted"
+    before = prev.per_position + (0.0,) * max(0, len(cur.per_position) - len(prev.per_position))
+    grown = [c - b for c, b in zip(cur.per_position, before, strict=False)]
+    bound, of = drafts, "the drafts"
+    for i, g in enumerate(grown):
+        if g > bound:
+            return (
+                f'{_PER_POS}{{position="{i}"}} grew by {g:g}, more than {of} ({bound:g}): a draft\'s '
+                "accepted tokens are a prefix of it"
+            )
+        bound, of = g, f"position {i}"
+    total = sum(grown)
+    if total > draft_tokens:
+        return f"{_PER_POS} grew by {total:g} in all, more than the {draft_tokens:g} tokens drafted"
+    # (only where both scrapes have the total: an exposition without it reads it as 0)
+    has_total = all(any(k.partition("[")[0] == _ACCEPTED for k in c.series) for c in (prev, cur))
+    if has_total and total != accepted:
+        return f"{_ACCEPTED} grew by {accepted:g}, its positions ({_PER_POS}) by {total:g}"
+    return None
+
+
 def _created_anew(prev: VllmCounters, cur: VllmCounters) -> str | None:
     """The first counter series created again between the scrapes, or None: an engine that restarted
     and counted past its old totals before the next scrape leaves every counter growing, and the
@@ -307,6 +347,9 @@ def observation_between(
         )
     if wait > MAX_QUEUE_WAIT_S or cur.waiting > MAX_QUEUE_LENGTH:
         raise ValueError(f"a queue of {cur.waiting:g} requests waiting {wait:g} s on average")
+    contradiction = _contradiction(prev, cur, drafts)
+    if contradiction is not None:
+        raise ValueError(f"impossible interval: {contradiction}")
     code = METHOD_CODES[method]
     return StepObservation(
         time_s=cur.time_s,

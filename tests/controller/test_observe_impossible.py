@@ -12,10 +12,14 @@ import itertools
 import threading
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from controller.observe import parse_metrics, run_observer
+from controller.observe import observation_between, parse_metrics, run_observer
 from controller.server import SidecarServer as Sidecar
+from policies.arms import Method
 from tests.integration.test_observe_adapter import _settings, sidecar  # noqa: F401 (a fixture)
 
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
@@ -148,3 +152,83 @@ def test_a_position_one_engine_lacks_is_missing_even_when_another_has_it() -> No
     # Fewer positions at every engine is a smaller K, not a gap.
     k2 = _text(100, 200, 150, {0: 100, 1: 50}, 25)
     assert parse_metrics(k2, time_s=0.0).per_position == (100.0, 50.0)
+
+
+# -- intervals whose counters contradict each other: each draft has a token at least, a draft's accepted
+# tokens are a prefix of its draft (position i + 1 is accepted only where i was), vLLM adds a step's
+# accepted tokens to the total and to their positions at once
+
+
+_FIELDS = ("drafts", "draft_tokens", "accepted", "iterations", "pos0", "pos1", "pos2", "pos3")
+
+
+@st.composite
+def _interval(draw: st.DrawFn) -> tuple[dict[str, int], dict[str, int]]:
+    """A real interval of K=4 drafts (the drafts by accepted count), then maybe one counter moved off."""
+    hist = draw(st.lists(st.integers(0, 300), min_size=5, max_size=5))
+    drafts = sum(hist)
+    pos = [sum(hist[j] for j in range(i + 1, 5)) for i in range(4)]
+    real = {"drafts": drafts, "draft_tokens": 4 * drafts, "accepted": sum(pos),
+            "iterations": max(1, drafts // 4), **{f"pos{i}": v for i, v in enumerate(pos)}}  # fmt: skip
+    base = draw(st.fixed_dictionaries(dict.fromkeys(_FIELDS, st.integers(0, 10**6))))
+    moved = draw(st.sampled_from((None, *_FIELDS)))
+    if moved is not None:
+        real[moved] = max(0, real[moved] + draw(st.integers(-500, 500)))
+    return base, real
+
+
+def _possible(d: dict[str, int]) -> bool:
+    pos = [d[f"pos{i}"] for i in range(4)]
+    return (
+        d["draft_tokens"] >= d["drafts"]
+        and d["accepted"] == sum(pos) <= d["draft_tokens"]
+        and all(a >= b for a, b in itertools.pairwise([d["drafts"], *pos]))
+    )
+
+
+def _render(c: dict[str, int]) -> str:
+    return _text(c["drafts"], c["draft_tokens"], c["accepted"], {i: c[f"pos{i}"] for i in range(4)},
+                 c["iterations"])  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(interval=_interval())
+def test_an_interval_no_engine_counts_is_skipped_never_reported(
+    interval: tuple[dict[str, int], dict[str, int]],
+) -> None:
+    """More tokens accepted than drafted, a position accepted in more drafts than were verified or more
+    often than the one before it, fewer draft tokens than drafts, a total other than its positions' sum:
+    each was capped or ignored and reported (100 drafts of one draft token each, 400 tokens accepted,
+    went to the sidecar as 100 drafts of K=4 accepting all four)."""
+    base, delta = interval
+    prev = parse_metrics(_render(base), time_s=0.0)
+    cur = parse_metrics(_render({f: base[f] + delta[f] for f in _FIELDS}), time_s=5.0)
+    try:
+        obs = observation_between(prev, cur, method=Method.EAGLE3, max_k=4)
+    except ValueError as e:
+        assert not _possible(delta) or delta["drafts"] == 0, e
+        assert "impossible interval" in str(e) or "no engine verifies" in str(e), e
+        return
+    if obs is None:
+        assert delta["drafts"] == 0
+        return
+    assert _possible(delta), delta
+    # The rows say what the counters say: the mean accepted per draft (largest-remainder rounding of
+    # the histogram to obs.n rows moves it by under K (K + 1) / 2 / n).
+    assert abs(float(np.mean(obs.accepted)) - delta["accepted"] / delta["drafts"]) <= 10 / obs.n
+
+
+async def test_more_tokens_accepted_than_drafted_is_a_skipped_interval_saying_so(
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """The third scrape's interval accepted 1,000 tokens of 400 drafted (positions as well): it was
+    reported as 100 drafts accepting all four."""
+    bad = _text(200, 800, 1200, {0: 200, 1: 350, 2: 325, 3: 325}, 50)
+    after = _text(300, 1200, 1400, {0: 300, 1: 400, 2: 350, 3: 350}, 75)
+    sent, said, url = await _observe(sidecar, [_good(0), _good(1), bad, after])
+    skipped = [m for m in said if m.startswith("skipped")]
+    assert len(skipped) == 1, said
+    assert skipped[0].startswith(f"skipped the interval from {url}: impossible interval: "), skipped
+    assert "vllm:spec_decode_num_accepted_tokens_total grew by 1000, more than" in skipped[0], skipped
+    assert sent == 2 and _steps(sidecar) == 50  # 0 -> 1 and the interval after the bad one
+    assert sidecar.engines()["plain-vllm"].rejected == 0
