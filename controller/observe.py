@@ -101,6 +101,10 @@ class VllmCounters:
 
 
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
+#: The largest counter read: 2^53, to which a double (prometheus_client's value) holds every whole number.
+MAX_COUNT = 2.0**53
+#: The samples read that are not counts (seconds summed), so not whole numbers.
+_FRACTIONAL = frozenset({"vllm:request_queue_time_seconds_sum"})
 #: The gauges among ``_READ`` (they go down as well as up); every other sample read is a counter.
 _GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
@@ -118,7 +122,7 @@ _CREATED = {
 
 def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> VllmCounters:
     """Read vLLM's exposition text; raises ValueError when it is not Prometheus text, or when a sample
-    the adapter reads is not a finite number >= 0, names a draft position outside 0..63, lacks a draft
+    the adapter reads is not a finite number >= 0 (a count: a whole number at most 2^53), names a draft position outside 0..63, lacks a draft
     position below another of its engine's, or appears twice with the same labels (a scrape that cannot be vLLM's: it is refused, as an unreadable one is,
     not turned into an observation)."""
     sums: dict[str, float] = {}
@@ -145,6 +149,14 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 continue
             if not (math.isfinite(s.value) and s.value >= 0):
                 raise ValueError(f"{s.name}: must be a finite number >= 0, got {s.value}")
+            # Beyond 2^53 a double no longer holds every whole number: deltas came out 0 or 256 at 2^60,
+            # and an interval's histogram was noise. No engine counts that far. (The gauges are not
+            # differenced, and their bounds are the sidecar's queue limits; seconds summed are no count.)
+            where = f"{s.name}{escape_text(_labels(s.labels))[:200]}"
+            if s.name not in _GAUGES and s.name not in _FRACTIONAL and s.value > MAX_COUNT:
+                raise ValueError(f"{where}: must be at most 2^53, got {s.value:g}")
+            if s.name not in _FRACTIONAL and not float(s.value).is_integer():
+                raise ValueError(f"{where}: must be a whole number (a count), got {s.value:g}")
             key = s.name + repr(sorted(s.labels.items()))
             # A series twice in one scrape is no exposition (Prometheus refuses the duplicate sample);
             # summed, it doubled what the interval counted.

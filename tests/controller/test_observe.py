@@ -183,8 +183,14 @@ def test_any_scrape_is_refused_or_becomes_reports_the_sidecar_accepts(
     try:
         prev = parse_metrics(_exposition(before, pos_before), time_s=0.0)
         cur = parse_metrics(_exposition(after, pos_after), time_s=dt)
-    except ValueError as e:  # (drafts verified, and no per-position counter to say what they accepted)
-        assert "must be a finite number >= 0" in str(e) or "missing beside" in str(e)
+    except ValueError as e:  # (not a count; or drafts verified, and no per-position counter to say what)
+        says = (
+            "must be a finite number >= 0",
+            "missing beside",
+            "must be a whole number",
+            "must be at most 2^53",
+        )
+        assert any(p in str(e) for p in says), e
         return
     try:
         obs = observation_between(prev, cur, method=Method.EAGLE3, max_k=max_k)

@@ -187,7 +187,8 @@ class _Restarting:
     def text(self) -> str:
         n = self.n
         self.n += 1
-        return _scrape(n, n if n < 3 else n - 1.5)
+        # (two intervals a scrape: engine 1 starts over at 3 of engine 0's 6, in whole counts)
+        return _scrape(2 * n, 2 * n if n < 3 else 2 * n - 3)
 
 
 @pytest.fixture
@@ -224,8 +225,8 @@ async def test_a_restart_is_said_in_one_line_and_the_observer_goes_on(
     try:
         for _ in range(500):
             st_ = sidecar.engines().get("plain-vllm")
-            # 2 good intervals before the restart, 2 after, 50 steps each (200 drafts, batches of 4)
-            if st_ is not None and st_.loop.totals.steps >= 4 * 50:
+            # 2 good intervals before the restart, 2 after, 100 steps each (400 drafts, batches of 4)
+            if st_ is not None and st_.loop.totals.steps >= 4 * 100:
                 break
             await asyncio.sleep(0.02)
         stop.set()

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import http.server
 import itertools
+import re
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.observe import observation_between, parse_metrics, run_observer
+from controller.observe import ObserverError, observation_between, parse_metrics, run_observer
 from controller.server import SidecarServer as Sidecar
 from policies.arms import Method
 from tests.integration.test_observe_adapter import _settings, sidecar  # noqa: F401 (a fixture)
@@ -232,3 +233,44 @@ async def test_more_tokens_accepted_than_drafted_is_a_skipped_interval_saying_so
     assert "vllm:spec_decode_num_accepted_tokens_total grew by 1000, more than" in skipped[0], skipped
     assert sent == 2 and _steps(sidecar) == 50  # 0 -> 1 and the interval after the bad one
     assert sidecar.engines()["plain-vllm"].rejected == 0
+
+
+# -- counts beyond float precision, or not whole: prometheus_client keeps a counter in a double, exact to
+# 2^53; no engine counts that far (2^53 drafts are 285 years at a million a second)
+
+
+async def test_counters_beyond_2_to_the_53_are_refused_not_differenced(
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """Counters near 2^60 growing by 100 drafts an interval: doubles 256 apart there, so the deltas were
+    0 or 256 and the positions' deltas noise; the reports were sent (512 rows of a made-up histogram)."""
+    bodies = [_good(n, base=2.0**60) for n in range(4)]
+    with pytest.raises(
+        ObserverError, match=r"vllm:spec_decode_num_drafts_total\{.*\}: must be at most 2\^53"
+    ):
+        await _observe(sidecar, bodies)
+    assert _steps(sidecar) == 0
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ('vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 100.5', "a whole number"),
+        ('vllm:iteration_tokens_total_count{engine="0",model_name="m"} 1e300', "at most 2^53"),
+        (f'{_PER_POS}{{engine="0",model_name="m",position="0"}} 9007199254740994', "at most 2^53"),
+        ('vllm:num_requests_waiting{engine="0",model_name="m"} 0.25', "a whole number"),
+    ],
+)
+def test_a_count_that_is_not_whole_or_beyond_2_to_the_53_refuses_the_scrape(line: str, says: str) -> None:
+    name = line.partition("{")[0]
+    text = "\n".join(x for x in _good(1).splitlines() if not x.startswith(line.partition(" ")[0]))
+    with pytest.raises(ValueError, match=rf"^{name}\{{.*\}}: must be {re.escape(says)}"):
+        parse_metrics(text + "\n" + line + "\n", time_s=0.0)
+
+
+def test_counts_up_to_2_to_the_53_and_a_fractional_queue_time_are_read() -> None:
+    top = 2.0**53
+    text = _good(1) + 'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 12.345\n'
+    text += 'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 9007199254740992\n'
+    c = parse_metrics(text, time_s=0.0)
+    assert (c.queue_time_sum, c.queue_time_count) == (12.345, top)
