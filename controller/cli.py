@@ -349,6 +349,7 @@ _OBSERVE_FLAGS = {
     "interval_s": "--interval",
     "retries": "--retries",
     "model": "--model",
+    "model_name": "--model-name",
 }
 
 
@@ -367,6 +368,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
             engine_target=args.sidecar,
             engine_id=args.engine_id,
             model=args.model,
+            model_name=args.model_name,
             method=Method(args.method),
             max_k=args.max_k,
             interval_s=interval,
@@ -936,6 +938,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sidecar", required=True, metavar="ADDR", help="the sidecar's engine address")
     s.add_argument("--engine-id", required=True)
     s.add_argument("--model", default="vllm")
+    s.add_argument(
+        "--model-name",
+        default=None,
+        help="read only the samples with this model_name label (needed where /metrics holds several models)",
+    )
     s.add_argument("--method", default="eagle3", choices=["eagle3", "p_eagle", "ngram"])
     s.add_argument("--max-k", type=int, default=4, help="the engine's num_speculative_tokens")
     s.add_argument(

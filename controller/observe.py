@@ -121,10 +121,12 @@ _CREATED = {
 
 
 def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> VllmCounters:
-    """Read vLLM's exposition text; raises ValueError when it is not Prometheus text, or when a sample
-    the adapter reads is not a finite number >= 0 (a count: a whole number at most 2^53), names a draft position outside 0..63, lacks a draft
-    position below another of its engine's, or appears twice with the same labels (a scrape that cannot be vLLM's: it is refused, as an unreadable one is,
-    not turned into an observation)."""
+    """Read vLLM's exposition text; raises ValueError when it is not Prometheus text; when a sample
+    the adapter reads is not a finite number >= 0 (a count: a whole number at most 2^53), names a draft
+    position outside 0..63, lacks a draft position below another of its engine's, or appears twice with
+    the same labels (a scrape that cannot be vLLM's: it is refused, as an unreadable one is, not turned
+    into an observation); when the samples read carry several ``model_name`` labels and ``model``
+    chooses none, or ``model`` matches none of them."""
     sums: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     #: The positions each engine's per-position counters hold, by their labels other than position.
@@ -132,6 +134,9 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
     series: dict[str, float] = {}
     created: dict[str, float] = {}
     seen: set[str] = set()
+    #: The model_name labels of the samples read, and of those left out for another model.
+    models: set[str] = set()
+    others: set[str] = set()
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as e:  # the parser raises bare ValueError/TypeError variants
@@ -139,6 +144,8 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
     for fam in families:
         for s in fam.samples:
             if model is not None and s.labels.get("model_name", model) != model:
+                if s.name in _READ:
+                    others.add(s.labels["model_name"])
                 continue
             if s.name in _CREATED:
                 # (only compared for change: a value that is not a number is no creation time)
@@ -147,6 +154,8 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 continue
             if s.name not in _READ:
                 continue
+            if "model_name" in s.labels:
+                models.add(s.labels["model_name"])
             if not (math.isfinite(s.value) and s.value >= 0):
                 raise ValueError(f"{s.name}: must be a finite number >= 0, got {s.value}")
             # Beyond 2^53 a double no longer holds every whole number: deltas came out 0 or 256 at 2^60,
@@ -175,6 +184,19 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 positions.setdefault(engine, set()).add(pos)
             else:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
+    if model is None and len(models) > 1:
+        # Two vLLMs behind one proxy, or a federated /metrics: summed, their counters made one engine
+        # that does not exist (two acceptance rates, two K, in one histogram).
+        raise ValueError(
+            f"model_name: {len(models)} models in one exposition ({_names(models)}): their counters are "
+            "not one engine's; choose one (--model-name)"
+        )
+    if model is not None and not sums and not per_pos and others:
+        # (a model name misspelt read as an exposition without counters, for good)
+        raise ValueError(
+            f"model_name: no sample of the counters read for '{escape_text(model)[:80]}' (there are "
+            f"{_names(others)})"
+        )
     if _DRAFTS in sums:
         # A scrape that has the drafts counter but lacks one this adapter derives steps or acceptance
         # from cannot be read as zeros: the next interval would carry the engine's whole lifetime.
@@ -206,6 +228,13 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
         series=series,
         created=created,
     )
+
+
+def _names(names: set[str]) -> str:
+    """Label values for an error line: sorted, quoted, escaped, at most five."""
+    shown = sorted(names)
+    text = ", ".join(f"'{escape_text(n)[:80]}'" for n in shown[:5])
+    return text + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
 
 
 def _labels(labels: Mapping[str, str]) -> str:
@@ -426,6 +455,13 @@ class ObserverSettings:
             raise ValueError(
                 f"model: must be at most {MAX_MODEL} characters without control characters, got "
                 f"'{escape_text(self.model)[:80]}'"
+            )
+        if self.model_name is not None and (
+            not self.model_name or has_control(self.model_name) or len(self.model_name) > MAX_MODEL
+        ):
+            raise ValueError(
+                f"model_name: must be 1..{MAX_MODEL} characters without control characters, got "
+                f"'{escape_text(self.model_name)[:80]}'"
             )
         if not 1 <= self.max_k <= 64:
             raise ValueError(f"max_k: must be 1..64, got {self.max_k}")

@@ -29,7 +29,11 @@ def test_parses_the_counters_vllm_exports() -> None:
     assert (c.drafts, c.draft_tokens, c.accepted) == (931.0, 2612.0, 2612.0)
     assert c.per_position == (931.0, 763.0, 757.0, 161.0)
     assert c.iterations == 1256.0 and c.queue_time_count == 3.0
-    assert parse_metrics(CAPTURE, time_s=0.0, model="other").drafts == 0.0
+    # Another model's name is said, not read as an exposition without counters (it waited for good).
+    with pytest.raises(
+        ValueError, match=r"model_name: no sample of the counters read for 'other' \(there are 'tiny'\)"
+    ):
+        parse_metrics(CAPTURE, time_s=0.0, model="other")
 
 
 def test_observation_reproduces_the_accepted_histogram_and_the_token_rate() -> None:

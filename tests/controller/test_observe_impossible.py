@@ -12,13 +12,20 @@ import itertools
 import re
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.observe import ObserverError, observation_between, parse_metrics, run_observer
+from controller.observe import (
+    ObserverError,
+    ObserverSettings,
+    observation_between,
+    parse_metrics,
+    run_observer,
+)
 from controller.server import SidecarServer as Sidecar
 from policies.arms import Method
 from tests.integration.test_observe_adapter import _settings, sidecar  # noqa: F401 (a fixture)
@@ -274,3 +281,71 @@ def test_counts_up_to_2_to_the_53_and_a_fractional_queue_time_are_read() -> None
     text += 'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 9007199254740992\n'
     c = parse_metrics(text, time_s=0.0)
     assert (c.queue_time_sum, c.queue_time_count) == (12.345, top)
+
+
+# -- several models in one exposition (two vLLMs behind one proxy, a federated /metrics): their counters
+# are not one engine's, and summed they made an engine that does not exist
+
+
+def _two_models(n: int) -> str:
+    """Model a, K=4, and model b, whose drafts accept nothing, ``n`` intervals old."""
+    b = _text(100 * n, 100 * n, 0, {0: 0}, 100 * n, labels='engine="0",model_name="b"')
+    return _good(n, labels='engine="0",model_name="a"') + b
+
+
+async def test_several_models_are_refused_unless_one_is_chosen(
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """Both models' counters were summed: 200 drafts an interval, half accepting nothing, sent to the
+    sidecar as one engine's."""
+    bodies = [_two_models(n) for n in range(3)]
+    with pytest.raises(
+        ObserverError, match=r"model_name: 2 models in one exposition \('a', 'b'\).*--model-name"
+    ):
+        await _observe(sidecar, bodies)
+    assert _steps(sidecar) == 0
+    # One chosen: its counters alone (100 drafts of K=4 an interval, in steps of 4).
+    sent, said, _ = await _observe(sidecar, bodies, model_name="a")
+    assert sent == 2 and _steps(sidecar) == 2 * 25, said
+
+
+def test_a_model_name_the_exposition_lacks_refuses_the_scrape_naming_those_it_has() -> None:
+    """--model-name misspelt read as an exposition without counters: 'no speculative decoding counters
+    yet', for good."""
+    with pytest.raises(
+        ValueError, match=r"model_name: no sample of the counters read for 'c' \(there are 'a', 'b'\)"
+    ):
+        parse_metrics(_two_models(1), time_s=0.0, model="c")
+    assert parse_metrics(_two_models(1), time_s=0.0, model="b").drafts == 100.0
+
+
+def test_observe_model_name_is_passed_and_a_bad_one_is_a_one_line_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller import observe
+    from controller.cli import main
+
+    got: list[ObserverSettings] = []
+
+    async def fake(settings: ObserverSettings, **kw: Any) -> int:
+        got.append(settings)
+        return 0
+
+    monkeypatch.setattr(observe, "run_observer", fake)
+    argv = [
+        "observe",
+        "--metrics-url",
+        "http://127.0.0.1:9/metrics",
+        "--sidecar",
+        "127.0.0.1:9",
+        "--engine-id",
+        "e",
+    ]
+    assert main(argv) == 0 and got[-1].model_name is None
+    assert main([*argv, "--model-name", "meta-llama/Llama-3.1-8B"]) == 0
+    assert got[-1].model_name == "meta-llama/Llama-3.1-8B"
+    capsys.readouterr()
+    for bad in ("", "a\x1bb", "x" * 513):
+        assert main([*argv, f"--model-name={bad}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --model-name: must be 1..512 characters") and err.count("\n") == 1, err
