@@ -622,7 +622,8 @@ async def run_observer(
     on_directive: Callable[[Directive], None] | None = None,
     on_status: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
 ) -> int:
     """Scrape every interval and stream what changed to the sidecar as an observe-only engine.
 
@@ -631,7 +632,9 @@ async def run_observer(
     policy's prior, not a recommendation). ``on_status`` hears, one line each, when /metrics or the
     sidecar cannot be reached (and the retry), when they are back, and when there is no data yet.
     A scrape or a connection that keeps failing ``settings.retries`` times in a row raises
-    ObserverError; so does a sidecar that refuses the observer.
+    ObserverError; so does a sidecar that refuses the observer. ``clock`` times the intervals: a steady
+    clock (the wall clock, stepped by NTP or by hand, made an interval last an hour, or vanish);
+    ``wall`` stamps the reports (``StepReport.time_s``, the wall time, as the plugin stamps its steps).
     """
     import grpc
 
@@ -716,9 +719,8 @@ async def run_observer(
                 )
             if obs is not None:
                 seq += 1
-                await outbox.put(
-                    pb.EngineMessage(reports=pb.StepReportBatch(sequence=seq, steps=_reports(obs)))
-                )
+                steps = _reports(obs, time_s=wall())
+                await outbox.put(pb.EngineMessage(reports=pb.StepReportBatch(sequence=seq, steps=steps)))
                 sent += 1
                 said_no_data = False
             elif sent == 0 and not said_no_data and cur.drafts == 0:
@@ -816,9 +818,9 @@ def step_bounds(n: int, batch: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _reports(obs: StepObservation) -> list[Any]:
+def _reports(obs: StepObservation, *, time_s: float | None = None) -> list[Any]:
     """The interval's rows as engine steps of at most ``batch_size`` rows each (what a real engine
-    reports)."""
+    reports), stamped ``time_s`` (default: the observation's)."""
     from controller.v1 import controller_pb2 as pb
     from controller.wire.codec import request_steps
 
@@ -827,7 +829,7 @@ def _reports(obs: StepObservation) -> list[Any]:
     for lo, hi in step_bounds(n, b):
         out.append(
             pb.StepReport(
-                time_s=obs.time_s,
+                time_s=obs.time_s if time_s is None else time_s,
                 duration_s=obs.duration_s * (hi - lo) / n,
                 batch_size=max(b, hi - lo),
                 queue_length=obs.queue_length,

@@ -1,16 +1,18 @@
 """The observe adapter against /metrics that no vLLM can render, served over real HTTP to a real
 sidecar: draft positions missing, intervals whose counters contradict each other (more tokens accepted
 than drafted, a position accepted more often than drafts were verified), counters beyond float
-precision, several models in one exposition. What must hold: such a scrape is refused or such an
+precision, several models in one exposition; and a wall clock that jumps between scrapes. What must hold: such a scrape is refused or such an
 interval skipped, saying what and where, the observer goes on, and no report made from it reaches the
 sidecar."""
 
 import asyncio
 import contextlib
 import http.server
+import inspect
 import itertools
 import re
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -103,9 +105,11 @@ def _serving(script: _Script) -> Iterator[str]:
         srv.server_close()
 
 
-async def _observe(server: Sidecar, bodies: Sequence[str], **kw: object) -> tuple[int, list[str], str]:
+async def _observe(
+    server: Sidecar, bodies: Sequence[str], *, observer: dict[str, Any] | None = None, **kw: object
+) -> tuple[int, list[str], str]:
     """Observations sent, the lines said and the URL, once the observer has read every body (each scrape
-    5 s after the last on the interval clock)."""
+    5 s after the last on the interval clock). ``observer``: more arguments of run_observer."""
     script = _Script(bodies)
     ticks = itertools.count()
     said: list[str] = []
@@ -113,7 +117,13 @@ async def _observe(server: Sidecar, bodies: Sequence[str], **kw: object) -> tupl
     with _serving(script) as url:
         settings = _settings(url, server.engine_target, interval_s=0.01, **kw)
         task = asyncio.create_task(
-            run_observer(settings, on_status=said.append, stop=stop, clock=lambda: 5.0 * next(ticks))
+            run_observer(
+                settings,
+                on_status=said.append,
+                stop=stop,
+                clock=lambda: 5.0 * next(ticks),
+                **(observer or {}),
+            )
         )
         try:
             for _ in range(1000):
@@ -349,3 +359,24 @@ def test_observe_model_name_is_passed_and_a_bad_one_is_a_one_line_usage_error(
         assert main([*argv, f"--model-name={bad}"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: --model-name: must be 1..512 characters") and err.count("\n") == 1, err
+
+
+# -- the clocks: an interval is timed on a steady clock; the wall clock (NTP steps it, an operator sets it)
+# only stamps the reports, as the plugin stamps its steps
+
+
+async def test_a_wall_clock_that_jumps_changes_no_interval(
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """time.time() timed the intervals: stepped an hour forward between two scrapes, 100 drafts were
+    sent as lasting an hour (a goodput 720 times too low, learnt); stepped back, the interval was
+    dropped without a word."""
+    assert inspect.signature(run_observer).parameters["clock"].default is time.monotonic
+    walls = itertools.chain([1.7e9, 1.7e9 + 3600, 1.7e9 - 86400, 1.7e9 + 5], itertools.count(1.8e9))
+    sent, said, _ = await _observe(
+        sidecar, [_good(n) for n in range(5)], observer={"wall": lambda: next(walls)}
+    )
+    assert sent == 4, said
+    totals = sidecar.engines()["plain-vllm"].loop.totals
+    # Every interval lasted its 5 s of the steady clock (each of its 100 rows 1/100 of it).
+    assert totals.steps == 4 * 25 and totals.busy_s == pytest.approx(4 * 5.0)
