@@ -510,24 +510,46 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 def scrape(url: str, *, timeout_s: float = _SCRAPE_S, max_bytes: int = MAX_BODY_BYTES) -> str:
-    """The body at ``url``. Raises OSError (TimeoutError when the whole response takes longer than
-    ``timeout_s``, however slowly it trickles in), ``http.client.HTTPException`` or ValueError (a body
-    over ``max_bytes``)."""
+    """The body at ``url``, gunzipped where the server gzipped it (a proxy may, unasked). Raises OSError
+    (TimeoutError when the whole response takes longer than ``timeout_s``, however slowly it trickles
+    in), ``http.client.HTTPException`` or ValueError (a body over ``max_bytes``, decompressed: a gzip
+    bomb is cut there; a gzip body that is broken or cut short; another Content-Encoding)."""
     import urllib.request
+    import zlib
 
     deadline = time.monotonic() + timeout_s
     chunks: list[bytes] = []
     size = 0
+
+    def keep(data: bytes) -> None:
+        nonlocal size
+        size += len(data)
+        if size > max_bytes:
+            raise ValueError(f"the response is over {max_bytes} bytes")
+        chunks.append(data)
+
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
+        if encoding not in ("identity", "gzip", "x-gzip"):
+            # (urllib asks for none: Accept-Encoding: identity; such a body parsed as text was noise)
+            raise ValueError(f"Content-Encoding '{escape_text(encoding)[:40]}': not read (none or gzip)")
+        inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if encoding != "identity" else None
         while chunk := resp.read1(65536):
-            size += len(chunk)
-            if size > max_bytes:
-                raise ValueError(f"the response is over {max_bytes} bytes")
-            chunks.append(chunk)
+            if inflate is None:
+                keep(chunk)
+            else:
+                try:
+                    # At most one byte past the limit out of each chunk: a 100 kB bomb of 100 MB is never
+                    # inflated whole (what is left of the chunk past the limit is not needed).
+                    keep(inflate.decompress(chunk, max_bytes + 1 - size))
+                except zlib.error as e:
+                    raise ValueError(f"gzip body: {e}") from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no whole response within {timeout_s:g} s")
         if getattr(resp, "length", None):  # what Content-Length promised and never came
             raise http.client.IncompleteRead(b"", resp.length)
+        if inflate is not None and not inflate.eof:
+            raise ValueError("gzip body: cut short (no gzip end)")
     return b"".join(chunks).decode("utf-8", "replace")
 
 

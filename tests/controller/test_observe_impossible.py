@@ -1,12 +1,14 @@
 """The observe adapter against /metrics that no vLLM can render, served over real HTTP to a real
 sidecar: draft positions missing, intervals whose counters contradict each other (more tokens accepted
 than drafted, a position accepted more often than drafts were verified), counters beyond float
-precision, several models in one exposition; and a wall clock that jumps between scrapes. What must hold: such a scrape is refused or such an
+precision, several models in one exposition; a wall clock that jumps between scrapes; a body in an
+encoding it did not ask for (a proxy's gzip, a gzip bomb). What must hold: such a scrape is refused or such an
 interval skipped, saying what and where, the observer goes on, and no report made from it reaches the
 sidecar."""
 
 import asyncio
 import contextlib
+import gzip
 import http.server
 import inspect
 import itertools
@@ -380,3 +382,58 @@ async def test_a_wall_clock_that_jumps_changes_no_interval(
     totals = sidecar.engines()["plain-vllm"].loop.totals
     # Every interval lasted its 5 s of the steady clock (each of its 100 rows 1/100 of it).
     assert totals.steps == 4 * 25 and totals.busy_s == pytest.approx(4 * 5.0)
+
+
+# -- encodings: urllib asks for none (Accept-Encoding: identity); a proxy may gzip anyway
+
+
+@contextlib.contextmanager
+def _encoded(body: bytes, encoding: str) -> Iterator[str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Encoding", encoding)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):  # (the reader may hang up on a bomb)
+                self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_gzipped_body_is_read_and_a_gzip_bomb_refused_at_8_mib() -> None:
+    """A gzipped body was parsed as text: 'not Prometheus text: invalid metric name:\\x1f\ufffd...'."""
+    from controller.observe import MAX_BODY_BYTES, scrape
+
+    with _encoded(gzip.compress(_good(3).encode()), "gzip") as url:
+        assert parse_metrics(scrape(url), time_s=0.0).drafts == 300.0
+    bomb = gzip.compress(b"#" * (100 * 1024 * 1024), compresslevel=9)  # 100 MB in ~100 kB
+    with _encoded(bomb, "gzip") as url, pytest.raises(ValueError, match=f"over {MAX_BODY_BYTES} bytes"):
+        scrape(url)
+    cut = gzip.compress(_good(3).encode())[:-20]
+    with _encoded(cut, "x-gzip") as url, pytest.raises(ValueError, match=r"^gzip body: cut short"):
+        scrape(url)
+    with (
+        _encoded(b"\x1f\x8bnot gzip at all", "gzip") as url,
+        pytest.raises(ValueError, match=r"^gzip body: "),
+    ):
+        scrape(url)
+
+
+@pytest.mark.parametrize("encoding", ["br", "deflate", "zstd", "gzip, br"])
+def test_an_encoding_other_than_gzip_is_refused_naming_it(encoding: str) -> None:
+    from controller.observe import scrape
+
+    says = rf"^Content-Encoding '{encoding}': not read \(none or gzip\)"
+    with _encoded(_good(1).encode(), encoding) as url, pytest.raises(ValueError, match=says):
+        scrape(url)
