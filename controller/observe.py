@@ -509,6 +509,30 @@ _SCRAPE_S = 5.0
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
+def _http_redirects_only() -> type:
+    """urllib's redirect handler, following a redirect only to http(s): urllib's own follows ftp://
+    too, and a /metrics answering 302 to ftp://host:port/ made the observer log in there (anonymous FTP,
+    at a host of the server's choosing) and wait for its banner."""
+    import urllib.error
+    import urllib.request
+
+    class HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
+        def redirect_request(  # type: ignore[no-untyped-def]
+            self, req, fp, code, msg, headers, newurl
+        ) -> urllib.request.Request | None:
+            if not newurl.lower().startswith(("http://", "https://")):
+                raise urllib.error.HTTPError(
+                    newurl,
+                    code,
+                    f"a redirect to '{escape_text(newurl)[:120]}' is not followed (http or https only)",
+                    headers,
+                    fp,
+                )
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    return HttpRedirectsOnly
+
+
 def scrape(url: str, *, timeout_s: float = _SCRAPE_S, max_bytes: int = MAX_BODY_BYTES) -> str:
     """The body at ``url``, gunzipped where the server gzipped it (a proxy may, unasked). Raises OSError
     (TimeoutError when the whole response takes longer than ``timeout_s``, however slowly it trickles
@@ -528,7 +552,7 @@ def scrape(url: str, *, timeout_s: float = _SCRAPE_S, max_bytes: int = MAX_BODY_
             raise ValueError(f"the response is over {max_bytes} bytes")
         chunks.append(data)
 
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+    with urllib.request.build_opener(_http_redirects_only()).open(url, timeout=timeout_s) as resp:
         encoding = (resp.headers.get("Content-Encoding") or "identity").strip().lower()
         if encoding not in ("identity", "gzip", "x-gzip"):
             # (urllib asks for none: Accept-Encoding: identity; such a body parsed as text was noise)

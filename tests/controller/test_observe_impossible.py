@@ -2,7 +2,7 @@
 sidecar: draft positions missing, intervals whose counters contradict each other (more tokens accepted
 than drafted, a position accepted more often than drafts were verified), counters beyond float
 precision, several models in one exposition; a wall clock that jumps between scrapes; a body in an
-encoding it did not ask for (a proxy's gzip, a gzip bomb). What must hold: such a scrape is refused or such an
+encoding it did not ask for (a proxy's gzip, a gzip bomb); a redirect to another scheme. What must hold: such a scrape is refused or such an
 interval skipped, saying what and where, the observer goes on, and no report made from it reaches the
 sidecar."""
 
@@ -13,6 +13,7 @@ import http.server
 import inspect
 import itertools
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -437,3 +438,42 @@ def test_an_encoding_other_than_gzip_is_refused_naming_it(encoding: str) -> None
     says = rf"^Content-Encoding '{encoding}': not read \(none or gzip\)"
     with _encoded(_good(1).encode(), encoding) as url, pytest.raises(ValueError, match=says):
         scrape(url)
+
+
+# -- redirects: urllib follows 3xx to ftp:// as well as http(s)
+
+
+def test_a_redirect_to_ftp_is_not_followed() -> None:
+    """A /metrics answering 302 to ftp://host:port/ made the observer log in there (anonymous FTP, at a
+    host and port of the server's choosing) and wait 5 s for its banner."""
+    from controller.observe import scrape
+
+    with socket.socket() as ftp:
+        ftp.bind(("127.0.0.1", 0))
+        ftp.listen()
+        ftp.setblocking(False)
+        target = f"ftp://127.0.0.1:{ftp.getsockname()[1]}/metrics"
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(302)
+                self.send_header("Location", target)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        try:
+            url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+            says = rf"a redirect to '{re.escape(target)}' is not followed \(http or https only\)"
+            with pytest.raises(OSError, match=says):
+                scrape(url, timeout_s=1.0)
+        finally:
+            srv.shutdown()
+            srv.server_close()
+        with pytest.raises(BlockingIOError):  # nobody connected to the FTP port
+            ftp.accept()
