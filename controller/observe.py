@@ -150,7 +150,7 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
             if s.name in _CREATED:
                 # (only compared for change: a value that is not a number is no creation time)
                 if math.isfinite(s.value):
-                    created[_CREATED[s.name] + repr(sorted(s.labels.items()))] = s.value
+                    created[_CREATED[s.name] + _labels(s.labels)] = s.value
                 continue
             if s.name not in _READ:
                 continue
@@ -166,7 +166,7 @@ def parse_metrics(text: str, *, time_s: float, model: str | None = None) -> Vllm
                 raise ValueError(f"{where}: must be at most 2^53, got {s.value:g}")
             if s.name not in _FRACTIONAL and not float(s.value).is_integer():
                 raise ValueError(f"{where}: must be a whole number (a count), got {s.value:g}")
-            key = s.name + repr(sorted(s.labels.items()))
+            key = s.name + _labels(s.labels)
             # A series twice in one scrape is no exposition (Prometheus refuses the duplicate sample);
             # summed, it doubled what the interval counted.
             if key in seen:
@@ -238,9 +238,13 @@ def _names(names: set[str]) -> str:
 
 
 def _labels(labels: Mapping[str, str]) -> str:
-    """Labels as the exposition writes them (``{engine="0",model_name="m"}``), sorted: a series' name in
-    an error line."""
-    return "{" + ",".join(f'{n}="{v}"' for n, v in sorted(labels.items())) + "}"
+    """Labels as the exposition writes them (``{engine="0",model_name="m"}``), sorted and escaped (so two
+    label sets never read alike): a series' key, and its name in an error line."""
+
+    def quoted(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{n}="{quoted(v)}"' for n, v in sorted(labels.items())) + "}"
 
 
 def _went_back(prev: VllmCounters, cur: VllmCounters) -> str | None:
@@ -301,7 +305,7 @@ def _contradiction(prev: VllmCounters, cur: VllmCounters, drafts: float) -> str 
     if total > draft_tokens:
         return f"{_PER_POS} grew by {total:g} in all, more than the {draft_tokens:g} tokens drafted"
     # (only where both scrapes have the total: an exposition without it reads it as 0)
-    has_total = all(any(k.partition("[")[0] == _ACCEPTED for k in c.series) for c in (prev, cur))
+    has_total = all(any(k.partition("{")[0] == _ACCEPTED for k in c.series) for c in (prev, cur))
     if has_total and total != accepted:
         return f"{_ACCEPTED} grew by {accepted:g}, its positions ({_PER_POS}) by {total:g}"
     return None
@@ -344,6 +348,15 @@ def observation_between(
     back = _went_back(prev, cur)
     if back is not None:
         raise ValueError(f"{back} went backwards (vLLM restarted?)")
+    for key, after in cur.series.items():
+        # Absent from the last scrape (a proxy's partial scrape), back now: what it holds was counted
+        # before this interval too (engine 1's whole lifetime was read as 5 s of drafts). (A baseline
+        # without series is no scrape: counters at zero, built by hand.)
+        if after > 0 and prev.series and key not in prev.series:
+            raise ValueError(
+                f"{escape_text(key)[:200]} appeared with {after:g} since the last scrape (counted before "
+                "this interval too)"
+            )
     anew = _created_anew(prev, cur)
     if anew is not None:
         raise ValueError(f"{anew} started over (its _created time changed: vLLM restarted)")

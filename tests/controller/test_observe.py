@@ -141,7 +141,8 @@ _GROWTH = st.one_of(
 )
 #: What observation_between says of an interval no engine produces.
 _IMPLAUSIBLE = (
-    "no engine verifies", "steps of more than", "a batch of", "a queue of", "went backwards", "impossible interval"
+    "no engine verifies", "steps of more than", "a batch of", "a queue of", "went backwards", "impossible interval",
+    "appeared with",
 )  # fmt: skip
 
 

@@ -133,7 +133,7 @@ def test_one_engine_restarting_behind_an_endpoint_is_a_skipped_interval() -> Non
     cur = parse_metrics(_scrape(10, n1=1), time_s=5.0)
     assert cur.drafts > prev.drafts and cur.iterations > prev.iterations
     with pytest.raises(
-        ValueError, match=r"vllm:spec_decode_num_drafts_total\[.*engine.*1.*\] went backwards"
+        ValueError, match=r"vllm:spec_decode_num_drafts_total\{.*engine.*1.*\} went backwards"
     ):
         observation_between(prev, cur, method=Method.EAGLE3, max_k=4)
     # The next interval, from the restarted engine's new counters, is read again.

@@ -485,3 +485,35 @@ def test_a_redirect_to_ftp_is_not_followed() -> None:
             srv.server_close()
         with pytest.raises(BlockingIOError):  # nobody connected to the FTP port
             ftp.accept()
+
+
+# -- a series that comes back: absent from one scrape (a proxy's partial scrape, an exporter's hiccup),
+# present at the next with all it counted meanwhile and before
+
+
+def _two_engines(n: int, *, second: bool = True) -> str:
+    return _good(n) + (_good(n, labels='engine="1",model_name="m"') if second else "")
+
+
+async def test_a_series_back_after_a_scrape_without_it_is_not_counted_whole(
+    sidecar: Sidecar,  # noqa: F811 (the integration tests' fixture, imported above)
+) -> None:
+    """Engine 1 missing from the third scrape (that interval skipped: the sums went back), back at the
+    fourth: the interval from the third counted engine 1's whole lifetime (1,300 drafts at scrape 13, in
+    5 s), and reports of it were sent."""
+    bodies = [
+        _two_engines(10),
+        _two_engines(11),
+        _two_engines(12, second=False),
+        _two_engines(13),
+        _two_engines(14),
+    ]
+    sent, said, url = await _observe(sidecar, bodies)
+    skipped = [m for m in said if m.startswith("skipped")]
+    assert len(skipped) == 2, said
+    assert "went backwards" in skipped[0]
+    assert skipped[1].startswith(
+        f"skipped the interval from {url}: vllm:spec_decode_num_drafts_total"
+        '{engine="1",model_name="m"} appeared with 1300'
+    ), skipped
+    assert sent == 2 and _steps(sidecar) == 2 * 50  # 10 -> 11 and 13 -> 14: 200 drafts each, steps of 4
