@@ -8,10 +8,13 @@ accepted histogram reproduced exactly, and a duration chosen so that the rows' g
 interval's real token rate. The loop can then recommend, but nothing applies its directives: vLLM's
 K is fixed at start-up without the plugin.
 
-What must hold: a scrape that cannot be vLLM's (not Prometheus text, a counter NaN, infinite or
-negative, a series twice, a body over 8 MiB or slower than 5 s) is a failed scrape, retried, never an
-observation; an interval across a restart (a counter that went back, or one created anew: its
-``_created`` time changed) is skipped, saying so; the exposition is read and parsed off the event loop.
+What must hold: a scrape that cannot be vLLM's (not Prometheus text, a counter NaN, infinite,
+negative, fractional or beyond 2^53, a draft position missing, a series twice, several models with none
+chosen, a body over 8 MiB inflated or slower than 5 s, an encoding other than gzip, a redirect off
+http(s)) is a failed scrape, retried, never an observation; an interval across a restart (a counter
+that went back, or one created anew: its ``_created`` time changed), with a series back from a scrape
+without it, or whose counters contradict each other (more accepted than drafted, ...) is skipped,
+saying so; intervals are timed on a steady clock; the exposition is read and parsed off the event loop.
 """
 
 from __future__ import annotations
