@@ -195,11 +195,14 @@ def test_the_real_exposition_reads_as_vllms_own_totals(vllm: Vllm) -> None:
     assert c.iterations > 0 and c.queue_time_count >= 2
     # Every series read carries vLLM's labels, and a creation time beside it (how a restart that
     # counted past the old totals is told apart; a histogram's _sum shares its _count's).
-    assert all("('engine', '0')" in k and "('model_name', 'tiny')" in k for k in c.series)
-    counters = {k for k in c.series if not k.startswith("vllm:request_queue_time_seconds_sum[")}
+    assert all('engine="0"' in k and 'model_name="tiny"' in k for k in c.series)
+    counters = {k for k in c.series if not k.startswith("vllm:request_queue_time_seconds_sum{")}
     assert counters <= set(c.created), sorted(counters - set(c.created))
-    # Another model's samples are not this one's.
-    assert parse_metrics(text, time_s=1.0, model="other").drafts == 0.0
+    # Another model's samples are not this one's, and a model the exposition lacks is said.
+    with pytest.raises(
+        ValueError, match=r"model_name: no sample of the counters read for 'other' \(there are 'tiny'\)"
+    ):
+        parse_metrics(text, time_s=1.0, model="other")
 
 
 def test_observe_feeds_the_sidecar_and_survives_a_restart(
