@@ -280,10 +280,11 @@ def _contradiction(prev: VllmCounters, cur: VllmCounters, drafts: float) -> str 
     """What no engine counts in an interval of ``drafts`` drafts (> 0, no counter gone back), or None.
     vLLM adds each step's drafts, draft tokens, accepted tokens and accepted tokens per position at once,
     with the step's iteration (one ``record`` call, rendered on the same event loop), so in every
-    interval: drafts were verified in a step at least; a draft has a token at least; a draft's accepted tokens are a prefix of it (position i + 1 is accepted only where i was,
-    position 0 at most once per draft); the accepted total is its positions' sum and at most the tokens
-    drafted. Capped (``np.minimum``) or ignored, such counters became reports of drafts accepting what
-    was never drafted."""
+    interval: drafts were verified in a step at least; a draft has a token at least; a draft's accepted
+    tokens are a prefix of it (position i + 1 is accepted only where i was, position 0 at most once per
+    draft); the accepted total is its positions' sum and at most the tokens drafted. Capped
+    (``np.minimum``) or ignored, such counters became reports of drafts accepting what was never
+    drafted."""
     draft_tokens = cur.draft_tokens - prev.draft_tokens
     accepted = cur.accepted - prev.accepted
     if cur.iterations <= prev.iterations:  # (reported as steps of one request: a batch nobody measured)
