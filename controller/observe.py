@@ -352,6 +352,11 @@ def observation_between(
     back = _went_back(prev, cur)
     if back is not None:
         raise ValueError(f"{back} went backwards (vLLM restarted?)")
+    for key in sorted(prev.series.keys() - cur.series.keys()):
+        # (one that held more than 0 went back, above) At 0 in the last scrape, absent now (a proxy's
+        # partial scrape): what it counted in the interval is not in the sums, and the interval was
+        # reported as the other engines' alone.
+        raise ValueError(f"{escape_text(key)[:200]} is gone from this scrape (a partial scrape?)")
     for key, after in cur.series.items():
         # Absent from the last scrape (a proxy's partial scrape), back now: what it holds was counted
         # before this interval too (engine 1's whole lifetime was read as 5 s of drafts). (A baseline

@@ -142,7 +142,7 @@ _GROWTH = st.one_of(
 #: What observation_between says of an interval no engine produces.
 _IMPLAUSIBLE = (
     "no engine verifies", "steps of more than", "a batch of", "a queue of", "went backwards", "impossible interval",
-    "appeared with",
+    "appeared with", "is gone from",
 )  # fmt: skip
 
 

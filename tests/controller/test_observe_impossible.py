@@ -517,3 +517,94 @@ async def test_a_series_back_after_a_scrape_without_it_is_not_counted_whole(
         '{engine="1",model_name="m"} appeared with 1300'
     ), skipped
     assert sent == 2 and _steps(sidecar) == 2 * 50  # 10 -> 11 and 13 -> 14: 200 drafts each, steps of 4
+
+
+# -- any sequence of scrapes: engines that grow, restart (their _created time changes), drop out of a
+# scrape and come back; every observation made is one real interval's, exactly
+
+
+class _Engine:
+    """One data-parallel engine's counters (K=4) as the exposition shows them."""
+
+    def __init__(self, index: int, created: float) -> None:
+        self.labels = f'engine="{index}",model_name="m"'
+        self.created = created
+        self.c = dict.fromkeys(_FIELDS, 0)
+
+    def grow(self, hist: list[int]) -> None:
+        drafts = sum(hist)
+        pos = [sum(hist[j] for j in range(i + 1, 5)) for i in range(4)]
+        for f, v in (("drafts", drafts), ("draft_tokens", 4 * drafts), ("accepted", sum(pos)),
+                     ("iterations", -(-drafts // 4)), *((f"pos{i}", p) for i, p in enumerate(pos))):  # fmt: skip
+            self.c[f] += v
+
+    def text(self) -> str:
+        c = self.c
+        return _text(c["drafts"], c["draft_tokens"], c["accepted"], {i: c[f"pos{i}"] for i in range(4)},
+                     c["iterations"], labels=self.labels) + (
+            f"vllm:spec_decode_num_drafts_created{{{self.labels}}} {self.created}\n"
+        )  # fmt: skip
+
+
+_HIST = st.lists(st.integers(0, 60), min_size=5, max_size=5)
+#: A restarted engine verifies a draft at least before the next scrape. (Left out of the scrape before
+#: its restart and still at zero drafts after it, it leaves nothing to tell: no _created time to
+#: compare, no count to have appeared; what it drafted before the restart is lost unseen.)
+_RESTART_HIST = _HIST.filter(lambda h: sum(h) > 0)
+_EVENT = st.one_of(
+    st.tuples(st.just("grow"), st.integers(0, 1), _HIST),
+    st.tuples(st.just("restart"), st.integers(0, 1), _RESTART_HIST),
+    st.tuples(st.just("hide"), st.integers(0, 1), st.just([])),
+)
+
+
+def _accepted(hist: list[int]) -> int:
+    return sum(j * n for j, n in enumerate(hist))
+
+
+@settings(max_examples=300, deadline=None)
+@given(scrapes=st.lists(st.lists(_EVENT, max_size=3), min_size=2, max_size=8))
+# Engine 1 at zero drafts, then left out of the scrape in which it drafted 5: the interval was
+# reported as engine 0's alone (a series gone from 0 was not "gone back"), the server's rate halved.
+@example(scrapes=[[("grow", 0, [0, 0, 0, 0, 5])], [("grow", 0, [0, 0, 0, 0, 5]), ("grow", 1, [0, 0, 0, 0, 5]), ("hide", 1, [])]])  # fmt: skip
+def test_any_sequence_of_scrapes_yields_only_real_intervals(
+    scrapes: list[list[tuple[str, int, list[int]]]],
+) -> None:
+    """Between scrapes, each of two engines grows, restarts (and may count past its old totals) or is
+    left out of the scrape; the observer's baseline rule is followed (a skipped interval moves the
+    baseline). Every observation made holds exactly the drafts and accepted tokens the engines counted
+    in its interval: never a restart's, a vanished series' lifetime, part of the interval, a negative
+    count or more accepted than drafted."""
+    engines = [_Engine(0, 1.0), _Engine(1, 1.0)]
+    clock = itertools.count(1)
+    prev = None
+    for events in scrapes:
+        drafts = accepted = 0  # what the engines verified since the last scrape
+        restarted = False
+        hidden = set()
+        for kind, e, hist in events:
+            if kind == "restart":
+                engines[e] = _Engine(e, float(next(clock)) + 1.0)
+                restarted = True
+            if kind in ("grow", "restart"):
+                engines[e].grow(hist)
+                drafts += sum(hist)
+                accepted += _accepted(hist)
+            else:
+                hidden.add(e)
+        text = "".join(eng.text() for i, eng in enumerate(engines) if i not in hidden)
+        try:
+            cur = parse_metrics(text, time_s=5.0 * next(clock))
+        except ValueError as e:
+            raise AssertionError(f"a scrape vLLM renders was refused: {e}") from None
+        if prev is not None and cur.has_drafts:
+            try:
+                obs = observation_between(prev, cur, method=Method.EAGLE3, max_k=4)
+            except ValueError:
+                obs = None
+            if obs is not None:
+                assert not restarted
+                assert obs.n == min(512, drafts), (obs.n, drafts)
+                assert (obs.accepted <= obs.drafted).all() and (obs.accepted >= 0).all()
+                assert abs(float(np.mean(obs.accepted)) - accepted / drafts) <= 10 / obs.n
+        prev = cur if cur.has_drafts else prev
