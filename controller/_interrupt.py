@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
@@ -33,9 +34,29 @@ async def interruptible(coro: Awaitable[T]) -> T:
             pressed = True
             task.cancel()
 
+    loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError, RuntimeError):  # no signal handlers off the main thread
-        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, first_press)
-    return await coro
+        loop.add_signal_handler(signal.SIGINT, first_press)
+    try:
+        return await coro
+    finally:
+        if pressed:
+            _keep_default_action(loop)
+
+
+def _keep_default_action(loop: asyncio.AbstractEventLoop) -> None:
+    """Take ``first_press`` off ``loop`` with SIGINT left at its default action. Left to the loop, its
+    close put Python's own handler back (``remove_signal_handler`` installs ``default_int_handler``), so
+    a later press of a burst raised KeyboardInterrupt in whatever the shutdown ran (a traceback in
+    signal.py on a loaded machine). Here too that handler is in place for a moment: a press landing in
+    it ends the process as any press after the first does."""
+    try:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
