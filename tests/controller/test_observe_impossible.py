@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,15 +85,20 @@ class _Script:
 
 
 @contextlib.contextmanager
-def _serving(script: _Script) -> Iterator[str]:
+def _http(headers: Callable[[], tuple[dict[str, str], bytes]]) -> Iterator[str]:
+    """A real HTTP server on loopback answering every GET with ``headers()``'s headers and body;
+    yields its /metrics URL."""
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = script.next_body()
+            fields, body = headers()
             self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            for k, v in fields.items():
+                self.send_header(k, v)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            with contextlib.suppress(OSError):  # (the reader may hang up on a bomb)
+                self.wfile.write(body)
 
         def log_message(self, *a: object) -> None:
             pass
@@ -106,6 +111,10 @@ def _serving(script: _Script) -> Iterator[str]:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _serving(script: _Script) -> contextlib.AbstractContextManager[str]:
+    return _http(lambda: ({"Content-Type": "text/plain; version=0.0.4"}, script.next_body()))
 
 
 async def _observe(
@@ -396,28 +405,8 @@ async def test_a_wall_clock_that_jumps_changes_no_interval(
 # -- encodings: urllib asks for none (Accept-Encoding: identity); a proxy may gzip anyway
 
 
-@contextlib.contextmanager
-def _encoded(body: bytes, encoding: str) -> Iterator[str]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Encoding", encoding)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            with contextlib.suppress(OSError):  # (the reader may hang up on a bomb)
-                self.wfile.write(body)
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/metrics"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+def _encoded(body: bytes, encoding: str) -> contextlib.AbstractContextManager[str]:
+    return _http(lambda: ({"Content-Encoding": encoding}, body))
 
 
 def test_a_gzipped_body_is_read_and_a_gzip_bomb_refused_at_8_mib() -> None:
@@ -567,6 +556,12 @@ def _accepted(hist: list[int]) -> int:
 # Engine 1 at zero drafts, then left out of the scrape in which it drafted 5: the interval was
 # reported as engine 0's alone (a series gone from 0 was not "gone back"), the server's rate halved.
 @example(scrapes=[[("grow", 0, [0, 0, 0, 0, 5])], [("grow", 0, [0, 0, 0, 0, 5]), ("grow", 1, [0, 0, 0, 0, 5]), ("hide", 1, [])]])  # fmt: skip
+# Engine 1 left out of every scrape so far while it drafted: nothing tells the observer it exists.
+# (And left out of two scrapes after one that showed it: gone to the observer, see the test.)
+@example(scrapes=[[], [("hide", 1, []), ("grow", 0, [0, 0, 0, 0, 0])], [("hide", 1, []), ("grow", 0, [0, 0, 0, 0, 1]), ("grow", 1, [0, 0, 0, 0, 1])]])  # fmt: skip
+@example(scrapes=[[("grow", 0, [0, 0, 0, 0, 0]), ("hide", 1, [])], [("grow", 0, [0, 0, 0, 0, 1]), ("grow", 1, [0, 0, 0, 0, 1]), ("hide", 1, [])]])  # fmt: skip
+# Both left out of a scrape (no baseline) while engine 0 drafted: the next interval runs from the one before.
+@example(scrapes=[[], [("hide", 0, []), ("hide", 1, []), ("grow", 0, [0, 0, 0, 0, 1])], []])  # fmt: skip
 def test_any_sequence_of_scrapes_yields_only_real_intervals(
     scrapes: list[list[tuple[str, int, list[int]]]],
 ) -> None:
@@ -578,20 +573,23 @@ def test_any_sequence_of_scrapes_yields_only_real_intervals(
     engines = [_Engine(0, 1.0), _Engine(1, 1.0)]
     clock = itertools.count(1)
     prev = None
+    shown_then: set[int] = set()  # the engines the baseline scrape showed
+    # What each engine verified since the observer's baseline (the last scrape with drafts: one
+    # without any vLLM drafts counter is no baseline), and whether it restarted since.
+    grown, grown_accepted, restarted = [0, 0], [0, 0], [False, False]
     for events in scrapes:
-        drafts = accepted = 0  # what the engines verified since the last scrape
-        restarted = False
         hidden = set()
         for kind, e, hist in events:
             if kind == "restart":
                 engines[e] = _Engine(e, float(next(clock)) + 1.0)
-                restarted = True
+                restarted[e] = True
             if kind in ("grow", "restart"):
                 engines[e].grow(hist)
-                drafts += sum(hist)
-                accepted += _accepted(hist)
+                grown[e] += sum(hist)
+                grown_accepted[e] += _accepted(hist)
             else:
                 hidden.add(e)
+        shown = {0, 1} - hidden
         text = "".join(eng.text() for i, eng in enumerate(engines) if i not in hidden)
         try:
             cur = parse_metrics(text, time_s=5.0 * next(clock))
@@ -603,8 +601,19 @@ def test_any_sequence_of_scrapes_yields_only_real_intervals(
             except ValueError:
                 obs = None
             if obs is not None:
-                assert not restarted
+                # Gone from this scrape, or back in it with counts: the interval is no data.
+                assert not shown_then - shown
+                assert all(engines[e].c["drafts"] == 0 for e in shown - shown_then)
+                # Left out of both scrapes, an engine is gone to the observer (it may have been scaled
+                # away; the interval after the one it left is the others'): what it verified unseen
+                # is in no interval.
+                both = shown & shown_then
+                assert not any(restarted[e] for e in both)
+                drafts = sum(grown[e] for e in both)
+                accepted = sum(grown_accepted[e] for e in both)
                 assert obs.n == min(512, drafts), (obs.n, drafts)
                 assert (obs.accepted <= obs.drafted).all() and (obs.accepted >= 0).all()
                 assert abs(float(np.mean(obs.accepted)) - accepted / drafts) <= 10 / obs.n
-        prev = cur if cur.has_drafts else prev
+        if cur.has_drafts:
+            prev, shown_then = cur, shown
+            grown, grown_accepted, restarted = [0, 0], [0, 0], [False, False]
