@@ -560,6 +560,9 @@ def _accepted(hist: list[int]) -> int:
 # (And left out of two scrapes after one that showed it: gone to the observer, see the test.)
 @example(scrapes=[[], [("hide", 1, []), ("grow", 0, [0, 0, 0, 0, 0])], [("hide", 1, []), ("grow", 0, [0, 0, 0, 0, 1]), ("grow", 1, [0, 0, 0, 0, 1])]])  # fmt: skip
 @example(scrapes=[[("grow", 0, [0, 0, 0, 0, 0]), ("hide", 1, [])], [("grow", 0, [0, 0, 0, 0, 1]), ("grow", 1, [0, 0, 0, 0, 1]), ("hide", 1, [])]])  # fmt: skip
+# Engine 0 left out of both scrapes, drafting or restarting unseen (found by the clean-clone CI).
+@example(scrapes=[[("hide", 0, [])], [("grow", 0, [0, 0, 0, 0, 1]), ("grow", 1, [0, 0, 0, 0, 1]), ("hide", 0, [])]])  # fmt: skip
+@example(scrapes=[[("hide", 0, [])], [("grow", 1, [0, 0, 0, 0, 1]), ("restart", 0, [0, 0, 0, 0, 1]), ("hide", 0, [])]])  # fmt: skip
 # Both left out of a scrape (no baseline) while engine 0 drafted: the next interval runs from the one before.
 @example(scrapes=[[], [("hide", 0, []), ("hide", 1, []), ("grow", 0, [0, 0, 0, 0, 1])], []])  # fmt: skip
 def test_any_sequence_of_scrapes_yields_only_real_intervals(
