@@ -956,9 +956,9 @@ async def _replace_retained_policy(
     timeout_s: float,
     max_payload_bytes: int,
     fields: Callable[[RetainedPolicy], dict[str, Any]],
-) -> RetainedPolicy:
-    """Read the fleet's retained policy, then publish ``fields(what was read)`` over it, retained.
-    ``fields`` raises (ValueError) to publish nothing."""
+) -> tuple[RetainedPolicy, dict[str, Any]]:
+    """Read the fleet's retained policy, then publish ``fields(what was read)`` over it, retained;
+    returns what was read and the fields published. ``fields`` raises (ValueError) to publish nothing."""
     node = f"controllerctl-{uuid.uuid4().hex[:12]}"
     token = uuid.uuid4().hex
     found = RetainedPolicy("none")
@@ -982,9 +982,10 @@ async def _replace_retained_policy(
                     if p.version >= found.version:
                         found = RetainedPolicy("cleared" if p.cleared else "policy", p.version)
             await messages.aclose()  # type: ignore[attr-defined]
-            payload = encode("policy", node, time.time(), fields(found), limit=max_payload_bytes)
+            published = fields(found)
+            payload = encode("policy", node, time.time(), published, limit=max_payload_bytes)
             await conn.publish(topics.policy, payload, qos=1, retain=True)
-    return found
+    return found, published
 
 
 async def publish_fleet_policy(
@@ -1006,14 +1007,12 @@ async def publish_fleet_policy(
     highest there is.
     """
     topics = Topics(fleet)
-    fields: dict[str, Any] = {}
 
     def policy_fields(found: RetainedPolicy) -> dict[str, Any]:
         version = _next_version(found.version, topics, restart=found.state == "cleared")
-        fields.update(version=version, yaml=yaml, source=source)
-        return fields
+        return {"version": version, "yaml": yaml, "source": source}
 
-    await _replace_retained_policy(
+    _, fields = await _replace_retained_policy(
         broker=broker,
         topics=topics,
         timeout_s=timeout_s,
@@ -1039,18 +1038,11 @@ async def publish_fleet_clear(
     version, that version (then the next policy numbers from 1). Raises ConnectionLost and
     TimeoutError as ``publish_fleet_policy`` does.
     """
-    topics = Topics(fleet)
-    fields: dict[str, Any] = {}
-
-    def tombstone_fields(found: RetainedPolicy) -> dict[str, Any]:
-        fields.update(version=_tombstone_version(found.version), cleared=True, source="")
-        return fields
-
-    found = await _replace_retained_policy(
+    found, fields = await _replace_retained_policy(
         broker=broker,
-        topics=topics,
+        topics=Topics(fleet),
         timeout_s=timeout_s,
         max_payload_bytes=max_payload_bytes,
-        fields=tombstone_fields,
+        fields=lambda found: {"version": _tombstone_version(found.version), "cleared": True, "source": ""},
     )
     return int(fields["version"]), found

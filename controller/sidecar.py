@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -557,18 +558,9 @@ class Sidecar:
     def _on_fleet_policy(self, yaml_text: str, version: int) -> None:
         """A newer fleet policy arrived: switch like a local SetPolicy. A PolicyError refuses it (for
         good); PolicyNotSaved or FleetPolicyLimited refuse it for now (the fleet link tries again)."""
-        if not self.policy_changes.take():  # the admin changes' budget: a flood of fleet policies
-            # must not rebuild every loop and write the state at the publisher's pace
-            raise FleetPolicyLimited(
-                f"policy changes are limited to {self.config.max_policy_changes_per_s:g}/s"
-            )
-        before = self._fleet_version, self._fleet_digest
-        self._fleet_version, self._fleet_digest = version, policy_digest(yaml_text)
-        try:
+        self._spend_fleet_change()
+        with self._fleet_version_held(version, policy_digest(yaml_text)):
             self.set_policy(yaml_text, source=fleet_source(version))  # writes the new version through
-        except BaseException:
-            self._fleet_version, self._fleet_digest = before
-            raise
 
     def _on_fleet_policy_cleared(self, version: int) -> None:
         """The fleet's policy was cleared (``controllerctl policy clear --fleet``; ``version`` is the
@@ -578,26 +570,39 @@ class Sidecar:
         default in force is not the fleet's (a local set or rollback since), nothing changes but
         the version kept. Refused like a fleet policy: a PolicyError for good; PolicyNotSaved or
         FleetPolicyLimited for now (the fleet link tries again)."""
-        before = self._fleet_version, self._fleet_digest
-        # (the digest a clear is known by: its retained copy is not applied again after a restart)
-        self._fleet_version, self._fleet_digest = version, CLEARED_DIGEST
         current = self.policy_store.default
         if not is_fleet_source(current.source):
+            # (the digest a clear is known by: its retained copy is not applied again after a restart)
+            self._fleet_version, self._fleet_digest = version, CLEARED_DIGEST
             log.info("fleet policy cleared (v%d); the local policy %s stays", version, current.spec.name)
             return
-        try:
-            if not self.policy_changes.take():
-                raise FleetPolicyLimited(
-                    f"policy changes are limited to {self.config.max_policy_changes_per_s:g}/s"
-                )
+        self._spend_fleet_change()
+        with self._fleet_version_held(version, CLEARED_DIGEST):
             yaml_text, source = self._local_default()
             rec = self.set_policy(yaml_text, source=source)  # writes the clear's version through
-        except BaseException:
-            self._fleet_version, self._fleet_digest = before
-            raise
         log.info(
             "fleet policy cleared (v%d): back to the local policy %s from %s", version, rec.spec.name, source
         )
+
+    def _spend_fleet_change(self) -> None:
+        """Spend one of the admin changes' budget on a fleet policy or clear (a flood of them must not
+        rebuild every loop and write the state at the publisher's pace); FleetPolicyLimited when spent."""
+        if not self.policy_changes.take():
+            raise FleetPolicyLimited(
+                f"policy changes are limited to {self.config.max_policy_changes_per_s:g}/s"
+            )
+
+    @contextlib.contextmanager
+    def _fleet_version_held(self, version: int, digest: str) -> Iterator[None]:
+        """The fleet's version and digest are ``version`` and ``digest`` while the change inside is
+        written through (the snapshot saves them with it); the ones before if it fails."""
+        before = self._fleet_version, self._fleet_digest
+        self._fleet_version, self._fleet_digest = version, digest
+        try:
+            yield
+        except BaseException:
+            self._fleet_version, self._fleet_digest = before
+            raise
 
     def _local_default(self) -> tuple[str, str]:
         """The sidecar's own default policy (YAML, source): the newest revision the fleet did not set,
