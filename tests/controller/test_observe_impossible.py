@@ -85,14 +85,14 @@ class _Script:
 
 
 @contextlib.contextmanager
-def _http(headers: Callable[[], tuple[dict[str, str], bytes]]) -> Iterator[str]:
-    """A real HTTP server on loopback answering every GET with ``headers()``'s headers and body;
-    yields its /metrics URL."""
+def _http(answer: Callable[[], tuple[dict[str, str], bytes]], *, status: int = 200) -> Iterator[str]:
+    """A real HTTP server on loopback answering every GET with ``status`` and ``answer()``'s headers
+    and body; yields its /metrics URL."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            fields, body = headers()
-            self.send_response(200)
+            fields, body = answer()
+            self.send_response(status)
             for k, v in fields.items():
                 self.send_header(k, v)
             self.send_header("Content-Length", str(len(body)))
@@ -451,27 +451,12 @@ def test_a_redirect_to_ftp_is_not_followed() -> None:
         ftp.setblocking(False)
         target = f"ftp://127.0.0.1:{ftp.getsockname()[1]}/metrics"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(302)
-                self.send_header("Location", target)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        try:
-            url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
-            says = rf"a redirect to '{re.escape(target)}' is not followed \(http or https only\)"
-            with pytest.raises(OSError, match=says):
-                scrape(url, timeout_s=1.0)
-        finally:
-            srv.shutdown()
-            srv.server_close()
+        says = rf"a redirect to '{re.escape(target)}' is not followed \(http or https only\)"
+        with (
+            _http(lambda: ({"Location": target}, b""), status=302) as url,
+            pytest.raises(OSError, match=says),
+        ):
+            scrape(url, timeout_s=1.0)
         with pytest.raises(BlockingIOError):  # nobody connected to the FTP port
             ftp.accept()
 
