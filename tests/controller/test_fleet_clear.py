@@ -21,17 +21,10 @@ import pytest
 from controller import fleet
 from controller.fleet import CLEARED_DIGEST, MalformedPayload, Topics, encode, policy_from
 from controller.snapshot import MAX_COUNT
-from tests.controller.test_fleet import B, FakeBroker, FakeConnection, link, policy_payload, sample, until
+from tests.controller.test_fleet import B, FakeBroker, link, policy_payload, sample, until
+from tests.controller.test_fleet import broker as broker  # the fake broker fixture, shared
 
 T = Topics("prod")
-
-
-@pytest.fixture(name="broker")
-def fake_broker(monkeypatch: pytest.MonkeyPatch) -> FakeBroker:
-    b = FakeBroker()
-    FakeConnection.broker = b
-    monkeypatch.setattr(fleet, "MqttConnection", FakeConnection)
-    return b
 
 
 class Node:

@@ -35,17 +35,10 @@ from tests.controller.test_fleet import (
     sample,
     until,
 )
+from tests.controller.test_fleet import broker as broker  # the fake broker fixture, shared
 
 LIMIT = 1 << 20
 DIGITS = 4301  # one more than Python reads as an int by default (sys.get_int_max_str_digits)
-
-
-@pytest.fixture(name="broker")
-def fake_broker(monkeypatch: pytest.MonkeyPatch) -> FakeBroker:
-    b = FakeBroker()
-    FakeConnection.broker = b
-    monkeypatch.setattr(fleet, "MqttConnection", FakeConnection)
-    return b
 
 
 def envelope(kind: str, **fields: Any) -> dict[str, Any]:
