@@ -478,12 +478,11 @@ async def test_the_exposition_is_parsed_off_the_event_loop(
     assert len(threads) >= 2 and threading.main_thread() not in threads, threads
 
 
-def test_observe_interval_below_a_second_scrapes_every_second_saying_so(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`--interval 0.001` scraped vLLM's /metrics back to back (each scrape renders every metric)."""
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[ObserverSettings]:
+    """The settings each `controllerctl observe` run starts its observer with (``run_observer``
+    replaced: nothing is scraped or sent)."""
     from controller import observe
-    from controller.cli import main
 
     got: list[ObserverSettings] = []
 
@@ -492,6 +491,16 @@ def test_observe_interval_below_a_second_scrapes_every_second_saying_so(
         return 0
 
     monkeypatch.setattr(observe, "run_observer", fake)
+    return got
+
+
+def test_observe_interval_below_a_second_scrapes_every_second_saying_so(
+    started: list[ObserverSettings], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--interval 0.001` scraped vLLM's /metrics back to back (each scrape renders every metric)."""
+    from controller.cli import main
+
+    got = started
     argv = ["observe", "--metrics-url", "http://127.0.0.1:9/metrics", "--sidecar", "127.0.0.1:9"]
     for interval, expect in (("0.001", 1.0), ("1e-300", 1.0), ("0.999", 1.0), ("1", 1.0), ("2.5", 2.5)):
         assert main([*argv, "--engine-id", "e", "--interval", interval]) == 0

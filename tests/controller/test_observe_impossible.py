@@ -33,6 +33,7 @@ from controller.observe import (
 )
 from controller.server import SidecarServer as Sidecar
 from policies.arms import Method
+from tests.controller.test_observe_hostile import started as started  # a fixture, shared
 from tests.integration.test_observe_adapter import _settings, sidecar  # noqa: F401 (a fixture)
 
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
@@ -350,18 +351,11 @@ def test_a_model_name_the_exposition_lacks_refuses_the_scrape_naming_those_it_ha
 
 
 def test_observe_model_name_is_passed_and_a_bad_one_is_a_one_line_usage_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    started: list[ObserverSettings], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from controller import observe
     from controller.cli import main
 
-    got: list[ObserverSettings] = []
-
-    async def fake(settings: ObserverSettings, **kw: Any) -> int:
-        got.append(settings)
-        return 0
-
-    monkeypatch.setattr(observe, "run_observer", fake)
+    got = started
     argv = [
         "observe",
         "--metrics-url",
