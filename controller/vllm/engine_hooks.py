@@ -286,7 +286,7 @@ class EngineHooks:
         hooks.warm_up()  # compile the step kernels now (workers are up), not in the first steps
         link.start()
         log.info(
-            "speccontrol: engine %s attached to %s (%s, max K %d, %s, %s scheduling, plugin mode: %s; "
+            "speccontrol: engine %s attaching to %s (%s, max K %d, %s, %s scheduling, plugin mode: %s; "
             "safe default: %s)",
             info.engine_id,
             settings.sidecar,

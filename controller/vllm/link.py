@@ -137,6 +137,7 @@ class SidecarLink:
     def _run(self) -> None:
         delay = self.backoff_s[0]
         warned = False
+        ever_attached = False  # logged: the first attach ("attached"), one after a loss ("re-attached")
         while not self._stop.is_set():
             done = threading.Event()
             ready = threading.Event()
@@ -161,8 +162,11 @@ class SidecarLink:
                         if not attached:
                             attached = True
                             delay = self.backoff_s[0]
-                            if warned:
+                            if ever_attached and warned:
                                 log.warning("speccontrol: re-attached to the sidecar at %s", self.target)
+                            elif not ever_attached:
+                                log.info("speccontrol: attached to the sidecar at %s", self.target)
+                            ever_attached = True
                             warned = False
             except grpc.RpcError as e:
                 if not warned and not self._stop.is_set():

@@ -126,7 +126,7 @@ def test_1_every_rank_runs_the_worker_merge(stack: Stack) -> None:
     assert len(hooked) == RANKS, f"the worker merge is installed in {sorted(hooked)}, not in {RANKS} workers"
     # Every process patches the scheduler class (a debug line); only the engine core builds a scheduler
     # and attaches, once.
-    attached = re.findall(r"\(\w+ pid=(\d+)\).*speccontrol: engine \S+ attached to", log)
+    attached = re.findall(r"\(\w+ pid=(\d+)\).*speccontrol: engine \S+ attaching to", log)
     assert len(attached) == 1 and not set(attached) & hooked, (attached, hooked)
 
 

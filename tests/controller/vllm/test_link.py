@@ -170,3 +170,42 @@ def test_reattaches_when_the_sidecar_returns(tmp_path: Path) -> None:
     finally:
         link.close()
         server.stop(0)
+
+
+def test_the_log_says_attached_only_once_the_sidecar_answers(tmp_path: Path, caplog: Any) -> None:
+    # vLLM's log is where a user looks when an engine does not appear in `controllerctl engines`
+    # (docs/production.md): a link that never reached its sidecar said "re-attached" when it first did.
+    target = f"unix://{tmp_path}/s.sock"
+    link = SidecarLink(target=target, hello=_hello(), flush_s=0.01, backoff_s=(0.05, 0.2))
+    caplog.set_level("INFO", logger="vllm.speccontrol")
+    server = None
+    try:
+        link.start()  # nobody listens yet
+        _until(lambda: "unavailable" in caplog.text)
+        server = _serve(FakeSidecar(), target)
+        _until(lambda: link.stats().attaches == 1)
+        _until(lambda: "attached to the sidecar" in caplog.text)
+        assert f"speccontrol: attached to the sidecar at {target}" in caplog.text
+        assert "re-attached" not in caplog.text
+        server.stop(0).wait()
+        _until(lambda: not link.stats().connected)
+        server = _serve(FakeSidecar(version=2), target)
+        _until(lambda: f"speccontrol: re-attached to the sidecar at {target}" in caplog.text)
+    finally:
+        link.close()
+        if server is not None:
+            server.stop(0)
+
+
+def test_a_link_that_attaches_at_once_says_so(tmp_path: Path, caplog: Any) -> None:
+    target = f"unix://{tmp_path}/s.sock"
+    server = _serve(FakeSidecar(), target)
+    link = SidecarLink(target=target, hello=_hello(), flush_s=0.01)
+    caplog.set_level("INFO", logger="vllm.speccontrol")
+    try:
+        link.start()
+        _until(lambda: f"speccontrol: attached to the sidecar at {target}" in caplog.text)
+        assert "unavailable" not in caplog.text and "re-attached" not in caplog.text
+    finally:
+        link.close()
+        server.stop(0)
