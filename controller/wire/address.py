@@ -35,6 +35,12 @@ def parse_address(value: str, *, field: str, dial: bool = False) -> tuple[str, i
                 f"the socket path is longer than {MAX_UNIX_PATH} bytes ({len(path.encode())})", field=field
             )
         return path
+    scheme, sep, _ = value.partition("://")
+    if sep and scheme and "[" not in scheme and ":" not in scheme:  # a URL: http://, grpc://, dns:///
+        raise ConfigError(
+            f"expected 'host:port' or 'unix:///path', without a scheme such as {scheme + sep!r}, got {value!r}",
+            field=field,
+        )
     host, sep, port = value.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()):  # "²".isdigit(), and int() refuses it
         raise ConfigError(f"expected 'host:port' or 'unix:///path', got {value!r}", field=field)

@@ -86,3 +86,15 @@ def test_a_port_of_thousands_of_digits_is_refused_as_a_port(dial: bool) -> None:
     # int() of over 4,300 digits raised a bare ValueError: a traceback from the config or the CLI.
     with pytest.raises(ConfigError, match=r"port must be [01]\.\.65535, got a number of 5000 digits"):
         parse_address("127.0.0.1:" + "9" * 5000, field="x", dial=dial)
+
+
+@pytest.mark.parametrize(
+    "value", ["http://127.0.0.1:50062", "https://sidecar:50062", "grpc://[::1]:50061", "dns:///127.0.0.1:1"]
+)
+@pytest.mark.parametrize("dial", [False, True])
+def test_an_address_with_a_url_scheme_is_refused_as_such(value: str, dial: bool) -> None:
+    # `controllerctl --admin http://127.0.0.1:50062` (the form a Prometheus or vLLM URL takes) was
+    # refused as "an IPv6 address goes in brackets".
+    with pytest.raises(ConfigError, match=r"expected 'host:port' or 'unix:///path', without a scheme") as e:
+        parse_address(value, field="admin", dial=dial)
+    assert "brackets" not in str(e.value) and repr(value) in str(e.value)
