@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 @pytest.mark.parametrize("target", ["lint", "typecheck", "test-fast", "demo", "proto-check"])
 def test_a_bin_given_on_the_command_line_is_used_as_it_is(target: str, tmp_path: Path) -> None:
-    # `make lint BIN=/work/main/.venv/bin` in a worktree ran `pip install -e .` with that BIN (the
+    # `make lint BIN=<main checkout>/.venv/bin` in a worktree ran `pip install -e .` with that BIN (the
     # worktree's .venv/.installed never exists): the main checkout's virtualenv then imported the
     # worktree's code, for everyone using it.
     r = subprocess.run(
