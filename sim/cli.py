@@ -806,6 +806,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     bar = ProgressBar(total=len(prompts), label="recording")
     warnings: list[str] = []  # said after the progress bar's last line, not inside it
+    stopped: list[str] = []  # why the recording stopped before the last prompt (the server went away)
     try:
         tr, failures, responses = record_trace(
             base_url=args.url,
@@ -818,6 +819,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
             ngram=(args.min_n, args.max_n),
             warn=warnings.append,
             timeout_s=args.timeout,
+            stopped=stopped,
         )
     except RecordUsageError as e:  # --url, or the responses file: found before any request
         _err(str(e))
@@ -840,6 +842,9 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {tr.n} requests ({failures} failed), {tr.total_output_tokens} output tokens, "
         f"max_k {tr.max_k}; {signal}; responses kept in {responses} (counts censored at the recorded K)"
     )
+    if stopped:  # a recording cut short by the server is not a whole one: said, and exit 1
+        _err(f"{args.url}: {stopped[0]}; the trace holds the {tr.n} requests answered before")
+        return EXIT_RUNTIME
     return 0 if tr.n else 1
 
 
@@ -1047,7 +1052,8 @@ def register(subparsers: Any) -> None:
         "--timeout",
         type=cli_types.float_in(0, 86400, lo_open=True),
         default=600.0,
-        help="seconds one request may take, its whole answer read (default %(default)s)",
+        help="seconds one request may take, its whole answer read (default %(default)s; its connection must "
+        "open within 30 s, and 8 connections in a row that cannot stop the recording)",
     )
     p.add_argument(
         "--min-n", type=int, default=DEFAULT_MIN_N,

@@ -54,6 +54,18 @@ MAX_PROMPTS = 100_000
 #: The largest answer read (bytes): what the importer reads as one line of the responses file; past it
 #: the import refused the line anyway, after the recording.
 MAX_RESPONSE_BYTES = DEFAULT_LIMITS.max_line_bytes - 4096
+#: The longest a connection may take to open (s), within the request's own timeout: a host that drops
+#: the packets (a firewall, a dead address) held every request for the whole timeout, 10 minutes by
+#: default, so a prompt file against it failed only after days.
+CONNECT_TIMEOUT_S = 30.0
+#: Connections failed in a row (refused, unreachable, not opened in time, none answered in between)
+#: after which the recording stops: the server is down. Before, a server that died partway had every
+#: prompt left sent to it, each failing, and the run ended "done" (exit 0) on what came before.
+STOP_AFTER_CONNECT_FAILURES = 8
+
+
+class _ConnectFailed(OSError):
+    """A request whose connection could not be opened (nothing was sent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +217,15 @@ class _Deadline:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
-        sock = socket.create_connection(address, left, source_address, *args)
+        try:
+            sock = socket.create_connection(address, min(left, CONNECT_TIMEOUT_S), source_address, *args)
+        except TimeoutError:
+            if left <= CONNECT_TIMEOUT_S:  # the request's own deadline
+                raise
+            raise _ConnectFailed(f"no connection within {CONNECT_TIMEOUT_S:g} s") from None
+        except OSError as e:  # refused, unreachable, a name that does not resolve: said as before
+            failed = _ConnectFailed(e.errno, e.strerror) if e.errno is not None else _ConnectFailed(str(e))
+            raise failed from e
         watched = sock.dup()
         with self._lock:
             old, self._sock = self._sock, watched
@@ -404,6 +424,7 @@ def record(
     max_response_bytes: int = MAX_RESPONSE_BYTES,
     max_line_bytes: int = DEFAULT_LIMITS.max_line_bytes,
     other_models: list[tuple[int, str]] | None = None,
+    stopped: list[str] | None = None,
 ) -> int:
     """Send every prompt; write each response (plus class and send time) as a JSON line. Returns failures
     (``errors``, when given, gets each failed request's error, naming its prompt).
@@ -417,7 +438,9 @@ def record(
     A response whose line would be over ``max_line_bytes`` (the importer's limit), or that the import
     would refuse (``response_problem``: usage, spec metrics, token ids), is a failed request.
     ``other_models``, when given, gets (prompt index, model) of each recorded answer that names a
-    model other than ``model``, in prompt order."""
+    model other than ``model``, in prompt order. After ``STOP_AFTER_CONNECT_FAILURES`` requests in a
+    row whose connection could not be opened, no more prompts are sent and the requests under way are
+    cut (they count as failed); ``stopped``, when given, gets why."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     in_flight = _InFlight()
@@ -441,7 +464,8 @@ def record(
         except (urllib.error.URLError, OSError, ValueError) as e:
             if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
                 e = ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
-            return {"error": f"{e} ({request})", "index": i}
+            unopened = isinstance(e, _ConnectFailed) or isinstance(getattr(e, "reason", None), _ConnectFailed)
+            return {"error": f"{e} ({request})", "index": i, "unopened": unopened}
         except http.client.HTTPException as e:
             # urllib passes a non-HTTP answer (BadStatusLine: a wrong port) or a cut body (IncompleteRead)
             # through unwrapped; like any failed request it is counted, not a traceback. Its str() alone
@@ -469,6 +493,8 @@ def record(
     where: list[tuple[int, int, int]] = []  # (prompt index, offset in ``partial``, bytes) of each line
     others: list[tuple[int, str]] = []  # (prompt index, model) of answers naming another model
     failed: list[tuple[int, str]] = []
+    unopened_in_a_row = 0
+    stop, not_sent = "", 0
     try:
         responses_path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -490,9 +516,20 @@ def record(
                         }
                         line = None
                     if line is None:
-                        failed.append((i, str(obj["error"]) if obj is not None else "no response"))
+                        failed.append((i, str(obj["error"]) if obj is not None else "not sent: stopped"))
+                        if obj is not None:
+                            unopened_in_a_row = unopened_in_a_row + 1 if obj.get("unopened") else 0
+                        if unopened_in_a_row == STOP_AFTER_CONNECT_FAILURES and not in_flight.cut:
+                            assert obj is not None
+                            in_flight.cut_all()  # the prompts left are not sent; those under way end
+                            stop = (
+                                f"stopped after {unopened_in_a_row} connections in a row could not be "
+                                f"opened (the last: {obj['error']})"
+                            )
+                        not_sent += obj is None
                     else:
                         assert obj is not None
+                        unopened_in_a_row = 0
                         named = obj.get("model")
                         if isinstance(named, str) and named != model:
                             others.append((i, named))
@@ -515,6 +552,8 @@ def record(
             f"cannot write the responses: {e.strerror or e}", source=str(e.filename or partial)
         ) from None
     failures = len(failed)
+    if stop and stopped is not None:
+        stopped.append(f"{stop}; {not_sent} of {len(prompts)} prompts not sent")
     if other_models is not None:
         other_models.extend(sorted(others))
     if errors is not None:
@@ -559,11 +598,14 @@ def record_trace(
     ngram: tuple[int, int] = (DEFAULT_MIN_N, DEFAULT_MAX_N),
     warn: Callable[[str], None] | None = None,
     timeout_s: float = 600.0,
+    stopped: list[str] | None = None,
 ) -> tuple[Trace, int, Path]:
     """Record responses and convert them; returns the trace, the failed requests and the responses file.
     ``ngram``: the (min_n, max_n) of the n-gram proposals computed from the responses' token ids;
     ``warn``: gets the import's warnings and the first failed request's error (default: stderr);
-    ``timeout_s``: the longest one request may take, its whole answer read.
+    ``timeout_s``: the longest one request may take, its whole answer read; ``stopped``: gets why the
+    recording stopped before the last prompt, when the server could no longer be reached (``record``),
+    the trace then holding what was answered before.
 
     Raises RecordUsageError before any request for a bad ``base_url`` or a responses file that cannot
     be one (a directory, a device), TraceError when every request failed or a response is refused."""
@@ -577,6 +619,7 @@ def record_trace(
         raise RecordUsageError(f"{problem} (the responses kept beside the trace)")
     errors: list[str] = []
     other_models: list[tuple[int, str]] = []
+    stop: list[str] = []
     failures = record(
         base_url=base_url,
         model=model,
@@ -587,9 +630,14 @@ def record_trace(
         on_done=on_done,
         errors=errors,
         other_models=other_models,
+        stopped=stop,
     )
     if prompts and failures == len(prompts):  # (the import would say only "no responses found")
+        if stop:
+            raise TraceError(f"no request was answered: {stop[0]}", source=base_url)
         raise TraceError(f"every request failed ({failures}); the first: {errors[0]}", source=base_url)
+    if stopped is not None:
+        stopped.extend(stop)
     if failures:  # counted in the summary; why is said once, not lost
         (warn or _say)(f"{base_url}: {failures} of {len(prompts)} requests failed; the first: {errors[0]}")
     if other_models:

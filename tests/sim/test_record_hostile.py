@@ -5,7 +5,9 @@ ids, are kept and said in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +17,9 @@ from typing import Any
 
 import pytest
 
+import sim.record as record_module
 from sim.cli import main
+from sim.record import STOP_AFTER_CONNECT_FAILURES
 
 GOOD = {
     "usage": {"prompt_tokens": 5, "completion_tokens": 6},
@@ -323,3 +327,98 @@ def test_some_answers_without_token_ids_are_said(
         f"first at line 2: the trace has no n-gram proposals or counts from them"
     ), err[0]
     assert "no n-gram proposals: responses without token ids" in captured.out
+
+
+# -- a server that goes away ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dies_after_three() -> Iterator[str]:
+    """A server that answers three requests, one connection each, then stops listening (it died)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        with listener:
+            for n in range(3):
+                conn, _ = listener.accept()
+                if n == 2:
+                    listener.close()  # later connections are refused; this one is answered
+                with conn:
+                    head = b""
+                    while b"\r\n\r\n" not in head:
+                        head += conn.recv(65536)
+                    head, _, body = head.partition(b"\r\n\r\n")
+                    size = int(next(v for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+                                    if k.lower() == b"content-length"))  # fmt: skip
+                    while len(body) < size:
+                        body += conn.recv(65536)
+                    data = json.dumps(GOOD).encode()
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+                        + data
+                    )
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{port}"
+    t.join(5)
+
+
+def _not_sent(said: str, tail: str) -> int:
+    """N of "...; N of M prompts not sent<tail>"."""
+    assert said.endswith(f" prompts not sent{tail}"), said
+    return int(said.removesuffix(f" prompts not sent{tail}").rsplit("; ", 1)[1].split(" of ")[0])
+
+
+def test_a_server_that_dies_partway_stops_the_recording_exit_1_keeping_what_it_answered(
+    dies_after_three: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every prompt left was sent to the dead server, each refused, and the run ended as if whole:
+    exit 0, the trace of the first three, "(37 failed)" in its summary."""
+    prompts = "".join(f"p{i}\n" for i in range(40))
+    assert _record(dies_after_three, tmp_path, "--concurrency", "1", prompts=prompts) == 1
+    captured = capsys.readouterr()
+    assert "wrote " in captured.out and ": 3 requests (37 failed)" in captured.out, captured.out
+    err = captured.err.strip().splitlines()
+    assert "Traceback" not in captured.err
+    assert err[-1].startswith(
+        f"{dies_after_three}: stopped after {STOP_AFTER_CONNECT_FAILURES} connections in a row could not be "
+        "opened (the last: <urlopen error [Errno 111] Connection refused> (POST "
+    ), err[-1]
+    # (the one worker may have taken up the next prompt before the stop: it is cut, not answered)
+    assert _not_sent(err[-1], "; the trace holds the 3 requests answered before") in (28, 29), err[-1]
+    lines = (tmp_path / "t.responses.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == ["r0", "r1", "r2"]
+
+
+def test_a_host_that_drops_connections_is_given_up_on_not_waited_out_per_prompt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A listener whose queue is full drops the connections asked of it, as a firewall does: each
+    request waited its whole --timeout (10 minutes by default) for its connection, prompt after
+    prompt."""
+    monkeypatch.setattr(record_module, "CONNECT_TIMEOUT_S", 0.3)
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener:
+        port = listener.getsockname()[1]
+        queued = [socket.socket() for _ in range(4)]  # fill its queue: connections past it are dropped
+        for s in queued:
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+        try:
+            prompts = "".join(f"p{i}\n" for i in range(10))
+            url = f"http://127.0.0.1:{port}"
+            assert _record(url, tmp_path, "--concurrency", "1", "--timeout", "5", prompts=prompts) == 1
+        finally:
+            for s in queued:
+                s.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith(
+        f"{url}: no request was answered: stopped after {STOP_AFTER_CONNECT_FAILURES} connections in a "
+        "row could not be opened (the last: <urlopen error no connection within 0.3 s> (POST "
+    ), err[0]
+    assert _not_sent(err[0], "") in (1, 2), err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
