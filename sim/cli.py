@@ -742,6 +742,12 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
     if args.tokens is None and (args.min_n, args.max_n, args.max_k) != (4, 5, 8):
         _err("--min-n/--max-n/--max-k: only with --tokens")
         return EXIT_USAGE
+    if args.tokens is not None and args.method is not None:
+        _err(
+            "--method: only with a FILE of vLLM responses (--tokens computes acc.ngram from the token "
+            "ids; other methods' counts go in each line's acc)"
+        )
+        return EXIT_USAGE
     problem = output_problem("--out", args.out)
     if problem is not None:
         _err(problem)
@@ -757,7 +763,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         if args.tokens is not None:
             tr = import_token_ids(args.tokens, min_n=args.min_n, max_n=args.max_n, max_k=args.max_k)
         else:
-            tr = import_vllm_metrics(args.file, method=Method(args.method))
+            tr = import_vllm_metrics(args.file, method=Method(args.method or "eagle3"))
     except UnicodeDecodeError:  # before ValueError, which it is
         _err(f"{args.tokens or args.file}: not UTF-8 text (expected JSON Lines)")
         return EXIT_USAGE
@@ -1016,9 +1022,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--method",
-        default="eagle3",
         choices=["eagle3", "p_eagle", "ngram"],
-        help="the drafting method the engine ran",
+        help="the drafting method the engine ran (default eagle3; not with --tokens)",
     )
     p.add_argument(
         "--tokens",

@@ -261,3 +261,20 @@ def test_arrivals_on_some_lines_only_are_dropped_with_a_warning(
         "(a trace has them on all or none)\n"
     )
     assert np.isnan(read_trace(out).arrival_s).all()
+
+
+def test_a_method_with_token_ids_is_a_usage_error_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--tokens` computes acc.ngram; `--method eagle3` beside it used to be dropped without a word, the
+    # trace holding no eagle3 although the command line named it.
+    src = _write(tmp_path / "t.jsonl", {"prompt_token_ids": [1, 2], "output_token_ids": [1, 2, 1]})
+    out = tmp_path / "o.jsonl"
+    for method in ("eagle3", "ngram"):
+        assert main(["trace", "import", "--tokens", str(src), "--method", method, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == (
+            "--method: only with a FILE of vLLM responses (--tokens computes acc.ngram from the token "
+            "ids; other methods' counts go in each line's acc)\n"
+        )
+        assert not out.exists()
+    assert main(["trace", "import", "--tokens", str(src), "--out", str(out)]) == 0
