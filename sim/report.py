@@ -343,7 +343,8 @@ def write_report(cmp: Comparison, out_dir: Path, *, command: str = "") -> list[P
     Everything is written into a sibling temporary directory first and moved in only when all of it
     was written: a failure (a text that cannot be encoded, a full disk) left a 0-byte report.md next
     to the plots, and no result.json. Into an existing ``out_dir`` the files are moved one by one,
-    after checking that none of them would replace a directory.
+    after checking that none of them would replace a directory, and a plot of an earlier run that
+    this one did not draw is removed.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -365,6 +366,12 @@ def write_report(cmp: Comparison, out_dir: Path, *, command: str = "") -> list[P
                 raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to replace", str(clash))
             for name in names:
                 (tmp / name).replace(out_dir / name)
+            # A plot an earlier run left here that this one did not draw (one concurrency level: no
+            # curve; no adaptive policy: no arms) would sit beside a report.md that does not name it.
+            for name in PLOT_FILES:
+                stale = out_dir / name
+                if name not in names and stale.is_file() and not stale.is_symlink():
+                    stale.unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out_dir / n for n in names]

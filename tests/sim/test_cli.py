@@ -125,6 +125,22 @@ def test_compare_at_one_concurrency_draws_no_empty_curve(tmp_path: Path) -> None
     assert "throughput_vs_concurrency" not in md and "arms_over_time.png" in md
 
 
+def test_a_report_rewritten_in_place_leaves_no_plot_of_the_earlier_run(tmp_path: Path) -> None:
+    """Rerun into the same --out at one concurrency level: the earlier run's curve over concurrency
+    used to stay beside the new report.md, which no longer names it (found replaying a recorded trace
+    at 1,8,32, then at 1)."""
+    out = tmp_path / "rep"
+    args = ["sim", "compare", "--scenario", "chat", "--requests", "4", "--policy", "static:eagle3:3"]
+    tail = ["--no-oracle", "--no-progress", "--out", str(out)]
+    assert main([*args, "--concurrency", "1,2", *tail]) == 0
+    assert (out / "throughput_vs_concurrency.png").is_file()
+    (out / "mine.png").write_bytes(b"kept")
+    assert main([*args, "--concurrency", "2", *tail]) == 0
+    assert not (out / "throughput_vs_concurrency.png").exists()
+    names = {p.name for p in out.iterdir()}
+    assert {"latency_cdf.png", "mine.png", "report.md", "result.json"} <= names  # not its own: kept
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
