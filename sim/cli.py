@@ -739,9 +739,12 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.tokens is None):
         _err("trace import: give a FILE of vLLM responses or --tokens FILE of token ids (one of them)")
         return EXIT_USAGE
-    if args.tokens is None and (args.min_n, args.max_n, args.max_k) != (4, 5, 8):
+    if args.tokens is None and (args.min_n, args.max_n, args.max_k) != (None, None, None):
         _err("--min-n/--max-n/--max-k: only with --tokens")
         return EXIT_USAGE
+    min_n, max_n, max_k = (
+        d if v is None else v for v, d in ((args.min_n, 4), (args.max_n, 5), (args.max_k, 8))
+    )
     if args.tokens is not None and args.method is not None:
         _err(
             "--method: only with a FILE of vLLM responses (--tokens computes acc.ngram from the token "
@@ -761,7 +764,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         if args.tokens is not None:
-            tr = import_token_ids(args.tokens, min_n=args.min_n, max_n=args.max_n, max_k=args.max_k)
+            tr = import_token_ids(args.tokens, min_n=min_n, max_n=max_n, max_k=max_k)
         else:
             tr = import_vllm_metrics(args.file, method=Method(args.method or "eagle3"))
     except UnicodeDecodeError:  # before ValueError, which it is
@@ -776,7 +779,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         matched = float((tr.ngram_proposal > 0).mean())
         print(
             f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens, max_k {tr.max_k}, "
-            f"n-gram match at {matched:.1%} of positions (min_n {args.min_n}, max_n {args.max_n})"
+            f"n-gram match at {matched:.1%} of positions (min_n {min_n}, max_n {max_n})"
         )
     else:
         print(
@@ -1031,9 +1034,9 @@ def register(subparsers: Any) -> None:
         help="instead: JSON Lines {prompt_token_ids, output_token_ids[, acc]} of greedy requests; "
         "acc.ngram and ngram_proposal are computed exactly with vLLM's n-gram matcher",
     )
-    p.add_argument("--min-n", type=int, default=4, help="with --tokens: shortest n-gram matched (vLLM: 4)")
-    p.add_argument("--max-n", type=int, default=5, help="with --tokens: longest n-gram matched (vLLM: 5)")
-    p.add_argument("--max-k", type=int, default=8, help="with --tokens: the trace's max_k (proposal cap)")
+    p.add_argument("--min-n", type=int, help="with --tokens: shortest n-gram matched (default 4, as vLLM)")
+    p.add_argument("--max-n", type=int, help="with --tokens: longest n-gram matched (default 5, as vLLM)")
+    p.add_argument("--max-k", type=int, help="with --tokens: the trace's max_k (proposal cap; default 8)")
     p.add_argument("--out", required=True, help="output trace (.jsonl, or .jsonl.gz for gzip)")
     p.set_defaults(func=cmd_trace_import)
     p = ts.add_parser("record", help="record a trace from a running vLLM server (detailed spec metrics)")

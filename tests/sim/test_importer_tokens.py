@@ -152,6 +152,10 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["trace", "import", str(src), "--min-n", "3", "--out", out]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "min_n <= max_n" in err
+    # The defaults' own values were let through without --tokens, to be ignored as silently.
+    for flag, value in (("--min-n", "4"), ("--max-n", "5"), ("--max-k", "8")):
+        assert main(["trace", "import", str(src), flag, value, "--out", out]) == 2
+        assert capsys.readouterr().err == "--min-n/--max-n/--max-k: only with --tokens\n"
     with pytest.raises(ValueError, match="max-k"):
         import_token_ids(src, max_k=65)
 
