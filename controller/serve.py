@@ -12,11 +12,9 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from controller.config import SidecarConfig, load_config
 from controller.errors import ConfigError
 from controller.server import SidecarServer
 from controller.snapshot import write_json_atomic
-from controller.state_dir import LOCK_NAME, SocketInUse, StateDirLocked
+from controller.state_dir import LOCK_NAME, SocketInUse, StateDirLocked, tcp_address_taken
 from controller.wire.address import parse_address
 from policies.spec import PolicyError
 from sim.files import output_problem, same_file
@@ -192,15 +190,8 @@ def taken_addresses(config: SidecarConfig) -> list[tuple[str, str]]:
         addr = parse_address(value, field=field) if value else ""
         if isinstance(addr, str) or addr[1] == 0:  # a Unix socket, none, or any free port
             continue
-        host, port = addr
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    out.append((field, value))
+        if tcp_address_taken(*addr):
+            out.append((field, value))
     return out
 
 

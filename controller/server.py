@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -49,7 +50,7 @@ from controller.engine_service import EngineService
 from controller.fleet import FleetLink
 from controller.metrics import MetricsServer
 from controller.sidecar import Sidecar
-from controller.state_dir import remove_stale_socket
+from controller.state_dir import remove_stale_socket, tcp_address_taken
 from controller.v1 import controller_pb2 as pb
 from controller.v1 import controller_pb2_grpc as pb_grpc
 from controller.wire.address import is_local_address, parse_address
@@ -356,6 +357,8 @@ class SidecarServer(Sidecar):
             os.chmod(addr, cfg.engine_socket_mode)
             return target
         host, port = addr
+        if port and tcp_address_taken(host, port):  # (serve names it; gRPC's bind would log first)
+            raise OSError(errno.EADDRINUSE, f"cannot listen on {listen}: the address is in use")
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         cert = getattr(cfg, f"{side}_tls_cert_file")
         if cert:

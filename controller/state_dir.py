@@ -7,12 +7,14 @@ socket path is only ever unlinked when what is there is a socket nobody listens 
 an earlier run), never a live one (another sidecar with another state directory but the same socket
 path would cut the first off from its engines for good) nor a regular file, directory or symlink a
 mistyped ``engine_listen`` happens to name. Anything but a regular file at the lock's path (a
-directory, FIFO, symlink) stops the start with one line naming it.
+directory, FIFO, symlink) stops the start with one line naming it. A TCP address another process
+listens on is found before gRPC tries it (``tcp_address_taken``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -81,6 +83,20 @@ class StateDirLock:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
             os.close(fd)  # closing the descriptor drops the flock
+
+
+def tcp_address_taken(host: str, port: int) -> bool:
+    """Whether another process listens on ``host:port`` (the bind gRPC would make fails with
+    EADDRINUSE). Asked before gRPC binds, which logs its own multi-line error first (``E... add_port.cc``),
+    and again after a failed start, to name the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def remove_stale_socket(path: Path, *, field: str) -> None:

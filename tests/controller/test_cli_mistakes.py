@@ -361,6 +361,8 @@ def test_serve_names_the_port_that_is_taken(tmp_path: Path, sidecar: str) -> Non
     no_traceback(out)
     assert out.returncode == 1
     assert f"admin_listen {sidecar} is taken" in out.stderr, out.stderr
+    # One line: gRPC's own "E... add_port.cc:83] Failed to add port to server: ..." came first.
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 # -- Ctrl-C ------------------------------------------------------------------------------------------
