@@ -422,3 +422,14 @@ def test_a_host_that_drops_connections_is_given_up_on_not_waited_out_per_prompt(
     ), err[0]
     assert _not_sent(err[0], "") in (1, 2), err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+def test_the_help_and_the_docs_give_the_limits_the_code_has(capsys: pytest.CaptureFixture[str]) -> None:
+    """The connect limit and the stop are written out in ``--timeout``'s help and in docs/spectrace.md."""
+    with pytest.raises(SystemExit):
+        main(["trace", "record", "--help"])
+    shown_help = " ".join(capsys.readouterr().out.split())
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "spectrace.md").read_text().split())
+    for text in (shown_help, docs):
+        assert f"within {record_module.CONNECT_TIMEOUT_S:g} s" in text
+        assert f"{STOP_AFTER_CONNECT_FAILURES} connections in a row" in text
