@@ -580,7 +580,22 @@ def cmd_policy_clear(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_get(args: argparse.Namespace) -> int:
-    info = _admin_call(args, lambda a: a.get_policy(args.engine or ""))
+    async def get_policy(a: AdminClient) -> tuple[pb.PolicyInfo, bool]:
+        info = await a.get_policy(args.engine or "")
+        # An engine without a policy of its own gets the default's; an id no engine has (a typo) got
+        # the same answer, unremarked.
+        known = (
+            not args.engine or bool(info.engine_id) or args.engine in {e.engine_id for e in await a.engines()}
+        )
+        return info, known
+
+    info, known = _admin_call(args, get_policy)
+    if not known:
+        print(
+            f"note: no engine {args.engine!r} has attached to the sidecar at {args.admin} (see controllerctl "
+            "engines); this is the default policy, which it would follow",
+            file=sys.stderr,
+        )
     if args.json:
         _print_json(_dump(info))
     else:

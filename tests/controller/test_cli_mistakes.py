@@ -338,6 +338,20 @@ def sidecar(tmp_path: Path) -> Iterator[str]:
         yield endpoints["admin"]
 
 
+def test_policy_get_for_an_engine_that_never_attached_says_so(sidecar: str) -> None:
+    """A mistyped id printed the default policy, exit 0, as if that engine were following it."""
+    out = ctl("--admin", sidecar, "policy", "get", "--engine", "pod-typo")
+    no_traceback(out)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == (
+        f"note: no engine 'pod-typo' has attached to the sidecar at {sidecar} (see controllerctl engines); "
+        "this is the default policy, which it would follow"
+    ), out.stderr
+    assert out.stdout.startswith("# ") and "for default" in out.stdout.splitlines()[0], out.stdout
+    plain = ctl("--admin", sidecar, "policy", "get")
+    assert plain.returncode == 0 and plain.stderr == "", plain.stderr
+
+
 def test_policy_set_refuses_an_unknown_engine(sidecar: str) -> None:
     out = ctl("--admin", sidecar, "policy", "set", "static-off", "--engine", "pod-typo")
     no_traceback(out)
