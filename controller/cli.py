@@ -470,7 +470,9 @@ def _fleet_broker(args: argparse.Namespace) -> BrokerSettings:
         if broker.username is not None and broker.password is None and password:
             broker = BrokerSettings.from_url(url, password=password, **opts)
     except (TypeError, ValueError) as e:
-        raise UserError(f"--broker: {str(e).splitlines()[0]}") from None
+        # (the URL from the environment named as such: --broker was blamed for a flag not given)
+        where = "--broker" if args.broker else f"${MQTT_URL_ENV}"
+        raise UserError(f"{where}: {str(e).splitlines()[0]}") from None
     return broker
 
 
@@ -481,7 +483,8 @@ def _fleet_name(args: argparse.Namespace) -> str:
     fleet = args.fleet_name if args.fleet_name is not None else os.environ.get(FLEET_ENV) or "default"
     problem = name_problem(fleet, longest=MAX_FLEET_NAME)
     if problem is not None:
-        raise UserError(f"--fleet-name: {problem}")
+        where = "--fleet-name" if args.fleet_name is not None else f"${FLEET_ENV}"
+        raise UserError(f"{where}: {problem}")
     return str(fleet)
 
 

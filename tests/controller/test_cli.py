@@ -84,6 +84,30 @@ def test_fleet_needs_a_broker(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     assert "MQTT broker" in err and "SPECCONTROL_MQTT_URL" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("action", [["set", "default"], ["clear"]])
+def test_a_bad_broker_or_fleet_from_the_environment_is_named_as_such(
+    action: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Neither flag was given: the errors blamed --broker and --fleet-name for the variables' values.
+    monkeypatch.setenv("SPECCONTROL_MQTT_URL", "garbage")
+    monkeypatch.delenv("SPECCONTROL_FLEET", raising=False)
+    assert main(["policy", *action, "--fleet"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("$SPECCONTROL_MQTT_URL: broker URL: ") and "'garbage'" in err and err.count("\n") == 1
+    )
+    monkeypatch.setenv("SPECCONTROL_MQTT_URL", f"mqtt://{_closed_port()}")
+    monkeypatch.setenv("SPECCONTROL_FLEET", "a/b")
+    assert main(["policy", *action, "--fleet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("$SPECCONTROL_FLEET: ") and "'a/b'" in err and err.count("\n") == 1
+    # The flags given: named as before.
+    assert main(["policy", *action, "--fleet", "--broker", "garbage", "--fleet-name", "ok"]) == 2
+    assert capsys.readouterr().err.startswith("--broker: broker URL: ")
+    assert main(["policy", *action, "--fleet", "--fleet-name", "a/b"]) == 2
+    assert capsys.readouterr().err.startswith("--fleet-name: ")
+
+
 def test_fleet_set_of_a_broken_file_never_reaches_the_broker(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
