@@ -739,12 +739,15 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
     if (args.file is None) == (args.tokens is None):
         _err("trace import: give a FILE of vLLM responses or --tokens FILE of token ids (one of them)")
         return EXIT_USAGE
-    if args.tokens is None and (args.min_n, args.max_n, args.max_k) != (None, None, None):
+    # The sizes given (unset: import_token_ids' own defaults, vLLM's matcher sizes).
+    sizes = {
+        k: v
+        for k, v in (("min_n", args.min_n), ("max_n", args.max_n), ("max_k", args.max_k))
+        if v is not None
+    }
+    if args.tokens is None and sizes:
         _err("--min-n/--max-n/--max-k: only with --tokens")
         return EXIT_USAGE
-    min_n, max_n, max_k = (
-        d if v is None else v for v, d in ((args.min_n, 4), (args.max_n, 5), (args.max_k, 8))
-    )
     if args.tokens is not None and args.method is not None:
         _err(
             "--method: only with a FILE of vLLM responses (--tokens computes acc.ngram from the token "
@@ -764,7 +767,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         if args.tokens is not None:
-            tr = import_token_ids(args.tokens, min_n=min_n, max_n=max_n, max_k=max_k)
+            tr = import_token_ids(args.tokens, **sizes)
         else:
             tr = import_vllm_metrics(args.file, method=Method(args.method or "eagle3"))
     except UnicodeDecodeError:  # before ValueError, which it is
@@ -777,9 +780,10 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
     if args.tokens is not None:
         assert tr.ngram_proposal is not None
         matched = float((tr.ngram_proposal > 0).mean())
+        ngram = tr.meta["ngram"]
         print(
             f"wrote {args.out}: {tr.n} requests, {tr.total_output_tokens} output tokens, max_k {tr.max_k}, "
-            f"n-gram match at {matched:.1%} of positions (min_n {min_n}, max_n {max_n})"
+            f"n-gram match at {matched:.1%} of positions (min_n {ngram['min_n']}, max_n {ngram['max_n']})"
         )
     else:
         print(

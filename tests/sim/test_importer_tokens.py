@@ -99,7 +99,9 @@ def test_import_writes_a_valid_trace_with_the_signal(
         main(["trace", "import", "--tokens", str(src), "--min-n", "3", "--max-n", "4", "--out", str(dst)])
         == 0
     )
-    assert "n-gram match at" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "n-gram match at" in said
+    assert "(min_n 3, max_n 4)" in said, said  # the sizes given, as the header holds them
     assert validate_trace(dst) == []
     t = read_trace(dst)
     assert t.methods == (Method.EAGLE3, Method.NGRAM) and t.n == 120
@@ -214,7 +216,7 @@ def test_the_index_finds_what_the_matcher_found_at_every_position(seed: int) -> 
     assert (acc.tolist(), prop.tolist()) == _per_position(prompt, out, min_n, max_n, 8)
 
 
-def test_a_long_request_imports(tmp_path: Path) -> None:
+def test_a_long_request_imports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rng = np.random.default_rng(2)
     src = _write(
         tmp_path / "long.jsonl",
@@ -222,6 +224,10 @@ def test_a_long_request_imports(tmp_path: Path) -> None:
     )
     assert main(["trace", "import", "--tokens", str(src), "--out", str(tmp_path / "o.jsonl")]) == 0
     assert read_trace(tmp_path / "o.jsonl").total_output_tokens == 60_000
+    # No sizes given: vLLM's matcher's (import_token_ids' defaults), said and in the header.
+    assert "(min_n 4, max_n 5)" in capsys.readouterr().out
+    trace = read_trace(tmp_path / "o.jsonl")
+    assert trace.meta["ngram"] == {"min_n": 4, "max_n": 5} and trace.max_k == 8
 
 
 @pytest.mark.parametrize(("lo", "hi"), [(64, 64), (100_000, 100_000), (1, 64), (0, 4)])
