@@ -58,8 +58,9 @@ MAX_RESPONSE_BYTES = DEFAULT_LIMITS.max_line_bytes - 4096
 #: the packets (a firewall, a dead address) held every request for the whole timeout, 10 minutes by
 #: default, so a prompt file against it failed only after days.
 CONNECT_TIMEOUT_S = 30.0
-#: Connections failed in a row (refused, unreachable, not opened in time, none answered in between)
-#: after which the recording stops: the server is down. Before, a server that died partway had every
+#: Connections failed in a row (refused, unreachable, not opened in time; no answer in between, whatever
+#: other failures there were: when a server dies, the requests it had queued end reset among the
+#: refusals) after which the recording stops: the server is down. Before, a server that died partway had every
 #: prompt left sent to it, each failing, and the run ended "done" (exit 0) on what came before.
 STOP_AFTER_CONNECT_FAILURES = 8
 
@@ -267,12 +268,35 @@ class _Deadline:
 
 class _InFlight:
     """The deadlines of the requests under way, so that an interrupted recording cuts them all at once
-    (each waited out its own timeout, minutes, before the run could end), and refuses to start more."""
+    (each waited out its own timeout, minutes, before the run could end), and refuses to start more;
+    and the connections that could not be opened since the last answer, which cut it all at
+    ``STOP_AFTER_CONNECT_FAILURES`` (``gone`` then says why). Counted by the requests' own threads as
+    they fail: counted as the main thread takes the results, 32 threads had 123 more requests
+    refused, microseconds each, before the stop."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: set[_Deadline] = set()
         self._cut = False
+        self._unopened = 0
+        self.gone = ""
+
+    def answered(self) -> None:
+        with self._lock:
+            self._unopened = 0
+
+    def not_opened(self, error: str) -> None:
+        """A request whose connection could not be opened, ``error`` why (naming the request)."""
+        with self._lock:
+            self._unopened += 1
+            stop = self._unopened == STOP_AFTER_CONNECT_FAILURES and not self._cut
+            if stop:
+                self.gone = (
+                    f"stopped after {self._unopened} connections in a row could not be opened "
+                    f"(the last: {error})"
+                )
+        if stop:
+            self.cut_all()
 
     def add(self, deadline: _Deadline) -> None:
         with self._lock:
@@ -438,9 +462,9 @@ def record(
     A response whose line would be over ``max_line_bytes`` (the importer's limit), or that the import
     would refuse (``response_problem``: usage, spec metrics, token ids), is a failed request.
     ``other_models``, when given, gets (prompt index, model) of each recorded answer that names a
-    model other than ``model``, in prompt order. After ``STOP_AFTER_CONNECT_FAILURES`` requests in a
-    row whose connection could not be opened, no more prompts are sent and the requests under way are
-    cut (they count as failed); ``stopped``, when given, gets why."""
+    model other than ``model``, in prompt order. After ``STOP_AFTER_CONNECT_FAILURES`` requests whose
+    connection could not be opened, with no answer in between, no more prompts are sent and the
+    requests under way are cut (they count as failed); ``stopped``, when given, gets why."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     in_flight = _InFlight()
@@ -464,8 +488,10 @@ def record(
         except (urllib.error.URLError, OSError, ValueError) as e:
             if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
                 e = ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
-            unopened = isinstance(e, _ConnectFailed) or isinstance(getattr(e, "reason", None), _ConnectFailed)
-            return {"error": f"{e} ({request})", "index": i, "unopened": unopened}
+            error = f"{e} ({request})"
+            if isinstance(e, _ConnectFailed) or isinstance(getattr(e, "reason", None), _ConnectFailed):
+                in_flight.not_opened(error)
+            return {"error": error, "index": i}
         except http.client.HTTPException as e:
             # urllib passes a non-HTTP answer (BadStatusLine: a wrong port) or a cut body (IncompleteRead)
             # through unwrapped; like any failed request it is counted, not a traceback. Its str() alone
@@ -474,6 +500,7 @@ def record(
                 "error": f"not a whole HTTP answer ({type(e).__name__}: {e!s:.200}) ({request})",
                 "index": i,
             }
+        in_flight.answered()  # the server is there, whatever the answer says
         # Checked as the import will check it: one answer it refuses failed the whole recording, after
         # every request, naming a line of the responses file rather than the request.
         problem = response_problem(obj)
@@ -493,8 +520,7 @@ def record(
     where: list[tuple[int, int, int]] = []  # (prompt index, offset in ``partial``, bytes) of each line
     others: list[tuple[int, str]] = []  # (prompt index, model) of answers naming another model
     failed: list[tuple[int, str]] = []
-    unopened_in_a_row = 0
-    stop, not_sent = "", 0
+    not_sent = 0
     try:
         responses_path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -517,19 +543,9 @@ def record(
                         line = None
                     if line is None:
                         failed.append((i, str(obj["error"]) if obj is not None else "not sent: stopped"))
-                        if obj is not None:
-                            unopened_in_a_row = unopened_in_a_row + 1 if obj.get("unopened") else 0
-                        if unopened_in_a_row == STOP_AFTER_CONNECT_FAILURES and not in_flight.cut:
-                            assert obj is not None
-                            in_flight.cut_all()  # the prompts left are not sent; those under way end
-                            stop = (
-                                f"stopped after {unopened_in_a_row} connections in a row could not be "
-                                f"opened (the last: {obj['error']})"
-                            )
                         not_sent += obj is None
                     else:
                         assert obj is not None
-                        unopened_in_a_row = 0
                         named = obj.get("model")
                         if isinstance(named, str) and named != model:
                             others.append((i, named))
@@ -552,8 +568,8 @@ def record(
             f"cannot write the responses: {e.strerror or e}", source=str(e.filename or partial)
         ) from None
     failures = len(failed)
-    if stop and stopped is not None:
-        stopped.append(f"{stop}; {not_sent} of {len(prompts)} prompts not sent")
+    if in_flight.gone and stopped is not None:
+        stopped.append(f"{in_flight.gone}; {not_sent} of {len(prompts)} prompts not sent")
     if other_models is not None:
         other_models.extend(sorted(others))
     if errors is not None:

@@ -393,6 +393,25 @@ def test_a_server_that_dies_partway_stops_the_recording_exit_1_keeping_what_it_a
     assert [json.loads(x)["id"] for x in lines] == ["r0", "r1", "r2"]
 
 
+def test_a_server_that_dies_under_a_realistic_load_stops_the_recording_too(
+    dies_after_three: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same at 32 requests in flight and 500 prompts: the connections queued when the server died
+    end reset (they were opened), the next ones are refused, and the stop still comes within a few
+    batches of requests, not after all 500."""
+    prompts = "".join(f"p{i}\n" for i in range(500))
+    assert _record(dies_after_three, tmp_path, "--concurrency", "32", prompts=prompts) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert ": 3 requests (497 failed)" in captured.out, captured.out
+    said = captured.err.strip().splitlines()[-1]
+    assert f"stopped after {STOP_AFTER_CONNECT_FAILURES} connections in a row could not be opened" in said, (
+        said
+    )
+    # At most the requests in flight at the death and at the stop, and the refused ones, were sent.
+    assert _not_sent(said, "; the trace holds the 3 requests answered before") >= 500 - 3 - 8 - 2 * 32, said
+
+
 def test_a_host_that_drops_connections_is_given_up_on_not_waited_out_per_prompt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
