@@ -51,6 +51,10 @@ PIN_TTL_S = 30.0
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # One OpenMP thread per process: the tiny model gains nothing from a second, and with two ranks
+    # each rank's threads spin against the other's on two cores (a plain two-rank engine's 400 tokens
+    # took 107 s with the default two threads a process, 58 s with one; one rank: 19 s either way).
+    "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
