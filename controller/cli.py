@@ -711,15 +711,27 @@ def _utc(unix_s: float) -> str:
         return f"{unix_s:g} s after 1970"
 
 
+def _fleet_line(f: pb.FleetLinkStatus) -> str:
+    link = "connected" if f.connected else "not connected (retrying)"
+    if not f.policy_version:
+        policy = "no fleet policy applied"
+    else:
+        policy = f"fleet policy v{f.policy_version}" + (" (the clear)" if f.policy_cleared else "")
+    return f"{f.fleet} on {f.broker} as {f.node_id}, {link}; {policy}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     st = _admin_call(args, lambda a: a.status())
     if args.json:
-        _print_json(_dump(st))
+        doc = _dump(st)
+        doc.setdefault("fleet", None)  # (a key tools can rely on: null where there is no fleet link)
+        _print_json(doc)
         return 0
     snap = "never" if not st.last_snapshot_s else _utc(st.last_snapshot_s)
     print(f"sidecar {st.version} at {args.admin}, up {st.uptime_s:.0f} s")
     print(f"default policy: {_policy_line(st.policy)}")
     print(f"snapshot: {st.snapshot_path} (last {snap})")
+    print(f"fleet: {_fleet_line(st.fleet) if st.HasField('fleet') else 'none (mqtt_url is empty)'}")
     if st.engines_truncated:  # the status message holds what fits; `engines` pages through them all
         print(
             f"engines: {st.engines_total} (the first {len(st.engines)} below; `controllerctl engines` lists all)"

@@ -850,6 +850,19 @@ class Sidecar:
             last_snapshot_s=self.snapshots.last_saved_s,
             engines_total=total,
             engines_truncated=len(engines) < total,
+            fleet=self._fleet_status(),
+        )
+
+    def _fleet_status(self) -> pb.FleetLinkStatus | None:
+        if self.fleet is None:
+            return None
+        return pb.FleetLinkStatus(
+            fleet=self.fleet.topics.fleet,
+            node_id=self.fleet.node_id,
+            broker=self.fleet.broker.describe(),
+            connected=self.fleet.connected,
+            policy_version=self._fleet_version,
+            policy_cleared=self._fleet_version > 0 and self._fleet_digest == CLEARED_DIGEST,
         )
 
     def engine_page(self, offset: int, limit: int, after: str = "") -> tuple[list[pb.EngineStatus], int]:

@@ -341,7 +341,7 @@ class EngineStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., connected: _Optional[bool] = ..., directive_version: _Optional[int] = ..., directive_age_s: _Optional[float] = ..., steps: _Optional[int] = ..., rejected: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., goodput_tok_s: _Optional[float] = ..., arms: _Optional[_Iterable[_Union[ArmChoice, _Mapping]]] = ..., policy: _Optional[str] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., available_arms: _Optional[_Iterable[_Union[Arm, _Mapping]]] = ..., max_k: _Optional[int] = ..., observe_only: _Optional[bool] = ..., plugin_mode: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("version", "uptime_s", "policy", "engines", "snapshot_path", "last_snapshot_s", "engines_total", "engines_truncated")
+    __slots__ = ("version", "uptime_s", "policy", "engines", "snapshot_path", "last_snapshot_s", "engines_total", "engines_truncated", "fleet")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,7 @@ class Status(_message.Message):
     LAST_SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
     ENGINES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ENGINES_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     policy: PolicyInfo
@@ -358,7 +359,24 @@ class Status(_message.Message):
     last_snapshot_s: float
     engines_total: int
     engines_truncated: bool
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., snapshot_path: _Optional[str] = ..., last_snapshot_s: _Optional[float] = ..., engines_total: _Optional[int] = ..., engines_truncated: _Optional[bool] = ...) -> None: ...
+    fleet: FleetLinkStatus
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., snapshot_path: _Optional[str] = ..., last_snapshot_s: _Optional[float] = ..., engines_total: _Optional[int] = ..., engines_truncated: _Optional[bool] = ..., fleet: _Optional[_Union[FleetLinkStatus, _Mapping]] = ...) -> None: ...
+
+class FleetLinkStatus(_message.Message):
+    __slots__ = ("fleet", "node_id", "broker", "connected", "policy_version", "policy_cleared")
+    FLEET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BROKER_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    fleet: str
+    node_id: str
+    broker: str
+    connected: bool
+    policy_version: int
+    policy_cleared: bool
+    def __init__(self, fleet: _Optional[str] = ..., node_id: _Optional[str] = ..., broker: _Optional[str] = ..., connected: _Optional[bool] = ..., policy_version: _Optional[int] = ..., policy_cleared: _Optional[bool] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ("offset", "limit", "after_engine_id")

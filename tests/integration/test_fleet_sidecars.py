@@ -448,3 +448,59 @@ async def test_a_sidecar_cut_off_while_the_fleet_policy_is_cleared_does_not_put_
         assert all(sample(sc, "speccontrol_fleet_rejected_policies_total") == 0 for sc in (a, b, c, d))
     finally:
         await relay.close()
+
+
+async def status(sc: Sidecar, capsys: pytest.CaptureFixture[str], *json_flag: str) -> str:
+    """``controllerctl status`` against ``sc`` (in a thread: it runs its own event loop)."""
+    rc = await asyncio.to_thread(controllerctl, ["--admin", sc.admin_target, "status", *json_flag])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return out.out
+
+
+async def test_status_says_the_fleet_link_state_and_the_fleet_policy_applied(
+    fleet: Fleet, mosquitto: Mosquitto, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = fleet.broker_url
+    a = await fleet.sidecar("sidecar-a")
+    out = await status(a, capsys)
+    assert f"fleet: {FLEET} on {url} as sidecar-a, connected; no fleet policy applied\n" in out
+    doc = json.loads(await status(a, capsys, "--json"))
+    assert doc["fleet"] == {
+        "fleet": FLEET, "node_id": "sidecar-a", "broker": url, "connected": True,
+        "policy_version": 0, "policy_cleared": False,
+    }  # fmt: skip
+
+    await set_fleet_policy(tmp_path, STATIC_K4, url, capsys)
+    await until(lambda: a.fleet_policy_version == 1, "fleet policy v1")
+    assert "as sidecar-a, connected; fleet policy v1\n" in await status(a, capsys)
+
+    # The broker dies: the link retries, and status says so.
+    mosquitto.kill()
+    await until(lambda: a.fleet is not None and not a.fleet.connected, "disconnect")
+    assert "as sidecar-a, not connected (retrying); fleet policy v1\n" in await status(a, capsys)
+    assert json.loads(await status(a, capsys, "--json"))["fleet"]["connected"] is False
+
+    mosquitto.start()
+    await until(lambda: a.fleet is not None and a.fleet.connected, "reconnect")
+    await clear_fleet_policy(url, capsys)
+    await until(lambda: a.fleet_policy_version == 2, "the clear")
+    assert "as sidecar-a, connected; fleet policy v2 (the clear)\n" in await status(a, capsys)
+    fl = json.loads(await status(a, capsys, "--json"))["fleet"]
+    assert fl["policy_version"] == 2 and fl["policy_cleared"] is True
+
+
+async def test_status_of_a_sidecar_without_a_broker_says_so(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = SidecarConfig(
+        engine_listen="127.0.0.1:0", admin_listen="127.0.0.1:0", metrics_listen="",
+        state_dir=str(fleet.tmp_path / "alone"),
+    )  # fmt: skip
+    sc = Sidecar(config=config, registry=CollectorRegistry())
+    await sc.start()
+    try:
+        assert "fleet: none (mqtt_url is empty)\n" in await status(sc, capsys)
+        assert json.loads(await status(sc, capsys, "--json"))["fleet"] is None
+    finally:
+        await sc.stop()
