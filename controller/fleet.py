@@ -26,7 +26,9 @@ come back with every reconnect while retained). Topics from the broker are logge
 
 A session the broker ends before it was set up or within ``STABLE_SESSION_S`` of that (typically
 another client connected with the same client id, i.e. ``node_id``) does not reset the reconnect
-backoff, and its log line says so: two sidecars sharing a node id reconnected two or three times a second forever.
+backoff, and from the second such session in a row its log line says so: two sidecars sharing a node id
+reconnected two or three times a second forever. (One alone is also what a broker killed soon after
+the connect does; the connect after it is then refused.)
 
 A fleet policy counts as applied (its version, the gauge, the copy this node republishes) only once
 ``on_policy`` returned: one it refuses with a ValueError (an invalid document) is refused for good,
@@ -584,6 +586,8 @@ class FleetLink:
 
     async def _run(self) -> None:
         attempt = 0
+        #: Sessions in a row that the broker ended soon after the connection was accepted.
+        short_sessions = 0
         while True:
             connected_at: float | None = None
             self._session_up_at = None
@@ -613,11 +617,14 @@ class FleetLink:
             stable = self._session_up_at is not None and now - self._session_up_at >= STABLE_SESSION_S
             if stable:
                 attempt = 0
+            # (a broker killed or restarted soon after a connect also ends one session early, but the
+            # next connect is refused or lasts: only a second short session in a row names the twin)
+            short_sessions = short_sessions + 1 if connected_at is not None and not stable else 0
             delay = min(self.backoff_max_s, self.backoff_min_s * 2**attempt) * self.rng.uniform(0.5, 1.0)
             attempt = min(attempt + 1, 30)
             if why:
                 hint = ""
-                if connected_at is not None and not stable:
+                if short_sessions >= 2:
                     hint = (
                         f" {now - connected_at:.1f} s after connecting (is another client connected as"
                         f" {self.node_id!r}? node_id must be unique in the fleet)"

@@ -297,10 +297,35 @@ async def test_a_session_ended_at_once_backs_off_and_says_why(
             await lk.stop()
     lines = [r.getMessage() for r in caplog.records if "reconnecting in" in r.getMessage()]
     assert len(lines) >= 7
-    assert all("another client connected as 'n1'" in line for line in lines)
+    # (the first short session alone could be a broker killed just then: see the test below)
+    assert "another client" not in lines[0]
+    assert all("another client connected as 'n1'" in line for line in lines[1:])
     delays = [float(re.search(r"reconnecting in ([0-9.e-]+) s", line).group(1)) for line in lines]  # type: ignore[union-attr]
     # 0.001 s doubling to 0.016 s, times a jitter in [0.5, 1]: the 5th retry on waits at least 0.008 s.
     assert all(d >= 0.008 for d in delays[5:]), delays
+
+
+async def test_a_broker_killed_soon_after_the_connect_is_not_blamed_on_a_twin(
+    broker: FakeBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The broker killed 2 s after the link connected: its warning asked whether another client used
+    # the same node id, which sent the operator looking for a twin that did not exist.
+    lk, reg = link(node_id="n1")
+    with caplog.at_level(logging.WARNING, logger="controller.fleet"):
+        await lk.start()
+        try:
+            await until(lambda: lk.connected, "connected")
+            broker.crash()
+            await until(
+                lambda: (sample(reg, "speccontrol_fleet_connection_errors_total") or 0) >= 4, "4 errors"
+            )
+            broker.up = True
+            await until(lambda: lk.connected, "reconnected")
+        finally:
+            await lk.stop()
+    lines = [r.getMessage() for r in caplog.records if "reconnecting in" in r.getMessage()]
+    assert len(lines) >= 4 and lines[0].startswith("fleet link: connection lost"), lines
+    assert not any("another client" in line for line in lines), lines
 
 
 async def test_a_session_that_lasted_resets_the_backoff(
@@ -557,6 +582,7 @@ async def test_a_session_never_set_up_does_not_reset_the_backoff_however_long_it
         finally:
             await lk.stop()
     lines = [r.getMessage() for r in caplog.records if "reconnecting in" in r.getMessage()]
-    assert all("another client connected as 'n1'" in line for line in lines)
+    assert len(lines) >= 7 and "another client" not in lines[0]
+    assert all("another client connected as 'n1'" in line for line in lines[1:])
     delays = [float(re.search(r"reconnecting in ([0-9.e-]+) s", line).group(1)) for line in lines]  # type: ignore[union-attr]
     assert all(d >= 0.008 for d in delays[5:]), delays
