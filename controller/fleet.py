@@ -624,7 +624,7 @@ class FleetLink:
             attempt = min(attempt + 1, 30)
             if why:
                 hint = ""
-                if short_sessions >= 2:
+                if short_sessions >= 2 and connected_at is not None:
                     hint = (
                         f" {now - connected_at:.1f} s after connecting (is another client connected as"
                         f" {self.node_id!r}? node_id must be unique in the fleet)"
