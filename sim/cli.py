@@ -1065,7 +1065,8 @@ def register(subparsers: Any) -> None:
         type=cli_types.float_in(0, 86400, lo_open=True),
         default=600.0,
         help="seconds one request may take, its whole answer read (default %(default)s; its connection must "
-        "open within 30 s, and 8 connections in a row that cannot stop the recording)",
+        "open within 30 s; 8 connections in a row that cannot, or 8 requests in a row timed out, stop the "
+        "recording)",
     )
     p.add_argument(
         "--min-n", type=int, default=DEFAULT_MIN_N,

@@ -63,10 +63,19 @@ CONNECT_TIMEOUT_S = 30.0
 #: refusals) after which the recording stops: the server is down. Before, a server that died partway had every
 #: prompt left sent to it, each failing, and the run ended "done" (exit 0) on what came before.
 STOP_AFTER_CONNECT_FAILURES = 8
+#: Requests timed out in a row (no whole answer within ``--timeout``; no answer in between) after which
+#: the recording stops the same way: a server that accepts connections but never answers (hung, or a
+#: listener that is not one) held every prompt for the whole timeout, 10 minutes by default, 32 at a
+#: time, so 500 prompts took hours to fail.
+STOP_AFTER_TIMEOUTS = 8
 
 
 class _ConnectFailed(OSError):
     """A request whose connection could not be opened (nothing was sent)."""
+
+
+class _TimedOut(ValueError):
+    """A request with no whole answer within its timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +176,7 @@ def _read_body(resp: http.client.HTTPResponse, *, limit: int, deadline: float) -
     size = 0
     while True:
         if time.monotonic() > deadline:
-            raise ValueError(f"no whole answer within the timeout ({size} bytes read)")
+            raise _TimedOut(f"no whole answer within the timeout ({size} bytes read)")
         chunk = resp.read1(1 << 16)
         if not chunk:
             # read1 ends quietly where read() raised: a body cut short of its Content-Length.
@@ -269,21 +278,22 @@ class _Deadline:
 class _InFlight:
     """The deadlines of the requests under way, so that an interrupted recording cuts them all at once
     (each waited out its own timeout, minutes, before the run could end), and refuses to start more;
-    and the connections that could not be opened since the last answer, which cut it all at
-    ``STOP_AFTER_CONNECT_FAILURES`` (``gone`` then says why). Counted by the requests' own threads as
-    they fail: counted as the main thread takes the results, 32 threads had 123 more requests
-    refused, microseconds each, before the stop."""
+    and the connections that could not be opened, and the requests that timed out, since the last
+    answer, which cut it all at ``STOP_AFTER_CONNECT_FAILURES`` or ``STOP_AFTER_TIMEOUTS`` (``gone``
+    then says why). Counted by the requests' own threads as they fail: counted as the main thread
+    takes the results, 32 threads had 123 more requests refused, microseconds each, before the stop."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: set[_Deadline] = set()
         self._cut = False
         self._unopened = 0
+        self._timed_out = 0
         self.gone = ""
 
     def answered(self) -> None:
         with self._lock:
-            self._unopened = 0
+            self._unopened = self._timed_out = 0
 
     def not_opened(self, error: str) -> None:
         """A request whose connection could not be opened, ``error`` why (naming the request)."""
@@ -295,6 +305,18 @@ class _InFlight:
                     f"stopped after {self._unopened} connections in a row could not be opened "
                     f"(the last: {error})"
                 )
+        if stop:
+            self.cut_all()
+
+    def timed_out(self, error: str) -> None:
+        """A request with no whole answer within its timeout, ``error`` why (naming the request)."""
+        with self._lock:
+            if self._cut:  # (cut requests fail as timed out: they say nothing of the server)
+                return
+            self._timed_out += 1
+            stop = self._timed_out == STOP_AFTER_TIMEOUTS
+            if stop:
+                self.gone = f"stopped after {self._timed_out} requests in a row timed out (the last: {error})"
         if stop:
             self.cut_all()
 
@@ -410,7 +432,7 @@ def _post(
         if in_flight is not None:
             in_flight.discard(deadline)
     if timed_out:
-        raise ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")
+        raise _TimedOut(f"no whole answer within the timeout ({timeout_s:g} s)")
     try:
         obj = json.loads(data, parse_constant=_reject_constant)
     except RecursionError:  # a hostile or broken server: an error like any unreadable answer
@@ -463,8 +485,9 @@ def record(
     would refuse (``response_problem``: usage, spec metrics, token ids), is a failed request.
     ``other_models``, when given, gets (prompt index, model) of each recorded answer that names a
     model other than ``model``, in prompt order. After ``STOP_AFTER_CONNECT_FAILURES`` requests whose
-    connection could not be opened, with no answer in between, no more prompts are sent and the
-    requests under way are cut (they count as failed); ``stopped``, when given, gets why."""
+    connection could not be opened, or ``STOP_AFTER_TIMEOUTS`` that timed out, with no answer in
+    between, no more prompts are sent and the requests under way are cut (they count as failed);
+    ``stopped``, when given, gets why."""
     url = base_url.rstrip("/") + "/v1/completions"
     start = time.monotonic()
     in_flight = _InFlight()
@@ -486,11 +509,15 @@ def record(
         try:
             obj = _post(url, body, timeout_s, max_bytes=max_response_bytes, in_flight=in_flight)
         except (urllib.error.URLError, OSError, ValueError) as e:
+            timed_out = isinstance(e, _TimedOut)
             if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
-                e = ValueError(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
+                e = _TimedOut(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
+                timed_out = True
             error = f"{e} ({request})"
             if isinstance(e, _ConnectFailed) or isinstance(getattr(e, "reason", None), _ConnectFailed):
                 in_flight.not_opened(error)
+            elif timed_out:
+                in_flight.timed_out(error)
             return {"error": error, "index": i}
         except http.client.HTTPException as e:
             # urllib passes a non-HTTP answer (BadStatusLine: a wrong port) or a cut body (IncompleteRead)

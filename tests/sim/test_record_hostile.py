@@ -443,6 +443,88 @@ def test_a_host_that_drops_connections_is_given_up_on_not_waited_out_per_prompt(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
 
 
+class _Hangs(BaseHTTPRequestHandler):
+    """Reads the request; answers it when ``answer(n)`` says so for the n-th request (from 0), else
+    holds it without a byte until the server closes (a hung server)."""
+
+    answer: Any = staticmethod(lambda n: False)
+    count = 0
+    lock = threading.Lock()
+    released = threading.Event()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with self.lock:
+            n, type(self).count = type(self).count, type(self).count + 1
+        if not type(self).answer(n):
+            self.released.wait(60)
+            return
+        data = json.dumps(GOOD).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _hanging_server(answer: Any) -> Iterator[str]:
+    handler = type("Handler", (_Hangs,), {"answer": staticmethod(answer), "count": 0,
+                                          "released": threading.Event()})  # fmt: skip
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        handler.released.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture
+def never_answers() -> Iterator[str]:
+    yield from _hanging_server(lambda n: False)
+
+
+@pytest.fixture
+def answers_every_other() -> Iterator[str]:
+    yield from _hanging_server(lambda n: n % 2 == 0)
+
+
+def test_a_server_that_never_answers_stops_the_recording_after_a_row_of_timeouts(
+    never_answers: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Connections accepted, nothing answered: every prompt waited its whole --timeout (10 minutes by
+    default), 32 at a time, so 500 prompts failed after hours."""
+    prompts = "".join(f"p{i}\n" for i in range(500))
+    assert _record(never_answers, tmp_path, "--concurrency", "32", "--timeout", "1", prompts=prompts) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith(
+        f"{never_answers}: no request was answered: stopped after {record_module.STOP_AFTER_TIMEOUTS} "
+        "requests in a row timed out (the last: no whole answer within the timeout (1 s) (POST "
+    ), err[0]
+    # The first 32 were sent; the stop came as they timed out, so the other 468 were not.
+    assert _not_sent(err[0], "") >= 500 - 2 * 32, err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+def test_timeouts_with_answers_between_them_do_not_stop_the_recording(
+    answers_every_other: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that answers some requests is there: every prompt is sent, the timed-out ones fail."""
+    prompts = "".join(f"p{i}\n" for i in range(20))
+    assert (
+        _record(answers_every_other, tmp_path, "--concurrency", "1", "--timeout", "0.3", prompts=prompts) == 0
+    )
+    captured = capsys.readouterr()
+    assert ": 10 requests (10 failed)" in captured.out, captured.out
+    assert "stopped" not in captured.err, captured.err
+
+
 def test_the_help_and_the_docs_give_the_limits_the_code_has(capsys: pytest.CaptureFixture[str]) -> None:
     """The connect limit and the stop are written out in ``--timeout``'s help and in docs/spectrace.md."""
     with pytest.raises(SystemExit):
@@ -452,3 +534,4 @@ def test_the_help_and_the_docs_give_the_limits_the_code_has(capsys: pytest.Captu
     for text in (shown_help, docs):
         assert f"within {record_module.CONNECT_TIMEOUT_S:g} s" in text
         assert f"{STOP_AFTER_CONNECT_FAILURES} connections in a row" in text
+        assert f"{record_module.STOP_AFTER_TIMEOUTS} requests in a row timed out" in text
