@@ -443,7 +443,7 @@ def test_a_host_that_drops_connections_is_given_up_on_not_waited_out_per_prompt(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
 
 
-class _Hangs(BaseHTTPRequestHandler):
+class _Hangs(Hostile):
     """Reads the request; answers it when ``answer(n)`` says so for the n-th request (from 0), else
     holds it without a byte until the server closes (a hung server)."""
 
@@ -459,19 +459,11 @@ class _Hangs(BaseHTTPRequestHandler):
         if not type(self).answer(n):
             self.released.wait(60)
             return
-        data = json.dumps(GOOD).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self._send(json.dumps(GOOD).encode())
 
 
 def _hanging_server(answer: Any) -> Iterator[str]:
-    handler = type("Handler", (_Hangs,), {"answer": staticmethod(answer), "count": 0,
+    handler: type[_Hangs] = type("Handler", (_Hangs,), {"answer": staticmethod(answer), "count": 0,
                                           "released": threading.Event()})  # fmt: skip
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     srv.daemon_threads = True
