@@ -21,6 +21,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import math
 import socket
 import sys
 import threading
@@ -63,10 +64,12 @@ CONNECT_TIMEOUT_S = 30.0
 #: refusals) after which the recording stops: the server is down. Before, a server that died partway had every
 #: prompt left sent to it, each failing, and the run ended "done" (exit 0) on what came before.
 STOP_AFTER_CONNECT_FAILURES = 8
-#: Requests timed out in a row (no whole answer within ``--timeout``; no answer in between) after which
-#: the recording stops the same way: a server that accepts connections but never answers (hung, or a
-#: listener that is not one) held every prompt for the whole timeout, 10 minutes by default, 32 at a
-#: time, so 500 prompts took hours to fail.
+#: Requests timed out in a row (no whole answer within ``--timeout``), each with nothing answered while
+#: it waited, after which the recording stops the same way: a server that accepts connections but never
+#: answers (hung, or a listener that is not one) held every prompt for the whole timeout, 10 minutes by
+#: default, 32 at a time, so 500 prompts took hours to fail. (Counted in the order they ended, requests
+#: in flight together that timed out together made a row after the answers others got meanwhile: a
+#: server answering half its requests was stopped at 32 in flight.)
 STOP_AFTER_TIMEOUTS = 8
 
 
@@ -278,45 +281,45 @@ class _Deadline:
 class _InFlight:
     """The deadlines of the requests under way, so that an interrupted recording cuts them all at once
     (each waited out its own timeout, minutes, before the run could end), and refuses to start more;
-    and the connections that could not be opened, and the requests that timed out, since the last
-    answer, which cut it all at ``STOP_AFTER_CONNECT_FAILURES`` or ``STOP_AFTER_TIMEOUTS`` (``gone``
-    then says why). Counted by the requests' own threads as they fail: counted as the main thread
+    and the connections that could not be opened, and the requests that timed out with nothing
+    answered while they waited, since the last answer, which cut it all at
+    ``STOP_AFTER_CONNECT_FAILURES`` or ``STOP_AFTER_TIMEOUTS`` (``gone`` then says why). Counted by the requests' own threads as they fail: counted as the main thread
     takes the results, 32 threads had 123 more requests refused, microseconds each, before the stop."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: set[_Deadline] = set()
         self._cut = False
-        self._unopened = 0
-        self._timed_out = 0
+        #: Failures of each kind since the last answer, and when that answer came (monotonic s).
+        self._in_a_row = {"unopened": 0, "timed_out": 0}
+        self._last_answer = -math.inf
         self.gone = ""
 
     def answered(self) -> None:
         with self._lock:
-            self._unopened = self._timed_out = 0
+            self._in_a_row = dict.fromkeys(self._in_a_row, 0)
+            self._last_answer = time.monotonic()
 
     def not_opened(self, error: str) -> None:
         """A request whose connection could not be opened, ``error`` why (naming the request)."""
-        with self._lock:
-            self._unopened += 1
-            stop = self._unopened == STOP_AFTER_CONNECT_FAILURES and not self._cut
-            if stop:
-                self.gone = (
-                    f"stopped after {self._unopened} connections in a row could not be opened "
-                    f"(the last: {error})"
-                )
-        if stop:
-            self.cut_all()
+        self._failed(
+            "unopened", STOP_AFTER_CONNECT_FAILURES, "connections in a row could not be opened", error
+        )
 
-    def timed_out(self, error: str) -> None:
-        """A request with no whole answer within its timeout, ``error`` why (naming the request)."""
+    def timed_out(self, error: str, *, sent_at: float) -> None:
+        """A request sent at ``sent_at`` (monotonic s) with no whole answer within its timeout, ``error``
+        why: counted only where nothing was answered while it waited."""
+        self._failed("timed_out", STOP_AFTER_TIMEOUTS, "requests in a row timed out", error, sent_at=sent_at)
+
+    def _failed(self, kind: str, limit: int, what: str, error: str, *, sent_at: float | None = None) -> None:
         with self._lock:
-            if self._cut:  # (cut requests fail as timed out: they say nothing of the server)
+            # (cut requests fail as timed out or refused: they say nothing more of the server)
+            if self._cut or (sent_at is not None and self._last_answer >= sent_at):
                 return
-            self._timed_out += 1
-            stop = self._timed_out == STOP_AFTER_TIMEOUTS
+            self._in_a_row[kind] += 1
+            stop = self._in_a_row[kind] == limit
             if stop:
-                self.gone = f"stopped after {self._timed_out} requests in a row timed out (the last: {error})"
+                self.gone = f"stopped after {limit} {what} (the last: {error})"
         if stop:
             self.cut_all()
 
@@ -496,7 +499,8 @@ def record(
         i, p = i_p
         if in_flight.cut:  # interrupted: a worker taking up its next prompt sends nothing
             return None
-        sent = time.monotonic() - start
+        sent_at = time.monotonic()
+        sent = sent_at - start
         body = {
             "model": model,
             "prompt": p.text,
@@ -517,7 +521,7 @@ def record(
             if isinstance(e, _ConnectFailed) or isinstance(getattr(e, "reason", None), _ConnectFailed):
                 in_flight.not_opened(error)
             elif timed_out:
-                in_flight.timed_out(error)
+                in_flight.timed_out(error, sent_at=sent_at)
             return {"error": error, "index": i}
         except http.client.HTTPException as e:
             # urllib passes a non-HTTP answer (BadStatusLine: a wrong port) or a cut body (IncompleteRead)

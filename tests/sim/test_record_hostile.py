@@ -465,7 +465,9 @@ class _Hangs(Hostile):
 def _hanging_server(answer: Any) -> Iterator[str]:
     handler: type[_Hangs] = type("Handler", (_Hangs,), {"answer": staticmethod(answer), "count": 0,
                                           "released": threading.Event()})  # fmt: skip
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    # (a listen queue for every request in flight: past the default 5, answerable requests waited
+    # in it behind the hung ones and timed out too)
+    srv = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 64})(("127.0.0.1", 0), handler)
     srv.daemon_threads = True
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -514,6 +516,19 @@ def test_timeouts_with_answers_between_them_do_not_stop_the_recording(
     )
     captured = capsys.readouterr()
     assert ": 10 requests (10 failed)" in captured.out, captured.out
+    assert "stopped" not in captured.err, captured.err
+
+
+def test_timeouts_among_answers_at_32_in_flight_do_not_stop_the_recording(
+    answers_every_other: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In flight together, the hung requests time out together, after the answers that came while they
+    waited: counted in the order they ended, 8 of them made a row and stopped a server that answers."""
+    prompts = "".join(f"p{i}\n" for i in range(200))
+    args = ("--concurrency", "32", "--timeout", "0.5")
+    assert _record(answers_every_other, tmp_path, *args, prompts=prompts) == 0
+    captured = capsys.readouterr()
+    assert ": 100 requests (100 failed)" in captured.out, captured.out
     assert "stopped" not in captured.err, captured.err
 
 
