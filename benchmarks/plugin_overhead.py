@@ -43,11 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -607,11 +605,10 @@ def main() -> int:
             file=sys.stderr,
         )
         return 1
-    tmp = Path(tempfile.mkdtemp(prefix="plugin-bench-"))
-    try:
-        return _engine_main(args, batches, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # the model, the sidecar's state and log: every run made one
+    from sim.files import temporary_directory
+
+    with temporary_directory(prefix="plugin-bench-") as tmp:  # the model, the sidecar's state and log
+        return _engine_main(args, batches, Path(tmp))
 
 
 def _engine_main(args: argparse.Namespace, batches: list[int], tmp: Path) -> int:

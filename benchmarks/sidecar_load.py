@@ -25,7 +25,6 @@ import os
 import resource
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sim import cli_types  # noqa: E402
-from sim.files import output_problem, replace_file  # noqa: E402
+from sim.files import output_problem, replace_file, temporary_directory  # noqa: E402
 
 
 def _sidecar_main(
@@ -333,7 +332,7 @@ def _form(args: argparse.Namespace) -> str:
 def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, Any]:
     """One run: the sidecar process, the engines, the figures printed; returns the sidecar's result."""
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="sc-load-") as d:
+    with temporary_directory(prefix="sc-load-") as d:
         ready, stop = ctx.Queue(), ctx.Event()
         out = os.path.join(d, "result.json")
         proc = ctx.Process(

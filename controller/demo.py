@@ -41,7 +41,6 @@ import io
 import json
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -60,7 +59,7 @@ from controller.server import SidecarServer
 from policies.context import Context
 from policies.presets import load_preset
 from policies.spec import PolicySpec, render_policy, static_policy
-from sim.files import replace_file
+from sim.files import replace_file, temporary_directory
 
 ADAPTIVE = "adaptive"
 #: Every arm the demo engine can play, no speculation first.
@@ -204,7 +203,7 @@ async def run_demo(
     # The policy's clock is the sidecar's (wall time); its rounds are meant per virtual second.
     speedup = DEMO_SPEEDUP / time_scale if time_scale > 0 else DEMO_SPEEDUP
     adaptive_spec = demo_policy(speedup=speedup)
-    with tempfile.TemporaryDirectory(prefix="speccontrol-demo-") as state_dir:
+    with temporary_directory(prefix="speccontrol-demo-") as state_dir:
         config = SidecarConfig(
             engine_listen="127.0.0.1:0",
             admin_listen="127.0.0.1:0",

@@ -144,9 +144,9 @@ def _write_all(files: list[tuple[Path, bytes]], out: Path | None) -> None:
 
 def _png(runs: dict[str, Any]) -> bytes:
     """The plot as bytes, drawn before anything is written (a plot that fails leaves no report)."""
-    import tempfile
+    from sim.files import temporary_directory
 
-    with tempfile.TemporaryDirectory(prefix="speccontrol-autoscale-") as tmp:
+    with temporary_directory(prefix="speccontrol-autoscale-") as tmp:
         path = Path(tmp) / "autoscale.png"
         plot(list(runs.items()), str(path))
         return path.read_bytes()

@@ -6,6 +6,7 @@ sibling and is reported against ``NAME``, the path the user gave (not the ``.tmp
 A symlink ``NAME`` has its target replaced (the link stays); a device, FIFO or socket is never
 replaced by a file (refused: a rename would swap the node itself, e.g. ``/dev/full``, for a file).
 The sidecar's own state files have their own writer with fsync (``controller.snapshot``).
+``temporary_directory`` is the scratch directory of a run, removed however the run ends.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import contextlib
 import errno
 import io
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -79,6 +82,47 @@ class FileReplacement:
         with contextlib.suppress(OSError):
             self._tmp.unlink()
         self._done = True
+
+
+#: The signals a run ends on with its clean-up (Ctrl-C; SIGTERM and SIGHUP where the entry point
+#: raises KeyboardInterrupt for them, as the benchmarks do).
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def temporary_directory(*, prefix: str) -> Iterator[str]:
+    """``tempfile.TemporaryDirectory(prefix=prefix)`` that a Ctrl-C cannot leave behind: one that
+    lands while the directory is made is raised once the ``with`` owns it, and the directory is
+    removed. Raised between the ``mkdir`` and the clean-up's registration (a few bytecodes, wider when
+    the process is switched out there), it left the directory (seen once in CI: ``sidecar_load``
+    interrupted the moment its directory appeared). The Python handlers are swapped for the moment,
+    not the signals blocked: a thread's mask does not hold a signal another thread takes. A directory
+    that cannot be removed at the end is not the run's error (``ignore_cleanup_errors``)."""
+    if threading.current_thread() is not threading.main_thread():  # (handlers run in the main one)
+        with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as d:
+            yield d
+        return
+    noted: list[int] = []
+    swapped: dict[int, Any] = {}
+    try:
+        for sig in _STOPS:
+            handler = signal.getsignal(sig)
+            if callable(handler):  # Python's own (not ignored, not the default, not set outside Python)
+                swapped[sig] = handler
+                signal.signal(sig, lambda signum, _frame: noted.append(signum))
+        with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as d:
+            _restore(swapped)
+            if noted:
+                signal.raise_signal(noted[0])  # (its own handler raises here)
+            yield d
+    finally:
+        _restore(swapped)
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    while handlers:
+        sig, handler = handlers.popitem()
+        signal.signal(sig, handler)
 
 
 def save_figure(fig: Any, path: str | Path, *, dpi: int) -> None:

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from sim.files import FileReplacement, missing_directory, output_problem, replace_file, save_figure
+from sim.files import (
+    FileReplacement,
+    missing_directory,
+    output_problem,
+    replace_file,
+    save_figure,
+    temporary_directory,
+)
 
 
 def test_replaces_the_whole_file_and_leaves_no_sibling(tmp_path: Path) -> None:
@@ -170,3 +180,47 @@ def test_a_figure_replaces_the_file_whole_and_a_failed_one_leaves_it(tmp_path: P
     assert p.read_bytes().startswith(b"\x89PNG")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["plot.png"]
     plt.close(fig)
+
+
+class _Stopped(Exception):
+    """What the test's SIGINT handler raises (a KeyboardInterrupt would stop pytest itself)."""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_as_the_temporary_directory_is_made_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals
+) -> None:
+    # The signal lands the moment the directory exists, before its clean-up is registered: with
+    # tempfile.TemporaryDirectory alone, the handler's exception came out of mkdtemp and the directory
+    # stayed (seen in CI, sidecar_load interrupted as its directory appeared).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = tempfile.mkdtemp
+
+    def mkdtemp_then_signal(*args: Any, **kwargs: Any) -> str:
+        d = made(*args, **kwargs)
+        os.kill(os.getpid(), sig)
+        return d
+
+    def stop(*_: object) -> None:
+        raise _Stopped
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_signal)
+    previous = signal.signal(sig, stop)
+    try:
+        with pytest.raises(_Stopped), temporary_directory(prefix="run-"):
+            pytest.fail("the body ran: the signal was lost")
+    finally:
+        signal.signal(sig, previous)
+    assert list(tmp_path.iterdir()) == []
+    assert sig not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # not left held
+
+
+def test_the_temporary_directory_is_removed_when_its_body_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError), temporary_directory(prefix="run-") as d:
+        assert Path(d).parent == tmp_path and Path(d).name.startswith("run-")
+        (Path(d) / "state").mkdir()
+        raise RuntimeError
+    assert list(tmp_path.iterdir()) == []
