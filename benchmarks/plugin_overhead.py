@@ -619,6 +619,7 @@ def _engine_main(args: argparse.Namespace, batches: list[int], tmp: Path) -> int
     child = [sys.executable, __file__, "--tmp", str(tmp), "--tokens", str(args.tokens), "--history",
              str(args.history), "--batches", args.batches]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECCONTROL_")}
+    env["VLLM_RPC_BASE_PATH"] = str(tmp)  # (vLLM's sockets: an engine ended by a signal leaves them)
     load = os.getloadavg()[0]
     # Each repeat runs every engine once, in turn (the machine drifts: a mode's runs are spread over
     # the whole measurement); each mode's figure is its median run (per batch).

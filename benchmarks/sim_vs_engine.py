@@ -194,6 +194,7 @@ class Engine:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
+            **_rpc_directory(t),
             "SPECCONTROL_PLUGIN": "1",
             "SPECCONTROL_SIDECAR": f"unix://{t}/engine.sock",
             "SPECCONTROL_ENGINE_ID": "tiny-bench",
@@ -291,6 +292,17 @@ def run_order(rounds: int, seed: int = 0) -> list[tuple[int, str, int]]:
         for ai in rng.permutation(len(ARMS)):
             out += [(r, ARMS[ai], LEVELS[ci]) for ci in rng.permutation(len(LEVELS))]
     return out
+
+
+def _rpc_directory(run_dir: Path) -> dict[str, str]:
+    """The environment that has vLLM make its ZeroMQ sockets in ``run_dir/rpc``, not in /tmp, where a
+    process ended by a signal leaves them; {} when that path is too long for a socket (107 bytes,
+    with vLLM's 36-character names)."""
+    rpc = run_dir / "rpc"
+    if len(os.fsencode(rpc)) + 37 > 107:
+        return {}
+    rpc.mkdir(exist_ok=True)
+    return {"VLLM_RPC_BASE_PATH": str(rpc)}
 
 
 def vllm_python() -> Path:

@@ -1,4 +1,5 @@
-"""benchmarks/sim_vs_engine.py's run order: every setting once per round, interleaved, one pin per arm."""
+"""benchmarks/sim_vs_engine.py: its run order (every setting once per round, interleaved, one pin per arm), and
+where its engine's sockets go."""
 
 import os
 import subprocess
@@ -66,3 +67,15 @@ def test_an_engine_that_cannot_start_is_one_line(
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("sim_vs_engine: " + said.format(py=tmp_path / "venv" / "bin" / "python")), r.stderr
     assert "Traceback" not in r.stderr and "the run's files are in" in line
+
+
+def test_vllms_sockets_go_in_the_run_directory_when_the_path_fits(tmp_path: Path) -> None:
+    # (vLLM's default, /tmp, kept every socket of an engine ended by a signal)
+    short = tmp_path / "r"
+    short.mkdir()
+    assert sve._rpc_directory(short) == {"VLLM_RPC_BASE_PATH": str(short / "rpc")}
+    assert (short / "rpc").is_dir()
+    long = tmp_path / ("x" * (107 - len(str(tmp_path))))  # a socket's path would pass 107 bytes
+    long.mkdir()
+    assert sve._rpc_directory(long) == {}  # vLLM's default: it would fail to bind
+    assert not (long / "rpc").exists()
