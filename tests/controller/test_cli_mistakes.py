@@ -383,9 +383,17 @@ def test_serve_names_the_port_that_is_taken(tmp_path: Path, sidecar: str) -> Non
 
 
 @pytest.mark.parametrize("presses", [1, 2])
-def test_demo_stops_on_ctrl_c(presses: int) -> None:
+def test_demo_stops_on_ctrl_c(presses: int, tmp_path: Path) -> None:
+    # Its state directory goes in tmp_path: a second press ends the process before it is removed
+    # (each run of the suite left one in /tmp).
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     p = subprocess.Popen(
-        [CTL, "demo", "--seconds", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        [CTL, "demo", "--seconds", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
     )
     assert p.stdout is not None
     try:
@@ -404,3 +412,5 @@ def test_demo_stops_on_ctrl_c(presses: int) -> None:
     # 130 (handled), or killed by the second SIGINT itself (the default action once interrupted).
     assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-2000:])
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    if presses == 1:  # the clean-up ran: the demo's temporary state directory is gone
+        assert list(tmp_path.iterdir()) == []
