@@ -69,13 +69,13 @@ def test_an_engine_that_cannot_start_is_one_line(
     assert "Traceback" not in r.stderr and "the run's files are in" in line
 
 
-def test_vllms_sockets_go_in_the_run_directory_when_the_path_fits(tmp_path: Path) -> None:
+def test_vllms_sockets_go_in_the_run_directory_when_the_path_fits(short_tmp_path: Path) -> None:
     # (vLLM's default, /tmp, kept every socket of an engine ended by a signal)
-    short = tmp_path / "r"
-    short.mkdir()
-    assert sve._rpc_directory(short) == {"VLLM_RPC_BASE_PATH": str(short / "rpc")}
-    assert (short / "rpc").is_dir()
-    long = tmp_path / ("x" * (107 - len(str(tmp_path))))  # a socket's path would pass 107 bytes
+    run = short_tmp_path / "r"
+    run.mkdir()
+    assert sve._rpc_directory(run) == {"VLLM_RPC_BASE_PATH": str(run / "rpc")}
+    assert (run / "rpc").is_dir()
+    long = short_tmp_path / ("x" * (107 - len(str(short_tmp_path))))  # a socket's path would pass 107 bytes
     long.mkdir()
     assert sve._rpc_directory(long) == {}  # vLLM's default: it would fail to bind
     assert not (long / "rpc").exists()
