@@ -73,6 +73,15 @@ STOP_AFTER_CONNECT_FAILURES = 8
 STOP_AFTER_TIMEOUTS = 8
 
 
+def _why(e: BaseException) -> str:
+    """What went wrong with a request, in its own words: urllib's wrapper ("<urlopen error [Errno 111]
+    Connection refused>") and an OSError's number taken off ("Connection refused")."""
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return str(reason)
+
+
 class _ConnectFailed(OSError):
     """A request whose connection could not be opened (nothing was sent)."""
 
@@ -517,7 +526,7 @@ def record(
             if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
                 e = _TimedOut(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
                 timed_out = True
-            error = f"{e} ({request})"
+            error = f"{_why(e)} ({request})"
             if isinstance(e, _ConnectFailed) or isinstance(getattr(e, "reason", None), _ConnectFailed):
                 in_flight.not_opened(error)
             elif timed_out:

@@ -385,7 +385,7 @@ def test_a_server_that_dies_partway_stops_the_recording_exit_1_keeping_what_it_a
     assert "Traceback" not in captured.err
     assert err[-1].startswith(
         f"{dies_after_three}: stopped after {STOP_AFTER_CONNECT_FAILURES} connections in a row could not be "
-        "opened (the last: <urlopen error [Errno 111] Connection refused> (POST "
+        "opened (the last: Connection refused (POST "
     ), err[-1]
     # (the one worker may have taken up the next prompt before the stop: it is cut, not answered)
     assert _not_sent(err[-1], "; the trace holds the 3 requests answered before") in (28, 29), err[-1]
@@ -437,7 +437,7 @@ def test_a_host_that_drops_connections_is_given_up_on_not_waited_out_per_prompt(
     assert len(err) == 1 and "Traceback" not in err[0], err
     assert err[0].startswith(
         f"{url}: no request was answered: stopped after {STOP_AFTER_CONNECT_FAILURES} connections in a "
-        "row could not be opened (the last: <urlopen error no connection within 0.3 s> (POST "
+        "row could not be opened (the last: no connection within 0.3 s (POST "
     ), err[0]
     assert _not_sent(err[0], "") in (1, 2), err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
