@@ -143,8 +143,8 @@ def test_sizes_beyond_the_machine_are_refused_up_front(
 def test_autoscale_writes_its_report_whole(tmp_path: Path) -> None:
     # Directories --out makes (with their parents) hold the three files, and --json its own copy.
     out_dir = tmp_path / "a" / "b"
-    out = ctl("sim", "autoscale", "--duration", "20", "--triple-at", "10", "--out", str(out_dir),
-              "--json", str(tmp_path / "a.json"), cwd=tmp_path)  # fmt: skip
+    out = ctl("sim", "autoscale", "--duration", "20", "--triple-at", "10", "--requests", "256", "--out",
+              str(out_dir), "--json", str(tmp_path / "a.json"), cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in out_dir.iterdir()) == ["autoscale.json", "autoscale.md", "autoscale.png"]
     assert (out_dir / "autoscale.json").read_bytes() == (tmp_path / "a.json").read_bytes()
@@ -157,7 +157,7 @@ def test_autoscale_writes_its_report_whole(tmp_path: Path) -> None:
     [("sim", "tune", "--policy", "default", "--scenario", "chat", "--requests", "5", "--concurrency", "1",
       "--param", "explore=0", "--jobs", "1"),
      ("sim", "replay", "--scenario", "chat", "--requests", "5", "--concurrency", "1", "--policy", "default"),
-     ("sim", "autoscale", "--duration", "20", "--triple-at", "10")],
+     ("sim", "autoscale", "--duration", "20", "--triple-at", "10", "--requests", "256")],
     ids=["tune", "replay", "autoscale"],
 )  # fmt: skip
 def test_no_progress_in_a_stderr_that_is_a_file(tmp_path: Path, argv: tuple[str, ...]) -> None:

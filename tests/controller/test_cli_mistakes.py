@@ -104,6 +104,18 @@ def _mistakes() -> list[Mistake]:
         ),
         Mistake("timeout nan", ("--timeout", "nan", "status"), 2, "--timeout: must be a number"),
         Mistake("autoscale duration nan", ("sim", "autoscale", "--duration", "nan"), 2, "--duration"),
+        Mistake(
+            "autoscale requests below 8 a slot",
+            ("sim", "autoscale", "--requests", "255"),
+            2,
+            "--requests 255: at least 8 per slot, 256 at --concurrency 32",
+        ),
+        Mistake(
+            "autoscale requests zero",
+            ("sim", "autoscale", "--requests", "0"),
+            2,
+            "--requests: must be an integer",
+        ),
         Mistake("sidecar config is binary", ("serve", "--config", "FILE"), 2, "FILE"),
         Mistake("config validate binary", ("config", "validate", "FILE"), 2, "FILE"),
         Mistake(
