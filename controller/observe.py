@@ -46,6 +46,7 @@ from policies.directive import Directive
 from policies.engine import EngineInfo, Granularity
 from policies.observation import StepObservation
 from policies.physics import MAX_STEP_S, step_floor_s
+from policies.text import error_text
 
 log = logging.getLogger("speccontrol.observe")
 
@@ -675,8 +676,7 @@ def _reason(e: BaseException) -> str:
     status goes first: its reason is the server's own text, which alone may not say it failed."""
     import urllib.error
 
-    inner = getattr(e, "reason", None)
-    text = str(inner if inner is not None else e) or type(e).__name__
+    text = error_text(e)
     line = text.splitlines()[0] if text.strip() else type(e).__name__
     if isinstance(e, urllib.error.HTTPError):
         line = f"HTTP {e.code}: {line}"

@@ -36,6 +36,17 @@ def one_line(message: str) -> str:
     return escape_text(message.rstrip("\r\n")) or "error"
 
 
+def error_text(e: BaseException) -> str:
+    """What an error says, in its own words: the ``reason`` a wrapper holds (urllib's "<urlopen error
+    [Errno 111] Connection refused>") and an OSError's number and file name ("[Errno 2] No such file or
+    directory: 'x'", where the caller names the file) taken off: "Connection refused"."""
+    inner = getattr(e, "reason", None)
+    what = inner if inner is not None else e
+    if isinstance(what, OSError) and what.strerror:
+        return str(what.strerror)
+    return str(what)
+
+
 #: Names of policies, cost-model profiles, fleets and sidecars (``node_id``): they become metric
 #: label values, MQTT topic levels, MQTT client ids and (profiles) file names, so they are ASCII (a
 #: look-alike letter cannot pass for a preset's name) and never '.' or '..' (a directory).

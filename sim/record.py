@@ -38,6 +38,7 @@ from typing import IO, Any
 from policies.arms import Method
 from policies.params import shown
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N
+from policies.text import error_text
 from sim.files import output_problem
 from sim.importer import import_vllm_metrics, response_problem
 from sim.trace import (
@@ -71,15 +72,6 @@ STOP_AFTER_CONNECT_FAILURES = 8
 #: in flight together that timed out together made a row after the answers others got meanwhile: a
 #: server answering half its requests was stopped at 32 in flight.)
 STOP_AFTER_TIMEOUTS = 8
-
-
-def _why(e: BaseException) -> str:
-    """What went wrong with a request, in its own words: urllib's wrapper ("<urlopen error [Errno 111]
-    Connection refused>") and an OSError's number taken off ("Connection refused")."""
-    reason = e.reason if isinstance(e, urllib.error.URLError) else e
-    if isinstance(reason, OSError) and reason.strerror:
-        return reason.strerror
-    return str(reason)
 
 
 class _ConnectFailed(OSError):
@@ -526,7 +518,7 @@ def record(
             if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
                 e = _TimedOut(f"no whole answer within the timeout ({timeout_s:g} s)")  # str(): "timed out"
                 timed_out = True
-            error = f"{_why(e)} ({request})"
+            error = f"{error_text(e)} ({request})"
             if isinstance(e, _ConnectFailed) or isinstance(getattr(e, "reason", None), _ConnectFailed):
                 in_flight.not_opened(error)
             elif timed_out:

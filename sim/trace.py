@@ -33,6 +33,7 @@ import numpy as np
 
 from policies.arms import Method
 from policies.params import shown
+from policies.text import error_text
 from sim.files import FileReplacement
 
 FORMAT_VERSION = 1
@@ -222,7 +223,7 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
     try:
         size = path.stat().st_size
     except OSError as e:
-        raise TraceError(f"cannot read: {e.strerror or e}", source=source) from None
+        raise TraceError(f"cannot read: {error_text(e)}", source=source) from None
     if size > limits.max_file_bytes:
         raise TraceError(f"file is {size} bytes, over the limit of {limits.max_file_bytes}", source=source)
     lineno = 0
@@ -268,9 +269,7 @@ def read_json_lines(path: Path, limits: TraceLimits = DEFAULT_LIMITS) -> Iterato
                             f"more than {limits.max_blank_lines} blank lines", source=source, line=lineno
                         )
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
-        # (an OSError's own text repeats the path: "[Errno 21] Is a directory: 'x'")
-        reason = getattr(e, "strerror", None) or e
-        raise TraceError(f"cannot read: {reason}", source=source, line=lineno or None) from None
+        raise TraceError(f"cannot read: {error_text(e)}", source=source, line=lineno or None) from None
 
 
 class _RepeatedKey(Exception):

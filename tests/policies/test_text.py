@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
+import urllib.error
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.text import escape_text, has_control, name_problem, one_line
+from policies.text import error_text, escape_text, has_control, name_problem, one_line
 
 BIDI = ["\u061c", "\u200e", "\u200f", "\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067",
         "\u2068", "\u2069"]  # fmt: skip
@@ -81,3 +84,20 @@ def test_the_longest_name_is_the_callers() -> None:
     assert name_problem("f" * 64, longest=64) is None
     problem = name_problem("f" * 65, longest=64)
     assert problem is not None and problem.startswith("must be 1-64 letters") and problem.endswith("ff…")
+
+
+@pytest.mark.parametrize(
+    ("error", "says"),
+    [
+        (FileNotFoundError(2, "No such file or directory", "/x"), "No such file or directory"),
+        (urllib.error.URLError(ConnectionRefusedError(111, "Connection refused")), "Connection refused"),
+        (urllib.error.URLError("no connection within 0.3 s"), "no connection within 0.3 s"),
+        (gzip.BadGzipFile("Not a gzipped file (b'xx')"), "Not a gzipped file (b'xx')"),  # no strerror
+        (EOFError("Compressed file ended before the end-of-stream marker was reached"),
+         "Compressed file ended before the end-of-stream marker was reached"),
+        (ValueError("bad"), "bad"),
+    ],
+)  # fmt: skip
+def test_an_error_is_said_in_its_own_words(error: BaseException, says: str) -> None:
+    # (str() gave "[Errno 2] No such file or directory: '/x'", "<urlopen error [Errno 111] ...>")
+    assert error_text(error) == says

@@ -151,18 +151,8 @@ def test_a_write_that_fails_leaves_nothing_behind(
 
     monkeypatch.setattr(cli, "replace_file", flaky)
     out = tmp_path / "new" / "report"
-    argv = [
-        "sim",
-        "autoscale",
-        "--duration",
-        "20",
-        "--triple-at",
-        "10",
-        "--requests",
-        "256",
-        "--out",
-        str(out),
-    ]
+    argv = ["sim", "autoscale", "--duration", "20", "--triple-at", "10", "--requests", "256",
+            "--out", str(out)]  # fmt: skip
     assert main([*argv, "--json", str(tmp_path / "a.json")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err and fails in err
