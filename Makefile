@@ -34,11 +34,20 @@ deps: $(NEEDS_VENV)
 TEST_WORKERS ?= 3
 E2E_033_CI ?= tests/e2e/test_vllm_install.py tests/e2e/test_vllm_async.py
 # Project tests that are pure computation (no sockets, no deadlines) run beside the real engine's tests
-# instead, at the lowest CPU priority, on the core those leave idle (tests/e2e/background.py). Not more
-# of them: with eleven more files (175 s alone) the project suite took 92 s less in a clean-clone CI
-# run and the engine tests 122 s more (1,078 s against 956 s the run before), slowed by them.
+# instead, on the CPU time those leave (SCHED_IDLE, tests/e2e/background.py). At nice 19, eleven more
+# files than the first four (175 s alone) slowed the engine tests by 122 s in a clean-clone CI run.
+# Under SCHED_IDLE, with the fifteen after the first four, the engine tests took 644 s here against
+# 727 s with the four at nice 19 (which left 11.5 % of the two cores idle, vmstat), and the suite
+# 305 s against 364 s.
 BESIDE_ENGINES ?= tests/controller/vllm/test_ngram_long.py tests/policies/test_long_horizon.py \
-  tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py
+  tests/sim/test_physics_edges.py tests/sim/test_readers_at_scale.py \
+  tests/controller/test_validation_columns.py tests/controller/wire/test_codec.py \
+  tests/controller/test_ingest_batches.py tests/policies/test_numeric_edges.py \
+  tests/sim/test_replay_scale.py tests/policies/test_switch_hysteresis.py \
+  tests/policies/test_spec_roundtrip.py tests/controller/vllm/test_ngram_hostile.py tests/sim/test_kernel.py \
+  tests/sim/test_replay.py tests/controller/vllm/test_ngram_burst.py tests/controller/vllm/test_hotpath.py \
+  tests/policies/test_learner_state_invalid.py tests/policies/test_large_report_batches.py \
+  tests/sim/test_oracle.py
 # And one beside vLLM 0.33.0's tests, which run one single-rank engine at a time (vmstat over that
 # stage of a clean-clone CI run: 35-49 % of the two cores idle for its 145 s); 89 s alone.
 BESIDE_033 ?= tests/policies/test_loop_snapshot_equivalence.py

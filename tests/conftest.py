@@ -1,6 +1,7 @@
 """Options and fixtures shared by the test packages: the soak test's length, the two ways a step
 kernel runs (policies/jit.py; ``SPECCONTROL_KERNELS_NUMBA_ONLY``: files whose plain-Python half is left
-out), and a FIFO with no writer that cannot hang the test that reads it."""
+out), a FIFO with no writer that cannot hang the test that reads it, and the Hypothesis profile of the
+runs beside the engine tests (tests/e2e/background.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from policies import jit
+
+#: ``--hypothesis-profile=beside-engines``: tests run at the lowest CPU priority beside the engine tests
+#: can be held off the CPU for seconds while an engine needs both cores, so no example has a deadline
+#: (Hypothesis's default, 200 ms, would fail an example for the wait, not for what it computed).
+settings.register_profile("beside-engines", deadline=None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
