@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e import background
 from tests.e2e.harness import ON_GPU, Stack, running_stack, skip_module_without_vllm, wait_for
 
 skip_module_without_vllm()
@@ -103,25 +104,32 @@ def test_2_pinned_methods_and_live_switch(stack: Stack) -> None:
     assert _spec(resp)["draft_acceptance_rate"] > 0.5
 
     # live switch inside one request
-    for attempt in range(3):
-        v_e2 = stack.set_policy(f"pin-eagle-2-{attempt}", "eagle3:4")
-        result: dict[str, Any] = {}
-        # Long enough (prompt + 1,800 of max_model_len 2,048) that the n-gram pin, set through a fresh
-        # controllerctl process once EAGLE steps show, reaches the request before it ends.
-        t = threading.Thread(target=_complete_into, args=(stack, result, 1800, f"switch {attempt}"))
-        t.start()
-        wait_for(
-            lambda: any(r["method"] == "eagle3" and r["drafted"] for r in stack.rows()[-5:]),
-            120,
-            "eagle steps",
-        )
-        v_ng = stack.set_policy(f"pin-ngram-2-{attempt}", "ngram:4")
-        t.join(300)
-        rows = _req_rows(stack, result)
-        # On a machine so busy that the CLI's start took longer than the request, the pin lands after
-        # it ended: no step of it ran under the pin, which says nothing of the switch. Try again.
-        if any(r["dv"] >= v_ng for r in rows):
-            break
+    with background.paused():  # (its docstring says why)
+        for attempt in range(5):
+            v_e2 = stack.set_policy(f"pin-eagle-2-{attempt}", "eagle3:4")
+            result: dict[str, Any] = {}
+            # Long enough (prompt + 1,800 of max_model_len 2,048, 12-16 s here) that the n-gram pin, set
+            # once EAGLE steps show, reaches the request before it ends. controllerctl's main runs in
+            # this process for it: while the request ran, a fresh controllerctl process was seen to
+            # take 8-15 s to start on the busy 2-core machine.
+            before = len(stack.rows())
+            t = threading.Thread(target=_complete_into, args=(stack, result, 1800, f"switch {attempt}"))
+            t.start()
+            # (this request's steps: after a try that missed, the last rows are that try's EAGLE steps)
+            wait_for(
+                lambda before=before: any(
+                    r["method"] == "eagle3" and r["drafted"] for r in stack.rows()[before:]
+                ),
+                120,
+                "eagle steps",
+            )
+            v_ng = stack.set_policy(f"pin-ngram-2-{attempt}", "ngram:4", in_process=True)
+            t.join(300)
+            rows = _req_rows(stack, result)
+            # On a machine so busy that the set took longer than the request, the pin lands after it
+            # ended: no step of it ran under the pin, which says nothing of the switch. Try again.
+            if any(r["dv"] >= v_ng for r in rows):
+                break
     methods = [r["method"] for r in rows if r["drafted"]]
     assert "ngram" in methods, (
         f"no n-gram draft in the request: {len(methods)} drafted steps under directive versions "
