@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 
 from policies.arms import Arm  # noqa: E402
 from policies.spec import PolicySpec, parse_policy, static_policy  # noqa: E402
+from policies.text import error_text  # noqa: E402
 from sim import cli_types  # noqa: E402
 from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
 from sim.engines import ENGINES, engine_for_arm  # noqa: E402
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             replace_file(a.out, (text + "\n").encode("utf-8"))
         except OSError as e:
-            print(f"decision_quality: {a.out}: {e.strerror or e}", file=sys.stderr)
+            print(f"decision_quality: {a.out}: {error_text(e)}", file=sys.stderr)
             return 1
         print(f"wrote {a.out}", file=sys.stderr)
     return 0

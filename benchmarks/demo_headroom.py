@@ -32,6 +32,7 @@ from controller.embedded.workload import DEMO_SCHEDULE  # noqa: E402
 from policies.arms import Arm, Method  # noqa: E402
 from policies.presets import load_preset  # noqa: E402
 from policies.spec import static_policy  # noqa: E402
+from policies.text import error_text  # noqa: E402
 from sim import cli_types  # noqa: E402
 from sim.costmodel import DEFAULT_PROFILE, load_profile  # noqa: E402
 from sim.engines import ENGINES, engine_for_arm  # noqa: E402
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             replace_file(a.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
         except OSError as e:
-            print(f"demo_headroom: {a.json}: {e.strerror or e}", file=sys.stderr)
+            print(f"demo_headroom: {a.json}: {error_text(e)}", file=sys.stderr)
             return 1
     return 0
 

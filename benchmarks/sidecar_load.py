@@ -33,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from policies.text import error_text  # noqa: E402
 from sim import cli_types  # noqa: E402
 from sim.files import output_problem, replace_file, temporary_directory  # noqa: E402
 
@@ -476,7 +477,7 @@ def _measure(args: argparse.Namespace, *, ack_interval_s: float) -> dict[str, An
         try:
             replace_file(args.json, (json.dumps(out_doc, indent=1) + "\n").encode("utf-8"))
         except OSError as e:
-            sys.exit(f"sidecar_load: {args.json}: {e.strerror or e}")  # one line, exit 1
+            sys.exit(f"sidecar_load: {args.json}: {error_text(e)}")  # one line, exit 1
     return doc
 
 

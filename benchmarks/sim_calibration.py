@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from policies.arms import Arm
+from policies.text import error_text
 from sim import cli_types
 from sim.compare import _static_spec, run_one
 from sim.costmodel import DEFAULT_PROFILE, load_profile
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             replace_file(a.json, (json.dumps(doc, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
         except OSError as e:
-            print(f"sim_calibration: {a.json}: {e.strerror or e}", file=sys.stderr)
+            print(f"sim_calibration: {a.json}: {error_text(e)}", file=sys.stderr)
             return 1
     return 0
 

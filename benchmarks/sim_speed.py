@@ -24,6 +24,7 @@ from pathlib import Path  # noqa: E402
 
 from policies.arms import Method  # noqa: E402
 from policies.spec import parse_policy, static_policy  # noqa: E402
+from policies.text import error_text  # noqa: E402
 from sim import cli_types  # noqa: E402
 from sim.costmodel import load_profile  # noqa: E402
 from sim.engines import ENGINES  # noqa: E402
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             replace_file(args.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
         except OSError as e:
-            print(f"sim_speed: {args.json}: {e.strerror or e}", file=sys.stderr)
+            print(f"sim_speed: {args.json}: {error_text(e)}", file=sys.stderr)
             return 1
     return 0
 

@@ -60,6 +60,7 @@ from _interrupt import dying_with_parent  # noqa: E402  (benchmarks/ is sys.path
 
 from policies.arms import Arm, Method  # noqa: E402
 from policies.spec import static_policy  # noqa: E402
+from policies.text import error_text  # noqa: E402
 from sim.costmodel import load_profile, parse_profile  # noqa: E402
 from sim.engines import engine_for_arm  # noqa: E402
 from sim.files import output_problem, replace_file  # noqa: E402
@@ -548,7 +549,7 @@ def main() -> int:
         try:
             replace_file(a.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
         except OSError as e:
-            print(f"sim_vs_engine: {a.json}: {e.strerror or e}", file=sys.stderr)
+            print(f"sim_vs_engine: {a.json}: {error_text(e)}", file=sys.stderr)
             return 1
     print(f"(run kept in {out})", file=sys.stderr)
     return 0

@@ -40,6 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from policies.text import error_text  # noqa: E402
 from sim import cli_types  # noqa: E402
 
 K = 4
@@ -345,7 +346,7 @@ def main() -> int:
         try:
             replace_file(args.json, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
         except OSError as e:
-            print(f"worker_drafter: {args.json}: {e.strerror or e}", file=sys.stderr)
+            print(f"worker_drafter: {args.json}: {error_text(e)}", file=sys.stderr)
             return 1
     return 1 if any(r["mismatched_steps"] or r.get("triton", {}).get("mismatched_steps") for r in rows) else 0
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import grpc
 
 from controller.errors import ConfigError, not_regular
+from policies.text import error_text
 
 AUTH_HEADER = "authorization"
 #: Larger than any certificate chain or key a listener would use.
@@ -40,7 +41,7 @@ def _read(path: str, field: str) -> bytes:
         with open(path, "rb") as f:
             data = f.read(MAX_PEM_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}", field=field) from None
+        raise ConfigError(f"cannot read {path}: {error_text(e)}", field=field) from None
     if len(data) > MAX_PEM_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_PEM_BYTES} bytes, not a PEM file", field=field)
     want = b"PRIVATE KEY-----" if field.endswith("key_file") else b"CERTIFICATE-----"
@@ -113,7 +114,7 @@ def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
         try:
             return Path(path).read_bytes()
         except OSError as e:
-            raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+            raise ValueError(f"cannot read {path}: {error_text(e)}") from None
 
     return grpc.ssl_channel_credentials(
         root_certificates=read(tls.ca_file),

@@ -37,7 +37,7 @@ from controller.v1 import controller_pb2 as pb
 from controller.wire.names import engine_id_problem
 from policies.presets import resolve_policy_text
 from policies.spec import PolicyError, PolicySpec, parse_policy
-from policies.text import name_problem, one_line
+from policies.text import error_text, name_problem, one_line
 from sim import cli_types
 from sim.cli import register as register_sim_commands
 from sim.files import output_problem, replace_file
@@ -258,7 +258,7 @@ def _check_client_tls(tls: ClientTLS) -> None:
                 with open(path, "rb"):
                     pass
             except OSError as e:
-                raise UserError(f"{flag}: cannot read {one_line(path)}: {e.strerror or e}") from None
+                raise UserError(f"{flag}: cannot read {one_line(path)}: {error_text(e)}") from None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if tls.ca_file:
         try:
@@ -1056,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         # (no file name: stdout, e.g. /dev/full; one_line("") is "error", which made "error: errorNo ...")
         where = one_line(f"{e.filename}: ") if e.filename else ""
-        _err(f"error: {where}{e.strerror or one_line(str(e))}")
+        _err(f"error: {where}{one_line(error_text(e))}")
         return 1
 
 

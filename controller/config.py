@@ -18,7 +18,7 @@ from controller.wire.address import MAX_UNIX_PATH, is_local_address, parse_addre
 from controller.wire.names import escape_text, has_control
 from policies import yamldoc
 from policies.params import shown
-from policies.text import name_problem
+from policies.text import error_text, name_problem
 
 if TYPE_CHECKING:
     from controller._mqtt import BrokerSettings
@@ -48,7 +48,7 @@ def read_secret_file(path: str, *, field: str) -> str:
         with open(path, "rb") as f:
             raw = f.read(MAX_TOKEN_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}", field=field) from None
+        raise ConfigError(f"cannot read {path}: {error_text(e)}", field=field) from None
     if len(raw) > MAX_TOKEN_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_TOKEN_BYTES} bytes", field=field)
     try:
@@ -394,7 +394,7 @@ def _dir_usable(path: str, *, field: str) -> None:
             p = p.parent
         is_dir = p.is_dir()
     except OSError as e:
-        raise ConfigError(f"cannot use {path}: {e.strerror or e}", field=field) from None
+        raise ConfigError(f"cannot use {path}: {error_text(e)}", field=field) from None
     if not is_dir:
         where = "" if str(p) == os.path.abspath(path) else f" (where {path} would be made)"
         raise ConfigError(f"{p} exists and is not a directory{where}", field=field)
@@ -403,7 +403,7 @@ def _dir_usable(path: str, *, field: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".speccontrol-check-", dir=p))
     except OSError as e:
-        raise ConfigError(f"cannot make {path} in {p}: {e.strerror or e}", field=field) from None
+        raise ConfigError(f"cannot make {path} in {p}: {error_text(e)}", field=field) from None
 
 
 def _str(cfg: SidecarConfig, name: str) -> str:
@@ -513,7 +513,7 @@ def load_config(path: str | None) -> SidecarConfig:
         with Path(path).open("rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"cannot read: {e.strerror or e}", source=path) from None
+        raise ConfigError(f"cannot read: {error_text(e)}", source=path) from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"larger than {MAX_CONFIG_BYTES} bytes", source=path)
     try:

@@ -31,6 +31,7 @@ from typing import Any
 
 from controller.errors import file_kind
 from controller.wire.names import escape_text, has_control
+from policies.text import error_text
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def _read_regular(path: Path) -> bytes:
         raise
     except OSError as e:
         raise SnapshotUnusable(
-            f"snapshot {path} cannot be read: {e.strerror or e}; the sidecar changed nothing"
+            f"snapshot {path} cannot be read: {error_text(e)}; the sidecar changed nothing"
         ) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
@@ -72,7 +73,7 @@ def _read_regular(path: Path) -> bytes:
             return f.read()
         except OSError as e:
             raise SnapshotUnusable(
-                f"snapshot {path} cannot be read: {e.strerror or e}; the sidecar changed nothing"
+                f"snapshot {path} cannot be read: {error_text(e)}; the sidecar changed nothing"
             ) from None
 
 

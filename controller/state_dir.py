@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 
 from controller.errors import ConfigError
+from policies.text import error_text
 
 LOCK_NAME = "sidecar.lock"
 
@@ -49,7 +50,7 @@ class StateDirLock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         except OSError as e:
-            raise OSError(f"state_dir lock {path} cannot be opened: {e.strerror or e}") from None
+            raise OSError(f"state_dir lock {path} cannot be opened: {error_text(e)}") from None
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):  # a FIFO took the lock, then failed to truncate, naming nothing
@@ -74,7 +75,7 @@ class StateDirLock:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as e:  # a full disk or read-only state_dir: say which file, let go of the lock
             os.close(fd)
-            raise OSError(f"state_dir lock {path} cannot be written: {e.strerror or e}") from None
+            raise OSError(f"state_dir lock {path} cannot be written: {error_text(e)}") from None
         return cls(fd=fd, path=path)
 
     def release(self) -> None:

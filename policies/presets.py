@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from policies.spec import MAX_DOCUMENT_BYTES, PolicyError, PolicySpec, parse_policy
+from policies.text import error_text
 
 _PACKAGE = "policies"
 _DIR = "library"
@@ -43,7 +44,7 @@ def read_policy_file(path: Path) -> str:
         with path.open("rb") as f:
             raw = f.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as e:
-        raise PolicyError(f"cannot read policy file: {e.strerror or e}", source=str(path)) from None
+        raise PolicyError(f"cannot read policy file: {error_text(e)}", source=str(path)) from None
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise PolicyError(f"document larger than {MAX_DOCUMENT_BYTES} bytes", source=str(path))
     try:
@@ -62,7 +63,7 @@ def resolve_policy_text(name_or_path: str) -> tuple[str, str]:
     try:  # stat() raises for a name longer than the file system takes (ENAMETOOLONG), or EACCES
         is_file, exists = p.is_file(), p.exists()
     except OSError as e:
-        raise PolicyError(f"cannot read policy file: {e.strerror or e}", source=name_or_path[:200]) from None
+        raise PolicyError(f"cannot read policy file: {error_text(e)}", source=name_or_path[:200]) from None
     if is_file:
         return read_policy_file(p), str(p)
     if exists:  # a directory, a FIFO (whose read would block), a device

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.text import one_line
+from policies.text import error_text, one_line
 from sim.autoscale import (
     HpaSettings,
     LearningCurve,
@@ -321,6 +321,6 @@ def run(args: argparse.Namespace, resolve_policy: Any, load_profile: Any) -> int
         _write_all(files, Path(args.out) if args.out else None)
     except OSError as e:
         where = e.filename or args.out or args.json
-        print(one_line(f"{where}: {e.strerror or e}; nothing left written"), file=sys.stderr)
+        print(one_line(f"{where}: {error_text(e)}; nothing left written"), file=sys.stderr)
         return 1
     return 0

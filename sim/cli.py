@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from policies.presets import resolve_policy as resolve_named_policy
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, MAX_NGRAM
 from policies.spec import PolicyError, PolicySpec, static_policy
-from policies.text import name_problem, one_line
+from policies.text import error_text, name_problem, one_line
 from sim import cli_types
 from sim.autoscale_cli import add_parser as add_autoscale_parser
 from sim.costmodel import (
@@ -663,14 +663,14 @@ def cmd_profile_fit(args: argparse.Namespace) -> int:
         if args.plot:
             residual_plot(fit, Path(args.plot))
     except OSError as e:
-        _err(f"{args.plot}: {e.strerror or e}")
+        _err(f"{args.plot}: {error_text(e)}")
         return EXIT_RUNTIME
     try:
         replace_file(args.out, text.encode("utf-8"))
     except OSError as e:
         if args.plot:
             Path(args.plot).unlink(missing_ok=True)
-        _err(f"{args.out}: {e.strerror or e}")
+        _err(f"{args.out}: {error_text(e)}")
         return EXIT_RUNTIME
     if args.json:
         print(json.dumps({"profile": args.out, **fit.summary()}, indent=2))

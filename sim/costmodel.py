@@ -57,7 +57,7 @@ from policies import yamldoc
 from policies.arms import Method
 from policies.params import shown
 from policies.physics import MAX_STEP_S, MIN_STEP_S, MIN_STEP_S_PER_REQUEST, step_floor_s
-from policies.text import name_problem
+from policies.text import error_text, name_problem
 
 
 class ProfileError(ValueError):
@@ -622,7 +622,7 @@ def load_profile(name_or_path: str) -> Profile:
     except UnicodeDecodeError:
         raise ProfileError(f"{p}: not UTF-8 text") from None
     except OSError as e:
-        raise ProfileError(f"{p}: cannot read: {e.strerror or e}") from None
+        raise ProfileError(f"{p}: cannot read: {error_text(e)}") from None
     return parse_profile_text(text, source=str(p))
 
 

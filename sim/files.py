@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from policies.text import error_text
+
 
 def replace_file(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data``; OSError (naming ``path``) when it cannot be written."""
@@ -155,7 +157,7 @@ def unwritable_directory(directory: str | Path) -> str | None:
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".speccontrol-probe-")
     except OSError as e:
-        return e.strerror or str(e)
+        return error_text(e)
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(probe)

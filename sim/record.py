@@ -597,7 +597,7 @@ def record(
             ordering.unlink(missing_ok=True)
     except OSError as e:
         raise TraceError(
-            f"cannot write the responses: {e.strerror or e}", source=str(e.filename or partial)
+            f"cannot write the responses: {error_text(e)}", source=str(e.filename or partial)
         ) from None
     failures = len(failed)
     if in_flight.gone and stopped is not None:

@@ -29,6 +29,7 @@ from controller.wire.address import is_loopback, parse_address
 from controller.wire.names import MAX_ENGINE_ID, escape_text, has_control
 from policies.arms import Arm
 from policies.prompt_lookup import DEFAULT_MAX_N, DEFAULT_MIN_N, MAX_NGRAM
+from policies.text import error_text
 
 PLUGIN_NAME = "speccontrol"
 
@@ -328,7 +329,7 @@ def _pem(env: Mapping[str, str], name: str, marker: bytes) -> str:
         with open(path, "rb") as f:
             head = f.read(1 << 20)  # a CA bundle is some 200 KiB
     except OSError as e:
-        raise SettingsError(f"{name}: cannot read {shown(path)}: {e.strerror or e}") from None
+        raise SettingsError(f"{name}: cannot read {shown(path)}: {error_text(e)}") from None
     if b"-----BEGIN " not in head or marker not in head:
         raise SettingsError(f"{name}: {shown(path)} is not PEM (no '-----BEGIN ...{marker.decode()}' line)")
     return path
