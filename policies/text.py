@@ -39,7 +39,10 @@ def one_line(message: str) -> str:
 def error_text(e: BaseException) -> str:
     """What an error says, in its own words: the ``reason`` a wrapper holds (urllib's "<urlopen error
     [Errno 111] Connection refused>") and an OSError's number and file name ("[Errno 2] No such file or
-    directory: 'x'", where the caller names the file) taken off: "Connection refused"."""
+    directory: 'x'", where the caller names the file) taken off: "Connection refused". An error's own
+    strerror comes first: ssl.SSLError's ``reason`` is a bare code ("CERTIFICATE_VERIFY_FAILED")."""
+    if isinstance(e, OSError) and e.strerror:
+        return str(e.strerror)
     inner = getattr(e, "reason", None)
     what = inner if inner is not None else e
     if isinstance(what, OSError) and what.strerror:

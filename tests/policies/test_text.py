@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import ssl
 import urllib.error
 
 import pytest
@@ -86,6 +87,12 @@ def test_the_longest_name_is_the_callers() -> None:
     assert problem is not None and problem.startswith("must be 1-64 letters") and problem.endswith("ff…")
 
 
+def _ssl_error() -> ssl.SSLError:
+    e = ssl.SSLError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    e.reason = "CERTIFICATE_VERIFY_FAILED"  # (as the ssl module sets it)
+    return e
+
+
 @pytest.mark.parametrize(
     ("error", "says"),
     [
@@ -96,6 +103,7 @@ def test_the_longest_name_is_the_callers() -> None:
         (EOFError("Compressed file ended before the end-of-stream marker was reached"),
          "Compressed file ended before the end-of-stream marker was reached"),
         (ValueError("bad"), "bad"),
+        (_ssl_error(), "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"),  # not its reason
     ],
 )  # fmt: skip
 def test_an_error_is_said_in_its_own_words(error: BaseException, says: str) -> None:
