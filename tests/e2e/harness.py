@@ -149,7 +149,9 @@ class Stack:
         vLLM's threads keep both cores of a small machine busy, and a fresh interpreter's start (0.45 s
         alone) was seen to take 8-15 s there."""
         if in_process:
-            return _ctl_here("--admin", self.admin, *args)
+            # (a hang guard, not a speed check: the sidecar's answer to an in-process call missed the
+            # default 5 s once while a request ran)
+            return _ctl_here("--admin", self.admin, "--timeout", "60", *args)
         r = subprocess.run(
             [str(Path(sys.executable).parent / "controllerctl"), "--admin", self.admin, *args],
             cwd=ROOT,
