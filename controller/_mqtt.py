@@ -129,6 +129,18 @@ def _abandon(client: aiomqtt.Client) -> None:
             log.debug("MQTT: closing an unfinished connection: %s", e)
 
 
+def raise_if_cancelled() -> None:
+    """Raise the cancellation of the running task when one is pending that its code never saw.
+    Python 3.11's ``asyncio.wait_for``, which each of aiomqtt's waits uses, returns the result of a
+    future that completed as the task was cancelled and drops the cancel (3.12 fixed it): a link
+    stopped just as the broker ended its connection ran on as "cancelling", reconnecting, and its
+    ``stop()`` waited for good (seen in a test of two links with one client id). Call it where a
+    loop would otherwise go round again."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class ConnectionLost(Exception):
     """The broker could not be reached, refused us, or went away."""
 

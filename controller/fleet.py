@@ -72,7 +72,14 @@ from urllib.parse import quote, unquote
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controller._mqtt import MAX_QUEUED_BYTES, BrokerSettings, ConnectionLost, MqttConnection, Received
+from controller._mqtt import (
+    MAX_QUEUED_BYTES,
+    BrokerSettings,
+    ConnectionLost,
+    MqttConnection,
+    Received,
+    raise_if_cancelled,
+)
 from controller.limits import TokenBucket
 from controller.policy_store import MAX_SOURCE
 from controller.snapshot import MAX_COUNT
@@ -486,6 +493,7 @@ class FleetLink:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            raise_if_cancelled()  # (the suppress is for the link's cancel, not for a cancel of stop())
         self.metrics.connected.set(0)
 
     async def wait_synced(self, timeout: float) -> bool:
@@ -610,6 +618,7 @@ class FleetLink:
             finally:
                 self._conn = None
                 self.metrics.connected.set(0)
+            raise_if_cancelled()  # a stop() whose cancel the connection's end dropped
             now = time.monotonic()
             # Only a session that worked (subscribed, probe sent) for a while resets the backoff: one
             # ended at once, or stuck in its setup until an operation timed out, must not (see the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -609,3 +610,44 @@ def test_a_fleet_policy_source_is_text_fit_for_a_log_line(source: object) -> Non
         policy_from(doc)
     assert e.value.reason == "schema"
     assert policy_from({**doc, "source": "ops/rollout-7.yaml"}).source == "ops/rollout-7.yaml"
+
+
+class _EndDropsACancel(FakeConnection):
+    """A connection whose end waits a moment and drops a cancel that arrives meanwhile, as Python
+    3.11's ``asyncio.wait_for`` does when the future it waits on (aiomqtt's disconnect) completes as
+    the task is cancelled."""
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await super().__aexit__(exc_type, exc, tb)
+        ends.append(asyncio.get_running_loop().time())
+        with contextlib.suppress(asyncio.CancelledError):  # (the future was done: its result is
+            await asyncio.sleep(0.2)  # returned, the cancel is gone)
+
+
+ends: list[float] = []
+
+
+async def test_stop_ends_the_link_when_the_connections_end_drops_the_cancel(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The link ran on as "cancelling", reconnecting for good, and stop() never returned (seen with
+    # the real mosquitto and two links of one client id, which the broker keeps disconnecting).
+    monkeypatch.setattr(fleet, "MqttConnection", _EndDropsACancel)
+    ends.clear()
+    lk, _ = link(node_id="n1")
+    await lk.start()
+    assert await lk.wait_synced(2)
+    broker.crash()  # the session ends: the link is in the connection's end for 0.2 s
+    await until(lambda: ends, "the connection's end")
+    run = lk._task
+    assert run is not None
+    stopping = asyncio.create_task(lk.stop())
+    try:
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert stopping in done and run.done(), "stop() did not end the link"
+    finally:
+        broker.up = False
+        run.cancel()  # (without the fix: end it for good, for the next test)
+        stopping.cancel()
