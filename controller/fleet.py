@@ -57,7 +57,6 @@ unreadable policy: it keeps its policy in force and no longer puts it back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import inspect
 import json
@@ -490,10 +489,17 @@ class FleetLink:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
+            me = asyncio.current_task()
+            pending = me.cancelling() if me is not None else 0
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
-            raise_if_cancelled()  # (the suppress is for the link's cancel, not for a cancel of stop())
+            except asyncio.CancelledError:
+                # The link's own end is expected; a cancel of stop() itself, made while it waited, is
+                # the caller's. Counted from before the wait: stop() also runs in the cleanup of a
+                # cancelled task (the sidecar's finally), whose cancel is already pending then.
+                if me is not None and me.cancelling() > pending:
+                    raise
         self.metrics.connected.set(0)
 
     async def wait_synced(self, timeout: float) -> bool:

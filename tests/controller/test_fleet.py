@@ -617,16 +617,16 @@ class _EndDropsACancel(FakeConnection):
     3.11's ``asyncio.wait_for`` does when the future it waits on (aiomqtt's disconnect) completes as
     the task is cancelled."""
 
+    #: Connections that have reached their end.
+    ended = 0
+
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await super().__aexit__(exc_type, exc, tb)
-        ends.append(asyncio.get_running_loop().time())
+        _EndDropsACancel.ended += 1
         with contextlib.suppress(asyncio.CancelledError):  # (the future was done: its result is
             await asyncio.sleep(0.2)  # returned, the cancel is gone)
-
-
-ends: list[float] = []
 
 
 async def test_stop_ends_the_link_when_the_connections_end_drops_the_cancel(
@@ -635,12 +635,12 @@ async def test_stop_ends_the_link_when_the_connections_end_drops_the_cancel(
     # The link ran on as "cancelling", reconnecting for good, and stop() never returned (seen with
     # the real mosquitto and two links of one client id, which the broker keeps disconnecting).
     monkeypatch.setattr(fleet, "MqttConnection", _EndDropsACancel)
-    ends.clear()
+    monkeypatch.setattr(_EndDropsACancel, "ended", 0)
     lk, _ = link(node_id="n1")
     await lk.start()
     assert await lk.wait_synced(2)
     broker.crash()  # the session ends: the link is in the connection's end for 0.2 s
-    await until(lambda: ends, "the connection's end")
+    await until(lambda: _EndDropsACancel.ended, "the connection's end")
     run = lk._task
     assert run is not None
     stopping = asyncio.create_task(lk.stop())
@@ -651,3 +651,51 @@ async def test_stop_ends_the_link_when_the_connections_end_drops_the_cancel(
         broker.up = False
         run.cancel()  # (without the fix: end it for good, for the next test)
         stopping.cancel()
+
+
+async def test_stop_in_the_cleanup_of_a_cancelled_task_runs_to_its_end(broker: FakeBroker) -> None:
+    # The sidecar stops its fleet link in a finally (controller/serve.py): when the task running it
+    # is cancelled, the cancel is pending through that cleanup, and stop() must not raise it there
+    # (the sidecar's final snapshot comes after it).
+    lk, reg = link(node_id="n1")
+    await lk.start()
+    assert await lk.wait_synced(2)
+    run = lk._task
+    finished: list[bool] = []
+
+    async def owner() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await lk.stop()
+            finished.append(True)
+
+    t = asyncio.create_task(owner())
+    await asyncio.sleep(0)
+    t.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await t
+    assert finished and run is not None and run.done()
+    assert sample(reg, "speccontrol_fleet_connected") == 0.0
+
+
+async def test_a_cancel_of_stop_itself_reaches_its_caller_and_the_link_still_ends(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fleet, "MqttConnection", _EndDropsACancel)
+    monkeypatch.setattr(_EndDropsACancel, "ended", 0)
+    lk, _ = link(node_id="n1")
+    await lk.start()
+    assert await lk.wait_synced(2)
+    broker.crash()  # the link is in the connection's end for 0.2 s
+    await until(lambda: _EndDropsACancel.ended, "the connection's end")
+    run = lk._task
+    assert run is not None
+    stopping = asyncio.create_task(lk.stop())
+    await asyncio.sleep(0)  # stop() has cancelled the link and waits for it
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    broker.up = False
+    done, _ = await asyncio.wait({run}, timeout=5)
+    assert run in done
